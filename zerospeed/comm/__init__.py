@@ -1,0 +1,14 @@
+"""zerospeed.comm: the only package that talks to torch.distributed."""
+from zerospeed.comm.backend import (DEFAULT_TIMEOUT, Handle, all_gather_into_tensor, all_gather_object,
+                                    all_reduce, barrier, broadcast, broadcast_object, destroy,
+                                    get_local_rank, get_rank, get_world_size, init_distributed,
+                                    is_initialized, new_group, reduce_scatter_tensor)
+from zerospeed.comm.bucketing import assign_buckets
+from zerospeed.comm.groups import ParallelGroups
+from zerospeed.comm.topology import RankGrid
+
+__all__ = [
+    "DEFAULT_TIMEOUT", "Handle", "ParallelGroups", "RankGrid", "all_gather_into_tensor", "all_gather_object",
+    "all_reduce", "assign_buckets", "barrier", "broadcast", "broadcast_object", "destroy", "get_local_rank",
+    "get_rank", "get_world_size", "init_distributed", "is_initialized", "new_group", "reduce_scatter_tensor",
+]

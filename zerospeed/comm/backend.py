@@ -1,0 +1,174 @@
+"""The one gateway to torch.distributed: process-group set-up and the collectives zerospeed uses.
+
+Only this package imports torch.distributed. Every collective takes an explicit `group` (None means
+the default world group) and returns a `Handle` when `async_op=True`, so callers can overlap
+communication with computation and wait later.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zerospeed.accelerator import get_accelerator
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = _dt.timedelta(minutes=30)
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def init_distributed(dist_backend: str | None = None, timeout: _dt.timedelta = DEFAULT_TIMEOUT,
+                     init_method: str | None = None, rank: int = -1, world_size: int = -1,
+                     auto_mpi_discovery: bool = False, dist_init_required: bool | None = None) -> None:
+    """Join the process group described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT.
+
+    Works under our launcher and torchrun alike. Without those variables (a plain `python train.py`)
+    it forms a one-process group, so the same script runs unchanged on a laptop. Calling it again
+    once initialised is a no-op.
+    """
+    if dist.is_initialized():
+        return
+    if dist_init_required is False:
+        raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; "
+                           "initialise it yourself or pass dist_init_required=None/True")
+    backend = dist_backend or get_accelerator().communication_backend
+    env_rank, env_world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    rank = rank if rank >= 0 else (env_rank if env_rank is not None else 0)
+    world_size = world_size if world_size > 0 else (env_world if env_world is not None else 1)
+    local_rank = _env_int("LOCAL_RANK") or 0
+    get_accelerator().set_device(local_rank)
+    if world_size == 1 and init_method is None and "MASTER_ADDR" not in os.environ:
+        # A one-process group needs no rendezvous: an in-memory store avoids port clashes.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
+                                world_size=world_size, timeout=timeout)
+    logger.info("initialised %s process group: rank %d of %d", backend, rank, world_size)
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def destroy() -> None:
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def get_rank(group=None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def get_world_size(group=None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def get_local_rank() -> int:
+    return _env_int("LOCAL_RANK") or 0
+
+
+def new_group(ranks: list[int]):
+    """A process group over `ranks`. Every process must call it, with the same ranks, in order."""
+    return dist.new_group(ranks=ranks)
+
+
+class Handle:
+    """An in-flight collective; `wait()` blocks until its result is in the tensor."""
+
+    def __init__(self, work=None):
+        self._work = work
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+
+def _op(op: str):
+    try:
+        return _OPS[op]
+    except KeyError:
+        raise ValueError(f"unknown reduce op {op!r}; expected one of {sorted(_OPS) + ['avg']}") from None
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool = False):
+    """Reduce `tensor` in place across the group. op: sum | avg | max | min."""
+    if get_world_size(group) == 1:
+        return Handle() if async_op else None
+    if op == "avg":
+        # gloo has no AVG; dividing first keeps one code path for every backend.
+        tensor.div_(get_world_size(group))
+        op = "sum"
+    work = dist.all_reduce(tensor, op=_op(op), group=group, async_op=async_op)
+    return Handle(work) if async_op else None
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
+    """Copy `tensor` from global rank `src` to every rank of the group, in place."""
+    if get_world_size(group) == 1:
+        return Handle() if async_op else None
+    work = dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return Handle(work) if async_op else None
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """Concatenate each rank's `input` (equal sizes) into `output`, rank order."""
+    if get_world_size(group) == 1:
+        output.copy_(input.reshape(output.shape))
+        return Handle() if async_op else None
+    work = dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    return Handle(work) if async_op else None
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "sum", group=None,
+                          async_op: bool = False):
+    """Reduce `input` across ranks and leave rank r's equal slice r in `output`."""
+    if get_world_size(group) == 1:
+        output.copy_(input.reshape(output.shape))
+        return Handle() if async_op else None
+    if op == "avg":
+        input.div_(get_world_size(group))
+        op = "sum"
+    work = dist.reduce_scatter_tensor(output, input, op=_op(op), group=group, async_op=async_op)
+    return Handle(work) if async_op else None
+
+
+def all_gather_object(obj: Any, group=None) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order."""
+    if get_world_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
+    """Rank `src`'s picklable `obj` on every rank."""
+    if get_world_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def barrier(group=None) -> None:
+    if get_world_size(group) > 1:
+        dist.barrier(group=group)

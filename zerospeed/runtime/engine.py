@@ -1,0 +1,236 @@
+"""The Engine: sequences precision, gradient reduction, the optimizer and the LR scheduler.
+
+It holds no feature logic of its own — each concern is a small object it calls in order:
+`PrecisionPolicy` + `MasterWeights` (dtypes, fp32 masters), a loss scaler (pure state machine),
+`GradientAllReducer` (ZeRO stage 0: bucketed, overlapped all-reduce), the optimizer and scheduler
+from `zerospeed.optim`. A training step is `engine(batch)` -> `engine.backward(loss)` ->
+`engine.step()`, called once per micro-batch; the optimizer acts at accumulation boundaries.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from zerospeed import comm
+from zerospeed.accelerator import get_accelerator
+from zerospeed.precision.loss_scaler import loss_scaler_from_config
+from zerospeed.precision.master import MasterWeights
+from zerospeed.precision.policy import PrecisionPolicy
+from zerospeed.runtime.data_parallel import GradientAllReducer
+from zerospeed.runtime.grad_math import clip_coefficient, global_norm
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class Engine(torch.nn.Module):
+    """A DeepSpeed-style training engine around `module` (built by `zerospeed.initialize`)."""
+
+    def __init__(self, module: torch.nn.Module, config, *, optimizer_factory, scheduler_factory,
+                 dp_group=None, training_dataloader=None):
+        super().__init__()
+        self.config = config
+        self.dp_group = dp_group
+        self.accelerator = get_accelerator()
+        self.local_rank = comm.get_local_rank()
+        self.global_rank = comm.get_rank()
+        self.world_size = comm.get_world_size()
+        self.dp_world_size = comm.get_world_size(dp_group)
+        self.device = self.accelerator.device(self.local_rank)
+        self.precision = PrecisionPolicy.from_config(config)
+
+        self.module = module.to(self.device)
+        self._broadcast_model()
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        self.master = MasterWeights(trainable, mixed=self.precision.mixed)
+        if self.precision.mixed:
+            self.module.to(self.precision.param_dtype)
+        self.optimizer = optimizer_factory(self.master)
+        self.lr_scheduler = scheduler_factory(self.optimizer)
+        self.loss_scaler = loss_scaler_from_config(config.fp16) if self.precision.needs_loss_scaling else None
+        self.reducer = self._build_reducer(trainable)
+        self.training_dataloader = training_dataloader
+
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self.micro_steps = 0
+        self._boundary_override: bool | None = None
+        self._inside_no_sync = False
+        self._global_grad_norm: float | None = None
+        self._step_applied = False
+
+    # -- set-up -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _broadcast_model(self) -> None:
+        """Start every rank from rank 0's weights and buffers, as DeepSpeed does."""
+        if self.dp_world_size == 1:
+            return
+        src = comm.get_rank() - comm.get_rank(self.dp_group)  # global rank of dp-rank 0 (contiguous groups)
+        for t in list(self.module.parameters()) + list(self.module.buffers()):
+            comm.broadcast(t.data, src=src, group=self.dp_group)
+
+    def _build_reducer(self, trainable) -> GradientAllReducer:
+        cfg, zero = self.config, self.config.zero_optimization
+        accum = getattr(cfg.data_types, "grad_accum_dtype", None) if getattr(cfg, "data_types", None) else None
+        return GradientAllReducer(
+            trainable, bucket_size=int(zero.reduce_bucket_size),
+            accum_dtype=_DTYPES.get(accum or "fp32", torch.float32),
+            comm_dtype=_DTYPES.get(cfg.communication_data_type) if cfg.communication_data_type else None,
+            group=self.dp_group, op=getattr(cfg, "gradient_allreduce_op", "avg"),
+            prescale=cfg.prescale_gradients, predivide_factor=cfg.gradient_predivide_factor)
+
+    # -- config accessors DeepSpeed users call -----------------------------------------------------
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.precision.param_dtype == torch.float16
+
+    def bf16_enabled(self) -> bool:
+        return self.precision.param_dtype == torch.bfloat16
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    cur_scale = loss_scale
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm of the last optimizer step, before clipping (None before the first)."""
+        return self._global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        """False when the last boundary step was skipped (fp16 overflow)."""
+        return self._step_applied
+
+    # -- accumulation boundaries -------------------------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Force (or, with None, stop forcing) whether the coming step is a boundary."""
+        self._boundary_override = is_boundary
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip gradient reduction inside the block; gradients keep accumulating locally."""
+        previous, self._inside_no_sync = self._inside_no_sync, True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = previous
+
+    # -- the training step -------------------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Backpropagate `loss` / gradient_accumulation_steps (times the fp16 loss scale)."""
+        if not loss.requires_grad:
+            raise RuntimeError("engine.backward: the loss does not require grad (was it computed under "
+                               "torch.no_grad() or engine.eval()?)")
+        scaled = loss
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            scaled = scaled / self.gradient_accumulation_steps()
+        if self.loss_scaler is not None:
+            scaled = scaled.float() * self.loss_scaler.scale
+        self.reducer.begin_backward(sync=self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
+        scaled.backward(retain_graph=retain_graph)
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """At an accumulation boundary: reduce, unscale, check overflow, clip, step; else count."""
+        if self.is_gradient_accumulation_boundary():
+            self._take_model_step(lr_kwargs or {})
+        self.micro_steps += 1
+
+    def _take_model_step(self, lr_kwargs: dict) -> None:
+        self.reducer.finish()
+        grads = self.reducer.grads()
+        scale = self.loss_scale
+        norm = global_norm(self.reducer.buffers()) / scale
+        overflow = self._overflow_on_any_rank(norm) if self.loss_scaler is not None else False
+        self._step_applied = not overflow
+        if overflow:
+            self.skipped_steps += 1
+            logger.info("step %d: fp16 gradient overflow; skipped, loss scale %g -> %g", self.global_steps,
+                        scale, scale / 2 if self.loss_scaler.dynamic else scale)
+        else:
+            self._global_grad_norm = norm
+            coef = clip_coefficient(norm, self.gradient_clipping()) / scale
+            self._apply_optimizer(grads, coef)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**lr_kwargs)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow)
+        self.reducer.zero()
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self._report_progress()
+
+    @torch.no_grad()
+    def _apply_optimizer(self, grads, coef: float) -> None:
+        if coef != 1.0:
+            for buf in self.reducer.buffers():
+                buf.mul_(coef)
+        masters = [self.master.master_of(p) for p, _ in grads]
+        for m, (_, g) in zip(masters, grads):
+            m.grad = g if g.dtype == m.dtype else g.to(m.dtype)
+        self.optimizer.step()
+        for m in masters:
+            m.grad = None
+        self.master.copy_to_model()
+
+    def _overflow_on_any_rank(self, local_norm: float) -> bool:
+        flag = torch.tensor([0.0 if torch.isfinite(torch.tensor(local_norm)) else 1.0], device=self.device)
+        comm.all_reduce(flag, op="max", group=self.dp_group)
+        return bool(flag.item() > 0)
+
+    def _report_progress(self) -> None:
+        every = self.steps_per_print()
+        if every and self.global_steps % every == 0 and self.global_rank == 0:
+            logger.info("step=%d skipped=%d lr=%s grad_norm=%s loss_scale=%g", self.global_steps,
+                        self.skipped_steps, self.get_lr(), self._global_grad_norm, self.loss_scale)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop accumulated gradients (the engine's buffers and any stray .grad)."""
+        self.reducer.zero()
+        self.module.zero_grad(set_to_none=set_to_none)
+
+    # -- module passthrough ------------------------------------------------------------------------
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return self.module.load_state_dict(state_dict, strict=strict)

@@ -1,0 +1,99 @@
+"""`zerospeed.initialize` and `add_config_arguments`: the DeepSpeed entry points."""
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+import torch
+
+from zerospeed import comm
+from zerospeed.config import ConfigError, auto_values_from_hidden_size, parse_config
+from zerospeed.optim import build_lr_scheduler, build_optimizer
+from zerospeed.runtime.dataloader import ShardedDataLoader
+from zerospeed.runtime.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add `--deepspeed [CONFIG]` and `--deepspeed_config CONFIG` (the flags DeepSpeed users pass)."""
+    group = parser.add_argument_group("zerospeed", "DeepSpeed-compatible configuration")
+    group.add_argument("--deepspeed", nargs="?", const=True, default=False,
+                       help="enable zerospeed; optionally followed by the path of the JSON config")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="path of the DeepSpeed JSON config")
+    return parser
+
+
+def _config_source(args, config, config_params):
+    if config is not None and config_params is not None:
+        raise ConfigError("initialize: give `config` or `config_params`, not both")
+    config = config if config is not None else config_params
+    from_args = None
+    if args is not None:
+        from_args = getattr(args, "deepspeed_config", None)
+        flag = getattr(args, "deepspeed", None)
+        if from_args is None and isinstance(flag, str):
+            from_args = flag
+    if from_args is not None and config is not None:
+        raise ConfigError(f"initialize: the config was given twice — as args.deepspeed_config ({from_args!r}) and "
+                          "as initialize(config=...); keep one of them")
+    if from_args is None and config is None:
+        raise ConfigError("initialize: no config; pass config=<dict or path> or --deepspeed_config <path> "
+                          "(via zerospeed.add_config_arguments(parser))")
+    return config if config is not None else from_args
+
+
+def _hidden_size(model: torch.nn.Module) -> int | None:
+    cfg = getattr(model, "config", None)
+    for name in ("hidden_size", "n_embd", "d_model"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, mpu=None, dist_init_required: bool | None = None,
+               collate_fn=None, config: Any = None, config_params: Any = None):
+    """Wrap `model` for training; returns (engine, optimizer, training_dataloader, lr_scheduler)."""
+    if model is None:
+        raise ConfigError("initialize: `model` is required (the torch.nn.Module to train)")
+    raw = _config_source(args, config, config_params)
+    comm.init_distributed(dist_init_required=dist_init_required)
+    dp_group = mpu.get_data_parallel_group() if mpu is not None else None
+    dp_world = comm.get_world_size(dp_group)
+    hidden = _hidden_size(model)
+    known = auto_values_from_hidden_size(hidden) if hidden else {}
+    cfg = parse_config(raw, world_size=dp_world, known=known)
+
+    def optimizer_factory(master):
+        if isinstance(optimizer, torch.optim.Optimizer):
+            if cfg.optimizer is not None:
+                logger.warning("initialize: both a client optimizer and a config `optimizer` were given; "
+                               "using the client optimizer")
+            master.retarget_optimizer(optimizer)
+            return optimizer
+        if optimizer is None and cfg.optimizer is None:
+            return None
+        params = model_parameters if model_parameters is not None else model.parameters()
+        return build_optimizer(cfg.optimizer.type if cfg.optimizer else None,
+                               cfg.optimizer.params if cfg.optimizer else None,
+                               master.map_param_groups(params), client_optimizer=optimizer,
+                               allow_untested=True)
+
+    def scheduler_factory(opt):
+        if opt is None:
+            return None
+        return build_lr_scheduler(cfg.scheduler.type if cfg.scheduler else None,
+                                  cfg.scheduler.params if cfg.scheduler else None, opt,
+                                  client_scheduler=lr_scheduler)
+
+    loader = None
+    if training_data is not None:
+        loader = ShardedDataLoader(training_data, cfg.train_micro_batch_size_per_gpu,
+                                   rank=comm.get_rank(dp_group), world_size=dp_world, collate_fn=collate_fn,
+                                   drop_last=bool(getattr(cfg, "dataloader_drop_last", False)))
+    engine = Engine(model, cfg, optimizer_factory=optimizer_factory, scheduler_factory=scheduler_factory,
+                    dp_group=dp_group, training_dataloader=loader)
+    return engine, engine.optimizer, loader, engine.lr_scheduler

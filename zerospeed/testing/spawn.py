@@ -1,0 +1,116 @@
+"""Run a function in N spawned processes joined by a gloo group, as a test would.
+
+`run_distributed(fn, world_size)` returns each rank's result in rank order. If a rank raises, the
+others are stopped and `DistributedTestError` carries that rank's own traceback into pytest. If the
+job outlives `timeout`, every rank's Python stack is dumped (faulthandler) and shown in the error,
+so a hang says where each rank was stuck.
+"""
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+
+class DistributedTestError(AssertionError):
+    """A rank failed or the job timed out; the message holds the rank's traceback."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world_size, port, args, kwargs, results, stack_file, timeout, env):
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "ZEROSPEED_ACCELERATOR": "cpu", **env})
+    with open(stack_file, "w") as stacks:
+        # Dump this rank's stack shortly before the parent gives up, so a hang is explained.
+        faulthandler.dump_traceback_later(max(1.0, timeout - 3.0), exit=False, file=stacks)
+        try:
+            import torch
+            torch.set_num_threads(1)
+            from zerospeed import comm
+            comm.init_distributed(dist_backend="gloo")
+            out = fn(*args, **kwargs)
+            # Plain pickle: tensors travel by value, not as shared-memory handles that die with us.
+            results.put((rank, "ok", pickle.dumps(out)))
+        except BaseException as exc:  # noqa: BLE001 — every failure must reach the parent
+            results.put((rank, "error", f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}"))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            try:
+                from zerospeed import comm
+                comm.destroy()
+            except Exception:
+                pass
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 120.0,
+                    env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
+    """Call `fn(*args, **kwargs)` on `world_size` gloo ranks; return the results in rank order.
+
+    `fn` must be importable (a module-level function) and its result picklable.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="zs-spawn-") as tmp:
+        stack_files = [Path(tmp) / f"rank{r}.stack" for r in range(world_size)]
+        procs = [ctx.Process(target=_child, daemon=True,
+                             args=(fn, r, world_size, port, args, kwargs, results, str(stack_files[r]),
+                                   timeout, env or {}))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        try:
+            return _collect(procs, results, world_size, timeout, stack_files)
+        finally:
+            _stop(procs)
+
+
+def _collect(procs, results, world_size, timeout, stack_files) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    out: dict[int, Any] = {}
+    while len(out) < world_size:
+        try:
+            rank, status, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(out))
+                time.sleep(0.5)
+                stacks = "\n".join(f"--- rank {r} stack ---\n{stack_files[r].read_text()}" for r in missing
+                                   if stack_files[r].exists())
+                raise DistributedTestError(f"timed out after {timeout:.0f}s; ranks {missing} did not finish\n{stacks}")
+            dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
+            if dead:
+                time.sleep(0.5)  # its error report may still be in flight
+                if results.empty():
+                    raise DistributedTestError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} "
+                                               "without reporting (killed? out of memory?)")
+            continue
+        if status == "error":
+            raise DistributedTestError(f"rank {rank} failed:\n{payload}")
+        out[rank] = pickle.loads(payload)
+    return [out[r] for r in range(world_size)]
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        p.join(timeout=5)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
