@@ -177,8 +177,6 @@ class Engine(torch.nn.Module):
         self._step_applied = not overflow
         if overflow:
             self.skipped_steps += 1
-            logger.info("step %d: fp16 gradient overflow; skipped, loss scale %g -> %g", self.global_steps,
-                        scale, scale / 2 if self.loss_scaler.dynamic else scale)
         else:
             self._global_grad_norm = norm
             coef = clip_coefficient(norm, self.gradient_clipping()) / scale
@@ -187,6 +185,9 @@ class Engine(torch.nn.Module):
                 self.lr_scheduler.step(**lr_kwargs)
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
+            if overflow:
+                logger.info("step %d: fp16 gradient overflow on some rank; step skipped, loss scale %g -> %g",
+                            self.global_steps, scale, self.loss_scaler.scale)
         self.reducer.zero()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()

@@ -30,10 +30,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world_size, port, args, kwargs, results, stack_file, timeout, env):
+def _child(fn, rank, world_size, port, args, kwargs, results, stack_file, timeout, env, backend):
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "ZEROSPEED_ACCELERATOR": "cpu", **env})
+                       "ZEROSPEED_ACCELERATOR": "cuda" if backend == "nccl" else "cpu", **env})
     with open(stack_file, "w") as stacks:
         # Dump this rank's stack shortly before the parent gives up, so a hang is explained.
         faulthandler.dump_traceback_later(max(1.0, timeout - 3.0), exit=False, file=stacks)
@@ -41,7 +41,7 @@ def _child(fn, rank, world_size, port, args, kwargs, results, stack_file, timeou
             import torch
             torch.set_num_threads(1)
             from zerospeed import comm
-            comm.init_distributed(dist_backend="gloo")
+            comm.init_distributed(dist_backend=backend)
             out = fn(*args, **kwargs)
             # Plain pickle: tensors travel by value, not as shared-memory handles that die with us.
             results.put((rank, "ok", pickle.dumps(out)))
@@ -57,10 +57,11 @@ def _child(fn, rank, world_size, port, args, kwargs, results, stack_file, timeou
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 120.0,
-                    env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
-    """Call `fn(*args, **kwargs)` on `world_size` gloo ranks; return the results in rank order.
+                    env: dict[str, str] | None = None, backend: str = "gloo", **kwargs: Any) -> list[Any]:
+    """Call `fn(*args, **kwargs)` on `world_size` ranks; return the results in rank order.
 
-    `fn` must be importable (a module-level function) and its result picklable.
+    `fn` must be importable (a module-level function) and its result picklable. backend "gloo"
+    runs on the CPU; "nccl" puts rank r on GPU r.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -69,7 +70,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
         stack_files = [Path(tmp) / f"rank{r}.stack" for r in range(world_size)]
         procs = [ctx.Process(target=_child, daemon=True,
                              args=(fn, r, world_size, port, args, kwargs, results, str(stack_files[r]),
-                                   timeout, env or {}))
+                                   timeout, env or {}, backend))
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -1,0 +1,179 @@
+"""The launcher with real processes: fail-fast, environment, multi-node layouts, logs, signals."""
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from zerospeed.launcher.runners import remote_shell_command
+
+SCRIPTS = Path(__file__).parent / "scripts"
+LAUNCH = [sys.executable, "-m", "zerospeed.launcher"]
+USER_ARGS = ["a b", 'say "hi"', "it's", "--num_gpus", "5", "--local_rank=7", "$HOME", ""]
+
+
+def _env(out: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")}
+    env.update(ZS_TEST_OUT=str(out), **extra)
+    return env
+
+
+def _run(args: list[str], env: dict[str, str], timeout: float = 45) -> subprocess.CompletedProcess:
+    return subprocess.run([*LAUNCH, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for(paths: list[Path], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        assert time.monotonic() < deadline, f"never appeared: {[str(p) for p in paths if not p.exists()]}"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(60)
+def test_failing_rank_stops_the_others_and_sets_the_exit_code(tmp_path):
+    start = time.monotonic()
+    result = _run(["--num_gpus", "2", str(SCRIPTS / "launcher_fail.py")], _env(tmp_path, FAIL_RANK="1"))
+    assert result.returncode == 3
+    assert time.monotonic() - start < 10
+    assert re.search(r"^zerospeed: rank 1 \(pid \d+\) exited with code 3; stopped the other 1 process\(es\)$",
+                     result.stderr, re.MULTILINE), result.stderr
+    assert not _alive(int((tmp_path / "pid0").read_text()))
+
+
+@pytest.mark.timeout(60)
+def test_each_rank_gets_its_environment_and_verbatim_args(tmp_path):
+    result = _run(["--num_gpus", "2", "--master_port", "29555", str(SCRIPTS / "launcher_dump.py"), *USER_ARGS],
+                  _env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    omp = str(max(1, len(os.sched_getaffinity(0)) // 2))  # this machine's cores shared by 2 processes
+    for rank in range(2):
+        dump = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert dump["argv"] == [str(SCRIPTS / "launcher_dump.py"), f"--local_rank={rank}", *USER_ARGS]
+        assert dump["env"] == {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_SIZE": "2",
+                               "CROSS_RANK": "0", "CROSS_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                               "MASTER_PORT": "29555", "CUDA_VISIBLE_DEVICES": "0,1", "OMP_NUM_THREADS": omp}
+
+
+@pytest.mark.timeout(60)
+def test_user_omp_num_threads_module_and_no_local_rank(tmp_path):
+    env = _env(tmp_path, OMP_NUM_THREADS="7", PYTHONPATH=str(SCRIPTS))
+    result = _run(["--num_gpus", "1", "--module", "--no_local_rank", "launcher_dump", "x y"], env)
+    assert result.returncode == 0, result.stderr
+    dump = json.loads((tmp_path / "rank0.json").read_text())
+    assert dump["argv"] == [str(SCRIPTS / "launcher_dump.py"), "x y"]
+    assert dump["env"]["OMP_NUM_THREADS"] == "7"
+
+
+@pytest.mark.timeout(60)
+def test_no_python_runs_the_script_as_an_executable(tmp_path):
+    exe = tmp_path / "run dump.sh"
+    exe.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(SCRIPTS / "launcher_dump.py"))} "$@"\n')
+    exe.chmod(0o755)
+    result = _run(["--num_gpus", "1", "--no_python", str(exe), "q"], _env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "rank0.json").read_text())["argv"] == [
+        str(SCRIPTS / "launcher_dump.py"), "--local_rank=0", "q"]
+
+
+def _assert_sums(out: Path) -> None:
+    assert (out / "sum0").read_text() == "0 2 3.0"
+    assert (out / "sum1").read_text() == "1 2 3.0"
+
+
+@pytest.mark.timeout(60)
+def test_two_invocations_form_one_job(tmp_path):
+    port = str(_free_port())
+    procs = [subprocess.Popen([*LAUNCH, "--num_nodes", "2", "--node_rank", str(r), "--num_gpus", "1",
+                               "--master_addr", "127.0.0.1", "--master_port", port,
+                               str(SCRIPTS / "launcher_allreduce.py")],
+                              env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outputs = [p.communicate(timeout=50) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    _assert_sums(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_local_runner_with_a_hostfile_of_two_aliases(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    result = _run(["--hostfile", str(hostfile), "--launcher", "local", "--master_port", str(_free_port()),
+                   str(SCRIPTS / "launcher_allreduce.py")], _env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    _assert_sums(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_local_runner_failure_stops_the_other_node(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    start = time.monotonic()
+    result = _run(["--hostfile", str(hostfile), "--launcher", "local", str(SCRIPTS / "launcher_fail.py")],
+                  _env(tmp_path, FAIL_RANK="1"))
+    assert result.returncode == 3
+    assert time.monotonic() - start < 10
+    assert re.search(r"^zerospeed node 1: rank 1 \(pid \d+\) exited with code 3; stopped the other 0 process\(es\)$",
+                     result.stderr, re.MULTILINE), result.stderr
+    assert re.search(r"^zerospeed: node 1 on 127\.0\.0\.1 \(pid \d+\) exited with code 3; "
+                     r"stopped the other 1 process\(es\)$", result.stderr, re.MULTILINE), result.stderr
+    assert not _alive(int((tmp_path / "pid0").read_text()))
+
+
+@pytest.mark.timeout(60)
+def test_each_rank_log(tmp_path):
+    logs = tmp_path / "logs"
+    result = _run(["--num_gpus", "2", "--enable_each_rank_log", str(logs), str(SCRIPTS / "launcher_echo.py")],
+                  _env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    files = sorted(logs.iterdir())
+    assert [re.fullmatch(r"\d{14}_rank(\d)\.log", f.name)[1] for f in files] == ["0", "1"]
+    for rank, f in enumerate(files):
+        assert sorted(f.read_text().splitlines()) == [f"stderr of rank {rank}", f"stdout of rank {rank}"]
+    assert "stdout of rank" not in result.stdout
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_the_launcher_stops_everything(tmp_path):
+    proc = subprocess.Popen([*LAUNCH, "--num_gpus", "2", "--save_pid", str(SCRIPTS / "launcher_fail.py")],
+                            env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid_file = Path(f"/tmp/{proc.pid}.deepspeed")
+    _wait_for([tmp_path / "pid0", tmp_path / "pid1", pid_file])
+    assert pid_file.read_text() == str(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "zerospeed: received SIGTERM; stopped 2 process(es)" in err
+    assert f"launcher pid: {proc.pid}" in out
+    assert not any(_alive(int((tmp_path / f"pid{r}").read_text())) for r in range(2))
+    assert not pid_file.exists()
+
+
+@pytest.mark.timeout(60)
+def test_remote_shell_line_delivers_args_verbatim(tmp_path):
+    printer = "import json, os, sys; print(json.dumps([os.getcwd(), os.environ['ZS_X'], *sys.argv[1:]]))"
+    (tmp_path / "a dir").mkdir()
+    line = remote_shell_command({"ZS_X": "it's \"x\""}, str(tmp_path / "a dir"),
+                                [sys.executable, "-c", printer, *USER_ARGS])
+    result = subprocess.run(["sh", "-c", line], capture_output=True, text=True, timeout=30)
+    assert json.loads(result.stdout) == [str(tmp_path / "a dir"), "it's \"x\"", *USER_ARGS], shlex.quote(line)

@@ -1,0 +1,79 @@
+"""zerospeed.initialize in one process: API mis-use errors, argument parsing, a one-rank parity run."""
+import argparse
+import json
+
+import pytest
+import torch
+
+import zerospeed
+from zerospeed.config import ConfigError
+from zerospeed.testing.models import TinyMLP
+
+CFG = {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+
+
+def test_model_is_required():
+    with pytest.raises(ConfigError, match="`model` is required"):
+        zerospeed.initialize(config=CFG)
+
+
+def test_no_config_is_an_error():
+    with pytest.raises(ConfigError, match="no config"):
+        zerospeed.initialize(model=TinyMLP())
+
+
+def test_config_given_twice_is_an_error(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(CFG))
+    args = argparse.Namespace(deepspeed=True, deepspeed_config=str(path))
+    with pytest.raises(ConfigError, match="given twice"):
+        zerospeed.initialize(args=args, model=TinyMLP(), config=CFG)
+
+
+def test_max_grad_norm_in_optimizer_params_points_to_gradient_clipping():
+    cfg = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}}
+    with pytest.raises(ConfigError, match="gradient_clipping"):
+        zerospeed.initialize(model=TinyMLP(), config=cfg)
+
+
+def test_fp16_and_bf16_together_is_an_error():
+    cfg = dict(CFG, fp16={"enabled": True}, bf16={"enabled": True})
+    with pytest.raises(ConfigError, match="bf16"):
+        zerospeed.initialize(model=TinyMLP(), config=cfg)
+
+
+def test_add_config_arguments_accepts_both_spellings(tmp_path):
+    parser = zerospeed.add_config_arguments(argparse.ArgumentParser())
+    assert parser.parse_args(["--deepspeed", "a.json"]).deepspeed == "a.json"
+    flagged = parser.parse_args(["--deepspeed", "--deepspeed_config", "b.json"])
+    assert flagged.deepspeed is True and flagged.deepspeed_config == "b.json"
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(CFG))
+    engine, *_ = zerospeed.initialize(args=parser.parse_args(["--deepspeed", str(path)]), model=TinyMLP())
+    assert engine.train_batch_size() == 4 and engine.gradient_accumulation_steps() == 1
+
+
+def test_one_rank_engine_matches_plain_pytorch():
+    torch.manual_seed(0)
+    ref, model = TinyMLP(), TinyMLP()
+    model.load_state_dict(ref.state_dict())
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3, "gradient_clipping": 0.5,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}}
+    engine, optimizer, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        batches = [(torch.randn(2, 16, generator=gen), torch.randn(2, 8, generator=gen)) for _ in range(3)]
+        for x, y in batches:
+            engine.backward(engine(x, y))
+            engine.step()
+        opt.zero_grad()
+        for x, y in batches:
+            (ref(x, y) / 3).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+    for a, b in zip(engine.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert engine.global_steps == 4 and engine.micro_steps == 12 and engine.global_samples == 24
+    assert engine.get_global_grad_norm() > 0 and engine.was_step_applied()
+    assert engine.get_lr() == [1e-2] and optimizer is engine.optimizer

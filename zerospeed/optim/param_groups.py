@@ -1,0 +1,58 @@
+"""Normalising ``model_parameters`` into param groups of trainable tensors.
+
+Accepts what ``torch.optim`` accepts: an iterable of tensors, of ``(name, tensor)`` pairs, or of
+param-group dicts (whose own ``lr`` / ``weight_decay`` / ... are kept). Frozen parameters
+(``requires_grad=False``) are dropped, and so are groups left empty: they would only carry
+optimizer state and trip ZeRO's flattening.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from zerospeed.config.errors import ConfigError
+
+__all__ = ["trainable_param_groups"]
+
+
+def trainable_param_groups(model_parameters: Iterable[Any]) -> tuple[list[dict[str, Any]], bool]:
+    """Return ``(groups, was_flat)``: non-empty groups of trainable tensors, and whether the input
+    was a flat iterable of tensors rather than of group dicts."""
+    items = list(model_parameters)
+    n_dicts = sum(isinstance(item, dict) for item in items)
+    if 0 < n_dicts < len(items):
+        raise ConfigError("model_parameters: mixes tensors and param-group dicts; pass one kind")
+    was_flat = n_dicts == 0
+    if was_flat:
+        groups = [{"params": _trainable(items, where="model_parameters")}]
+    else:
+        groups = [_group(item, i) for i, item in enumerate(items)]
+    kept = [g for g in groups if g["params"]]
+    if not kept:
+        raise ConfigError(
+            "model_parameters: no parameter requires grad, nothing to optimize "
+            "(are all parameters frozen, or was an exhausted generator passed?)"
+        )
+    return kept, was_flat
+
+
+def _group(item: dict[str, Any], index: int) -> dict[str, Any]:
+    if "params" not in item:
+        raise ConfigError(f"model_parameters[{index}]: a param-group dict needs a 'params' key")
+    params = item["params"]
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    return {**item, "params": _trainable(params, where=f"model_parameters[{index}]['params']")}
+
+
+def _trainable(items: list[Any], where: str) -> list[torch.Tensor]:
+    out = []
+    for item in items:
+        tensor = item[1] if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) else item
+        if not isinstance(tensor, torch.Tensor):
+            raise ConfigError(f"{where}: expected tensors, got {type(tensor).__name__}")
+        if tensor.requires_grad:
+            out.append(tensor)
+    return out
