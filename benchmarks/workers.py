@@ -1,0 +1,161 @@
+"""One rank of one benchmark variant; started by bench_step.py, never by hand.
+
+    RANK=.. WORLD_SIZE=.. LOCAL_RANK=.. MASTER_ADDR=.. MASTER_PORT=.. python workers.py '<spec json>'
+
+Every variant trains the same GPT from the same seed on the same micro-batches (a
+DistributedSampler over the stdlib corpus, built here rather than by the engine, so only the
+training step differs), and writes ``<out_dir>/<variant>.rank<r>.json`` with its optimizer-step
+times, losses and peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus
+from zerospeed.testing.models import GPT, GPTConfig
+
+MODEL_SIZES = {
+    "tiny": dict(n_layer=2, n_head=2, n_embd=64),
+    "small": dict(n_layer=4, n_head=4, n_embd=128),
+}
+LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 1e-3, (0.9, 0.999), 1e-8, 0.01, 1.0
+
+
+def build_model(spec: dict) -> GPT:
+    torch.manual_seed(spec["seed"])
+    return GPT(GPTConfig(block_size=spec["seq_len"], **MODEL_SIZES[spec["model_size"]]))
+
+
+def micro_batches(spec: dict, rank: int, world: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    dataset = ByteSequenceDataset(stdlib_corpus(spec["corpus_bytes"]), spec["seq_len"])
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=spec["seed"])
+    loader = DataLoader(dataset, batch_size=spec["micro_batch"], sampler=sampler, drop_last=True)
+    needed = (spec["warmup"] + spec["steps"]) * spec["grad_accum"]
+    if len(loader) < needed:
+        raise ValueError(f"corpus gives {len(loader)} micro-batches per rank, the run needs {needed}; "
+                         "raise --corpus-bytes or lower --steps")
+    return iter(loader)
+
+
+def ds_config(spec: dict, torch_adam: bool) -> dict:
+    """The DeepSpeed config shared by the zerospeed and DeepSpeed variants (no LR schedule)."""
+    params = {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY}
+    if torch_adam:
+        params["torch_adam"] = True  # DeepSpeed's fused CPU Adam needs a compiled op
+    return {
+        "train_micro_batch_size_per_gpu": spec["micro_batch"],
+        "gradient_accumulation_steps": spec["grad_accum"],
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": params},
+        "zero_optimization": {"stage": 0},
+        "steps_per_print": 10**9,
+    }
+
+
+def timed_steps(spec: dict, batches, micro_step: Callable, optimizer_step: Callable,
+                sync: Callable[[], None]) -> dict:
+    """Run warmup + steps optimizer steps; time each from its first micro-batch to the update."""
+    times, losses = [], []
+    gas = spec["grad_accum"]
+    for _ in range(spec["warmup"] + spec["steps"]):
+        sync()
+        start, total = time.perf_counter(), 0.0
+        for k in range(gas):
+            x, y = next(batches)
+            total += micro_step(x, y, k == gas - 1)
+        optimizer_step()
+        sync()
+        times.append(time.perf_counter() - start)
+        losses.append(total / gas)
+    return {"step_times": times[spec["warmup"]:], "losses": losses}
+
+
+def peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def run_engine(spec: dict, rank: int, world: int, lib) -> dict:
+    """zerospeed or DeepSpeed: the same DeepSpeed-style loop, the library swapped."""
+    use_torch_adam = lib.__name__ == "deepspeed"
+    if use_torch_adam:
+        lib.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    else:
+        lib.init_distributed()
+    model = build_model(spec)
+    engine, *_ = lib.initialize(model=model, model_parameters=model.parameters(),
+                                config=ds_config(spec, torch_adam=use_torch_adam))
+    device = engine.device
+
+    def micro_step(x, y, boundary):
+        loss = engine(x.to(device), y.to(device))
+        engine.backward(loss)
+        engine.step()  # updates only at the accumulation boundary, as in DeepSpeed
+        return loss.item()
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    result = timed_steps(spec, micro_batches(spec, rank, world), micro_step, lambda: None, sync)
+    return result | {"peak_memory": peak_memory(device)}
+
+
+def run_ddp(spec: dict, rank: int, world: int) -> dict:
+    """The plain PyTorch baseline: DDP, no_sync on non-boundary micro-steps, AdamW, clipping."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    cuda = torch.cuda.is_available() and os.environ.get("ZEROSPEED_ACCELERATOR", "") != "cpu"
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    model = DDP(build_model(spec).to(device), device_ids=[device.index] if cuda else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    gas = spec["grad_accum"]
+
+    def micro_step(x, y, boundary):
+        with nullcontext() if boundary else model.no_sync():
+            loss = model(x.to(device), y.to(device))
+            (loss / gas).backward()  # DeepSpeed scales by 1/GAS too, so the updates match
+        return loss.item()
+
+    def optimizer_step():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    result = timed_steps(spec, micro_batches(spec, rank, world), micro_step, optimizer_step, sync)
+    dist.destroy_process_group()
+    return result | {"peak_memory": peak_memory(device)}
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if spec["variant"] == "ddp":
+        result = run_ddp(spec, rank, world)
+    elif spec["variant"] == "zerospeed":
+        import zerospeed
+        result = run_engine(spec, rank, world, zerospeed)
+    elif spec["variant"] == "deepspeed":
+        import deepspeed
+        result = run_engine(spec, rank, world, deepspeed)
+    else:
+        raise ValueError(f"unknown variant {spec['variant']!r}")
+    out = Path(spec["out_dir"]) / f"{spec['variant']}.rank{rank}.json"
+    out.write_text(json.dumps(result | {"rank": rank, "threads": torch.get_num_threads()}))
+
+
+if __name__ == "__main__":
+    main()
