@@ -75,12 +75,12 @@ class Engine(torch.nn.Module):
 
     def _build_reducer(self, trainable) -> GradientAllReducer:
         cfg, zero = self.config, self.config.zero_optimization
-        accum = getattr(cfg.data_types, "grad_accum_dtype", None) if getattr(cfg, "data_types", None) else None
+        accum = cfg.data_types.grad_accum_dtype
         return GradientAllReducer(
             trainable, bucket_size=int(zero.reduce_bucket_size),
             accum_dtype=_DTYPES.get(accum or "fp32", torch.float32),
             comm_dtype=_DTYPES.get(cfg.communication_data_type) if cfg.communication_data_type else None,
-            group=self.dp_group, op=getattr(cfg, "gradient_allreduce_op", "avg"),
+            group=self.dp_group, op="sum" if cfg.gradient_allreduce_op == "sum" else "avg",
             prescale=cfg.prescale_gradients, predivide_factor=cfg.gradient_predivide_factor)
 
     # -- config accessors DeepSpeed users call -----------------------------------------------------

@@ -93,7 +93,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     if training_data is not None:
         loader = ShardedDataLoader(training_data, cfg.train_micro_batch_size_per_gpu,
                                    rank=comm.get_rank(dp_group), world_size=dp_world, collate_fn=collate_fn,
-                                   drop_last=bool(getattr(cfg, "dataloader_drop_last", False)))
+                                   drop_last=cfg.dataloader_drop_last)
     engine = Engine(model, cfg, optimizer_factory=optimizer_factory, scheduler_factory=scheduler_factory,
                     dp_group=dp_group, training_dataloader=loader)
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -1,0 +1,144 @@
+"""The one table of config features that parse but are not implemented yet.
+
+Each row is ``(dotted key, predicate, feature name, value to set instead)``; a row fires when its
+predicate is true for the parsed config. When a feature lands, delete its row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from pydantic import BaseModel
+
+from zerospeed.config.errors import ConfigError
+from zerospeed.config.schema.base import show
+from zerospeed.config.schema.root import ZeroSpeedConfig
+
+Cfg = ZeroSpeedConfig
+
+
+class Row(NamedTuple):
+    """One not-yet-implemented feature switch."""
+
+    key: str
+    requested: Callable[[Cfg], bool]
+    feature: str | Callable[[Any], str]
+    default: str
+
+
+def _device(section: Any) -> str:
+    return section.device if section is not None else "none"
+
+
+def _uses_nvme(cfg: Cfg) -> bool:
+    zero = cfg.zero_optimization
+    return "nvme" in (_device(zero.offload_optimizer), _device(zero.offload_param))
+
+
+def _switch(key: str, feature: str) -> Row:
+    """A boolean switch that must stay false."""
+    return Row(key, lambda cfg: _get(cfg, key) is True, feature, "false")
+
+
+def _present(key: str, feature: str) -> Row:
+    """A section whose mere presence requests the feature."""
+    return Row(key, lambda cfg: _get(cfg, key) is not None, feature, "null (remove it)")
+
+
+ROWS: list[Row] = [
+    Row("zero_optimization.stage", lambda c: c.zero_stage >= 1, lambda v: f"ZeRO stage {v}", "0"),
+    Row("zero_optimization.offload_optimizer.device", lambda c: _device(c.zero_optimization.offload_optimizer)
+        != "none", "optimizer offload", '"none"'),
+    Row("zero_optimization.offload_param.device", lambda c: _device(c.zero_optimization.offload_param)
+        != "none", "parameter offload", '"none"'),
+    Row("aio", lambda c: "aio" in c.model_fields_set and _uses_nvme(c), "NVMe offload through aio", "{}"),
+    _present("zero_optimization.zenflow", "ZenFlow"),
+    _switch("activation_checkpointing.partition_activations", "partitioned activation checkpointing"),
+    _switch("activation_checkpointing.cpu_checkpointing", "CPU activation checkpointing"),
+    _switch("activation_checkpointing.contiguous_memory_optimization", "contiguous activation memory"),
+    _switch("flops_profiler.enabled", "the flops profiler"),
+    _switch("tensorboard.enabled", "the TensorBoard monitor"),
+    _switch("csv_monitor.enabled", "the CSV monitor"),
+    _switch("wandb.enabled", "the WandB monitor"),
+    _switch("comet.enabled", "the Comet monitor"),
+    _switch("comms_logger.enabled", "the communication logger"),
+    _switch("wall_clock_breakdown", "wall-clock breakdown timing"),
+    _switch("memory_breakdown", "the memory breakdown report"),
+    _switch("dump_state", "dumping the engine state"),
+    _switch("amp.enabled", "apex AMP"),
+    _switch("torch_autocast.enabled", "torch_autocast"),
+    _switch("fp16.auto_cast", "fp16 input auto-casting"),
+    _switch("fp16.fp16_master_weights_and_grads", "fp16 master weights and gradients"),
+    _switch("bf16.bf16_master_weights_and_grads", "bf16 master weights and gradients"),
+    _switch("bf16.bf16_optimizer_states", "bf16 optimizer states"),
+    _switch("bf16.check_grad_overflow", "bf16 gradient overflow checks"),
+    Row("data_types.grad_accum_dtype", lambda c: c.data_types.grad_accum_dtype not in (None, "fp32"),
+        "gradient accumulation in 16-bit", 'null or "fp32"'),
+    _present("data_types.param_dtype", "casting parameters with data_types.param_dtype"),
+    _present("data_types.buffer_dtype", "casting buffers with data_types.buffer_dtype"),
+    _switch("optimizer.legacy_fusion", "the legacy fused optimizer"),
+    _switch("sparse_gradients", "sparse embedding gradients"),
+    _switch("disable_allgather", "disabling the parameter all-gather"),
+    _switch("graph_harvesting", "graph harvesting"),
+    Row("managed_gradient_accumulation", lambda c: not c.managed_gradient_accumulation,
+        "caller-managed gradient accumulation", "true"),
+    _switch("disable_python_gc", "disabling Python's garbage collector"),
+    _present("sparse_attention", "sparse attention"),
+    Row("compression_training", lambda c: c.compression_training is not None
+        and bool(c.compression_training.model_fields_set), "the compression library", "null (remove it)"),
+    _present("weight_quantization", "weight quantization"),
+    _switch("curriculum_learning.enabled", "legacy curriculum learning"),
+    _switch("data_efficiency.enabled", "the data efficiency library"),
+    _switch("progressive_layer_drop.enabled", "progressive layer drop"),
+    _switch("eigenvalue.enabled", "eigenvalue computation"),
+    _switch("quantize_training.enabled", "MoQ quantize_training"),
+    Row("pipeline.stages", lambda c: c.pipeline.stages != "auto", "pipeline parallelism", '"auto"'),
+    Row("pipeline.partition", lambda c: c.pipeline.partition != "best", "pipeline partitioning", '"best"'),
+    _switch("pipeline.seed_layers", "pipeline layer seeding"),
+    Row("pipeline.activation_checkpoint_interval", lambda c: c.pipeline.activation_checkpoint_interval != 0,
+        "pipeline activation checkpointing", "0"),
+    Row("tensor_parallel.autotp_size", lambda c: c.tensor_parallel.autotp_size != 0,
+        "AutoTP tensor parallelism", "0"),
+    _switch("expert_parallel.enabled", "AutoEP expert parallelism"),
+    Row("sequence_parallel_size", lambda c: c.sequence_parallel_size > 1, "sequence parallelism", "1"),
+    _switch("hybrid_engine.enabled", "the hybrid engine"),
+    _switch("compile.deepcompile", "DeepCompile"),
+    _switch("compile.enabled", "torch.compile through the config"),
+    _switch("elasticity.enabled", "elastic training"),
+    _switch("autotuning.enabled", "the autotuner"),
+    _switch("nebula.enabled", "Nebula checkpointing"),
+    _present("datastates_ckpt", "DataStates checkpointing"),
+    _present("casync_ckpt", "CAsync checkpointing"),
+    _switch("async_load", "asynchronous checkpoint loading"),
+    _switch("checkpoint.load_universal", "universal checkpoint loading"),
+    _switch("checkpoint.use_node_local_storage", "node-local checkpoint storage"),
+    _switch("checkpoint.parallel_write.pipeline_stage", "parallel checkpoint writes"),
+    _present("checkpoint.writer", "the fast checkpoint writer"),
+]
+
+
+def _get(cfg: Cfg, key: str) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        if node is None:
+            return None
+        node = getattr(node, part)
+    return node
+
+
+def _render(value: Any) -> str:
+    return "{...}" if isinstance(value, BaseModel) else show(value)
+
+
+def _message(row: Row, value: Any) -> str:
+    feature = row.feature(value) if callable(row.feature) else row.feature
+    return (f"{row.key}={_render(value)}: {feature} is not implemented in zerospeed yet "
+            f"(tracked as a later issue); remove the key or set it to {row.default}")
+
+
+def check_implemented(cfg: ZeroSpeedConfig) -> None:
+    """Raise ``ConfigError`` naming every requested feature that zerospeed does not implement yet."""
+    lines = [_message(row, _get(cfg, row.key)) for row in ROWS if row.requested(cfg)]
+    if lines:
+        raise ConfigError("\n".join(lines))
