@@ -42,9 +42,9 @@ def test_unresolvable_auto_names_every_key():
     with pytest.raises(ConfigError) as info:
         resolve_auto({"gradient_clipping": "auto", "zero_optimization": {"reduce_bucket_size": "auto"}}, {})
     assert str(info.value).splitlines() == [
-        'gradient_clipping is "auto" but nothing supplies its value here; set a number, '
+        'gradient_clipping is "auto" but nothing supplies its value here; set a value, '
         "or use the transformers Trainer integration which fills it",
-        'zero_optimization.reduce_bucket_size is "auto" but nothing supplies its value here; set a number, '
+        'zero_optimization.reduce_bucket_size is "auto" but nothing supplies its value here; set a value, '
         "or use the transformers Trainer integration which fills it",
     ]
 

@@ -74,7 +74,7 @@ def _walk_autos(node: Any, path: str) -> list[tuple[str, Any, Any]]:
 
 
 def _unresolved_message(path: str) -> str:
-    return (f'{path} is "auto" but nothing supplies its value here; set a number, '
+    return (f'{path} is "auto" but nothing supplies its value here; set a value, '
             "or use the transformers Trainer integration which fills it")
 
 
