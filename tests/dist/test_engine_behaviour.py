@@ -38,7 +38,7 @@ def _sharding_and_overlap():
 
     # Record the order of gradient hooks and bucket launches during one synced backward.
     events = []
-    reducer = engine.reducer
+    reducer = engine.zero.reducer
     on_grad, launch = reducer._on_grad, reducer._launch
 
     def traced_on_grad(p):

@@ -9,12 +9,20 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import os
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from zerospeed.accelerator import get_accelerator
+from zerospeed.comm.stats import CommStats
+
+# Newer torch renamed the tensor collectives; older releases only have the first names.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+STATS = CommStats()
 
 logger = logging.getLogger(__name__)
 
@@ -93,13 +101,32 @@ def new_group(ranks: list[int]):
 class Handle:
     """An in-flight collective; `wait()` blocks until its result is in the tensor."""
 
-    def __init__(self, work=None):
+    def __init__(self, work=None, record=None):
         self._work = work
+        self._record = record
 
     def wait(self) -> None:
         if self._work is not None:
             self._work.wait()
             self._work = None
+            if self._record is not None:
+                self._record()
+                self._record = None
+
+
+def _issue(kind: str, nbytes: int, group, async_op: bool, launch):
+    """Run one collective, counting its bytes and the time until its result is usable."""
+    start = time.perf_counter()
+    world = get_world_size(group)
+    work = launch()
+
+    def record():
+        STATS.record(kind, nbytes, time.perf_counter() - start, world)
+
+    if async_op:
+        return Handle(work, record)
+    record()
+    return None
 
 
 def _op(op: str):
@@ -117,16 +144,16 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
         # gloo has no AVG; dividing first keeps one code path for every backend.
         tensor.div_(get_world_size(group))
         op = "sum"
-    work = dist.all_reduce(tensor, op=_op(op), group=group, async_op=async_op)
-    return Handle(work) if async_op else None
+    return _issue("all_reduce", tensor.nbytes, group, async_op,
+                  lambda: dist.all_reduce(tensor, op=_op(op), group=group, async_op=async_op))
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
     """Copy `tensor` from global rank `src` to every rank of the group, in place."""
     if get_world_size(group) == 1:
         return Handle() if async_op else None
-    work = dist.broadcast(tensor, src=src, group=group, async_op=async_op)
-    return Handle(work) if async_op else None
+    return _issue("broadcast", tensor.nbytes, group, async_op,
+                  lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op))
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
@@ -134,8 +161,8 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
     if get_world_size(group) == 1:
         output.copy_(input.reshape(output.shape))
         return Handle() if async_op else None
-    work = dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
-    return Handle(work) if async_op else None
+    return _issue("all_gather", output.nbytes, group, async_op,
+                  lambda: _all_gather_tensor(output, input, group=group, async_op=async_op))
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "sum", group=None,
@@ -147,8 +174,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "
     if op == "avg":
         input.div_(get_world_size(group))
         op = "sum"
-    work = dist.reduce_scatter_tensor(output, input, op=_op(op), group=group, async_op=async_op)
-    return Handle(work) if async_op else None
+    return _issue("reduce_scatter", input.nbytes, group, async_op,
+                  lambda: _reduce_scatter_tensor(output, input, op=_op(op), group=group, async_op=async_op))
 
 
 def all_gather_object(obj: Any, group=None) -> list[Any]:

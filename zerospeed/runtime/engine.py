@@ -1,9 +1,10 @@
 """The Engine: sequences precision, gradient reduction, the optimizer and the LR scheduler.
 
 It holds no feature logic of its own — each concern is a small object it calls in order:
-`PrecisionPolicy` + `MasterWeights` (dtypes, fp32 masters), a loss scaler (pure state machine),
-`GradientAllReducer` (ZeRO stage 0: bucketed, overlapped all-reduce), the optimizer and scheduler
-from `zerospeed.optim`. A training step is `engine(batch)` -> `engine.backward(loss)` ->
+`PrecisionPolicy` (dtypes), a loss scaler (pure state machine), a ZeRO strategy from
+`zerospeed.zero` (stage 0: fp32 masters + bucketed all-reduce; stages 1-2: sharded masters,
+optimizer states and gradients, reduce-scatter + all-gather), the optimizer and scheduler from
+`zerospeed.optim`. A training step is `engine(batch)` -> `engine.backward(loss)` ->
 `engine.step()`, called once per micro-batch; the optimizer acts at accumulation boundaries.
 """
 from __future__ import annotations
@@ -16,20 +17,18 @@ import torch
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
 from zerospeed.precision.loss_scaler import loss_scaler_from_config
-from zerospeed.precision.master import MasterWeights
 from zerospeed.precision.policy import PrecisionPolicy
-from zerospeed.runtime.data_parallel import GradientAllReducer
-from zerospeed.runtime.grad_math import clip_coefficient, global_norm
+from zerospeed.runtime.grad_math import clip_coefficient
+from zerospeed.zero import build_strategy
+from zerospeed.zero.memory import OPTIMIZER_STATE_BYTES, model_state_bytes, optimizer_kind
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class Engine(torch.nn.Module):
     """A DeepSpeed-style training engine around `module` (built by `zerospeed.initialize`)."""
 
-    def __init__(self, module: torch.nn.Module, config, *, optimizer_factory, scheduler_factory,
+    def __init__(self, module: torch.nn.Module, config, *, param_groups, optimizer_factory, scheduler_factory,
                  dp_group=None, training_dataloader=None):
         super().__init__()
         self.config = config
@@ -44,14 +43,14 @@ class Engine(torch.nn.Module):
 
         self.module = module.to(self.device)
         self._broadcast_model()
-        trainable = [p for p in self.module.parameters() if p.requires_grad]
-        self.master = MasterWeights(trainable, mixed=self.precision.mixed)
+        # The strategy snapshots fp32 masters before the model is cast to 16-bit.
+        self.zero = build_strategy(config, param_groups, param_dtype=self.precision.param_dtype,
+                                   device=self.device, dp_group=dp_group)
         if self.precision.mixed:
             self.module.to(self.precision.param_dtype)
-        self.optimizer = optimizer_factory(self.master)
+        self.optimizer = optimizer_factory(self.zero)
         self.lr_scheduler = scheduler_factory(self.optimizer)
         self.loss_scaler = loss_scaler_from_config(config.fp16) if self.precision.needs_loss_scaling else None
-        self.reducer = self._build_reducer(trainable)
         self.training_dataloader = training_dataloader
 
         self.global_steps = 0
@@ -72,16 +71,6 @@ class Engine(torch.nn.Module):
         src = comm.get_rank() - comm.get_rank(self.dp_group)  # global rank of dp-rank 0 (contiguous groups)
         for t in list(self.module.parameters()) + list(self.module.buffers()):
             comm.broadcast(t.data, src=src, group=self.dp_group)
-
-    def _build_reducer(self, trainable) -> GradientAllReducer:
-        cfg, zero = self.config, self.config.zero_optimization
-        accum = cfg.data_types.grad_accum_dtype
-        return GradientAllReducer(
-            trainable, bucket_size=int(zero.reduce_bucket_size),
-            accum_dtype=_DTYPES.get(accum or "fp32", torch.float32),
-            comm_dtype=_DTYPES.get(cfg.communication_data_type) if cfg.communication_data_type else None,
-            group=self.dp_group, op="sum" if cfg.gradient_allreduce_op == "sum" else "avg",
-            prescale=cfg.prescale_gradients, predivide_factor=cfg.gradient_predivide_factor)
 
     # -- config accessors DeepSpeed users call -----------------------------------------------------
     def train_batch_size(self) -> int:
@@ -137,7 +126,10 @@ class Engine(torch.nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Skip gradient reduction inside the block; gradients keep accumulating locally."""
+        """Skip gradient reduction inside the block; gradients keep accumulating locally (stages 0-1)."""
+        if self.zero.stage >= 2:
+            raise RuntimeError("engine.no_sync() is not supported with ZeRO stage 2: gradients are partitioned "
+                               "as they are produced; use stage 0 or 1 to accumulate without communication")
         previous, self._inside_no_sync = self._inside_no_sync, True
         try:
             yield
@@ -158,29 +150,31 @@ class Engine(torch.nn.Module):
             scaled = scaled / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
             scaled = scaled.float() * self.loss_scaler.scale
-        self.reducer.begin_backward(sync=self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
+        self.zero.begin_backward(sync=self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
         scaled.backward(retain_graph=retain_graph)
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """At an accumulation boundary: reduce, unscale, check overflow, clip, step; else count."""
+        self.zero.end_micro_step()
         if self.is_gradient_accumulation_boundary():
             self._take_model_step(lr_kwargs or {})
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: dict) -> None:
-        self.reducer.finish()
-        grads = self.reducer.grads()
+        if self.optimizer is None:
+            raise RuntimeError("engine.step(): no optimizer — give initialize() an optimizer or an "
+                               "`optimizer` section in the config")
+        self.zero.finish_reduction()
         scale = self.loss_scale
-        norm = global_norm(self.reducer.buffers()) / scale
+        norm = self.zero.global_grad_norm() / scale
         overflow = self._overflow_on_any_rank(norm) if self.loss_scaler is not None else False
         self._step_applied = not overflow
         if overflow:
             self.skipped_steps += 1
         else:
             self._global_grad_norm = norm
-            coef = clip_coefficient(norm, self.gradient_clipping()) / scale
-            self._apply_optimizer(grads, coef)
+            self.zero.step(self.optimizer, clip_coefficient(norm, self.gradient_clipping()) / scale)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**lr_kwargs)
         if self.loss_scaler is not None:
@@ -188,25 +182,16 @@ class Engine(torch.nn.Module):
             if overflow:
                 logger.info("step %d: fp16 gradient overflow on some rank; step skipped, loss scale %g -> %g",
                             self.global_steps, scale, self.loss_scaler.scale)
-        self.reducer.zero()
+        self.zero.zero_grads()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self._report_progress()
 
-    @torch.no_grad()
-    def _apply_optimizer(self, grads, coef: float) -> None:
-        if coef != 1.0:
-            for buf in self.reducer.buffers():
-                buf.mul_(coef)
-        masters = [self.master.master_of(p) for p, _ in grads]
-        for m, (_, g) in zip(masters, grads):
-            m.grad = g if g.dtype == m.dtype else g.to(m.dtype)
-        self.optimizer.step()
-        for m in masters:
-            m.grad = None
-        self.master.copy_to_model()
-
     def _overflow_on_any_rank(self, local_norm: float) -> bool:
+        # Sharded stages all-reduce the squared norm, so an inf anywhere is already everywhere; stage 0
+        # needs the flag because no_sync() can leave a rank's gradients unreduced.
+        if self.zero.stage >= 1:
+            return not torch.isfinite(torch.tensor(local_norm)).item()
         flag = torch.tensor([0.0 if torch.isfinite(torch.tensor(local_norm)) else 1.0], device=self.device)
         comm.all_reduce(flag, op="max", group=self.dp_group)
         return bool(flag.item() > 0)
@@ -219,8 +204,21 @@ class Engine(torch.nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (the engine's buffers and any stray .grad)."""
-        self.reducer.zero()
+        self.zero.zero_grads()
         self.module.zero_grad(set_to_none=set_to_none)
+
+    # -- memory ----------------------------------------------------------------------------------
+    def memory_breakdown(self) -> dict[str, dict[str, float]]:
+        """Per-rank model-state bytes held by the engine, next to the ZeRO formula's prediction."""
+        measured = self.zero.memory_breakdown(self.optimizer)
+        n = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
+        pb = torch.tensor([], dtype=self.precision.param_dtype).element_size()
+        predicted = model_state_bytes(
+            n, self.dp_world_size, self.zero.stage, param_bytes=pb,
+            grad_bytes=torch.tensor([], dtype=self.precision.grad_accum_dtype).element_size(),
+            master_bytes=4 if self.precision.mixed else 0,
+            optim_bytes=OPTIMIZER_STATE_BYTES[optimizer_kind(self.optimizer)] if self.optimizer else 0)
+        return {"measured": measured, "predicted": predicted}
 
     # -- module passthrough ------------------------------------------------------------------------
     def train(self, mode: bool = True):

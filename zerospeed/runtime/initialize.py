@@ -10,6 +10,7 @@ import torch
 from zerospeed import comm
 from zerospeed.config import ConfigError, auto_values_from_hidden_size, parse_config
 from zerospeed.optim import build_lr_scheduler, build_optimizer
+from zerospeed.optim.factory import is_zero_tested_optimizer
 from zerospeed.runtime.dataloader import ShardedDataLoader
 from zerospeed.runtime.engine import Engine
 
@@ -53,6 +54,22 @@ def _hidden_size(model: torch.nn.Module) -> int | None:
     return None
 
 
+def _param_groups(model, optimizer, model_parameters) -> list[dict]:
+    """The trainable parameter groups to partition: the client optimizer's groups, else the user's
+    `model_parameters` (tensors or group dicts), else all of the model's parameters."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        source = optimizer.param_groups
+    else:
+        items = list(model_parameters if model_parameters is not None else model.parameters())
+        source = items if items and isinstance(items[0], dict) else [{"params": items}]
+    groups = []
+    for g in source:
+        params = [p for p in g["params"] if p.requires_grad]
+        if params:
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
+    return groups
+
+
 def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, mpu=None, dist_init_required: bool | None = None,
                collate_fn=None, config: Any = None, config_params: Any = None):
@@ -67,20 +84,24 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     known = auto_values_from_hidden_size(hidden) if hidden else {}
     cfg = parse_config(raw, world_size=dp_world, known=known)
 
-    def optimizer_factory(master):
+    allow_untested = cfg.zero_stage == 0 or cfg.zero_allow_untested_optimizer
+
+    def optimizer_factory(strategy):
         if isinstance(optimizer, torch.optim.Optimizer):
             if cfg.optimizer is not None:
                 logger.warning("initialize: both a client optimizer and a config `optimizer` were given; "
                                "using the client optimizer")
-            master.retarget_optimizer(optimizer)
+            if not allow_untested and not is_zero_tested_optimizer(optimizer):
+                raise ConfigError(f"{type(optimizer).__name__} is not tested with ZeRO stage {cfg.zero_stage}; "
+                                  "set zero_allow_untested_optimizer: true to use it anyway")
+            strategy.retarget(optimizer)
             return optimizer
         if optimizer is None and cfg.optimizer is None:
             return None
-        params = model_parameters if model_parameters is not None else model.parameters()
         return build_optimizer(cfg.optimizer.type if cfg.optimizer else None,
                                cfg.optimizer.params if cfg.optimizer else None,
-                               master.map_param_groups(params), client_optimizer=optimizer,
-                               allow_untested=True)
+                               strategy.optimizer_param_groups(), client_optimizer=optimizer,
+                               allow_untested=allow_untested)
 
     def scheduler_factory(opt):
         if opt is None:
@@ -94,6 +115,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         loader = ShardedDataLoader(training_data, cfg.train_micro_batch_size_per_gpu,
                                    rank=comm.get_rank(dp_group), world_size=dp_world, collate_fn=collate_fn,
                                    drop_last=cfg.dataloader_drop_last)
-    engine = Engine(model, cfg, optimizer_factory=optimizer_factory, scheduler_factory=scheduler_factory,
+    engine = Engine(model, cfg, param_groups=_param_groups(model, optimizer, model_parameters),
+                    optimizer_factory=optimizer_factory, scheduler_factory=scheduler_factory,
                     dp_group=dp_group, training_dataloader=loader)
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -1,0 +1,30 @@
+"""ZeRO: sharding of optimizer states (stage 1) and gradients (stage 2) across data-parallel ranks."""
+from __future__ import annotations
+
+import torch
+
+from zerospeed.zero.sharded import ShardedStrategy
+from zerospeed.zero.stage0 import DataParallelStrategy
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def build_strategy(cfg, groups: list[dict], *, param_dtype: torch.dtype, device: torch.device, dp_group=None):
+    """The gradient / optimizer strategy for the configured ZeRO stage (resolved once, here)."""
+    zero = cfg.zero_optimization
+    comm_dtype = _DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None
+    grad_dtype = _DTYPES[cfg.data_types.grad_accum_dtype or "fp32"]
+    common = dict(comm_dtype=comm_dtype, op="sum" if cfg.gradient_allreduce_op == "sum" else "avg",
+                  prescale=cfg.prescale_gradients, predivide_factor=cfg.gradient_predivide_factor)
+    if zero.stage == 0:
+        return DataParallelStrategy(groups, mixed=param_dtype != torch.float32, group=dp_group,
+                                    bucket_size=int(zero.reduce_bucket_size), accum_dtype=grad_dtype, **common)
+    return ShardedStrategy(groups, stage=zero.stage, param_dtype=param_dtype, device=device,
+                           reduce_bucket_size=int(zero.reduce_bucket_size),
+                           allgather_bucket_size=int(zero.allgather_bucket_size),
+                           sub_group_size=int(zero.sub_group_size), overlap_comm=bool(zero.overlap_comm),
+                           grad_dtype=grad_dtype, ignore_unused_parameters=zero.ignore_unused_parameters,
+                           dp_group=dp_group, **common)
+
+
+__all__ = ["DataParallelStrategy", "ShardedStrategy", "build_strategy"]

@@ -1,0 +1,54 @@
+"""One optimizer param group flattened into padded buckets, with this rank's chunk of each.
+
+The model's parameters become views into the flat low-precision bucket buffers (so the all-gather
+after a step writes them in place). fp32 masters exist only for this rank's chunks — in fp32
+training they *are* the chunk views of the parameter buffers, so nothing is duplicated.
+"""
+from __future__ import annotations
+
+import torch
+
+from zerospeed.zero.partition import Bucket, build_buckets
+
+
+class FlatParamGroup:
+    def __init__(self, params: list[torch.nn.Parameter], hparams: dict, *, bucket_size: int, world_size: int,
+                 rank: int, param_dtype: torch.dtype, device: torch.device):
+        # Backward produces gradients roughly in reverse registration order: lay buckets out in that
+        # order so the first buckets complete (and launch) first.
+        self.params = list(reversed(params))
+        self.hparams = hparams
+        self.rank = rank
+        self.buckets: list[Bucket] = build_buckets([p.numel() for p in self.params], bucket_size, world_size)
+        self.param_buffers: list[torch.Tensor] = []
+        self.masters: list[torch.nn.Parameter] = []
+        alias = param_dtype == torch.float32
+        for bucket in self.buckets:
+            full = torch.zeros(bucket.padded, dtype=torch.float32, device=device)
+            for s in bucket.segments:
+                full[s.offset:s.offset + s.numel].copy_(self.params[s.param].detach().reshape(-1))
+            buffer = full if alias else full.to(param_dtype)
+            lo, hi = bucket.chunk_range(rank)
+            master_src = buffer[lo:hi] if alias else full[lo:hi].clone()
+            self.masters.append(torch.nn.Parameter(master_src))
+            self.param_buffers.append(buffer)
+            del full
+        for bucket, buffer in zip(self.buckets, self.param_buffers):
+            for s in bucket.segments:
+                p = self.params[s.param]
+                p.data = buffer[s.offset:s.offset + s.numel].view_as(p)
+
+    def chunk(self, bucket: Bucket, tensor: torch.Tensor) -> torch.Tensor:
+        lo, hi = bucket.chunk_range(self.rank)
+        return tensor[lo:hi]
+
+    @torch.no_grad()
+    def write_masters_to_params(self) -> None:
+        """Copy updated fp32 masters into this rank's chunk of the parameter buffers (mixed precision)."""
+        for bucket, buffer, master in zip(self.buckets, self.param_buffers, self.masters):
+            chunk = self.chunk(bucket, buffer)
+            if chunk.data_ptr() != master.data_ptr():
+                chunk.copy_(master)
+
+    def numel(self) -> int:
+        return sum(b.numel for b in self.buckets)

@@ -1,0 +1,248 @@
+"""ZeRO stages 1 and 2: optimizer states (stage 1) and gradients too (stage 2) sharded across ranks.
+
+Stage 1 accumulates full gradients locally (one flat fp32 buffer per bucket, like stage 0) and, on
+the micro-step that ends the accumulation window, reduce-scatters each bucket as soon as backward
+has filled it: rank r keeps the reduced chunk r in place. Stage 2 reduce-scatters on *every*
+micro-step: a bucket's gradients are staged in a transient buffer, reduce-scattered, and added to
+this rank's persistent fp32 gradient chunk — full gradients never outlive their bucket.
+
+Either way the optimizer then steps only this rank's chunks (fp32 masters and optimizer states exist
+for 1/N of the parameters), and each bucket's updated chunk is all-gathered back into the model's
+parameter buffer. Buckets launch strictly in order (see Note [bucket launch order] in
+runtime/data_parallel.py); with `overlap_comm` they run while backward continues, without it each
+is waited on at once.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from zerospeed import comm
+from zerospeed.runtime.grad_math import reduction_factors
+from zerospeed.zero.flat_group import FlatParamGroup
+from zerospeed.zero.partition import Bucket, group_sub_groups
+
+
+@dataclass
+class _BucketState:
+    group: FlatParamGroup
+    bucket: Bucket
+    grad_chunk: torch.Tensor  # this rank's reduced fp32 gradient (stage 1: a view of `full`)
+    full: torch.Tensor | None = None  # stage 1: the full local gradient accumulation buffer
+    staging: torch.Tensor | None = None  # stage 2: this micro-step's gradients, until reduced
+    out: torch.Tensor | None = None
+    handle: comm.Handle | None = None
+    pending: int = 0
+    seen: set = field(default_factory=set)
+
+
+class ShardedStrategy:
+    """Gradient reduction, optimizer step and parameter refresh for ZeRO stages 1 and 2."""
+
+    def __init__(self, groups: list[dict], *, stage: int, param_dtype: torch.dtype, device: torch.device,
+                 reduce_bucket_size: int, allgather_bucket_size: int, sub_group_size: int,
+                 overlap_comm: bool, comm_dtype: torch.dtype | None, grad_dtype: torch.dtype = torch.float32,
+                 op: str = "avg", prescale: bool = False, predivide_factor: float = 1.0,
+                 ignore_unused_parameters: bool = True, dp_group=None):
+        if stage not in (1, 2):
+            raise ValueError(f"ShardedStrategy handles ZeRO stages 1 and 2, not {stage}")
+        self.stage = stage
+        self.group = dp_group
+        self.world_size = comm.get_world_size(dp_group)
+        rank = comm.get_rank(dp_group)
+        self.overlap_comm = overlap_comm
+        self.comm_dtype = comm_dtype
+        self.grad_dtype = grad_dtype
+        self.allgather_bucket_size = allgather_bucket_size
+        self.ignore_unused = ignore_unused_parameters
+        self.pre, self.post = reduction_factors(self.world_size, op, prescale, predivide_factor)
+        self.flat = [FlatParamGroup([p for p in g["params"]], {k: v for k, v in g.items() if k != "params"},
+                                    bucket_size=reduce_bucket_size, world_size=self.world_size, rank=rank,
+                                    param_dtype=param_dtype, device=device) for g in groups]
+        self.states: list[_BucketState] = []
+        self._slot: dict[int, tuple[_BucketState, object]] = {}
+        for fg in self.flat:
+            for bucket in fg.buckets:
+                if stage == 1:
+                    full = torch.zeros(bucket.padded, dtype=grad_dtype, device=device)
+                    st = _BucketState(fg, bucket, fg.chunk(bucket, full), full=full)
+                else:
+                    st = _BucketState(fg, bucket, torch.zeros(bucket.chunk, dtype=grad_dtype, device=device))
+                self.states.append(st)
+                for seg in bucket.segments:
+                    self._slot[id(fg.params[seg.param])] = (st, seg)
+        masters = [m for fg in self.flat for m in fg.masters]
+        self._master_grads = {id(m): st.grad_chunk for m, st in zip(masters, self.states)}
+        self.sub_groups = [[masters[i] for i in idx]
+                           for idx in group_sub_groups([m.numel() for m in masters], sub_group_size)]
+        self.reducing = False
+        self._next = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for fg in self.flat for p in fg.params]
+
+    # -- optimizer wiring --------------------------------------------------------------------------
+    def optimizer_param_groups(self) -> list[dict]:
+        return [{**fg.hparams, "params": list(fg.masters)} for fg in self.flat]
+
+    def retarget(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point a client optimizer's groups (built on model parameters) at this rank's masters."""
+        if len(optimizer.param_groups) != len(self.flat):
+            raise ValueError("client optimizer param groups do not match the groups zerospeed partitioned")
+        for group, fg in zip(optimizer.param_groups, self.flat):
+            group["params"] = list(fg.masters)
+
+    # -- backward ----------------------------------------------------------------------------------
+    def begin_backward(self, sync: bool) -> None:
+        # Stage 2 reduces every micro-step: that is what keeps full gradients from persisting.
+        self.reducing = sync or self.stage == 2
+        self._next = 0
+        for st in self.states:
+            st.pending = len(st.bucket.segments)
+            st.seen = set()
+
+    @torch.no_grad()
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        st, seg = self._slot[id(param)]
+        grad = param.grad.reshape(-1)
+        if self.stage == 1:
+            st.full[seg.offset:seg.offset + seg.numel].add_(grad)
+        else:
+            if st.staging is None:
+                st.staging = torch.zeros(st.bucket.padded, dtype=self.comm_dtype or self.grad_dtype,
+                                         device=grad.device)
+            st.staging[seg.offset:seg.offset + seg.numel].add_(grad)
+        param.grad = None
+        st.seen.add(seg.param)
+        if self.reducing:
+            st.pending -= 1
+            while self._next < len(self.states) and self.states[self._next].pending <= 0:
+                self._launch(self.states[self._next])
+                self._next += 1
+
+    def _launch(self, st: _BucketState) -> None:
+        if st.full is not None:  # stage 1
+            src = st.full if self.comm_dtype in (None, st.full.dtype) else st.full.to(self.comm_dtype)
+        else:
+            if st.staging is None:  # nothing used this bucket here; still take part in the collective
+                st.staging = torch.zeros(st.bucket.padded, dtype=self.comm_dtype or self.grad_dtype,
+                                         device=st.grad_chunk.device)
+            src = st.staging
+        if self.pre != 1.0:
+            src.mul_(self.pre)
+        # stage 1 in its own dtype reduces in place into its chunk; otherwise into a fresh chunk
+        st.out = st.grad_chunk if src is st.full else torch.empty(st.bucket.chunk, dtype=src.dtype,
+                                                                   device=src.device)
+        st.handle = comm.reduce_scatter_tensor(st.out, src, op="sum", group=self.group, async_op=True)
+        if not self.overlap_comm:
+            self._complete(st)
+
+    @torch.no_grad()
+    def _complete(self, st: _BucketState) -> None:
+        if st.handle is None:
+            return
+        st.handle.wait()
+        st.handle = None
+        if self.post != 1.0:
+            st.out.mul_(self.post)
+        if st.out is not st.grad_chunk:
+            if st.full is not None:
+                st.grad_chunk.copy_(st.out)
+            else:
+                st.grad_chunk.add_(st.out)
+        st.out = st.staging = None
+
+    def end_micro_step(self) -> None:
+        """Called by engine.step() after every backward: stage 2 settles this micro-step's reductions."""
+        if self.stage == 2:
+            self.finish_reduction()
+
+    def finish_reduction(self) -> None:
+        if not self.reducing:
+            return
+        self._check_unused()
+        while self._next < len(self.states):
+            self._launch(self.states[self._next])
+            self._next += 1
+        for st in self.states:
+            self._complete(st)
+        self.reducing = False
+
+    def _check_unused(self) -> None:
+        if self.ignore_unused:
+            return
+        names = [f"group {gi} param {i} (shape {tuple(fg.params[i].shape)})" for gi, fg in enumerate(self.flat)
+                 for i in range(len(fg.params)) if not any(i in st.seen for st in self.states if st.group is fg)]
+        if names:
+            raise RuntimeError("parameters received no gradient this step: " + "; ".join(names[:5]) +
+                               " — set zero_optimization.ignore_unused_parameters to true to allow this")
+
+    # -- step --------------------------------------------------------------------------------------
+    def global_grad_norm(self) -> float:
+        """L2 norm of the full reduced gradient: local chunks' squared norms, all-reduced once."""
+        local = torch.zeros((), dtype=torch.float64, device=self.states[0].grad_chunk.device) if self.states \
+            else torch.zeros((), dtype=torch.float64)
+        for st in self.states:
+            local += torch.linalg.vector_norm(st.grad_chunk.double()) ** 2
+        comm.all_reduce(local, op="sum", group=self.group)
+        return math.sqrt(float(local))
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
+        """Scale gradients by `coef`, step the optimizer over each sub-group, refresh parameters."""
+        for st in self.states:
+            if coef != 1.0:
+                st.grad_chunk.mul_(coef)
+        for sub in self.sub_groups:
+            # Parameters whose .grad is None are skipped by torch optimizers: stepping one sub-group at
+            # a time bounds the optimizer's temporary memory to sub_group_size elements.
+            for m in sub:
+                g = self._master_grads[id(m)]
+                m.grad = g if g.dtype == m.dtype else g.to(m.dtype)
+            optimizer.step()
+            for m in sub:
+                m.grad = None
+        for fg in self.flat:
+            fg.write_masters_to_params()
+        self._all_gather_params()
+
+    def _all_gather_params(self) -> None:
+        in_flight: list[tuple[comm.Handle, int]] = []
+        flying = 0
+        for fg in self.flat:
+            for bucket, buffer in zip(fg.buckets, fg.param_buffers):
+                while in_flight and flying + bucket.padded > self.allgather_bucket_size:
+                    handle, n = in_flight.pop(0)
+                    handle.wait()
+                    flying -= n
+                in_flight.append((comm.all_gather_into_tensor(buffer, fg.chunk(bucket, buffer),
+                                                              group=self.group, async_op=True), bucket.padded))
+                flying += bucket.padded
+        for handle, _ in in_flight:
+            handle.wait()
+
+    def zero_grads(self) -> None:
+        for st in self.states:
+            (st.full if st.full is not None else st.grad_chunk).zero_()
+
+    # -- introspection -----------------------------------------------------------------------------
+    def memory_breakdown(self, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+        params = sum(b.nbytes for fg in self.flat for b in fg.param_buffers)
+        grads = sum((st.full if st.full is not None else st.grad_chunk).nbytes for st in self.states)
+        buffer_ptrs = {b.data_ptr() for fg in self.flat for b in fg.param_buffers}
+        masters = sum(m.nbytes for fg in self.flat for m in fg.masters
+                      if m.untyped_storage().data_ptr() not in buffer_ptrs)
+        return {"parameters": params, "gradients": grads, "master_weights": masters,
+                "optimizer_states": optimizer_state_bytes(optimizer)}
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    if optimizer is None:
+        return 0
+    return sum(v.nbytes for state in optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)

@@ -1,0 +1,60 @@
+"""ZeRO stage 0 as a strategy: replicated optimizer, bucketed gradient all-reduce (plain data parallel)."""
+from __future__ import annotations
+
+import torch
+
+from zerospeed.precision.master import MasterWeights
+from zerospeed.runtime.data_parallel import GradientAllReducer
+from zerospeed.runtime.grad_math import global_norm
+from zerospeed.zero.sharded import optimizer_state_bytes
+
+
+class DataParallelStrategy:
+    stage = 0
+
+    def __init__(self, groups: list[dict], *, mixed: bool, **reducer_kwargs):
+        self.groups = groups
+        params = [p for g in groups for p in g["params"]]
+        self.master = MasterWeights(params, mixed=mixed)
+        self.reducer = GradientAllReducer(params, **reducer_kwargs)
+
+    def optimizer_param_groups(self) -> list[dict]:
+        return self.master.map_param_groups(self.groups)
+
+    def retarget(self, optimizer: torch.optim.Optimizer) -> None:
+        self.master.retarget_optimizer(optimizer)
+
+    def begin_backward(self, sync: bool) -> None:
+        self.reducer.begin_backward(sync)
+
+    def end_micro_step(self) -> None:
+        pass
+
+    def finish_reduction(self) -> None:
+        self.reducer.finish()
+
+    def global_grad_norm(self) -> float:
+        # The buffers already hold the all-reduced gradient: the local norm is the global one.
+        return global_norm(self.reducer.buffers())
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
+        if coef != 1.0:
+            for buf in self.reducer.buffers():
+                buf.mul_(coef)
+        pairs = [(self.master.master_of(p), g) for p, g in self.reducer.grads()]
+        for m, g in pairs:
+            m.grad = g if g.dtype == m.dtype else g.to(m.dtype)
+        optimizer.step()
+        for m, _ in pairs:
+            m.grad = None
+        self.master.copy_to_model()
+
+    def zero_grads(self) -> None:
+        self.reducer.zero()
+
+    def memory_breakdown(self, optimizer) -> dict[str, int]:
+        params = sum(p.nbytes for p in self.master.model_params)
+        masters = sum(m.nbytes for m in self.master.masters) if self.master.mixed else 0
+        return {"parameters": params, "gradients": sum(b.nbytes for b in self.reducer.buffers()),
+                "master_weights": masters, "optimizer_states": optimizer_state_bytes(optimizer)}
