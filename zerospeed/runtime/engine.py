@@ -220,6 +220,26 @@ class Engine(torch.nn.Module):
             optim_bytes=OPTIMIZER_STATE_BYTES[optimizer_kind(self.optimizer)] if self.optimizer else 0)
         return {"measured": measured, "predicted": predicted}
 
+    # -- checkpoints (zerospeed.checkpoint does the work) ----------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False):
+        from zerospeed.checkpoint import save_checkpoint
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):
+        """Restore a checkpoint (any world size, stage 0-2); returns (load_path, client_state)."""
+        from zerospeed.checkpoint import load_checkpoint
+        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin"):
+        from zerospeed.checkpoint import save_16bit_model
+        return save_16bit_model(self, save_dir, save_filename)
+
     # -- module passthrough ------------------------------------------------------------------------
     def train(self, mode: bool = True):
         self.module.train(mode)

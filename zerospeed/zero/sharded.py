@@ -23,6 +23,7 @@ from zerospeed import comm
 from zerospeed.runtime.grad_math import reduction_factors
 from zerospeed.zero.flat_group import FlatParamGroup
 from zerospeed.zero.partition import Bucket, group_sub_groups
+from zerospeed.zero.shards import Piece, ShardEntry
 
 
 @dataclass
@@ -224,6 +225,33 @@ class ShardedStrategy:
     def zero_grads(self) -> None:
         for st in self.states:
             (st.full if st.full is not None else st.grad_chunk).zero_()
+
+    # -- checkpoint support ------------------------------------------------------------------------
+    def shard_entries(self, names: dict[int, str]) -> list[ShardEntry]:
+        """This rank's masters (one per bucket chunk) and the parameter pieces each holds."""
+        out = []
+        for fg in self.flat:
+            for bucket, master in zip(fg.buckets, fg.masters):
+                pieces = [Piece(names[id(fg.params[s.param])], s.param_offset, s.offset, s.numel)
+                          for s in bucket.rank_segments(fg.rank)]
+                out.append(ShardEntry(master, pieces))
+        return out
+
+    @torch.no_grad()
+    def sync_params_from_masters(self) -> None:
+        """After masters were overwritten (a checkpoint load): refresh every rank's full parameters."""
+        for fg in self.flat:
+            fg.write_masters_to_params()
+        self._all_gather_params()
+
+    @torch.no_grad()
+    def load_masters_from_params(self) -> None:
+        """Masters from the model's (possibly 16-bit) parameters — a module-only load."""
+        for fg in self.flat:
+            for bucket, buffer, master in zip(fg.buckets, fg.param_buffers, fg.masters):
+                chunk = fg.chunk(bucket, buffer)
+                if chunk.data_ptr() != master.data_ptr():
+                    master.copy_(chunk)
 
     # -- introspection -----------------------------------------------------------------------------
     def memory_breakdown(self, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:

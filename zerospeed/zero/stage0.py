@@ -7,6 +7,7 @@ from zerospeed.precision.master import MasterWeights
 from zerospeed.runtime.data_parallel import GradientAllReducer
 from zerospeed.runtime.grad_math import global_norm
 from zerospeed.zero.sharded import optimizer_state_bytes
+from zerospeed.zero.shards import Piece, ShardEntry
 
 
 class DataParallelStrategy:
@@ -52,6 +53,19 @@ class DataParallelStrategy:
 
     def zero_grads(self) -> None:
         self.reducer.zero()
+
+    def shard_entries(self, names: dict[int, str]) -> list[ShardEntry]:
+        """Every master is a whole parameter, held identically by every rank."""
+        return [ShardEntry(m, [Piece(names[id(p)], 0, 0, p.numel())])
+                for p, m in zip(self.master.model_params, self.master.masters)]
+
+    def sync_params_from_masters(self) -> None:
+        self.master.copy_to_model()
+
+    @torch.no_grad()
+    def load_masters_from_params(self) -> None:
+        if self.master.mixed:
+            torch._foreach_copy_(self.master.masters, self.master.model_params)
 
     def memory_breakdown(self, optimizer) -> dict[str, int]:
         params = sum(p.nbytes for p in self.master.model_params)
