@@ -1,6 +1,7 @@
-"""Training-step benchmark: zerospeed (ZeRO stage 0) against PyTorch DDP, and DeepSpeed if installed.
+"""Training-step benchmark: zerospeed ZeRO stages 0-2 against PyTorch DDP (+ZeRO-1) and DeepSpeed.
 
     python benchmarks/bench_step.py --nproc 2 --steps 10 --warmup 3 --out benchmarks/results.md
+    python benchmarks/bench_step.py --variants zs1,zs2,ddp_zero,ds1,ds2   # a subset
 
 Each variant runs as ``--nproc`` fresh processes (RANK/WORLD_SIZE/MASTER_ADDR/... in the
 environment, gloo on CPU, NCCL on GPU), one variant at a time, with the same OMP_NUM_THREADS
@@ -8,7 +9,9 @@ environment, gloo on CPU, NCCL on GPU), one variant at a time, with the same OMP
 same micro batch, gradient accumulation, AdamW and clipping, so the losses should agree and only
 the step machinery differs. The table reports, per variant: the median over the measured optimizer
 steps of the slowest rank's step time, tokens/s derived from it, peak memory per rank (CPU: peak
-RSS, CUDA: max allocated), the final loss, and ratios against DDP.
+RSS, CUDA: max allocated), the final loss, its largest gap to DDP's, and ratios against DDP. For the
+zerospeed variants a second table breaks the measured steps' communication down per collective
+kind (from ``zerospeed.comm.STATS``): calls, bytes on the wire per rank and seconds, per step.
 """
 
 from __future__ import annotations
@@ -30,7 +33,22 @@ from pathlib import Path
 import torch
 
 WORKER = Path(__file__).resolve().parent / "workers.py"
-VARIANTS = ("zerospeed", "ddp", "deepspeed")
+VARIANTS = ("zs0", "zs1", "zs2", "ddp", "ddp_zero", "ds0", "ds1", "ds2")
+ALIASES = {"zerospeed": "zs0", "deepspeed": "ds0"}  # the names of the stage-0-only benchmark
+STAGE = {"zs0": 0, "zs1": 1, "zs2": 2, "ds0": 0, "ds1": 1, "ds2": 2, "ddp": 0, "ddp_zero": 0}
+
+
+def resolve_variants(text: str) -> list[str]:
+    """Comma-separated names (aliases allowed) -> canonical variants, first occurrence order kept.
+
+    Raises ValueError naming any unknown name.
+    """
+    names = [ALIASES.get(v.strip(), v.strip()) for v in text.split(",") if v.strip()]
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)} "
+                         f"(aliases: {ALIASES})")
+    return list(dict.fromkeys(names))
 
 
 def parse_args() -> argparse.Namespace:
@@ -44,16 +62,24 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=2, help="gradient accumulation steps")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--corpus-bytes", type=int, default=4_000_000)
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="comma-separated subset of " + ",".join(VARIANTS) + " (zerospeed = zs0, deepspeed = ds0)")
+    p.add_argument("--reduce-bucket-size", type=int, default=500_000_000,
+                   help="zero_optimization.reduce_bucket_size (elements) for zs* and ds*")
+    p.add_argument("--allgather-bucket-size", type=int, default=500_000_000,
+                   help="zero_optimization.allgather_bucket_size (elements) for stages 1 and 2")
+    p.add_argument("--overlap-comm", choices=("true", "false"), default="true",
+                   help="zero_optimization.overlap_comm for stages 1 and 2 (zerospeed and DeepSpeed alike)")
     p.add_argument("--repeats", type=int, default=1,
                    help="run every variant this many times, alternating the order; steps are pooled")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per variant")
     p.add_argument("--out", type=Path, default=None, help="append the table and machine description here")
     args = p.parse_args()
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted(set(args.variants) - set(VARIANTS))
-    if unknown:
-        p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+    try:
+        args.variants = resolve_variants(args.variants)
+    except ValueError as e:
+        p.error(str(e))
+    args.overlap_comm = args.overlap_comm == "true"
     if args.steps < 1 or args.warmup < 0 or args.nproc < 1 or args.repeats < 1:
         p.error("need --steps >= 1, --warmup >= 0, --nproc >= 1 and --repeats >= 1")
     return args
@@ -67,16 +93,17 @@ def free_port() -> int:
 
 def launch(variant: str, args: argparse.Namespace, workdir: Path, threads: int) -> list[dict]:
     """Run one variant on nproc processes; return each rank's result, or raise with the failing log."""
-    spec = {"variant": variant, "out_dir": str(workdir)} | {
+    spec = {"variant": variant, "stage": STAGE[variant], "out_dir": str(workdir)} | {
         k: getattr(args, k) for k in ("steps", "warmup", "model_size", "seq_len", "micro_batch",
-                                      "grad_accum", "seed", "corpus_bytes")}
+                                      "grad_accum", "seed", "corpus_bytes", "reduce_bucket_size",
+                                      "allgather_bucket_size", "overlap_comm")}
     port, procs = free_port(), []
     for rank in range(args.nproc):
         env = os.environ | {
             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(args.nproc),
             "LOCAL_WORLD_SIZE": str(args.nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": str(threads)}
-        if variant == "deepspeed" and not torch.cuda.is_available():
+        if variant.startswith("ds") and not torch.cuda.is_available():
             env["DS_ACCELERATOR"] = "cpu"
         log = open(workdir / f"{variant}.rank{rank}.log", "w")
         procs.append((subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)], env=env,
@@ -121,7 +148,25 @@ def summarize(runs: list[list[dict]], tokens_per_step: int) -> dict:
     median = statistics.median(per_step)
     peaks = [max(ranks[r]["peak_memory"] for ranks in runs) for r in range(len(runs[0]))]
     return {"median_step_s": median, "tokens_per_s": tokens_per_step / median, "peak_memory": peaks,
-            "losses": runs[0][0]["losses"], "threads": runs[0][0]["threads"]}
+            "losses": runs[0][0]["losses"], "threads": runs[0][0]["threads"], "comm": comm_per_step(runs)}
+
+
+def comm_per_step(runs: list[list[dict]]) -> dict[str, dict[str, float]]:
+    """Per collective kind, per measured step: calls, payload and wire bytes (rank 0's; every rank
+    sends the same), and seconds (the slowest rank's). Empty when the workers sent no counters."""
+    if not all("comm" in r for ranks in runs for r in ranks):
+        return {}
+    steps = sum(len(ranks[0]["step_times"]) for ranks in runs)
+
+    def total(kind: str, field: str, rank: int) -> float:
+        return sum(ranks[rank]["comm"].get(kind, {}).get(field, 0) for ranks in runs)
+
+    kinds = sorted({k for ranks in runs for r in ranks for k in r["comm"]})
+    return {kind: {"calls": total(kind, "calls", 0) / steps,
+                   "payload_bytes": total(kind, "payload_bytes", 0) / steps,
+                   "wire_bytes": total(kind, "wire_bytes", 0) / steps,
+                   "seconds": max(total(kind, "seconds", r) for r in range(len(runs[0]))) / steps}
+            for kind in kinds}
 
 
 def mib(n: float) -> str:
@@ -131,21 +176,49 @@ def mib(n: float) -> str:
 def table(results: dict[str, dict], notes: list[str]) -> str:
     base = results.get("ddp")
     lines = ["| variant | median step (ms) | tokens/s | peak memory per rank (MiB) | final loss "
-             "| step time / DDP | tokens/s / DDP | peak memory / DDP |",
-             "|---|---:|---:|---|---:|---:|---:|---:|"]
+             "| max \\|Δloss\\| vs DDP | step time / DDP | tokens/s / DDP | peak memory / DDP |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
-        ratios = ["—"] * 3
+        ratios, gap = ["—"] * 3, "—"
         if base:
             ratios = [f"{r['median_step_s'] / base['median_step_s']:.2f}",
                       f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}",
                       f"{max(r['peak_memory']) / max(base['peak_memory']):.2f}"]
+            gap = f"{max(abs(a - b) for a, b in zip(r['losses'], base['losses'])):.1e}"
         lines.append(f"| {name} | {1000 * r['median_step_s']:.1f} | {r['tokens_per_s']:,.0f} | "
-                     f"{' / '.join(mib(m) for m in r['peak_memory'])} | {r['losses'][-1]:.4f} | "
+                     f"{' / '.join(mib(m) for m in r['peak_memory'])} | {r['losses'][-1]:.4f} | {gap} | "
                      + " | ".join(ratios) + " |")
-    if "zerospeed" in results and base:
-        diff = max(abs(a - b) for a, b in zip(results["zerospeed"]["losses"], base["losses"]))
-        notes.append(f"max |loss(zerospeed) - loss(DDP)| over all {len(base['losses'])} steps, rank 0: {diff:.2e}")
+    if base:
+        notes.append(f"Δloss: rank 0's mean micro-batch loss per step, over all {len(base['losses'])} steps "
+                     "(warm-up included)")
     return "\n".join(lines + [""] + [f"- {n}" for n in notes])
+
+
+def comm_table(results: dict[str, dict]) -> str:
+    """Where the time goes: the zerospeed variants' collectives per measured step."""
+    rows = [(name, kind, c, r["median_step_s"]) for name, r in results.items()
+            for kind, c in r["comm"].items()]
+    if not rows:
+        return ""
+    lines = ["| variant | collective | calls/step | payload/step (MiB) | wire/step per rank (MiB) "
+             "| ms/step (slowest rank) | % of median step |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for name, kind, c, step_s in rows:
+        lines.append(f"| {name} | {kind} | {c['calls']:.1f} | {c['payload_bytes'] / 2**20:,.2f} | "
+                     f"{c['wire_bytes'] / 2**20:,.2f} | {1000 * c['seconds']:.2f} | "
+                     f"{100 * c['seconds'] / step_s:.0f} |")
+    for name, r in results.items():
+        if r["comm"]:
+            wire = sum(c["wire_bytes"] for c in r["comm"].values())
+            lines.append(f"| {name} | **total** | {sum(c['calls'] for c in r['comm'].values()):.1f} | "
+                         f"{sum(c['payload_bytes'] for c in r['comm'].values()) / 2**20:,.2f} | "
+                         f"{wire / 2**20:,.2f} | {1000 * sum(c['seconds'] for c in r['comm'].values()):.2f} | "
+                         f"{100 * sum(c['seconds'] for c in r['comm'].values()) / r['median_step_s']:.0f} |")
+    note = ("- comm counters (zerospeed.comm.STATS) reset after warm-up; wire = bytes one rank sends under "
+            "ring algorithms; ms run from issue to the result being usable, so overlapped collectives "
+            "(stage 0 always, stages 1-2 with overlap_comm) show latency, not necessarily lost time, "
+            "and kinds can add up past 100 %")
+    return "Communication per optimizer step (zerospeed variants)\n\n" + "\n".join(lines) + "\n\n" + note + "\n"
 
 
 def machine() -> str:
@@ -190,18 +263,23 @@ def main() -> None:
     tokens_per_step = args.micro_batch * args.grad_accum * args.nproc * args.seq_len
     notes: list[str] = []
     variants = list(args.variants)
-    if "deepspeed" in variants and importlib.util.find_spec("deepspeed") is None:
-        variants.remove("deepspeed")
-        notes.append("deepspeed: skipped (not installed; `pip install deepspeed` to include it)")
+    skipped = [v for v in variants if v.startswith("ds")]
+    if skipped and importlib.util.find_spec("deepspeed") is None:
+        variants = [v for v in variants if v not in skipped]
+        notes.append(f"{', '.join(skipped)}: skipped (deepspeed not installed; `pip install deepspeed` "
+                     "to include them)")
     runs = run_variants(args, variants, threads, notes)
     results = {v: summarize(runs[v], tokens_per_step) for v in variants if v in runs}
     header = (f"### bench_step — {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}\n\n"
               f"{args.model_size} GPT, seq {args.seq_len}, micro batch {args.micro_batch} x accum "
               f"{args.grad_accum} x {args.nproc} ranks = {tokens_per_step:,} tokens/step; "
               f"{args.steps} measured steps after {args.warmup} warm-up, x {args.repeats} repeat(s); "
-              f"OMP_NUM_THREADS={threads}\n\n"
+              f"OMP_NUM_THREADS={threads}; zero_optimization: reduce_bucket_size "
+              f"{args.reduce_bucket_size:,}, allgather_bucket_size {args.allgather_bucket_size:,}, "
+              f"overlap_comm {str(args.overlap_comm).lower()} (stages 1-2)\n\n"
               f"Machine: {machine()}\n\n")
-    text = header + table(results, notes) + "\n"
+    comm_text = comm_table(results)
+    text = header + table(results, notes) + "\n" + ("\n" + comm_text if comm_text else "")
     print(text)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

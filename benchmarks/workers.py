@@ -5,7 +5,12 @@
 Every variant trains the same GPT from the same seed on the same micro-batches (a
 DistributedSampler over the stdlib corpus, built here rather than by the engine, so only the
 training step differs), and writes ``<out_dir>/<variant>.rank<r>.json`` with its optimizer-step
-times, losses and peak memory.
+times, losses and peak memory — and, for the zerospeed variants, the comm gateway's counters over the
+measured steps.
+
+Variants: ``zs0``/``zs1``/``zs2`` (zerospeed at ZeRO stage 0/1/2), ``ds0``/``ds1``/``ds2`` (DeepSpeed
+with the same config), ``ddp`` (PyTorch DDP + AdamW) and ``ddp_zero`` (DDP + PyTorch's
+ZeroRedundancyOptimizer around AdamW, i.e. PyTorch's own ZeRO-1).
 """
 
 from __future__ import annotations
@@ -48,6 +53,18 @@ def micro_batches(spec: dict, rank: int, world: int) -> Iterator[tuple[torch.Ten
     return iter(loader)
 
 
+def zero_section(spec: dict) -> dict:
+    """``zero_optimization`` for the spec's stage; identical for zerospeed and DeepSpeed.
+
+    Stage 0 gets only the reduce bucket: neither library reads the all-gather bucket or
+    ``overlap_comm`` there (zerospeed's stage 0 always overlaps its all-reduce with backward).
+    """
+    zero = {"stage": spec["stage"], "reduce_bucket_size": spec["reduce_bucket_size"]}
+    if spec["stage"] > 0:
+        zero |= {"allgather_bucket_size": spec["allgather_bucket_size"], "overlap_comm": spec["overlap_comm"]}
+    return zero
+
+
 def ds_config(spec: dict, torch_adam: bool) -> dict:
     """The DeepSpeed config shared by the zerospeed and DeepSpeed variants (no LR schedule)."""
     params = {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY}
@@ -58,18 +75,23 @@ def ds_config(spec: dict, torch_adam: bool) -> dict:
         "gradient_accumulation_steps": spec["grad_accum"],
         "gradient_clipping": CLIP,
         "optimizer": {"type": "AdamW", "params": params},
-        "zero_optimization": {"stage": 0},
+        "zero_optimization": zero_section(spec),
         "steps_per_print": 10**9,
     }
 
 
 def timed_steps(spec: dict, batches, micro_step: Callable, optimizer_step: Callable,
-                sync: Callable[[], None]) -> dict:
-    """Run warmup + steps optimizer steps; time each from its first micro-batch to the update."""
+                sync: Callable[[], None], on_measure: Callable[[], None] = lambda: None) -> dict:
+    """Run warmup + steps optimizer steps; time each from its first micro-batch to the update.
+
+    ``on_measure`` runs once, after the warm-up and before the first measured step (counter resets).
+    """
     times, losses = [], []
     gas = spec["grad_accum"]
-    for _ in range(spec["warmup"] + spec["steps"]):
+    for i in range(spec["warmup"] + spec["steps"]):
         sync()
+        if i == spec["warmup"]:
+            on_measure()
         start, total = time.perf_counter(), 0.0
         for k in range(gas):
             x, y = next(batches)
@@ -88,7 +110,11 @@ def peak_memory(device: torch.device) -> int:
 
 
 def run_engine(spec: dict, rank: int, world: int, lib) -> dict:
-    """zerospeed or DeepSpeed: the same DeepSpeed-style loop, the library swapped."""
+    """zerospeed or DeepSpeed: the same DeepSpeed-style loop, the library swapped.
+
+    For zerospeed the comm gateway's counters are reset after the warm-up and returned under
+    ``"comm"`` ({kind: {calls, payload_bytes, wire_bytes, seconds, algbw_GBps}}, all measured steps).
+    """
     use_torch_adam = lib.__name__ == "deepspeed"
     if use_torch_adam:
         lib.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
@@ -106,20 +132,33 @@ def run_engine(spec: dict, rank: int, world: int, lib) -> dict:
         return loss.item()
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    result = timed_steps(spec, micro_batches(spec, rank, world), micro_step, lambda: None, sync)
+    stats = None if use_torch_adam else lib.comm.STATS
+    result = timed_steps(spec, micro_batches(spec, rank, world), micro_step, lambda: None, sync,
+                         on_measure=stats.reset if stats is not None else (lambda: None))
+    if stats is not None:
+        result["comm"] = stats.snapshot()
     return result | {"peak_memory": peak_memory(device)}
 
 
-def run_ddp(spec: dict, rank: int, world: int) -> dict:
-    """The plain PyTorch baseline: DDP, no_sync on non-boundary micro-steps, AdamW, clipping."""
+def run_ddp(spec: dict, rank: int, world: int, zero: bool) -> dict:
+    """The PyTorch baseline: DDP, no_sync on non-boundary micro-steps, AdamW, clipping.
+
+    With ``zero`` the AdamW is wrapped in ``ZeroRedundancyOptimizer`` (PyTorch's ZeRO-1: each rank
+    keeps and steps the optimizer state of its share of the parameters, then broadcasts them).
+    """
     import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     cuda = torch.cuda.is_available() and os.environ.get("ZEROSPEED_ACCELERATOR", "") != "cpu"
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     model = DDP(build_model(spec).to(device), device_ids=[device.index] if cuda else None)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    hparams = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    if zero:
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **hparams)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), **hparams)
     gas = spec["grad_accum"]
 
     def micro_step(x, y, boundary):
@@ -143,16 +182,17 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    if spec["variant"] == "ddp":
-        result = run_ddp(spec, rank, world)
-    elif spec["variant"] == "zerospeed":
+    variant = spec["variant"]
+    if variant in ("ddp", "ddp_zero"):
+        result = run_ddp(spec, rank, world, zero=variant == "ddp_zero")
+    elif variant in ("zs0", "zs1", "zs2"):
         import zerospeed
         result = run_engine(spec, rank, world, zerospeed)
-    elif spec["variant"] == "deepspeed":
+    elif variant in ("ds0", "ds1", "ds2"):
         import deepspeed
         result = run_engine(spec, rank, world, deepspeed)
     else:
-        raise ValueError(f"unknown variant {spec['variant']!r}")
+        raise ValueError(f"unknown variant {variant!r}")
     out = Path(spec["out_dir"]) / f"{spec['variant']}.rank{rank}.json"
     out.write_text(json.dumps(result | {"rank": rank, "threads": torch.get_num_threads()}))
 
