@@ -195,25 +195,20 @@ def table(results: dict[str, dict], notes: list[str]) -> str:
 
 
 def comm_table(results: dict[str, dict]) -> str:
-    """Where the time goes: the zerospeed variants' collectives per measured step."""
-    rows = [(name, kind, c, r["median_step_s"]) for name, r in results.items()
-            for kind, c in r["comm"].items()]
-    if not rows:
-        return ""
+    """Where the time goes: the zerospeed variants' collectives per measured step, one total row each."""
     lines = ["| variant | collective | calls/step | payload/step (MiB) | wire/step per rank (MiB) "
              "| ms/step (slowest rank) | % of median step |",
              "|---|---|---:|---:|---:|---:|---:|"]
-    for name, kind, c, step_s in rows:
-        lines.append(f"| {name} | {kind} | {c['calls']:.1f} | {c['payload_bytes'] / 2**20:,.2f} | "
-                     f"{c['wire_bytes'] / 2**20:,.2f} | {1000 * c['seconds']:.2f} | "
-                     f"{100 * c['seconds'] / step_s:.0f} |")
     for name, r in results.items():
-        if r["comm"]:
-            wire = sum(c["wire_bytes"] for c in r["comm"].values())
-            lines.append(f"| {name} | **total** | {sum(c['calls'] for c in r['comm'].values()):.1f} | "
-                         f"{sum(c['payload_bytes'] for c in r['comm'].values()) / 2**20:,.2f} | "
-                         f"{wire / 2**20:,.2f} | {1000 * sum(c['seconds'] for c in r['comm'].values()):.2f} | "
-                         f"{100 * sum(c['seconds'] for c in r['comm'].values()) / r['median_step_s']:.0f} |")
+        if not r["comm"]:
+            continue
+        total = {f: sum(c[f] for c in r["comm"].values()) for f in ("calls", "payload_bytes", "wire_bytes", "seconds")}
+        for kind, c in [*r["comm"].items(), ("**total**", total)]:
+            lines.append(f"| {name} | {kind} | {c['calls']:.1f} | {c['payload_bytes'] / 2**20:,.3f} | "
+                         f"{c['wire_bytes'] / 2**20:,.3f} | {1000 * c['seconds']:.2f} | "
+                         f"{100 * c['seconds'] / r['median_step_s']:.0f} |")
+    if len(lines) == 2:
+        return ""
     note = ("- comm counters (zerospeed.comm.STATS) reset after warm-up; wire = bytes one rank sends under "
             "ring algorithms; ms run from issue to the result being usable, so overlapped collectives "
             "(stage 0 always, stages 1-2 with overlap_comm) show latency, not necessarily lost time, "

@@ -1,0 +1,15 @@
+"""Checkpoints: sharded save/load that reshards to any world size and ZeRO stage, crash-safe writes,
+and consolidation to one fp32 state dict (safetensors or torch) without processes.
+
+The engine's `save_checkpoint` / `load_checkpoint` / `save_16bit_model` methods call the functions
+of the same names here. See docs/checkpoints.md for the file layout and guarantees.
+"""
+from zerospeed.checkpoint.consolidate import (convert_zero_checkpoint_to_fp32_state_dict,
+                                              get_fp32_state_dict_from_zero_checkpoint,
+                                              load_state_dict_from_zero_checkpoint)
+from zerospeed.checkpoint.errors import CheckpointError
+from zerospeed.checkpoint.load import load_checkpoint
+from zerospeed.checkpoint.save import save_16bit_model, save_checkpoint
+
+__all__ = ["CheckpointError", "convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
+           "load_checkpoint", "load_state_dict_from_zero_checkpoint", "save_16bit_model", "save_checkpoint"]

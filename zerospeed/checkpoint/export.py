@@ -1,0 +1,132 @@
+"""Writing a consolidated state dict the way Hugging Face `save_pretrained` lays it out.
+
+One file (`model.safetensors`, or `pytorch_model.bin` without safe serialization) when it fits in
+`max_shard_size`, else numbered shards (`model-00001-of-00003.safetensors`) plus an index
+(`model.safetensors.index.json`: {"metadata": {"total_size": bytes}, "weight_map": {name: file}}).
+Tied tensors: a safetensors file cannot hold two names for one memory, so an alias is stored once,
+under its first name, and listed in the file metadata and the index ("tied": {alias: name});
+torch.save keeps the sharing by itself, so a .bin shard holds both names.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from zerospeed.checkpoint.atomic import atomic_torch_save, atomic_write_text
+from zerospeed.checkpoint.safetensors_io import read_safetensors, write_safetensors
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in `size`: an int, or a string like "5GB" (10^9 units) or "500MiB" (2^20 units)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(size))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"max_shard_size {size!r}: expected bytes or a size like '5GB', '500MB', '2GiB'")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"max_shard_size must be positive, got {size!r}")
+    return value
+
+
+def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Names grouped into consecutive shards of at most `max_bytes` (a larger tensor gets its own)."""
+    shards: list[list[str]] = []
+    filled = 0
+    for name, n in sizes:
+        if not shards or filled + n > max_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append(name)
+        filled += n
+    return shards
+
+
+def shard_name(stem: str, ext: str, index: int, count: int) -> str:
+    return f"{stem}-{index + 1:05d}-of-{count:05d}.{ext}"
+
+
+def split_aliases(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors under their first name, {alias: first name}) — an alias views the same memory."""
+    first: dict[tuple, str] = {}
+    unique, aliases = {}, {}
+    for k, v in state_dict.items():
+        key = ((v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype) if v.numel()
+               else ("empty", k))
+        if key in first:
+            aliases[k] = first[key]
+        else:
+            first[key] = k
+            unique[k] = v
+    return unique, aliases
+
+
+def export_state_dict(state_dict: dict[str, torch.Tensor], output_dir, *, max_shard_size: int | str = "5GB",
+                      safe_serialization: bool = True) -> list[Path]:
+    """Write `state_dict` into `output_dir`; returns the paths written (the index last, when sharded)."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    unique, aliases = split_aliases(state_dict)
+    stem, ext = ("model", "safetensors") if safe_serialization else ("pytorch_model", "bin")
+    shards = plan_shards([(k, v.nbytes) for k, v in unique.items()], parse_size(max_shard_size))
+    files = [f"{stem}.{ext}"] if len(shards) <= 1 else [shard_name(stem, ext, i, len(shards)) for i in range(len(shards))]
+    owner = {k: files[i] for i, names in enumerate(shards) for k in names}
+    written = []
+    for i, names in enumerate(shards or [[]]):
+        members = set(names)
+        tied_here = {a: c for a, c in aliases.items() if c in members}
+        path = out / files[i]
+        if safe_serialization:
+            write_safetensors(path, {k: unique[k] for k in names},
+                              {"format": "pt", **({"tied": json.dumps(tied_here)} if tied_here else {})})
+        else:
+            atomic_torch_save({k: v for k, v in state_dict.items() if k in members or k in tied_here}, path)
+        written.append(path)
+    index = out / f"{stem}.{ext}.index.json"
+    if len(shards) > 1:
+        weight_map = dict(owner)
+        if not safe_serialization:
+            weight_map.update({a: owner[c] for a, c in aliases.items()})
+        body = {"metadata": {"total_size": sum(v.nbytes for v in unique.values()), "tied": aliases},
+                "weight_map": weight_map}
+        atomic_write_text(index, json.dumps(body, indent=1) + "\n")
+        written.append(index)
+        (out / f"{stem}.{ext}").unlink(missing_ok=True)  # a stale single file would shadow the shards
+    else:
+        index.unlink(missing_ok=True)
+    return written
+
+
+def read_exported(output_dir) -> dict[str, torch.Tensor]:
+    """Read back what `export_state_dict` wrote (either format, one file or shards); tied names share one tensor."""
+    out = Path(output_dir)
+    for stem, ext in (("model", "safetensors"), ("pytorch_model", "bin")):
+        single, index = out / f"{stem}.{ext}", out / f"{stem}.{ext}.index.json"
+        if index.is_file():
+            body = json.loads(index.read_text())
+            files = list(dict.fromkeys(body["weight_map"].values()))
+            return _read_files([out / f for f in files], ext, body.get("metadata", {}).get("tied", {}))
+        if single.is_file():
+            return _read_files([single], ext, {})
+    raise FileNotFoundError(f"{out} holds no model.safetensors, pytorch_model.bin or their index")
+
+
+def _read_files(paths: list[Path], ext: str, tied: dict[str, str]) -> dict[str, torch.Tensor]:
+    sd: dict[str, torch.Tensor] = {}
+    for path in paths:
+        if ext == "bin":
+            sd.update(torch.load(path, map_location="cpu", weights_only=True))
+            continue
+        tensors, metadata = read_safetensors(path)
+        sd.update(tensors)
+        tied = {**tied, **json.loads(metadata.get("tied", "{}"))}
+    for alias, name in tied.items():
+        sd[alias] = sd[name]
+    return sd

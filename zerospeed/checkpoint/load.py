@@ -1,0 +1,223 @@
+"""Loading: any checkpoint into an engine of any data-parallel world size and ZeRO stage 0-2.
+
+Every rank checks the manifest against its model and verifies the checksums of the files it will
+read; a problem on any rank becomes the same error on all of them. A rank whose entries have exactly
+the layout of one saved rank file (same world size and bucketing) copies that file's tensors; any
+other layout is filled from the universal form (full per-parameter tensors, universal.py) of just
+the parameters its entries touch. Masters are then written back into the model on every rank.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zerospeed import comm
+from zerospeed.checkpoint.errors import CheckpointError, raise_if_any_rank_failed
+from zerospeed.checkpoint.layout import RankFile, entry_groups, partition_from_manifest
+from zerospeed.checkpoint.manifest import check_model_compat, read_manifest, verify_files
+from zerospeed.checkpoint.naming import MODEL_STATES, CheckpointPaths, optim_states_name
+from zerospeed.checkpoint.rng import restore_rng_state
+from zerospeed.checkpoint.save import RESERVED_KEYS, _check_supported
+from zerospeed.checkpoint.tags import agree_on_tag, read_latest, resolve_tag_dir
+from zerospeed.checkpoint.universal import FP32, files_holding, load_universal
+from zerospeed.zero.shards import ShardEntry, fill_entry, parameter_names
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Plan:
+    tag_dir: Path
+    manifest: dict
+    entries: list[ShardEntry]
+    direct: RankFile | None  # a saved rank file laid out exactly like this rank's entries
+    names: set[str]  # trainable parameters this rank's entries hold pieces of
+    rng_file: str | None
+    files: list[str]  # everything this rank reads, to verify first
+
+
+def _matching_file(manifest: dict, entries: list[ShardEntry], rank: int) -> RankFile | None:
+    partition = partition_from_manifest(manifest)
+    if manifest["replicated"]:
+        candidate = partition[0]
+    elif rank < len(partition):
+        candidate = partition[rank]
+    else:
+        return None
+    same = len(candidate.entries) == len(entries) and all(
+        lay.numel == e.master.numel() and lay.pieces == tuple(e.pieces) for lay, e in zip(candidate.entries, entries))
+    return candidate if same else None
+
+
+def _plan(engine, tag_dir: Path, manifest: dict, *, strict: bool, with_optimizer: bool, module_only: bool) -> _Plan:
+    check_model_compat(manifest, engine.module, strict=strict, where=tag_dir)
+    rank = comm.get_rank()
+    entries = engine.zero.shard_entries(parameter_names(engine.module))
+    if module_only:
+        return _Plan(tag_dir, manifest, entries, None, set(), None, [MODEL_STATES])
+    if with_optimizer:
+        _check_optimizer(engine.optimizer, manifest, tag_dir)
+    saved_trainable = {n for n, s in manifest["parameters"].items() if s["trainable"]}
+    names = {p.name for e in entries for p in e.pieces} & saved_trainable
+    direct = _matching_file(manifest, entries, rank)
+    rng_file = optim_states_name(rank) if rank < manifest["dp_world_size"] else None
+    files = [MODEL_STATES] + ([direct.file] if direct else files_holding(manifest, names))
+    files += [rng_file] if rng_file and rng_file not in files else []
+    return _Plan(tag_dir, manifest, entries, direct, names, rng_file, files)
+
+
+def _check_optimizer(optimizer, manifest: dict, tag_dir: Path) -> None:
+    saved = manifest["optimizer"]
+    if optimizer is None:
+        return
+    if saved["type"] is not None and saved["type"] != type(optimizer).__name__:
+        raise CheckpointError(f"checkpoint {tag_dir} holds {saved['type']} optimizer state, this engine uses "
+                              f"{type(optimizer).__name__}; pass load_optimizer_states=False to load the weights only")
+    if saved["param_groups"] != len(optimizer.param_groups):
+        raise CheckpointError(f"checkpoint {tag_dir} has {saved['param_groups']} optimizer param groups, this "
+                              f"engine {len(optimizer.param_groups)}; pass load_optimizer_states=False to load "
+                              "the weights only")
+
+
+def _load_module(engine, states: dict, manifest: dict, strict: bool, where: Path) -> None:
+    result = engine.module.load_state_dict(states["module"], strict=False)
+    excluded = set(manifest.get("excluded_frozen", ()))
+    missing = [k for k in result.missing_keys if k not in excluded]
+    if strict and (missing or result.unexpected_keys):
+        raise CheckpointError(f"checkpoint {where}: module state does not match the model — missing {missing}, "
+                              f"unexpected {list(result.unexpected_keys)} (load_module_strict=False to allow)")
+
+
+def _scalar(value, master: torch.Tensor, group: dict):
+    # capturable / fused optimizers keep `step` on the parameter's device; others on the CPU.
+    if isinstance(value, torch.Tensor):
+        value = value.clone()
+        if group.get("capturable") or group.get("fused"):
+            value = value.to(master.device)
+    return value
+
+
+@torch.no_grad()
+def _load_direct(plan: _Plan, optimizer, with_optimizer: bool) -> None:
+    data = torch.load(plan.tag_dir / plan.direct.file, map_location="cpu", mmap=True, weights_only=True)
+    groups = entry_groups(optimizer, [e.master for e in plan.entries])
+    for entry, layout, record, gi in zip(plan.entries, plan.direct.entries, data["entries"], groups):
+        entry.master.view(-1).copy_(record["master"])
+        if with_optimizer and optimizer is not None:
+            group = optimizer.param_groups[gi] if gi >= 0 else {}
+            optimizer.state[entry.master] = {
+                k: (v.to(entry.master.device).view(entry.master.shape).clone() if k in layout.elementwise
+                    else _scalar(v, entry.master, group)) for k, v in record["state"].items()}
+
+
+@torch.no_grad()
+def _load_resharded(plan: _Plan, optimizer, with_optimizer: bool) -> None:
+    uni = load_universal(plan.tag_dir, plan.manifest, names=plan.names,
+                         keys=None if with_optimizer else {FP32})
+    groups = entry_groups(optimizer, [e.master for e in plan.entries])
+    any_scalars = next(iter(uni.scalars.values()), {})
+    for entry, gi in zip(plan.entries, groups):
+        pieces = [p for p in entry.pieces if p.name in uni.tensors]
+        fill_entry(entry.master, pieces, {p.name: uni.tensors[p.name][FP32] for p in pieces})
+        if not with_optimizer or optimizer is None:
+            continue
+        keys = set.intersection(*(set(uni.tensors[p.name]) for p in pieces)) - {FP32} if pieces else set()
+        group = optimizer.param_groups[gi] if gi >= 0 else {}
+        scalars = uni.scalars[pieces[0].name] if pieces else any_scalars
+        state = {k: _scalar(v, entry.master, group) for k, v in scalars.items()}
+        for key in sorted(keys):
+            t = torch.zeros(entry.master.shape, dtype=uni.tensors[pieces[0].name][key].dtype, device=entry.master.device)
+            fill_entry(t, pieces, {p.name: uni.tensors[p.name][key] for p in pieces})
+            state[key] = t
+        optimizer.state[entry.master] = state
+
+
+def _restore_training_state(engine, states: dict, plan: _Plan, with_optimizer: bool, with_scheduler: bool) -> None:
+    opt = engine.optimizer
+    if opt is not None and (with_optimizer or with_scheduler):
+        for group, saved in zip(opt.param_groups, states["optimizer_param_groups"]):
+            for k, v in saved.items():
+                if not with_optimizer and k != "lr":
+                    continue  # a scheduler-only load restores just the lr it set
+                if isinstance(group.get(k), torch.Tensor) and isinstance(v, torch.Tensor):
+                    group[k].copy_(v)
+                else:
+                    group[k] = v
+    if with_scheduler and engine.lr_scheduler is not None and states.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
+    if engine.loss_scaler is not None and states.get("loss_scaler") is not None:
+        engine.loss_scaler.load_state_dict(states["loss_scaler"])
+    engine.global_steps = int(states["global_steps"])
+    engine.global_samples = int(states["global_samples"])
+    engine.skipped_steps = int(states["skipped_steps"])
+    gas = engine.gradient_accumulation_steps()
+    same_gas = states.get("gradient_accumulation_steps") == gas
+    engine.micro_steps = int(states["micro_steps"]) if same_gas else engine.global_steps * gas
+    if engine.training_dataloader is not None and states.get("data_sampler") is not None:
+        engine.training_dataloader.load_state_dict(states["data_sampler"])
+    if plan.rng_file is not None:
+        rng = torch.load(plan.tag_dir / plan.rng_file, map_location="cpu", mmap=True, weights_only=True)["rng"]
+        restore_rng_state(rng)
+    else:
+        logger.warning("checkpoint %s was saved by %d ranks: rank %d has no saved RNG state and keeps its own",
+                       plan.tag_dir, plan.manifest["dp_world_size"], comm.get_rank())
+
+
+def _resolve(engine, root: Path, tag) -> str | None:
+    if tag is None:
+        tag = read_latest(root)
+        if not all(t is not None for t in comm.all_gather_object(tag)):
+            logger.warning("load_checkpoint: %s has no `latest` file naming a tag; nothing loaded (pass tag= to "
+                           "load a specific checkpoint)", root / "latest")
+            return None
+    return agree_on_tag(str(tag), engine.config.checkpoint.tag_validation)
+
+
+def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+    """Collective: restore a checkpoint saved at any world size and ZeRO stage 0-2.
+
+    Returns (path of the model states file, client_state), or (None, None) with a warning when
+    `tag` is None and `load_dir` has no `latest` file.
+    """
+    _check_supported(engine)
+    root = Path(load_dir)
+    tag = _resolve(engine, root, tag)
+    if tag is None:
+        return None, None
+    start = time.perf_counter()
+    with_optimizer = load_optimizer_states and not load_module_only
+    plan, error = None, None
+    try:
+        tag_dir = resolve_tag_dir(CheckpointPaths(root, tag))
+        manifest = read_manifest(tag_dir)
+        plan = _plan(engine, tag_dir, manifest, strict=load_module_strict, with_optimizer=with_optimizer,
+                     module_only=load_module_only)
+        if (problem := verify_files(tag_dir, manifest, plan.files)) is not None:
+            raise CheckpointError(problem)
+    except CheckpointError as exc:
+        error = str(exc)
+    raise_if_any_rank_failed(error)
+
+    states = None
+    try:
+        states = torch.load(plan.tag_dir / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False)
+        _load_module(engine, states, plan.manifest, load_module_strict, plan.tag_dir)
+        engine.zero.load_masters_from_params()
+        if not load_module_only:
+            (_load_direct if plan.direct is not None else _load_resharded)(plan, engine.optimizer, with_optimizer)
+    except Exception as exc:  # noqa: BLE001 — every rank must learn of it before the collective below
+        error = f"rank {comm.get_rank()}: loading {plan.tag_dir} failed: {type(exc).__name__}: {exc}"
+    raise_if_any_rank_failed(error)
+    if not load_module_only:
+        engine.zero.sync_params_from_masters()
+        _restore_training_state(engine, states, plan, with_optimizer, load_lr_scheduler_states)
+    comm.barrier()
+    logger.info("loaded checkpoint %s (%s) in %.2fs", plan.tag_dir,
+                "same layout" if plan.direct is not None else "resharded", time.perf_counter() - start)
+    client_state = {k: v for k, v in states.items() if k not in RESERVED_KEYS}
+    return str(plan.tag_dir / MODEL_STATES), client_state

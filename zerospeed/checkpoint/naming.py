@@ -1,0 +1,64 @@
+"""Where each checkpoint file lives — DeepSpeed's names, so users' tooling and habits carry over.
+
+    {dir}/latest                                           the newest complete tag (text)
+    {dir}/{tag}/mp_rank_00_model_states.pt                 module, scheduler, counters, config, client state
+    {dir}/{tag}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt  rank r's fp32 shards, optimizer state, RNG
+    {dir}/{tag}/zerospeed_manifest.json                    layout, partition map, checksums (written last)
+
+A save is staged in `{dir}/.{tag}.partial` and renamed to `{dir}/{tag}` when complete (see Note
+[tag directory swap] in atomic.py); `.{tag}.previous` briefly holds the tag it replaces.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+MANIFEST = "zerospeed_manifest.json"
+LATEST = "latest"
+
+
+def optim_states_name(rank: int) -> str:
+    """File name of data-parallel rank `rank`'s shard."""
+    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def default_tag(global_steps: int) -> str:
+    return f"global_step{global_steps}"
+
+
+def check_tag(tag: object) -> str:
+    """`tag` if it can name a directory inside the checkpoint folder, else ValueError saying why."""
+    if not isinstance(tag, str) or not tag:
+        raise ValueError(f"checkpoint tag must be a non-empty string, got {tag!r}")
+    if "/" in tag or "\\" in tag or tag in (".", ".."):
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name (no path separators)")
+    if tag.startswith("."):
+        raise ValueError(f"checkpoint tag {tag!r} must not start with '.' (hidden names are used for staging)")
+    if tag != tag.strip() or any(c in tag for c in "\n\r\t\0"):
+        raise ValueError(f"checkpoint tag {tag!r} must not contain surrounding whitespace or control characters")
+    return tag
+
+
+@dataclass(frozen=True)
+class CheckpointPaths:
+    """The paths of one tag inside a checkpoint folder."""
+
+    root: Path
+    tag: str
+
+    @property
+    def dir(self) -> Path:
+        return self.root / self.tag
+
+    @property
+    def staging(self) -> Path:
+        return self.root / f".{self.tag}.partial"
+
+    @property
+    def previous(self) -> Path:
+        return self.root / f".{self.tag}.previous"
+
+    @property
+    def latest(self) -> Path:
+        return self.root / LATEST
