@@ -77,12 +77,12 @@ def test_zero3_cpu_offload_without_known_names_the_auto_keys():
     assert 'zero_optimization.stage3_param_persistence_threshold is "auto"' in str(info.value)
 
 
-def test_zero3_cpu_offload_feature_check_names_stage_and_offload():
+def test_zero3_cpu_offload_feature_check_names_offload():
     known = {"train_micro_batch_size_per_gpu": 1, **auto_values_from_hidden_size(8)}
     with pytest.raises(ConfigError) as info:
         parse_config(shared("zero3_cpu_offload.json"), known=known)
     lines = str(info.value).splitlines()
-    assert lines[0].startswith("zero_optimization.stage=3: ZeRO stage 3 is not implemented")
+    assert len(lines) == 2
     assert any(line.startswith("zero_optimization.offload_optimizer.device='cpu': optimizer offload")
                for line in lines)
     assert any(line.startswith("zero_optimization.offload_param.device='cpu': parameter offload") for line in lines)

@@ -1,15 +1,16 @@
 """zerospeed.comm: the only package that talks to torch.distributed."""
 from zerospeed.comm.backend import (DEFAULT_TIMEOUT, STATS, Handle, all_gather_into_tensor, all_gather_object,
                                     all_reduce, barrier, broadcast, broadcast_object, destroy,
-                                    get_local_rank, get_rank, get_world_size, init_distributed,
+                                    get_local_rank, get_rank, global_rank, get_world_size, init_distributed,
                                     is_initialized, new_group, reduce_scatter_tensor)
 from zerospeed.comm.bucketing import assign_buckets
 from zerospeed.comm.groups import ParallelGroups
+from zerospeed.comm.p2p import batch_isend_irecv, irecv, isend, recv, send
 from zerospeed.comm.stats import CommStats, wire_fraction
 from zerospeed.comm.topology import RankGrid
 
 __all__ = [
     "DEFAULT_TIMEOUT", "STATS", "Handle", "CommStats", "ParallelGroups", "RankGrid", "all_gather_into_tensor", "all_gather_object",
     "all_reduce", "assign_buckets", "barrier", "broadcast", "broadcast_object", "destroy", "get_local_rank",
-    "get_rank", "get_world_size", "init_distributed", "is_initialized", "new_group", "reduce_scatter_tensor", "wire_fraction",
+    "get_rank", "get_world_size", "global_rank", "init_distributed", "is_initialized", "new_group", "reduce_scatter_tensor", "wire_fraction",
 ]

@@ -93,6 +93,13 @@ def get_local_rank() -> int:
     return _env_int("LOCAL_RANK") or 0
 
 
+def global_rank(group, group_rank: int) -> int:
+    """The global rank of `group_rank` within `group` (None = the world group)."""
+    if group is None or not is_initialized():
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
 def new_group(ranks: list[int]):
     """A process group over `ranks`. Every process must call it, with the same ranks, in order."""
     return dist.new_group(ranks=ranks)

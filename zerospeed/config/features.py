@@ -47,7 +47,6 @@ def _present(key: str, feature: str) -> Row:
 
 
 ROWS: list[Row] = [
-    Row("zero_optimization.stage", lambda c: c.zero_stage >= 3, lambda v: f"ZeRO stage {v}", "0, 1 or 2"),
     Row("zero_optimization.offload_optimizer.device", lambda c: _device(c.zero_optimization.offload_optimizer)
         != "none", "optimizer offload", '"none"'),
     Row("zero_optimization.offload_param.device", lambda c: _device(c.zero_optimization.offload_param)

@@ -44,7 +44,7 @@ class Engine(torch.nn.Module):
         self.module = module.to(self.device)
         self._broadcast_model()
         # The strategy snapshots fp32 masters before the model is cast to 16-bit.
-        self.zero = build_strategy(config, param_groups, param_dtype=self.precision.param_dtype,
+        self.zero = build_strategy(config, param_groups, module=self.module, param_dtype=self.precision.param_dtype,
                                    device=self.device, dp_group=dp_group)
         if self.precision.mixed:
             self.module.to(self.precision.param_dtype)
@@ -68,7 +68,7 @@ class Engine(torch.nn.Module):
         """Start every rank from rank 0's weights and buffers, as DeepSpeed does."""
         if self.dp_world_size == 1:
             return
-        src = comm.get_rank() - comm.get_rank(self.dp_group)  # global rank of dp-rank 0 (contiguous groups)
+        src = comm.global_rank(self.dp_group, 0)
         for t in list(self.module.parameters()) + list(self.module.buffers()):
             comm.broadcast(t.data, src=src, group=self.dp_group)
 
@@ -138,6 +138,7 @@ class Engine(torch.nn.Module):
 
     # -- the training step -------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
+        self.zero.start_micro_step()
         return self.module(*inputs, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):

@@ -153,6 +153,9 @@ class ShardedStrategy:
                 st.grad_chunk.add_(st.out)
         st.out = st.staging = None
 
+    def start_micro_step(self) -> None:
+        pass
+
     def end_micro_step(self) -> None:
         """Called by engine.step() after every backward: stage 2 settles this micro-step's reductions."""
         if self.stage == 2:

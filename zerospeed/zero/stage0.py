@@ -28,6 +28,9 @@ class DataParallelStrategy:
     def begin_backward(self, sync: bool) -> None:
         self.reducer.begin_backward(sync)
 
+    def start_micro_step(self) -> None:
+        pass
+
     def end_micro_step(self) -> None:
         pass
 

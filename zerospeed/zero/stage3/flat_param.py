@@ -1,0 +1,114 @@
+"""A stage-3 flat parameter: one unit's parameters of one optimizer group, sharded across ranks.
+
+Lifecycle (explicit, see `State`): SHARDED — the model's parameters point at empty tensors and this
+rank holds only its chunk; GATHERING — an all-gather of every rank's chunk into a full buffer is in
+flight; FULL — the parameters are views into that buffer. Nothing is attached to the
+nn.Parameter objects themselves: the owner of a parameter is found through `registry`.
+"""
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from zerospeed import comm
+from zerospeed.zero.partition import Bucket, build_buckets
+
+
+class State(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    FULL = "full"
+
+
+_EMPTY: dict[tuple, torch.Tensor] = {}
+
+
+def empty_like_dtype(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A shared zero-element tensor that sharded parameters point at."""
+    key = (dtype, device)
+    if key not in _EMPTY:
+        _EMPTY[key] = torch.empty(0, dtype=dtype, device=device)
+    return _EMPTY[key]
+
+
+class FlatParam:
+    def __init__(self, index: int, params: list[torch.nn.Parameter], values: list[torch.Tensor], *,
+                 group_index: int, world_size: int, rank: int, dtype: torch.dtype, device: torch.device,
+                 dp_group=None):
+        self.index = index
+        self.params = params
+        self.shapes = [v.shape for v in values]
+        self.group_index = group_index
+        self.dtype = dtype
+        self.dp_group = dp_group
+        self.rank = rank
+        (self.bucket,) = build_buckets([v.numel() for v in values], bucket_size=1 << 62, world_size=world_size)
+        full = torch.zeros(self.bucket.padded, dtype=torch.float32, device=device)
+        for s, v in zip(self.bucket.segments, values):
+            full[s.offset:s.offset + s.numel].copy_(v.reshape(-1))
+        lo, hi = self.bucket.chunk_range(rank)
+        self.shard = full[lo:hi].to(dtype).clone()
+        # fp32 training: the master is the shard itself; 16-bit: a separate fp32 chunk
+        self.master = torch.nn.Parameter(self.shard if dtype == torch.float32 else full[lo:hi].clone())
+        self.grad_shard = torch.zeros(self.bucket.chunk, dtype=torch.float32, device=device)
+        self.full: torch.Tensor | None = None
+        self.handle: comm.Handle | None = None
+        self.state = State.SHARDED
+        self.persistent = False
+        self._point_params_at_nothing()
+
+    @property
+    def numel(self) -> int:
+        return self.bucket.numel
+
+    @property
+    def padded(self) -> int:
+        return self.bucket.padded
+
+    def layout(self) -> Bucket:
+        return self.bucket
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start_gather(self) -> None:
+        if self.state is not State.SHARDED:
+            return
+        self.full = torch.empty(self.bucket.padded, dtype=self.dtype, device=self.shard.device)
+        self.handle = comm.all_gather_into_tensor(self.full, self.shard, group=self.dp_group, async_op=True)
+        self.state = State.GATHERING
+
+    def wait(self) -> None:
+        if self.state is State.SHARDED:
+            self.start_gather()
+        if self.state is State.GATHERING:
+            self.handle.wait()
+            self.handle = None
+            for p, s, shape in zip(self.params, self.bucket.segments, self.shapes):
+                p.data = self.full[s.offset:s.offset + s.numel].view(shape)
+            self.state = State.FULL
+
+    def release(self) -> None:
+        if self.state is State.GATHERING:
+            self.handle.wait()
+            self.handle = None
+        self._point_params_at_nothing()
+        self.full = None
+        self.state = State.SHARDED
+
+    def _point_params_at_nothing(self) -> None:
+        empty = empty_like_dtype(self.dtype, self.shard.device)
+        for p in self.params:
+            p.data = empty
+
+    @torch.no_grad()
+    def shard_from_full(self) -> None:
+        """After the full buffer was modified (GatheredParameters with a modifier): keep my chunk."""
+        lo, hi = self.bucket.chunk_range(self.rank)
+        self.shard.copy_(self.full[lo:hi])
+        if self.master.data_ptr() != self.shard.data_ptr():
+            self.master.copy_(self.shard)
+
+    @torch.no_grad()
+    def shard_from_master(self) -> None:
+        if self.master.data_ptr() != self.shard.data_ptr():
+            self.shard.copy_(self.master)

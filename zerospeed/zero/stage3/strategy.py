@@ -1,0 +1,322 @@
+"""ZeRO stage 3: parameters sharded too, gathered one unit at a time around its forward and backward.
+
+Units: every module that directly owns trainable parameters. A parameter belongs to the first module
+(in `named_modules()` order) that registers it; any other module that registers it too (a tied output
+head) or was told so by `register_external_parameter` gathers the owner's unit when it runs.
+
+Forward: a module's pre-hook gathers the units it uses (waiting on any prefetch), its post-hook
+releases them unless persistent. Backward: a backward pre-hook re-gathers them; once every parameter
+of a flat parameter has its gradient (post-accumulate hooks), the full tensors are released and the
+gradient is reduce-scattered into this rank's fp32 gradient chunk — launches in a fixed order, as in
+stage 2 (Note [bucket launch order]). The optimizer steps the fp32 master chunks, exactly as stage 2.
+
+Note [stage-3 prefetch order]: every fetch in a micro-step is recorded. From the next micro-step on,
+fetching the k-th unit of the recording (and it matching) issues async gathers for the following
+units, up to `stage3_prefetch_bucket_size` elements in flight and `stage3_max_live_parameters`
+resident. A fetch that does not match the recording stops prefetching for the rest of that
+micro-step and a new recording replaces the old: control-flow changes cost speed, never correctness.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from zerospeed import comm
+from zerospeed.runtime.grad_math import reduction_factors
+from zerospeed.zero.partition import group_sub_groups
+from zerospeed.zero.shards import Piece, ShardEntry
+from zerospeed.zero.stage3 import registry
+from zerospeed.zero.stage3.flat_param import FlatParam, State
+
+
+# A backward pre-hook on a module whose inputs need no gradient (an embedding) is exactly what stage 3
+# wants; torch warns about that case on every call.
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
+                                          "respect to module outputs since no inputs require gradients")
+
+
+@dataclass
+class _Grad:
+    staging: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+    handle: comm.Handle | None = None
+    pending: int = 0
+
+
+class Stage3Strategy:
+    stage = 3
+
+    def __init__(self, module: torch.nn.Module, groups: list[dict], *, param_dtype: torch.dtype,
+                 device: torch.device, reduce_bucket_size: int, sub_group_size: int, overlap_comm: bool,
+                 prefetch_bucket_size: int, max_live_parameters: int, param_persistence_threshold: int,
+                 model_persistence_threshold: int, comm_dtype: torch.dtype | None = None, op: str = "avg",
+                 prescale: bool = False, predivide_factor: float = 1.0, dp_group=None):
+        self.module = module
+        self.group = dp_group
+        self.world_size = comm.get_world_size(dp_group)
+        self.rank = comm.get_rank(dp_group)
+        self.overlap_comm = overlap_comm
+        self.comm_dtype = comm_dtype
+        self.prefetch_bucket_size = prefetch_bucket_size
+        self.max_live = max_live_parameters
+        self.pre, self.post = reduction_factors(self.world_size, op, prescale, predivide_factor)
+        self.hparams = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+        self.flat: list[FlatParam] = []
+        self.uses: dict[int, list[FlatParam]] = {}  # id(module) -> flat params its forward needs
+        owner_unit: dict[int, list[FlatParam]] = {}
+        for m in module.modules():
+            own = [p for p in m.parameters(recurse=False) if id(p) in group_of and id(p) not in owner_unit]
+            by_group: dict[int, list[torch.nn.Parameter]] = {}
+            for p in own:
+                by_group.setdefault(group_of[id(p)], []).append(p)
+            unit = []
+            for gi, ps in by_group.items():
+                fp = FlatParam(len(self.flat), ps, [_full_value(p) for p in ps], group_index=gi,
+                               world_size=self.world_size, rank=self.rank, dtype=param_dtype, device=device,
+                               dp_group=dp_group)
+                self.flat.append(fp)
+                unit.append(fp)
+                for p in ps:
+                    registry.register(p, fp)
+            for p in own:
+                owner_unit[id(p)] = unit
+        for m in module.modules():
+            needed = {fp.index: fp for p in m.parameters(recurse=False) if id(p) in owner_unit
+                      for fp in owner_unit[id(p)]}
+            if needed:
+                self.uses[id(m)] = list(needed.values())
+        self._mark_persistent(param_persistence_threshold, model_persistence_threshold)
+        self._grads = {fp.index: _Grad() for fp in self.flat}
+        self._slot = {id(p): (fp, s) for fp in self.flat for p, s in zip(fp.params, fp.bucket.segments)}
+        # reduce-scatters launch in reverse creation order (roughly backward order), strictly in turn
+        self._launch_order = list(reversed(self.flat))
+        self._next = 0
+        self.sub_groups = [[self.flat[i].master for i in idx]
+                           for idx in group_sub_groups([fp.bucket.chunk for fp in self.flat], sub_group_size)]
+        self._recorded: list[int] = []
+        self._recording: list[int] = []
+        self._prefetching = False
+        self._hooks = []
+        for m in module.modules():
+            if id(m) in self.uses:
+                self._hooks += [m.register_forward_pre_hook(self._pre_forward),
+                                m.register_forward_hook(self._post_forward),
+                                m.register_full_backward_pre_hook(self._pre_backward)]
+        self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for fp in self.flat for p in fp.params]
+        self.reducing = False
+
+    def _mark_persistent(self, threshold: int, model_cap: int) -> None:
+        total = 0
+        for fp in self.flat:
+            if fp.numel <= threshold and total + fp.numel <= model_cap:
+                fp.persistent = True
+                total += fp.numel
+
+    # -- gathering ---------------------------------------------------------------------------------
+    def _fetch(self, fps: list[FlatParam]) -> None:
+        for fp in fps:
+            self._record_and_prefetch(fp)
+        for fp in fps:
+            fp.wait()
+
+    def _record_and_prefetch(self, fp: FlatParam) -> None:
+        k = len(self._recording)
+        self._recording.append(fp.index)
+        if self._prefetching and (k >= len(self._recorded) or self._recorded[k] != fp.index):
+            self._prefetching = False  # control flow changed: on demand for the rest of this micro-step
+        if not self._prefetching:
+            return
+        in_flight = sum(f.padded for f in self.flat if f.state is State.GATHERING)
+        live = sum(f.padded for f in self.flat if f.state is not State.SHARDED)
+        for idx in self._recorded[k + 1:]:
+            nxt = self.flat[idx]
+            if nxt.state is not State.SHARDED:
+                continue
+            if in_flight + nxt.padded > self.prefetch_bucket_size or live + nxt.padded > self.max_live:
+                break
+            nxt.start_gather()
+            in_flight += nxt.padded
+            live += nxt.padded
+
+    def _pre_forward(self, module, args):
+        self._fetch(self.uses[id(module)])
+
+    def _post_forward(self, module, args, output):
+        for fp in self.uses[id(module)]:
+            if not fp.persistent:
+                fp.release()
+
+    def _pre_backward(self, module, grad_output):
+        self._fetch(self.uses[id(module)])
+
+    # -- gradients ---------------------------------------------------------------------------------
+    def begin_backward(self, sync: bool) -> None:
+        self.reducing = True  # like stage 2: every micro-step reduces
+        self._next = 0
+        for fp in self.flat:
+            self._grads[fp.index].pending = len(fp.params)
+
+    def start_micro_step(self) -> None:
+        """Before a forward: start a new recording; prefetch from the previous one."""
+        if self._recording:
+            self._recorded = self._recording
+        self._recording = []
+        self._prefetching = bool(self._recorded)
+
+    @torch.no_grad()
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        fp, seg = self._slot[id(param)]
+        g = self._grads[fp.index]
+        if g.staging is None:
+            g.staging = torch.zeros(fp.padded, dtype=self.comm_dtype or torch.float32, device=param.grad.device)
+        g.staging[seg.offset:seg.offset + seg.numel].add_(param.grad.reshape(-1))
+        param.grad = None
+        g.pending -= 1
+        if g.pending == 0 and not fp.persistent:
+            fp.release()  # every use of it in backward is done: its gradient is complete
+        while self._next < len(self._launch_order) and self._grads[self._launch_order[self._next].index].pending <= 0:
+            self._launch(self._launch_order[self._next])
+            self._next += 1
+
+    def _launch(self, fp: FlatParam) -> None:
+        g = self._grads[fp.index]
+        if g.staging is None:
+            g.staging = torch.zeros(fp.padded, dtype=self.comm_dtype or torch.float32, device=fp.shard.device)
+        if self.pre != 1.0:
+            g.staging.mul_(self.pre)
+        g.out = torch.empty(fp.bucket.chunk, dtype=g.staging.dtype, device=g.staging.device)
+        g.handle = comm.reduce_scatter_tensor(g.out, g.staging, op="sum", group=self.group, async_op=True)
+        if not self.overlap_comm:
+            self._complete(fp)
+
+    @torch.no_grad()
+    def _complete(self, fp: FlatParam) -> None:
+        g = self._grads[fp.index]
+        if g.handle is None:
+            return
+        g.handle.wait()
+        if self.post != 1.0:
+            g.out.mul_(self.post)
+        fp.grad_shard.add_(g.out)
+        g.handle = g.out = g.staging = None
+
+    def end_micro_step(self) -> None:
+        self.finish_reduction()
+        for fp in self.flat:  # anything gathered for backward but unused (frozen paths, branches)
+            if not fp.persistent and fp.state is not State.SHARDED:
+                fp.release()
+
+    def finish_reduction(self) -> None:
+        if not self.reducing:
+            return
+        while self._next < len(self._launch_order):
+            self._launch(self._launch_order[self._next])
+            self._next += 1
+        for fp in self.flat:
+            self._complete(fp)
+        self.reducing = False
+
+    # -- optimizer ---------------------------------------------------------------------------------
+    def optimizer_param_groups(self) -> list[dict]:
+        return [{**h, "params": [fp.master for fp in self.flat if fp.group_index == gi]}
+                for gi, h in enumerate(self.hparams)]
+
+    def retarget(self, optimizer: torch.optim.Optimizer) -> None:
+        if len(optimizer.param_groups) != len(self.hparams):
+            raise ValueError("client optimizer param groups do not match the groups zerospeed partitioned")
+        for gi, group in enumerate(optimizer.param_groups):
+            group["params"] = [fp.master for fp in self.flat if fp.group_index == gi]
+
+    def global_grad_norm(self) -> float:
+        local = torch.zeros((), dtype=torch.float64)
+        for fp in self.flat:
+            local += torch.linalg.vector_norm(fp.grad_shard.double()).cpu() ** 2
+        comm.all_reduce(local, op="sum", group=self.group)
+        return math.sqrt(float(local))
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
+        if coef != 1.0:
+            for fp in self.flat:
+                fp.grad_shard.mul_(coef)
+        grads = {id(fp.master): fp.grad_shard for fp in self.flat}
+        for sub in self.sub_groups:
+            for m in sub:
+                m.grad = grads[id(m)]
+            optimizer.step()
+            for m in sub:
+                m.grad = None
+        for fp in self.flat:
+            fp.shard_from_master()
+            if fp.persistent and fp.state is not State.SHARDED:
+                fp.release()
+                fp.wait()  # refresh the always-resident copy
+
+    def zero_grads(self) -> None:
+        for fp in self.flat:
+            fp.grad_shard.zero_()
+
+    # -- checkpoints and introspection -------------------------------------------------------------
+    def shard_entries(self, names: dict[int, str]) -> list[ShardEntry]:
+        return [ShardEntry(fp.master, [Piece(names[id(fp.params[s.param])], s.param_offset, s.offset, s.numel)
+                                       for s in fp.bucket.rank_segments(self.rank)]) for fp in self.flat]
+
+    def sync_params_from_masters(self) -> None:
+        for fp in self.flat:
+            fp.shard_from_master()
+            if fp.state is not State.SHARDED:
+                fp.release()
+                if fp.persistent:
+                    fp.wait()
+
+    def load_masters_from_params(self) -> None:
+        raise NotImplementedError("a module-only load at stage 3 goes through the checkpoint's shards")
+
+    @torch.no_grad()
+    def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The full module state dict on rank 0 (others get {}), gathered one flat parameter at a time."""
+        out = {}
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        for fp in self.flat:
+            was = fp.state
+            fp.wait()
+            if self.rank == 0:
+                for p in fp.params:
+                    out[names[id(p)]] = p.detach().to(dtype or p.dtype).cpu().clone()
+            if was is State.SHARDED:
+                fp.release()
+        if self.rank == 0:
+            sharded = {id(p) for fp in self.flat for p in fp.params}
+            for n, t in self.module.state_dict(keep_vars=True).items():
+                if n not in out and id(t) not in sharded:
+                    out[n] = t.detach().cpu().clone()
+            tied = {n: names[id(p)] for n, p in self.module.named_parameters(remove_duplicate=False)}
+            for n, first in tied.items():
+                out.setdefault(n, out[first])
+        return out if self.rank == 0 else {}
+
+    def memory_breakdown(self, optimizer) -> dict[str, int]:
+        from zerospeed.zero.sharded import optimizer_state_bytes
+        params = sum(fp.shard.nbytes + (fp.full.nbytes if fp.full is not None else 0) for fp in self.flat)
+        masters = sum(fp.master.nbytes for fp in self.flat if fp.master.data_ptr() != fp.shard.data_ptr())
+        return {"parameters": params, "gradients": sum(fp.grad_shard.nbytes for fp in self.flat),
+                "master_weights": masters, "optimizer_states": optimizer_state_bytes(optimizer)}
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _full_value(p: torch.nn.Parameter) -> torch.Tensor:
+    """A parameter's full value: gathered from its zero.Init shards if it already has an owner."""
+    owner = registry.owner_of(p)
+    if owner is None:
+        return p.detach()
+    owner.wait()
+    i = next(i for i, q in enumerate(owner.params) if q is p)
+    return owner.full[owner.bucket.segments[i].offset:][:owner.bucket.segments[i].numel].view(owner.shapes[i]).clone()
