@@ -20,7 +20,8 @@ _EXPORTS = {
     "ConfigError": "zerospeed.config.errors",
     "RepeatingLoader": "zerospeed.runtime.dataloader",
 }
-_SUBMODULES = {"comm", "config", "optim", "precision", "runtime", "testing", "launcher", "accelerator", "utils"}
+_SUBMODULES = {"comm", "config", "optim", "precision", "runtime", "testing", "launcher", "accelerator", "utils",
+               "zero", "checkpoint"}
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

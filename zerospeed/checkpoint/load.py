@@ -171,7 +171,7 @@ def _resolve(engine, root: Path, tag) -> str | None:
     if tag is None:
         tag = read_latest(root)
         if not all(t is not None for t in comm.all_gather_object(tag)):
-            logger.warning("load_checkpoint: %s has no `latest` file naming a tag; nothing loaded (pass tag= to "
+            logger.warning("load_checkpoint: there is no %s file naming a tag; nothing loaded (pass tag= to "
                            "load a specific checkpoint)", root / "latest")
             return None
     return agree_on_tag(str(tag), engine.config.checkpoint.tag_validation)

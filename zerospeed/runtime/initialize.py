@@ -78,7 +78,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         raise ConfigError("initialize: `model` is required (the torch.nn.Module to train)")
     raw = _config_source(args, config, config_params)
     comm.init_distributed(dist_init_required=dist_init_required)
-    dp_group = mpu.get_data_parallel_group() if mpu is not None else None
+    from zerospeed.parallel.pipeline import PipelineEngine, PipelineModule  # pipeline: its stage's dp group
+    pipe = isinstance(model, PipelineModule)
+    dp_group = mpu.get_data_parallel_group() if mpu is not None else (model.groups.group("dp") if pipe else None)
     dp_world = comm.get_world_size(dp_group)
     hidden = _hidden_size(model)
     known = auto_values_from_hidden_size(hidden) if hidden else {}
@@ -115,7 +117,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         loader = ShardedDataLoader(training_data, cfg.train_micro_batch_size_per_gpu,
                                    rank=comm.get_rank(dp_group), world_size=dp_world, collate_fn=collate_fn,
                                    drop_last=cfg.dataloader_drop_last)
-    engine = Engine(model, cfg, param_groups=_param_groups(model, optimizer, model_parameters),
+    engine = (PipelineEngine if pipe else Engine)(model, cfg, param_groups=_param_groups(model, optimizer, model_parameters),
                     optimizer_factory=optimizer_factory, scheduler_factory=scheduler_factory,
                     dp_group=dp_group, training_dataloader=loader)
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -121,7 +121,12 @@ class GPT(nn.Module):
         # Weight tying: one Parameter object, so model.parameters() yields it once and any
         # sharding/partitioning code sees a single tensor with two users.
         self.lm_head.weight = self.wte.weight
-        self.apply(_init_weights)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """Whole-model initialisation, as a method (the transformers convention) so that
+        `zerospeed.zero.Init` can replay it module by module on sharded parameters."""
+        _init_weights(module)
 
     def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
         """Return logits ``(B, T, vocab)``, or the mean cross-entropy when ``targets_BT`` is given."""

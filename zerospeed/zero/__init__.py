@@ -5,6 +5,7 @@ import torch
 
 from zerospeed.zero.sharded import ShardedStrategy
 from zerospeed.zero.stage0 import DataParallelStrategy
+from zerospeed.zero.stage3 import GatheredParameters, Init, full_numel, full_shape, register_external_parameter
 from zerospeed.zero.stage3.strategy import Stage3Strategy
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -38,4 +39,5 @@ def build_strategy(cfg, groups: list[dict], *, module: torch.nn.Module, param_dt
                            dp_group=dp_group, **common)
 
 
-__all__ = ["DataParallelStrategy", "ShardedStrategy", "Stage3Strategy", "build_strategy"]
+__all__ = ["DataParallelStrategy", "GatheredParameters", "Init", "ShardedStrategy", "Stage3Strategy", "build_strategy",
+           "full_numel", "full_shape", "register_external_parameter"]

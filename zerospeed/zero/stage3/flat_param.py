@@ -35,7 +35,7 @@ def empty_like_dtype(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 class FlatParam:
     def __init__(self, index: int, params: list[torch.nn.Parameter], values: list[torch.Tensor], *,
                  group_index: int, world_size: int, rank: int, dtype: torch.dtype, device: torch.device,
-                 dp_group=None):
+                 dp_group=None, trainable: bool = True):
         self.index = index
         self.params = params
         self.shapes = [v.shape for v in values]
@@ -49,11 +49,16 @@ class FlatParam:
             full[s.offset:s.offset + s.numel].copy_(v.reshape(-1))
         lo, hi = self.bucket.chunk_range(rank)
         self.shard = full[lo:hi].to(dtype).clone()
-        # fp32 training: the master is the shard itself; 16-bit: a separate fp32 chunk
-        self.master = torch.nn.Parameter(self.shard if dtype == torch.float32 else full[lo:hi].clone())
-        self.grad_shard = torch.zeros(self.bucket.chunk, dtype=torch.float32, device=device)
+        # fp32 training: the master is the shard itself; 16-bit: a separate fp32 chunk. zero.Init's
+        # flat parameters (trainable=False) hold only the shard until the engine re-partitions them.
+        self.master = self.grad_shard = None
+        if trainable:
+            self.master = torch.nn.Parameter(self.shard if dtype == torch.float32 else full[lo:hi].clone())
+            self.grad_shard = torch.zeros(self.bucket.chunk, dtype=torch.float32, device=device)
         self.full: torch.Tensor | None = None
         self.handle: comm.Handle | None = None
+        self.tags: torch.Tensor | None = None
+        self.tag_handle: comm.Handle | None = None
         self.state = State.SHARDED
         self.persistent = False
         self._point_params_at_nothing()
@@ -73,8 +78,15 @@ class FlatParam:
     def start_gather(self) -> None:
         if self.state is not State.SHARDED:
             return
-        self.full = torch.empty(self.bucket.padded, dtype=self.dtype, device=self.shard.device)
+        device = self.shard.device
+        self.full = torch.empty(self.bucket.padded, dtype=self.dtype, device=device)
         self.handle = comm.all_gather_into_tensor(self.full, self.shard, group=self.dp_group, async_op=True)
+        # Note [stage-3 divergence check]: every rank also sends the index of the flat parameter it is
+        # gathering (8 bytes). Ranks whose forward took different branches would otherwise exchange
+        # chunks of different parameters without noticing (same sizes) — now they stop with an error.
+        mine = torch.tensor([float(self.index)], dtype=torch.float64, device=device)
+        self.tags = torch.empty(self.bucket.world_size, dtype=torch.float64, device=device)
+        self.tag_handle = comm.all_gather_into_tensor(self.tags, mine, group=self.dp_group, async_op=True)
         self.state = State.GATHERING
 
     def wait(self) -> None:
@@ -82,15 +94,28 @@ class FlatParam:
             self.start_gather()
         if self.state is State.GATHERING:
             self.handle.wait()
-            self.handle = None
+            self.tag_handle.wait()
+            self.handle = self.tag_handle = None
+            self._check_tags()
             for p, s, shape in zip(self.params, self.bucket.segments, self.shapes):
                 p.data = self.full[s.offset:s.offset + s.numel].view(shape)
             self.state = State.FULL
 
+    def _check_tags(self) -> None:
+        tags = [int(t) for t in self.tags.tolist()]
+        self.tags = None
+        if any(t != self.index for t in tags):
+            raise RuntimeError(
+                f"ZeRO stage 3: ranks gathered different parameters at the same point (this rank: flat parameter "
+                f"{self.index}; ranks 0..{len(tags) - 1} sent {tags}). The ranks ran different modules in forward "
+                "or backward (data- or rank-dependent branches). Stage 3 needs every rank to use the same modules "
+                "in the same order; use ZeRO stage 0-2 for such models.")
+
     def release(self) -> None:
         if self.state is State.GATHERING:
             self.handle.wait()
-            self.handle = None
+            self.tag_handle.wait()
+            self.handle = self.tag_handle = self.tags = None
         self._point_params_at_nothing()
         self.full = None
         self.state = State.SHARDED
@@ -105,7 +130,7 @@ class FlatParam:
         """After the full buffer was modified (GatheredParameters with a modifier): keep my chunk."""
         lo, hi = self.bucket.chunk_range(self.rank)
         self.shard.copy_(self.full[lo:hi])
-        if self.master.data_ptr() != self.shard.data_ptr():
+        if self.master is not None and self.master.data_ptr() != self.shard.data_ptr():
             self.master.copy_(self.shard)
 
     @torch.no_grad()

@@ -10,7 +10,7 @@ _OWNERS: dict[int, tuple[weakref.ref, object]] = {}
 
 def register(param: torch.nn.Parameter, owner) -> None:
     key = id(param)
-    _OWNERS[key] = (weakref.ref(param, lambda _r, k=key: _OWNERS.pop(k, None)), owner)
+    _OWNERS[key] = (weakref.ref(param, lambda _r, k=key, d=_OWNERS: d.pop(k, None)), owner)
 
 
 def owner_of(param: torch.Tensor):
@@ -35,3 +35,19 @@ def full_numel(param: torch.Tensor) -> int:
     for d in full_shape(param):
         n *= d
     return n
+
+
+_EXTERNAL: dict[int, tuple[weakref.ref, list]] = {}
+
+
+def register_external(module: torch.nn.Module, param: torch.nn.Parameter) -> None:
+    key = id(module)
+    if key not in _EXTERNAL or _EXTERNAL[key][0]() is not module:
+        _EXTERNAL[key] = (weakref.ref(module, lambda _r, k=key, d=_EXTERNAL: d.pop(k, None)), [])
+    _EXTERNAL[key][1].append(param)
+
+
+def externals(module: torch.nn.Module) -> list:
+    """Parameters declared (register_external_parameter) as used by `module` but owned elsewhere."""
+    entry = _EXTERNAL.get(id(module))
+    return entry[1] if entry is not None and entry[0]() is module else []

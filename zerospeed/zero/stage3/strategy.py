@@ -85,10 +85,13 @@ class Stage3Strategy:
             for p in own:
                 owner_unit[id(p)] = unit
         for m in module.modules():
-            needed = {fp.index: fp for p in m.parameters(recurse=False) if id(p) in owner_unit
-                      for fp in owner_unit[id(p)]}
+            used = list(m.parameters(recurse=False)) + registry.externals(m)
+            needed = {fp.index: fp for p in used if id(p) in owner_unit for fp in owner_unit[id(p)]}
             if needed:
                 self.uses[id(m)] = list(needed.values())
+        for p in module.parameters():
+            if id(p) not in owner_unit and registry.owner_of(p) is not None:
+                p.data = _full_value(p)  # frozen under zero.Init: stage 3 keeps frozen parameters whole
         self._mark_persistent(param_persistence_threshold, model_persistence_threshold)
         self._grads = {fp.index: _Grad() for fp in self.flat}
         self._slot = {id(p): (fp, s) for fp in self.flat for p, s in zip(fp.params, fp.bucket.segments)}

@@ -1,0 +1,1 @@
+"""Model parallelism: pipeline (zerospeed.parallel.pipeline); tensor, sequence and expert parallelism later."""

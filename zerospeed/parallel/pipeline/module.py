@@ -1,0 +1,263 @@
+"""`PipelineModule`: a model written as a list of layers, of which each rank builds only its own.
+
+Layers are `LayerSpec`s (built only by the stage that owns them), `TiedLayerSpec`s (one module per key
+and rank, shared by every layer with that key — e.g. the token embedding and the output head — whose
+gradient is summed across the stages that hold it), plain modules, or plain callables.
+
+The list is split into `num_stages * chunks` parts (partition.py); part `vs` (a virtual stage) lives
+on pipeline stage `vs % num_stages` as its chunk `vs // num_stages`. The pipeline x data-parallel rank
+grid comes from `zerospeed.comm.RankGrid` and its process groups from `comm.ParallelGroups`.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from zerospeed import comm
+from zerospeed.config.errors import ConfigError
+from zerospeed.parallel.pipeline.partition import partition
+
+logger = logging.getLogger(__name__)
+
+
+class LayerSpec:
+    """A layer to build later: `typename(*module_args, **module_kwargs)`, only on its owning stage."""
+
+    def __init__(self, typename: type, *module_args: Any, **module_kwargs: Any):
+        if not isinstance(typename, type) or not issubclass(typename, nn.Module):
+            raise TypeError(f"LayerSpec needs an nn.Module class, got {typename!r}")
+        self.typename = typename
+        self.module_args = module_args
+        self.module_kwargs = module_kwargs
+
+    def build(self) -> nn.Module:
+        return self.typename(*self.module_args, **self.module_kwargs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.typename.__name__})"
+
+
+class TiedLayerSpec(LayerSpec):
+    """A layer whose module (and so its `tied_weight_attr`) is shared by every spec with the same key.
+
+    `forward_fn(module, x)` replaces `module(x)` where given (e.g. the output head reusing the
+    embedding's weight). `tied_weight_attr` may be a dotted path or a list of them.
+    """
+
+    def __init__(self, key: str, typename: type, *module_args: Any, forward_fn: Callable | None = None,
+                 tied_weight_attr: str | list[str] = "weight", **module_kwargs: Any):
+        super().__init__(typename, *module_args, **module_kwargs)
+        self.key = key
+        self.forward_fn = forward_fn
+        self.tied_weight_attr = [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
+
+
+@dataclass(frozen=True)
+class TieInfo:
+    """Where a tied key lives: the pipeline stages holding it (the lowest one owns it)."""
+
+    key: str
+    stages: tuple[int, ...]
+    attrs: tuple[str, ...]
+
+
+def _class_name(layer: Any) -> str:
+    if isinstance(layer, LayerSpec):
+        return layer.typename.__name__
+    return type(layer).__name__ if isinstance(layer, nn.Module) else getattr(layer, "__name__", type(layer).__name__)
+
+
+def _param_count(layer: Any) -> int:
+    if isinstance(layer, LayerSpec):
+        try:
+            with torch.device("meta"):  # counting must not allocate the whole model on every rank
+                module = layer.build()
+        except Exception:  # a layer that cannot be built on meta: build it for real, once
+            module = layer.build()
+        return sum(p.numel() for p in module.parameters() if p.requires_grad)
+    if isinstance(layer, nn.Module):
+        return sum(p.numel() for p in layer.parameters() if p.requires_grad)
+    return 0
+
+
+def get_attr_path(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class PipelineModule(nn.Module):
+    """The part of a layered model that this rank runs; see the module docstring."""
+
+    def __init__(self, layers: list, num_stages: int | None = None, topology: comm.RankGrid | None = None,
+                 loss_fn: Callable | None = None, seed_layers: bool = False, base_seed: int = 1234,
+                 partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
+                 chunks: int = 1):
+        super().__init__()
+        if not layers:
+            raise ConfigError("PipelineModule: `layers` is empty")
+        if activation_checkpoint_interval < 0:
+            raise ConfigError(f"activation_checkpoint_interval must be >= 0, got {activation_checkpoint_interval}")
+        comm.init_distributed()
+        self.grid = _resolve_grid(num_stages, topology, comm.get_world_size())
+        self.num_stages, self.chunks = self.grid.pp, chunks
+        if chunks < 1 or (chunks > 1 and self.num_stages < 2):
+            raise ConfigError(f"PipelineModule: chunks={chunks}: interleaving needs chunks >= 1 and at least "
+                              "2 stages")
+        self._layer_specs = list(layers)
+        self.loss_fn = loss_fn
+        self.activation_checkpoint_interval = activation_checkpoint_interval
+        self.partition_method = partition_method
+        self.bounds = partition(partition_method, class_names=[_class_name(l) for l in layers],
+                                param_counts=[_param_count(l) for l in layers] if
+                                partition_method.lower() in ("parameters", "best") else [0] * len(layers),
+                                num_parts=self.num_stages * chunks)
+        self.global_rank = comm.get_rank()
+        self.stage_id = self.grid.coords(self.global_rank)["pp"]
+        self.ties = self._tie_infos()
+        self.groups = comm.ParallelGroups.build(self.grid)
+        self.tie_groups = self._build_tie_groups()
+        self.tied_modules = nn.ModuleDict()
+        self.layer_modules = nn.ModuleDict()
+        self._funcs: dict[int, Callable] = {}
+        self._build(seed_layers, base_seed)
+        logger.info("pipeline stage %d/%d holds layers %s", self.stage_id, self.num_stages,
+                    [list(self.layer_range(c)) for c in range(chunks)])
+
+    # -- layout ------------------------------------------------------------------------------------
+    def virtual_stage(self, chunk: int, stage: int | None = None) -> int:
+        return chunk * self.num_stages + (self.stage_id if stage is None else stage)
+
+    def layer_range(self, chunk: int, stage: int | None = None) -> range:
+        vs = self.virtual_stage(chunk, stage)
+        return range(self.bounds[vs], self.bounds[vs + 1])
+
+    def stage_of_layer(self, idx: int) -> int:
+        vs = next(k for k in range(len(self.bounds) - 1) if self.bounds[k] <= idx < self.bounds[k + 1])
+        return vs % self.num_stages
+
+    def local_layer_indices(self) -> list[int]:
+        return [i for c in range(self.chunks) for i in self.layer_range(c)]
+
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def _tie_infos(self) -> dict[str, TieInfo]:
+        stages: dict[str, set[int]] = {}
+        attrs: dict[str, tuple[str, ...]] = {}
+        for idx, layer in enumerate(self._layer_specs):
+            if isinstance(layer, TiedLayerSpec):
+                stages.setdefault(layer.key, set()).add(self.stage_of_layer(idx))
+                attrs.setdefault(layer.key, tuple(layer.tied_weight_attr))
+        return {k: TieInfo(k, tuple(sorted(stages[k])), attrs[k]) for k in sorted(stages)}
+
+    def _build_tie_groups(self) -> dict[str, Any]:
+        """Per tied key held by several stages: the group of those stages at this data-parallel index.
+
+        new_group is collective: every rank creates every group, in the same (sorted) order.
+        """
+        out = {}
+        dp_index = self.grid.coords(self.global_rank)["dp"]
+        for key, tie in self.ties.items():
+            if len(tie.stages) < 2:
+                continue
+            for d in range(self.grid.dp):
+                ranks = [self.grid.rank(pp=s, dp=d) for s in tie.stages]
+                handle = None if len(ranks) == self.grid.world_size else comm.new_group(ranks)
+                if d == dp_index and self.stage_id in tie.stages:
+                    out[key] = (handle, ranks)
+        return out
+
+    def _build(self, seed_layers: bool, base_seed: int) -> None:
+        first_idx = {}
+        for idx, layer in enumerate(self._layer_specs):
+            if isinstance(layer, TiedLayerSpec):
+                first_idx.setdefault(layer.key, idx)
+        for idx in self.local_layer_indices():
+            layer = self._layer_specs[idx]
+            if isinstance(layer, TiedLayerSpec):
+                if layer.key not in self.tied_modules:
+                    if seed_layers:  # the key's first layer index: every holder builds the same weights
+                        torch.manual_seed(base_seed + first_idx[layer.key])
+                    self.tied_modules[layer.key] = layer.build()
+            elif isinstance(layer, LayerSpec):
+                if seed_layers:
+                    torch.manual_seed(base_seed + idx)
+                self.layer_modules[str(idx)] = layer.build()
+            elif isinstance(layer, nn.Module):
+                self.layer_modules[str(idx)] = layer
+            elif callable(layer):
+                self._funcs[idx] = layer
+            else:
+                raise TypeError(f"layer {idx} is {layer!r}: expected a LayerSpec, an nn.Module or a callable")
+
+    # -- running ----------------------------------------------------------------------------------
+    def _call_layer(self, idx: int, x: Any) -> Any:
+        layer = self._layer_specs[idx]
+        if isinstance(layer, TiedLayerSpec):
+            module = self.tied_modules[layer.key]
+            return layer.forward_fn(module, x) if layer.forward_fn is not None else module(x)
+        if idx in self._funcs:
+            return self._funcs[idx](x)
+        return self.layer_modules[str(idx)](x)
+
+    def _run(self, start: int, end: int, x: Any) -> Any:
+        for idx in range(start, end):
+            x = self._call_layer(idx, x)
+        return x
+
+    def forward_chunk(self, chunk: int, x: Any) -> Any:
+        """Run this rank's chunk on `x` (a tensor or a tuple of tensors, passed to each layer as is)."""
+        layers = self.layer_range(chunk)
+        interval = self.activation_checkpoint_interval
+        if interval == 0 or not (self.training and torch.is_grad_enabled()):
+            return self._run(layers.start, layers.stop, x)
+        for start in range(layers.start, layers.stop, interval):
+            # Recompute each group of `interval` layers in backward instead of keeping its activations.
+            x = checkpoint(self._run, start, min(start + interval, layers.stop), x, use_reentrant=False)
+        return x
+
+    def forward(self, x: Any) -> Any:
+        """The whole model; only defined when one rank holds every layer (a single stage)."""
+        if self.num_stages != 1:
+            raise RuntimeError("PipelineModule.forward runs the whole model only with one stage; with "
+                               f"{self.num_stages} stages use engine.train_batch() / eval_batch()")
+        return self.forward_chunk(0, x)
+
+    # -- per-layer state (checkpoints) -----------------------------------------------------------
+    def layer_module(self, idx: int) -> nn.Module | None:
+        """The module holding layer `idx`'s state on this rank (None for a function layer)."""
+        layer = self._layer_specs[idx]
+        if isinstance(layer, TiedLayerSpec):
+            return self.tied_modules[layer.key]
+        return self.layer_modules[str(idx)] if str(idx) in self.layer_modules else None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layer_specs)
+
+
+def _resolve_grid(num_stages: int | None, topology: comm.RankGrid | None, world: int) -> comm.RankGrid:
+    if topology is not None:
+        if topology.world_size != world:
+            raise ConfigError(f"PipelineModule: topology {topology.shape} has {topology.world_size} ranks but "
+                              f"the job has {world}")
+        if num_stages is not None and num_stages != topology.pp:
+            raise ConfigError(f"PipelineModule: num_stages={num_stages} disagrees with topology pp={topology.pp}")
+        if topology.sp != 1 or topology.tp != 1:
+            raise ConfigError("PipelineModule: only pipeline x data-parallel grids are supported (sp = tp = 1)")
+        return topology
+    if num_stages is None:
+        raise ConfigError("PipelineModule: give num_stages or topology")
+    try:
+        return comm.RankGrid.for_world(world, pp=num_stages)
+    except ValueError as exc:
+        raise ConfigError(f"PipelineModule: num_stages={num_stages}: {exc}") from None

@@ -1,0 +1,150 @@
+"""Moving activations and gradients between stages: shape negotiation and batched transfers.
+
+A message is a tensor or a tuple of tensors. The first time a message key (kind, boundary virtual
+stage, mode) is used, its layout (count, tuple-ness, per tensor: dtype, requires_grad, shape) travels
+first as a small fixed-size int64 tensor; both sides cache it, and later messages with that key carry
+only data. Sender and receiver agree on "first time" because each key names one channel and messages
+on a channel arrive in order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zerospeed import comm
+
+META_LEN = 96
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool]
+_MAX_DIMS = 8
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    dtype: torch.dtype
+    requires_grad: bool
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class MessageMeta:
+    is_tuple: bool
+    tensors: tuple[TensorMeta, ...]
+
+
+def as_tensors(value: Any, what: str) -> tuple[bool, list[torch.Tensor]]:
+    """(was it a tuple, its tensors); anything else is an error naming `what`."""
+    items = list(value) if isinstance(value, (tuple, list)) else [value]
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: pipeline messages must be tensors or tuples of tensors; item {i} is "
+                            f"{type(t).__name__}")
+    return isinstance(value, (tuple, list)), items
+
+
+def describe(value: Any, what: str) -> MessageMeta:
+    is_tuple, items = as_tensors(value, what)
+    return MessageMeta(is_tuple, tuple(TensorMeta(t.dtype, t.requires_grad, tuple(t.shape)) for t in items))
+
+
+def encode(meta: MessageMeta) -> torch.Tensor:
+    """The layout as META_LEN int64s: [n, is_tuple, then per tensor: dtype, requires_grad, ndim, dims...]."""
+    out = [len(meta.tensors), int(meta.is_tuple)]
+    for t in meta.tensors:
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"pipeline messages cannot carry {t.dtype}; supported: {_DTYPES}")
+        if len(t.shape) > _MAX_DIMS:
+            raise ValueError(f"pipeline messages carry at most {_MAX_DIMS} dimensions, got shape {t.shape}")
+        out += [_DTYPES.index(t.dtype), int(t.requires_grad), len(t.shape), *t.shape]
+    if len(out) > META_LEN:
+        raise ValueError(f"pipeline message layout needs {len(out)} integers, more than {META_LEN}: "
+                         "send fewer tensors per message")
+    return torch.tensor(out + [0] * (META_LEN - len(out)), dtype=torch.int64)
+
+
+def decode(buf: torch.Tensor) -> MessageMeta:
+    vals = buf.tolist()
+    n, is_tuple, pos, tensors = vals[0], bool(vals[1]), 2, []
+    for _ in range(n):
+        dtype, rg, ndim = _DTYPES[vals[pos]], bool(vals[pos + 1]), vals[pos + 2]
+        tensors.append(TensorMeta(dtype, rg, tuple(vals[pos + 3:pos + 3 + ndim])))
+        pos += 3 + ndim
+    return MessageMeta(is_tuple, tuple(tensors))
+
+
+@dataclass
+class SendOp:
+    key: tuple
+    value: Any
+    peer: int
+
+
+@dataclass
+class RecvOp:
+    key: tuple
+    peer: int
+
+
+class Transport:
+    """Runs batches of sends and receives for one rank; caches message layouts by key."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._sent: dict[tuple, MessageMeta] = {}
+        self._received: dict[tuple, MessageMeta] = {}
+
+    def reset(self) -> None:
+        """Forget negotiated layouts (call on every rank when message shapes change)."""
+        self._sent.clear()
+        self._received.clear()
+
+    def run(self, ops: list[SendOp | RecvOp]) -> list[Any]:
+        """Post all operations together and wait; returns the received values (None for sends)."""
+        self._negotiate(ops)
+        posted, buffers = [], []
+        for op in ops:
+            if isinstance(op, SendOp):
+                meta = describe(op.value, f"message {op.key}")
+                _, items = as_tensors(op.value, f"message {op.key}")
+                if meta.tensors != self._sent[op.key].tensors:
+                    raise RuntimeError(f"pipeline message {op.key} changed layout from {self._sent[op.key]} to "
+                                       f"{meta}: shapes are negotiated once; keep micro-batch shapes fixed or "
+                                       "call engine.reset_activation_shape() on every rank")
+                items = [t.detach().contiguous() for t in items]
+                buffers.append(items)
+                posted += [("send", t, op.peer) for t in items]
+            else:
+                meta = self._received[op.key]
+                items = [torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in meta.tensors]
+                buffers.append(items)
+                posted += [("recv", t, op.peer) for t in items]
+        for h in comm.batch_isend_irecv(posted):
+            h.wait()
+        out = []
+        for op, items in zip(ops, buffers):
+            if isinstance(op, SendOp):
+                out.append(None)
+                continue
+            meta = self._received[op.key]
+            for t, m in zip(items, meta.tensors):
+                t.requires_grad_(m.requires_grad and t.is_floating_point())
+            out.append(tuple(items) if meta.is_tuple else items[0])
+        return out
+
+    def _negotiate(self, ops: list[SendOp | RecvOp]) -> None:
+        posted, pending = [], []
+        for op in ops:
+            if isinstance(op, SendOp) and op.key not in self._sent:
+                meta = describe(op.value, f"message {op.key}")
+                self._sent[op.key] = meta
+                posted.append(("send", encode(meta).to(self.device), op.peer))
+            elif isinstance(op, RecvOp) and op.key not in self._received:
+                buf = torch.zeros(META_LEN, dtype=torch.int64, device=self.device)
+                pending.append((op.key, buf))
+                posted.append(("recv", buf, op.peer))
+        for h in comm.batch_isend_irecv(posted):
+            h.wait()
+        for key, buf in pending:
+            self._received[key] = decode(buf.cpu())

@@ -1,0 +1,170 @@
+"""User-facing stage-3 API: `zero.Init`, `zero.GatheredParameters`, `register_external_parameter`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch.nn.modules import module as _module_mod
+
+from zerospeed import comm
+from zerospeed.config.errors import ConfigError
+from zerospeed.zero.stage3 import registry
+from zerospeed.zero.stage3.flat_param import FlatParam, State
+
+
+def _dtype_from_config(config) -> torch.dtype:
+    if config is None:
+        return torch.float32
+    raw = config if isinstance(config, dict) else json.loads(Path(config).read_text())
+    if raw.get("fp16", {}).get("enabled") is True:
+        return torch.float16
+    if raw.get("bf16", {}).get("enabled") is True:
+        return torch.bfloat16
+    return torch.float32
+
+
+class Init:
+    """Build (or take) a model so that it never exists whole on any rank.
+
+    `with zero.Init(): model = Net()` — every submodule is sharded across the data-parallel ranks as
+    soon as its constructor has finished (the moment it is attached to its parent), so at most one
+    module's parameters are full at a time. Construction runs for real, so random initialisation
+    consumes the RNG exactly as an unsharded construction would. A whole-model initialisation run at
+    the end of the root constructor (the transformers convention: a `_init_weights(module)` method
+    applied to every module) is replayed after construction, one module at a time, in the same order
+    — so every rank ends with exactly the values an unsharded construction under the same seed gives.
+
+    `zero.Init(module=model)` shards an existing model. `enabled=False` does nothing.
+    """
+
+    def __init__(self, config_dict_or_path=None, enabled: bool = True, dtype: torch.dtype | None = None,
+                 remote_device: str | None = None, module: torch.nn.Module | None = None, data_parallel_group=None,
+                 config=None, mpu=None):
+        if remote_device not in (None, "cpu", "none"):
+            raise ConfigError(f"zero.Init(remote_device={remote_device!r}): only None or 'cpu' is supported; "
+                              "NVMe parameter offload is not implemented in zerospeed yet")
+        self.enabled = enabled
+        self.dtype = dtype or _dtype_from_config(config_dict_or_path if config_dict_or_path is not None else config)
+        self.group = mpu.get_data_parallel_group() if mpu is not None else data_parallel_group
+        self._hook = None
+        self._roots: list[torch.nn.Module] = []
+        if enabled and module is not None:
+            comm.init_distributed()
+            for m in module.modules():
+                self._shard_module(m)
+
+    # -- context -----------------------------------------------------------------------------------
+    def __enter__(self):
+        if self.enabled:
+            comm.init_distributed()
+            self._attached: set[int] = set()
+            self._parents: dict[int, torch.nn.Module] = {}
+            self._hook = _module_mod.register_module_module_registration_hook(self._on_child)
+        return self
+
+    def _on_child(self, parent, name, child):
+        # `child` is being attached to `parent`: its constructor has returned, shard what it owns
+        if child is not None:
+            self._attached.add(id(child))
+            self._parents[id(parent)] = parent
+            for m in child.modules():
+                self._shard_module(m)
+        return None
+
+    def __exit__(self, exc_type, *exc):
+        if self._hook is None:
+            return False
+        self._hook.remove()
+        self._hook = None
+        if exc_type is None:
+            # the roots are the parents that were never attached to anything themselves
+            for root in [p for k, p in self._parents.items() if k not in self._attached]:
+                self.finish(root)
+        return False
+
+    def finish(self, root: torch.nn.Module) -> torch.nn.Module:
+        """Shard the root's own parameters and replay its `_init_weights` (see the class docstring)."""
+        for m in root.modules():
+            self._shard_module(m)
+        init = getattr(root, "_init_weights", None)
+        if callable(init):
+            _replay_init(root, init)
+        return root
+
+    # -- sharding ----------------------------------------------------------------------------------
+    def _shard_module(self, m: torch.nn.Module) -> None:
+        params = [p for p in m.parameters(recurse=False) if registry.owner_of(p) is None]
+        if not params:
+            return
+        world, rank = comm.get_world_size(self.group), comm.get_rank(self.group)
+        owner = FlatParam(-1, params, [p.detach().to(torch.float32) for p in params], group_index=0,
+                          world_size=world, rank=rank, dtype=self.dtype, device=params[0].device,
+                          dp_group=self.group, trainable=False)
+        for p in params:
+            registry.register(p, owner)
+
+
+@torch.no_grad()
+def _replay_init(root: torch.nn.Module, init_fn) -> None:
+    """Apply `init_fn` to every module in `nn.Module.apply` order (children first), gathering each
+    module's parameters around the call. Every rank draws the same random numbers, so each keeps its
+    own chunk of the result without any communication."""
+    def visit(m):
+        for child in m.children():
+            visit(child)
+        owners = {id(o): o for p in m.parameters(recurse=False) if (o := registry.owner_of(p)) is not None}
+        was = {k: o.state for k, o in owners.items()}
+        for o in owners.values():
+            o.wait()
+        init_fn(m)
+        for k, o in owners.items():
+            o.shard_from_full()
+            if was[k] is State.SHARDED:
+                o.release()
+    visit(root)
+
+
+class GatheredParameters:
+    """Inside the block the given stage-3 parameters are full tensors on every rank.
+
+    On exit, with `modifier_rank` set, that rank's (possibly modified) values are broadcast and every
+    rank re-shards them; with `modifier_rank=None` any change is discarded. Works for one parameter or
+    an iterable; ordinary (unsharded) parameters pass through untouched. `fwd_module` is accepted for
+    DeepSpeed compatibility (external parameters are registered with `register_external_parameter`).
+    """
+
+    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True):
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        owners = {}
+        for p in params:
+            o = registry.owner_of(p)
+            if o is not None:
+                owners[id(o)] = o
+        self.owners = list(owners.values()) if enabled else []
+        self.modifier_rank = modifier_rank
+        self._was: dict[int, State] = {}
+
+    def __enter__(self):
+        for o in self.owners:
+            self._was[id(o)] = o.state
+            o.wait()
+        return self
+
+    @torch.no_grad()
+    def __exit__(self, *exc):
+        for o in self.owners:
+            if self.modifier_rank is not None:
+                comm.broadcast(o.full, src=comm.global_rank(o.dp_group, self.modifier_rank), group=o.dp_group)
+                o.shard_from_full()
+            o.release()
+            if self._was[id(o)] is not State.SHARDED:
+                o.wait()  # it was resident before: keep it so, with the (kept or discarded) values
+        return False
+
+
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """Declare that `module`'s forward uses `parameter`, owned by another module: stage 3 gathers the
+    parameter's unit around `module`'s forward and backward. (A module that registers the parameter
+    itself, like a tied output head, needs no declaration.)"""
+    registry.register_external(module, parameter)
