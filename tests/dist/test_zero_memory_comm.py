@@ -30,6 +30,14 @@ def check_traffic(r, world):
         return  # single-rank collectives are skipped and not counted
     if r["stage"] == 0:
         assert t.pop("all_reduce") == grad + (0 if r["precision"] != "fp16" else 4)
+    elif r["stage"] == 3:
+        # per micro-step: every unit gathered for forward and again for backward (+ an 8-byte index
+        # per rank for the divergence check), gradients reduce-scattered
+        calls = r["traffic"]["all_gather"]["calls"]
+        data = t.pop("all_gather") - (calls // 2) * 8 * world
+        assert data == 2 * 2 * PARAM_BYTES[r["precision"]] * r["padded_params"]
+        assert t.pop("reduce_scatter") == 2 * padded_grad
+        assert t.pop("all_reduce") == 8
     else:
         # stage 1 reduce-scatters once per step, stage 2 on every micro-step
         assert t.pop("reduce_scatter") == padded_grad * (1 if r["stage"] == 1 else 2)

@@ -19,7 +19,7 @@ from zerospeed.accelerator import get_accelerator
 from zerospeed.precision.loss_scaler import loss_scaler_from_config
 from zerospeed.precision.policy import PrecisionPolicy
 from zerospeed.runtime.grad_math import clip_coefficient
-from zerospeed.zero import build_strategy
+from zerospeed.zero import build_strategy, full_numel
 from zerospeed.zero.memory import OPTIMIZER_STATE_BYTES, model_state_bytes, optimizer_kind
 
 logger = logging.getLogger(__name__)
@@ -212,7 +212,7 @@ class Engine(torch.nn.Module):
     def memory_breakdown(self) -> dict[str, dict[str, float]]:
         """Per-rank model-state bytes held by the engine, next to the ZeRO formula's prediction."""
         measured = self.zero.memory_breakdown(self.optimizer)
-        n = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
+        n = sum(full_numel(p) for p in self.module.parameters() if p.requires_grad)
         pb = torch.tensor([], dtype=self.precision.param_dtype).element_size()
         predicted = model_state_bytes(
             n, self.dp_world_size, self.zero.stage, param_bytes=pb,

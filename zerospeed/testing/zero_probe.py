@@ -14,6 +14,7 @@ import torch
 import zerospeed
 from zerospeed import comm
 from zerospeed.testing.census import live_tensor_bytes
+from zerospeed.zero import full_numel as zero_full_numel
 
 
 class WideMLP(torch.nn.Module):
@@ -38,7 +39,7 @@ def probe_model_states(stage: int, precision: str = "bf16", width: int = 1024, l
     torch.manual_seed(0)
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": grad_accum,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-           "zero_optimization": {"stage": stage, "overlap_comm": True}}
+           "zero_optimization": {"stage": stage, "overlap_comm": True}}  # (stage 3: every layer > persistence)
     if precision != "fp32":
         cfg[precision] = {"enabled": True}
     engine, *_ = zerospeed.initialize(model=WideMLP(width, layers), config=cfg)
@@ -56,7 +57,7 @@ def probe_model_states(stage: int, precision: str = "bf16", width: int = 1024, l
     padded = _padded_numel(engine)
     engine.zero.remove_hooks() if hasattr(engine.zero, "remove_hooks") else engine.zero.reducer.remove_hooks()
     return {"stage": stage, "precision": precision, "world": comm.get_world_size(),
-            "params": sum(p.numel() for p in engine.module.parameters()), "padded_params": padded,
+            "params": sum(zero_full_numel(p) for p in engine.module.parameters()), "padded_params": padded,
             "measured": measured, "predicted": sum(breakdown["predicted"].values()),
             "engine_counted": sum(breakdown["measured"].values()), "traffic": traffic}
 
@@ -65,8 +66,10 @@ def _padded_numel(engine) -> int:
     flat = getattr(engine.zero, "flat", None)
     if flat is None:
         return sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+    if engine.zero.stage == 3:
+        return sum(fp.padded for fp in flat)
     return sum(b.padded for fg in flat for b in fg.buckets)
 
 
-def probe_all(stages=(0, 1, 2), precisions=("fp32", "bf16")) -> list[dict]:
+def probe_all(stages=(0, 1, 2, 3), precisions=("fp32", "bf16")) -> list[dict]:
     return [probe_model_states(s, p) for p in precisions for s in stages]
