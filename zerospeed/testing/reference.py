@@ -30,7 +30,7 @@ def split_global_batch(batch: Sequence[torch.Tensor], world_size: int, grad_accu
 def reference_train(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     global_batches: Sequence[Sequence[torch.Tensor]], *, world_size: int, grad_accum: int,
                     loss_fn: Callable[..., torch.Tensor] | None = None, scheduler=None,
-                    clip: float = 0.0) -> list[float]:
+                    clip: float = 0.0, set_to_none: bool = True) -> list[float]:
     """Train on each global batch as one optimizer step; return the mean micro-batch loss per step.
 
     Every micro-batch of every (virtual) rank contributes loss / (world_size * grad_accum) to the
@@ -40,7 +40,7 @@ def reference_train(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     n_micro = world_size * grad_accum
     losses = []
     for batch in global_batches:
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=set_to_none)
         total = 0.0
         for rank in range(world_size):
             for micro in split_global_batch(batch, world_size, grad_accum, rank):
