@@ -184,12 +184,7 @@ class ShardedStrategy:
     # -- step --------------------------------------------------------------------------------------
     def global_grad_norm(self) -> float:
         """L2 norm of the full reduced gradient: local chunks' squared norms, all-reduced once."""
-        local = torch.zeros((), dtype=torch.float64, device=self.states[0].grad_chunk.device) if self.states \
-            else torch.zeros((), dtype=torch.float64)
-        for st in self.states:
-            local += torch.linalg.vector_norm(st.grad_chunk.double()) ** 2
-        comm.all_reduce(local, op="sum", group=self.group)
-        return math.sqrt(float(local))
+        return sharded_global_norm([st.grad_chunk for st in self.states], self.group)
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
@@ -270,6 +265,16 @@ class ShardedStrategy:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def sharded_global_norm(chunks: list[torch.Tensor], group) -> float:
+    """sqrt of the sum over ranks of each rank's squared chunk norms (one all-reduce, fp64)."""
+    device = chunks[0].device if chunks else torch.device("cpu")
+    local = torch.zeros((), dtype=torch.float64, device=device)
+    for c in chunks:
+        local += torch.linalg.vector_norm(c, dtype=torch.float64) ** 2
+    comm.all_reduce(local, op="sum", group=group)
+    return math.sqrt(float(local))
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:

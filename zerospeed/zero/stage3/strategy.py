@@ -27,6 +27,7 @@ import torch
 from zerospeed import comm
 from zerospeed.runtime.grad_math import reduction_factors
 from zerospeed.zero.partition import group_sub_groups
+from zerospeed.zero.sharded import sharded_global_norm
 from zerospeed.zero.shards import Piece, ShardEntry
 from zerospeed.zero.stage3 import registry
 from zerospeed.zero.stage3.flat_param import FlatParam, State
@@ -235,11 +236,8 @@ class Stage3Strategy:
             group["params"] = [fp.master for fp in self.flat if fp.group_index == gi]
 
     def global_grad_norm(self) -> float:
-        local = torch.zeros((), dtype=torch.float64)
-        for fp in self.flat:
-            local += torch.linalg.vector_norm(fp.grad_shard.double()).cpu() ** 2
-        comm.all_reduce(local, op="sum", group=self.group)
-        return math.sqrt(float(local))
+        """L2 norm of the full gradient: local chunks' squared norms (on the device), all-reduced once."""
+        return sharded_global_norm([fp.grad_shard for fp in self.flat], self.group)
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
