@@ -77,3 +77,28 @@ def test_one_rank_engine_matches_plain_pytorch():
     assert engine.global_steps == 4 and engine.micro_steps == 12 and engine.global_samples == 24
     assert engine.get_global_grad_norm() > 0 and engine.was_step_applied()
     assert engine.get_lr() == [1e-2] and optimizer is engine.optimizer
+
+
+def test_monitors_timers_and_progress_line_are_wired_through_the_config(tmp_path, caplog):
+    import csv
+    import logging
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 1,
+           "wall_clock_breakdown": True, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "run"}}
+    engine, *_ = zerospeed.initialize(model=TinyMLP(), config=cfg)
+    losses = []
+    with caplog.at_level(logging.INFO):
+        for _ in range(4):
+            x, y = torch.randn(2, 16), torch.randn(2, 8)
+            loss = engine(x, y)
+            losses.append(loss.item())
+            engine.backward(loss)
+            engine.step()
+    engine.destroy()
+    files = {p.name for p in (tmp_path / "run").iterdir()}
+    assert "Train_Samples_train_loss.csv" in files and "Train_Samples_lr.csv" in files
+    rows = list(csv.reader(open(tmp_path / "run" / "Train_Samples_train_loss.csv")))
+    assert rows[0] == ["step", "Train/Samples/train_loss"] and len(rows) == 3  # two optimizer steps
+    assert abs(float(rows[1][1]) - (losses[0] + losses[1]) / 2) < 1e-6
+    assert "forward" in caplog.text and "backward" in caplog.text  # the wall-clock breakdown

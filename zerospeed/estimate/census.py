@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zerospeed.zero import full_numel
+
 
 @dataclass(frozen=True)
 class ModelCensus:
@@ -25,8 +27,9 @@ class ModelCensus:
 
 def census_of_module(model) -> ModelCensus:
     """Count a torch module: shared parameters once; a layer = one module's own parameters."""
-    total = sum({id(p): p.numel() for p in model.parameters()}.values())
-    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    # full_numel: a ZeRO-3 parameter counts its full size, not its local shard.
+    total = sum({id(p): full_numel(p) for p in model.parameters()}.values())
+    largest = max((sum(full_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
     return ModelCensus(total, largest)
 
 

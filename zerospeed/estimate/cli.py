@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-memory", type=float, help="GB (1e9 bytes) per node, for the recommendation")
     p.add_argument("--measure", action="store_true",
                    help="run the engine (bf16, AdamW, 1M-parameter MLP) on --ranks processes and print predicted vs "
-                        "measured model-state bytes per rank, stages 0-2 (stage 3: pending)")
+                        "measured model-state bytes per rank, stages 0-3")
     p.add_argument("--ranks", type=int, default=2, help="processes for --measure")
     return p
 
@@ -59,7 +59,7 @@ def run(args) -> str:
     """The report text for parsed arguments."""
     if args.measure:
         from zerospeed.estimate.measure import format_measurements, measure
-        return format_measurements(measure(world=args.ranks, stages=(0, 1, 2)))
+        return format_measurements(measure(world=args.ranks, stages=(0, 1, 2, 3)))
     census = _census(args)
     setup = Setup(args.devices_per_node, args.nodes, args.precision, args.optimizer, args.grad_dtype,
                   args.micro_batch, args.seq_len)

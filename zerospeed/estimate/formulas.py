@@ -1,8 +1,8 @@
 """Pure memory formulas of the estimator: model states for every ZeRO stage x offload, activations.
 
-Stages 0-2 on the device come from `zerospeed.zero.memory.model_state_bytes` (the formula the engine
-itself reports); stage 3 is stage 2 with the parameters divided by N as well (the ZeRO paper's
-(2 + 2 + K)/N). Offload moves state from the device to the host (see `placed_model_states`).
+Per-device bytes for stages 0-3 come from `zerospeed.zero.memory.model_state_bytes` (the formula
+the engine itself reports; stage 3 is the ZeRO paper's (2 + 2 + K)/N). Offload moves state from the
+device to the host (see `placed_model_states`).
 `deepspeed_zero2_bytes` / `deepspeed_zero3_bytes` reproduce the rules behind DeepSpeed's documented
 `estimate_zero{2,3}_model_states_mem_needs` tables (1.5x buffer factor on host memory), so their
 numbers can be compared one to one. No function here touches torch or a process group.
@@ -40,13 +40,8 @@ class Precision:
 
 def stage_bytes(num_params: int, world_size: int, stage: int, prec: Precision) -> dict[str, float]:
     """Per-device bytes of parameters, gradients, masters and optimizer states at ZeRO `stage` 0-3."""
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
-    base = model_state_bytes(num_params, world_size, min(stage, 2), param_bytes=prec.param,
-                             grad_bytes=prec.grad, master_bytes=prec.master, optim_bytes=prec.optim)
-    if stage == 3:
-        base["parameters"] = base["parameters"] / world_size
-    return base
+    return model_state_bytes(num_params, world_size, stage, param_bytes=prec.param, grad_bytes=prec.grad,
+                             master_bytes=prec.master, optim_bytes=prec.optim)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 N spawned gloo processes train a bias-free MLP for two optimizer steps at each ZeRO stage
 (`zerospeed.testing.zero_probe`); the measurement is an independent census of live tensor storages
 (not the engine's counters); the prediction is `stage_bytes` with zerospeed's fp32 gradient
-accumulation. Stage 3 is not implemented in the engine yet, so it is reported as pending.
+accumulation. Offload is not measured (it is not implemented in the engine yet).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from zerospeed.estimate.formulas import DTYPE_BYTES, Precision, stage_bytes
 
-IMPLEMENTED_STAGES = (0, 1, 2)
+IMPLEMENTED_STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -40,13 +40,12 @@ def _probe_stages(stages: tuple[int, ...], precision: str, width: int, layers: i
     return [probe_model_states(s, precision, width=width, layers=layers) for s in stages]
 
 
-def measure(world: int = 2, stages: tuple[int, ...] = (1, 2), precision: str = "bf16", width: int = 512,
+def measure(world: int = 2, stages: tuple[int, ...] = (1, 2, 3), precision: str = "bf16", width: int = 512,
             layers: int = 4, timeout: float = 240.0) -> list[Measurement]:
     """Run the probe on `world` ranks; one Measurement per (stage, rank)."""
-    pending = [s for s in stages if s not in IMPLEMENTED_STAGES]
-    if pending:
-        raise ValueError(f"--measure covers ZeRO stages {IMPLEMENTED_STAGES}; stage {pending[0]} is not "
-                         "implemented in the engine yet (pending), so it cannot be measured")
+    unknown = [s for s in stages if s not in IMPLEMENTED_STAGES]
+    if unknown:
+        raise ValueError(f"--measure covers ZeRO stages {IMPLEMENTED_STAGES}, got stage {unknown[0]}")
     from zerospeed.testing import run_distributed
     per_rank = run_distributed(_probe_stages, world, tuple(stages), precision, width, layers, timeout=timeout)
     return [Measurement(rank, r["stage"], world, precision, r["params"],
@@ -55,11 +54,10 @@ def measure(world: int = 2, stages: tuple[int, ...] = (1, 2), precision: str = "
 
 
 def format_measurements(rows: list[Measurement]) -> str:
-    """A markdown table of predicted vs measured MB per rank, plus the stage-3 note."""
+    """A markdown table of predicted vs measured MB per rank."""
     lines = ["| ranks | rank | precision | stage | params | predicted MB/rank | measured MB/rank "
              "| measured/predicted |",
              "|---:|---:|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {m.world} | {m.rank} | {m.precision} | {m.stage} | {m.params:,} | {m.predicted / 1e6:.2f} | "
               f"{m.measured / 1e6:.2f} | {m.ratio:.4f} |" for m in rows]
-    lines.append("| - | - | - | 3 | - | pending | pending (ZeRO stage 3 not implemented yet) | - |")
     return "\n".join(lines)

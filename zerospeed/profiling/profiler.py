@@ -16,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 from zerospeed.accelerator import get_accelerator
 from zerospeed.profiling.flops import count
+from zerospeed.zero import full_numel  # a ZeRO-3 parameter's full size, not its shard
 
 
 @dataclass
@@ -66,7 +67,7 @@ class FlopsProfiler:
         """Reset counters, attach hooks and begin counting."""
         self.end_profile()
         self.stats = {id(m): ModuleStats(name or "(model)", type(m).__name__, name.count(".") + bool(name),
-                                         sum(p.numel() for p in m.parameters()))
+                                         sum(full_numel(p) for p in m.parameters()))
                       for name, m in self.model.named_modules() if not isinstance(m, self.ignore_modules)}
         for m in self.model.modules():
             if id(m) in self.stats:
@@ -107,7 +108,7 @@ class FlopsProfiler:
         return self.total_macs
 
     def get_total_params(self) -> int:
-        return sum({id(p): p.numel() for p in self.model.parameters()}.values())
+        return sum({id(p): full_numel(p) for p in self.model.parameters()}.values())
 
     def get_total_duration(self) -> float:
         return self.duration

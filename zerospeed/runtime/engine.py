@@ -18,6 +18,7 @@ from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
 from zerospeed.precision.loss_scaler import loss_scaler_from_config
 from zerospeed.precision.policy import PrecisionPolicy
+from zerospeed.profiling.observer import EngineObserver
 from zerospeed.runtime.grad_math import clip_coefficient
 from zerospeed.zero import build_strategy, full_numel
 from zerospeed.zero.memory import OPTIMIZER_STATE_BYTES, model_state_bytes, optimizer_kind
@@ -61,6 +62,8 @@ class Engine(torch.nn.Module):
         self._inside_no_sync = False
         self._global_grad_norm: float | None = None
         self._step_applied = False
+        # timers, flops profiler, monitors, comm report, the steps_per_print line (all off by default)
+        self.observer = EngineObserver.for_engine(self)
 
     # -- set-up -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -139,7 +142,10 @@ class Engine(torch.nn.Module):
     # -- the training step -------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         self.zero.start_micro_step()
-        return self.module(*inputs, **kwargs)
+        self.observer.on_forward_start(self, *inputs)
+        out = self.module(*inputs, **kwargs)
+        self.observer.on_forward_end(self)
+        return out
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backpropagate `loss` / gradient_accumulation_steps (times the fp16 loss scale)."""
@@ -152,15 +158,19 @@ class Engine(torch.nn.Module):
         if self.loss_scaler is not None:
             scaled = scaled.float() * self.loss_scaler.scale
         self.zero.begin_backward(sync=self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
+        self.observer.on_backward_start(self, loss)
         scaled.backward(retain_graph=retain_graph)
+        self.observer.on_backward_end(self)
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """At an accumulation boundary: reduce, unscale, check overflow, clip, step; else count."""
+        self.observer.on_step_start(self)
         self.zero.end_micro_step()
         if self.is_gradient_accumulation_boundary():
             self._take_model_step(lr_kwargs or {})
         self.micro_steps += 1
+        self.observer.on_step_end(self)
 
     def _take_model_step(self, lr_kwargs: dict) -> None:
         if self.optimizer is None:
@@ -186,7 +196,6 @@ class Engine(torch.nn.Module):
         self.zero.zero_grads()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
-        self._report_progress()
 
     def _overflow_on_any_rank(self, local_norm: float) -> bool:
         # Sharded stages all-reduce the squared norm, so an inf anywhere is already everywhere; stage 0
@@ -197,16 +206,14 @@ class Engine(torch.nn.Module):
         comm.all_reduce(flag, op="max", group=self.dp_group)
         return bool(flag.item() > 0)
 
-    def _report_progress(self) -> None:
-        every = self.steps_per_print()
-        if every and self.global_steps % every == 0 and self.global_rank == 0:
-            logger.info("step=%d skipped=%d lr=%s grad_norm=%s loss_scale=%g", self.global_steps,
-                        self.skipped_steps, self.get_lr(), self._global_grad_norm, self.loss_scale)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (the engine's buffers and any stray .grad)."""
         self.zero.zero_grads()
         self.module.zero_grad(set_to_none=set_to_none)
+
+    def destroy(self) -> None:
+        """End of training: log the comm totals, close monitors."""
+        self.observer.close()
 
     # -- memory ----------------------------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, dict[str, float]]:
