@@ -1,4 +1,4 @@
-"""Training-step benchmark: zerospeed ZeRO stages 0-2 against PyTorch DDP (+ZeRO-1) and DeepSpeed.
+"""Training-step benchmark: zerospeed ZeRO stages 0-3 against PyTorch DDP (+ZeRO-1), FSDP2 and DeepSpeed.
 
     python benchmarks/bench_step.py --nproc 2 --steps 10 --warmup 3 --out benchmarks/results.md
     python benchmarks/bench_step.py --variants zs1,zs2,ddp_zero,ds1,ds2   # a subset
@@ -11,7 +11,8 @@ the step machinery differs. The table reports, per variant: the median over the 
 steps of the slowest rank's step time, tokens/s derived from it, peak memory per rank (CPU: peak
 RSS, CUDA: max allocated), the final loss, its largest gap to DDP's, and ratios against DDP. For the
 zerospeed variants a second table breaks the measured steps' communication down per collective
-kind (from ``zerospeed.comm.STATS``): calls, bytes on the wire per rank and seconds, per step.
+kind (from ``zerospeed.comm.STATS``): calls, bytes on the wire per rank and seconds, per step; a
+third compares the stage-3 variants' bytes with the theoretical volume (``stage3_traffic``).
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ from pathlib import Path
 import torch
 
 WORKER = Path(__file__).resolve().parent / "workers.py"
-VARIANTS = ("zs0", "zs1", "zs2", "ddp", "ddp_zero", "ds0", "ds1", "ds2")
+VARIANTS = ("zs0", "zs1", "zs2", "zs3", "zs3_noprefetch", "ddp", "ddp_zero", "fsdp2", "fsdp2_noprefetch",
+            "ds0", "ds1", "ds2", "ds3", "ds3_noprefetch")
 ALIASES = {"zerospeed": "zs0", "deepspeed": "ds0"}  # the names of the stage-0-only benchmark
-STAGE = {"zs0": 0, "zs1": 1, "zs2": 2, "ds0": 0, "ds1": 1, "ds2": 2, "ddp": 0, "ddp_zero": 0}
+STAGE = {"zs0": 0, "zs1": 1, "zs2": 2, "zs3": 3, "zs3_noprefetch": 3, "ds0": 0, "ds1": 1, "ds2": 2, "ds3": 3,
+         "ds3_noprefetch": 3, "ddp": 0, "ddp_zero": 0, "fsdp2": 3, "fsdp2_noprefetch": 3}
 
 
 def resolve_variants(text: str) -> list[str]:
@@ -70,6 +73,14 @@ def parse_args() -> argparse.Namespace:
                    help="zero_optimization.allgather_bucket_size (elements) for stages 1 and 2")
     p.add_argument("--overlap-comm", choices=("true", "false"), default="true",
                    help="zero_optimization.overlap_comm for stages 1 and 2 (zerospeed and DeepSpeed alike)")
+    p.add_argument("--prefetch-bucket-size", type=int, default=50_000_000,
+                   help="zero_optimization.stage3_prefetch_bucket_size (elements) for zs3 and ds3 "
+                        "(the *_noprefetch variants use 0)")
+    p.add_argument("--param-persistence-threshold", type=int, default=0,
+                   help="zero_optimization.stage3_param_persistence_threshold for zs3* and ds3* "
+                        "(0: every unit is sharded)")
+    p.add_argument("--max-live-parameters", type=int, default=1_000_000_000,
+                   help="zero_optimization.stage3_max_live_parameters for zs3* and ds3*")
     p.add_argument("--repeats", type=int, default=1,
                    help="run every variant this many times, alternating the order; steps are pooled")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per variant")
@@ -96,7 +107,9 @@ def launch(variant: str, args: argparse.Namespace, workdir: Path, threads: int) 
     spec = {"variant": variant, "stage": STAGE[variant], "out_dir": str(workdir)} | {
         k: getattr(args, k) for k in ("steps", "warmup", "model_size", "seq_len", "micro_batch",
                                       "grad_accum", "seed", "corpus_bytes", "reduce_bucket_size",
-                                      "allgather_bucket_size", "overlap_comm")}
+                                      "allgather_bucket_size", "overlap_comm", "param_persistence_threshold",
+                                      "max_live_parameters")}
+    spec["prefetch_bucket_size"] = 0 if variant.endswith("_noprefetch") else args.prefetch_bucket_size
     port, procs = free_port(), []
     for rank in range(args.nproc):
         env = os.environ | {
@@ -148,7 +161,44 @@ def summarize(runs: list[list[dict]], tokens_per_step: int) -> dict:
     median = statistics.median(per_step)
     peaks = [max(ranks[r]["peak_memory"] for ranks in runs) for r in range(len(runs[0]))]
     return {"median_step_s": median, "tokens_per_s": tokens_per_step / median, "peak_memory": peaks,
-            "losses": runs[0][0]["losses"], "threads": runs[0][0]["threads"], "comm": comm_per_step(runs)}
+            "losses": runs[0][0]["losses"], "threads": runs[0][0]["threads"], "comm": comm_per_step(runs),
+            "sizes": {k: runs[0][0].get(k, 0) for k in ("params", "param_bytes", "tied_params")}}
+
+
+def stage3_theory_bytes(params: int, param_bytes: int, world: int, grad_accum: int) -> float:
+    """Stage-3 bytes one rank sends per optimizer step under ring algorithms, ignoring tags, padding and
+    tied parameters: every micro-step all-gathers the parameters twice (forward and backward, in the
+    model dtype) and reduce-scatters the fp32 gradients once, each moving (N-1)/N of the full size.
+    In fp32 that is the textbook 3 x parameter bytes x (N-1)/N per micro-step."""
+    return grad_accum * (world - 1) / world * params * (2 * param_bytes + 4)
+
+
+def stage3_traffic(results: dict[str, dict], world: int, grad_accum: int) -> str:
+    """The zerospeed stage-3 variants' measured wire bytes per step against ``stage3_theory_bytes``,
+    with the known extras: an 8-byte tag all-gathered with every unit gather (half the all-gather
+    calls), the tied head's second forward gather of the owner's unit, and the rest (padding of
+    every unit to a multiple of N, the gradient-norm all-reduce)."""
+    lines = ["| variant | wire/step per rank (MiB) | theory (MiB) | measured / theory | + tags (KiB) "
+             "| + tied head re-gather (MiB) | rest (KiB) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        if STAGE.get(name) != 3 or not r["comm"] or not r["sizes"]["params"]:
+            continue
+        z = r["sizes"]
+        measured = sum(c["wire_bytes"] for c in r["comm"].values())
+        theory = stage3_theory_bytes(z["params"], z["param_bytes"], world, grad_accum)
+        tags = r["comm"].get("all_gather", {}).get("calls", 0) / 2 * 8 * (world - 1)
+        tied = grad_accum * (world - 1) / world * z["tied_params"] * z["param_bytes"]
+        lines.append(f"| {name} | {measured / 2**20:,.3f} | {theory / 2**20:,.3f} | {measured / theory:.4f} | "
+                     f"{tags / 2**10:,.2f} | {tied / 2**20:,.3f} | {(measured - theory - tags - tied) / 2**10:,.2f} |")
+    if len(lines) == 2:
+        return ""
+    note = ("- theory = GAS x (N-1)/N x P x (2b + 4) bytes: P parameters (tied once), b bytes per model-dtype "
+            "element; two all-gathers of the parameters per micro-step (forward, backward) and one fp32 "
+            "gradient reduce-scatter — 3 x 4P x (N-1)/N per micro-step in fp32. tags = 8 bytes x (N-1) per unit "
+            "gather (every gather also all-gathers the unit's index; half the all-gather calls). tied = the "
+            "head's own forward gather of the embedding's unit, GAS x (N-1)/N x P_tied x b. rest = padding "
+            "of each unit to a multiple of N plus the gradient-norm all-reduce")
+    return "Stage-3 bytes per optimizer step vs theory (zerospeed)\n\n" + "\n".join(lines) + "\n\n" + note + "\n"
 
 
 def comm_per_step(runs: list[list[dict]]) -> dict[str, dict[str, float]]:
@@ -211,7 +261,7 @@ def comm_table(results: dict[str, dict]) -> str:
         return ""
     note = ("- comm counters (zerospeed.comm.STATS) reset after warm-up; wire = bytes one rank sends under "
             "ring algorithms; ms run from issue to the result being usable, so overlapped collectives "
-            "(stage 0 always, stages 1-2 with overlap_comm) show latency, not necessarily lost time, "
+            "(stage 0 always, stages 1-3 with overlap_comm) show latency, not necessarily lost time, "
             "and kinds can add up past 100 %")
     return "Communication per optimizer step (zerospeed variants)\n\n" + "\n".join(lines) + "\n\n" + note + "\n"
 
@@ -271,9 +321,16 @@ def main() -> None:
               f"{args.steps} measured steps after {args.warmup} warm-up, x {args.repeats} repeat(s); "
               f"OMP_NUM_THREADS={threads}; zero_optimization: reduce_bucket_size "
               f"{args.reduce_bucket_size:,}, allgather_bucket_size {args.allgather_bucket_size:,}, "
-              f"overlap_comm {str(args.overlap_comm).lower()} (stages 1-2)\n\n"
+              f"overlap_comm {str(args.overlap_comm).lower()} (stages 1-3); stage 3: "
+              f"stage3_prefetch_bucket_size {args.prefetch_bucket_size:,} (0 for *_noprefetch), "
+              f"stage3_param_persistence_threshold {args.param_persistence_threshold:,}"
+              f"{' (every unit sharded)' if args.param_persistence_threshold == 0 else ''}, "
+              f"stage3_max_live_parameters {args.max_live_parameters:,}; fsdp2 reduce-scatters every "
+              "micro-step\n\n"
               f"Machine: {machine()}\n\n")
     comm_text = comm_table(results)
+    traffic = stage3_traffic(results, args.nproc, args.grad_accum)
+    comm_text += ("\n" + traffic) if traffic else ""
     text = header + table(results, notes) + "\n" + ("\n" + comm_text if comm_text else "")
     print(text)
     if args.out:

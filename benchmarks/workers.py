@@ -8,9 +8,11 @@ training step differs), and writes ``<out_dir>/<variant>.rank<r>.json`` with its
 times, losses and peak memory — and, for the zerospeed variants, the comm gateway's counters over the
 measured steps.
 
-Variants: ``zs0``/``zs1``/``zs2`` (zerospeed at ZeRO stage 0/1/2), ``ds0``/``ds1``/``ds2`` (DeepSpeed
-with the same config), ``ddp`` (PyTorch DDP + AdamW) and ``ddp_zero`` (DDP + PyTorch's
-ZeroRedundancyOptimizer around AdamW, i.e. PyTorch's own ZeRO-1).
+Variants: ``zs0``..``zs3`` (zerospeed at ZeRO stage 0-3; ``zs3_noprefetch`` with
+``stage3_prefetch_bucket_size`` 0), ``ds0``..``ds3``/``ds3_noprefetch`` (DeepSpeed with the same config),
+``ddp`` (PyTorch DDP + AdamW), ``ddp_zero`` (DDP + PyTorch's ZeroRedundancyOptimizer around AdamW,
+i.e. PyTorch's own ZeRO-1) and ``fsdp2``/``fsdp2_noprefetch`` (PyTorch's ``fully_shard`` on the same
+units as zerospeed's stage 3).
 """
 
 from __future__ import annotations
@@ -58,10 +60,17 @@ def zero_section(spec: dict) -> dict:
 
     Stage 0 gets only the reduce bucket: neither library reads the all-gather bucket or
     ``overlap_comm`` there (zerospeed's stage 0 always overlaps its all-reduce with backward).
+    Stage 3 gets the prefetch bucket, the persistence threshold and the live-parameter cap instead of
+    the all-gather bucket (parameters are gathered per unit, not per bucket).
     """
     zero = {"stage": spec["stage"], "reduce_bucket_size": spec["reduce_bucket_size"]}
-    if spec["stage"] > 0:
+    if spec["stage"] in (1, 2):
         zero |= {"allgather_bucket_size": spec["allgather_bucket_size"], "overlap_comm": spec["overlap_comm"]}
+    if spec["stage"] == 3:
+        zero |= {"overlap_comm": spec["overlap_comm"],
+                 "stage3_prefetch_bucket_size": spec["prefetch_bucket_size"],
+                 "stage3_param_persistence_threshold": spec["param_persistence_threshold"],
+                 "stage3_max_live_parameters": spec["max_live_parameters"]}
     return zero
 
 
@@ -121,6 +130,7 @@ def run_engine(spec: dict, rank: int, world: int, lib) -> dict:
     else:
         lib.init_distributed()
     model = build_model(spec)
+    sizes = param_sizes(model)  # before the engine: at stage 3 it leaves the parameters empty
     engine, *_ = lib.initialize(model=model, model_parameters=model.parameters(),
                                 config=ds_config(spec, torch_adam=use_torch_adam))
     device = engine.device
@@ -137,7 +147,19 @@ def run_engine(spec: dict, rank: int, world: int, lib) -> dict:
                          on_measure=stats.reset if stats is not None else (lambda: None))
     if stats is not None:
         result["comm"] = stats.snapshot()
-    return result | {"peak_memory": peak_memory(device)}
+    return result | sizes | {"peak_memory": peak_memory(device)}
+
+
+def param_sizes(model: torch.nn.Module) -> dict:
+    """Parameter elements (tied ones once), element size, and the elements of tied parameters (a
+    parameter registered by more than one module: stage 3 gathers it again for the second user)."""
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    params = {id(p): p for p in model.parameters()}
+    return {"params": sum(p.numel() for p in params.values()),
+            "param_bytes": next(iter(params.values())).element_size(),
+            "tied_params": sum(params[i].numel() for i, n in seen.items() if n > 1)}
 
 
 def run_ddp(spec: dict, rank: int, world: int, zero: bool) -> dict:
@@ -178,6 +200,75 @@ def run_ddp(spec: dict, rank: int, world: int, zero: bool) -> dict:
     return result | {"peak_memory": peak_memory(device)}
 
 
+def shard_units(model: torch.nn.Module) -> list[list[torch.nn.Module]]:
+    """zerospeed's stage-3 units as FSDP2 groups: every module that directly owns parameters, children
+    before parents. A parameter belongs to the first module (``modules()`` order) registering it; a
+    later module that registers it too (the tied head) joins the owner's group, since FSDP2 cannot
+    shard one parameter in two groups. The root is left out: its ``fully_shard`` comes last."""
+    owner: dict[int, torch.nn.Module] = {}
+    groups: dict[int, list[torch.nn.Module]] = {}
+    for m in model.modules():
+        own = list(m.parameters(recurse=False))
+        taken = [owner[id(p)] for p in own if id(p) in owner]
+        if taken:
+            if taken[0] is not model:  # shared with the root: the root's fully_shard covers both
+                groups[id(taken[0])].append(m)
+        elif own and m is not model:
+            groups[id(m)] = [m]
+        for p in own:
+            owner.setdefault(id(p), taken[0] if taken else m)
+    return list(groups.values())[::-1]  # pre-order reversed: descendants before ancestors
+
+
+def run_fsdp2(spec: dict, rank: int, world: int, prefetch: bool) -> dict:
+    """PyTorch FSDP2: ``fully_shard`` on each unit of ``shard_units``, then on the root; AdamW on the
+    sharded (DTensor) parameters; DTensor-aware ``clip_grad_norm_``.
+
+    Gradients are reduce-scattered on every micro-step (FSDP2's default, as in zerospeed's and
+    DeepSpeed's stage 3), not held unsharded with ``set_requires_gradient_sync(False)``, so the three
+    have the same communication volume and gradient memory. Without ``prefetch``: the forward unshard
+    runs on the current stream (``_set_unshard_async_op(True)``: no implicit all-gather-stream
+    prefetch; on CPU there are no streams, so this changes nothing there) and the default backward
+    prefetch of the previous module is replaced by an explicit self-prefetch, a no-op.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    cuda = torch.cuda.is_available() and os.environ.get("ZEROSPEED_ACCELERATOR", "") != "cpu"
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh(device.type, (world,))
+    model = build_model(spec).to(device)
+    sizes = param_sizes(model)
+    sharded = [fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh) for unit in shard_units(model)]
+    fully_shard(model, mesh=mesh)
+    if not prefetch:
+        for unit in sharded:
+            for m in unit if isinstance(unit, list) else [unit]:
+                m._set_unshard_async_op(True)
+                m.set_modules_to_backward_prefetch([m])
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    gas = spec["grad_accum"]
+
+    def micro_step(x, y, boundary):
+        loss = model(x.to(device), y.to(device))
+        (loss / gas).backward()
+        return loss.item()
+
+    def optimizer_step():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    result = timed_steps(spec, micro_batches(spec, rank, world), micro_step, optimizer_step, sync)
+    dist.destroy_process_group()
+    return result | sizes | {"peak_memory": peak_memory(device)}
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -185,10 +276,12 @@ def main() -> None:
     variant = spec["variant"]
     if variant in ("ddp", "ddp_zero"):
         result = run_ddp(spec, rank, world, zero=variant == "ddp_zero")
-    elif variant in ("zs0", "zs1", "zs2"):
+    elif variant in ("fsdp2", "fsdp2_noprefetch"):
+        result = run_fsdp2(spec, rank, world, prefetch=variant == "fsdp2")
+    elif variant.startswith("zs"):
         import zerospeed
         result = run_engine(spec, rank, world, zerospeed)
-    elif variant in ("ds0", "ds1", "ds2"):
+    elif variant.startswith("ds"):
         import deepspeed
         result = run_engine(spec, rank, world, deepspeed)
     else:

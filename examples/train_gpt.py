@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import logging
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ import zerospeed.comm as comm
 from zerospeed.accelerator import get_accelerator
 from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus
 from zerospeed.testing.models import GPT, GPTConfig
+from zerospeed.monitor.plot_cli import plot_run
 from zerospeed.utils.plot import save_line_plot
 
 logger = logging.getLogger("train_gpt")
@@ -146,6 +148,10 @@ def report(engine, args, n_params: int, steps: int, losses: list[float], wall: f
                    title=f"{args.model_size} gpt zero-{summary['zero_stage']} x{engine.world_size}: loss")
     (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary, args.out_dir)
+    monitor = engine.config.csv_monitor
+    if monitor.enabled:  # the csv monitor's series as PNGs (what `zerospeed-plot RUN_DIR` does)
+        plots = plot_run(Path(monitor.output_path) / monitor.job_name)
+        print(f"monitor plots    {len(plots)} PNGs in {Path(monitor.output_path) / monitor.job_name}", flush=True)
 
 
 def print_summary(s: dict, out_dir: Path) -> None:
@@ -167,13 +173,17 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = parse_args()
     zerospeed.init_distributed()
+    if comm.get_rank() == 0:  # the csv monitor appends: start this run's series afresh
+        shutil.rmtree(args.out_dir / "monitor", ignore_errors=True)
+    comm.barrier()
     steps = resolve_steps(args)
     model = build_model(args)
     dataset = ByteSequenceDataset(stdlib_corpus(args.corpus_bytes), args.seq_len)
     engine, _optimizer, loader, _scheduler = zerospeed.initialize(
         args=args, model=model, model_parameters=model.parameters(), training_data=dataset)
     losses, wall = train(engine, loader, steps, args.seq_len)
-    report(engine, args, model.num_parameters(), steps, losses, wall)
+    engine.destroy()
+    report(engine, args, sum(zerospeed.zero.full_numel(p) for p in model.parameters()), steps, losses, wall)
     comm.barrier()
 
 
