@@ -20,7 +20,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zerospeed-ckpt", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     ins = sub.add_parser("inspect", help="print a checkpoint's manifest")
-    ins.add_argument("dir", help="checkpoint folder (holding `latest`) or its parent of tags")
+    ins.add_argument("dir", help="checkpoint folder (holding `latest` and the tags), or one tag's directory")
     ins.add_argument("--tag", default=None, help="tag to inspect (default: the one `latest` names)")
     ins.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
     ins.add_argument("--verify", action="store_true", help="also check every file's size and sha256")

@@ -16,7 +16,7 @@ import torch
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.export import export_state_dict
 from zerospeed.checkpoint.manifest import read_manifest, verify_files
-from zerospeed.checkpoint.naming import MODEL_STATES, CheckpointPaths, check_tag
+from zerospeed.checkpoint.naming import MANIFEST, MODEL_STATES, CheckpointPaths, check_tag
 from zerospeed.checkpoint.tags import read_latest, resolve_tag_dir
 from zerospeed.checkpoint.universal import FP32, load_universal
 
@@ -24,8 +24,11 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_checkpoint(checkpoint_dir, tag: str | None = None) -> tuple[Path, dict]:
-    """(tag directory, manifest) for `tag`, or for the tag `latest` names; errors name what is missing."""
+    """(tag directory, manifest) for `tag`, or for the tag `latest` names (or `checkpoint_dir` itself when
+    it is a tag directory); errors name what is missing."""
     root = Path(checkpoint_dir)
+    if tag is None and (root / MANIFEST).is_file():
+        return root, read_manifest(root)
     if tag is None:
         tag = read_latest(root)
         if tag is None:

@@ -76,7 +76,8 @@ def export_state_dict(state_dict: dict[str, torch.Tensor], output_dir, *, max_sh
     unique, aliases = split_aliases(state_dict)
     stem, ext = ("model", "safetensors") if safe_serialization else ("pytorch_model", "bin")
     shards = plan_shards([(k, v.nbytes) for k, v in unique.items()], parse_size(max_shard_size))
-    files = [f"{stem}.{ext}"] if len(shards) <= 1 else [shard_name(stem, ext, i, len(shards)) for i in range(len(shards))]
+    count = len(shards)
+    files = [f"{stem}.{ext}"] if count <= 1 else [shard_name(stem, ext, i, count) for i in range(count)]
     owner = {k: files[i] for i, names in enumerate(shards) for k in names}
     written = []
     for i, names in enumerate(shards or [[]]):

@@ -30,8 +30,9 @@ class EntryLayout:
 
     @classmethod
     def from_json(cls, d: dict) -> EntryLayout:
-        return cls(int(d["group"]), int(d["numel"]), tuple(Piece(n, int(a), int(b), int(c)) for n, a, b, c in d["pieces"]),
-                   tuple(d.get("elementwise", ())), tuple(d.get("scalars", ())))
+        pieces = tuple(Piece(n, int(a), int(b), int(c)) for n, a, b, c in d["pieces"])
+        return cls(int(d["group"]), int(d["numel"]), pieces, tuple(d.get("elementwise", ())),
+                   tuple(d.get("scalars", ())))
 
 
 @dataclass(frozen=True)

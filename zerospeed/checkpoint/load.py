@@ -130,7 +130,8 @@ def _load_resharded(plan: _Plan, optimizer, with_optimizer: bool) -> None:
         scalars = uni.scalars[pieces[0].name] if pieces else any_scalars
         state = {k: _scalar(v, entry.master, group) for k, v in scalars.items()}
         for key in sorted(keys):
-            t = torch.zeros(entry.master.shape, dtype=uni.tensors[pieces[0].name][key].dtype, device=entry.master.device)
+            dtype = uni.tensors[pieces[0].name][key].dtype
+            t = torch.zeros(entry.master.shape, dtype=dtype, device=entry.master.device)
             fill_entry(t, pieces, {p.name: uni.tensors[p.name][key] for p in pieces})
             state[key] = t
         optimizer.state[entry.master] = state
@@ -210,6 +211,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
         engine.zero.load_masters_from_params()
         if not load_module_only:
             (_load_direct if plan.direct is not None else _load_resharded)(plan, engine.optimizer, with_optimizer)
+    except CheckpointError as exc:
+        error = str(exc)
     except Exception as exc:  # noqa: BLE001 — every rank must learn of it before the collective below
         error = f"rank {comm.get_rank()}: loading {plan.tag_dir} failed: {type(exc).__name__}: {exc}"
     raise_if_any_rank_failed(error)

@@ -55,13 +55,20 @@ def compact_state_dict(sd: dict) -> dict:
     for k, v in sd.items():
         if isinstance(v, torch.Tensor):
             key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), tuple(v.stride()), v.dtype)
-            out[k] = seen.setdefault(key, compact(v))
+            if key not in seen:
+                seen[key] = compact(v)
+            out[k] = seen[key]
         else:
             out[k] = v
     return out
 
 
 def _check_supported(engine) -> None:
+    if engine.zero.stage >= 3:
+        # Stage 3 needs the gathered module state on save and must skip its sharded parameters on load;
+        # the stage-3 work adds that on top of the same shard entries.
+        raise NotImplementedError("checkpoints (save_checkpoint, load_checkpoint, save_16bit_model) at ZeRO stage 3 "
+                                  "are not supported yet")
     if engine.world_size != engine.dp_world_size:
         raise NotImplementedError("checkpoints with model (tensor/pipeline) parallelism are not supported yet: "
                                   f"world size {engine.world_size} != data-parallel size {engine.dp_world_size}")
@@ -208,8 +215,6 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
 def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
     """Collective: rank 0 writes the module's state dict, in its training dtype, to save_dir/save_filename."""
     _check_supported(engine)
-    if engine.zero.stage >= 3:
-        raise NotImplementedError("save_16bit_model at ZeRO stage 3 comes with the stage-3 work")
     error = None
     if comm.get_rank() == 0:
         try:

@@ -1,0 +1,166 @@
+"""File-level pieces: atomic writes, the tag directory swap, the safetensors format, the resumable
+training DataLoader — no processes."""
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+from zerospeed.checkpoint.atomic import atomic_write, atomic_write_text, sha256_file, swap_in_dir
+from zerospeed.checkpoint.errors import CheckpointError
+from zerospeed.checkpoint.naming import CheckpointPaths
+from zerospeed.checkpoint.safetensors_io import SafetensorsError, build_header, read_safetensors, write_safetensors
+from zerospeed.checkpoint.tags import resolve_tag_dir
+from zerospeed.runtime.dataloader import RepeatingLoader, ShardedDataLoader
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "latest"
+    atomic_write_text(path, "old")
+
+    def dies_half_way(f):
+        f.write(b"ne")
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError, match="killed"):
+        atomic_write(path, dies_half_way)
+    assert path.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+    atomic_write_text(path, "new")
+    assert path.read_text() == "new"
+    assert sha256_file(path) == "11507a0e2f5e69d5dfa40a62a1bd7b6ee57e6bcd85c67c9b8431b36fff21c437"  # sha256(b"new")
+
+
+def _tagdir(path, content):
+    path.mkdir()
+    (path / "f").write_text(content)
+
+
+def test_swap_replaces_a_tag_and_every_interrupted_state_resolves_to_a_complete_copy(tmp_path):
+    paths = CheckpointPaths(tmp_path, "t")
+    _tagdir(paths.staging, "v1")
+    swap_in_dir(paths.staging, paths.dir, paths.previous)
+    assert (paths.dir / "f").read_text() == "v1" and not paths.previous.exists()
+    _tagdir(paths.staging, "v2")
+    swap_in_dir(paths.staging, paths.dir, paths.previous)
+    assert (paths.dir / "f").read_text() == "v2" and sorted(p.name for p in tmp_path.iterdir()) == ["t"]
+
+    # killed between the two renames: only `.t.previous` is complete, and loading falls back to it
+    paths.dir.rename(paths.previous)
+    _tagdir(paths.staging, "v3")
+    assert (resolve_tag_dir(paths) / "f").read_text() == "v2"
+    # the next save of the tag must not delete that only copy before its own is in place
+    swap_in_dir(paths.staging, paths.dir, paths.previous)
+    assert (paths.dir / "f").read_text() == "v3" and not paths.previous.exists()
+
+
+def test_resolving_a_missing_tag_names_the_directory(tmp_path):
+    with pytest.raises(CheckpointError, match=f"checkpoint directory {tmp_path}/nope does not exist"):
+        resolve_tag_dir(CheckpointPaths(tmp_path, "nope"))
+
+
+def test_safetensors_header_bytes_follow_the_format():
+    t = {"b": torch.zeros(2, dtype=torch.float16), "a": torch.ones(3)}
+    raw = build_header(t, {"format": "pt"})
+    (n,) = struct.unpack("<Q", raw[:8])
+    assert n == len(raw) - 8 and n % 8 == 0
+    assert json.loads(raw[8:]) == {"__metadata__": {"format": "pt"},
+                                   "b": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]},
+                                   "a": {"dtype": "F32", "shape": [3], "data_offsets": [4, 16]}}
+
+
+def test_safetensors_round_trip_of_every_common_dtype(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {"f32": torch.randn(3, 4, generator=g), "bf16": torch.randn(5, generator=g).bfloat16(),
+               "f16": torch.randn(2, 2, generator=g).half(), "f64": torch.randn(2, generator=g).double(),
+               "i64": torch.arange(7), "i8": torch.tensor([-3, 4], dtype=torch.int8),
+               "u8": torch.tensor([255], dtype=torch.uint8),
+               "bool": torch.tensor([True, False]), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
+               "noncontig": torch.arange(12.0).view(3, 4).t()}
+    write_safetensors(tmp_path / "x.safetensors", tensors, {"k": "v"})
+    back, meta = read_safetensors(tmp_path / "x.safetensors")
+    assert meta == {"k": "v"} and list(back) == list(tensors)
+    for k, v in tensors.items():
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape and torch.equal(back[k], v), k
+    size = (tmp_path / "x.safetensors").stat().st_size
+    assert size == 8 + struct.unpack("<Q", (tmp_path / "x.safetensors").read_bytes()[:8])[0] + sum(
+        v.nbytes for v in tensors.values())
+
+
+def test_safetensors_refuses_shared_memory_and_reports_bad_files(tmp_path):
+    w = torch.ones(4)
+    with pytest.raises(ValueError, match="'b' and 'a' share memory"):
+        write_safetensors(tmp_path / "s.safetensors", {"a": w, "b": w})
+    path = tmp_path / "t.safetensors"
+    write_safetensors(path, {"a": torch.ones(4)})
+    data = path.read_bytes()
+    path.write_bytes(data[:-4])
+    with pytest.raises(SafetensorsError, match=r"tensor 'a' offsets \[0, 16\) do not fit"):
+        read_safetensors(path)
+    path.write_bytes(b"\x00" * 5)
+    with pytest.raises(SafetensorsError, match="too short"):
+        read_safetensors(path)
+    path.write_bytes(struct.pack("<Q", 4) + b"{no}")
+    with pytest.raises(SafetensorsError, match="header is not valid JSON"):
+        read_safetensors(path)
+
+
+def test_safetensors_files_match_the_reference_package(tmp_path):
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    tensors = {"w": torch.randn(3, 5), "h": torch.randn(4).bfloat16(), "i": torch.arange(3)}
+    write_safetensors(tmp_path / "ours.safetensors", tensors)
+    theirs = safetensors_torch.load_file(str(tmp_path / "ours.safetensors"))
+    assert all(torch.equal(theirs[k], v) for k, v in tensors.items())
+    safetensors_torch.save_file(tensors, str(tmp_path / "theirs.safetensors"))
+    back, _ = read_safetensors(tmp_path / "theirs.safetensors")
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+
+
+def _loader(rank, world, micro, n=24):
+    data = torch.utils.data.TensorDataset(torch.arange(n))
+    return ShardedDataLoader(data, micro, rank=rank, world_size=world, seed=3)
+
+
+def _ids(batch):
+    return batch[0].tolist()
+
+
+def test_the_loader_resumes_mid_epoch_at_another_world_size():
+    old = [_loader(r, 2, 2) for r in range(2)]
+    its = [iter(l) for l in old]
+    seen = [i for it in its for _ in range(2) for i in _ids(next(it))]  # 2 micro-batches on each rank
+    state = old[0].state_dict()
+    assert state == {"epoch": 0, "position": 2, "micro_batch": 2, "world_size": 2, "num_samples": 24}
+    rest_whole = [i for it in its for b in it for i in _ids(b)]
+    new = [_loader(r, 4, 1) for r in range(4)]
+    for loader in new:
+        loader.load_state_dict(state)
+    rest = [i for loader in new for b in loader for i in _ids(b)]
+    assert len(seen) == 8 and sorted(seen + rest) == list(range(24))
+    assert sorted(rest) == sorted(rest_whole)
+    # the next pass is the next epoch, from its start
+    assert all(loader.state_dict()["epoch"] == 1 for loader in new)
+    assert len([b for b in new[0]]) == 6
+
+
+def test_a_pass_begun_before_the_load_jumps_to_the_loaded_position():
+    first = _loader(0, 1, 4)
+    it = RepeatingLoader(first)
+    order = [_ids(next(it)) for _ in range(8)]  # 6 batches of epoch 0, 2 of epoch 1
+    assert first.state_dict()["epoch"] == 1 and first.state_dict()["position"] == 2
+    state = first.state_dict()
+    later = _loader(0, 1, 4)
+    live = RepeatingLoader(later)  # starts epoch 0 before the state arrives
+    later.load_state_dict(state)
+    assert _ids(next(live)) == _ids(next(it))
+    assert _ids(next(live)) == _ids(next(it))
+
+
+def test_loader_len_and_old_state_format():
+    loader = _loader(0, 2, 5)
+    assert len(loader) == 3  # 12 samples per rank in batches of 5, the last one short
+    loader.load_state_dict({"epoch": 4})  # written before positions were recorded
+    assert loader.state_dict()["epoch"] == 4 and loader.state_dict()["position"] == 0
+    assert len(list(loader)) == 3 and loader.state_dict()["epoch"] == 5
