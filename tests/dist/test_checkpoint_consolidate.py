@@ -26,7 +26,7 @@ from test_checkpoint_resume import GAS, build_model, make_engine, zero_config
 from test_zero_parity import global_batches
 
 CASES = {"s0": zero_config(0), "s1": zero_config(1), "s2": zero_config(2),
-         "s2bf16": zero_config(2, bf16={"enabled": True})}
+         "s2bf16": zero_config(2, bf16={"enabled": True}), "s3": zero_config(3)}
 
 
 def _train(engine, steps: int) -> None:
@@ -67,6 +67,9 @@ def _corrupt_shard_then_load(root: Path) -> str:
     return "loaded without error"
 
 
+from test_checkpoint_resume import module_state  # noqa: E402  (tests/dist is on sys.path)
+
+
 def _save_all(root: str) -> dict:
     root = Path(root)
     out = {}
@@ -75,7 +78,7 @@ def _save_all(root: str) -> dict:
         _train(engine, 1)
         engine.save_checkpoint(str(root / name))
         entries = engine.zero.shard_entries(parameter_names(engine.module))
-        out[name] = {"module": {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
+        out[name] = {"module": module_state(engine),
                      "entries": [(e.pieces, e.master.detach().clone()) for e in entries]}
     out["tags"] = _tag_validation(root)
     out["corrupt"] = _corrupt_shard_then_load(root)
@@ -101,7 +104,7 @@ def masters_from_entries(results: list[dict], case: str) -> dict[str, torch.Tens
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("case", ["s0", "s1", "s2", "s2bf16"])
+@pytest.mark.parametrize("case", ["s0", "s1", "s2", "s2bf16", "s3"])
 def test_consolidated_state_dict_loads_strictly_and_equals_the_fp32_masters(saved, case):
     root, results = saved
     sd = get_fp32_state_dict_from_zero_checkpoint(root / case)

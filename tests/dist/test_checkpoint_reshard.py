@@ -3,7 +3,7 @@ optimizer states included, and training continues exactly as a single-process Py
 started from the consolidated weights and optimizer state.
 
 One chain of jobs covers the acceptance list: 2 ranks at stage 0 -> 4 ranks at stage 2 (2 -> 4 ranks,
-stage 0 -> 2) -> 2 ranks at stage 1 (4 -> 2 ranks, stage 2 -> 1). Stage 1 -> 2 at another world size
+stage 0 -> 2) -> 2 ranks at stage 3 (4 -> 2 ranks, stage 2 -> 3) -> 2 ranks at stage 1 (stage 3 -> 1). Stage 1 -> 2 at another world size
 is the same path as 2 -> 1 (stages 1 and 2 share one partition layout); at the same world size it is
 a same-layout load (tests/unit/test_checkpoint_engine.py).
 """
@@ -19,7 +19,7 @@ from zerospeed.checkpoint.naming import MODEL_STATES
 from zerospeed.checkpoint.universal import load_universal
 from zerospeed.optim import build_lr_scheduler
 from zerospeed.testing import reference_train, run_distributed, split_global_batch
-from test_checkpoint_resume import GAS, build_model, make_engine, param_groups, zero_config
+from test_checkpoint_resume import GAS, build_model, make_engine, param_groups, zero_config, module_state
 from test_zero_parity import SCHED, global_batches
 
 STEPS = 2  # optimizer steps per hop
@@ -32,7 +32,7 @@ def _hop(stage: int, load_dir: str | None, save_dir: str, offset: int) -> dict:
     loaded = None
     if load_dir is not None:
         engine.load_checkpoint(load_dir)
-        loaded = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+        loaded = module_state(engine)
     losses = []
     for batch in global_batches(world, offset + STEPS)[offset:]:
         total = 0.0
@@ -46,7 +46,7 @@ def _hop(stage: int, load_dir: str | None, save_dir: str, offset: int) -> dict:
         losses.append(t.item())
     engine.save_checkpoint(save_dir)
     return {"loaded": loaded, "losses": losses, "steps": engine.global_steps,
-            "state": {k: v.detach().clone() for k, v in engine.module.state_dict().items()}}
+            "state": module_state(engine)}
 
 
 @pytest.fixture(autouse=True)
@@ -83,7 +83,7 @@ def reference_from_checkpoint(ckpt_dir: str, world: int, offset: int):
 
 @pytest.mark.timeout(240)
 def test_checkpoints_reshard_across_world_sizes_and_stages(tmp_path):
-    hops = [(2, 0), (4, 2), (2, 1)]  # (world size, stage)
+    hops = [(2, 0), (4, 2), (2, 3), (2, 1)]  # (world size, stage)
     previous = None
     for i, (world, stage) in enumerate(hops):
         where = f"hop {i}: {hops[i - 1] if i else None} -> (world {world}, stage {stage})"

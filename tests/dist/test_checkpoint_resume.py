@@ -1,4 +1,4 @@
-"""Exact resume at ZeRO stages 0, 1 and 2 on 2 ranks: N steps, save, a fresh engine loads, M more steps
+"""Exact resume at ZeRO stages 0, 1, 2 and 3 on 2 ranks: N steps, save, a fresh engine loads, M more steps
 equals N+M uninterrupted steps bitwise — weights, optimizer states, data order, RNG, scheduler, counters.
 
 The shared model, configs and helpers of the checkpoint tests live here.
@@ -53,12 +53,18 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed)
 
 
+def module_state(engine) -> dict:
+    """The full module state on every rank (stage 3 gathers its sharded parameters for the copy)."""
+    with zerospeed.zero.GatheredParameters(list(engine.module.parameters())):
+        return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
 def rank_snapshot(engine) -> dict:
     """Everything a rank holds that training depends on, as plain tensors and numbers."""
     opt = engine.optimizer
     entries = engine.zero.shard_entries(parameter_names(engine.module))
     return {
-        "module": {k: v.detach().clone() for k, v in engine.module.state_dict().items()},
+        "module": module_state(engine),
         "masters": [e.master.detach().clone() for e in entries],
         "states": [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
                     for k, v in opt.state.get(e.master, {}).items()} for e in entries],
@@ -129,7 +135,7 @@ def assert_same(a, b, where: str) -> None:
 
 def _resume_all_stages(root: str) -> dict:
     # One job for the three stages: starting processes costs more here than the training itself.
-    return {stage: _resume_job(stage, f"{root}/stage{stage}") for stage in (0, 1, 2)}
+    return {stage: _resume_job(stage, f"{root}/stage{stage}") for stage in (0, 1, 2, 3)}
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +145,7 @@ def resumed(tmp_path_factory):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_resume_is_bitwise_identical_to_an_uninterrupted_run(resumed, stage):
     root, by_rank = resumed
     results = [r[stage] for r in by_rank]
@@ -155,7 +161,7 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(resumed, stage):
         assert_same(r["whole"], r["resumed"], f"rank {rank} stage {stage}")
         assert r["resumed"]["counters"] == (n + m, (n + m) * 2 * MICRO * GAS, 0, (n + m) * GAS)
         assert r["resumed"]["states"][0]["step"].item() == n + m
-    # the ranks really hold different shards at stages 1-2 (so each restored its own)
+    # the ranks really hold different shards at stages 1-3 (so each restored its own)
     if stage > 0:
         m0, m1 = (r["whole"]["masters"] for r in results)
         assert not all(torch.equal(a, b) for a, b in zip(m0, m1))

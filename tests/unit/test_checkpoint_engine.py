@@ -257,10 +257,13 @@ def test_the_fp16_loss_scale_and_scheduler_are_restored(tmp_path):
     assert dst_lr_only.get_lr() == src.get_lr() and len(dst_lr_only.optimizer.state) == 0
 
 
-def test_stage_3_is_refused_clearly_until_it_is_supported(tmp_path):
-    engine = engine_for(stage=3)
-    for call in (lambda: engine.save_checkpoint(tmp_path), lambda: engine.load_checkpoint(tmp_path),
-                 lambda: engine.save_16bit_model(tmp_path)):
-        with pytest.raises(NotImplementedError, match="at ZeRO stage 3 are not supported yet"):
-            call()
-    assert not tmp_path.joinpath("latest").exists()
+def test_stage_3_save_load_and_16bit_model_in_one_process(tmp_path):
+    src = engine_for(stage=3)
+    src.save_checkpoint(tmp_path / "ckpt")
+    dst = engine_for(stage=3, seed=4)
+    dst.load_checkpoint(tmp_path / "ckpt")
+    full_src, full_dst = src.zero.full_state_dict(), dst.zero.full_state_dict()
+    assert full_src.keys() == full_dst.keys() and all(torch.equal(full_src[k], full_dst[k]) for k in full_src)
+    src.save_16bit_model(tmp_path / "out")
+    saved = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
+    assert all(torch.equal(saved[k], full_src[k]) for k in full_src)

@@ -1,4 +1,4 @@
-"""Loading: any checkpoint into an engine of any data-parallel world size and ZeRO stage 0-2.
+"""Loading: any checkpoint into an engine of any data-parallel world size and ZeRO stage 0-3.
 
 Every rank checks the manifest against its model and verifies the checksums of the files it will
 read; a problem on any rank becomes the same error on all of them. A rank whose entries have exactly
@@ -21,7 +21,7 @@ from zerospeed.checkpoint.layout import RankFile, entry_groups, partition_from_m
 from zerospeed.checkpoint.manifest import check_model_compat, read_manifest, verify_files
 from zerospeed.checkpoint.naming import MODEL_STATES, CheckpointPaths, optim_states_name
 from zerospeed.checkpoint.rng import restore_rng_state
-from zerospeed.checkpoint.save import RESERVED_KEYS, _check_supported
+from zerospeed.checkpoint.save import RESERVED_KEYS, _check_supported, sharded_param_names
 from zerospeed.checkpoint.tags import agree_on_tag, read_latest, resolve_tag_dir
 from zerospeed.checkpoint.universal import FP32, files_holding, load_universal
 from zerospeed.zero.shards import ShardEntry, fill_entry, parameter_names
@@ -53,11 +53,16 @@ def _matching_file(manifest: dict, entries: list[ShardEntry], rank: int) -> Rank
     return candidate if same else None
 
 
+def _weights_in_shards(engine, manifest: dict) -> bool:
+    """Stage 3 (saving or loading) keeps trainable weights only in the shards, not the module state."""
+    return engine.zero.stage == 3 or manifest["zero_stage"] == 3
+
+
 def _plan(engine, tag_dir: Path, manifest: dict, *, strict: bool, with_optimizer: bool, module_only: bool) -> _Plan:
     check_model_compat(manifest, engine.module, strict=strict, where=tag_dir)
     rank = comm.get_rank()
     entries = engine.zero.shard_entries(parameter_names(engine.module))
-    if module_only:
+    if module_only and not _weights_in_shards(engine, manifest):
         return _Plan(tag_dir, manifest, entries, None, set(), None, [MODEL_STATES])
     if with_optimizer:
         _check_optimizer(engine.optimizer, manifest, tag_dir)
@@ -84,8 +89,12 @@ def _check_optimizer(optimizer, manifest: dict, tag_dir: Path) -> None:
 
 
 def _load_module(engine, states: dict, manifest: dict, strict: bool, where: Path) -> None:
-    result = engine.module.load_state_dict(states["module"], strict=False)
-    excluded = set(manifest.get("excluded_frozen", ()))
+    sharded = sharded_param_names(engine.module)  # stage 3: filled from the shards, not the module state
+    module_state = {k: v for k, v in states["module"].items() if k not in sharded}
+    result = engine.module.load_state_dict(module_state, strict=False)
+    excluded = set(manifest.get("excluded_frozen", ())) | sharded
+    if manifest["zero_stage"] == 3:  # a stage-3 checkpoint keeps trainable parameters in its shards only
+        excluded |= {n for n, p in engine.module.named_parameters(remove_duplicate=False) if p.requires_grad}
     missing = [k for k in result.missing_keys if k not in excluded]
     if strict and (missing or result.unexpected_keys):
         raise CheckpointError(f"checkpoint {where}: module state does not match the model — missing {missing}, "
@@ -180,7 +189,7 @@ def _resolve(engine, root: Path, tag) -> str | None:
 
 def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False):
-    """Collective: restore a checkpoint saved at any world size and ZeRO stage 0-2.
+    """Collective: restore a checkpoint saved at any world size and ZeRO stage 0-3.
 
     Returns (path of the model states file, client_state), or (None, None) with a warning when
     `tag` is None and `load_dir` has no `latest` file.
@@ -209,15 +218,17 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
         states = torch.load(plan.tag_dir / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False)
         _load_module(engine, states, plan.manifest, load_module_strict, plan.tag_dir)
         engine.zero.load_masters_from_params()
-        if not load_module_only:
+        # stage 3 keeps sharded parameters only in the shards: a module-only load reads their masters too
+        if not load_module_only or _weights_in_shards(engine, plan.manifest):
             (_load_direct if plan.direct is not None else _load_resharded)(plan, engine.optimizer, with_optimizer)
     except CheckpointError as exc:
         error = str(exc)
     except Exception as exc:  # noqa: BLE001 — every rank must learn of it before the collective below
         error = f"rank {comm.get_rank()}: loading {plan.tag_dir} failed: {type(exc).__name__}: {exc}"
     raise_if_any_rank_failed(error)
-    if not load_module_only:
+    if not load_module_only or _weights_in_shards(engine, plan.manifest):
         engine.zero.sync_params_from_masters()
+    if not load_module_only:
         _restore_training_state(engine, states, plan, with_optimizer, load_lr_scheduler_states)
     comm.barrier()
     logger.info("loaded checkpoint %s (%s) in %.2fs", plan.tag_dir,

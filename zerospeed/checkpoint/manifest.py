@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from zerospeed.zero.stage3.registry import full_shape
+
 from zerospeed.checkpoint.atomic import atomic_write_text, sha256_file
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.naming import MANIFEST
@@ -28,7 +30,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def param_specs(module: torch.nn.Module) -> dict[str, dict]:
     """name -> {shape, dtype, trainable} for each distinct parameter (a tied one under its first name)."""
-    return {n: {"shape": list(p.shape), "dtype": dtype_name(p.dtype), "trainable": p.requires_grad}
+    return {n: {"shape": list(full_shape(p)), "dtype": dtype_name(p.dtype), "trainable": p.requires_grad}
             for n, p in module.named_parameters()}
 
 

@@ -28,6 +28,7 @@ from zerospeed.checkpoint.naming import MODEL_STATES, CheckpointPaths, default_t
 from zerospeed.checkpoint.rng import capture_rng_state
 from zerospeed.checkpoint.tags import agree_on_tag
 from zerospeed.zero.shards import parameter_names
+from zerospeed.zero.stage3.registry import full_shape, owner_of
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +65,6 @@ def compact_state_dict(sd: dict) -> dict:
 
 
 def _check_supported(engine) -> None:
-    if engine.zero.stage >= 3:
-        # Stage 3 needs the gathered module state on save and must skip its sharded parameters on load;
-        # the stage-3 work adds that on top of the same shard entries.
-        raise NotImplementedError("checkpoints (save_checkpoint, load_checkpoint, save_16bit_model) at ZeRO stage 3 "
-                                  "are not supported yet")
     if engine.world_size != engine.dp_world_size:
         raise NotImplementedError("checkpoints with model (tensor/pipeline) parallelism are not supported yet: "
                                   f"world size {engine.world_size} != data-parallel size {engine.dp_world_size}")
@@ -78,9 +74,16 @@ def _frozen_names(module: torch.nn.Module) -> list[str]:
     return [n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad]
 
 
+def sharded_param_names(module: torch.nn.Module) -> set[str]:
+    """Names (tied aliases included) of stage-3 sharded parameters: their values live in the shards."""
+    return {n for n, p in module.named_parameters(remove_duplicate=False) if owner_of(p) is not None}
+
+
 def _model_states(engine, client_state: dict, exclude_frozen: bool) -> dict:
     module = engine.module
     sd = module.state_dict()
+    for name in sharded_param_names(module):  # stage 3: empty placeholders, the shards hold the values
+        sd.pop(name, None)
     if exclude_frozen:
         for name in _frozen_names(module):
             sd.pop(name, None)
@@ -89,8 +92,8 @@ def _model_states(engine, client_state: dict, exclude_frozen: bool) -> dict:
     states = {
         "module": compact_state_dict(sd),
         "buffer_names": [n for n in module.state_dict() if n not in param_names],
-        "param_shapes": {n: list(p.shape) for n, p in module.named_parameters() if p.requires_grad},
-        "frozen_param_shapes": {n: list(p.shape) for n, p in module.named_parameters() if not p.requires_grad},
+        "param_shapes": {n: list(full_shape(p)) for n, p in module.named_parameters() if p.requires_grad},
+        "frozen_param_shapes": {n: list(full_shape(p)) for n, p in module.named_parameters() if not p.requires_grad},
         "shared_params": tied_aliases(module),
         "optimizer_type": type(opt).__name__ if opt is not None else None,
         "optimizer_param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
@@ -216,10 +219,12 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
     """Collective: rank 0 writes the module's state dict, in its training dtype, to save_dir/save_filename."""
     _check_supported(engine)
     error = None
+    # stage 3: gathered unit by unit onto rank 0 (collective); stages 0-2 hold the full module already
+    state = engine.zero.full_state_dict() if engine.zero.stage == 3 else engine.module.state_dict()
     if comm.get_rank() == 0:
         try:
             Path(save_dir).mkdir(parents=True, exist_ok=True)
-            atomic_torch_save(compact_state_dict(engine.module.state_dict()), Path(save_dir) / save_filename)
+            atomic_torch_save(compact_state_dict(state), Path(save_dir) / save_filename)
         except OSError as exc:
             error = f"save_16bit_model could not write {Path(save_dir) / save_filename}: {exc}"
     raise_if_any_rank_failed(error)

@@ -275,7 +275,8 @@ class Stage3Strategy:
                     fp.wait()
 
     def load_masters_from_params(self) -> None:
-        raise NotImplementedError("a module-only load at stage 3 goes through the checkpoint's shards")
+        """Nothing to do: at stage 3 the module holds no values for sharded parameters (a checkpoint
+        load fills the masters from its shards, then `sync_params_from_masters`)."""
 
     @torch.no_grad()
     def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
