@@ -3,7 +3,8 @@
 `payload` is the size of the full tensor a collective works on (all-reduce: the tensor; reduce-scatter:
 the input; all-gather: the output). `wire` is what one rank sends under the ring algorithms that
 NCCL and gloo use for large tensors: all-reduce 2(N-1)/N of the payload, reduce-scatter and
-all-gather (N-1)/N, broadcast (N-1)/N. Time runs from issue to the moment the result is usable
+all-gather (N-1)/N, broadcast (N-1)/N; a point-to-point send carries its payload once (a receive
+sends nothing). Time runs from issue to the moment the result is usable
 (`wait()` for async collectives), so overlapped collectives show their latency, not lost time.
 """
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 
 def wire_fraction(kind: str, world_size: int) -> float:
     """Bytes one rank sends per payload byte, for a ring implementation of `kind`."""
+    if kind in ("send", "recv", "isend", "irecv"):
+        return 1.0 if kind in ("send", "isend") else 0.0  # point to point: the sender carries the bytes
     if world_size <= 1:
         return 0.0
     share = (world_size - 1) / world_size

@@ -108,6 +108,8 @@ class PipelineEngine(Engine):
         self.activation_stats = {"peak_bytes": 0, "peak_micro_batches": 0}
         self.last_batch_timing = {"compute_s": 0.0, "wall_s": 0.0}
         self.agg_train_loss: torch.Tensor | None = None
+        # "1f1b" (default, interleaved when chunks > 1) or "fill_drain" (GPipe; holds every micro-batch)
+        self.train_schedule = "1f1b"
 
     # -- queries ----------------------------------------------------------------------------------
     def is_first_stage(self) -> bool:
@@ -139,7 +141,11 @@ class PipelineEngine(Engine):
         if not torch.is_grad_enabled():
             raise PipelineError("train_batch() called under torch.no_grad(); use eval_batch() to evaluate")
         self.module.train()
-        schedule = S.one_f_one_b(self.stage_id, self.num_stages, self.gradient_accumulation_steps(), self.chunks)
+        m = self.gradient_accumulation_steps()
+        if self.train_schedule not in ("1f1b", "fill_drain"):
+            raise PipelineError(f"train_schedule={self.train_schedule!r}: expected '1f1b' or 'fill_drain'")
+        schedule = (S.one_f_one_b(self.stage_id, self.num_stages, m, self.chunks) if self.train_schedule == "1f1b"
+                    else S.fill_drain(self.stage_id, self.num_stages, m, self.chunks, train=True))
         state = _BatchState(train=True)
         self.zero.begin_backward(sync=False)  # Note [one reduction per batch]
         self._execute(schedule, self._iterator(data_iter), state)

@@ -2,8 +2,8 @@
 
 Each stage holding a tied key has its own copy of the module. Its tied weights' gradients are caught
 by a post-accumulate hook registered *before* the ZeRO strategy's own hooks, kept here in fp32 and
-zeroed for the strategy; `reduce()` sums them over the stages that hold the key, and `flush_grads()`
-hands the sum to the strategy in one extra backward at the end of the batch (the strategy only sees
+zeroed for the strategy; `reduce()` sums them over the stages that hold the key, and the engine
+hands the sum (`acc`) to the strategy in one extra backward at the end of the batch (the strategy only sees
 gradients through its hooks). The stages' copies stay identical because they start equal (broadcast
 from the lowest stage) and step on identical gradients.
 """
@@ -58,11 +58,6 @@ class TiedGradients:
                     avg = self.acc[id(p)].clone()
                     comm.all_reduce(avg, op="avg", group=dp_group)
                     self.duplicate_sq_norm += float(avg.double().pow(2).sum())
-
-    def flush_grads(self) -> dict[int, torch.Tensor]:
-        """id(param) -> the summed gradient to feed to the strategy (in the parameter's dtype)."""
-        out = {pid: acc for pid, acc in self.acc.items()}
-        return out
 
     def zero(self) -> None:
         for acc in self.acc.values():

@@ -101,50 +101,56 @@ class Transport:
         self._received.clear()
 
     def run(self, ops: list[SendOp | RecvOp]) -> list[Any]:
-        """Post all operations together and wait; returns the received values (None for sends)."""
-        self._negotiate(ops)
-        posted, buffers = [], []
+        """Post all operations together and wait; returns the received values (None for sends).
+
+        Note [negotiation inside a batch]: every send (layout first where new, then data) and every
+        new receive's layout are posted at once; only then are the layouts awaited and the data
+        receives posted. Waiting for layouts before posting this batch's sends would deadlock: the
+        peer may first need our data to reach the point where it sends the layout we wait for.
+        Per peer, all layouts travel before all data, in operation order, on both sides.
+        """
+        metas, datas, layouts = [], [], []
         for op in ops:
             if isinstance(op, SendOp):
                 meta = describe(op.value, f"message {op.key}")
-                _, items = as_tensors(op.value, f"message {op.key}")
-                if meta.tensors != self._sent[op.key].tensors:
+                if op.key not in self._sent:
+                    self._sent[op.key] = meta
+                    metas.append(("send", encode(meta).to(self.device), op.peer))
+                elif meta.tensors != self._sent[op.key].tensors:
                     raise RuntimeError(f"pipeline message {op.key} changed layout from {self._sent[op.key]} to "
                                        f"{meta}: shapes are negotiated once; keep micro-batch shapes fixed or "
                                        "call engine.reset_activation_shape() on every rank")
-                items = [t.detach().contiguous() for t in items]
-                buffers.append(items)
-                posted += [("send", t, op.peer) for t in items]
-            else:
+                _, items = as_tensors(op.value, f"message {op.key}")
+                datas += [("send", t.detach().contiguous(), op.peer) for t in items]
+            elif op.key not in self._received:
+                buf = torch.zeros(META_LEN, dtype=torch.int64, device=self.device)
+                layouts.append((op.key, buf))
+                metas.append(("recv", buf, op.peer))
+        first = comm.batch_isend_irecv(metas + datas)
+        for h, (kind, _, _) in zip(first, metas + datas):
+            if kind == "recv":
+                h.wait()
+        for key, buf in layouts:
+            self._received[key] = decode(buf.cpu())
+        received = []
+        for op in ops:
+            if isinstance(op, RecvOp):
                 meta = self._received[op.key]
-                items = [torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in meta.tensors]
-                buffers.append(items)
-                posted += [("recv", t, op.peer) for t in items]
-        for h in comm.batch_isend_irecv(posted):
+                received.append([torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in meta.tensors])
+        second = comm.batch_isend_irecv([("recv", t, op.peer) for op, items in
+                                         zip([o for o in ops if isinstance(o, RecvOp)], received) for t in items])
+        for h in first + second:
             h.wait()
-        out = []
-        for op, items in zip(ops, buffers):
+        return self._values(ops, received)
+
+    def _values(self, ops, received: list[list[torch.Tensor]]) -> list[Any]:
+        out, it = [], iter(received)
+        for op in ops:
             if isinstance(op, SendOp):
                 out.append(None)
                 continue
-            meta = self._received[op.key]
+            items, meta = next(it), self._received[op.key]
             for t, m in zip(items, meta.tensors):
                 t.requires_grad_(m.requires_grad and t.is_floating_point())
             out.append(tuple(items) if meta.is_tuple else items[0])
         return out
-
-    def _negotiate(self, ops: list[SendOp | RecvOp]) -> None:
-        posted, pending = [], []
-        for op in ops:
-            if isinstance(op, SendOp) and op.key not in self._sent:
-                meta = describe(op.value, f"message {op.key}")
-                self._sent[op.key] = meta
-                posted.append(("send", encode(meta).to(self.device), op.peer))
-            elif isinstance(op, RecvOp) and op.key not in self._received:
-                buf = torch.zeros(META_LEN, dtype=torch.int64, device=self.device)
-                pending.append((op.key, buf))
-                posted.append(("recv", buf, op.peer))
-        for h in comm.batch_isend_irecv(posted):
-            h.wait()
-        for key, buf in pending:
-            self._received[key] = decode(buf.cpu())

@@ -1,0 +1,190 @@
+"""Checkpoints of pipeline models: one file per layer, so they load at any number of stages.
+
+Layout of `save_dir/tag/`:
+
+* `layer_XX-model_states.pt` — the layer's module state (tied layers: the shared module, in each of
+  their layer files). Written by data-parallel rank 0 of the stage that holds the layer.
+* `layer_XX-optim_states.pt` — ZeRO stage 0 only: for each parameter of the layer, its fp32 master
+  and optimizer state. Per layer, so optimizer state also reshards to any stage count.
+* `zero_pp_rank_S_dp_rank_D_optim_states.pt` — ZeRO stage 1: this rank's flat masters and optimizer
+  state; they load only into the same layout (stages, data-parallel size, layer split).
+* `engine_states.pt` — steps, LR scheduler, loss scaler, optimizer hyper-parameters, client state,
+  and the layout that wrote the checkpoint.
+
+`latest` (the tag's name) is written last, after every rank finished.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from zerospeed import comm
+from zerospeed.checkpoint.atomic import atomic_torch_save, atomic_write_text
+from zerospeed.config.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def layer_file(idx: int, kind: str = "model") -> str:
+    return f"layer_{idx:02d}-{kind}_states.pt"
+
+
+def _cpu(state: dict) -> dict:
+    return {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+
+
+def _layout(engine) -> dict:
+    m = engine.module
+    return {"num_layers": m.num_layers, "pp": m.num_stages, "dp": m.grid.dp, "chunks": m.chunks,
+            "bounds": list(m.bounds), "zero_stage": engine.zero.stage}
+
+
+def _param_layers(engine) -> dict[int, list[tuple[int, str]]]:
+    """id(parameter) -> [(layer index, name inside the layer's module)] for this rank's layers."""
+    out: dict[int, list[tuple[int, str]]] = {}
+    for idx in engine.module.local_layer_indices():
+        mod = engine.module.layer_module(idx)
+        if mod is not None:
+            for name, p in mod.named_parameters():
+                out.setdefault(id(p), []).append((idx, name))
+    return out
+
+
+def _masters(engine) -> list[tuple[torch.Tensor, torch.nn.Parameter]]:
+    """(fp32 master, model parameter) pairs at ZeRO stage 0 (one whole parameter each)."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    by_name = {n: p for n, p in engine.module.named_parameters()}
+    return [(e.master, by_name[e.pieces[0].name]) for e in engine.zero.shard_entries(names)]
+
+
+def save_pipeline_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    path = Path(save_dir) / tag
+    path.mkdir(parents=True, exist_ok=True)
+    module, dp_rank = engine.module, comm.get_rank(engine.dp_group)
+    if dp_rank == 0:
+        for idx in module.local_layer_indices():
+            mod = module.layer_module(idx)
+            if mod is not None:
+                atomic_torch_save(_cpu(mod.state_dict()), path / layer_file(idx))
+        if engine.zero.stage == 0 and engine.optimizer is not None:
+            _save_layer_optim(engine, path)
+    if engine.zero.stage >= 1 and engine.optimizer is not None:
+        masters = [e.master.detach().cpu().clone() for e in engine.zero.shard_entries(
+            {id(p): n for n, p in module.named_parameters()})]
+        atomic_torch_save({"optimizer": engine.optimizer.state_dict(), "masters": masters, "layout": _layout(engine)},
+                          path / f"zero_pp_rank_{module.stage_id}_dp_rank_{dp_rank}_optim_states.pt")
+    if comm.get_rank() == 0:
+        atomic_torch_save(_engine_state(engine, client_state), path / "engine_states.pt")
+    comm.barrier()
+    if save_latest and comm.get_rank() == 0:
+        atomic_write_text(Path(save_dir) / "latest", tag)
+    comm.barrier()
+    return True
+
+
+def _save_layer_optim(engine, path: Path) -> None:
+    where = _param_layers(engine)
+    per_layer: dict[int, dict] = {}
+    for master, param in _masters(engine):
+        state = _cpu(engine.optimizer.state.get(master, {}))
+        for idx, name in where.get(id(param), []):
+            per_layer.setdefault(idx, {})[name] = {"master": master.detach().cpu().clone(), "state": state}
+    for idx, entries in per_layer.items():
+        atomic_torch_save(entries, path / layer_file(idx, "optim"))
+
+
+def _engine_state(engine, client_state) -> dict:
+    opt = engine.optimizer
+    return {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+            "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
+            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] if opt else None,
+            "client_state": client_state or {}, "layout": _layout(engine)}
+
+
+def load_pipeline_checkpoint(engine, load_dir, tag=None, strict: bool = True, load_optimizer_states: bool = True,
+                             load_lr_scheduler_states: bool = True):
+    """Restore module states (any stage count); optimizer states as the module docstring says.
+
+    Returns (path, client_state), or (None, None) when there is no checkpoint to load.
+    """
+    load_dir = Path(load_dir)
+    if tag is None:
+        latest = load_dir / "latest"
+        if not latest.exists():
+            logger.warning("no 'latest' file in %s: nothing loaded", load_dir)
+            return None, None
+        tag = latest.read_text().strip()
+    path = load_dir / str(tag)
+    saved = torch.load(path / "engine_states.pt", map_location="cpu", weights_only=False)
+    _load_modules(engine, path, strict)
+    if load_optimizer_states and engine.optimizer is not None:
+        _load_optimizer(engine, path, saved)
+    else:
+        engine.zero.load_masters_from_params()
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and saved["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
+    if engine.loss_scaler is not None and saved["loss_scaler"] is not None:
+        engine.loss_scaler.load_state_dict(saved["loss_scaler"])
+    for key in ("global_steps", "global_samples", "skipped_steps", "micro_steps"):
+        setattr(engine, key, saved[key])
+    comm.barrier()
+    return str(path), saved["client_state"]
+
+
+def _load_modules(engine, path: Path, strict: bool) -> None:
+    device = engine.device
+    for idx in engine.module.local_layer_indices():
+        mod = engine.module.layer_module(idx)
+        if mod is None:
+            continue
+        file = path / layer_file(idx)
+        if not file.exists():
+            raise FileNotFoundError(f"{file}: layer {idx} of this model has no saved state (was the checkpoint "
+                                    "written by a different layer list?)")
+        mod.load_state_dict(torch.load(file, map_location=device, weights_only=True), strict=strict)
+
+
+def _load_optimizer(engine, path: Path, saved: dict) -> None:
+    here = _layout(engine)
+    if saved["param_groups"] is not None and len(saved["param_groups"]) == len(engine.optimizer.param_groups):
+        for group, hparams in zip(engine.optimizer.param_groups, saved["param_groups"]):
+            group.update(hparams)
+    if here["zero_stage"] == 0:
+        if saved["layout"]["zero_stage"] != 0:
+            raise ConfigError(f"{path}: optimizer states were saved with ZeRO stage {saved['layout']['zero_stage']} "
+                              "and load only into that stage and layout; pass load_optimizer_states=False")
+        _load_layer_optim(engine, path)
+        return
+    if {k: saved["layout"][k] for k in here} != here:
+        raise ConfigError(f"{path}: ZeRO-1 optimizer states were saved by layout {saved['layout']} and this job is "
+                          f"{here}; they load only into the same layout. Pass load_optimizer_states=False to load "
+                          "the module states alone, or save with ZeRO stage 0 to reshard optimizer states")
+    file = path / f"zero_pp_rank_{engine.module.stage_id}_dp_rank_{comm.get_rank(engine.dp_group)}_optim_states.pt"
+    state = torch.load(file, map_location=engine.device, weights_only=False)
+    engine.optimizer.load_state_dict(state["optimizer"])
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    with torch.no_grad():
+        for entry, master in zip(engine.zero.shard_entries(names), state["masters"]):
+            entry.master.copy_(master)
+    engine.zero.sync_params_from_masters()
+
+
+def _load_layer_optim(engine, path: Path) -> None:
+    where = _param_layers(engine)
+    cache: dict[int, dict] = {}
+    with torch.no_grad():
+        for master, param in _masters(engine):
+            idx, name = where[id(param)][0]
+            if idx not in cache:
+                cache[idx] = torch.load(path / layer_file(idx, "optim"), map_location=engine.device,
+                                        weights_only=False)
+            entry = cache[idx][name]
+            master.copy_(entry["master"])
+            engine.optimizer.state[master] = {k: (v.to(engine.device) if isinstance(v, torch.Tensor) and v.dim() > 0
+                                                  else v) for k, v in entry["state"].items()}
+    engine.zero.sync_params_from_masters()
