@@ -62,3 +62,17 @@ def closest_names(name: str, choices: Iterable[str], n: int = 3) -> list[str]:
 
 def _name(cls: Callable[..., Any]) -> str:
     return getattr(cls, "__name__", repr(cls))
+
+
+def check_common_hyperparams(name: str, *, lr: float, betas: tuple[float, float], weight_decay: float,
+                             eps: float | None = None) -> None:
+    """The range checks every Adam-family optimizer makes, with messages naming the optimizer."""
+    if not lr >= 0.0:
+        raise ValueError(f"{name}: invalid lr {lr} (must be >= 0)")
+    for i, beta in enumerate(betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"{name}: invalid betas[{i}] {beta} (must be in [0, 1))")
+    if eps is not None and not eps >= 0.0:
+        raise ValueError(f"{name}: invalid eps {eps} (must be >= 0)")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"{name}: invalid weight_decay {weight_decay} (must be >= 0)")

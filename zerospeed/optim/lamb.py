@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from zerospeed.optim._kwargs import check_common_hyperparams
+
 __all__ = ["Lamb"]
 
 
@@ -152,14 +154,6 @@ def _trust_ratios(params: list, update: list, min_coeff: float, max_coeff: float
 def _check_args(
     lr: float, betas: tuple[float, float], eps: float, weight_decay: float, max_coeff: float, min_coeff: float
 ) -> None:
-    if not lr >= 0.0:
-        raise ValueError(f"Lamb: invalid lr {lr} (must be >= 0)")
-    for i, beta in enumerate(betas):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"Lamb: invalid betas[{i}] {beta} (must be in [0, 1))")
-    if not eps >= 0.0:
-        raise ValueError(f"Lamb: invalid eps {eps} (must be >= 0)")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"Lamb: invalid weight_decay {weight_decay} (must be >= 0)")
+    check_common_hyperparams("Lamb", lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if not 0.0 < min_coeff <= max_coeff:
         raise ValueError(f"Lamb: need 0 < min_coeff <= max_coeff, got min {min_coeff}, max {max_coeff}")

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from zerospeed.optim._kwargs import check_common_hyperparams
+
 __all__ = ["Lion"]
 
 
@@ -36,13 +38,7 @@ class Lion(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
     ) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"Lion: invalid lr {lr} (must be >= 0)")
-        for i, beta in enumerate(betas):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"Lion: invalid betas[{i}] {beta} (must be in [0, 1))")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"Lion: invalid weight_decay {weight_decay} (must be >= 0)")
+        check_common_hyperparams("Lion", lr=lr, betas=betas, weight_decay=weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay)
         super().__init__(params, defaults)
 
