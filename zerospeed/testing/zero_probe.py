@@ -40,6 +40,8 @@ def probe_model_states(stage: int, precision: str = "bf16", width: int = 1024, l
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": grad_accum,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
            "zero_optimization": {"stage": stage, "overlap_comm": True}}  # (stage 3: every layer > persistence)
+    if stage == 3:  # free every unit after each use: forward and backward each gather it (3x traffic)
+        cfg["zero_optimization"]["stage3_max_reuse_distance"] = 0
     if precision != "fp32":
         cfg[precision] = {"enabled": True}
     engine, *_ = zerospeed.initialize(model=WideMLP(width, layers), config=cfg)

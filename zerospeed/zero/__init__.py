@@ -28,6 +28,7 @@ def build_strategy(cfg, groups: list[dict], *, module: torch.nn.Module, param_dt
                               overlap_comm=bool(zero.overlap_comm),
                               prefetch_bucket_size=int(zero.stage3_prefetch_bucket_size),
                               max_live_parameters=int(zero.stage3_max_live_parameters),
+                              max_reuse_distance=int(zero.stage3_max_reuse_distance),
                               param_persistence_threshold=int(zero.stage3_param_persistence_threshold),
                               model_persistence_threshold=int(zero.stage3_model_persistence_threshold),
                               dp_group=dp_group, **common)

@@ -11,7 +11,6 @@ import enum
 
 import torch
 
-from zerospeed import comm
 from zerospeed.zero.partition import Bucket, build_buckets
 
 
@@ -56,9 +55,7 @@ class FlatParam:
             self.master = torch.nn.Parameter(self.shard if dtype == torch.float32 else full[lo:hi].clone())
             self.grad_shard = torch.zeros(self.bucket.chunk, dtype=torch.float32, device=device)
         self.full: torch.Tensor | None = None
-        self.handle: comm.Handle | None = None
-        self.tags: torch.Tensor | None = None
-        self.tag_handle: comm.Handle | None = None
+        self.batch = None  # the GatherBatch in flight while GATHERING
         self.state = State.SHARDED
         self.persistent = False
         self._point_params_at_nothing()
@@ -76,46 +73,23 @@ class FlatParam:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start_gather(self) -> None:
-        if self.state is not State.SHARDED:
-            return
-        device = self.shard.device
-        self.full = torch.empty(self.bucket.padded, dtype=self.dtype, device=device)
-        self.handle = comm.all_gather_into_tensor(self.full, self.shard, group=self.dp_group, async_op=True)
-        # Note [stage-3 divergence check]: every rank also sends the index of the flat parameter it is
-        # gathering (8 bytes). Ranks whose forward took different branches would otherwise exchange
-        # chunks of different parameters without noticing (same sizes) — now they stop with an error.
-        mine = torch.tensor([float(self.index)], dtype=torch.float64, device=device)
-        self.tags = torch.empty(self.bucket.world_size, dtype=torch.float64, device=device)
-        self.tag_handle = comm.all_gather_into_tensor(self.tags, mine, group=self.dp_group, async_op=True)
-        self.state = State.GATHERING
+        if self.state is State.SHARDED:
+            start_gathers([self])
 
     def wait(self) -> None:
         if self.state is State.SHARDED:
             self.start_gather()
         if self.state is State.GATHERING:
-            self.handle.wait()
-            self.tag_handle.wait()
-            self.handle = self.tag_handle = None
-            self._check_tags()
+            self.batch.wait()
+            self.batch = None
             for p, s, shape in zip(self.params, self.bucket.segments, self.shapes):
                 p.data = self.full[s.offset:s.offset + s.numel].view(shape)
             self.state = State.FULL
 
-    def _check_tags(self) -> None:
-        tags = [int(t) for t in self.tags.tolist()]
-        self.tags = None
-        if any(t != self.index for t in tags):
-            raise RuntimeError(
-                f"ZeRO stage 3: ranks gathered different parameters at the same point (this rank: flat parameter "
-                f"{self.index}; ranks 0..{len(tags) - 1} sent {tags}). The ranks ran different modules in forward "
-                "or backward (data- or rank-dependent branches). Stage 3 needs every rank to use the same modules "
-                "in the same order; use ZeRO stage 0-2 for such models.")
-
     def release(self) -> None:
         if self.state is State.GATHERING:
-            self.handle.wait()
-            self.tag_handle.wait()
-            self.handle = self.tag_handle = self.tags = None
+            self.batch.wait()  # the collective must complete on every rank before we drop it
+            self.batch = None
         self._point_params_at_nothing()
         self.full = None
         self.state = State.SHARDED
@@ -137,3 +111,15 @@ class FlatParam:
     def shard_from_master(self) -> None:
         if self.master.data_ptr() != self.shard.data_ptr():
             self.shard.copy_(self.master)
+
+
+def start_gathers(fps: list[FlatParam]) -> None:
+    """Issue one all-gather for all of `fps` (SHARDED ones; every rank must pass the same list)."""
+    from zerospeed.zero.stage3.gather import GatherBatch
+    todo = [fp for fp in fps if fp.state is State.SHARDED]
+    if not todo:
+        return
+    batch = GatherBatch(todo)
+    for fp in todo:
+        fp.batch = batch
+        fp.state = State.GATHERING

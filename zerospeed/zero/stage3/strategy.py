@@ -30,7 +30,7 @@ from zerospeed.zero.partition import group_sub_groups
 from zerospeed.zero.sharded import sharded_global_norm
 from zerospeed.zero.shards import Piece, ShardEntry
 from zerospeed.zero.stage3 import registry
-from zerospeed.zero.stage3.flat_param import FlatParam, State
+from zerospeed.zero.stage3.flat_param import FlatParam, State, start_gathers
 
 
 # A backward pre-hook on a module whose inputs need no gradient (an embedding) is exactly what stage 3
@@ -42,8 +42,6 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing when gra
 @dataclass
 class _Grad:
     staging: torch.Tensor | None = None
-    out: torch.Tensor | None = None
-    handle: comm.Handle | None = None
     pending: int = 0
 
 
@@ -53,6 +51,7 @@ class Stage3Strategy:
     def __init__(self, module: torch.nn.Module, groups: list[dict], *, param_dtype: torch.dtype,
                  device: torch.device, reduce_bucket_size: int, sub_group_size: int, overlap_comm: bool,
                  prefetch_bucket_size: int, max_live_parameters: int, param_persistence_threshold: int,
+                 max_reuse_distance: int = 1_000_000_000,
                  model_persistence_threshold: int, comm_dtype: torch.dtype | None = None, op: str = "avg",
                  prescale: bool = False, predivide_factor: float = 1.0, dp_group=None):
         self.module = module
@@ -60,9 +59,14 @@ class Stage3Strategy:
         self.world_size = comm.get_world_size(dp_group)
         self.rank = comm.get_rank(dp_group)
         self.overlap_comm = overlap_comm
+        self.reduce_bucket_size = reduce_bucket_size
+        self._bucket: list[FlatParam] = []
+        self._bucket_elems = 0
+        self._inflight: list = []
         self.comm_dtype = comm_dtype
         self.prefetch_bucket_size = prefetch_bucket_size
         self.max_live = max_live_parameters
+        self.max_reuse_distance = max_reuse_distance
         self.pre, self.post = reduction_factors(self.world_size, op, prescale, predivide_factor)
         self.hparams = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
@@ -104,6 +108,9 @@ class Stage3Strategy:
         self._recorded: list[int] = []
         self._recording: list[int] = []
         self._prefetching = False
+        self._next_use: list[int] = []  # for each position of the recording: the unit's next position
+        self._cum: list[int] = [0]  # prefix sums of padded sizes along the recording
+        self._last_pos: dict[int, int] = {}  # flat parameter index -> its latest position this micro-step
         self._hooks = []
         for m in module.modules():
             if id(m) in self.uses:
@@ -122,37 +129,61 @@ class Stage3Strategy:
 
     # -- gathering ---------------------------------------------------------------------------------
     def _fetch(self, fps: list[FlatParam]) -> None:
+        start_gathers(fps)  # what this module needs now, as one collective
         for fp in fps:
-            self._record_and_prefetch(fp)
+            self._record(fp)
+        self._prefetch()
         for fp in fps:
             fp.wait()
 
-    def _record_and_prefetch(self, fp: FlatParam) -> None:
+    def _record(self, fp: FlatParam) -> None:
         k = len(self._recording)
         self._recording.append(fp.index)
+        self._last_pos[fp.index] = k
         if self._prefetching and (k >= len(self._recorded) or self._recorded[k] != fp.index):
             self._prefetching = False  # control flow changed: on demand for the rest of this micro-step
+
+    def _prefetch(self) -> None:
+        """Gather the next units of the recorded order ahead of use, as one collective, within budget."""
         if not self._prefetching:
             return
         in_flight = sum(f.padded for f in self.flat if f.state is State.GATHERING)
         live = sum(f.padded for f in self.flat if f.state is not State.SHARDED)
-        for idx in self._recorded[k + 1:]:
+        ahead, window = [], 0
+        for idx in self._recorded[len(self._recording):]:
             nxt = self.flat[idx]
-            if nxt.state is not State.SHARDED:
+            window += nxt.padded  # look no further ahead than the prefetch budget, gathered or not
+            if window > self.prefetch_bucket_size:
+                break
+            if nxt.state is not State.SHARDED or nxt in ahead:
                 continue
             if in_flight + nxt.padded > self.prefetch_bucket_size or live + nxt.padded > self.max_live:
                 break
-            nxt.start_gather()
+            ahead.append(nxt)
             in_flight += nxt.padded
             live += nxt.padded
+        start_gathers(ahead)
+
+    def _release_unless_reused(self, fp: FlatParam) -> None:
+        """Free `fp` after a use, unless the recorded order uses it again within
+        `stage3_max_reuse_distance` elements of other gathers (and `max_live_parameters` allows)."""
+        if fp.persistent:
+            return
+        k = self._last_pos.get(fp.index)
+        if self._prefetching and k is not None and k < len(self._next_use):
+            nxt = self._next_use[k]
+            if nxt >= 0 and self._cum[nxt] - self._cum[k + 1] <= self.max_reuse_distance:
+                live = sum(f.padded for f in self.flat if f.state is not State.SHARDED)
+                if live <= self.max_live:
+                    return
+        fp.release()
 
     def _pre_forward(self, module, args):
         self._fetch(self.uses[id(module)])
 
     def _post_forward(self, module, args, output):
         for fp in self.uses[id(module)]:
-            if not fp.persistent:
-                fp.release()
+            self._release_unless_reused(fp)
 
     def _pre_backward(self, module, grad_output):
         self._fetch(self.uses[id(module)])
@@ -168,8 +199,22 @@ class Stage3Strategy:
         """Before a forward: start a new recording; prefetch from the previous one."""
         if self._recording:
             self._recorded = self._recording
+            self._index_recording()
         self._recording = []
+        self._last_pos = {}
         self._prefetching = bool(self._recorded)
+
+    def _index_recording(self) -> None:
+        """Next-use positions and prefix sizes of the recorded order (for the reuse distance)."""
+        rec = self._recorded
+        self._next_use = [-1] * len(rec)
+        seen: dict[int, int] = {}
+        for k in range(len(rec) - 1, -1, -1):
+            self._next_use[k] = seen.get(rec[k], -1)
+            seen[rec[k]] = k
+        self._cum = [0]
+        for idx in rec:
+            self._cum.append(self._cum[-1] + self.flat[idx].padded)
 
     @torch.no_grad()
     def _on_grad(self, param: torch.nn.Parameter) -> None:
@@ -180,33 +225,56 @@ class Stage3Strategy:
         g.staging[seg.offset:seg.offset + seg.numel].add_(param.grad.reshape(-1))
         param.grad = None
         g.pending -= 1
-        if g.pending == 0 and not fp.persistent:
-            fp.release()  # every use of it in backward is done: its gradient is complete
+        if g.pending == 0:
+            self._release_unless_reused(fp)  # every use in backward is done: its gradient is complete
         while self._next < len(self._launch_order) and self._grads[self._launch_order[self._next].index].pending <= 0:
             self._launch(self._launch_order[self._next])
             self._next += 1
 
     def _launch(self, fp: FlatParam) -> None:
-        g = self._grads[fp.index]
-        if g.staging is None:
-            g.staging = torch.zeros(fp.padded, dtype=self.comm_dtype or torch.float32, device=fp.shard.device)
+        """Queue `fp`'s gradient; reduce-scatter the queue as one collective once it holds
+        `reduce_bucket_size` elements (or at the end of backward)."""
+        self._bucket.append(fp)
+        self._bucket_elems += fp.padded
+        if self._bucket_elems >= self.reduce_bucket_size:
+            self._flush()
+
+    def _flush(self) -> None:
+        fps, self._bucket, self._bucket_elems = self._bucket, [], 0
+        if not fps:
+            return
+        dtype = self.comm_dtype or torch.float32
+        device = fps[0].shard.device
+        for fp in fps:
+            g = self._grads[fp.index]
+            if g.staging is None:  # no gradient reached it here (unused); it still takes part
+                g.staging = torch.zeros(fp.padded, dtype=dtype, device=device)
+        if len(fps) == 1:
+            send = self._grads[fps[0].index].staging
+        else:  # rank-major: rank r's chunk of every flat parameter, then rank r + 1's
+            send = torch.cat([self._grads[fp.index].staging.view(self.world_size, -1) for fp in fps], dim=1)
+            send = send.reshape(-1)
         if self.pre != 1.0:
-            g.staging.mul_(self.pre)
-        g.out = torch.empty(fp.bucket.chunk, dtype=g.staging.dtype, device=g.staging.device)
-        g.handle = comm.reduce_scatter_tensor(g.out, g.staging, op="sum", group=self.group, async_op=True)
+            send.mul_(self.pre)
+        out = torch.empty(sum(fp.bucket.chunk for fp in fps), dtype=send.dtype, device=device)
+        handle = comm.reduce_scatter_tensor(out, send, op="sum", group=self.group, async_op=True)
+        for fp in fps:
+            self._grads[fp.index].staging = None
+        self._inflight.append((fps, out, handle))
         if not self.overlap_comm:
-            self._complete(fp)
+            self._complete_all()
 
     @torch.no_grad()
-    def _complete(self, fp: FlatParam) -> None:
-        g = self._grads[fp.index]
-        if g.handle is None:
-            return
-        g.handle.wait()
-        if self.post != 1.0:
-            g.out.mul_(self.post)
-        fp.grad_shard.add_(g.out)
-        g.handle = g.out = g.staging = None
+    def _complete_all(self) -> None:
+        for fps, out, handle in self._inflight:
+            handle.wait()
+            if self.post != 1.0:
+                out.mul_(self.post)
+            offset = 0
+            for fp in fps:
+                fp.grad_shard.add_(out[offset:offset + fp.bucket.chunk])
+                offset += fp.bucket.chunk
+        self._inflight = []
 
     def end_micro_step(self) -> None:
         self.finish_reduction()
@@ -220,8 +288,8 @@ class Stage3Strategy:
         while self._next < len(self._launch_order):
             self._launch(self._launch_order[self._next])
             self._next += 1
-        for fp in self.flat:
-            self._complete(fp)
+        self._flush()
+        self._complete_all()
         self.reducing = False
 
     # -- optimizer ---------------------------------------------------------------------------------
@@ -253,9 +321,10 @@ class Stage3Strategy:
                 m.grad = None
         for fp in self.flat:
             fp.shard_from_master()
-            if fp.persistent and fp.state is not State.SHARDED:
+            if fp.state is not State.SHARDED:  # any resident copy is stale now
                 fp.release()
-                fp.wait()  # refresh the always-resident copy
+                if fp.persistent:
+                    fp.wait()  # refresh the always-resident copy
 
     def zero_grads(self) -> None:
         for fp in self.flat:

@@ -1,0 +1,67 @@
+"""All-gathers of one or more stage-3 flat parameters as one collective, with the divergence check.
+
+Several flat parameters gathered together (a prefetch of upcoming units, or a module that uses
+several) travel as one all-gather of their concatenated shards: on gloo (and for small units on
+NCCL) a collective's fixed latency, not its bytes, dominates, and a transformer has dozens of units.
+Each rank's result is copied out of the rank-major receive buffer into every parameter's own full
+buffer once the collective completes.
+
+Note [stage-3 divergence check]: with every gather each rank also all-gathers a code of *which* flat
+parameters it is gathering (8 bytes). Ranks whose forward took different branches would otherwise
+exchange chunks of different parameters without noticing when the sizes happen to agree; now they
+stop with an error that says so.
+"""
+from __future__ import annotations
+
+import torch
+
+from zerospeed import comm
+
+
+def _code(indices: list[int]) -> float:
+    code = 0
+    for i in indices:
+        code = (code * 1_000_003 + i + 1) % (1 << 52)  # exact in float64
+    return float(code)
+
+
+class GatherBatch:
+    def __init__(self, fps: list) -> None:
+        self.fps = fps
+        first = fps[0]
+        device, group = first.shard.device, first.dp_group
+        world = first.bucket.world_size
+        if len(fps) == 1:
+            first.full = torch.empty(first.bucket.padded, dtype=first.dtype, device=device)
+            send, self.recv = first.shard, first.full
+        else:
+            send = torch.cat([fp.shard for fp in fps])
+            self.recv = torch.empty(world * send.numel(), dtype=first.dtype, device=device)
+        self.handle = comm.all_gather_into_tensor(self.recv, send, group=group, async_op=True)
+        self.tags = torch.empty(world, dtype=torch.float64, device=device)
+        mine = torch.tensor([_code([fp.index for fp in fps])], dtype=torch.float64, device=device)
+        self.tag_handle = comm.all_gather_into_tensor(self.tags, mine, group=group, async_op=True)
+        self.world = world
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.handle.wait()
+        self.tag_handle.wait()
+        self.done = True
+        codes = self.tags.tolist()
+        if any(c != codes[0] for c in codes):
+            raise RuntimeError(
+                "ZeRO stage 3: ranks gathered different parameters at the same point (this rank: flat parameters "
+                f"{[fp.index for fp in self.fps]}). The ranks ran different modules in forward or backward (data- or "
+                "rank-dependent branches). Stage 3 needs every rank to use the same modules in the same order; "
+                "use ZeRO stage 0-2 for such models.")
+        if len(self.fps) > 1:
+            rows = self.recv.view(self.world, -1)
+            offset = 0
+            for fp in self.fps:
+                chunk = fp.bucket.chunk
+                fp.full = rows[:, offset:offset + chunk].reshape(-1).clone()
+                offset += chunk
+        self.recv = None
