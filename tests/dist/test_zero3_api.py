@@ -128,3 +128,39 @@ def test_training_a_zero_init_model_equals_training_the_eager_one():
     inited = run_distributed(_train, 2, True, timeout=100)
     assert eager == inited
     assert eager[0][0][-1] < eager[0][0][0]
+
+
+def _forward_peak():
+    """Census of live tensor bytes at every module boundary of a forward (stage 3, fp32)."""
+    torch.manual_seed(0)
+    width, layers = 256, 8
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    unit = width * width * 4
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                 "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 2 * width * width,
+                                 "stage3_max_live_parameters": 2 * width * width}}
+    engine, *_ = zerospeed.initialize(model=model, config=cfg)
+    x = torch.randn(2, width)
+    with torch.no_grad():
+        engine(x)  # record the order, so the second pass prefetches
+    base = live_tensor_bytes()
+    peak = [0]
+
+    def sample(*_):
+        peak[0] = max(peak[0], live_tensor_bytes() - base)
+
+    hooks = [m.register_forward_hook(sample) for m in model]
+    with torch.no_grad():
+        engine(x)
+    for h in hooks:
+        h.remove()
+    return peak[0], unit, layers
+
+
+@pytest.mark.timeout(120)
+def test_forward_peak_stays_within_max_live_parameters_plus_one_unit():
+    for peak, unit, layers in run_distributed(_forward_peak, 2, timeout=100):
+        # beyond the resident shards: at most max_live (2 units) plus the unit in use, never the model
+        assert 0 < peak <= 3 * unit + 64 * 1024, (peak, unit)
+        assert peak < layers * unit / 2
