@@ -1,5 +1,5 @@
 """zerospeed.comm: the only package that talks to torch.distributed."""
-from zerospeed.comm.backend import (DEFAULT_TIMEOUT, STATS, Handle, all_gather_into_tensor, all_gather_object,
+from zerospeed.comm.backend import (DEFAULT_TIMEOUT, STATS, Handle, backend_availability, all_gather_into_tensor, all_gather_object,
                                     all_reduce, barrier, broadcast, broadcast_object, destroy,
                                     get_local_rank, get_rank, global_rank, get_world_size, init_distributed,
                                     is_initialized, new_group, reduce_scatter_tensor)
@@ -10,7 +10,7 @@ from zerospeed.comm.stats import CommStats, wire_fraction
 from zerospeed.comm.topology import RankGrid
 
 __all__ = [
-    "DEFAULT_TIMEOUT", "STATS", "Handle", "CommStats", "ParallelGroups", "RankGrid", "all_gather_into_tensor", "all_gather_object",
+    "DEFAULT_TIMEOUT", "STATS", "Handle", "backend_availability", "CommStats", "ParallelGroups", "RankGrid", "all_gather_into_tensor", "all_gather_object",
     "all_reduce", "assign_buckets", "barrier", "broadcast", "broadcast_object", "destroy", "get_local_rank",
     "get_rank", "get_world_size", "global_rank", "init_distributed", "is_initialized", "new_group", "reduce_scatter_tensor", "wire_fraction",
 ]

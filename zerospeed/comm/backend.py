@@ -72,6 +72,14 @@ def init_distributed(dist_backend: str | None = None, timeout: _dt.timedelta = D
     logger.info("initialised %s process group: rank %d of %d", backend, rank, world_size)
 
 
+def backend_availability() -> dict[str, str]:
+    """Which communication backends this torch build offers (for the environment report)."""
+    if not dist.is_available():
+        return {"torch.distributed": "not available"}
+    return {"torch.distributed": "available", "gloo": str(dist.is_gloo_available()),
+            "nccl": str(dist.is_nccl_available()), "mpi": str(dist.is_mpi_available())}
+
+
 def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 

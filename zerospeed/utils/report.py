@@ -52,11 +52,8 @@ def accelerator() -> dict[str, str]:
 
 
 def communication() -> dict[str, str]:
-    import torch.distributed as dist
-    if not dist.is_available():
-        return {"torch.distributed": "not available"}
-    return {"torch.distributed": "available", "gloo": str(dist.is_gloo_available()),
-            "nccl": str(dist.is_nccl_available()), "mpi": str(dist.is_mpi_available())}
+    from zerospeed.comm import backend_availability
+    return backend_availability()
 
 
 def cpu_flags(cpuinfo: str) -> set[str]:
