@@ -148,7 +148,8 @@ def test_the_loader_resumes_mid_epoch_at_another_world_size():
 def test_a_pass_begun_before_the_load_jumps_to_the_loaded_position():
     first = _loader(0, 1, 4)
     it = RepeatingLoader(first)
-    order = [_ids(next(it)) for _ in range(8)]  # 6 batches of epoch 0, 2 of epoch 1
+    for _ in range(8):  # 6 batches of epoch 0, 2 of epoch 1
+        next(it)
     assert first.state_dict()["epoch"] == 1 and first.state_dict()["position"] == 2
     state = first.state_dict()
     later = _loader(0, 1, 4)

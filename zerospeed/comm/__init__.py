@@ -12,5 +12,5 @@ from zerospeed.comm.topology import RankGrid
 __all__ = [
     "DEFAULT_TIMEOUT", "STATS", "Handle", "backend_availability", "CommStats", "ParallelGroups", "RankGrid", "all_gather_into_tensor", "all_gather_object",
     "all_reduce", "assign_buckets", "barrier", "broadcast", "broadcast_object", "destroy", "get_local_rank",
-    "get_rank", "get_world_size", "global_rank", "init_distributed", "is_initialized", "new_group", "reduce_scatter_tensor", "wire_fraction",
+    "get_rank", "get_world_size", "global_rank", "init_distributed", "is_initialized", "new_group", "reduce_scatter_tensor", "wire_fraction", "send", "recv", "isend", "irecv", "batch_isend_irecv",
 ]

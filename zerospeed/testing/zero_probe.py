@@ -57,7 +57,7 @@ def probe_model_states(stage: int, precision: str = "bf16", width: int = 1024, l
     measured = live_tensor_bytes() - baseline
     breakdown = engine.memory_breakdown()
     padded = _padded_numel(engine)
-    engine.zero.remove_hooks() if hasattr(engine.zero, "remove_hooks") else engine.zero.reducer.remove_hooks()
+    engine.zero.remove_hooks()
     return {"stage": stage, "precision": precision, "world": comm.get_world_size(),
             "params": sum(zero_full_numel(p) for p in engine.module.parameters()), "padded_params": padded,
             "measured": measured, "predicted": sum(breakdown["predicted"].values()),

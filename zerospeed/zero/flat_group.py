@@ -11,6 +11,14 @@ import torch
 from zerospeed.zero.partition import Bucket, build_buckets
 
 
+def flatten_fp32(bucket: Bucket, values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The bucket as one padded fp32 tensor holding `values` (in segment order) at their offsets."""
+    full = torch.zeros(bucket.padded, dtype=torch.float32, device=device)
+    for s in bucket.segments:
+        full[s.offset:s.offset + s.numel].copy_(values[s.param].detach().reshape(-1))
+    return full
+
+
 class FlatParamGroup:
     def __init__(self, params: list[torch.nn.Parameter], hparams: dict, *, bucket_size: int, world_size: int,
                  rank: int, param_dtype: torch.dtype, device: torch.device):
@@ -24,9 +32,7 @@ class FlatParamGroup:
         self.masters: list[torch.nn.Parameter] = []
         alias = param_dtype == torch.float32
         for bucket in self.buckets:
-            full = torch.zeros(bucket.padded, dtype=torch.float32, device=device)
-            for s in bucket.segments:
-                full[s.offset:s.offset + s.numel].copy_(self.params[s.param].detach().reshape(-1))
+            full = flatten_fp32(bucket, self.params, device)
             buffer = full if alias else full.to(param_dtype)
             lo, hi = bucket.chunk_range(rank)
             master_src = buffer[lo:hi] if alias else full[lo:hi].clone()

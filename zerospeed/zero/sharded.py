@@ -23,6 +23,7 @@ from zerospeed import comm
 from zerospeed.runtime.grad_math import reduction_factors
 from zerospeed.zero.flat_group import FlatParamGroup
 from zerospeed.zero.partition import Bucket, group_sub_groups
+from zerospeed.zero.optimizer_step import step_in_sub_groups
 from zerospeed.zero.shards import Piece, ShardEntry
 
 
@@ -74,10 +75,7 @@ class ShardedStrategy:
                 self.states.append(st)
                 for seg in bucket.segments:
                     self._slot[id(fg.params[seg.param])] = (st, seg)
-        masters = [m for fg in self.flat for m in fg.masters]
-        self._master_grads = {id(m): st.grad_chunk for m, st in zip(masters, self.states)}
-        self.sub_groups = [[masters[i] for i in idx]
-                           for idx in group_sub_groups([m.numel() for m in masters], sub_group_size)]
+        self.sub_groups = group_sub_groups([st.bucket.chunk for st in self.states], sub_group_size)
         self.reducing = False
         self._next = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for fg in self.flat for p in fg.params]
@@ -189,18 +187,9 @@ class ShardedStrategy:
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
         """Scale gradients by `coef`, step the optimizer over each sub-group, refresh parameters."""
-        for st in self.states:
-            if coef != 1.0:
-                st.grad_chunk.mul_(coef)
-        for sub in self.sub_groups:
-            # Parameters whose .grad is None are skipped by torch optimizers: stepping one sub-group at
-            # a time bounds the optimizer's temporary memory to sub_group_size elements.
-            for m in sub:
-                g = self._master_grads[id(m)]
-                m.grad = g if g.dtype == m.dtype else g.to(m.dtype)
-            optimizer.step()
-            for m in sub:
-                m.grad = None
+        masters = [m for fg in self.flat for m in fg.masters]  # one per state, same order
+        step_in_sub_groups(optimizer, [(m, st.grad_chunk) for m, st in zip(masters, self.states)], coef,
+                           self.sub_groups)
         for fg in self.flat:
             fg.write_masters_to_params()
         self._all_gather_params()

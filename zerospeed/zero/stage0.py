@@ -6,6 +6,7 @@ import torch
 from zerospeed.precision.master import MasterWeights
 from zerospeed.runtime.data_parallel import GradientAllReducer
 from zerospeed.runtime.grad_math import global_norm
+from zerospeed.zero.optimizer_step import step_in_sub_groups
 from zerospeed.zero.sharded import optimizer_state_bytes
 from zerospeed.zero.shards import Piece, ShardEntry
 
@@ -43,15 +44,8 @@ class DataParallelStrategy:
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
-        if coef != 1.0:
-            for buf in self.reducer.buffers():
-                buf.mul_(coef)
-        pairs = [(self.master.master_of(p), g) for p, g in self.reducer.grads()]
-        for m, g in pairs:
-            m.grad = g if g.dtype == m.dtype else g.to(m.dtype)
-        optimizer.step()
-        for m, _ in pairs:
-            m.grad = None
+        # (the gradient views partition the bucket buffers, so scaling them scales every buffer)
+        step_in_sub_groups(optimizer, [(self.master.master_of(p), g) for p, g in self.reducer.grads()], coef)
         self.master.copy_to_model()
 
     def zero_grads(self) -> None:
@@ -69,6 +63,9 @@ class DataParallelStrategy:
     def load_masters_from_params(self) -> None:
         if self.master.mixed:
             torch._foreach_copy_(self.master.masters, self.master.model_params)
+
+    def remove_hooks(self) -> None:
+        self.reducer.remove_hooks()
 
     def memory_breakdown(self, optimizer) -> dict[str, int]:
         params = sum(p.nbytes for p in self.master.model_params)

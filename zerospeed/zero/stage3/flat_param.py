@@ -8,9 +8,11 @@ nn.Parameter objects themselves: the owner of a parameter is found through `regi
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import torch
 
+from zerospeed.zero.flat_group import flatten_fp32
 from zerospeed.zero.partition import Bucket, build_buckets
 
 
@@ -31,10 +33,19 @@ def empty_like_dtype(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _EMPTY[key]
 
 
+@dataclass
+class Residency:
+    """Elements of full buffers that exist (gathering or full) and that are in flight, kept current
+    by the lifecycle transitions so that prefetch decisions need no scan over every unit."""
+
+    live: int = 0
+    gathering: int = 0
+
+
 class FlatParam:
     def __init__(self, index: int, params: list[torch.nn.Parameter], values: list[torch.Tensor], *,
                  group_index: int, world_size: int, rank: int, dtype: torch.dtype, device: torch.device,
-                 dp_group=None, trainable: bool = True):
+                 dp_group=None, trainable: bool = True, residency: Residency | None = None):
         self.index = index
         self.params = params
         self.shapes = [v.shape for v in values]
@@ -43,9 +54,7 @@ class FlatParam:
         self.dp_group = dp_group
         self.rank = rank
         (self.bucket,) = build_buckets([v.numel() for v in values], bucket_size=1 << 62, world_size=world_size)
-        full = torch.zeros(self.bucket.padded, dtype=torch.float32, device=device)
-        for s, v in zip(self.bucket.segments, values):
-            full[s.offset:s.offset + s.numel].copy_(v.reshape(-1))
+        full = flatten_fp32(self.bucket, values, device)
         lo, hi = self.bucket.chunk_range(rank)
         self.shard = full[lo:hi].to(dtype).clone()
         # fp32 training: the master is the shard itself; 16-bit: a separate fp32 chunk. zero.Init's
@@ -57,6 +66,7 @@ class FlatParam:
         self.full: torch.Tensor | None = None
         self.batch = None  # the GatherBatch in flight while GATHERING
         self.state = State.SHARDED
+        self.residency = residency if residency is not None else Residency()
         self.persistent = False
         self._point_params_at_nothing()
 
@@ -85,11 +95,15 @@ class FlatParam:
             for p, s, shape in zip(self.params, self.bucket.segments, self.shapes):
                 p.data = self.full[s.offset:s.offset + s.numel].view(shape)
             self.state = State.FULL
+            self.residency.gathering -= self.padded
 
     def release(self) -> None:
         if self.state is State.GATHERING:
             self.batch.wait()  # the collective must complete on every rank before we drop it
             self.batch = None
+            self.residency.gathering -= self.padded
+        if self.state is not State.SHARDED:
+            self.residency.live -= self.padded
         self._point_params_at_nothing()
         self.full = None
         self.state = State.SHARDED
@@ -123,3 +137,5 @@ def start_gathers(fps: list[FlatParam]) -> None:
     for fp in todo:
         fp.batch = batch
         fp.state = State.GATHERING
+        fp.residency.live += fp.padded
+        fp.residency.gathering += fp.padded

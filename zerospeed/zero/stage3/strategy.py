@@ -18,7 +18,6 @@ micro-step and a new recording replaces the old: control-flow changes cost speed
 """
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 
@@ -27,10 +26,11 @@ import torch
 from zerospeed import comm
 from zerospeed.runtime.grad_math import reduction_factors
 from zerospeed.zero.partition import group_sub_groups
-from zerospeed.zero.sharded import sharded_global_norm
+from zerospeed.zero.optimizer_step import step_in_sub_groups
+from zerospeed.zero.sharded import optimizer_state_bytes, sharded_global_norm
 from zerospeed.zero.shards import Piece, ShardEntry
 from zerospeed.zero.stage3 import registry
-from zerospeed.zero.stage3.flat_param import FlatParam, State, start_gathers
+from zerospeed.zero.stage3.flat_param import FlatParam, Residency, State, start_gathers
 
 
 # A backward pre-hook on a module whose inputs need no gradient (an embedding) is exactly what stage 3
@@ -71,6 +71,7 @@ class Stage3Strategy:
         self.hparams = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
         self.flat: list[FlatParam] = []
+        self.residency = Residency()
         self.uses: dict[int, list[FlatParam]] = {}  # id(module) -> flat params its forward needs
         owner_unit: dict[int, list[FlatParam]] = {}
         for m in module.modules():
@@ -82,7 +83,7 @@ class Stage3Strategy:
             for gi, ps in by_group.items():
                 fp = FlatParam(len(self.flat), ps, [_full_value(p) for p in ps], group_index=gi,
                                world_size=self.world_size, rank=self.rank, dtype=param_dtype, device=device,
-                               dp_group=dp_group)
+                               dp_group=dp_group, residency=self.residency)
                 self.flat.append(fp)
                 unit.append(fp)
                 for p in ps:
@@ -103,8 +104,7 @@ class Stage3Strategy:
         # reduce-scatters launch in reverse creation order (roughly backward order), strictly in turn
         self._launch_order = list(reversed(self.flat))
         self._next = 0
-        self.sub_groups = [[self.flat[i].master for i in idx]
-                           for idx in group_sub_groups([fp.bucket.chunk for fp in self.flat], sub_group_size)]
+        self.sub_groups = group_sub_groups([fp.bucket.chunk for fp in self.flat], sub_group_size)
         self._recorded: list[int] = []
         self._recording: list[int] = []
         self._prefetching = False
@@ -147,19 +147,19 @@ class Stage3Strategy:
         """Gather the next units of the recorded order ahead of use, as one collective, within budget."""
         if not self._prefetching:
             return
-        in_flight = sum(f.padded for f in self.flat if f.state is State.GATHERING)
-        live = sum(f.padded for f in self.flat if f.state is not State.SHARDED)
-        ahead, window = [], 0
+        in_flight, live = self.residency.gathering, self.residency.live
+        ahead, chosen, window = [], set(), 0
         for idx in self._recorded[len(self._recording):]:
             nxt = self.flat[idx]
             window += nxt.padded  # look no further ahead than the prefetch budget, gathered or not
             if window > self.prefetch_bucket_size:
                 break
-            if nxt.state is not State.SHARDED or nxt in ahead:
+            if nxt.state is not State.SHARDED or idx in chosen:
                 continue
             if in_flight + nxt.padded > self.prefetch_bucket_size or live + nxt.padded > self.max_live:
                 break
             ahead.append(nxt)
+            chosen.add(idx)
             in_flight += nxt.padded
             live += nxt.padded
         start_gathers(ahead)
@@ -173,8 +173,7 @@ class Stage3Strategy:
         if self._prefetching and k is not None and k < len(self._next_use):
             nxt = self._next_use[k]
             if nxt >= 0 and self._cum[nxt] - self._cum[k + 1] <= self.max_reuse_distance:
-                live = sum(f.padded for f in self.flat if f.state is not State.SHARDED)
-                if live <= self.max_live:
+                if self.residency.live <= self.max_live:
                     return
         fp.release()
 
@@ -309,16 +308,7 @@ class Stage3Strategy:
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
-        if coef != 1.0:
-            for fp in self.flat:
-                fp.grad_shard.mul_(coef)
-        grads = {id(fp.master): fp.grad_shard for fp in self.flat}
-        for sub in self.sub_groups:
-            for m in sub:
-                m.grad = grads[id(m)]
-            optimizer.step()
-            for m in sub:
-                m.grad = None
+        step_in_sub_groups(optimizer, [(fp.master, fp.grad_shard) for fp in self.flat], coef, self.sub_groups)
         for fp in self.flat:
             fp.shard_from_master()
             if fp.state is not State.SHARDED:  # any resident copy is stale now
@@ -371,7 +361,6 @@ class Stage3Strategy:
         return out if self.rank == 0 else {}
 
     def memory_breakdown(self, optimizer) -> dict[str, int]:
-        from zerospeed.zero.sharded import optimizer_state_bytes
         params = sum(fp.shard.nbytes + (fp.full.nbytes if fp.full is not None else 0) for fp in self.flat)
         masters = sum(fp.master.nbytes for fp in self.flat if fp.master.data_ptr() != fp.shard.data_ptr())
         return {"parameters": params, "gradients": sum(fp.grad_shard.nbytes for fp in self.flat),
