@@ -162,6 +162,21 @@ def param_sizes(model: torch.nn.Module) -> dict:
             "tied_params": sum(params[i].numel() for i, n in seen.items() if n > 1)}
 
 
+def _run_plain_torch(spec, rank, world, micro_step, model, opt, cuda) -> dict:
+    """The DDP / FSDP2 baselines' shared loop: clip, step, zero; timed; process group torn down."""
+    import torch.distributed as dist
+
+    def optimizer_step():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    result = timed_steps(spec, micro_batches(spec, rank, world), micro_step, optimizer_step, sync)
+    dist.destroy_process_group()
+    return result
+
+
 def run_ddp(spec: dict, rank: int, world: int, zero: bool) -> dict:
     """The PyTorch baseline: DDP, no_sync on non-boundary micro-steps, AdamW, clipping.
 
@@ -189,14 +204,7 @@ def run_ddp(spec: dict, rank: int, world: int, zero: bool) -> dict:
             (loss / gas).backward()  # DeepSpeed scales by 1/GAS too, so the updates match
         return loss.item()
 
-    def optimizer_step():
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    result = timed_steps(spec, micro_batches(spec, rank, world), micro_step, optimizer_step, sync)
-    dist.destroy_process_group()
+    result = _run_plain_torch(spec, rank, world, micro_step, model, opt, cuda)
     return result | {"peak_memory": peak_memory(device)}
 
 
@@ -258,14 +266,7 @@ def run_fsdp2(spec: dict, rank: int, world: int, prefetch: bool) -> dict:
         (loss / gas).backward()
         return loss.item()
 
-    def optimizer_step():
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    result = timed_steps(spec, micro_batches(spec, rank, world), micro_step, optimizer_step, sync)
-    dist.destroy_process_group()
+    result = _run_plain_torch(spec, rank, world, micro_step, model, opt, cuda)
     return result | sizes | {"peak_memory": peak_memory(device)}
 
 
