@@ -34,11 +34,16 @@ from pathlib import Path
 import torch
 
 WORKER = Path(__file__).resolve().parent / "workers.py"
+# Offload variants (ZeRO-Offload / ZeRO-Infinity), for zerospeed and DeepSpeed alike: *_cpu offloads the
+# optimizer (stage 2) or optimizer + parameters (stage 3) to host memory; *_nvme the optimizer to swap
+# files, *_nvmeall the parameters too (under the run's scratch directory, or --nvme-path).
+OFFLOAD = ("2_cpu", "3_cpu", "2_nvme", "3_nvme", "3_nvmeall")
 VARIANTS = ("zs0", "zs1", "zs2", "zs3", "zs3_noprefetch", "ddp", "ddp_zero", "fsdp2", "fsdp2_noprefetch",
-            "ds0", "ds1", "ds2", "ds3", "ds3_noprefetch")
+            "ds0", "ds1", "ds2", "ds3", "ds3_noprefetch") + tuple(f"{lib}{o}" for lib in ("zs", "ds") for o in OFFLOAD)
 ALIASES = {"zerospeed": "zs0", "deepspeed": "ds0"}  # the names of the stage-0-only benchmark
 STAGE = {"zs0": 0, "zs1": 1, "zs2": 2, "zs3": 3, "zs3_noprefetch": 3, "ds0": 0, "ds1": 1, "ds2": 2, "ds3": 3,
          "ds3_noprefetch": 3, "ddp": 0, "ddp_zero": 0, "fsdp2": 3, "fsdp2_noprefetch": 3}
+STAGE |= {f"{lib}{o}": int(o[0]) for lib in ("zs", "ds") for o in OFFLOAD}
 
 
 def resolve_variants(text: str) -> list[str]:
@@ -83,6 +88,8 @@ def parse_args() -> argparse.Namespace:
                    help="zero_optimization.stage3_max_live_parameters for zs3* and ds3*")
     p.add_argument("--repeats", type=int, default=1,
                    help="run every variant this many times, alternating the order; steps are pooled")
+    p.add_argument("--nvme-path", type=Path, default=None,
+                   help="directory for the *_nvme variants' swap files (default: the run's scratch directory)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per variant")
     p.add_argument("--out", type=Path, default=None, help="append the table and machine description here")
     args = p.parse_args()
@@ -110,6 +117,8 @@ def launch(variant: str, args: argparse.Namespace, workdir: Path, threads: int) 
                                       "allgather_bucket_size", "overlap_comm", "param_persistence_threshold",
                                       "max_live_parameters")}
     spec["prefetch_bucket_size"] = 0 if variant.endswith("_noprefetch") else args.prefetch_bucket_size
+    spec["offload"] = variant.split("_", 1)[1] if variant[2:] in OFFLOAD else "none"
+    spec["nvme_path"] = str(args.nvme_path or workdir)
     port, procs = free_port(), []
     for rank in range(args.nproc):
         env = os.environ | {

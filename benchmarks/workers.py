@@ -71,6 +71,16 @@ def zero_section(spec: dict) -> dict:
                  "stage3_prefetch_bucket_size": spec["prefetch_bucket_size"],
                  "stage3_param_persistence_threshold": spec["param_persistence_threshold"],
                  "stage3_max_live_parameters": spec["max_live_parameters"]}
+    offload = spec.get("offload", "none")
+    if offload == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if spec["stage"] == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    elif offload in ("nvme", "nvmeall"):
+        nvme = {"device": "nvme", "nvme_path": spec["nvme_path"], "pin_memory": True}
+        zero["offload_optimizer"] = nvme | {"pipeline_read": True, "pipeline_write": True}
+        if offload == "nvmeall":
+            zero["offload_param"] = nvme | {"buffer_count": 5, "buffer_size": 100_000_000}
     return zero
 
 

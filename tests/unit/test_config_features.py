@@ -34,13 +34,24 @@ def test_bf16_implemented_too():
 
 # One config per row that requests exactly that feature, written independently of the table.
 TRIGGERS: dict[str, tuple[dict, str]] = {
-    "zero_optimization.offload_optimizer.device": (
-        {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
-        "zero_optimization.offload_optimizer.device='cpu': optimizer offload"),
-    "zero_optimization.offload_param.device": (
-        {"zero_optimization": {"offload_param": {"device": "nvme"}}},
-        "zero_optimization.offload_param.device='nvme': parameter offload"),
-    "aio": ({"aio": {}, "zero_optimization": {"offload_param": {"device": "nvme"}}}, "aio={...}: NVMe offload"),
+    "zero_optimization.offload_optimizer.super_offload": (
+        {"zero_optimization": {"offload_optimizer": {"device": "cpu", "super_offload": True}}},
+        "zero_optimization.offload_optimizer.super_offload=true: SuperOffload"),
+    "zero_optimization.zero_quantized_weights": ({"zero_optimization": {"zero_quantized_weights": True}},
+                                                 "zero_quantized_weights=true: ZeRO++ quantized weight all-gather"),
+    "zero_optimization.zero_quantized_nontrainable_weights": (
+        {"zero_optimization": {"zero_quantized_nontrainable_weights": True}}, "ZeRO++ quantized non-trainable"),
+    "zero_optimization.zero_quantized_gradients": ({"zero_optimization": {"zero_quantized_gradients": True}},
+                                                   "ZeRO++ quantized gradient reduction"),
+    "zero_optimization.zero_hpz_partition_size": ({"zero_optimization": {"zero_hpz_partition_size": 2}},
+                                                  "zero_hpz_partition_size=2: ZeRO++ hierarchical"),
+    "zero_optimization.zeropp_loco_param": ({"zero_optimization": {"zeropp_loco_param": {"err_beta": 0.8}}},
+                                            ": LoCo-ZeRO++ is not implemented"),
+    "zero_optimization.mics_shard_size": ({"zero_optimization": {"mics_shard_size": 2}}, "mics_shard_size=2: MiCS"),
+    "zero_optimization.mics_hierarchical_params_gather": (
+        {"zero_optimization": {"mics_hierarchical_params_gather": True}}, "MiCS hierarchical gather"),
+    "aio.use_gds": ({"aio": {"use_gds": True}, "zero_optimization": {"offload_param": {"device": "nvme"}}},
+                    "aio.use_gds=true: GPUDirect Storage"),
     "zero_optimization.zenflow": ({"zero_optimization": {"zenflow": {}}}, "zero_optimization.zenflow={...}: ZenFlow"),
     "activation_checkpointing.partition_activations": (
         {"activation_checkpointing": {"partition_activations": True}},
@@ -141,7 +152,6 @@ def test_empty_compression_training_is_fine():
 
 
 def test_check_implemented_can_be_called_on_a_parsed_config():
-    cfg = parse_config({"train_batch_size": 1, "zero_optimization": {"offload_param": {"device": "cpu"}}},
-                       check_features=False)
-    with pytest.raises(ConfigError, match="parameter offload is not implemented"):
+    cfg = parse_config({"train_batch_size": 1, "sparse_gradients": True}, check_features=False)
+    with pytest.raises(ConfigError, match="sparse embedding gradients is not implemented"):
         check_implemented(cfg)

@@ -214,6 +214,19 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     raise_if_any_rank_failed(error)
 
     states = None
+    with engine.zero.resident(engine.optimizer):  # NVMe-offloaded masters and states: in memory for the load
+        states = _load_states(engine, plan, with_optimizer, load_module_only, load_module_strict)
+    if not load_module_only:
+        _restore_training_state(engine, states, plan, with_optimizer, load_lr_scheduler_states)
+    comm.barrier()
+    logger.info("loaded checkpoint %s (%s) in %.2fs", plan.tag_dir,
+                "same layout" if plan.direct is not None else "resharded", time.perf_counter() - start)
+    client_state = {k: v for k, v in states.items() if k not in RESERVED_KEYS}
+    return str(plan.tag_dir / MODEL_STATES), client_state
+
+
+def _load_states(engine, plan: _Plan, with_optimizer: bool, load_module_only: bool, load_module_strict: bool):
+    states, error = None, None
     try:
         states = torch.load(plan.tag_dir / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False)
         _load_module(engine, states, plan.manifest, load_module_strict, plan.tag_dir)
@@ -228,10 +241,4 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     raise_if_any_rank_failed(error)
     if not load_module_only or _weights_in_shards(engine, plan.manifest):
         engine.zero.sync_params_from_masters()
-    if not load_module_only:
-        _restore_training_state(engine, states, plan, with_optimizer, load_lr_scheduler_states)
-    comm.barrier()
-    logger.info("loaded checkpoint %s (%s) in %.2fs", plan.tag_dir,
-                "same layout" if plan.direct is not None else "resharded", time.perf_counter() - start)
-    client_state = {k: v for k, v in states.items() if k not in RESERVED_KEYS}
-    return str(plan.tag_dir / MODEL_STATES), client_state
+    return states

@@ -186,10 +186,11 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
             atomic_torch_save(model_states, paths.staging / MODEL_STATES)
             del model_states
             files[MODEL_STATES] = file_record(paths.staging / MODEL_STATES)
-        shard, layouts = _rank_states(engine, rank)
-        name = optim_states_name(rank)
-        atomic_torch_save(shard, paths.staging / name)
-        del shard
+        with engine.zero.resident(engine.optimizer):  # NVMe-offloaded state: in memory while it is written
+            shard, layouts = _rank_states(engine, rank)
+            name = optim_states_name(rank)
+            atomic_torch_save(shard, paths.staging / name)
+            del shard
         files[name] = file_record(paths.staging / name)
     except Exception as exc:  # noqa: BLE001 — every rank must learn of it, or the others hang
         error = f"rank {rank} could not write its checkpoint files in {paths.staging}: {exc}"

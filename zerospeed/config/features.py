@@ -47,12 +47,17 @@ def _present(key: str, feature: str) -> Row:
 
 
 ROWS: list[Row] = [
-    Row("zero_optimization.offload_optimizer.device", lambda c: _device(c.zero_optimization.offload_optimizer)
-        != "none", "optimizer offload", '"none"'),
-    Row("zero_optimization.offload_param.device", lambda c: _device(c.zero_optimization.offload_param)
-        != "none", "parameter offload", '"none"'),
-    Row("aio", lambda c: "aio" in c.model_fields_set and _uses_nvme(c), "NVMe offload through aio", "{}"),
+    _switch("zero_optimization.offload_optimizer.super_offload", "SuperOffload"),
+    Row("aio.use_gds", lambda c: c.aio.use_gds and _uses_nvme(c), "GPUDirect Storage", "false"),
     _present("zero_optimization.zenflow", "ZenFlow"),
+    _switch("zero_optimization.zero_quantized_weights", "ZeRO++ quantized weight all-gather"),
+    _switch("zero_optimization.zero_quantized_nontrainable_weights", "ZeRO++ quantized non-trainable weights"),
+    _switch("zero_optimization.zero_quantized_gradients", "ZeRO++ quantized gradient reduction"),
+    Row("zero_optimization.zero_hpz_partition_size", lambda c: c.zero_optimization.zero_hpz_partition_size > 1,
+        "ZeRO++ hierarchical partitioning (hpZ)", "1"),
+    _present("zero_optimization.zeropp_loco_param", "LoCo-ZeRO++"),
+    Row("zero_optimization.mics_shard_size", lambda c: c.zero_optimization.mics_shard_size > 0, "MiCS sharding", "-1"),
+    _switch("zero_optimization.mics_hierarchical_params_gather", "MiCS hierarchical gather"),
     _switch("activation_checkpointing.partition_activations", "partitioned activation checkpointing"),
     _switch("activation_checkpointing.cpu_checkpointing", "CPU activation checkpointing"),
     _switch("activation_checkpointing.contiguous_memory_optimization", "contiguous activation memory"),

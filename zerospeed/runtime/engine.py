@@ -21,6 +21,7 @@ from zerospeed.precision.policy import PrecisionPolicy
 from zerospeed.profiling.observer import EngineObserver
 from zerospeed.runtime.grad_math import clip_coefficient
 from zerospeed.zero import build_strategy, full_numel
+from zerospeed.zero.optimizer_step import use_fused_cpu_step
 from zerospeed.zero.memory import OPTIMIZER_STATE_BYTES, model_state_bytes, optimizer_kind
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ class Engine(torch.nn.Module):
         if self.precision.mixed:
             self.module.to(self.precision.param_dtype)
         self.optimizer = optimizer_factory(self.zero)
+        if getattr(self.zero, "plan", None) is not None and self.zero.plan.optimizer != "none":
+            use_fused_cpu_step(self.optimizer)  # the offloaded step: torch's fused CPU Adam on flat shards
         self.lr_scheduler = scheduler_factory(self.optimizer)
         self.loss_scaler = loss_scaler_from_config(config.fp16) if self.precision.needs_loss_scaling else None
         self.training_dataloader = training_dataloader
@@ -212,8 +215,18 @@ class Engine(torch.nn.Module):
         self.module.zero_grad(set_to_none=set_to_none)
 
     def destroy(self) -> None:
-        """End of training: log the comm totals, close monitors."""
+        """End of training: log the comm totals, close monitors, remove NVMe swap files."""
         self.observer.close()
+        self.zero.close()
+
+    def placement(self) -> dict[str, str]:
+        """Where each kind of model state lives on this rank: a device ("cpu", "cuda:0") or
+        "nvme:<dir>" (ZeRO-Offload / ZeRO-Infinity), read off the tensors and swap files."""
+        return self.zero.placement()
+
+    def swap_files(self) -> list:
+        """(kind, path, bytes) of this rank's NVMe swap files."""
+        return self.zero.swap_files()
 
     # -- memory ----------------------------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, dict[str, float]]:

@@ -14,7 +14,9 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 def build_strategy(cfg, groups: list[dict], *, module: torch.nn.Module, param_dtype: torch.dtype,
                    device: torch.device, dp_group=None):
     """The gradient / optimizer strategy for the configured ZeRO stage (resolved once, here)."""
+    from zerospeed.offload.plan import OffloadPlan
     zero = cfg.zero_optimization
+    plan = OffloadPlan.from_config(cfg, device)
     comm_dtype = _DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None
     grad_dtype = _DTYPES[cfg.data_types.grad_accum_dtype or "fp32"]
     common = dict(comm_dtype=comm_dtype, op="sum" if cfg.gradient_allreduce_op == "sum" else "avg",
@@ -31,13 +33,13 @@ def build_strategy(cfg, groups: list[dict], *, module: torch.nn.Module, param_dt
                               max_reuse_distance=int(zero.stage3_max_reuse_distance),
                               param_persistence_threshold=int(zero.stage3_param_persistence_threshold),
                               model_persistence_threshold=int(zero.stage3_model_persistence_threshold),
-                              dp_group=dp_group, **common)
+                              dp_group=dp_group, plan=plan, **common)
     return ShardedStrategy(groups, stage=zero.stage, param_dtype=param_dtype, device=device,
                            reduce_bucket_size=int(zero.reduce_bucket_size),
                            allgather_bucket_size=int(zero.allgather_bucket_size),
                            sub_group_size=int(zero.sub_group_size), overlap_comm=bool(zero.overlap_comm),
                            grad_dtype=grad_dtype, ignore_unused_parameters=zero.ignore_unused_parameters,
-                           dp_group=dp_group, **common)
+                           dp_group=dp_group, plan=plan, **common)
 
 
 __all__ = ["DataParallelStrategy", "GatheredParameters", "Init", "ShardedStrategy", "Stage3Strategy", "build_strategy",

@@ -21,7 +21,7 @@ def flatten_fp32(bucket: Bucket, values: list[torch.Tensor], device: torch.devic
 
 class FlatParamGroup:
     def __init__(self, params: list[torch.nn.Parameter], hparams: dict, *, bucket_size: int, world_size: int,
-                 rank: int, param_dtype: torch.dtype, device: torch.device):
+                 rank: int, param_dtype: torch.dtype, device: torch.device, plan=None):
         # Backward produces gradients roughly in reverse registration order: lay buckets out in that
         # order so the first buckets complete (and launch) first.
         self.params = list(reversed(params))
@@ -30,12 +30,20 @@ class FlatParamGroup:
         self.buckets: list[Bucket] = build_buckets([p.numel() for p in self.params], bucket_size, world_size)
         self.param_buffers: list[torch.Tensor] = []
         self.masters: list[torch.nn.Parameter] = []
-        alias = param_dtype == torch.float32
+        # fp32 masters alias the parameter buffer when they live in the same memory; offloaded
+        # masters are host copies (see zerospeed/offload/plan.py).
+        master_device = plan.master_device if plan is not None else device
+        alias = param_dtype == torch.float32 and master_device == device
         for bucket in self.buckets:
             full = flatten_fp32(bucket, self.params, device)
-            buffer = full if alias else full.to(param_dtype)
+            buffer = full if param_dtype == torch.float32 else full.to(param_dtype)
             lo, hi = bucket.chunk_range(rank)
-            master_src = buffer[lo:hi] if alias else full[lo:hi].clone()
+            if alias:
+                master_src = buffer[lo:hi]
+            elif master_device != device:
+                master_src = plan.host_copy(full[lo:hi])
+            else:
+                master_src = full[lo:hi].clone()
             self.masters.append(torch.nn.Parameter(master_src))
             self.param_buffers.append(buffer)
             del full
@@ -51,10 +59,15 @@ class FlatParamGroup:
     @torch.no_grad()
     def write_masters_to_params(self) -> None:
         """Copy updated fp32 masters into this rank's chunk of the parameter buffers (mixed precision)."""
-        for bucket, buffer, master in zip(self.buckets, self.param_buffers, self.masters):
-            chunk = self.chunk(bucket, buffer)
-            if chunk.data_ptr() != master.data_ptr():
-                chunk.copy_(master)
+        for i in range(len(self.buckets)):
+            self.write_master_to_param(i)
+
+    @torch.no_grad()
+    def write_master_to_param(self, i: int) -> None:
+        chunk = self.chunk(self.buckets[i], self.param_buffers[i])
+        master = self.masters[i]
+        if chunk.data_ptr() != master.data_ptr():
+            chunk.copy_(master)
 
     def numel(self) -> int:
         return sum(b.numel for b in self.buckets)

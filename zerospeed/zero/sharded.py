@@ -23,8 +23,16 @@ from zerospeed import comm
 from zerospeed.runtime.grad_math import reduction_factors
 from zerospeed.zero.flat_group import FlatParamGroup
 from zerospeed.zero.partition import Bucket, group_sub_groups
-from zerospeed.zero.optimizer_step import step_in_sub_groups
+from zerospeed.offload.plan import make_stepper
 from zerospeed.zero.shards import Piece, ShardEntry
+
+
+# Note [bounded in-flight buckets]: with overlap_comm a bucket's reduce-scatter runs while backward
+# goes on; at most this many run at once — launching one more first completes the oldest. Staging
+# memory (stage 2: the bucket's gradients until reduced, plus its output chunk) is then a constant
+# number of reduce_bucket_size buffers, whatever the model size, instead of growing to the whole
+# gradient when the network lags behind backward.
+MAX_IN_FLIGHT_BUCKETS = 2
 
 
 @dataclass
@@ -47,7 +55,7 @@ class ShardedStrategy:
                  reduce_bucket_size: int, allgather_bucket_size: int, sub_group_size: int,
                  overlap_comm: bool, comm_dtype: torch.dtype | None, grad_dtype: torch.dtype = torch.float32,
                  op: str = "avg", prescale: bool = False, predivide_factor: float = 1.0,
-                 ignore_unused_parameters: bool = True, dp_group=None):
+                 ignore_unused_parameters: bool = True, dp_group=None, plan=None):
         if stage not in (1, 2):
             raise ValueError(f"ShardedStrategy handles ZeRO stages 1 and 2, not {stage}")
         self.stage = stage
@@ -62,22 +70,32 @@ class ShardedStrategy:
         self.pre, self.post = reduction_factors(self.world_size, op, prescale, predivide_factor)
         self.flat = [FlatParamGroup([p for p in g["params"]], {k: v for k, v in g.items() if k != "params"},
                                     bucket_size=reduce_bucket_size, world_size=self.world_size, rank=rank,
-                                    param_dtype=param_dtype, device=device) for g in groups]
+                                    param_dtype=param_dtype, device=device, plan=plan) for g in groups]
+        self.plan = plan
+        # fp32 gradient shards live with the masters: in host memory when the optimizer is offloaded
+        grad_device = plan.master_device if plan is not None else device
+        host_grads = grad_device != device
         self.states: list[_BucketState] = []
         self._slot: dict[int, tuple[_BucketState, object]] = {}
         for fg in self.flat:
             for bucket in fg.buckets:
                 if stage == 1:
                     full = torch.zeros(bucket.padded, dtype=grad_dtype, device=device)
-                    st = _BucketState(fg, bucket, fg.chunk(bucket, full), full=full)
+                    chunk = plan.host_zeros(bucket.chunk, grad_dtype) if host_grads else fg.chunk(bucket, full)
+                    st = _BucketState(fg, bucket, chunk, full=full)
                 else:
-                    st = _BucketState(fg, bucket, torch.zeros(bucket.chunk, dtype=grad_dtype, device=device))
+                    chunk = (plan.host_zeros(bucket.chunk, grad_dtype) if host_grads
+                             else torch.zeros(bucket.chunk, dtype=grad_dtype, device=device))
+                    st = _BucketState(fg, bucket, chunk)
                 self.states.append(st)
                 for seg in bucket.segments:
                     self._slot[id(fg.params[seg.param])] = (st, seg)
         self.sub_groups = group_sub_groups([st.bucket.chunk for st in self.states], sub_group_size)
+        self._entries = [(fg, i) for fg in self.flat for i in range(len(fg.buckets))]  # one per state
+        self.stepper = make_stepper(plan, [fg.masters[i] for fg, i in self._entries], self.sub_groups, rank)
         self.reducing = False
         self._next = 0
+        self._in_flight: list[_BucketState] = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for fg in self.flat for p in fg.params]
 
     # -- optimizer wiring --------------------------------------------------------------------------
@@ -130,11 +148,15 @@ class ShardedStrategy:
         if self.pre != 1.0:
             src.mul_(self.pre)
         # stage 1 in its own dtype reduces in place into its chunk; otherwise into a fresh chunk
-        st.out = st.grad_chunk if src is st.full else torch.empty(st.bucket.chunk, dtype=src.dtype,
-                                                                   device=src.device)
+        st.out = (st.group.chunk(st.bucket, st.full) if src is st.full
+                  else torch.empty(st.bucket.chunk, dtype=src.dtype, device=src.device))
         st.handle = comm.reduce_scatter_tensor(st.out, src, op="sum", group=self.group, async_op=True)
         if not self.overlap_comm:
             self._complete(st)
+        else:  # Note [bounded in-flight buckets]
+            self._in_flight.append(st)
+            while len(self._in_flight) > MAX_IN_FLIGHT_BUCKETS:
+                self._complete(self._in_flight.pop(0))
 
     @torch.no_grad()
     def _complete(self, st: _BucketState) -> None:
@@ -144,11 +166,11 @@ class ShardedStrategy:
         st.handle = None
         if self.post != 1.0:
             st.out.mul_(self.post)
-        if st.out is not st.grad_chunk:
+        if st.out.data_ptr() != st.grad_chunk.data_ptr():  # offloaded: this copy streams it to the host
             if st.full is not None:
                 st.grad_chunk.copy_(st.out)
             else:
-                st.grad_chunk.add_(st.out)
+                st.grad_chunk.add_(st.out.to(st.grad_chunk.device))
         st.out = st.staging = None
 
     def start_micro_step(self) -> None:
@@ -168,6 +190,7 @@ class ShardedStrategy:
             self._next += 1
         for st in self.states:
             self._complete(st)
+        self._in_flight = []
         self.reducing = False
 
     def _check_unused(self) -> None:
@@ -187,12 +210,24 @@ class ShardedStrategy:
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
         """Scale gradients by `coef`, step the optimizer over each sub-group, refresh parameters."""
-        masters = [m for fg in self.flat for m in fg.masters]  # one per state, same order
-        step_in_sub_groups(optimizer, [(m, st.grad_chunk) for m, st in zip(masters, self.states)], coef,
-                           self.sub_groups)
-        for fg in self.flat:
-            fg.write_masters_to_params()
+        pairs = [(fg.masters[i], st.grad_chunk) for (fg, i), st in zip(self._entries, self.states)]
+        self.stepper.step(optimizer, pairs, coef, self.sub_groups, on_stepped=self._publish)
         self._all_gather_params()
+
+    def _publish(self, indices: list[int]) -> None:
+        """Updated masters of these entries into this rank's parameter chunks, while resident."""
+        for k in indices:
+            fg, i = self._entries[k]
+            fg.write_master_to_param(i)
+
+    def resident(self, optimizer):
+        """Context in which every master and optimizer state is in memory (checkpoint save/load)."""
+        return self.stepper.resident(optimizer)
+
+    def placement(self) -> dict[str, str]:
+        """Where each kind of model state lives, read off the tensors (and the swap files)."""
+        return state_placement(self.plan, params=[b for fg in self.flat for b in fg.param_buffers],
+                               grads=[st.grad_chunk for st in self.states], stepper=self.stepper)
 
     def _all_gather_params(self) -> None:
         in_flight: list[tuple[comm.Handle, int]] = []
@@ -254,6 +289,24 @@ class ShardedStrategy:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+    def swap_files(self) -> list:
+        """(kind, path, bytes) of every NVMe swap file this rank owns."""
+        return self.stepper.files()
+
+    def close(self) -> None:
+        """Remove the swap files (also done at exit)."""
+        self.stepper.close()
+
+
+def state_placement(plan, *, params: list[torch.Tensor], grads: list[torch.Tensor], stepper) -> dict[str, str]:
+    """Devices of the parameter and gradient tensors; masters and optimizer states by the stepper."""
+    def where(ts):
+        return ",".join(sorted({str(t.device) for t in ts})) or "none"
+    opt = (f"nvme:{plan.optimizer_nvme}" if stepper.kind == "nvme"
+           else str(plan.master_device) if plan is not None else where(params))
+    return {"parameters": where(params), "gradients": where(grads), "master_weights": opt,
+            "optimizer_states": opt}
 
 
 def sharded_global_norm(chunks: list[torch.Tensor], group) -> float:

@@ -6,7 +6,7 @@ import torch
 from zerospeed.precision.master import MasterWeights
 from zerospeed.runtime.data_parallel import GradientAllReducer
 from zerospeed.runtime.grad_math import global_norm
-from zerospeed.zero.optimizer_step import step_in_sub_groups
+from zerospeed.zero.optimizer_step import InMemoryStepper, step_in_sub_groups
 from zerospeed.zero.sharded import optimizer_state_bytes
 from zerospeed.zero.shards import Piece, ShardEntry
 
@@ -63,6 +63,20 @@ class DataParallelStrategy:
     def load_masters_from_params(self) -> None:
         if self.master.mixed:
             torch._foreach_copy_(self.master.masters, self.master.model_params)
+
+    def resident(self, optimizer):
+        """Masters and optimizer states are always in memory at stage 0."""
+        return InMemoryStepper().resident(optimizer)
+
+    def placement(self) -> dict[str, str]:
+        where = str(next((p.device for g in self.optimizer_param_groups() for p in g["params"]), "none"))
+        return {"parameters": where, "gradients": where, "master_weights": where, "optimizer_states": where}
+
+    def swap_files(self) -> list:
+        return []
+
+    def close(self) -> None:
+        pass
 
     def remove_hooks(self) -> None:
         self.reducer.remove_hooks()

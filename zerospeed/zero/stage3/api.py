@@ -41,9 +41,10 @@ class Init:
     def __init__(self, config_dict_or_path=None, enabled: bool = True, dtype: torch.dtype | None = None,
                  remote_device: str | None = None, module: torch.nn.Module | None = None, data_parallel_group=None,
                  config=None, mpu=None):
-        if remote_device not in (None, "cpu", "none"):
-            raise ConfigError(f"zero.Init(remote_device={remote_device!r}): only None or 'cpu' is supported; "
-                              "NVMe parameter offload is not implemented in zerospeed yet")
+        # The shards zero.Init makes are re-placed by the engine according to offload_param; until then
+        # they stay where the module was built ("cpu" and "nvme" are accepted for DeepSpeed configs).
+        if remote_device not in (None, "cpu", "none", "nvme"):
+            raise ConfigError(f"zero.Init(remote_device={remote_device!r}): use None, 'cpu' or 'nvme'")
         self.enabled = enabled
         self.dtype = dtype or _dtype_from_config(config_dict_or_path if config_dict_or_path is not None else config)
         self.group = mpu.get_data_parallel_group() if mpu is not None else data_parallel_group

@@ -45,7 +45,9 @@ class Residency:
 class FlatParam:
     def __init__(self, index: int, params: list[torch.nn.Parameter], values: list[torch.Tensor], *,
                  group_index: int, world_size: int, rank: int, dtype: torch.dtype, device: torch.device,
-                 dp_group=None, trainable: bool = True, residency: Residency | None = None):
+                 dp_group=None, trainable: bool = True, residency: Residency | None = None,
+                 shard_device: torch.device | None = None, master_device: torch.device | None = None,
+                 pin=None, alias_master: bool = True):
         self.index = index
         self.params = params
         self.shapes = [v.shape for v in values]
@@ -53,16 +55,23 @@ class FlatParam:
         self.dtype = dtype
         self.dp_group = dp_group
         self.rank = rank
+        self.device = device  # where full parameters are gathered and used
+        self.swap = None  # an NvmeParamSwapper once the shard lives in a swap file (offload_param: nvme)
+        shard_device = shard_device or device
+        master_device = master_device or device
         (self.bucket,) = build_buckets([v.numel() for v in values], bucket_size=1 << 62, world_size=world_size)
         full = flatten_fp32(self.bucket, values, device)
         lo, hi = self.bucket.chunk_range(rank)
-        self.shard = full[lo:hi].to(dtype).clone()
-        # fp32 training: the master is the shard itself; 16-bit: a separate fp32 chunk. zero.Init's
-        # flat parameters (trainable=False) hold only the shard until the engine re-partitions them.
+        self.shard = _placed(full[lo:hi], shard_device, dtype, pin)
+        # fp32 training: the master is the shard itself when both live in the same memory; otherwise
+        # (16-bit, or offloaded elsewhere) a separate fp32 chunk. zero.Init's flat parameters
+        # (trainable=False) hold only the shard until the engine re-partitions them.
         self.master = self.grad_shard = None
         if trainable:
-            self.master = torch.nn.Parameter(self.shard if dtype == torch.float32 else full[lo:hi].clone())
-            self.grad_shard = torch.zeros(self.bucket.chunk, dtype=torch.float32, device=device)
+            alias = alias_master and dtype == torch.float32 and shard_device == master_device
+            self.master = torch.nn.Parameter(self.shard if alias else _placed(full[lo:hi], master_device,
+                                                                              torch.float32, pin))
+            self.grad_shard = _placed(torch.zeros(self.bucket.chunk), master_device, torch.float32, pin)
         self.full: torch.Tensor | None = None
         self.batch = None  # the GatherBatch in flight while GATHERING
         self.state = State.SHARDED
@@ -109,7 +118,7 @@ class FlatParam:
         self.state = State.SHARDED
 
     def _point_params_at_nothing(self) -> None:
-        empty = empty_like_dtype(self.dtype, self.shard.device)
+        empty = empty_like_dtype(self.dtype, self.device)
         for p in self.params:
             p.data = empty
 
@@ -117,14 +126,30 @@ class FlatParam:
     def shard_from_full(self) -> None:
         """After the full buffer was modified (GatheredParameters with a modifier): keep my chunk."""
         lo, hi = self.bucket.chunk_range(self.rank)
-        self.shard.copy_(self.full[lo:hi])
-        if self.master is not None and self.master.data_ptr() != self.shard.data_ptr():
-            self.master.copy_(self.shard)
+        self._set_shard(self.full[lo:hi])
+        if self.master is not None and (self.shard is None or self.master.data_ptr() != self.shard.data_ptr()):
+            self.master.copy_(self.full[lo:hi])
 
     @torch.no_grad()
     def shard_from_master(self) -> None:
-        if self.master.data_ptr() != self.shard.data_ptr():
-            self.shard.copy_(self.master)
+        if self.shard is None or self.master.data_ptr() != self.shard.data_ptr():
+            self._set_shard(self.master)
+
+    def _set_shard(self, values: torch.Tensor) -> None:
+        if self.swap is not None:
+            self.swap.write_shard(self, values)
+        else:
+            self.shard.copy_(values)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.bucket.chunk
+
+
+def _placed(values: torch.Tensor, device: torch.device, dtype: torch.dtype, pin) -> torch.Tensor:
+    """A new tensor holding `values` on `device` (pinned host memory through `pin`, an OffloadPlan)."""
+    out = values.detach().to(device=device, dtype=dtype, copy=True)
+    return pin.pinned(out) if pin is not None and out.device.type == "cpu" else out
 
 
 def start_gathers(fps: list[FlatParam]) -> None:
@@ -133,9 +158,11 @@ def start_gathers(fps: list[FlatParam]) -> None:
     todo = [fp for fp in fps if fp.state is State.SHARDED]
     if not todo:
         return
-    batch = GatherBatch(todo)
-    for fp in todo:
-        fp.batch = batch
-        fp.state = State.GATHERING
-        fp.residency.live += fp.padded
-        fp.residency.gathering += fp.padded
+    swap = todo[0].swap
+    for part in (swap.split(todo) if swap is not None else [todo]):
+        batch = GatherBatch(part)
+        for fp in part:
+            fp.batch = batch
+            fp.state = State.GATHERING
+            fp.residency.live += fp.padded
+            fp.residency.gathering += fp.padded

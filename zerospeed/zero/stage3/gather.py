@@ -29,13 +29,22 @@ class GatherBatch:
     def __init__(self, fps: list) -> None:
         self.fps = fps
         first = fps[0]
-        device, group = first.shard.device, first.dp_group
+        device, group = first.device, first.dp_group
         world = first.bucket.world_size
-        if len(fps) == 1:
-            first.full = torch.empty(first.bucket.padded, dtype=first.dtype, device=device)
-            send, self.recv = first.shard, first.full
+        self.swap_buffer = None
+        if first.swap is not None:  # NVMe: the shards are read into one pooled host buffer
+            send = self.swap_buffer = first.swap.read_shards(fps, self)
+        elif len(fps) == 1:
+            send = first.shard
         else:
             send = torch.cat([fp.shard for fp in fps])
+        if send.device != device:  # offloaded shards travel to the device for the collective
+            send = send.to(device)
+            self._release_swap_buffer()
+        if len(fps) == 1:
+            first.full = torch.empty(first.bucket.padded, dtype=first.dtype, device=device)
+            self.recv = first.full
+        else:
             self.recv = torch.empty(world * send.numel(), dtype=first.dtype, device=device)
         self.handle = comm.all_gather_into_tensor(self.recv, send, group=group, async_op=True)
         self.tags = torch.empty(world, dtype=torch.float64, device=device)
@@ -50,6 +59,7 @@ class GatherBatch:
         self.handle.wait()
         self.tag_handle.wait()
         self.done = True
+        self._release_swap_buffer()
         codes = self.tags.tolist()
         if any(c != codes[0] for c in codes):
             raise RuntimeError(
@@ -65,3 +75,8 @@ class GatherBatch:
                 fp.full = rows[:, offset:offset + chunk].reshape(-1).clone()
                 offset += chunk
         self.recv = None
+
+    def _release_swap_buffer(self) -> None:
+        if self.swap_buffer is not None:
+            self.fps[0].swap.release(self.swap_buffer, self)
+            self.swap_buffer = None

@@ -26,8 +26,8 @@ import torch
 from zerospeed import comm
 from zerospeed.runtime.grad_math import reduction_factors
 from zerospeed.zero.partition import group_sub_groups
-from zerospeed.zero.optimizer_step import step_in_sub_groups
-from zerospeed.zero.sharded import optimizer_state_bytes, sharded_global_norm
+from zerospeed.offload.plan import HOST, make_stepper
+from zerospeed.zero.sharded import MAX_IN_FLIGHT_BUCKETS, optimizer_state_bytes, sharded_global_norm, state_placement
 from zerospeed.zero.shards import Piece, ShardEntry
 from zerospeed.zero.stage3 import registry
 from zerospeed.zero.stage3.flat_param import FlatParam, Residency, State, start_gathers
@@ -53,7 +53,7 @@ class Stage3Strategy:
                  prefetch_bucket_size: int, max_live_parameters: int, param_persistence_threshold: int,
                  max_reuse_distance: int = 1_000_000_000,
                  model_persistence_threshold: int, comm_dtype: torch.dtype | None = None, op: str = "avg",
-                 prescale: bool = False, predivide_factor: float = 1.0, dp_group=None):
+                 prescale: bool = False, predivide_factor: float = 1.0, dp_group=None, plan=None):
         self.module = module
         self.group = dp_group
         self.world_size = comm.get_world_size(dp_group)
@@ -70,6 +70,8 @@ class Stage3Strategy:
         self.pre, self.post = reduction_factors(self.world_size, op, prescale, predivide_factor)
         self.hparams = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+        self.plan = plan
+        master_device = _master_devices(plan, groups, device)
         self.flat: list[FlatParam] = []
         self.residency = Residency()
         self.uses: dict[int, list[FlatParam]] = {}  # id(module) -> flat params its forward needs
@@ -83,7 +85,10 @@ class Stage3Strategy:
             for gi, ps in by_group.items():
                 fp = FlatParam(len(self.flat), ps, [_full_value(p) for p in ps], group_index=gi,
                                world_size=self.world_size, rank=self.rank, dtype=param_dtype, device=device,
-                               dp_group=dp_group, residency=self.residency)
+                               dp_group=dp_group, residency=self.residency,
+                               shard_device=plan.shard_device if plan is not None else device,
+                               master_device=master_device(ps), pin=plan,
+                               alias_master=plan is None or plan.param != "nvme")
                 self.flat.append(fp)
                 unit.append(fp)
                 for p in ps:
@@ -105,6 +110,8 @@ class Stage3Strategy:
         self._launch_order = list(reversed(self.flat))
         self._next = 0
         self.sub_groups = group_sub_groups([fp.bucket.chunk for fp in self.flat], sub_group_size)
+        self.stepper = make_stepper(plan, [fp.master for fp in self.flat], self.sub_groups, self.rank)
+        self.param_swapper = _param_swapper(plan, self.flat, self.rank, param_dtype)
         self._recorded: list[int] = []
         self._recording: list[int] = []
         self._prefetching = False
@@ -243,7 +250,7 @@ class Stage3Strategy:
         if not fps:
             return
         dtype = self.comm_dtype or torch.float32
-        device = fps[0].shard.device
+        device = fps[0].device
         for fp in fps:
             g = self._grads[fp.index]
             if g.staging is None:  # no gradient reached it here (unused); it still takes part
@@ -262,18 +269,25 @@ class Stage3Strategy:
         self._inflight.append((fps, out, handle))
         if not self.overlap_comm:
             self._complete_all()
+        elif len(self._inflight) > MAX_IN_FLIGHT_BUCKETS:  # Note [bounded in-flight buckets]
+            self._complete_oldest()
 
     @torch.no_grad()
     def _complete_all(self) -> None:
-        for fps, out, handle in self._inflight:
+        while self._inflight:
+            self._complete_oldest()
+
+    @torch.no_grad()
+    def _complete_oldest(self) -> None:
+        for fps, out, handle in [self._inflight.pop(0)]:
             handle.wait()
             if self.post != 1.0:
                 out.mul_(self.post)
             offset = 0
             for fp in fps:
-                fp.grad_shard.add_(out[offset:offset + fp.bucket.chunk])
+                part = out[offset:offset + fp.bucket.chunk]
+                fp.grad_shard.add_(part if part.device == fp.grad_shard.device else part.to(fp.grad_shard.device))
                 offset += fp.bucket.chunk
-        self._inflight = []
 
     def end_micro_step(self) -> None:
         self.finish_reduction()
@@ -308,13 +322,37 @@ class Stage3Strategy:
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
-        step_in_sub_groups(optimizer, [(fp.master, fp.grad_shard) for fp in self.flat], coef, self.sub_groups)
+        self.stepper.step(optimizer, [(fp.master, fp.grad_shard) for fp in self.flat], coef, self.sub_groups,
+                          on_stepped=self._publish)
         for fp in self.flat:
-            fp.shard_from_master()
             if fp.state is not State.SHARDED:  # any resident copy is stale now
                 fp.release()
                 if fp.persistent:
                     fp.wait()  # refresh the always-resident copy
+
+    def _publish(self, indices: list[int]) -> None:
+        """Updated masters into the parameter shards while they are resident (NVMe: written back)."""
+        for i in indices:
+            self.flat[i].shard_from_master()
+
+    def resident(self, optimizer):
+        """Context in which every master and optimizer state is in memory (checkpoint save/load)."""
+        return self.stepper.resident(optimizer)
+
+    def placement(self) -> dict[str, str]:
+        """Where each kind of model state lives: read off the tensors, the stepper and the swapper."""
+        out = state_placement(self.plan, params=[fp.shard for fp in self.flat if fp.shard is not None],
+                              grads=[fp.grad_shard for fp in self.flat], stepper=self.stepper)
+        if self.param_swapper is not None:
+            out["parameters"] = f"nvme:{self.plan.param_nvme}"
+        masters = sorted({str(fp.master.device) for fp in self.flat}) if self.stepper.kind != "nvme" else []
+        if len(masters) > 1:  # a partial offload (ratio < 1)
+            out["master_weights"] = out["optimizer_states"] = ",".join(masters)
+        return out
+
+    def swap_files(self) -> list:
+        """(kind, path, bytes) of every NVMe swap file this rank owns."""
+        return self.stepper.files() + (self.param_swapper.files() if self.param_swapper is not None else [])
 
     def zero_grads(self) -> None:
         for fp in self.flat:
@@ -361,8 +399,10 @@ class Stage3Strategy:
         return out if self.rank == 0 else {}
 
     def memory_breakdown(self, optimizer) -> dict[str, int]:
-        params = sum(fp.shard.nbytes + (fp.full.nbytes if fp.full is not None else 0) for fp in self.flat)
-        masters = sum(fp.master.nbytes for fp in self.flat if fp.master.data_ptr() != fp.shard.data_ptr())
+        params = sum((fp.shard.nbytes if fp.shard is not None else 0) + (fp.full.nbytes if fp.full is not None else 0)
+                     for fp in self.flat)
+        masters = sum(fp.master.nbytes for fp in self.flat
+                      if fp.shard is None or fp.master.data_ptr() != fp.shard.data_ptr())
         return {"parameters": params, "gradients": sum(fp.grad_shard.nbytes for fp in self.flat),
                 "master_weights": masters, "optimizer_states": optimizer_state_bytes(optimizer)}
 
@@ -370,6 +410,12 @@ class Stage3Strategy:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+    def close(self) -> None:
+        """Remove the swap files (also done at exit)."""
+        self.stepper.close()
+        if self.param_swapper is not None:
+            self.param_swapper.close()
 
 
 def _full_value(p: torch.nn.Parameter) -> torch.Tensor:
@@ -380,3 +426,33 @@ def _full_value(p: torch.nn.Parameter) -> torch.Tensor:
     owner.wait()
     i = next(i for i, q in enumerate(owner.params) if q is p)
     return owner.full[owner.bucket.segments[i].offset:][:owner.bucket.segments[i].numel].view(owner.shapes[i]).clone()
+
+
+def _master_devices(plan, groups: list[dict], device: torch.device):
+    """Where each unit's fp32 master goes: the host when offloaded; with `ratio` < 1 only the first
+    `ratio` of the parameters (in registration order) are offloaded, the rest stay on the device."""
+    if plan is None or plan.optimizer == "none":
+        return lambda params: device
+    if plan.ratio >= 1.0:
+        return lambda params: HOST
+    order = [p for g in groups for p in g["params"]]
+    budget = plan.ratio * sum(p.numel() for p in order)
+    offloaded, seen = set(), 0
+    for p in order:
+        seen += p.numel()
+        if seen <= budget:
+            offloaded.add(id(p))
+    return lambda params: HOST if id(params[0]) in offloaded else device
+
+
+def _param_swapper(plan, fps: list, rank: int, dtype: torch.dtype):
+    if plan is None or plan.param != "nvme":
+        return None
+    from zerospeed.offload.aio import AsyncIO
+    from zerospeed.offload.param_swap import NvmeParamSwapper
+    from zerospeed.offload.swap import check_nvme_path
+    nbytes = sum(fp.shard_numel for fp in fps) * torch.tensor([], dtype=dtype).element_size()
+    directory = check_nvme_path(str(plan.param_nvme), nbytes, key="zero_optimization.offload_param.nvme_path")
+    aio = AsyncIO.from_config(plan.aio) if plan.aio is not None else AsyncIO()
+    return NvmeParamSwapper(fps, directory=directory, rank=rank, aio=aio, buffer_count=plan.param_buffer_count,
+                            buffer_size=plan.param_buffer_size, dtype=dtype, pin=plan.pin)

@@ -1,0 +1,148 @@
+"""The largest GPT one GPU trains with ZeRO-3 + offload, its TFLOPs, and the same without offload.
+
+    python benchmarks/gpu/offload_largest.py --nvme-path /tmp/zs_nvme   # one command, < 10 minutes
+
+For each mode — no offload, optimizer + parameters offloaded to CPU, optimizer + parameters offloaded
+to NVMe — it walks up a ladder of GPT sizes (bf16, ZeRO stage 3, 1 process) and trains each for a
+few steps; the largest size whose steps complete is that mode's answer. A size is skipped, not
+tried, when the host memory or the disk it needs (from the ZeRO formulas) exceeds what is free,
+and a mode stops at its first out-of-memory. TFLOPs are model FLOPs: 6 x parameters x tokens plus
+attention 12 x layers x seq^2 x width per token (forward + backward, no recompute), over the
+median step time. Writes a markdown table to stdout (and --out).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+# (layers, width, heads): ~0.35B, 0.76B, 1.3B, 2.7B, 6.7B, 13B parameters (GPT-3 table shapes)
+LADDER = [(24, 1024, 16), (24, 1536, 16), (24, 2048, 16), (32, 2560, 32), (32, 4096, 32), (40, 5120, 40)]
+VOCAB, SEQ = 50304, 1024
+
+
+def n_params(layers: int, width: int) -> int:
+    return 12 * layers * width * width + VOCAB * width + SEQ * width
+
+
+def needs(mode: str, n: int) -> tuple[int, int]:
+    """(host bytes, disk bytes) the mode needs for n parameters (bf16 params, fp32 grads/masters, Adam)."""
+    if mode == "none":
+        return 0, 0
+    if mode == "cpu":
+        return 18 * n, 0  # bf16 shard 2 + fp32 grad 4 + master 4 + Adam 8
+    return 4 * n, 14 * n  # host: fp32 grads; disk: bf16 shard 2 + master 4 + Adam 8
+
+
+def config(mode: str, micro: int, nvme: str) -> dict:
+    zero = {"stage": 3, "overlap_comm": True, "stage3_param_persistence_threshold": 0,
+            "reduce_bucket_size": 50_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+            "sub_group_size": 200_000_000}
+    if mode == "cpu":
+        zero |= {"offload_optimizer": {"device": "cpu", "pin_memory": True},
+                 "offload_param": {"device": "cpu", "pin_memory": True}}
+    elif mode == "nvme":
+        zero |= {"offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": True,
+                                       "pipeline_read": True, "pipeline_write": True},
+                 "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": True,
+                                   "buffer_count": 6, "buffer_size": 300_000_000}}
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "gradient_clipping": 1.0,
+            "zero_optimization": zero, "steps_per_print": 10**9}
+
+
+def try_size(mode: str, shape, args) -> dict:
+    import zerospeed
+    from zerospeed.testing.models import GPT, GPTConfig
+    layers, width, heads = shape
+    cfg = config(mode, args.micro_batch, args.nvme_path)
+    with zerospeed.zero.Init(config_dict_or_path=cfg, dtype=torch.bfloat16):
+        model = GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=layers, n_head=heads, n_embd=width,
+                              bias=False))
+    engine, *_ = zerospeed.initialize(model=model, config=cfg)
+    x = torch.randint(0, VOCAB, (args.micro_batch, SEQ), device=engine.device)
+    times = []
+    try:
+        for _ in range(args.steps + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = engine(x, x)
+            engine.backward(loss)
+            engine.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    finally:
+        engine.destroy()
+    step = statistics.median(times[1:])
+    n = n_params(layers, width)
+    tokens = args.micro_batch * SEQ
+    flops = (6 * n + 12 * layers * SEQ * width) * tokens
+    return {"params": n, "step_s": step, "tflops": flops / step / 1e12,
+            "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nvme-path", default="/tmp/zerospeed_nvme")
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--modes", default="none,cpu,nvme")
+    p.add_argument("--budget-s", type=float, default=540.0, help="stop starting new sizes after this")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/gpu/offload_largest.py needs a CUDA device")
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": os.environ.get("MASTER_PORT", "29533")})
+    Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    rows = []
+    for mode in args.modes.split(","):
+        best = None
+        for shape in LADDER:
+            n = n_params(shape[0], shape[1])
+            host, disk = needs(mode, n)
+            free_host = psutil.virtual_memory().available
+            free_disk = shutil.disk_usage(args.nvme_path).free
+            if host > 0.9 * free_host or disk > 0.9 * free_disk:
+                rows.append((mode, shape, n, f"skipped: needs {host / 2**30:.0f} GiB host / {disk / 2**30:.0f} GiB "
+                             f"disk, {free_host / 2**30:.0f} / {free_disk / 2**30:.0f} free"))
+                break
+            if time.monotonic() - start > args.budget_s:
+                rows.append((mode, shape, n, "not tried: time budget spent"))
+                break
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                r = try_size(mode, shape, args)
+            except torch.OutOfMemoryError:
+                rows.append((mode, shape, n, "CUDA out of memory"))
+                break
+            finally:
+                gc.collect()
+                torch.cuda.empty_cache()
+            best = r
+            rows.append((mode, shape, n, f"ok: {r['step_s'] * 1e3:.0f} ms/step, {r['tflops']:.1f} TFLOPs, "
+                         f"GPU peak {r['gpu_peak_gib']:.1f} GiB"))
+        rows.append((mode, None, best["params"] if best else 0, "largest that trained"))
+    lines = [f"GPU: {torch.cuda.get_device_name()}, host RAM {psutil.virtual_memory().total / 2**30:.0f} GiB, "
+             f"micro batch {args.micro_batch} x seq {SEQ}, bf16, ZeRO-3, 1 GPU", "",
+             "| mode | layers x width | parameters | result |", "|---|---|---:|---|"]
+    for mode, shape, n, what in rows:
+        lines.append(f"| {mode} | {'' if shape is None else f'{shape[0]} x {shape[1]}'} | {n / 1e9:.2f}B | {what} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""ZeRO-Infinity parameter offload: stage-3 parameter shards live in an NVMe swap file.
+
+A shard comes into memory only to be all-gathered: the shards of one gather batch are read, each
+as one aligned request, into one buffer of a fixed pool (`offload_param.buffer_count` buffers of
+`offload_param.buffer_size` elements), and the buffer returns to the pool as soon as the collective
+completes (or, on an accelerator, as soon as the shards were copied to the device). After the
+optimizer step each updated shard is written back through a pool buffer. Memory for parameter
+shards is therefore `buffer_count x buffer_size` elements, whatever the model size.
+
+When every buffer is held by a gather still in flight, the oldest of those gathers is completed
+first: every rank issues the same gathers in the same order, so this never deadlocks.
+"""
+from __future__ import annotations
+
+import torch
+
+from zerospeed.config.errors import ConfigError
+from zerospeed.offload.swap import BufferPool, SwapFile
+
+
+class NvmeParamSwapper:
+    kind = "nvme"
+
+    def __init__(self, fps: list, *, directory, rank: int, aio, buffer_count: int, buffer_size: int,
+                 dtype: torch.dtype, pin: bool = False):
+        if buffer_count < 1:
+            raise ConfigError("zero_optimization.offload_param.buffer_count=0: parameter offload to NVMe needs at "
+                              "least one buffer; set it to 1 or more (default 5)")
+        largest = max((fp.shard_numel for fp in fps), default=0)
+        if largest > buffer_size:
+            worst = max(fps, key=lambda fp: fp.shard_numel)
+            raise ConfigError(
+                f"zero_optimization.offload_param.buffer_size={buffer_size} is smaller than the largest parameter "
+                f"shard ({largest} elements: flat parameter {worst.index}, shapes "
+                f"{[tuple(s) for s in worst.shapes][:3]}); set buffer_size to at least {largest}")
+        self.buffer_size = buffer_size
+        self._dtype = dtype
+        self.file = SwapFile(directory, f"rank{rank}_params", aio)
+        for fp in fps:
+            self.file.reserve(fp.index, fp.shard_numel, dtype)
+        self.file.allocate()
+        requests = [self.file.write(fp.index, fp.shard.reshape(-1)) for fp in fps]
+        for r in requests:
+            r.wait()
+        for fp in fps:
+            fp.shard = None
+            fp.swap = self
+        self.pool = BufferPool(buffer_count, buffer_size, dtype, pin=pin)
+        self.free = buffer_count
+        self.holders: list = []  # gather batches holding a buffer, oldest first
+
+    def split(self, fps: list) -> list[list]:
+        """Consecutive runs of `fps` whose shards fit one pool buffer: one gather batch each."""
+        parts, cur, total = [], [], 0
+        for fp in fps:
+            if cur and total + fp.shard_numel > self.buffer_size:
+                parts.append(cur)
+                cur, total = [], 0
+            cur.append(fp)
+            total += fp.shard_numel
+        return parts + ([cur] if cur else [])
+
+    def _acquire(self, numel: int) -> torch.Tensor:
+        while self.free == 0:
+            self.holders[0].wait()  # completes the oldest gather, which returns its buffer
+        self.free -= 1
+        return self.pool.acquire(numel)
+
+    def read_shards(self, fps: list, holder) -> torch.Tensor:
+        """The shards of `fps`, concatenated in one pool buffer held by `holder` until `release`."""
+        buf = self._acquire(sum(fp.shard_numel for fp in fps))
+        self.holders.append(holder)
+        requests, off = [], 0
+        for fp in fps:
+            requests.append(self.file.read(fp.index, buf[off:off + fp.shard_numel]))
+            off += fp.shard_numel
+        for r in requests:
+            r.wait()
+        return buf
+
+    def release(self, buf: torch.Tensor, holder) -> None:
+        self.pool.release(buf)
+        self.free += 1
+        self.holders.remove(holder)
+
+    @torch.no_grad()
+    def write_shard(self, fp, values: torch.Tensor) -> None:
+        """Write `values` (any device/dtype) as `fp`'s shard."""
+        buf = self._acquire(fp.shard_numel)
+        try:
+            buf.copy_(values.reshape(-1))
+            self.file.write(fp.index, buf).wait()
+        finally:
+            self.pool.release(buf)
+            self.free += 1
+
+    @torch.no_grad()
+    def read_shard(self, fp) -> torch.Tensor:
+        """A fresh in-memory copy of `fp`'s shard (introspection and tests)."""
+        out = torch.empty(fp.shard_numel, dtype=self.pool_dtype)
+        self.file.read(fp.index, out).wait()
+        return out
+
+    @property
+    def pool_dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def files(self) -> list:
+        return [("parameters", self.file.path, self.file.nbytes)]
+
+    def buffer_bytes(self) -> int:
+        return self.pool.nbytes
+
+    def close(self) -> None:
+        self.file.close()

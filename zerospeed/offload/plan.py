@@ -1,0 +1,121 @@
+"""Where each kind of ZeRO model state lives: the offload plan, resolved once from the config.
+
+ZeRO-Offload moves the fp32 master weights, the optimizer states and the fp32 gradient shard to
+host memory, and runs the optimizer step there; ZeRO-Infinity moves masters and optimizer states
+(`offload_optimizer.device: nvme`) and/or the parameter shards (`offload_param.device: nvme`) to
+swap files. The strategies ask this plan where to allocate, never the config.
+
+Note [offload on a CPU-only machine]: the "device" and the "host" are then the same memory, so CPU
+offload changes no tensor's device; what it changes is the step (the fused CPU optimizer over flat
+sub-group buffers) and, for 16-bit/fp32 aliasing, nothing else. NVMe offload is real everywhere:
+the bytes leave memory for the swap files (tests check the files and the tensor census).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zerospeed.accelerator import get_accelerator
+from zerospeed.config.errors import ConfigError
+
+HOST = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    device: torch.device  # where compute happens
+    optimizer: str = "none"  # none | cpu | nvme: masters, optimizer states (and fp32 grad shards)
+    param: str = "none"  # none | cpu | nvme: stage-3 parameter shards
+    pin: bool = False
+    ratio: float = 1.0  # stage 3: fraction of the optimizer (by elements) that is offloaded
+    optimizer_nvme: Path | None = None
+    param_nvme: Path | None = None
+    optimizer_buffer_count: int = 4
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    param_buffer_count: int = 5
+    param_buffer_size: int = 100_000_000
+    aio: object | None = None  # the parsed `aio` section
+
+    @classmethod
+    def from_config(cls, cfg, device: torch.device) -> "OffloadPlan":
+        zero = cfg.zero_optimization
+        opt, par = zero.offload_optimizer, zero.offload_param
+        opt_dev = opt.device if opt is not None else "none"
+        par_dev = par.device if par is not None else "none"
+        if opt_dev != "none" and zero.stage == 0:
+            raise ConfigError("zero_optimization.offload_optimizer.device="
+                              f"{opt_dev!r} needs ZeRO stage 1, 2 or 3 (the offloaded optimizer steps this "
+                              "rank's shard); set zero_optimization.stage to 1-3 or the device to \"none\"")
+        if par_dev != "none" and zero.stage != 3:
+            raise ConfigError(f"zero_optimization.offload_param.device={par_dev!r} needs ZeRO stage 3 "
+                              f"(this config has stage {zero.stage}); set zero_optimization.stage to 3 or "
+                              "remove offload_param")
+        ratio = opt.ratio if opt is not None else 1.0
+        if ratio < 1.0 and (zero.stage != 3 or opt_dev != "cpu"):
+            raise ConfigError(f"zero_optimization.offload_optimizer.ratio={ratio}: a partial offload works with "
+                              "ZeRO stage 3 and device \"cpu\" only; set ratio to 1.0")
+        pin = bool((opt is not None and opt_dev != "none" and opt.pin_memory)
+                   or (par is not None and par_dev != "none" and par.pin_memory))
+        return cls(device=device, optimizer=opt_dev, param=par_dev, pin=pin, ratio=ratio,
+                   optimizer_nvme=_nvme_dir(opt, "zero_optimization.offload_optimizer") if opt_dev == "nvme" else None,
+                   param_nvme=_nvme_dir(par, "zero_optimization.offload_param") if par_dev == "nvme" else None,
+                   optimizer_buffer_count=opt.buffer_count if opt is not None else 4,
+                   pipeline_read=bool(opt is not None and opt.pipeline_read),
+                   pipeline_write=bool(opt is not None and opt.pipeline_write),
+                   param_buffer_count=par.buffer_count if par is not None else 5,
+                   param_buffer_size=par.buffer_size if par is not None else 100_000_000,
+                   aio=cfg.aio)
+
+    # -- where things go ---------------------------------------------------------------------------
+    @property
+    def master_device(self) -> torch.device:
+        """Masters and optimizer states: the host when offloaded (NVMe swaps through host buffers)."""
+        return HOST if self.optimizer != "none" else self.device
+
+    @property
+    def shard_device(self) -> torch.device:
+        return HOST if self.param != "none" else self.device
+
+    def host_copy(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A new host tensor holding `t` (pinned where that speeds up device copies)."""
+        out = t.detach().to(HOST, dtype=dtype or t.dtype, copy=True)
+        return self.pinned(out)
+
+    def host_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.pinned(torch.zeros(numel, dtype=dtype))
+
+    def pinned(self, t: torch.Tensor) -> torch.Tensor:
+        return get_accelerator().pin_memory(t) if self.pin else t
+
+    def describe(self) -> dict[str, str]:
+        """Human-readable placement of each kind of state (the engine's placement map builds on it)."""
+        opt = f"nvme:{self.optimizer_nvme}" if self.optimizer == "nvme" else str(self.master_device)
+        par = f"nvme:{self.param_nvme}" if self.param == "nvme" else str(self.shard_device)
+        return {"master_weights": opt, "optimizer_states": opt,
+                "gradients": str(self.master_device), "parameter_shards": par}
+
+
+def _nvme_dir(section, key: str) -> Path:
+    """The nvme_path, checked to exist and be writable now (space is checked once sizes are known)."""
+    from zerospeed.offload.swap import check_nvme_path
+    return check_nvme_path(section.nvme_path, 0, key=f"{key}.nvme_path")
+
+
+def make_stepper(plan: OffloadPlan | None, masters: list[torch.nn.Parameter], sub_groups: list[list[int]],
+                 rank: int):
+    """The optimizer stepper for this plan: in memory, or through NVMe swap files."""
+    from zerospeed.zero.optimizer_step import InMemoryStepper
+    if plan is None or plan.optimizer != "nvme":
+        return InMemoryStepper()
+    from zerospeed.offload.aio import AsyncIO
+    from zerospeed.offload.optimizer_swap import NvmeOptimizerSwapper
+    from zerospeed.offload.swap import check_nvme_path
+    numel = sum(m.numel() for m in masters)
+    # fp32 masters + two Adam moments: the usual worst case of an elementwise optimizer
+    check_nvme_path(str(plan.optimizer_nvme), 12 * numel, key="zero_optimization.offload_optimizer.nvme_path")
+    aio = AsyncIO.from_config(plan.aio) if plan.aio is not None else AsyncIO()
+    return NvmeOptimizerSwapper(masters, sub_groups, directory=plan.optimizer_nvme, rank=rank, aio=aio,
+                                pipeline_read=plan.pipeline_read, pipeline_write=plan.pipeline_write, pin=plan.pin)
