@@ -53,6 +53,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234, help="model-initialisation seed")
     parser.add_argument("--corpus-bytes", type=int, default=4_000_000, help="bytes of stdlib source")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/demo"))
+    # What the transformers Trainer would fill into a config's "auto" values (explicit values win):
+    parser.add_argument("--micro-batch", type=int, default=8, help='for train_micro_batch_size_per_gpu: "auto"')
+    parser.add_argument("--grad-accum", type=int, default=1, help='for gradient_accumulation_steps: "auto"')
+    parser.add_argument("--lr", type=float, default=1e-3,
+                        help='for "auto" learning rates, and the AdamW used when the config has no optimizer')
     zerospeed.add_config_arguments(parser)
     return parser.parse_args()
 
@@ -70,6 +75,32 @@ def resolve_steps(args: argparse.Namespace) -> int:
         logger.warning("--steps %d differs from the scheduler's total_num_steps %d: the learning "
                        "rate schedule will not end with the run", args.steps, total)
     return args.steps
+
+
+def resolve_config(args: argparse.Namespace, steps: int, hidden_size: int) -> dict:
+    """The --deepspeed config with its "auto" values filled as the transformers Trainer would, from
+    this script's flags — so configs written for the Trainer (tutorial ones) train unchanged."""
+    from zerospeed.config import load_raw
+    from zerospeed.config.auto import auto_values_from_hidden_size, resolve_auto
+    raw = load_raw(args.deepspeed_config or args.deepspeed)
+    known = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": args.grad_accum,
+             "gradient_clipping": 1.0, "fp16.enabled": False, "bf16.enabled": False,
+             "optimizer.params.lr": args.lr, "optimizer.params.weight_decay": 0.0,
+             "scheduler.params.warmup_min_lr": 0.0, "scheduler.params.warmup_max_lr": args.lr,
+             "scheduler.params.warmup_num_steps": max(1, steps // 10), "scheduler.params.total_num_steps": steps,
+             **auto_values_from_hidden_size(hidden_size)}
+    return resolve_auto(raw, {k: v for k, v in known.items() if _is_auto(raw, k)})
+
+
+def _is_auto(raw: dict, dotted: str) -> bool:
+    node = raw
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            # a fragment without any batch key (the Trainer supplies them all): fill micro batch and accumulation
+            batch_keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+            return dotted in batch_keys[1:] and not any(k in raw for k in batch_keys)
+        node = node[part]
+    return node == "auto"
 
 
 def build_model(args: argparse.Namespace) -> GPT:
@@ -179,8 +210,10 @@ def main() -> None:
     steps = resolve_steps(args)
     model = build_model(args)
     dataset = ByteSequenceDataset(stdlib_corpus(args.corpus_bytes), args.seq_len)
+    config = resolve_config(args, steps, MODEL_SIZES[args.model_size]["n_embd"])
     engine, _optimizer, loader, _scheduler = zerospeed.initialize(
-        args=args, model=model, model_parameters=model.parameters(), training_data=dataset)
+        model=model, model_parameters=model.parameters(), training_data=dataset, config=config,
+        optimizer=None if "optimizer" in config else torch.optim.AdamW(model.parameters(), lr=args.lr))
     losses, wall = train(engine, loader, steps, args.seq_len)
     engine.destroy()
     report(engine, args, sum(zerospeed.zero.full_numel(p) for p in model.parameters()), steps, losses, wall)
