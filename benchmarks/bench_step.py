@@ -91,6 +91,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--nvme-path", type=Path, default=None,
                    help="directory for the *_nvme variants' swap files (default: the run's scratch directory)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per variant")
+    p.add_argument("--plot", type=Path, default=None, help="also write a bar chart of the step times (PNG)")
     p.add_argument("--out", type=Path, default=None, help="append the table and machine description here")
     args = p.parse_args()
     try:
@@ -342,6 +343,12 @@ def main() -> None:
     comm_text += ("\n" + traffic) if traffic else ""
     text = header + table(results, notes) + "\n" + ("\n" + comm_text if comm_text else "")
     print(text)
+    if args.plot and results:
+        from zerospeed.utils.plot import save_bar_chart
+        names = list(results)
+        save_bar_chart(args.plot, names, [results[v]["median_step_s"] * 1e3 for v in names],
+                       title=f"median step time, {args.model_size} GPT, {args.nproc} ranks", unit=" ms", width=720)
+        print(f"plot: {args.plot}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "a") as f:

@@ -168,3 +168,24 @@ def test_canvas_clips_outside_pixels():
     c.line(-5, 1, 10, 1, (9, 9, 9))
     assert [c.get(x, 1) for x in range(3)] == [(9, 9, 9)] * 3
     assert c.get(0, 0) == WHITE
+
+
+def test_bar_chart_lengths_are_proportional_to_the_values():
+    from zerospeed.utils.plot import BAR_GAP, BAR_ROW, CURVE_COLOR, TOP, render_bar_chart
+    canvas = render_bar_chart(["a", "bb"], [50.0, 100.0], title="t", unit=" ms")
+    lengths = []
+    for i in range(2):
+        y = TOP + i * (BAR_ROW + BAR_GAP) + BAR_ROW // 2
+        lengths.append(sum(1 for x in range(canvas.width) if canvas.get(x, y) == CURVE_COLOR))
+    assert lengths[1] > 100 and abs(lengths[0] * 2 - lengths[1]) <= 2
+
+
+def test_bar_chart_rejects_bad_input(tmp_path):
+    import pytest
+    from zerospeed.utils.plot import save_bar_chart
+    with pytest.raises(ValueError, match="one value per label"):
+        save_bar_chart(tmp_path / "x.png", ["a"], [1.0, 2.0])
+    with pytest.raises(ValueError, match=">= 0"):
+        save_bar_chart(tmp_path / "x.png", ["a"], [-1.0])
+    save_bar_chart(tmp_path / "ok.png", ["a", "b"], [1.0, 0.0])
+    assert (tmp_path / "ok.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

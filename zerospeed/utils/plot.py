@@ -20,7 +20,7 @@ import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["save_line_plot", "encode_png", "Canvas", "LEFT", "RIGHT", "TOP", "BOTTOM", "CURVE_COLOR"]
+__all__ = ["save_line_plot", "save_bar_chart", "render_bar_chart", "encode_png", "Canvas", "LEFT", "RIGHT", "TOP", "BOTTOM", "CURVE_COLOR"]
 
 Color = tuple[int, int, int]
 
@@ -181,6 +181,60 @@ def _draw_labels(canvas: Canvas, area: tuple[int, int, int, int],
         canvas.text((canvas.width - text_width(title)) // 2, (TOP - glyph_h) // 2, title)
 
 
+BAR_ROW, BAR_GAP = 22, 8  # pixels per bar row, and between rows
+
+
+def render_bar_chart(labels: Sequence[str], values: Sequence[float], *, title: str = "", unit: str = "",
+                     width: int = 640) -> Canvas:
+    """Horizontal bars, one row per label, lengths proportional to the (non-negative) values; each
+    bar is followed by its value. The label column is as wide as the longest label."""
+    if len(labels) != len(values) or not labels:
+        raise ValueError(f"need one value per label and at least one bar, got {len(labels)} labels and "
+                         f"{len(values)} values")
+    if any(not math.isfinite(v) or v < 0 for v in values):
+        raise ValueError(f"bar values must be finite and >= 0: {list(values)}")
+    x0 = 8 + max(text_width(label) for label in labels) + 8
+    texts = [f"{_fmt(v)}{unit}" for v in values]
+    x1 = width - 8 - max(text_width(t) for t in texts) - 8
+    if x1 - x0 < 20:
+        raise ValueError(f"a {width}-pixel-wide chart leaves no room for the bars; make it wider")
+    height = TOP + len(labels) * (BAR_ROW + BAR_GAP) + 8
+    canvas = Canvas(width, height)
+    top = max(values) or 1.0
+    glyph_h = 5 * _FONT_SCALE
+    for i, (label, v, t) in enumerate(zip(labels, values, texts)):
+        y = TOP + i * (BAR_ROW + BAR_GAP)
+        canvas.text(8, y + (BAR_ROW - glyph_h) // 2, label)
+        length = math.floor(v / top * (x1 - x0) + 0.5)
+        for row in range(y, y + BAR_ROW):
+            if length > 0:
+                canvas.line(x0, row, x0 + length - 1, row, CURVE_COLOR)
+        canvas.text(x0 + length + 6, y + (BAR_ROW - glyph_h) // 2, t)
+    canvas.line(x0 - 1, TOP - 2, x0 - 1, height - 6, AXIS_COLOR)
+    if title:
+        canvas.text((width - text_width(title)) // 2, (TOP - glyph_h) // 2, title)
+    return canvas
+
+
+def save_bar_chart(path: str | os.PathLike, labels: Sequence[str], values: Sequence[float], *, title: str = "",
+                   unit: str = "", width: int = 640) -> None:
+    """Write a horizontal bar chart PNG at ``path`` (atomically, like `save_line_plot`)."""
+    canvas = render_bar_chart(labels, values, title=title, unit=unit, width=width)
+    _write_atomic(Path(path), encode_png(canvas.width, canvas.height, canvas.pixels))
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 def save_line_plot(path: str | os.PathLike, ys: Sequence[float], *, xs: Sequence[float] | None = None,
                    title: str = "", width: int = 640, height: int = 400) -> None:
     """Write ``ys`` (against ``xs``, default 0..n-1) as a PNG line plot at ``path``.
@@ -189,13 +243,4 @@ def save_line_plot(path: str | os.PathLike, ys: Sequence[float], *, xs: Sequence
     never sees a half-written image. Parent directories are created as needed.
     """
     png = encode_png(width, height, render_line_plot(ys, xs, title=title, width=width, height=height).pixels)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(png)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    _write_atomic(Path(path), png)
