@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import torch
 
-from zerospeed.offload.aio import AsyncIO
+from zerospeed.offload.aio import DIRECT_ALIGN, AsyncIO
 from zerospeed.offload.swap import BufferPool, SwapFile
 from zerospeed.zero.optimizer_step import OnStepped, scale_grads, step_one
 
@@ -30,6 +30,11 @@ logger = logging.getLogger(__name__)
 
 MASTER = "fp32"
 _EMPTY = torch.empty(0, dtype=torch.float32)
+_ALIGN = DIRECT_ALIGN // 4  # fp32 elements per 4 KiB: entries sit at aligned offsets so reads go O_DIRECT
+
+
+def _padded(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
 
 
 class NvmeOptimizerSwapper:
@@ -47,7 +52,7 @@ class NvmeOptimizerSwapper:
         self.pipeline_write = pipeline_write
         self.pin = pin
         self.sets = 1 + int(pipeline_read) + int(pipeline_write)
-        self.largest = max((sum(self.numels[i] for i in sub) for sub in sub_groups), default=0)
+        self.largest = max((sum(_padded(self.numels[i]) for i in sub) for sub in sub_groups), default=0)
         self.swaps: dict[str, SwapFile] = {}
         self.pools: dict[str, BufferPool] = {}
         self.state_keys: list[str] = []
@@ -72,7 +77,7 @@ class NvmeOptimizerSwapper:
 
     # -- one sub-group's resident window -----------------------------------------------------------
     def _read(self, sub: list[int], kinds: list[str]) -> tuple[dict, list]:
-        total = sum(self.numels[i] for i in sub)
+        total = sum(_padded(self.numels[i]) for i in sub)
         bufs, reqs = {}, []
         for kind in kinds:
             buf = self.pools[kind].acquire(total)
@@ -80,7 +85,7 @@ class NvmeOptimizerSwapper:
             off = 0
             for i in sub:
                 reqs.append(self.swaps[kind].read(i, buf[off:off + self.numels[i]]))
-                off += self.numels[i]
+                off += _padded(self.numels[i])
         return bufs, reqs
 
     def _attach(self, optimizer, sub: list[int], bufs: dict) -> None:
@@ -92,7 +97,7 @@ class NvmeOptimizerSwapper:
             for key in self.state_keys:
                 if state is not None and key in state:
                     state[key] = bufs[key][off:off + n]
-            off += n
+            off += _padded(n)
 
     def _detach(self, optimizer, sub: list[int]) -> None:
         for i in sub:

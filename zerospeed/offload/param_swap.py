@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from zerospeed.config.errors import ConfigError
+from zerospeed.offload.aio import DIRECT_ALIGN
 from zerospeed.offload.swap import BufferPool, SwapFile
 
 
@@ -27,6 +28,8 @@ class NvmeParamSwapper:
             raise ConfigError("zero_optimization.offload_param.buffer_count=0: parameter offload to NVMe needs at "
                               "least one buffer; set it to 1 or more (default 5)")
         largest = max((fp.shard_numel for fp in fps), default=0)
+        self._align = max(1, DIRECT_ALIGN // torch.tensor([], dtype=dtype).element_size())
+        largest = -(-largest // self._align) * self._align
         if largest > buffer_size:
             worst = max(fps, key=lambda fp: fp.shard_numel)
             raise ConfigError(
@@ -35,6 +38,7 @@ class NvmeParamSwapper:
                 f"{[tuple(s) for s in worst.shapes][:3]}); set buffer_size to at least {largest}")
         self.buffer_size = buffer_size
         self._dtype = dtype
+        self._align = max(1, DIRECT_ALIGN // torch.tensor([], dtype=dtype).element_size())
         self.file = SwapFile(directory, f"rank{rank}_params", aio)
         for fp in fps:
             self.file.reserve(fp.index, fp.shard_numel, dtype)
@@ -53,11 +57,11 @@ class NvmeParamSwapper:
         """Consecutive runs of `fps` whose shards fit one pool buffer: one gather batch each."""
         parts, cur, total = [], [], 0
         for fp in fps:
-            if cur and total + fp.shard_numel > self.buffer_size:
+            if cur and total + self._padded(fp.shard_numel) > self.buffer_size:
                 parts.append(cur)
                 cur, total = [], 0
             cur.append(fp)
-            total += fp.shard_numel
+            total += self._padded(fp.shard_numel)
         return parts + ([cur] if cur else [])
 
     def _acquire(self, numel: int) -> torch.Tensor:
@@ -66,17 +70,22 @@ class NvmeParamSwapper:
         self.free -= 1
         return self.pool.acquire(numel)
 
-    def read_shards(self, fps: list, holder) -> torch.Tensor:
-        """The shards of `fps`, concatenated in one pool buffer held by `holder` until `release`."""
-        buf = self._acquire(sum(fp.shard_numel for fp in fps))
+    def _padded(self, n: int) -> int:
+        return -(-n // self._align) * self._align
+
+    def read_shards(self, fps: list, holder) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The shards of `fps` read into one pool buffer (each at a 4 KiB-aligned offset, so the reads
+        go O_DIRECT), held by `holder` until `release`: (the buffer, one view per shard)."""
+        buf = self._acquire(sum(self._padded(fp.shard_numel) for fp in fps))
         self.holders.append(holder)
-        requests, off = [], 0
+        requests, views, off = [], [], 0
         for fp in fps:
-            requests.append(self.file.read(fp.index, buf[off:off + fp.shard_numel]))
-            off += fp.shard_numel
+            views.append(buf[off:off + fp.shard_numel])
+            requests.append(self.file.read(fp.index, views[-1]))
+            off += self._padded(fp.shard_numel)
         for r in requests:
             r.wait()
-        return buf
+        return buf, views
 
     def release(self, buf: torch.Tensor, holder) -> None:
         self.pool.release(buf)

@@ -115,7 +115,7 @@ def make_stepper(plan: OffloadPlan | None, masters: list[torch.nn.Parameter], su
     from zerospeed.offload.swap import check_nvme_path
     numel = sum(m.numel() for m in masters)
     # fp32 masters + two Adam moments: the usual worst case of an elementwise optimizer
-    check_nvme_path(str(plan.optimizer_nvme), 12 * numel, key="zero_optimization.offload_optimizer.nvme_path")
+    check_nvme_path(plan.optimizer_nvme, 12 * numel, key="zero_optimization.offload_optimizer.nvme_path")
     aio = AsyncIO.from_config(plan.aio) if plan.aio is not None else AsyncIO()
     return NvmeOptimizerSwapper(masters, sub_groups, directory=plan.optimizer_nvme, rank=rank, aio=aio,
                                 pipeline_read=plan.pipeline_read, pipeline_write=plan.pipeline_write, pin=plan.pin)
