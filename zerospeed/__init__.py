@@ -21,7 +21,7 @@ _EXPORTS = {
     "RepeatingLoader": "zerospeed.runtime.dataloader",
 }
 _SUBMODULES = {"comm", "config", "optim", "precision", "runtime", "testing", "launcher", "accelerator", "utils",
-               "zero", "checkpoint"}
+               "zero", "checkpoint", "checkpointing", "offload", "integrations"}
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -50,6 +50,22 @@ class CpuAccelerator:
     def pin_memory(self, t: torch.Tensor) -> torch.Tensor:
         return t  # pinning only helps host<->device copies, and there is no device here
 
+    def pinned_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    # random numbers: the host generator is the only one
+    def current_device(self) -> torch.device | None:
+        return None
+
+    def get_rng_state(self, device: torch.device) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state: torch.Tensor, device: torch.device) -> None:
+        torch.set_rng_state(state)
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         return dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -86,6 +102,22 @@ class CudaAccelerator:
 
     def pin_memory(self, t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory()
+
+    def pinned_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    # random numbers: each GPU has its own generator
+    def current_device(self) -> torch.device | None:
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def get_rng_state(self, device: torch.device) -> torch.Tensor:
+        return torch.cuda.get_rng_state(device)
+
+    def set_rng_state(self, state: torch.Tensor, device: torch.device) -> None:
+        torch.cuda.set_rng_state(state, device)
+
+    def manual_seed(self, seed: int) -> None:
+        torch.cuda.manual_seed(seed)
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         if dtype is torch.bfloat16:

@@ -53,13 +53,6 @@ TRIGGERS: dict[str, tuple[dict, str]] = {
     "aio.use_gds": ({"aio": {"use_gds": True}, "zero_optimization": {"offload_param": {"device": "nvme"}}},
                     "aio.use_gds=true: GPUDirect Storage"),
     "zero_optimization.zenflow": ({"zero_optimization": {"zenflow": {}}}, "zero_optimization.zenflow={...}: ZenFlow"),
-    "activation_checkpointing.partition_activations": (
-        {"activation_checkpointing": {"partition_activations": True}},
-        "activation_checkpointing.partition_activations=true: partitioned activation checkpointing"),
-    "activation_checkpointing.cpu_checkpointing": (
-        {"activation_checkpointing": {"cpu_checkpointing": True}}, "cpu_checkpointing=true: CPU activation"),
-    "activation_checkpointing.contiguous_memory_optimization": (
-        {"activation_checkpointing": {"contiguous_memory_optimization": True}}, "contiguous_memory_optimization=true"),
     "dump_state": ({"dump_state": True}, "dump_state=true"),
     "amp.enabled": ({"amp": {"enabled": True}}, "amp.enabled=true: apex AMP"),
     "torch_autocast.enabled": ({"torch_autocast": {"enabled": True}}, "torch_autocast.enabled=true"),

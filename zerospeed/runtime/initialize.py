@@ -85,6 +85,9 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     hidden = _hidden_size(model)
     known = auto_values_from_hidden_size(hidden) if hidden else {}
     cfg = parse_config(raw, world_size=dp_world, known=known)
+    if "activation_checkpointing" in cfg.model_fields_set:  # ZeRO-R: zerospeed.checkpointing follows the config
+        from zerospeed import checkpointing
+        checkpointing.configure(mpu_=mpu, deepspeed_config=cfg)
 
     allow_untested = cfg.zero_stage == 0 or cfg.zero_allow_untested_optimizer
 
