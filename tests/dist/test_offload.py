@@ -36,7 +36,7 @@ def _train(config, steps=STEPS):
     for batch in global_batches(world, steps):
         total = 0.0
         for x, y in split_global_batch(batch, world, GAS, rank):
-            loss = engine(x, y)
+            loss = engine(x.to(engine.device), y.to(engine.device))
             total += loss.item()
             engine.backward(loss)
             engine.step()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zerospeed import comm
+from zerospeed.accelerator import get_accelerator
 from zerospeed.runtime.grad_math import reduction_factors
 from zerospeed.zero.flat_group import FlatParamGroup
 from zerospeed.zero.partition import Bucket, group_sub_groups
@@ -315,6 +316,8 @@ def sharded_global_norm(chunks: list[torch.Tensor], group) -> float:
     local = torch.zeros((), dtype=torch.float64, device=device)
     for c in chunks:
         local += torch.linalg.vector_norm(c, dtype=torch.float64) ** 2
+    # offloaded gradient chunks live on the host; the collective runs on the communication device
+    local = local.to(get_accelerator().device(comm.get_local_rank()))
     comm.all_reduce(local, op="sum", group=group)
     return math.sqrt(float(local))
 

@@ -33,7 +33,10 @@ class GatherBatch:
         world = first.bucket.world_size
         self.swap_buffer = None
         if first.swap is not None:  # NVMe: the shards are read into one pooled host buffer
-            send = self.swap_buffer = first.swap.read_shards(fps, self)
+            self.swap_buffer, views = first.swap.read_shards(fps, self)
+            send = views[0] if len(views) == 1 else torch.cat(views)
+            if len(views) > 1:  # the concatenation is a copy: the pool buffer can go back now
+                self._release_swap_buffer()
         elif len(fps) == 1:
             send = first.shard
         else:

@@ -452,7 +452,7 @@ def _param_swapper(plan, fps: list, rank: int, dtype: torch.dtype):
     from zerospeed.offload.param_swap import NvmeParamSwapper
     from zerospeed.offload.swap import check_nvme_path
     nbytes = sum(fp.shard_numel for fp in fps) * torch.tensor([], dtype=dtype).element_size()
-    directory = check_nvme_path(str(plan.param_nvme), nbytes, key="zero_optimization.offload_param.nvme_path")
+    directory = check_nvme_path(plan.param_nvme, nbytes, key="zero_optimization.offload_param.nvme_path")
     aio = AsyncIO.from_config(plan.aio) if plan.aio is not None else AsyncIO()
     return NvmeParamSwapper(fps, directory=directory, rank=rank, aio=aio, buffer_count=plan.param_buffer_count,
                             buffer_size=plan.param_buffer_size, dtype=dtype, pin=plan.pin)
