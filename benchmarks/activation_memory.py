@@ -30,6 +30,7 @@ from torch import nn
 from zerospeed import checkpointing, comm
 from zerospeed.accelerator import get_accelerator
 from zerospeed.testing import run_distributed
+from zerospeed.testing.mpu import GroupMpu
 from zerospeed.testing.census import live_tensor_bytes
 from zerospeed.testing.models import Block, GPTConfig
 
@@ -118,27 +119,11 @@ def configure(name: str, args, mpu=None) -> bool:
     return True
 
 
-class WorldMpu:
-    """A Megatron-style mpu whose model-parallel group is every process."""
-
-    def __init__(self):
-        self.group = comm.new_group(list(range(comm.get_world_size())))
-
-    def get_model_parallel_group(self):
-        return self.group
-
-    def get_model_parallel_rank(self):
-        return comm.get_rank(self.group)
-
-    def get_model_parallel_world_size(self):
-        return comm.get_world_size(self.group)
-
-
 def partition_worker(args) -> dict[str, tuple]:
     """On each rank: memory and median step time of the partitioned variants."""
     device = get_accelerator().device(comm.get_local_rank())
     blocks, x = build(args, device)
-    mpu, out = WorldMpu(), {}
+    mpu, out = GroupMpu(comm.new_group(list(range(comm.get_world_size())))), {}
     for name in PARTITION_VARIANTS:
         memory = measure_memory(blocks, x, configure(name, args, mpu), device)
         blocks.zero_grad(set_to_none=True)

@@ -12,6 +12,7 @@ from torch import nn
 from zerospeed import checkpointing, comm
 from zerospeed.checkpointing.stash import SavedInput
 from zerospeed.testing import run_distributed
+from zerospeed.testing.mpu import GroupMpu
 
 # B*T*D = 465 is odd: the second rank's chunk ends in one padding element.
 B, T, D, N_BLOCKS, STEPS = 3, 5, 31, 4, 2
@@ -33,22 +34,6 @@ class DropBlock(nn.Module):
 
     def forward(self, x):
         return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln(x)))), 0.3, True)
-
-
-class GroupMpu:
-    """The smallest Megatron-style mpu: one model-parallel group."""
-
-    def __init__(self, group):
-        self.group = group
-
-    def get_model_parallel_group(self):
-        return self.group
-
-    def get_model_parallel_rank(self):
-        return comm.get_rank(self.group)
-
-    def get_model_parallel_world_size(self):
-        return comm.get_world_size(self.group)
 
 
 def build():
