@@ -142,7 +142,7 @@ def test_stage3_nvme_optimizer_offload_matches_no_offload(tmp_path):
 @pytest.mark.timeout(300)
 def test_stage3_nvme_optimizer_and_parameter_offload_matches_no_offload(tmp_path):
     results = _run(3, _nvme(tmp_path, pipeline_read=True, pipeline_write=True),
-                   _nvme(tmp_path, buffer_count=2, buffer_size=4000))
+                   _nvme(tmp_path, buffer_count=2, buffer_size=4096))
     for r in results:
         assert r["placement"]["parameters"] == f"nvme:{tmp_path.resolve()}"
         params = [f for f in r["files"] if f[0] == "parameters"]
@@ -249,3 +249,20 @@ def test_gradient_staging_is_bounded_whatever_the_model_size(stage):
     number of reduce_bucket_size staging buffers) are outstanding, though there are dozens of buckets."""
     for peak, buckets in run_distributed(_max_reductions_in_flight, 2, stage, timeout=180):
         assert buckets >= 10 and 1 <= peak <= 3, (peak, buckets)
+
+
+def _too_small_buffer(tmp):
+    from zerospeed.config import ConfigError
+    try:
+        _train(_offload(3, None, _nvme(tmp, buffer_size=100)), steps=1)
+    except ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_nvme_parameter_buffer_smaller_than_a_shard_is_a_clear_error(tmp_path):
+    (msg,) = run_distributed(_too_small_buffer, 1, tmp_path, timeout=100)
+    assert msg.startswith("zero_optimization.offload_param.buffer_size=100 is too small for the largest parameter")
+    assert "set buffer_size to at least 8192" in msg  # the 256 x 31 embedding, whole on 1 rank: 7936 -> 8192
+    assert list(tmp_path.iterdir()) == []  # nothing left behind

@@ -31,7 +31,7 @@ def test_nvme_offload_on_gpu_matches_no_offload(tmp_path):
     world = min(2, torch.cuda.device_count())
     nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
     results = run_distributed(off._compare, world, 3, nvme | {"pipeline_read": True, "pipeline_write": True},
-                              nvme | {"buffer_size": 4000}, {}, timeout=280, backend="nccl")
+                              nvme | {"buffer_size": 4096}, {}, timeout=280, backend="nccl")
     for r in results:
         assert max(abs(a - b) for a, b in zip(r["losses"], r["base"])) <= 1e-4
         assert r["left"] == []

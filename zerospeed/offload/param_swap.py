@@ -27,18 +27,16 @@ class NvmeParamSwapper:
         if buffer_count < 1:
             raise ConfigError("zero_optimization.offload_param.buffer_count=0: parameter offload to NVMe needs at "
                               "least one buffer; set it to 1 or more (default 5)")
-        largest = max((fp.shard_numel for fp in fps), default=0)
         self._align = max(1, DIRECT_ALIGN // torch.tensor([], dtype=dtype).element_size())
-        largest = -(-largest // self._align) * self._align
-        if largest > buffer_size:
-            worst = max(fps, key=lambda fp: fp.shard_numel)
+        worst = max(fps, key=lambda fp: fp.shard_numel) if fps else None
+        needed = self._padded(worst.shard_numel) if worst is not None else 0
+        if needed > buffer_size:
             raise ConfigError(
-                f"zero_optimization.offload_param.buffer_size={buffer_size} is smaller than the largest parameter "
-                f"shard ({largest} elements: flat parameter {worst.index}, shapes "
-                f"{[tuple(s) for s in worst.shapes][:3]}); set buffer_size to at least {largest}")
+                f"zero_optimization.offload_param.buffer_size={buffer_size} is too small for the largest parameter "
+                f"shard ({worst.shard_numel} elements, {needed} once aligned to 4 KiB for O_DIRECT: flat parameter "
+                f"{worst.index}, shapes {[tuple(s) for s in worst.shapes][:3]}); set buffer_size to at least {needed}")
         self.buffer_size = buffer_size
         self._dtype = dtype
-        self._align = max(1, DIRECT_ALIGN // torch.tensor([], dtype=dtype).element_size())
         self.file = SwapFile(directory, f"rank{rank}_params", aio)
         for fp in fps:
             self.file.reserve(fp.index, fp.shard_numel, dtype)
