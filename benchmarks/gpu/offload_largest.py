@@ -1,6 +1,7 @@
 """The largest GPT one GPU trains with ZeRO-3 + offload, its TFLOPs, and the same without offload.
 
     python benchmarks/gpu/offload_largest.py --nvme-path /tmp/zs_nvme   # one command, < 10 minutes
+    python benchmarks/gpu/offload_largest.py --smoke                     # tiny sizes on the CPU: checks the script
 
 For each mode — no offload, optimizer + parameters offloaded to CPU, optimizer + parameters offloaded
 to NVMe — it walks up a ladder of GPT sizes (bf16, ZeRO stage 3, 1 process) and trains each for a
@@ -24,13 +25,16 @@ from pathlib import Path
 import psutil
 import torch
 
+from zerospeed.accelerator import get_accelerator
+
 # (layers, width, heads): ~0.35B, 0.76B, 1.3B, 2.7B, 6.7B, 13B parameters (GPT-3 table shapes)
 LADDER = [(24, 1024, 16), (24, 1536, 16), (24, 2048, 16), (32, 2560, 32), (32, 4096, 32), (40, 5120, 40)]
+SMOKE_LADDER = [(2, 64, 2), (2, 128, 4)]
 VOCAB, SEQ = 50304, 1024
 
 
-def n_params(layers: int, width: int) -> int:
-    return 12 * layers * width * width + VOCAB * width + SEQ * width
+def n_params(layers: int, width: int, vocab: int = VOCAB, seq: int = SEQ) -> int:
+    return 12 * layers * width * width + vocab * width + seq * width
 
 
 def needs(mode: str, n: int) -> tuple[int, int]:
@@ -63,30 +67,36 @@ def try_size(mode: str, shape, args) -> dict:
     import zerospeed
     from zerospeed.testing.models import GPT, GPTConfig
     layers, width, heads = shape
+    vocab, seq = (256, 64) if args.smoke else (VOCAB, SEQ)
     cfg = config(mode, args.micro_batch, args.nvme_path)
-    with zerospeed.zero.Init(config_dict_or_path=cfg, dtype=torch.bfloat16):
-        model = GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=layers, n_head=heads, n_embd=width,
+    if args.smoke:
+        cfg["zero_optimization"].get("offload_param", {}).update(buffer_size=1_000_000)
+    acc = get_accelerator()
+    build_on = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")  # fast random init
+    with build_on, zerospeed.zero.Init(config_dict_or_path=cfg, dtype=torch.bfloat16):
+        model = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=width,
                               bias=False))
     engine, *_ = zerospeed.initialize(model=model, config=cfg)
-    x = torch.randint(0, VOCAB, (args.micro_batch, SEQ), device=engine.device)
+    x = torch.randint(0, vocab, (args.micro_batch, seq), device=engine.device)
     times = []
     try:
         for _ in range(args.steps + 1):
-            torch.cuda.synchronize()
+            acc.synchronize()
             t0 = time.perf_counter()
             loss = engine(x, x)
             engine.backward(loss)
             engine.step()
-            torch.cuda.synchronize()
+            acc.synchronize()
             times.append(time.perf_counter() - t0)
+        placement = engine.placement()
     finally:
         engine.destroy()
     step = statistics.median(times[1:])
-    n = n_params(layers, width)
-    tokens = args.micro_batch * SEQ
-    flops = (6 * n + 12 * layers * SEQ * width) * tokens
-    return {"params": n, "step_s": step, "tflops": flops / step / 1e12,
-            "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss)}
+    n = n_params(layers, width, vocab, seq)
+    tokens = args.micro_batch * seq
+    flops = (6 * n + 12 * layers * seq * width) * tokens
+    return {"params": n, "step_s": step, "tflops": flops / step / 1e12, "placement": placement,
+            "gpu_peak_gib": acc.max_memory_allocated() / 2**30, "loss": loss.item()}
 
 
 def main() -> None:
@@ -97,9 +107,10 @@ def main() -> None:
     p.add_argument("--modes", default="none,cpu,nvme")
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting new sizes after this")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--smoke", action="store_true", help="two tiny sizes on whatever device there is (a check)")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("benchmarks/gpu/offload_largest.py needs a CUDA device")
+    if not torch.cuda.is_available() and not args.smoke:
+        sys.exit("benchmarks/gpu/offload_largest.py needs a CUDA device (or --smoke)")
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": os.environ.get("MASTER_PORT", "29533")})
     Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
@@ -107,7 +118,7 @@ def main() -> None:
     rows = []
     for mode in args.modes.split(","):
         best = None
-        for shape in LADDER:
+        for shape in SMOKE_LADDER if args.smoke else LADDER:
             n = n_params(shape[0], shape[1])
             host, disk = needs(mode, n)
             free_host = psutil.virtual_memory().available
@@ -119,7 +130,7 @@ def main() -> None:
             if time.monotonic() - start > args.budget_s:
                 rows.append((mode, shape, n, "not tried: time budget spent"))
                 break
-            torch.cuda.reset_peak_memory_stats()
+            get_accelerator().reset_peak_memory_stats()
             try:
                 r = try_size(mode, shape, args)
             except torch.OutOfMemoryError:
@@ -127,13 +138,15 @@ def main() -> None:
                 break
             finally:
                 gc.collect()
-                torch.cuda.empty_cache()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
             best = r
-            rows.append((mode, shape, n, f"ok: {r['step_s'] * 1e3:.0f} ms/step, {r['tflops']:.1f} TFLOPs, "
-                         f"GPU peak {r['gpu_peak_gib']:.1f} GiB"))
+            rows.append((mode, shape, n, f"ok: {r['step_s'] * 1e3:.0f} ms/step, {r['tflops']:.2f} TFLOPs, "
+                         f"device peak {r['gpu_peak_gib']:.1f} GiB, state: {r['placement']}"))
         rows.append((mode, None, best["params"] if best else 0, "largest that trained"))
-    lines = [f"GPU: {torch.cuda.get_device_name()}, host RAM {psutil.virtual_memory().total / 2**30:.0f} GiB, "
-             f"micro batch {args.micro_batch} x seq {SEQ}, bf16, ZeRO-3, 1 GPU", "",
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (--smoke on the CPU)"
+    lines = [f"GPU: {device}, host RAM {psutil.virtual_memory().total / 2**30:.0f} GiB, "
+             f"micro batch {args.micro_batch} x seq {64 if args.smoke else SEQ}, bf16, ZeRO-3, 1 GPU", "",
              "| mode | layers x width | parameters | result |", "|---|---|---:|---|"]
     for mode, shape, n, what in rows:
         lines.append(f"| {mode} | {'' if shape is None else f'{shape[0]} x {shape[1]}'} | {n / 1e9:.2f}B | {what} |")
