@@ -427,3 +427,30 @@ def test_buffer_pool_blocks_until_a_release():
     assert again.data_ptr() == held.data_ptr()
     with pytest.raises(RuntimeError, match="in use"):
         pool.acquire(1, block=True, timeout=0.01)
+
+
+def test_runs_of_consecutive_slots_move_as_one_request(tmp_path):
+    sizes = [1000, 3000, 1]  # fp32 slots of 4 KiB, 12 KiB, 4 KiB
+    with AsyncIO() as aio:
+        swap = SwapFile(tmp_path, "run", aio)
+        for k, n in enumerate(sizes):
+            swap.reserve(k, n, torch.float32)
+        swap.allocate()
+        assert swap.run_nbytes([0, 1, 2]) == 5 * 4096 and swap.run_nbytes([0, 2]) is None
+        padded = torch.zeros(5 * 1024)
+        values = [_random(n, torch.float32, k) for k, n in enumerate(sizes)]
+        for start, v in zip([0, 1024, 4096], values):
+            padded[start:start + v.numel()] = v
+        swap.write_run([0, 1, 2], padded).wait()
+        for k, v in enumerate(values):  # each slot holds its own values
+            out = torch.empty_like(v)
+            swap.read(k, out).wait()
+            assert torch.equal(out, v)
+        back = torch.full((4 * 1024,), -1.0)
+        swap.read_run([1, 2], back).wait()
+        assert torch.equal(back[:3000], values[1]) and torch.equal(back[3072:3073], values[2])
+        with pytest.raises(ValueError, match="not consecutive"):
+            swap.read_run([0, 2], torch.empty(2 * 1024))
+        with pytest.raises(ValueError, match="bytes, the slots"):
+            swap.write_run([0, 1], torch.empty(10))
+        swap.close()

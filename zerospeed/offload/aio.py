@@ -290,6 +290,7 @@ class AsyncIO:
         self._pending: list[IORequest] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._direct_paths: dict[str, bool] = {}  # path -> O_DIRECT there (see direct_for)
 
     @classmethod
     def from_config(cls, aio_cfg: AioConfig, *, use_direct: bool | None = None) -> AsyncIO:
@@ -306,13 +307,19 @@ class AsyncIO:
         """Whether I/O to ``path`` (a file or a directory) uses O_DIRECT; probes the directory once."""
         if self.use_direct is False or not _O_DIRECT:
             return False
-        directory = path if os.path.isdir(path) else (os.path.dirname(os.fspath(path)) or ".")
+        key = os.fspath(path)
+        cached = self._direct_paths.get(key)
+        if cached is not None:  # a swap file sees thousands of requests: probe (realpath, isdir) once
+            return cached
+        directory = path if os.path.isdir(path) else (os.path.dirname(key) or ".")
         ok = probe_direct(directory)
         if not ok:
             self.direct = False
             if self.use_direct:
                 raise AsyncIOError(errno.EINVAL, f"use_direct=True but {os.path.realpath(directory)} does not "
                                                  "support O_DIRECT; use a local disk (ext4/xfs) or use_direct=None")
+        if os.path.isdir(directory):
+            self._direct_paths[key] = ok
         return ok
 
     def write(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> IORequest:

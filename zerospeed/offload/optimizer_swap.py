@@ -82,6 +82,9 @@ class NvmeOptimizerSwapper:
         for kind in kinds:
             buf = self.pools[kind].acquire(total)
             bufs[kind] = buf
+            if self.swaps[kind].run_nbytes(sub) == total * 4:  # Note [one request per sub-group]
+                reqs.append(self.swaps[kind].read_run(sub, buf))
+                continue
             off = 0
             for i in sub:
                 reqs.append(self.swaps[kind].read(i, buf[off:off + self.numels[i]]))
@@ -114,6 +117,24 @@ class NvmeOptimizerSwapper:
         for key, v in optimizer.state.get(m, {}).items():
             if isinstance(v, torch.Tensor) and v.numel() == m.numel() and v.dim() > 0 and key not in self.swaps:
                 self._add_kind(key)
+
+    def _write_buffers(self, optimizer, sub: list[int], bufs: dict) -> list | None:
+        """Note [one request per sub-group]: a sub-group's slots are consecutive in each swap file and
+        its host buffer has the same 4 KiB-aligned layout, so each kind is one large request — when
+        every master and state still is a view of its buffer (the optimizer updated them in place)."""
+        total = sum(_padded(self.numels[i]) for i in sub)
+        kinds = [MASTER] + [k for k in self.state_keys if k in bufs]
+        if set(bufs) != set(kinds) or any(self.swaps[k].run_nbytes(sub) != total * 4 for k in kinds):
+            return None
+        off = 0
+        for i in sub:
+            m = self.masters[i]
+            state = optimizer.state.get(m, {}) if optimizer is not None else {}
+            views = [(m, MASTER)] + [(state.get(k), k) for k in kinds[1:]]
+            if any(t is None or t.data_ptr() != bufs[k][off:].data_ptr() for t, k in views):
+                return None
+            off += _padded(self.numels[i])
+        return [self.swaps[k].write_run(sub, bufs[k][:total]) for k in kinds]
 
     def _write(self, optimizer, sub: list[int]) -> list:
         reqs = []
@@ -152,7 +173,8 @@ class NvmeOptimizerSwapper:
                 self._discover_states(optimizer, sub)
             if on_stepped is not None:
                 on_stepped(sub)
-            writes = self._write(optimizer, sub)
+            writes = None if first else self._write_buffers(optimizer, sub, bufs)
+            writes = writes if writes is not None else self._write(optimizer, sub)
             if first:  # the optimizer allocated these states itself: wait before dropping them
                 for r in writes:
                     r.wait()

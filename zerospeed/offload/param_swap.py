@@ -79,8 +79,12 @@ class NvmeParamSwapper:
         requests, views, off = [], [], 0
         for fp in fps:
             views.append(buf[off:off + fp.shard_numel])
-            requests.append(self.file.read(fp.index, views[-1]))
             off += self._padded(fp.shard_numel)
+        keys = [fp.index for fp in fps]
+        if self.file.run_nbytes(keys) == off * buf.element_size():  # consecutive slots: one request
+            requests.append(self.file.read_run(keys, buf[:off]))
+        else:
+            requests = [self.file.read(fp.index, v) for fp, v in zip(fps, views)]
         for r in requests:
             r.wait()
         return buf, views

@@ -174,6 +174,36 @@ class SwapFile:
             self.allocate()
         return self._track(self._aio.write(tensor, self._path, slot.offset))
 
+    def run_nbytes(self, keys: list) -> int | None:
+        """Bytes of the slots of ``keys`` if they are consecutive in the file (one byte range), else None."""
+        slots = [self._slot(k) for k in keys]
+        for a, b in zip(slots, slots[1:]):
+            if b.offset != a.offset + slot_nbytes(a.numel, a.dtype):
+                return None
+        return sum(slot_nbytes(sl.numel, sl.dtype) for sl in slots) if slots else None
+
+    def write_run(self, keys: list, tensor: torch.Tensor) -> IORequest:
+        """Write consecutive slots as ONE request: ``tensor`` holds each key's values at its slot's
+        4 KiB-aligned position (padding included), i.e. exactly ``run_nbytes(keys)`` bytes."""
+        offset = self._run(keys, tensor, "write_run")
+        if self._file_size is None or self._file_size < self._nbytes:
+            self.allocate()
+        return self._track(self._aio.write(tensor, self._path, offset))
+
+    def read_run(self, keys: list, out: torch.Tensor) -> IORequest:
+        """Read consecutive slots as ONE request into ``out`` (the layout of `write_run`)."""
+        return self._track(self._aio.read(out, self._path, self._run(keys, out, "read_run")))
+
+    def _run(self, keys: list, tensor: torch.Tensor, op: str) -> int:
+        self._check_open()
+        nbytes = self.run_nbytes(keys)
+        if nbytes is None:
+            raise ValueError(f"SwapFile {self._path.name}.{op}: the slots of {keys[:3]}... are not consecutive")
+        if tensor.numel() * tensor.element_size() != nbytes:
+            raise ValueError(f"SwapFile {self._path.name}.{op}: the tensor has "
+                             f"{tensor.numel() * tensor.element_size()} bytes, the slots {nbytes}")
+        return self._slot(keys[0]).offset
+
     def read(self, key: Hashable, out: torch.Tensor) -> IORequest:
         """Start reading ``key``'s slot into ``out`` (numel and dtype of the slot); returns the request."""
         slot = self._checked(key, out, "read")
