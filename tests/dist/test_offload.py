@@ -266,3 +266,30 @@ def test_nvme_parameter_buffer_smaller_than_a_shard_is_a_clear_error(tmp_path):
     assert msg.startswith("zero_optimization.offload_param.buffer_size=100 is too small for the largest parameter")
     assert "set buffer_size to at least 8192" in msg  # the 256 x 31 embedding, whole on 1 rank: 7936 -> 8192
     assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+def _count_read_ahead(tmp):
+    """Train with NVMe parameters and prefetch; count gathers whose shard reads were issued one fetch
+    ahead and whose collectives were launched later by the next fetch (Note [NVMe reads ahead ...])."""
+    from zerospeed.offload.param_swap import NvmeParamSwapper
+    ahead = [0]
+    real = NvmeParamSwapper.launch_through
+
+    def counting(self, batch=None):
+        if batch is None:
+            ahead[0] += len(self.unlaunched)
+        return real(self, batch)
+
+    NvmeParamSwapper.launch_through = counting
+    try:
+        _, losses, _ = _train(_offload(3, None, _nvme(tmp)), steps=3)
+    finally:
+        NvmeParamSwapper.launch_through = real
+    return ahead[0], losses
+
+
+@pytest.mark.timeout(120)
+def test_prefetched_nvme_parameter_reads_run_ahead_of_their_gather(tmp_path):
+    results = run_distributed(_count_read_ahead, 2, tmp_path, timeout=100)
+    assert results[0][0] > 0 and results[0][0] == results[1][0]  # same deferred launches on both ranks
+    assert results[0][1] == results[1][1]

@@ -1,7 +1,7 @@
 """ZeRO-Infinity parameter offload: stage-3 parameter shards live in an NVMe swap file.
 
-A shard comes into memory only to be all-gathered: the shards of one gather batch are read, each
-as one aligned request, into one buffer of a fixed pool (`offload_param.buffer_count` buffers of
+A shard comes into memory only to be all-gathered: the shards of one gather batch are read
+asynchronously (one request when their slots are consecutive), into one buffer of a fixed pool (`offload_param.buffer_count` buffers of
 `offload_param.buffer_size` elements), and the buffer returns to the pool as soon as the collective
 completes (or, on an accelerator, as soon as the shards were copied to the device). After the
 optimizer step each updated shard is written back through a pool buffer. Memory for parameter
@@ -50,6 +50,7 @@ class NvmeParamSwapper:
         self.pool = BufferPool(buffer_count, buffer_size, dtype, pin=pin)
         self.free = buffer_count
         self.holders: list = []  # gather batches holding a buffer, oldest first
+        self.unlaunched: list = []  # batches whose reads are issued and collectives not yet (creation order)
 
     def split(self, fps: list) -> list[list]:
         """Consecutive runs of `fps` whose shards fit one pool buffer: one gather batch each."""
@@ -71,23 +72,28 @@ class NvmeParamSwapper:
     def _padded(self, n: int) -> int:
         return -(-n // self._align) * self._align
 
-    def read_shards(self, fps: list, holder) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The shards of `fps` read into one pool buffer (each at a 4 KiB-aligned offset, so the reads
-        go O_DIRECT), held by `holder` until `release`: (the buffer, one view per shard)."""
+    def begin_read(self, fps: list, holder) -> tuple[torch.Tensor, list[torch.Tensor], list]:
+        """Start reading the shards of `fps` into one pool buffer held by `holder` (a gather batch,
+        queued to launch in creation order): (the buffer, one view per shard, the read requests)."""
         buf = self._acquire(sum(self._padded(fp.shard_numel) for fp in fps))
         self.holders.append(holder)
-        requests, views, off = [], [], 0
+        self.unlaunched.append(holder)
+        views, off = [], 0
         for fp in fps:
             views.append(buf[off:off + fp.shard_numel])
             off += self._padded(fp.shard_numel)
         keys = [fp.index for fp in fps]
         if self.file.run_nbytes(keys) == off * buf.element_size():  # consecutive slots: one request
-            requests.append(self.file.read_run(keys, buf[:off]))
-        else:
-            requests = [self.file.read(fp.index, v) for fp, v in zip(fps, views)]
-        for r in requests:
-            r.wait()
-        return buf, views
+            return buf, views, [self.file.read_run(keys, buf[:off])]
+        return buf, views, [self.file.read(fp.index, v) for fp, v in zip(fps, views)]
+
+    def launch_through(self, batch=None) -> None:
+        """Launch queued batches in creation order, up to and including `batch` (None: all)."""
+        while self.unlaunched:
+            nxt = self.unlaunched.pop(0)
+            nxt.launch()
+            if nxt is batch:
+                return
 
     def release(self, buf: torch.Tensor, holder) -> None:
         self.pool.release(buf)

@@ -159,6 +159,8 @@ def start_gathers(fps: list[FlatParam]) -> None:
     if not todo:
         return
     swap = todo[0].swap
+    if swap is not None:
+        swap.launch_through()  # the batches read ahead since the last gathers go first (Note [NVMe reads ...])
     for part in (swap.split(todo) if swap is not None else [todo]):
         batch = GatherBatch(part)
         for fp in part:

@@ -6,6 +6,12 @@ NCCL) a collective's fixed latency, not its bytes, dominates, and a transformer 
 Each rank's result is copied out of the rank-major receive buffer into every parameter's own full
 buffer once the collective completes.
 
+Note [NVMe reads ahead of the gather]: with `offload_param: nvme` a batch first only issues the
+asynchronous reads of its shards; its collectives are issued later, at points fixed by program
+order — when the next gathers are started (`start_gathers`), or when this batch (or a later one) is
+waited on — in the order the batches were created. Every rank therefore issues the same collectives
+in the same order, while a prefetched unit's reads overlap the compute of the module before it.
+
 Note [stage-3 divergence check]: with every gather each rank also all-gathers a code of *which* flat
 parameters it is gathering (8 bytes). Ranks whose forward took different branches would otherwise
 exchange chunks of different parameters without noticing when the sizes happen to agree; now they
@@ -29,36 +35,49 @@ class GatherBatch:
     def __init__(self, fps: list) -> None:
         self.fps = fps
         first = fps[0]
-        device, group = first.device, first.dp_group
-        world = first.bucket.world_size
+        self.device, self.group = first.device, first.dp_group
+        self.world = first.bucket.world_size
         self.swap_buffer = None
-        if first.swap is not None:  # NVMe: the shards are read into one pooled host buffer
-            self.swap_buffer, views = first.swap.read_shards(fps, self)
-            send = views[0] if len(views) == 1 else torch.cat(views)
-            if len(views) > 1:  # the concatenation is a copy: the pool buffer can go back now
-                self._release_swap_buffer()
-        elif len(fps) == 1:
-            send = first.shard
-        else:
-            send = torch.cat([fp.shard for fp in fps])
+        self.done = False
+        if first.swap is not None:  # Note [NVMe reads ahead of the gather]
+            self.swap_buffer, self.views, self.reads = first.swap.begin_read(fps, self)
+            self.launched = False
+            return
+        self._launch(first.shard if len(fps) == 1 else torch.cat([fp.shard for fp in fps]))
+
+    def launch(self) -> None:
+        """NVMe-backed batches: wait for the shard reads, then issue the collectives."""
+        if self.launched:
+            return
+        for r in self.reads:
+            r.wait()
+        views, self.views, self.reads = self.views, None, None
+        send = views[0] if len(views) == 1 else torch.cat(views)
+        if len(views) > 1:  # the concatenation is a copy: the pool buffer can go back now
+            self._release_swap_buffer()
+        self._launch(send)
+
+    def _launch(self, send: torch.Tensor) -> None:
+        first, device, world = self.fps[0], self.device, self.world
         if send.device != device:  # offloaded shards travel to the device for the collective
             send = send.to(device)
             self._release_swap_buffer()
-        if len(fps) == 1:
+        if len(self.fps) == 1:
             first.full = torch.empty(first.bucket.padded, dtype=first.dtype, device=device)
             self.recv = first.full
         else:
             self.recv = torch.empty(world * send.numel(), dtype=first.dtype, device=device)
-        self.handle = comm.all_gather_into_tensor(self.recv, send, group=group, async_op=True)
+        self.handle = comm.all_gather_into_tensor(self.recv, send, group=self.group, async_op=True)
         self.tags = torch.empty(world, dtype=torch.float64, device=device)
-        mine = torch.tensor([_code([fp.index for fp in fps])], dtype=torch.float64, device=device)
-        self.tag_handle = comm.all_gather_into_tensor(self.tags, mine, group=group, async_op=True)
-        self.world = world
-        self.done = False
+        mine = torch.tensor([_code([fp.index for fp in self.fps])], dtype=torch.float64, device=device)
+        self.tag_handle = comm.all_gather_into_tensor(self.tags, mine, group=self.group, async_op=True)
+        self.launched = True
 
     def wait(self) -> None:
         if self.done:
             return
+        if not self.launched:
+            self.fps[0].swap.launch_through(self)  # earlier NVMe batches first: the same order on every rank
         self.handle.wait()
         self.tag_handle.wait()
         self.done = True
