@@ -112,6 +112,45 @@ class NvmeParamSwapper:
             self.free += 1
 
     @torch.no_grad()
+    def write_shards(self, fps: list, values: list[torch.Tensor]) -> None:
+        """Write many shards (after a step): packed into pool buffers at their 4 KiB-aligned layout,
+        one request per run of consecutive slots, several buffers in flight; returns when all are on disk."""
+        pending: list = []  # (buffer, requests)
+        i = 0
+        while i < len(fps):
+            run, total = [], 0
+            while i < len(fps) and total + self._padded(fps[i].shard_numel) <= self.buffer_size:
+                if run and fps[i].index != run[-1][0].index + 1:
+                    break
+                run.append((fps[i], values[i]))
+                total += self._padded(fps[i].shard_numel)
+                i += 1
+            if self.free == 0:
+                self._finish(*pending.pop(0))
+            buf = self._acquire(total)
+            off = 0
+            for fp, v in run:
+                buf[off:off + fp.shard_numel].copy_(v.reshape(-1))
+                off += self._padded(fp.shard_numel)
+            keys = [fp.index for fp, _ in run]
+            if self.file.run_nbytes(keys) == total * buf.element_size():
+                reqs = [self.file.write_run(keys, buf[:total])]
+            else:
+                reqs, off = [], 0
+                for fp, _ in run:
+                    reqs.append(self.file.write(fp.index, buf[off:off + fp.shard_numel]))
+                    off += self._padded(fp.shard_numel)
+            pending.append((buf, reqs))
+        for p in pending:
+            self._finish(*p)
+
+    def _finish(self, buf: torch.Tensor, reqs: list) -> None:
+        for r in reqs:
+            r.wait()
+        self.pool.release(buf)
+        self.free += 1
+
+    @torch.no_grad()
     def read_shard(self, fp) -> torch.Tensor:
         """A fresh in-memory copy of `fp`'s shard (introspection and tests)."""
         out = torch.empty(fp.shard_numel, dtype=self.pool_dtype)

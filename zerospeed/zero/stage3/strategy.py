@@ -332,6 +332,10 @@ class Stage3Strategy:
 
     def _publish(self, indices: list[int]) -> None:
         """Updated masters into the parameter shards while they are resident (NVMe: written back)."""
+        if self.param_swapper is not None:  # one batched write of the sub-group's shards
+            fps = [self.flat[i] for i in sorted(indices)]
+            self.param_swapper.write_shards(fps, [fp.master for fp in fps])
+            return
         for i in indices:
             self.flat[i].shard_from_master()
 
