@@ -1,7 +1,7 @@
 """Train a small GPT-2 (random init, byte vocabulary) with the transformers Trainer on zerospeed.
 
     zerospeed --num_gpus 2 examples/finetune_hf_causal_lm.py --deepspeed examples/configs/hf_zero2.json \
-        --output_dir /tmp/out --max_steps 50
+        --output_dir /tmp/out --max_steps 50 --logging_steps 10
 
 The only zerospeed line is the import of `Trainer` and `TrainingArguments`; everything else is a
 plain transformers script. The data is the Python standard library's source as bytes (no download,
@@ -65,9 +65,10 @@ def main() -> None:
     trainer.save_model()
     if trainer.is_world_process_zero():
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        print(f"train loss: first logged {losses[0]:.4f}, last logged {losses[-1]:.4f}, "
-              f"mean {result.training_loss:.4f}; eval loss {metrics['eval_loss']:.4f}; "
-              f"{result.metrics['train_runtime']:.1f}s for {result.global_step} steps")
+        logged = (f"first logged {losses[0]:.4f}, last logged {losses[-1]:.4f}, " if losses
+                  else "(none logged: raise --max_steps or lower --logging_steps) ")
+        print(f"train loss: {logged}mean {result.training_loss:.4f}; eval loss {metrics['eval_loss']:.4f}; "
+              f"{float(result.metrics['train_runtime']):.1f}s for {result.global_step} steps")
 
 
 if __name__ == "__main__":
