@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -89,6 +90,7 @@ def partition_worker():
     return out
 
 
+@pytest.mark.timeout(150)
 def test_partitioned_checkpoints_keep_half_and_match_a_single_process_run():
     results = run_distributed(partition_worker, 2, timeout=120)
     ref = reference_grads()
@@ -135,6 +137,7 @@ def solo_group_worker():
             "partitioned": any(partitioned for _, _, partitioned in kept)}
 
 
+@pytest.mark.timeout(150)
 def test_model_parallel_size_one_is_a_no_op_that_warns_once():
     results = run_distributed(solo_group_worker, 2, timeout=120)
     ref = reference_grads()

@@ -202,7 +202,6 @@ class NvmeOptimizerSwapper:
     def resident(self, optimizer) -> Iterator[None]:
         """Everything read into fresh memory for the duration (checkpoint save/load), then written
         back: a checkpoint needs the whole shard at once."""
-        kinds = {}
         for i, m in enumerate(self.masters):
             t = torch.empty(self.numels[i], dtype=torch.float32)
             self.swaps[MASTER].read(i, t).wait()
@@ -213,7 +212,6 @@ class NvmeOptimizerSwapper:
                     s = torch.empty(self.numels[i], dtype=torch.float32)
                     self.swaps[key].read(i, s).wait()
                     state[key] = s
-                    kinds[key] = True
         try:
             yield
         finally:

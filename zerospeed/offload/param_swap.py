@@ -36,7 +36,6 @@ class NvmeParamSwapper:
                 f"shard ({worst.shard_numel} elements, {needed} once aligned to 4 KiB for O_DIRECT: flat parameter "
                 f"{worst.index}, shapes {[tuple(s) for s in worst.shapes][:3]}); set buffer_size to at least {needed}")
         self.buffer_size = buffer_size
-        self._dtype = dtype
         self.file = SwapFile(directory, f"rank{rank}_params", aio)
         for fp in fps:
             self.file.reserve(fp.index, fp.shard_numel, dtype)
@@ -100,16 +99,9 @@ class NvmeParamSwapper:
         self.free += 1
         self.holders.remove(holder)
 
-    @torch.no_grad()
     def write_shard(self, fp, values: torch.Tensor) -> None:
         """Write `values` (any device/dtype) as `fp`'s shard."""
-        buf = self._acquire(fp.shard_numel)
-        try:
-            buf.copy_(values.reshape(-1))
-            self.file.write(fp.index, buf).wait()
-        finally:
-            self.pool.release(buf)
-            self.free += 1
+        self.write_shards([fp], [values])
 
     @torch.no_grad()
     def write_shards(self, fps: list, values: list[torch.Tensor]) -> None:
@@ -149,17 +141,6 @@ class NvmeParamSwapper:
             r.wait()
         self.pool.release(buf)
         self.free += 1
-
-    @torch.no_grad()
-    def read_shard(self, fp) -> torch.Tensor:
-        """A fresh in-memory copy of `fp`'s shard (introspection and tests)."""
-        out = torch.empty(fp.shard_numel, dtype=self.pool_dtype)
-        self.file.read(fp.index, out).wait()
-        return out
-
-    @property
-    def pool_dtype(self) -> torch.dtype:
-        return self._dtype
 
     def files(self) -> list:
         return [("parameters", self.file.path, self.file.nbytes)]

@@ -12,6 +12,7 @@ the bytes leave memory for the swap files (tests check the files and the tensor 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +91,12 @@ class OffloadPlan:
     def pinned(self, t: torch.Tensor) -> torch.Tensor:
         return get_accelerator().pin_memory(t) if self.pin else t
 
+    @functools.cached_property
+    def io(self):
+        """The one asynchronous I/O engine (thread pool) every NVMe swapper of this rank shares."""
+        from zerospeed.offload.aio import AsyncIO
+        return AsyncIO.from_config(self.aio) if self.aio is not None else AsyncIO()
+
     def describe(self) -> dict[str, str]:
         """Human-readable placement of each kind of state (the engine's placement map builds on it)."""
         opt = f"nvme:{self.optimizer_nvme}" if self.optimizer == "nvme" else str(self.master_device)
@@ -110,12 +117,23 @@ def make_stepper(plan: OffloadPlan | None, masters: list[torch.nn.Parameter], su
     from zerospeed.zero.optimizer_step import InMemoryStepper
     if plan is None or plan.optimizer != "nvme":
         return InMemoryStepper()
-    from zerospeed.offload.aio import AsyncIO
     from zerospeed.offload.optimizer_swap import NvmeOptimizerSwapper
     from zerospeed.offload.swap import check_nvme_path
     numel = sum(m.numel() for m in masters)
     # fp32 masters + two Adam moments: the usual worst case of an elementwise optimizer
     check_nvme_path(plan.optimizer_nvme, 12 * numel, key="zero_optimization.offload_optimizer.nvme_path")
-    aio = AsyncIO.from_config(plan.aio) if plan.aio is not None else AsyncIO()
-    return NvmeOptimizerSwapper(masters, sub_groups, directory=plan.optimizer_nvme, rank=rank, aio=aio,
+    return NvmeOptimizerSwapper(masters, sub_groups, directory=plan.optimizer_nvme, rank=rank, aio=plan.io,
                                 pipeline_read=plan.pipeline_read, pipeline_write=plan.pipeline_write, pin=plan.pin)
+
+
+def make_param_swapper(plan: OffloadPlan | None, fps: list, rank: int, dtype: torch.dtype):
+    """Stage 3 with `offload_param.device: nvme`: the swapper that moves the shards of `fps` to disk."""
+    if plan is None or plan.param != "nvme":
+        return None
+    from zerospeed.offload.param_swap import NvmeParamSwapper
+    from zerospeed.offload.swap import check_nvme_path
+    nbytes = sum(fp.shard_numel for fp in fps) * torch.tensor([], dtype=dtype).element_size()
+    check_nvme_path(plan.param_nvme, nbytes, key="zero_optimization.offload_param.nvme_path")
+    return NvmeParamSwapper(fps, directory=plan.param_nvme, rank=rank, aio=plan.io,
+                            buffer_count=plan.param_buffer_count, buffer_size=plan.param_buffer_size,
+                            dtype=dtype, pin=plan.pin)

@@ -26,7 +26,7 @@ import torch
 from zerospeed import comm
 from zerospeed.runtime.grad_math import reduction_factors
 from zerospeed.zero.partition import group_sub_groups
-from zerospeed.offload.plan import HOST, make_stepper
+from zerospeed.offload.plan import HOST, make_param_swapper, make_stepper
 from zerospeed.zero.sharded import MAX_IN_FLIGHT_BUCKETS, optimizer_state_bytes, sharded_global_norm, state_placement
 from zerospeed.zero.shards import Piece, ShardEntry
 from zerospeed.zero.stage3 import registry
@@ -111,7 +111,7 @@ class Stage3Strategy:
         self._next = 0
         self.sub_groups = group_sub_groups([fp.bucket.chunk for fp in self.flat], sub_group_size)
         self.stepper = make_stepper(plan, [fp.master for fp in self.flat], self.sub_groups, self.rank)
-        self.param_swapper = _param_swapper(plan, self.flat, self.rank, param_dtype)
+        self.param_swapper = make_param_swapper(plan, self.flat, self.rank, param_dtype)
         self._recorded: list[int] = []
         self._recording: list[int] = []
         self._prefetching = False
@@ -447,16 +447,3 @@ def _master_devices(plan, groups: list[dict], device: torch.device):
         if seen <= budget:
             offloaded.add(id(p))
     return lambda params: HOST if id(params[0]) in offloaded else device
-
-
-def _param_swapper(plan, fps: list, rank: int, dtype: torch.dtype):
-    if plan is None or plan.param != "nvme":
-        return None
-    from zerospeed.offload.aio import AsyncIO
-    from zerospeed.offload.param_swap import NvmeParamSwapper
-    from zerospeed.offload.swap import check_nvme_path
-    nbytes = sum(fp.shard_numel for fp in fps) * torch.tensor([], dtype=dtype).element_size()
-    directory = check_nvme_path(plan.param_nvme, nbytes, key="zero_optimization.offload_param.nvme_path")
-    aio = AsyncIO.from_config(plan.aio) if plan.aio is not None else AsyncIO()
-    return NvmeParamSwapper(fps, directory=directory, rank=rank, aio=aio, buffer_count=plan.param_buffer_count,
-                            buffer_size=plan.param_buffer_size, dtype=dtype, pin=plan.pin)
