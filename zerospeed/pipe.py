@@ -1,5 +1,7 @@
 """DeepSpeed's `deepspeed.pipe` names: `from zerospeed.pipe import PipelineModule, LayerSpec, TiedLayerSpec`."""
-from zerospeed.comm.topology import RankGrid as PipeDataParallelTopology  # noqa: F401  (pp x dp grid)
 from zerospeed.parallel.pipeline import LayerSpec, PipelineEngine, PipelineModule, TiedLayerSpec
+from zerospeed.parallel.pipeline.topology import (PipeDataParallelTopology, PipeModelDataParallelTopology,
+                                                  ProcessTopology)
 
-__all__ = ["LayerSpec", "PipeDataParallelTopology", "PipelineEngine", "PipelineModule", "TiedLayerSpec"]
+__all__ = ["LayerSpec", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineEngine", "PipelineModule",
+           "ProcessTopology", "TiedLayerSpec"]

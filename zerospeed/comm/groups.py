@@ -1,43 +1,39 @@
-"""Process groups for a RankGrid: built once, passed explicitly (no module globals)."""
+"""`ParallelGroups`: the grid-axis view of a ParallelMesh that `PipelineModule` keeps as `.groups`."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from zerospeed.comm import backend
+from zerospeed.comm.mesh import ParallelMesh
 from zerospeed.comm.topology import AXES, RankGrid
 
 
-@dataclass
 class ParallelGroups:
-    """This rank's process group (and its member ranks) along each axis of the grid."""
+    """This rank's process group (and its member ranks) along each axis of a RankGrid; see `mesh`."""
 
-    grid: RankGrid
-    rank: int
-    members: dict[str, list[int]] = field(default_factory=dict)
-    handles: dict[str, object] = field(default_factory=dict)
+    def __init__(self, mesh: ParallelMesh):
+        self.mesh = mesh
 
     @classmethod
     def build(cls, grid: RankGrid) -> "ParallelGroups":
         """Create every group of every axis (all ranks must call this together)."""
-        rank = backend.get_rank()
-        if grid.world_size != backend.get_world_size():
-            raise ValueError(f"rank grid {grid.shape} has {grid.world_size} ranks but the job has "
-                             f"{backend.get_world_size()}")
-        out = cls(grid=grid, rank=rank)
-        for axis in AXES:
-            for ranks in grid.groups(axis):
-                # The world group serves an axis that spans every rank; new_group is collective
-                # and must be entered by all ranks for every group, in the same order.
-                handle = None if len(ranks) == grid.world_size else backend.new_group(ranks)
-                if rank in ranks:
-                    out.members[axis], out.handles[axis] = ranks, handle
-        return out
+        return cls(ParallelMesh.from_grid(grid))
+
+    @property
+    def grid(self) -> RankGrid:
+        return self.mesh.grid
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.rank
+
+    @property
+    def members(self) -> dict[str, list[int]]:
+        """Global ranks of this rank's group along each grid axis."""
+        return {axis: self.mesh.members(axis) for axis in AXES}
 
     def group(self, axis: str):
-        return self.handles[axis]
+        return self.mesh.group(axis)
 
     def size(self, axis: str) -> int:
-        return len(self.members[axis])
+        return self.mesh.size(axis)
 
     def rank_in(self, axis: str) -> int:
-        return self.members[axis].index(self.rank)
+        return self.mesh.rank_in(axis)

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from zerospeed import comm
 from zerospeed.config.errors import ConfigError
 from zerospeed.parallel.pipeline.partition import partition
+from zerospeed.parallel.pipeline.topology import ProcessTopology
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,8 @@ def get_attr_path(obj: Any, path: str) -> Any:
 class PipelineModule(nn.Module):
     """The part of a layered model that this rank runs; see the module docstring."""
 
-    def __init__(self, layers: list, num_stages: int | None = None, topology: comm.RankGrid | None = None,
+    def __init__(self, layers: list, num_stages: int | None = None,
+                 topology: comm.RankGrid | ProcessTopology | None = None,
                  loss_fn: Callable | None = None, seed_layers: bool = False, base_seed: int = 1234,
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
                  chunks: int = 1):
@@ -245,7 +247,13 @@ class PipelineModule(nn.Module):
         return len(self._layer_specs)
 
 
-def _resolve_grid(num_stages: int | None, topology: comm.RankGrid | None, world: int) -> comm.RankGrid:
+def _resolve_grid(num_stages: int | None, topology: comm.RankGrid | ProcessTopology | None,
+                  world: int) -> comm.RankGrid:
+    if isinstance(topology, ProcessTopology):  # DeepSpeed's PipeDataParallelTopology & co.
+        try:
+            topology = topology.to_grid()
+        except ValueError as exc:
+            raise ConfigError(f"PipelineModule: {exc}") from None
     if topology is not None:
         if topology.world_size != world:
             raise ConfigError(f"PipelineModule: topology {topology.shape} has {topology.world_size} ranks but "
