@@ -52,14 +52,14 @@ def _sharding_and_overlap():
     reducer._on_grad, reducer._launch = traced_on_grad, traced_launch
     for h in reducer._hooks:
         h.remove()
-    reducer._hooks = [p.register_post_accumulate_grad_hook(reducer._on_grad) for b in reducer.buckets
-                      for p in b.params]
+    reducer._hooks = [p.register_post_accumulate_grad_hook(reducer._on_grad) for u in reducer.units
+                      for p in u.members]
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
     engine.backward(engine(x))
     reducer.finish()
-    grads = {id(p): g.clone() for p, g in reducer.grads()}
+    grads = {id(p): g.clone() for p, g in engine.zero.grads()}
     weights = [p.detach().clone() for p in engine.module.parameters()]
-    return {"seen": seen, "events": events, "n_buckets": len(reducer.buckets),
+    return {"seen": seen, "events": events, "n_buckets": len(reducer.units),
             "grads": [grads[id(p)] for p in engine.module.parameters()], "weights": weights}
 
 

@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from zerospeed.runtime.grad_math import clip_coefficient, global_norm, reduction_factors
+from zerospeed.zero.grad_math import clip_coefficient, global_norm, reduction_factors
 from zerospeed.testing import split_global_batch
 
 

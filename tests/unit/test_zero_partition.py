@@ -2,7 +2,7 @@
 import pytest
 
 from zerospeed.zero.memory import model_state_bytes
-from zerospeed.zero.partition import Segment, build_buckets, group_sub_groups, padded_size
+from zerospeed.zero.partition import Segment, build_layouts, group_sub_groups, padded_size
 
 
 def test_padded_size_rounds_up_to_world_times_align():
@@ -14,7 +14,7 @@ def test_padded_size_rounds_up_to_world_times_align():
 
 
 def test_buckets_never_split_parameters():
-    buckets = build_buckets([6, 5, 20, 3], bucket_size=12, world_size=2, align=1)
+    buckets = build_layouts([6, 5, 20, 3], bucket_size=12, world_size=2, align=1)
     assert [(b.numel, b.padded, b.chunk) for b in buckets] == [(11, 12, 6), (20, 20, 10), (3, 4, 2)]
     assert buckets[0].segments == (Segment(0, 0, 0, 6), Segment(1, 0, 6, 5))
     assert buckets[1].segments == (Segment(2, 0, 0, 20),)
@@ -23,7 +23,7 @@ def test_buckets_never_split_parameters():
 def test_rank_segments_cover_each_parameter_exactly_once():
     numels = [7, 5, 9, 2, 11]
     for world in (1, 2, 3, 4):
-        buckets = build_buckets(numels, bucket_size=10, world_size=world, align=2)
+        buckets = build_layouts(numels, bucket_size=10, world_size=world, align=2)
         covered = {i: [] for i in range(len(numels))}
         for b in buckets:
             for r in range(world):
@@ -37,7 +37,7 @@ def test_rank_segments_cover_each_parameter_exactly_once():
 
 
 def test_rank_segments_exact_split():
-    (b,) = build_buckets([3, 6], bucket_size=100, world_size=2, align=1)
+    (b,) = build_layouts([3, 6], bucket_size=100, world_size=2, align=1)
     assert b.padded == 10 and b.chunk == 5
     assert b.rank_segments(0) == [Segment(0, 0, 0, 3), Segment(1, 0, 3, 2)]
     assert b.rank_segments(1) == [Segment(1, 2, 0, 4)]  # last element of the chunk is padding
@@ -45,9 +45,9 @@ def test_rank_segments_exact_split():
 
 def test_bad_sizes_are_errors():
     with pytest.raises(ValueError, match="bucket_size must be positive"):
-        build_buckets([1], 0, 2)
+        build_layouts([1], 0, 2)
     with pytest.raises(ValueError, match="world_size must be positive"):
-        build_buckets([1], 4, 0)
+        build_layouts([1], 4, 0)
     with pytest.raises(ValueError, match="sub_group_size must be positive"):
         group_sub_groups([1], 0)
 

@@ -54,8 +54,8 @@ def _matching_file(manifest: dict, entries: list[ShardEntry], rank: int) -> Rank
 
 
 def _weights_in_shards(engine, manifest: dict) -> bool:
-    """Stage 3 (saving or loading) keeps trainable weights only in the shards, not the module state."""
-    return engine.zero.stage == 3 or manifest["zero_stage"] == 3
+    """Trainable weights live only in the shards, not the module state (when saving or loading)."""
+    return engine.zero.weights_in_shards or manifest["weights_in_shards"]
 
 
 def _plan(engine, tag_dir: Path, manifest: dict, *, strict: bool, with_optimizer: bool, module_only: bool) -> _Plan:
@@ -93,7 +93,7 @@ def _load_module(engine, states: dict, manifest: dict, strict: bool, where: Path
     module_state = {k: v for k, v in states["module"].items() if k not in sharded}
     result = engine.module.load_state_dict(module_state, strict=False)
     excluded = set(manifest.get("excluded_frozen", ())) | sharded
-    if manifest["zero_stage"] == 3:  # a stage-3 checkpoint keeps trainable parameters in its shards only
+    if manifest["weights_in_shards"]:  # such a checkpoint keeps trainable parameters in its shards only
         excluded |= {n for n, p in engine.module.named_parameters(remove_duplicate=False) if p.requires_grad}
     missing = [k for k in result.missing_keys if k not in excluded]
     if strict and (missing or result.unexpected_keys):

@@ -20,7 +20,7 @@ from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.naming import MANIFEST
 
 FORMAT = "zerospeed-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: `weights_in_shards` recorded (format 1 implied it by ZeRO stage 3)
 _SHOW = 8  # names listed in an error before "... and N more"
 
 
@@ -126,4 +126,12 @@ def read_manifest(tag_dir: Path) -> dict:
     if manifest.get("format_version", 0) > FORMAT_VERSION:
         raise CheckpointError(f"{path} has format version {manifest['format_version']}; this zerospeed reads "
                               f"up to {FORMAT_VERSION} — upgrade zerospeed")
+    return _upgraded(manifest)
+
+
+def _upgraded(manifest: dict) -> dict:
+    """An older format's manifest with the fields of the current one (format 1: only stage-3
+    checkpoints kept their trainable weights in the shards alone)."""
+    if manifest.get("format_version", 0) < 2:
+        manifest = {**manifest, "weights_in_shards": manifest["zero_stage"] == 3}
     return manifest

@@ -112,9 +112,9 @@ def _model_states(engine, client_state: dict, exclude_frozen: bool) -> dict:
 
 
 def _rank_states(engine, rank: int) -> tuple[dict, list[EntryLayout]]:
-    """This rank's shard (its entries; at stage 0 only rank 0 keeps the replicated ones) and RNG."""
+    """This rank's shard (its entries; when every rank holds the same state, only rank 0's) and RNG."""
     entries = engine.zero.shard_entries(parameter_names(engine.module))
-    if engine.zero.stage == 0 and rank != 0:
+    if engine.zero.replicated_state and rank != 0:
         entries = []
     opt = engine.optimizer
     records, layouts = [], []
@@ -143,7 +143,8 @@ def _manifest(engine, tag: str, files: dict, partition: list[RankFile], excluded
                       "param_groups": len(engine.optimizer.param_groups) if engine.optimizer is not None else 0},
         "parameters": param_specs(module), "tied": tied_aliases(module),
         "module_keys": list(module.state_dict().keys()), "excluded_frozen": excluded,
-        "replicated": engine.zero.stage == 0,  # rank 0's entries stand for every rank
+        "replicated": engine.zero.replicated_state,  # rank 0's entries stand for every rank
+        "weights_in_shards": engine.zero.weights_in_shards,  # the module state holds no trainable weights
         "partition": [rf.to_json() for rf in partition],
         "files": files,
     }
@@ -220,8 +221,8 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin")
     """Collective: rank 0 writes the module's state dict, in its training dtype, to save_dir/save_filename."""
     _check_supported(engine)
     error = None
-    # stage 3: gathered unit by unit onto rank 0 (collective); stages 0-2 hold the full module already
-    state = engine.zero.full_state_dict() if engine.zero.stage == 3 else engine.module.state_dict()
+    # collective: sharded weights are gathered unit by unit onto rank 0
+    state = engine.zero.full_state_dict()
     if comm.get_rank() == 0:
         try:
             Path(save_dir).mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ import torch
 
 from zerospeed.offload.aio import DIRECT_ALIGN, AsyncIO
 from zerospeed.offload.swap import BufferPool, SwapFile
-from zerospeed.zero.optimizer_step import OnStepped, scale_grads, step_one
+from zerospeed.optim.sub_group_step import OnStepped, scale_grads, step_one
 
 logger = logging.getLogger(__name__)
 

@@ -114,7 +114,7 @@ def _nvme_dir(section, key: str) -> Path:
 def make_stepper(plan: OffloadPlan | None, masters: list[torch.nn.Parameter], sub_groups: list[list[int]],
                  rank: int):
     """The optimizer stepper for this plan: in memory, or through NVMe swap files."""
-    from zerospeed.zero.optimizer_step import InMemoryStepper
+    from zerospeed.optim.sub_group_step import InMemoryStepper
     if plan is None or plan.optimizer != "nvme":
         return InMemoryStepper()
     from zerospeed.offload.optimizer_swap import NvmeOptimizerSwapper

@@ -1,5 +1,8 @@
 """The optimizer step every ZeRO stage shares: scale the gradients, step in sub-groups.
 
+It lives in `optim/` (not `zero/` or `offload/`) because both build on it: the ZeRO strategies call a
+stepper, and the NVMe stepper in `offload/` reuses `step_one`; imports run zero -> offload -> optim.
+
 Two steppers with one interface: `InMemoryStepper` (masters and optimizer states resident, on the
 device or — with `offload_optimizer.device: cpu` — in host memory) and
 `zerospeed.offload.optimizer_swap.NvmeOptimizerSwapper` (masters and states live in swap files and

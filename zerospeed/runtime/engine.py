@@ -1,124 +1,26 @@
-"""The Engine: sequences precision, gradient reduction, the optimizer and the LR scheduler.
+"""The Engine: a DeepSpeed-style training step, one micro-batch at a time.
 
-It holds no feature logic of its own — each concern is a small object it calls in order:
-`PrecisionPolicy` (dtypes), a loss scaler (pure state machine), a ZeRO strategy from
-`zerospeed.zero` (stage 0: fp32 masters + bucketed all-reduce; stages 1-2: sharded masters,
-optimizer states and gradients, reduce-scatter + all-gather), the optimizer and scheduler from
-`zerospeed.optim`. A training step is `engine(batch)` -> `engine.backward(loss)` ->
-`engine.step()`, called once per micro-batch; the optimizer acts at accumulation boundaries.
+A step is `engine(batch)` -> `engine.backward(loss)` -> `engine.step()`, called once per
+micro-batch; the optimizer acts at accumulation boundaries. Everything it is made of — precision,
+the ZeRO strategy, optimizer, scheduler, loss scaler, counters, checkpoints — is the shared
+`EngineCore` (runtime/core.py), which the `PipelineEngine` is built on too.
 """
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
 
-from zerospeed import comm
-from zerospeed.accelerator import get_accelerator
-from zerospeed.precision.loss_scaler import loss_scaler_from_config
-from zerospeed.precision.policy import PrecisionPolicy
-from zerospeed.profiling.observer import EngineObserver
-from zerospeed.runtime.grad_math import clip_coefficient
-from zerospeed.zero import build_strategy, full_numel
-from zerospeed.zero.optimizer_step import use_fused_cpu_step
-from zerospeed.zero.memory import OPTIMIZER_STATE_BYTES, model_state_bytes, optimizer_kind
-
-logger = logging.getLogger(__name__)
+from zerospeed.runtime.core import EngineCore
 
 
-class Engine(torch.nn.Module):
+class Engine(EngineCore):
     """A DeepSpeed-style training engine around `module` (built by `zerospeed.initialize`)."""
 
-    def __init__(self, module: torch.nn.Module, config, *, param_groups, optimizer_factory, scheduler_factory,
-                 dp_group=None, training_dataloader=None):
-        super().__init__()
-        self.config = config
-        self.dp_group = dp_group
-        self.accelerator = get_accelerator()
-        self.local_rank = comm.get_local_rank()
-        self.global_rank = comm.get_rank()
-        self.world_size = comm.get_world_size()
-        self.dp_world_size = comm.get_world_size(dp_group)
-        self.device = self.accelerator.device(self.local_rank)
-        self.precision = PrecisionPolicy.from_config(config)
-
-        self.module = module.to(self.device)
-        self._broadcast_model()
-        # The strategy snapshots fp32 masters before the model is cast to 16-bit.
-        self.zero = build_strategy(config, param_groups, module=self.module, param_dtype=self.precision.param_dtype,
-                                   device=self.device, dp_group=dp_group)
-        if self.precision.mixed:
-            self.module.to(self.precision.param_dtype)
-        self.optimizer = optimizer_factory(self.zero)
-        if getattr(self.zero, "plan", None) is not None and self.zero.plan.optimizer != "none":
-            use_fused_cpu_step(self.optimizer)  # the offloaded step: torch's fused CPU Adam on flat shards
-        self.lr_scheduler = scheduler_factory(self.optimizer)
-        self.loss_scaler = loss_scaler_from_config(config.fp16) if self.precision.needs_loss_scaling else None
-        self.training_dataloader = training_dataloader
-
-        self.global_steps = 0
-        self.global_samples = 0
-        self.skipped_steps = 0
-        self.micro_steps = 0
+    def __init__(self, module: torch.nn.Module, config, **kwargs):
+        super().__init__(module, config, **kwargs)
         self._boundary_override: bool | None = None
         self._inside_no_sync = False
-        self._global_grad_norm: float | None = None
-        self._step_applied = False
-        # timers, flops profiler, monitors, comm report, the steps_per_print line (all off by default)
-        self.observer = EngineObserver.for_engine(self)
-
-    # -- set-up -----------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _broadcast_model(self) -> None:
-        """Start every rank from rank 0's weights and buffers, as DeepSpeed does."""
-        if self.dp_world_size == 1:
-            return
-        src = comm.global_rank(self.dp_group, 0)
-        for t in list(self.module.parameters()) + list(self.module.buffers()):
-            comm.broadcast(t.data, src=src, group=self.dp_group)
-
-    # -- config accessors DeepSpeed users call -----------------------------------------------------
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def gradient_clipping(self) -> float:
-        return self.config.gradient_clipping
-
-    def zero_optimization_stage(self) -> int:
-        return self.config.zero_optimization.stage
-
-    def fp16_enabled(self) -> bool:
-        return self.precision.param_dtype == torch.float16
-
-    def bf16_enabled(self) -> bool:
-        return self.precision.param_dtype == torch.bfloat16
-
-    def steps_per_print(self) -> int:
-        return self.config.steps_per_print
-
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-
-    cur_scale = loss_scale
-
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def get_global_grad_norm(self) -> float | None:
-        """The gradient norm of the last optimizer step, before clipping (None before the first)."""
-        return self._global_grad_norm
-
-    def was_step_applied(self) -> bool:
-        """False when the last boundary step was skipped (fp16 overflow)."""
-        return self._step_applied
 
     # -- accumulation boundaries -------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -133,9 +35,10 @@ class Engine(torch.nn.Module):
     @contextlib.contextmanager
     def no_sync(self):
         """Skip gradient reduction inside the block; gradients keep accumulating locally (stages 0-1)."""
-        if self.zero.stage >= 2:
-            raise RuntimeError("engine.no_sync() is not supported with ZeRO stage 2: gradients are partitioned "
-                               "as they are produced; use stage 0 or 1 to accumulate without communication")
+        if not self.zero.supports_no_sync:
+            stage = self.zero_optimization_stage()
+            raise RuntimeError(f"engine.no_sync() is not supported with ZeRO stage {stage}: gradients are "
+                               "partitioned as they are produced; use stage 0 or 1 to accumulate without communication")
         previous, self._inside_no_sync = self._inside_no_sync, True
         try:
             yield
@@ -155,11 +58,7 @@ class Engine(torch.nn.Module):
         if not loss.requires_grad:
             raise RuntimeError("engine.backward: the loss does not require grad (was it computed under "
                                "torch.no_grad() or engine.eval()?)")
-        scaled = loss
-        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            scaled = scaled / self.gradient_accumulation_steps()
-        if self.loss_scaler is not None:
-            scaled = scaled.float() * self.loss_scaler.scale
+        scaled = self.scale_loss(loss, scale_wrt_gas)
         self.zero.begin_backward(sync=self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
         self.observer.on_backward_start(self, loss)
         scaled.backward(retain_graph=retain_graph)
@@ -171,106 +70,6 @@ class Engine(torch.nn.Module):
         self.observer.on_step_start(self)
         self.zero.end_micro_step()
         if self.is_gradient_accumulation_boundary():
-            self._take_model_step(lr_kwargs or {})
+            self.take_model_step(lr_kwargs)
         self.micro_steps += 1
         self.observer.on_step_end(self)
-
-    def _take_model_step(self, lr_kwargs: dict) -> None:
-        if self.optimizer is None:
-            raise RuntimeError("engine.step(): no optimizer — give initialize() an optimizer or an "
-                               "`optimizer` section in the config")
-        self.zero.finish_reduction()
-        scale = self.loss_scale
-        norm = self.zero.global_grad_norm() / scale
-        overflow = self._overflow_on_any_rank(norm) if self.loss_scaler is not None else False
-        self._step_applied = not overflow
-        if overflow:
-            self.skipped_steps += 1
-        else:
-            self._global_grad_norm = norm
-            self.zero.step(self.optimizer, clip_coefficient(norm, self.gradient_clipping()) / scale)
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step(**lr_kwargs)
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(overflow)
-            if overflow:
-                logger.info("step %d: fp16 gradient overflow on some rank; step skipped, loss scale %g -> %g",
-                            self.global_steps, scale, self.loss_scaler.scale)
-        self.zero.zero_grads()
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size()
-
-    def _overflow_on_any_rank(self, local_norm: float) -> bool:
-        # Sharded stages all-reduce the squared norm, so an inf anywhere is already everywhere; stage 0
-        # needs the flag because no_sync() can leave a rank's gradients unreduced.
-        if self.zero.stage >= 1:
-            return not torch.isfinite(torch.tensor(local_norm)).item()
-        flag = torch.tensor([0.0 if torch.isfinite(torch.tensor(local_norm)) else 1.0], device=self.device)
-        comm.all_reduce(flag, op="max", group=self.dp_group)
-        return bool(flag.item() > 0)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop accumulated gradients (the engine's buffers and any stray .grad)."""
-        self.zero.zero_grads()
-        self.module.zero_grad(set_to_none=set_to_none)
-
-    def destroy(self) -> None:
-        """End of training: log the comm totals, close monitors, remove NVMe swap files."""
-        self.observer.close()
-        self.zero.close()
-
-    def placement(self) -> dict[str, str]:
-        """Where each kind of model state lives on this rank: a device ("cpu", "cuda:0") or
-        "nvme:<dir>" (ZeRO-Offload / ZeRO-Infinity), read off the tensors and swap files."""
-        return self.zero.placement()
-
-    def swap_files(self) -> list:
-        """(kind, path, bytes) of this rank's NVMe swap files."""
-        return self.zero.swap_files()
-
-    # -- memory ----------------------------------------------------------------------------------
-    def memory_breakdown(self) -> dict[str, dict[str, float]]:
-        """Per-rank model-state bytes held by the engine, next to the ZeRO formula's prediction."""
-        measured = self.zero.memory_breakdown(self.optimizer)
-        n = sum(full_numel(p) for p in self.module.parameters() if p.requires_grad)
-        pb = torch.tensor([], dtype=self.precision.param_dtype).element_size()
-        predicted = model_state_bytes(
-            n, self.dp_world_size, self.zero.stage, param_bytes=pb,
-            grad_bytes=torch.tensor([], dtype=self.precision.grad_accum_dtype).element_size(),
-            master_bytes=4 if self.precision.mixed else 0,
-            optim_bytes=OPTIMIZER_STATE_BYTES[optimizer_kind(self.optimizer)] if self.optimizer else 0)
-        return {"measured": measured, "predicted": predicted}
-
-    # -- checkpoints (zerospeed.checkpoint does the work) ----------------------------------------
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False):
-        from zerospeed.checkpoint import save_checkpoint
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
-                               exclude_frozen_parameters=exclude_frozen_parameters)
-
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False):
-        """Restore a checkpoint (any world size, stage 0-2); returns (load_path, client_state)."""
-        from zerospeed.checkpoint import load_checkpoint
-        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
-                               load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
-
-    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin"):
-        from zerospeed.checkpoint import save_16bit_model
-        return save_16bit_model(self, save_dir, save_filename)
-
-    # -- module passthrough ------------------------------------------------------------------------
-    def train(self, mode: bool = True):
-        self.module.train(mode)
-        return self
-
-    def eval(self):
-        return self.train(False)
-
-    def state_dict(self, *args, **kwargs):
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True):
-        return self.module.load_state_dict(state_dict, strict=strict)

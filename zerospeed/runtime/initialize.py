@@ -12,6 +12,8 @@ from zerospeed.config import ConfigError, auto_values_from_hidden_size, parse_co
 from zerospeed.optim import build_lr_scheduler, build_optimizer
 from zerospeed.optim.factory import is_zero_tested_optimizer
 from zerospeed.runtime.dataloader import ShardedDataLoader
+from zerospeed.comm.mesh import ParallelMesh
+from zerospeed.parallel.pipeline import PipelineEngine, PipelineModule
 from zerospeed.runtime.engine import Engine
 
 logger = logging.getLogger(__name__)
@@ -70,18 +72,35 @@ def _param_groups(model, optimizer, model_parameters) -> list[dict]:
     return groups
 
 
+def _mesh(model, mpu, mesh) -> ParallelMesh:
+    """The parallel layout: the one given, a DeepSpeed/Megatron `mpu`, a PipelineModule's, or plain
+    data parallelism over every rank."""
+    if mesh is not None and mpu is not None:
+        raise ConfigError("initialize: give `mesh` or `mpu`, not both (an mpu is another view of the same layout)")
+    if mesh is not None:
+        return mesh
+    if mpu is not None:
+        return ParallelMesh.from_mpu(mpu)
+    if isinstance(model, PipelineModule):
+        return model.groups.mesh
+    return ParallelMesh.data_parallel()
+
+
 def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, mpu=None, dist_init_required: bool | None = None,
-               collate_fn=None, config: Any = None, config_params: Any = None):
-    """Wrap `model` for training; returns (engine, optimizer, training_dataloader, lr_scheduler)."""
+               collate_fn=None, config: Any = None, config_params: Any = None, mesh: ParallelMesh | None = None):
+    """Wrap `model` for training; returns (engine, optimizer, training_dataloader, lr_scheduler).
+
+    `mesh` (zerospeed's own; DeepSpeed has no such argument) is the parallel layout to train over;
+    without it, `mpu` or a PipelineModule's grid gives it, else every rank is data parallel.
+    """
     if model is None:
         raise ConfigError("initialize: `model` is required (the torch.nn.Module to train)")
     raw = _config_source(args, config, config_params)
     comm.init_distributed(dist_init_required=dist_init_required)
-    from zerospeed.parallel.pipeline import PipelineEngine, PipelineModule  # pipeline: its stage's dp group
-    pipe = isinstance(model, PipelineModule)
-    dp_group = mpu.get_data_parallel_group() if mpu is not None else (model.groups.group("dp") if pipe else None)
-    dp_world = comm.get_world_size(dp_group)
+    mesh = _mesh(model, mpu, mesh)
+    dp_group = mesh.group("dp")
+    dp_world = mesh.size("dp")
     hidden = _hidden_size(model)
     known = auto_values_from_hidden_size(hidden) if hidden else {}
     cfg = parse_config(raw, world_size=dp_world, known=known)
@@ -120,7 +139,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         loader = ShardedDataLoader(training_data, cfg.train_micro_batch_size_per_gpu,
                                    rank=comm.get_rank(dp_group), world_size=dp_world, collate_fn=collate_fn,
                                    drop_last=cfg.dataloader_drop_last)
-    engine = (PipelineEngine if pipe else Engine)(model, cfg, param_groups=_param_groups(model, optimizer, model_parameters),
-                    optimizer_factory=optimizer_factory, scheduler_factory=scheduler_factory,
-                    dp_group=dp_group, training_dataloader=loader)
+    engine_cls = PipelineEngine if isinstance(model, PipelineModule) else Engine
+    engine = engine_cls(model, cfg, param_groups=_param_groups(model, optimizer, model_parameters),
+                        optimizer_factory=optimizer_factory, scheduler_factory=scheduler_factory,
+                        mesh=mesh, training_dataloader=loader)
     return engine, engine.optimizer, loader, engine.lr_scheduler

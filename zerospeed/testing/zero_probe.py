@@ -68,9 +68,9 @@ def _padded_numel(engine) -> int:
     flat = getattr(engine.zero, "flat", None)
     if flat is None:
         return sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
-    if engine.zero.stage == 3:
+    if engine.zero.weights_in_shards:
         return sum(fp.padded for fp in flat)
-    return sum(b.padded for fg in flat for b in fg.buckets)
+    return sum(layout.padded for fg in flat for layout in fg.layouts)
 
 
 def probe_all(stages=(0, 1, 2, 3), precisions=("fp32", "bf16")) -> list[dict]:

@@ -1,31 +1,45 @@
-"""ZeRO: sharding of optimizer states (stage 1), gradients (stage 2) and parameters (stage 3)."""
+"""ZeRO: sharding of optimizer states (stage 1), gradients (stage 2) and parameters (stage 3).
+
+`build_strategy` is the one place that reads the stage number: it picks the strategy (stage 0
+data parallel, 1, 2 = 1 + reduce-scatter every micro-step, 3 = 2 + parameter lifecycle) and gives
+it one `ReductionGroup` per param group from the parallel mesh (Note [reduction groups] in
+zero/strategy.py). Everything after talks to the `ZeroStrategy` protocol.
+"""
 from __future__ import annotations
+
+import functools
 
 import torch
 
-from zerospeed.zero.sharded import ShardedStrategy
+from zerospeed.offload.plan import OffloadPlan
+from zerospeed.zero.grad_math import reduction_factors
+from zerospeed.zero.sharded import ShardedStrategy, Stage2Strategy
 from zerospeed.zero.stage0 import DataParallelStrategy
 from zerospeed.zero.stage3 import GatheredParameters, Init, full_numel, full_shape, register_external_parameter
 from zerospeed.zero.stage3.strategy import Stage3Strategy
+from zerospeed.zero.strategy import ReductionGroup, ZeroStrategy, reduction_groups
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def build_strategy(cfg, groups: list[dict], *, module: torch.nn.Module, param_dtype: torch.dtype,
-                   device: torch.device, dp_group=None):
-    """The gradient / optimizer strategy for the configured ZeRO stage (resolved once, here)."""
-    from zerospeed.offload.plan import OffloadPlan
+def build_strategy(cfg, groups: list[dict], reduction: list[ReductionGroup], *, module: torch.nn.Module,
+                   param_dtype: torch.dtype, device: torch.device, norm_group=None) -> ZeroStrategy:
+    """The gradient / optimizer strategy for the configured ZeRO stage (resolved once, here), with
+    each param group reducing over its `ReductionGroup` and the gradient norm over `norm_group`."""
     zero = cfg.zero_optimization
-    plan = OffloadPlan.from_config(cfg, device)
     comm_dtype = _DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None
     grad_dtype = _DTYPES[cfg.data_types.grad_accum_dtype or "fp32"]
-    common = dict(comm_dtype=comm_dtype, op="sum" if cfg.gradient_allreduce_op == "sum" else "avg",
-                  prescale=cfg.prescale_gradients, predivide_factor=cfg.gradient_predivide_factor)
+    # DeepSpeed's scaling rule around the sum, applied with each group's own size (an average over
+    # the ranks that group reduces over)
+    scaling = functools.partial(reduction_factors, op="sum" if cfg.gradient_allreduce_op == "sum" else "avg",
+                                prescale=cfg.prescale_gradients, predivide_factor=cfg.gradient_predivide_factor)
+    common = dict(comm_dtype=comm_dtype, scaling=scaling, norm_group=norm_group)
     if zero.stage == 0:
-        return DataParallelStrategy(groups, mixed=param_dtype != torch.float32, group=dp_group,
+        return DataParallelStrategy(groups, reduction, mixed=param_dtype != torch.float32, module=module,
                                     bucket_size=int(zero.reduce_bucket_size), accum_dtype=grad_dtype, **common)
+    plan = OffloadPlan.from_config(cfg, device)
     if zero.stage == 3:
-        return Stage3Strategy(module, groups, param_dtype=param_dtype, device=device,
+        return Stage3Strategy(module, groups, reduction, param_dtype=param_dtype, device=device,
                               reduce_bucket_size=int(zero.reduce_bucket_size), sub_group_size=int(zero.sub_group_size),
                               overlap_comm=bool(zero.overlap_comm),
                               prefetch_bucket_size=int(zero.stage3_prefetch_bucket_size),
@@ -33,14 +47,13 @@ def build_strategy(cfg, groups: list[dict], *, module: torch.nn.Module, param_dt
                               max_reuse_distance=int(zero.stage3_max_reuse_distance),
                               param_persistence_threshold=int(zero.stage3_param_persistence_threshold),
                               model_persistence_threshold=int(zero.stage3_model_persistence_threshold),
-                              dp_group=dp_group, plan=plan, **common)
-    return ShardedStrategy(groups, stage=zero.stage, param_dtype=param_dtype, device=device,
-                           reduce_bucket_size=int(zero.reduce_bucket_size),
-                           allgather_bucket_size=int(zero.allgather_bucket_size),
-                           sub_group_size=int(zero.sub_group_size), overlap_comm=bool(zero.overlap_comm),
-                           grad_dtype=grad_dtype, ignore_unused_parameters=zero.ignore_unused_parameters,
-                           dp_group=dp_group, plan=plan, **common)
+                              plan=plan, **common)
+    cls = ShardedStrategy if zero.stage == 1 else Stage2Strategy
+    return cls(groups, reduction, param_dtype=param_dtype, device=device, module=module,
+               reduce_bucket_size=int(zero.reduce_bucket_size), allgather_bucket_size=int(zero.allgather_bucket_size),
+               sub_group_size=int(zero.sub_group_size), overlap_comm=bool(zero.overlap_comm), grad_dtype=grad_dtype,
+               ignore_unused_parameters=zero.ignore_unused_parameters, plan=plan, **common)
 
 
-__all__ = ["DataParallelStrategy", "GatheredParameters", "Init", "ShardedStrategy", "Stage3Strategy", "build_strategy",
-           "full_numel", "full_shape", "register_external_parameter"]
+__all__ = ["DataParallelStrategy", "GatheredParameters", "Init", "ReductionGroup", "reduction_groups", "ShardedStrategy", "Stage2Strategy",
+           "Stage3Strategy", "ZeroStrategy", "build_strategy", "full_numel", "full_shape", "register_external_parameter"]

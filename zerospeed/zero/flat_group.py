@@ -1,20 +1,20 @@
-"""One optimizer param group flattened into padded buckets, with this rank's chunk of each.
+"""One optimizer param group flattened into padded flat layouts, with this rank's chunk of each.
 
-The model's parameters become views into the flat low-precision bucket buffers (so the all-gather
-after a step writes them in place). fp32 masters exist only for this rank's chunks — in fp32
-training they *are* the chunk views of the parameter buffers, so nothing is duplicated.
+The model's parameters become views into the flat low-precision parameter buffers (so the
+all-gather after a step writes them in place). fp32 masters exist only for this rank's chunks — in
+fp32 training they *are* the chunk views of the parameter buffers, so nothing is duplicated.
 """
 from __future__ import annotations
 
 import torch
 
-from zerospeed.zero.partition import Bucket, build_buckets
+from zerospeed.zero.partition import FlatLayout, build_layouts
 
 
-def flatten_fp32(bucket: Bucket, values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The bucket as one padded fp32 tensor holding `values` (in segment order) at their offsets."""
-    full = torch.zeros(bucket.padded, dtype=torch.float32, device=device)
-    for s in bucket.segments:
+def flatten_fp32(layout: FlatLayout, values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The layout as one padded fp32 tensor holding `values` (in segment order) at their offsets."""
+    full = torch.zeros(layout.padded, dtype=torch.float32, device=device)
+    for s in layout.segments:
         full[s.offset:s.offset + s.numel].copy_(values[s.param].detach().reshape(-1))
     return full
 
@@ -22,22 +22,22 @@ def flatten_fp32(bucket: Bucket, values: list[torch.Tensor], device: torch.devic
 class FlatParamGroup:
     def __init__(self, params: list[torch.nn.Parameter], hparams: dict, *, bucket_size: int, world_size: int,
                  rank: int, param_dtype: torch.dtype, device: torch.device, plan=None):
-        # Backward produces gradients roughly in reverse registration order: lay buckets out in that
-        # order so the first buckets complete (and launch) first.
+        # Backward produces gradients roughly in reverse registration order: lay parameters out in
+        # that order so the first layouts complete (and launch their reduction) first.
         self.params = list(reversed(params))
         self.hparams = hparams
         self.rank = rank
-        self.buckets: list[Bucket] = build_buckets([p.numel() for p in self.params], bucket_size, world_size)
+        self.layouts: list[FlatLayout] = build_layouts([p.numel() for p in self.params], bucket_size, world_size)
         self.param_buffers: list[torch.Tensor] = []
         self.masters: list[torch.nn.Parameter] = []
         # fp32 masters alias the parameter buffer when they live in the same memory; offloaded
         # masters are host copies (see zerospeed/offload/plan.py).
         master_device = plan.master_device if plan is not None else device
         alias = param_dtype == torch.float32 and master_device == device
-        for bucket in self.buckets:
-            full = flatten_fp32(bucket, self.params, device)
+        for layout in self.layouts:
+            full = flatten_fp32(layout, self.params, device)
             buffer = full if param_dtype == torch.float32 else full.to(param_dtype)
-            lo, hi = bucket.chunk_range(rank)
+            lo, hi = layout.chunk_range(rank)
             if alias:
                 master_src = buffer[lo:hi]
             elif master_device != device:
@@ -47,27 +47,19 @@ class FlatParamGroup:
             self.masters.append(torch.nn.Parameter(master_src))
             self.param_buffers.append(buffer)
             del full
-        for bucket, buffer in zip(self.buckets, self.param_buffers):
-            for s in bucket.segments:
+        for layout, buffer in zip(self.layouts, self.param_buffers):
+            for s in layout.segments:
                 p = self.params[s.param]
                 p.data = buffer[s.offset:s.offset + s.numel].view_as(p)
 
-    def chunk(self, bucket: Bucket, tensor: torch.Tensor) -> torch.Tensor:
-        lo, hi = bucket.chunk_range(self.rank)
+    def chunk(self, layout: FlatLayout, tensor: torch.Tensor) -> torch.Tensor:
+        lo, hi = layout.chunk_range(self.rank)
         return tensor[lo:hi]
 
     @torch.no_grad()
-    def write_masters_to_params(self) -> None:
-        """Copy updated fp32 masters into this rank's chunk of the parameter buffers (mixed precision)."""
-        for i in range(len(self.buckets)):
-            self.write_master_to_param(i)
-
-    @torch.no_grad()
     def write_master_to_param(self, i: int) -> None:
-        chunk = self.chunk(self.buckets[i], self.param_buffers[i])
+        """Copy layout i's updated fp32 master into this rank's chunk of its parameter buffer."""
+        chunk = self.chunk(self.layouts[i], self.param_buffers[i])
         master = self.masters[i]
         if chunk.data_ptr() != master.data_ptr():
             chunk.copy_(master)
-
-    def numel(self) -> int:
-        return sum(b.numel for b in self.buckets)

@@ -1,15 +1,19 @@
-"""Pure partition math for ZeRO stages 1 and 2: flat buckets, padding, each rank's chunk, sub-groups.
+"""Pure partition math for ZeRO: flat layouts, padding, each rank's chunk, sub-groups.
 
-Note [bucket-chunk partition]: a parameter group's trainable parameters are laid end to end in flat
-buckets of about `reduce_bucket_size` elements (a parameter is never split; one larger than the
-bucket size gets a bucket of its own). Each bucket is padded to a multiple of world_size * ALIGN and
-divided into world_size equal chunks; rank r owns chunk r of *every* bucket. So each bucket's
-gradient reduction is one balanced reduce-scatter and each bucket's parameter refresh one balanced
-all-gather, issued as soon as that bucket is ready, with no per-rank reduce calls. DeepSpeed instead
-cuts the whole flat group into N contiguous slices, so a bucket straddles ranks unevenly and is
-reduced with one `reduce` per owning rank; the two layouts hold the same 1/N of every state on each
-rank. The map between a rank's chunks and parameter elements is pure (`Bucket.rank_segments`), which
-is what checkpoints use to consolidate or reshard.
+Vocabulary (one word per concept): a *flat layout* (`FlatLayout`) is whole parameters laid end to
+end in one padded flat buffer, cut into `world_size` equal *chunks*; a *reduction bucket* is what one
+gradient collective carries (`zero/reducer.py`); a *sub-group* is what one optimizer step covers.
+
+Note [flat-layout partition]: a parameter group's trainable parameters are laid end to end in flat
+layouts of about `reduce_bucket_size` elements (a parameter is never split; one larger than that
+gets a layout of its own). Each layout is padded to a multiple of world_size * ALIGN and divided into
+world_size equal chunks; rank r owns chunk r of *every* layout. So each layout's gradient reduction
+is one balanced reduce-scatter and each layout's parameter refresh one balanced all-gather, issued
+as soon as that layout is ready, with no per-rank reduce calls. DeepSpeed instead cuts the whole
+flat group into N contiguous slices, so a bucket straddles ranks unevenly and is reduced with one
+`reduce` per owning rank; the two layouts hold the same 1/N of every state on each rank. The map
+between a rank's chunks and parameter elements is pure (`FlatLayout.rank_segments`), which is what
+checkpoints use to consolidate or reshard.
 """
 from __future__ import annotations
 
@@ -29,16 +33,16 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class Bucket:
+class FlatLayout:
     index: int
-    segments: tuple[Segment, ...]  # whole parameters, offsets within the bucket
+    segments: tuple[Segment, ...]  # whole parameters, offsets within the layout
     numel: int  # unpadded
     padded: int  # multiple of world_size * ALIGN
     world_size: int
 
     @property
     def chunk(self) -> int:
-        """Elements each rank owns in this bucket."""
+        """Elements each rank owns in this layout."""
         return self.padded // self.world_size
 
     def chunk_range(self, rank: int) -> tuple[int, int]:
@@ -61,19 +65,19 @@ def padded_size(numel: int, world_size: int, align: int = ALIGN) -> int:
     return max(unit, -(-numel // unit) * unit)
 
 
-def build_buckets(numels: list[int], bucket_size: int, world_size: int, align: int = ALIGN) -> list[Bucket]:
-    """Lay parameters (in the given order) into padded buckets of about `bucket_size` elements."""
+def build_layouts(numels: list[int], bucket_size: int, world_size: int, align: int = ALIGN) -> list[FlatLayout]:
+    """Lay parameters (in the given order) into padded flat layouts of about `bucket_size` elements."""
     if bucket_size <= 0:
         raise ValueError(f"bucket_size must be positive, got {bucket_size}")
     if world_size <= 0:
         raise ValueError(f"world_size must be positive, got {world_size}")
-    buckets: list[Bucket] = []
+    layouts: list[FlatLayout] = []
     current: list[Segment] = []
     filled = 0
 
     def close():
         nonlocal current, filled
-        buckets.append(Bucket(len(buckets), tuple(current), filled, padded_size(filled, world_size, align),
+        layouts.append(FlatLayout(len(layouts), tuple(current), filled, padded_size(filled, world_size, align),
                               world_size))
         current, filled = [], 0
 
@@ -84,7 +88,7 @@ def build_buckets(numels: list[int], bucket_size: int, world_size: int, align: i
         filled += numel
     if current:
         close()
-    return buckets
+    return layouts
 
 
 def group_sub_groups(sizes: list[int], sub_group_size: int) -> list[list[int]]:

@@ -69,9 +69,9 @@ def save_pipeline_checkpoint(engine, save_dir, tag=None, client_state=None, save
             mod = module.layer_module(idx)
             if mod is not None:
                 atomic_torch_save(_cpu(mod.state_dict()), path / layer_file(idx))
-        if engine.zero.stage == 0 and engine.optimizer is not None:
+        if engine.zero.replicated_state and engine.optimizer is not None:
             _save_layer_optim(engine, path)
-    if engine.zero.stage >= 1 and engine.optimizer is not None:
+    if not engine.zero.replicated_state and engine.optimizer is not None:
         masters = [e.master.detach().cpu().clone() for e in engine.zero.shard_entries(
             {id(p): n for n, p in module.named_parameters()})]
         atomic_torch_save({"optimizer": engine.optimizer.state_dict(), "masters": masters, "layout": _layout(engine)},

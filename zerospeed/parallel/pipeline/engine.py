@@ -1,10 +1,11 @@
-"""`PipelineEngine`: runs pipeline schedules on top of the ordinary `Engine`.
+"""`PipelineEngine`: runs pipeline schedules on the parts every engine is made of.
 
-The base `Engine` keeps doing what it does — precision policy, the ZeRO strategy (built over this
-stage's data-parallel group), optimizer, LR scheduler, loss scaler, clipping and the boundary step
-(`_take_model_step`). This class adds only the pipeline: it executes the instructions of a schedule
-(schedules.py), moves messages through `Transport`, sums tied-weight gradients (ties.py), and makes
-the gradient norm span every stage.
+`EngineCore` (runtime/core.py) provides what the ordinary `Engine` has too — precision policy, the
+ZeRO strategy (built over this stage's data-parallel group of the mesh), optimizer, LR scheduler,
+loss scaler, clipping and the boundary step (`take_model_step`). This class adds only the pipeline:
+it executes the instructions of a schedule (schedules.py), moves messages through `Transport`, sums
+tied-weight gradients (ties.py), and extends the gradient norm over every stage. It has no
+per-micro-batch `backward` / `step`: batches run whole, through `train_batch`.
 
 Note [one reduction per batch]: every micro-batch's backward runs with the strategy's reduction off
 (`begin_backward(sync=False)`): gradients accumulate locally in the strategy's fp32 buffers. At
@@ -29,31 +30,13 @@ from zerospeed.parallel.pipeline import schedules as S
 from zerospeed.parallel.pipeline.module import PipelineModule
 from zerospeed.parallel.pipeline.ties import TiedGradients
 from zerospeed.parallel.pipeline.transport import RecvOp, SendOp, Transport, as_tensors
-from zerospeed.runtime.engine import Engine
+from zerospeed.runtime.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
 
 class PipelineError(RuntimeError):
     """Misuse of the pipeline engine (e.g. calling forward/backward/step directly)."""
-
-
-class _PipelineGrads:
-    """The ZeRO strategy, whose gradient norm is extended over every pipeline stage."""
-
-    def __init__(self, inner, pp_group, ties: TiedGradients, device: torch.device):
-        self.inner, self.pp_group, self.ties, self.device = inner, pp_group, ties, device
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-    def global_grad_norm(self) -> float:
-        # Each stage's strategy knows its own (data-parallel reduced) norm; tied weights are held by
-        # several stages but count once.
-        sq = self.inner.global_grad_norm() ** 2 - self.ties.duplicate_sq_norm
-        t = torch.tensor([sq], dtype=torch.float64, device=self.device)
-        comm.all_reduce(t, op="sum", group=self.pp_group)
-        return math.sqrt(max(float(t.item()), 0.0)) if math.isfinite(t.item()) else float(t.item())
 
 
 @dataclass
@@ -80,7 +63,7 @@ def _repeat(loader) -> Iterator:
         yield from loader
 
 
-class PipelineEngine(Engine):
+class PipelineEngine(EngineCore):
     """Trains a `PipelineModule` with 1F1B (interleaved when the module has chunks > 1)."""
 
     def __init__(self, module: PipelineModule, config, **kwargs):
@@ -94,11 +77,10 @@ class PipelineEngine(Engine):
         module.to(get_accelerator().device(comm.get_local_rank()))
         ties = TiedGradients(module)
         ties.broadcast_weights()
-        kwargs.setdefault("dp_group", module.groups.group("dp"))
+        kwargs.setdefault("mesh", module.groups.mesh)
         super().__init__(module, config, **kwargs)
         self.ties = ties
         self.pp_group = module.groups.group("pp")
-        self.zero = _PipelineGrads(self.zero, self.pp_group, ties, self.device)
         self.transport = Transport(self.device)
         self.num_stages, self.stage_id, self.chunks = module.num_stages, module.stage_id, module.chunks
         dp_index = module.grid.coords(self.global_rank)["dp"]
@@ -129,11 +111,14 @@ class PipelineEngine(Engine):
         raise PipelineError("a PipelineEngine runs whole batches: use engine.train_batch(data_iter) or "
                             "engine.eval_batch(data_iter) instead of engine(batch)")
 
-    def backward(self, *args, **kwargs):
-        raise PipelineError("a PipelineEngine runs backward inside engine.train_batch(); do not call backward")
-
-    def step(self, *args, **kwargs):
-        raise PipelineError("a PipelineEngine steps inside engine.train_batch(); do not call step")
+    def grad_norm(self) -> float:
+        """The norm over every stage: each stage's strategy knows its own (data-parallel reduced)
+        norm; tied weights are held by several stages but count once."""
+        sq = self.zero.global_grad_norm() ** 2 - self.ties.duplicate_sq_norm
+        t = torch.tensor([sq], dtype=torch.float64, device=self.device)
+        comm.all_reduce(t, op="sum", group=self.pp_group)
+        total = float(t.item())
+        return (math.sqrt(max(total, 0.0)) if math.isfinite(total) else total) / self.loss_scale
 
     # -- batches ----------------------------------------------------------------------------------
     def train_batch(self, data_iter=None) -> torch.Tensor:
@@ -254,7 +239,7 @@ class PipelineEngine(Engine):
         elif isinstance(ins, S.ReduceGrads):
             self._hand_grads_to_strategy()
         elif isinstance(ins, S.OptimizerStep):
-            self._take_model_step({})
+            self.take_model_step()
             self.micro_steps += self.gradient_accumulation_steps()
             self.ties.zero()
         else:
@@ -319,10 +304,7 @@ class PipelineEngine(Engine):
         key = (ins.micro_batch, ins.chunk)
         if self._is_last_vs(ins.chunk):
             loss = state.loss_tensors.pop(ins.micro_batch)
-            scaled = loss / self.gradient_accumulation_steps()
-            if self.loss_scaler is not None:
-                scaled = scaled.float() * self.loss_scaler.scale
-            scaled.backward()
+            self.scale_loss(loss).backward()
         else:
             _, outs = as_tensors(state.outputs.pop(key), "stage output")
             outs = [t for t in outs if t.is_floating_point() and t.requires_grad]

@@ -8,6 +8,7 @@ import torch
 from torch.nn.modules import module as _module_mod
 
 from zerospeed import comm
+from zerospeed.accelerator import get_accelerator
 from zerospeed.config.errors import ConfigError
 from zerospeed.zero.stage3 import registry
 from zerospeed.zero.stage3.flat_param import FlatParam, State
@@ -36,20 +37,28 @@ class Init:
     — so every rank ends with exactly the values an unsharded construction under the same seed gives.
 
     `zero.Init(module=model)` shards an existing model. `enabled=False` does nothing.
+
+    Note [where zero.Init shards live]: on this rank's accelerator device (the one the engine will
+    train on), wherever the module was built — the all-gathers that rebuild full parameters are
+    device collectives (NCCL refuses host tensors). `remote_device="cpu"` or `"nvme"` keeps the
+    shards in host memory instead (pinned with `pin_memory=True`); a gather then copies them to the
+    device first (stage3/gather.py). The engine re-places them according to `offload_param` later.
+    A CPU-only run keeps everything on the host, exactly as before.
     """
 
     def __init__(self, config_dict_or_path=None, enabled: bool = True, dtype: torch.dtype | None = None,
                  remote_device: str | None = None, module: torch.nn.Module | None = None, data_parallel_group=None,
-                 config=None, mpu=None):
-        # The shards zero.Init makes are re-placed by the engine according to offload_param; until then
-        # they stay where the module was built ("cpu" and "nvme" are accepted for DeepSpeed configs).
+                 config=None, mpu=None, pin_memory: bool = False):
         if remote_device not in (None, "cpu", "none", "nvme"):
             raise ConfigError(f"zero.Init(remote_device={remote_device!r}): use None, 'cpu' or 'nvme'")
+        self.remote_device = remote_device
+        self.pin_memory = pin_memory
         self.enabled = enabled
         self.dtype = dtype or _dtype_from_config(config_dict_or_path if config_dict_or_path is not None else config)
         self.group = mpu.get_data_parallel_group() if mpu is not None else data_parallel_group
         self._hook = None
         self._roots: list[torch.nn.Module] = []
+        self._built_on: dict[int, torch.device] = {}  # id(flat param) -> where its module was constructed
         if enabled and module is not None:
             comm.init_distributed()
             for m in module.modules():
@@ -90,7 +99,7 @@ class Init:
             self._shard_module(m)
         init = getattr(root, "_init_weights", None)
         if callable(init):
-            _replay_init(root, init)
+            _replay_init(root, init, self._built_on)
         return root
 
     # -- sharding ----------------------------------------------------------------------------------
@@ -99,18 +108,38 @@ class Init:
         if not params:
             return
         world, rank = comm.get_world_size(self.group), comm.get_rank(self.group)
+        device = get_accelerator().device(comm.get_local_rank())  # Note [where zero.Init shards live]
+        host = self.remote_device in ("cpu", "nvme") and device.type != "cpu"
+        built_on = params[0].device
         owner = FlatParam(-1, params, [p.detach().to(torch.float32) for p in params], group_index=0,
-                          world_size=world, rank=rank, dtype=self.dtype, device=params[0].device,
+                          world_size=world, rank=rank, dtype=self.dtype, device=device,
+                          shard_device=torch.device("cpu") if host else device,
+                          pin=_Pinned() if host and self.pin_memory else None,
                           dp_group=self.group, trainable=False)
+        self._built_on[id(owner)] = built_on
         for p in params:
             registry.register(p, owner)
 
 
+class _Pinned:
+    """The `pin` FlatParam takes (an OffloadPlan's `pinned`) for zero.Init(pin_memory=True)."""
+
+    @staticmethod
+    def pinned(t: torch.Tensor) -> torch.Tensor:
+        return get_accelerator().pin_memory(t)
+
+
 @torch.no_grad()
-def _replay_init(root: torch.nn.Module, init_fn) -> None:
+def _replay_init(root: torch.nn.Module, init_fn, built_on: dict[int, torch.device] | None = None) -> None:
     """Apply `init_fn` to every module in `nn.Module.apply` order (children first), gathering each
     module's parameters around the call. Every rank draws the same random numbers, so each keeps its
-    own chunk of the result without any communication."""
+    own chunk of the result without any communication.
+
+    The call runs on the device the module was built on (`built_on`, by flat parameter): a model
+    built on the host but sharded on a GPU re-initialises from the host generator, as its unsharded
+    construction did, not from the GPU's (other numbers, and the host stream would not advance)."""
+    built_on = built_on or {}
+
     def visit(m):
         for child in m.children():
             visit(child)
@@ -118,12 +147,29 @@ def _replay_init(root: torch.nn.Module, init_fn) -> None:
         was = {k: o.state for k, o in owners.items()}
         for o in owners.values():
             o.wait()
+        staged = {k: _stage(o, built_on[k]) for k, o in owners.items()
+                  if built_on.get(k, o.device) != o.device}
         init_fn(m)
         for k, o in owners.items():
+            if k in staged:
+                o.full.copy_(staged[k])
+                _point_at(o, o.full)
             o.shard_from_full()
             if was[k] is State.SHARDED:
                 o.release()
     visit(root)
+
+
+def _stage(owner: FlatParam, device: torch.device) -> torch.Tensor:
+    """A copy of the gathered `owner` on `device`, with its parameters pointing into it."""
+    copy = owner.full.to(device)
+    _point_at(owner, copy)
+    return copy
+
+
+def _point_at(owner: FlatParam, full: torch.Tensor) -> None:
+    for p, s, shape in zip(owner.params, owner.layout.segments, owner.shapes):
+        p.data = full[s.offset:s.offset + s.numel].view(shape)
 
 
 class GatheredParameters:

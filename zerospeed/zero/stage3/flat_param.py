@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from zerospeed.zero.flat_group import flatten_fp32
-from zerospeed.zero.partition import Bucket, build_buckets
+from zerospeed.zero.partition import FlatLayout, build_layouts
 
 
 class State(enum.Enum):
@@ -59,9 +59,9 @@ class FlatParam:
         self.swap = None  # an NvmeParamSwapper once the shard lives in a swap file (offload_param: nvme)
         shard_device = shard_device or device
         master_device = master_device or device
-        (self.bucket,) = build_buckets([v.numel() for v in values], bucket_size=1 << 62, world_size=world_size)
-        full = flatten_fp32(self.bucket, values, device)
-        lo, hi = self.bucket.chunk_range(rank)
+        (self.layout,) = build_layouts([v.numel() for v in values], bucket_size=1 << 62, world_size=world_size)
+        full = flatten_fp32(self.layout, values, device)
+        lo, hi = self.layout.chunk_range(rank)
         self.shard = _placed(full[lo:hi], shard_device, dtype, pin)
         # fp32 training: the master is the shard itself when both live in the same memory; otherwise
         # (16-bit, or offloaded elsewhere) a separate fp32 chunk. zero.Init's flat parameters
@@ -71,7 +71,7 @@ class FlatParam:
             alias = alias_master and dtype == torch.float32 and shard_device == master_device
             self.master = torch.nn.Parameter(self.shard if alias else _placed(full[lo:hi], master_device,
                                                                               torch.float32, pin))
-            self.grad_shard = _placed(torch.zeros(self.bucket.chunk), master_device, torch.float32, pin)
+            self.grad_shard = _placed(torch.zeros(self.layout.chunk), master_device, torch.float32, pin)
         self.full: torch.Tensor | None = None
         self.batch = None  # the GatherBatch in flight while GATHERING
         self.state = State.SHARDED
@@ -81,14 +81,11 @@ class FlatParam:
 
     @property
     def numel(self) -> int:
-        return self.bucket.numel
+        return self.layout.numel
 
     @property
     def padded(self) -> int:
-        return self.bucket.padded
-
-    def layout(self) -> Bucket:
-        return self.bucket
+        return self.layout.padded
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start_gather(self) -> None:
@@ -101,7 +98,7 @@ class FlatParam:
         if self.state is State.GATHERING:
             self.batch.wait()
             self.batch = None
-            for p, s, shape in zip(self.params, self.bucket.segments, self.shapes):
+            for p, s, shape in zip(self.params, self.layout.segments, self.shapes):
                 p.data = self.full[s.offset:s.offset + s.numel].view(shape)
             self.state = State.FULL
             self.residency.gathering -= self.padded
@@ -125,7 +122,7 @@ class FlatParam:
     @torch.no_grad()
     def shard_from_full(self) -> None:
         """After the full buffer was modified (GatheredParameters with a modifier): keep my chunk."""
-        lo, hi = self.bucket.chunk_range(self.rank)
+        lo, hi = self.layout.chunk_range(self.rank)
         self._set_shard(self.full[lo:hi])
         if self.master is not None and (self.shard is None or self.master.data_ptr() != self.shard.data_ptr()):
             self.master.copy_(self.full[lo:hi])
@@ -143,7 +140,7 @@ class FlatParam:
 
     @property
     def shard_numel(self) -> int:
-        return self.bucket.chunk
+        return self.layout.chunk
 
 
 def _placed(values: torch.Tensor, device: torch.device, dtype: torch.dtype, pin) -> torch.Tensor:
@@ -153,7 +150,8 @@ def _placed(values: torch.Tensor, device: torch.device, dtype: torch.dtype, pin)
 
 
 def start_gathers(fps: list[FlatParam]) -> None:
-    """Issue one all-gather for all of `fps` (SHARDED ones; every rank must pass the same list)."""
+    """Issue one all-gather per process group for all of `fps` (SHARDED ones; every rank must pass
+    the same list — flat parameters of different groups, e.g. dense and expert, travel apart)."""
     from zerospeed.zero.stage3.gather import GatherBatch
     todo = [fp for fp in fps if fp.state is State.SHARDED]
     if not todo:
@@ -161,10 +159,21 @@ def start_gathers(fps: list[FlatParam]) -> None:
     swap = todo[0].swap
     if swap is not None:
         swap.launch_through()  # the batches read ahead since the last gathers go first (Note [NVMe reads ...])
-    for part in (swap.split(todo) if swap is not None else [todo]):
+    for part in [p for run in _by_group(todo) for p in (swap.split(run) if swap is not None else [run])]:
         batch = GatherBatch(part)
         for fp in part:
             fp.batch = batch
             fp.state = State.GATHERING
             fp.residency.live += fp.padded
             fp.residency.gathering += fp.padded
+
+
+def _by_group(fps: list[FlatParam]) -> list[list[FlatParam]]:
+    """Consecutive runs of flat parameters sharing a process group, in order."""
+    runs: list[list[FlatParam]] = []
+    for fp in fps:
+        if runs and runs[-1][0].dp_group is fp.dp_group:
+            runs[-1].append(fp)
+        else:
+            runs.append([fp])
+    return runs

@@ -36,7 +36,7 @@ class GatherBatch:
         self.fps = fps
         first = fps[0]
         self.device, self.group = first.device, first.dp_group
-        self.world = first.bucket.world_size
+        self.world = first.layout.world_size
         self.swap_buffer = None
         self.done = False
         if first.swap is not None:  # Note [NVMe reads ahead of the gather]
@@ -63,7 +63,7 @@ class GatherBatch:
             send = send.to(device)
             self._release_swap_buffer()
         if len(self.fps) == 1:
-            first.full = torch.empty(first.bucket.padded, dtype=first.dtype, device=device)
+            first.full = torch.empty(first.layout.padded, dtype=first.dtype, device=device)
             self.recv = first.full
         else:
             self.recv = torch.empty(world * send.numel(), dtype=first.dtype, device=device)
@@ -93,7 +93,7 @@ class GatherBatch:
             rows = self.recv.view(self.world, -1)
             offset = 0
             for fp in self.fps:
-                chunk = fp.bucket.chunk
+                chunk = fp.layout.chunk
                 fp.full = rows[:, offset:offset + chunk].reshape(-1).clone()
                 offset += chunk
         self.recv = None

@@ -1,36 +1,33 @@
-"""ZeRO stage 3: parameters sharded too, gathered one unit at a time around its forward and backward.
+"""ZeRO stage 3 = stage 2 + the parameter lifecycle: parameters sharded too, gathered one unit at a
+time around its forward and backward.
 
 Units: every module that directly owns trainable parameters. A parameter belongs to the first module
 (in `named_modules()` order) that registers it; any other module that registers it too (a tied output
 head) or was told so by `register_external_parameter` gathers the owner's unit when it runs.
 
 Forward: a module's pre-hook gathers the units it uses (waiting on any prefetch), its post-hook
-releases them unless persistent. Backward: a backward pre-hook re-gathers them; once every parameter
-of a flat parameter has its gradient (post-accumulate hooks), the full tensors are released and the
-gradient is reduce-scattered into this rank's fp32 gradient chunk — launches in a fixed order, as in
-stage 2 (Note [bucket launch order]). The optimizer steps the fp32 master chunks, exactly as stage 2.
-
-Note [stage-3 prefetch order]: every fetch in a micro-step is recorded. From the next micro-step on,
-fetching the k-th unit of the recording (and it matching) issues async gathers for the following
-units, up to `stage3_prefetch_bucket_size` elements in flight and `stage3_max_live_parameters`
-resident. A fetch that does not match the recording stops prefetching for the rest of that
-micro-step and a new recording replaces the old: control-flow changes cost speed, never correctness.
+releases them unless kept for reuse. Backward: a backward pre-hook re-gathers them; once every
+parameter of a flat parameter has its gradient, the full tensors are released and the gradient is
+reduce-scattered into this rank's fp32 gradient chunk — stage 2's reduction policy, with consecutive
+units fused into buckets of `reduce_bucket_size` elements (`zero/reducer.py`). The optimizer steps
+the fp32 master chunks through the base shared with stages 1-2. Which units to prefetch and whether
+to keep one after a use is the pure `FetchSchedule` (fetch_policy.py).
 """
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 
 import torch
 
 from zerospeed import comm
-from zerospeed.runtime.grad_math import reduction_factors
-from zerospeed.zero.partition import group_sub_groups
-from zerospeed.offload.plan import HOST, make_param_swapper, make_stepper
-from zerospeed.zero.sharded import MAX_IN_FLIGHT_BUCKETS, optimizer_state_bytes, sharded_global_norm, state_placement
+from zerospeed.offload.plan import HOST, make_param_swapper
+from zerospeed.zero.reducer import GradUnit, reduce_scatter_every_micro_step
+from zerospeed.zero.sharded import ShardedOptimizerBase
 from zerospeed.zero.shards import Piece, ShardEntry
 from zerospeed.zero.stage3 import registry
+from zerospeed.zero.stage3.fetch_policy import FetchSchedule
 from zerospeed.zero.stage3.flat_param import FlatParam, Residency, State, start_gathers
+from zerospeed.zero.strategy import ReductionGroup, optimizer_state_bytes, state_placement
 
 
 # A backward pre-hook on a module whose inputs need no gradient (an embedding) is exactly what stage 3
@@ -39,93 +36,82 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing when gra
                                           "respect to module outputs since no inputs require gradients")
 
 
-@dataclass
-class _Grad:
-    staging: torch.Tensor | None = None
-    pending: int = 0
-
-
-class Stage3Strategy:
+class Stage3Strategy(ShardedOptimizerBase):
     stage = 3
+    supports_no_sync = False
+    weights_in_shards = True
 
-    def __init__(self, module: torch.nn.Module, groups: list[dict], *, param_dtype: torch.dtype,
-                 device: torch.device, reduce_bucket_size: int, sub_group_size: int, overlap_comm: bool,
-                 prefetch_bucket_size: int, max_live_parameters: int, param_persistence_threshold: int,
-                 max_reuse_distance: int = 1_000_000_000,
-                 model_persistence_threshold: int, comm_dtype: torch.dtype | None = None, op: str = "avg",
-                 prescale: bool = False, predivide_factor: float = 1.0, dp_group=None, plan=None):
+    def __init__(self, module: torch.nn.Module, groups: list[dict], reduction: list[ReductionGroup], *,
+                 param_dtype: torch.dtype, device: torch.device, reduce_bucket_size: int, sub_group_size: int,
+                 overlap_comm: bool, prefetch_bucket_size: int, max_live_parameters: int,
+                 param_persistence_threshold: int, model_persistence_threshold: int,
+                 max_reuse_distance: int = 1_000_000_000, comm_dtype: torch.dtype | None = None,
+                 scaling=None, norm_group=None, plan=None):
         self.module = module
-        self.group = dp_group
-        self.world_size = comm.get_world_size(dp_group)
-        self.rank = comm.get_rank(dp_group)
-        self.overlap_comm = overlap_comm
-        self.reduce_bucket_size = reduce_bucket_size
-        self._bucket: list[FlatParam] = []
-        self._bucket_elems = 0
-        self._inflight: list = []
-        self.comm_dtype = comm_dtype
-        self.prefetch_bucket_size = prefetch_bucket_size
-        self.max_live = max_live_parameters
-        self.max_reuse_distance = max_reuse_distance
-        self.pre, self.post = reduction_factors(self.world_size, op, prescale, predivide_factor)
-        self.hparams = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-        group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
         self.plan = plan
-        master_device = _master_devices(plan, groups, device)
-        self.flat: list[FlatParam] = []
+        self.norm_group = norm_group
+        self.hparams = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        self.max_live = max_live_parameters
         self.residency = Residency()
+        self.flat: list[FlatParam] = []
         self.uses: dict[int, list[FlatParam]] = {}  # id(module) -> flat params its forward needs
-        owner_unit: dict[int, list[FlatParam]] = {}
-        for m in module.modules():
-            own = [p for p in m.parameters(recurse=False) if id(p) in group_of and id(p) not in owner_unit]
-            by_group: dict[int, list[torch.nn.Parameter]] = {}
-            for p in own:
-                by_group.setdefault(group_of[id(p)], []).append(p)
-            unit = []
-            for gi, ps in by_group.items():
-                fp = FlatParam(len(self.flat), ps, [_full_value(p) for p in ps], group_index=gi,
-                               world_size=self.world_size, rank=self.rank, dtype=param_dtype, device=device,
-                               dp_group=dp_group, residency=self.residency,
-                               shard_device=plan.shard_device if plan is not None else device,
-                               master_device=master_device(ps), pin=plan,
-                               alias_master=plan is None or plan.param != "nvme")
-                self.flat.append(fp)
-                unit.append(fp)
-                for p in ps:
-                    registry.register(p, fp)
-            for p in own:
-                owner_unit[id(p)] = unit
-        for m in module.modules():
-            used = list(m.parameters(recurse=False)) + registry.externals(m)
-            needed = {fp.index: fp for p in used if id(p) in owner_unit for fp in owner_unit[id(p)]}
-            if needed:
-                self.uses[id(m)] = list(needed.values())
-        for p in module.parameters():
-            if id(p) not in owner_unit and registry.owner_of(p) is not None:
-                p.data = _full_value(p)  # frozen under zero.Init: stage 3 keeps frozen parameters whole
+        owner_unit = self._build_flat_params(groups, reduction, param_dtype, device)
+        self._map_uses(owner_unit)
         self._mark_persistent(param_persistence_threshold, model_persistence_threshold)
-        self._grads = {fp.index: _Grad() for fp in self.flat}
-        self._slot = {id(p): (fp, s) for fp in self.flat for p, s in zip(fp.params, fp.bucket.segments)}
+        self.units = [GradUnit(fp.params, fp.layout, reduction[fp.group_index], result=fp.grad_shard,
+                               staging_dtype=comm_dtype or torch.float32, device=fp.device) for fp in self.flat]
+        self.masters = [fp.master for fp in self.flat]
+        self._flat_of = {id(u): fp for u, fp in zip(self.units, self.flat)}
         # reduce-scatters launch in reverse creation order (roughly backward order), strictly in turn
-        self._launch_order = list(reversed(self.flat))
-        self._next = 0
-        self.sub_groups = group_sub_groups([fp.bucket.chunk for fp in self.flat], sub_group_size)
-        self.stepper = make_stepper(plan, [fp.master for fp in self.flat], self.sub_groups, self.rank)
-        self.param_swapper = make_param_swapper(plan, self.flat, self.rank, param_dtype)
-        self._recorded: list[int] = []
-        self._recording: list[int] = []
-        self._prefetching = False
-        self._next_use: list[int] = []  # for each position of the recording: the unit's next position
-        self._cum: list[int] = [0]  # prefix sums of padded sizes along the recording
-        self._last_pos: dict[int, int] = {}  # flat parameter index -> its latest position this micro-step
+        self._finish_setup(reduce_scatter_every_micro_step(overlap_comm, fuse_up_to=reduce_bucket_size),
+                           sub_group_size=sub_group_size, scaling=scaling, comm_dtype=comm_dtype,
+                           launch_order=list(reversed(self.units)), on_unit_ready=self._on_unit_ready)
+        self.param_swapper = make_param_swapper(plan, self.flat, comm.get_rank(), param_dtype)
+        self.fetches = FetchSchedule([fp.padded for fp in self.flat], prefetch_budget=prefetch_bucket_size,
+                                     max_live=max_live_parameters, max_reuse_distance=max_reuse_distance)
         self._hooks = []
         for m in module.modules():
             if id(m) in self.uses:
                 self._hooks += [m.register_forward_pre_hook(self._pre_forward),
                                 m.register_forward_hook(self._post_forward),
                                 m.register_full_backward_pre_hook(self._pre_backward)]
-        self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for fp in self.flat for p in fp.params]
-        self.reducing = False
+
+    def _build_flat_params(self, groups, reduction, param_dtype, device) -> dict[int, list[FlatParam]]:
+        """One FlatParam per (module, param group); returns id(param) -> the unit owning it."""
+        group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+        master_device = _master_devices(self.plan, groups, device)
+        owner_unit: dict[int, list[FlatParam]] = {}
+        for m in self.module.modules():
+            own = [p for p in m.parameters(recurse=False) if id(p) in group_of and id(p) not in owner_unit]
+            by_group: dict[int, list[torch.nn.Parameter]] = {}
+            for p in own:
+                by_group.setdefault(group_of[id(p)], []).append(p)
+            unit = [self._flat_param(ps, gi, reduction[gi], param_dtype, device, master_device(ps))
+                    for gi, ps in by_group.items()]
+            for p in own:
+                owner_unit[id(p)] = unit
+        for p in self.module.parameters():
+            if id(p) not in owner_unit and registry.owner_of(p) is not None:
+                p.data = _full_value(p)  # frozen under zero.Init: stage 3 keeps frozen parameters whole
+        return owner_unit
+
+    def _flat_param(self, ps, gi, rg: ReductionGroup, param_dtype, device, master_device) -> FlatParam:
+        plan = self.plan
+        fp = FlatParam(len(self.flat), ps, [_full_value(p) for p in ps], group_index=gi, world_size=rg.world_size,
+                       rank=rg.rank, dtype=param_dtype, device=device, dp_group=rg.group, residency=self.residency,
+                       shard_device=plan.shard_device if plan is not None else device, master_device=master_device,
+                       pin=plan, alias_master=plan is None or plan.param != "nvme")
+        self.flat.append(fp)
+        for p in ps:
+            registry.register(p, fp)
+        return fp
+
+    def _map_uses(self, owner_unit: dict[int, list[FlatParam]]) -> None:
+        for m in self.module.modules():
+            used = list(m.parameters(recurse=False)) + registry.externals(m)
+            needed = {fp.index: fp for p in used if id(p) in owner_unit for fp in owner_unit[id(p)]}
+            if needed:
+                self.uses[id(m)] = list(needed.values())
 
     def _mark_persistent(self, threshold: int, model_cap: int) -> None:
         total = 0
@@ -136,53 +122,18 @@ class Stage3Strategy:
 
     # -- gathering ---------------------------------------------------------------------------------
     def _fetch(self, fps: list[FlatParam]) -> None:
-        start_gathers(fps)  # what this module needs now, as one collective
+        start_gathers(fps)  # what this module needs now, as one collective per group
         for fp in fps:
-            self._record(fp)
-        self._prefetch()
+            self.fetches.record(fp.index)
+        ahead = self.fetches.to_prefetch(lambda i: self.flat[i].state is State.SHARDED,
+                                         self.residency.gathering, self.residency.live)
+        start_gathers([self.flat[i] for i in ahead])
         for fp in fps:
             fp.wait()
 
-    def _record(self, fp: FlatParam) -> None:
-        k = len(self._recording)
-        self._recording.append(fp.index)
-        self._last_pos[fp.index] = k
-        if self._prefetching and (k >= len(self._recorded) or self._recorded[k] != fp.index):
-            self._prefetching = False  # control flow changed: on demand for the rest of this micro-step
-
-    def _prefetch(self) -> None:
-        """Gather the next units of the recorded order ahead of use, as one collective, within budget."""
-        if not self._prefetching:
-            return
-        in_flight, live = self.residency.gathering, self.residency.live
-        ahead, chosen, window = [], set(), 0
-        for idx in self._recorded[len(self._recording):]:
-            nxt = self.flat[idx]
-            window += nxt.padded  # look no further ahead than the prefetch budget, gathered or not
-            if window > self.prefetch_bucket_size:
-                break
-            if nxt.state is not State.SHARDED or idx in chosen:
-                continue
-            if in_flight + nxt.padded > self.prefetch_bucket_size or live + nxt.padded > self.max_live:
-                break
-            ahead.append(nxt)
-            chosen.add(idx)
-            in_flight += nxt.padded
-            live += nxt.padded
-        start_gathers(ahead)
-
     def _release_unless_reused(self, fp: FlatParam) -> None:
-        """Free `fp` after a use, unless the recorded order uses it again within
-        `stage3_max_reuse_distance` elements of other gathers (and `max_live_parameters` allows)."""
-        if fp.persistent:
-            return
-        k = self._last_pos.get(fp.index)
-        if self._prefetching and k is not None and k < len(self._next_use):
-            nxt = self._next_use[k]
-            if nxt >= 0 and self._cum[nxt] - self._cum[k + 1] <= self.max_reuse_distance:
-                if self.residency.live <= self.max_live:
-                    return
-        fp.release()
+        if not fp.persistent and not self.fetches.keep_after_use(fp.index, self.residency.live):
+            fp.release()
 
     def _pre_forward(self, module, args):
         self._fetch(self.uses[id(module)])
@@ -194,116 +145,20 @@ class Stage3Strategy:
     def _pre_backward(self, module, grad_output):
         self._fetch(self.uses[id(module)])
 
-    # -- gradients ---------------------------------------------------------------------------------
-    def begin_backward(self, sync: bool) -> None:
-        self.reducing = True  # like stage 2: every micro-step reduces
-        self._next = 0
-        for fp in self.flat:
-            self._grads[fp.index].pending = len(fp.params)
+    def _on_unit_ready(self, unit: GradUnit) -> None:
+        """Every use in backward is done: the unit's gradient is complete, its full weights can go."""
+        self._release_unless_reused(self._flat_of[id(unit)])
 
+    # -- the micro-step ----------------------------------------------------------------------------
     def start_micro_step(self) -> None:
         """Before a forward: start a new recording; prefetch from the previous one."""
-        if self._recording:
-            self._recorded = self._recording
-            self._index_recording()
-        self._recording = []
-        self._last_pos = {}
-        self._prefetching = bool(self._recorded)
-
-    def _index_recording(self) -> None:
-        """Next-use positions and prefix sizes of the recorded order (for the reuse distance)."""
-        rec = self._recorded
-        self._next_use = [-1] * len(rec)
-        seen: dict[int, int] = {}
-        for k in range(len(rec) - 1, -1, -1):
-            self._next_use[k] = seen.get(rec[k], -1)
-            seen[rec[k]] = k
-        self._cum = [0]
-        for idx in rec:
-            self._cum.append(self._cum[-1] + self.flat[idx].padded)
-
-    @torch.no_grad()
-    def _on_grad(self, param: torch.nn.Parameter) -> None:
-        fp, seg = self._slot[id(param)]
-        g = self._grads[fp.index]
-        if g.staging is None:
-            g.staging = torch.zeros(fp.padded, dtype=self.comm_dtype or torch.float32, device=param.grad.device)
-        g.staging[seg.offset:seg.offset + seg.numel].add_(param.grad.reshape(-1))
-        param.grad = None
-        g.pending -= 1
-        if g.pending == 0:
-            self._release_unless_reused(fp)  # every use in backward is done: its gradient is complete
-        while self._next < len(self._launch_order) and self._grads[self._launch_order[self._next].index].pending <= 0:
-            self._launch(self._launch_order[self._next])
-            self._next += 1
-
-    def _launch(self, fp: FlatParam) -> None:
-        """Queue `fp`'s gradient; reduce-scatter the queue as one collective once it holds
-        `reduce_bucket_size` elements (or at the end of backward)."""
-        self._bucket.append(fp)
-        self._bucket_elems += fp.padded
-        if self._bucket_elems >= self.reduce_bucket_size:
-            self._flush()
-
-    def _flush(self) -> None:
-        fps, self._bucket, self._bucket_elems = self._bucket, [], 0
-        if not fps:
-            return
-        dtype = self.comm_dtype or torch.float32
-        device = fps[0].device
-        for fp in fps:
-            g = self._grads[fp.index]
-            if g.staging is None:  # no gradient reached it here (unused); it still takes part
-                g.staging = torch.zeros(fp.padded, dtype=dtype, device=device)
-        if len(fps) == 1:
-            send = self._grads[fps[0].index].staging
-        else:  # rank-major: rank r's chunk of every flat parameter, then rank r + 1's
-            send = torch.cat([self._grads[fp.index].staging.view(self.world_size, -1) for fp in fps], dim=1)
-            send = send.reshape(-1)
-        if self.pre != 1.0:
-            send.mul_(self.pre)
-        out = torch.empty(sum(fp.bucket.chunk for fp in fps), dtype=send.dtype, device=device)
-        handle = comm.reduce_scatter_tensor(out, send, op="sum", group=self.group, async_op=True)
-        for fp in fps:
-            self._grads[fp.index].staging = None
-        self._inflight.append((fps, out, handle))
-        if not self.overlap_comm:
-            self._complete_all()
-        elif len(self._inflight) > MAX_IN_FLIGHT_BUCKETS:  # Note [bounded in-flight buckets]
-            self._complete_oldest()
-
-    @torch.no_grad()
-    def _complete_all(self) -> None:
-        while self._inflight:
-            self._complete_oldest()
-
-    @torch.no_grad()
-    def _complete_oldest(self) -> None:
-        for fps, out, handle in [self._inflight.pop(0)]:
-            handle.wait()
-            if self.post != 1.0:
-                out.mul_(self.post)
-            offset = 0
-            for fp in fps:
-                part = out[offset:offset + fp.bucket.chunk]
-                fp.grad_shard.add_(part if part.device == fp.grad_shard.device else part.to(fp.grad_shard.device))
-                offset += fp.bucket.chunk
+        self.fetches.start_micro_step()
 
     def end_micro_step(self) -> None:
-        self.finish_reduction()
+        super().end_micro_step()
         for fp in self.flat:  # anything gathered for backward but unused (frozen paths, branches)
             if not fp.persistent and fp.state is not State.SHARDED:
                 fp.release()
-
-    def finish_reduction(self) -> None:
-        if not self.reducing:
-            return
-        while self._next < len(self._launch_order):
-            self._launch(self._launch_order[self._next])
-            self._next += 1
-        self._flush()
-        self._complete_all()
-        self.reducing = False
 
     # -- optimizer ---------------------------------------------------------------------------------
     def optimizer_param_groups(self) -> list[dict]:
@@ -316,14 +171,10 @@ class Stage3Strategy:
         for gi, group in enumerate(optimizer.param_groups):
             group["params"] = [fp.master for fp in self.flat if fp.group_index == gi]
 
-    def global_grad_norm(self) -> float:
-        """L2 norm of the full gradient: local chunks' squared norms (on the device), all-reduced once."""
-        return sharded_global_norm([fp.grad_shard for fp in self.flat], self.group)
+    def _after_step(self) -> None:
+        self._refresh_resident()
 
-    @torch.no_grad()
-    def step(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
-        self.stepper.step(optimizer, [(fp.master, fp.grad_shard) for fp in self.flat], coef, self.sub_groups,
-                          on_stepped=self._publish)
+    def _refresh_resident(self) -> None:
         for fp in self.flat:
             if fp.state is not State.SHARDED:  # any resident copy is stale now
                 fp.release()
@@ -339,10 +190,6 @@ class Stage3Strategy:
         for i in indices:
             self.flat[i].shard_from_master()
 
-    def resident(self, optimizer):
-        """Context in which every master and optimizer state is in memory (checkpoint save/load)."""
-        return self.stepper.resident(optimizer)
-
     def placement(self) -> dict[str, str]:
         """Where each kind of model state lives: read off the tensors, the stepper and the swapper."""
         out = state_placement(self.plan, params=[fp.shard for fp in self.flat if fp.shard is not None],
@@ -356,24 +203,16 @@ class Stage3Strategy:
 
     def swap_files(self) -> list:
         """(kind, path, bytes) of every NVMe swap file this rank owns."""
-        return self.stepper.files() + (self.param_swapper.files() if self.param_swapper is not None else [])
-
-    def zero_grads(self) -> None:
-        for fp in self.flat:
-            fp.grad_shard.zero_()
+        return super().swap_files() + (self.param_swapper.files() if self.param_swapper is not None else [])
 
     # -- checkpoints and introspection -------------------------------------------------------------
     def shard_entries(self, names: dict[int, str]) -> list[ShardEntry]:
         return [ShardEntry(fp.master, [Piece(names[id(fp.params[s.param])], s.param_offset, s.offset, s.numel)
-                                       for s in fp.bucket.rank_segments(self.rank)]) for fp in self.flat]
+                                       for s in fp.layout.rank_segments(fp.rank)]) for fp in self.flat]
 
     def sync_params_from_masters(self) -> None:
-        for fp in self.flat:
-            fp.shard_from_master()
-            if fp.state is not State.SHARDED:
-                fp.release()
-                if fp.persistent:
-                    fp.wait()
+        self._publish(list(range(len(self.flat))))
+        self._refresh_resident()
 
     def load_masters_from_params(self) -> None:
         """Nothing to do: at stage 3 the module holds no values for sharded parameters (a checkpoint
@@ -382,25 +221,26 @@ class Stage3Strategy:
     @torch.no_grad()
     def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The full module state dict on rank 0 (others get {}), gathered one flat parameter at a time."""
+        rank0 = comm.get_rank() == 0
         out = {}
         names = {id(p): n for n, p in self.module.named_parameters()}
         for fp in self.flat:
             was = fp.state
             fp.wait()
-            if self.rank == 0:
+            if rank0:
                 for p in fp.params:
                     out[names[id(p)]] = p.detach().to(dtype or p.dtype).cpu().clone()
             if was is State.SHARDED:
                 fp.release()
-        if self.rank == 0:
-            sharded = {id(p) for fp in self.flat for p in fp.params}
-            for n, t in self.module.state_dict(keep_vars=True).items():
-                if n not in out and id(t) not in sharded:
-                    out[n] = t.detach().cpu().clone()
-            tied = {n: names[id(p)] for n, p in self.module.named_parameters(remove_duplicate=False)}
-            for n, first in tied.items():
-                out.setdefault(n, out[first])
-        return out if self.rank == 0 else {}
+        if not rank0:
+            return {}
+        sharded = {id(p) for fp in self.flat for p in fp.params}
+        for n, t in self.module.state_dict(keep_vars=True).items():
+            if n not in out and id(t) not in sharded:
+                out[n] = t.detach().cpu().clone()
+        for n, p in self.module.named_parameters(remove_duplicate=False):
+            out.setdefault(n, out[names[id(p)]])
+        return out
 
     def memory_breakdown(self, optimizer) -> dict[str, int]:
         params = sum((fp.shard.nbytes if fp.shard is not None else 0) + (fp.full.nbytes if fp.full is not None else 0)
@@ -411,13 +251,14 @@ class Stage3Strategy:
                 "master_weights": masters, "optimizer_states": optimizer_state_bytes(optimizer)}
 
     def remove_hooks(self) -> None:
+        super().remove_hooks()
         for h in self._hooks:
             h.remove()
         self._hooks = []
 
     def close(self) -> None:
         """Remove the swap files (also done at exit)."""
-        self.stepper.close()
+        super().close()
         if self.param_swapper is not None:
             self.param_swapper.close()
 
@@ -429,7 +270,7 @@ def _full_value(p: torch.nn.Parameter) -> torch.Tensor:
         return p.detach()
     owner.wait()
     i = next(i for i, q in enumerate(owner.params) if q is p)
-    return owner.full[owner.bucket.segments[i].offset:][:owner.bucket.segments[i].numel].view(owner.shapes[i]).clone()
+    return owner.full[owner.layout.segments[i].offset:][:owner.layout.segments[i].numel].view(owner.shapes[i]).clone()
 
 
 def _master_devices(plan, groups: list[dict], device: torch.device):

@@ -1,0 +1,243 @@
+"""`EngineCore`: the parts every engine is made of, and the optimizer step at a boundary.
+
+The training `Engine` (forward / backward / step per micro-batch) and the `PipelineEngine`
+(`train_batch` over a schedule) are both an `EngineCore` plus their own way of running micro-batches;
+neither inherits methods it must disable. The core holds no feature logic — it builds and sequences
+small objects: the `PrecisionPolicy` (dtypes), the ZeRO strategy (`zerospeed.zero.ZeroStrategy`,
+built over the parallel mesh), the optimizer and LR scheduler (`zerospeed.optim`), the loss scaler
+(a pure state machine), and the observer (timers, profiler, monitors).
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from zerospeed import comm
+from zerospeed.accelerator import get_accelerator
+from zerospeed.optim.sub_group_step import use_fused_cpu_step
+from zerospeed.precision.loss_scaler import loss_scaler_from_config
+from zerospeed.precision.policy import PrecisionPolicy
+from zerospeed.profiling.observer import EngineObserver
+from zerospeed.zero import build_strategy, full_numel, reduction_groups
+from zerospeed.zero.grad_math import clip_coefficient
+from zerospeed.zero.memory import OPTIMIZER_STATE_BYTES, model_state_bytes, optimizer_kind
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore(torch.nn.Module):
+    """Precision, ZeRO strategy, optimizer, scheduler, loss scaler and counters around `module`."""
+
+    def __init__(self, module: torch.nn.Module, config, *, param_groups, optimizer_factory, scheduler_factory,
+                 mesh, training_dataloader=None):
+        super().__init__()
+        self.config = config
+        self.mesh = mesh
+        self.dp_group = mesh.group("dp")
+        self.accelerator = get_accelerator()
+        self.local_rank = comm.get_local_rank()
+        self.global_rank = comm.get_rank()
+        self.world_size = comm.get_world_size()
+        self.dp_world_size = mesh.size("dp")
+        self.device = self.accelerator.device(self.local_rank)
+        self.precision = PrecisionPolicy.from_config(config)
+
+        self.module = module.to(self.device)
+        reduction = reduction_groups(param_groups, mesh)
+        self._broadcast_model(param_groups, reduction)
+        # The strategy snapshots fp32 masters before the model is cast to 16-bit.
+        self.zero = build_strategy(config, param_groups, reduction, module=self.module,
+                                   param_dtype=self.precision.param_dtype, device=self.device,
+                                   norm_group=mesh.group("dp_sp"))
+        if self.precision.mixed:
+            self.module.to(self.precision.param_dtype)
+        self.optimizer = optimizer_factory(self.zero)
+        if getattr(self.zero, "plan", None) is not None and self.zero.plan.optimizer != "none":
+            use_fused_cpu_step(self.optimizer)  # the offloaded step: torch's fused CPU Adam on flat shards
+        self.lr_scheduler = scheduler_factory(self.optimizer)
+        self.loss_scaler = loss_scaler_from_config(config.fp16) if self.precision.needs_loss_scaling else None
+        self.training_dataloader = training_dataloader
+
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self.micro_steps = 0
+        self._global_grad_norm: float | None = None
+        self._step_applied = False
+        # timers, flops profiler, monitors, comm report, the steps_per_print line (all off by default)
+        self.observer = EngineObserver.for_engine(self)
+
+    # -- set-up -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _broadcast_model(self, param_groups: list[dict], reduction) -> None:
+        """Start every rank from rank 0's weights and buffers, as DeepSpeed does: each trainable
+        parameter from rank 0 of the group it reduces over (experts differ across expert groups)."""
+        done = set()
+        for g, rg in zip(param_groups, reduction):
+            for p in g["params"]:
+                _broadcast_from_first(p.data, rg.group)
+                done.add(id(p))
+        rest = [p for p in self.module.parameters() if id(p) not in done] + list(self.module.buffers())
+        for t in rest:
+            _broadcast_from_first(t.data, self.dp_group)
+
+    @property
+    def mpu(self):
+        """The parallel layout as a DeepSpeed/Megatron `mpu` object (get_data_parallel_group(), ...)."""
+        return self.mesh.as_mpu()
+
+    # -- config accessors DeepSpeed users call -----------------------------------------------------
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.precision.param_dtype == torch.float16
+
+    def bf16_enabled(self) -> bool:
+        return self.precision.param_dtype == torch.bfloat16
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    cur_scale = loss_scale
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm of the last optimizer step, before clipping (None before the first)."""
+        return self._global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        """False when the last boundary step was skipped (fp16 overflow)."""
+        return self._step_applied
+
+    def scale_loss(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """`loss` / gradient_accumulation_steps, times the fp16 loss scale: what backward runs on."""
+        scaled = loss
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            scaled = scaled / self.gradient_accumulation_steps()
+        if self.loss_scaler is not None:
+            scaled = scaled.float() * self.loss_scaler.scale
+        return scaled
+
+    # -- the optimizer step at an accumulation boundary --------------------------------------------
+    def grad_norm(self) -> float:
+        """The global gradient norm, unscaled (every strategy's norm is already global)."""
+        return self.zero.global_grad_norm() / self.loss_scale
+
+    def take_model_step(self, lr_kwargs: dict | None = None) -> None:
+        """Reduce, unscale, check overflow, clip, step, schedule, update the loss scale, zero gradients."""
+        if self.optimizer is None:
+            raise RuntimeError("engine.step(): no optimizer — give initialize() an optimizer or an "
+                               "`optimizer` section in the config")
+        self.zero.finish_reduction()
+        scale = self.loss_scale
+        norm = self.grad_norm()
+        # the norm is all-reduced: an inf or nan on any rank is on every rank, so all skip together
+        overflow = self.loss_scaler is not None and not math.isfinite(norm)
+        self._step_applied = not overflow
+        if overflow:
+            self.skipped_steps += 1
+        else:
+            self._global_grad_norm = norm
+            self.zero.step(self.optimizer, clip_coefficient(norm, self.gradient_clipping()) / scale)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow)
+            if overflow:
+                logger.info("step %d: fp16 gradient overflow on some rank; step skipped, loss scale %g -> %g",
+                            self.global_steps, scale, self.loss_scaler.scale)
+        self.zero.zero_grads()
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop accumulated gradients (the engine's buffers and any stray .grad)."""
+        self.zero.zero_grads()
+        self.module.zero_grad(set_to_none=set_to_none)
+
+    def destroy(self) -> None:
+        """End of training: log the comm totals, close monitors, remove NVMe swap files."""
+        self.observer.close()
+        self.zero.close()
+
+    def placement(self) -> dict[str, str]:
+        """Where each kind of model state lives on this rank: a device ("cpu", "cuda:0") or
+        "nvme:<dir>" (ZeRO-Offload / ZeRO-Infinity), read off the tensors and swap files."""
+        return self.zero.placement()
+
+    def swap_files(self) -> list:
+        """(kind, path, bytes) of this rank's NVMe swap files."""
+        return self.zero.swap_files()
+
+    # -- memory ----------------------------------------------------------------------------------
+    def memory_breakdown(self) -> dict[str, dict[str, float]]:
+        """Per-rank model-state bytes held by the engine, next to the ZeRO formula's prediction."""
+        measured = self.zero.memory_breakdown(self.optimizer)
+        n = sum(full_numel(p) for p in self.module.parameters() if p.requires_grad)
+        pb = torch.tensor([], dtype=self.precision.param_dtype).element_size()
+        predicted = model_state_bytes(
+            n, self.dp_world_size, self.zero_optimization_stage(), param_bytes=pb,
+            grad_bytes=torch.tensor([], dtype=self.precision.grad_accum_dtype).element_size(),
+            master_bytes=4 if self.precision.mixed else 0,
+            optim_bytes=OPTIMIZER_STATE_BYTES[optimizer_kind(self.optimizer)] if self.optimizer else 0)
+        return {"measured": measured, "predicted": predicted}
+
+    # -- checkpoints (zerospeed.checkpoint does the work) ----------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False):
+        from zerospeed.checkpoint import save_checkpoint
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):
+        """Restore a checkpoint (any world size, ZeRO stage 0-3); returns (load_path, client_state)."""
+        from zerospeed.checkpoint import load_checkpoint
+        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin"):
+        from zerospeed.checkpoint import save_16bit_model
+        return save_16bit_model(self, save_dir, save_filename)
+
+    # -- module passthrough ------------------------------------------------------------------------
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+
+def _broadcast_from_first(t: torch.Tensor, group) -> None:
+    if comm.get_world_size(group) > 1:
+        comm.broadcast(t, src=comm.global_rank(group, 0), group=group)

@@ -1,0 +1,282 @@
+"""The one gradient reducer of ZeRO stages 0-3 (and of the pipeline, which drives a stage 0-1 strategy).
+
+Every trainable parameter owns a slot in a `GradUnit`: one flat layout's worth of gradients that
+reduce together over one process group. A post-accumulate-grad hook adds each fresh gradient into
+its slot and frees the parameter's own `.grad`. When every parameter of a unit has reported, the
+unit is ready; ready units launch strictly in order. What differs between the stages is only the
+`ReductionPolicy`:
+
+| stage | collective     | when                        | accumulation                                  |
+|-------|----------------|-----------------------------|-----------------------------------------------|
+| 0     | all-reduce     | the accumulation boundary   | full-size persistent buffer (reduced in place) |
+| 1     | reduce-scatter | the accumulation boundary   | full-size persistent buffer; own chunk kept   |
+| 2, 3  | reduce-scatter | every micro-step            | transient staging until reduced; reduced chunks accumulate |
+
+Stage 3 also fuses consecutive units (one per module) into one collective of up to
+`reduce_bucket_size` elements: a *reduction bucket*.
+
+Note [bucket launch order]: units are launched strictly in index order (unit i only after units
+0..i-1), whatever order their gradients become ready in. A parameter unused in this step on one
+rank delays that rank's launches until `finish()`, but every rank still issues the same sequence of
+collectives, so the job cannot deadlock or reduce mismatched buffers. Units of different process
+groups interleave in that same fixed order on every rank, so each group sees one consistent order.
+
+Note [bounded in-flight buckets]: with overlap a bucket's collective runs while backward goes on;
+with `max_in_flight` set, launching one more than that first completes the oldest. Staging memory
+(the bucket's gradients until reduced, plus its output) is then a constant number of
+`reduce_bucket_size` buffers whatever the model size, instead of growing to the whole gradient when
+the network lags behind backward. Stage 0's buffers are persistent anyway, so it sets no bound.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from zerospeed import comm
+from zerospeed.zero.partition import FlatLayout
+
+
+class Collective(enum.Enum):
+    ALL_REDUCE = "all_reduce"  # every rank keeps the whole reduced gradient
+    REDUCE_SCATTER = "reduce_scatter"  # rank r keeps chunk r of each layout
+
+
+@dataclass(frozen=True)
+class ReductionPolicy:
+    collective: Collective
+    every_micro_step: bool  # reduce on every micro-step (transient staging) or only at the boundary
+    overlap: bool = True  # run collectives while backward continues (else wait for each at once)
+    max_in_flight: int | None = None  # Note [bounded in-flight buckets]
+    fuse_up_to: int = 0  # elements: consecutive units of one group travel together up to this many
+
+
+# The policies of the stages: stage 2 is stage 1's collective on every micro-step; stage 3 reduces as
+# stage 2 and fuses its per-module units into buckets.
+MAX_IN_FLIGHT_BUCKETS = 2
+
+
+def all_reduce_at_boundary() -> ReductionPolicy:
+    return ReductionPolicy(Collective.ALL_REDUCE, every_micro_step=False)
+
+
+def reduce_scatter_at_boundary(overlap: bool) -> ReductionPolicy:
+    return ReductionPolicy(Collective.REDUCE_SCATTER, every_micro_step=False, overlap=overlap,
+                           max_in_flight=MAX_IN_FLIGHT_BUCKETS)
+
+
+def reduce_scatter_every_micro_step(overlap: bool, fuse_up_to: int = 0) -> ReductionPolicy:
+    return ReductionPolicy(Collective.REDUCE_SCATTER, every_micro_step=True, overlap=overlap,
+                           max_in_flight=MAX_IN_FLIGHT_BUCKETS, fuse_up_to=fuse_up_to)
+
+
+class GradUnit:
+    """One flat layout's gradients: where they accumulate, the group they reduce over, where the
+    reduced result lands.
+
+    `accum` is a persistent full-size buffer (stages 0-1) or None (stages 2-3: a transient staging
+    buffer of `staging_dtype` exists only between the first gradient and the collective). `result`
+    receives the reduction: the whole `accum` (all-reduce), this rank's chunk of it (reduce-scatter
+    in place), a host copy of that chunk (offloaded), or a persistent gradient chunk that reduced
+    micro-steps are added into (stages 2-3).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, reduction, *, result: torch.Tensor,
+                 accum: torch.Tensor | None = None, staging_dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None):
+        self.params, self.layout = params, layout
+        # the ranks it reduces over (a zero.strategy.ReductionGroup)
+        self.group, self.world_size, self.rank = reduction.group, reduction.world_size, reduction.rank
+        self.accum, self.result = accum, result
+        self.staging_dtype = staging_dtype
+        self.device = device if device is not None else result.device
+        self.staging: torch.Tensor | None = None
+        self.pending = 0
+        self.seen: set[int] = set()
+
+    @property
+    def members(self) -> list[torch.nn.Parameter]:
+        """The parameters whose gradients this unit holds (`params` may be a whole group's list)."""
+        return [self.params[s.param] for s in self.layout.segments]
+
+    def add(self, seg, grad: torch.Tensor) -> None:
+        if self.accum is None and self.staging is None:
+            self.staging = torch.zeros(self.layout.padded, dtype=self.staging_dtype, device=self.device)
+        target = self.accum if self.accum is not None else self.staging
+        target[seg.offset:seg.offset + seg.numel].add_(grad.reshape(-1))
+
+    def source(self) -> torch.Tensor:
+        """The buffer to reduce (a unit no gradient reached still takes part, with zeros)."""
+        if self.accum is not None:
+            return self.accum
+        if self.staging is None:
+            self.staging = torch.zeros(self.layout.padded, dtype=self.staging_dtype, device=self.device)
+        return self.staging
+
+    def deliver(self, part: torch.Tensor) -> None:
+        """Land this unit's reduced part (a view of the collective's output) in `result`."""
+        if part.data_ptr() == self.result.data_ptr():
+            pass  # reduced in place
+        elif self.accum is not None:
+            self.result.copy_(part)
+        else:
+            self.result.add_(part if part.device == self.result.device else part.to(self.result.device))
+        self.staging = None
+
+    def zero(self) -> None:
+        (self.accum if self.accum is not None else self.result).zero_()
+
+
+@dataclass
+class _Flight:
+    units: list[GradUnit]
+    out: torch.Tensor
+    handle: comm.Handle
+
+
+Scaling = Callable[[int], tuple[float, float]]  # group size -> (factor before, factor after) the sum
+
+
+def _no_scaling(world_size: int) -> tuple[float, float]:
+    return 1.0, 1.0
+
+
+class GradientReducer:
+    """Hooks every parameter of `units`, accumulates, and reduces ready units in order (see module doc)."""
+
+    def __init__(self, units: list[GradUnit], policy: ReductionPolicy, *, scaling: Scaling | None = None,
+                 comm_dtype: torch.dtype | None = None, ignore_unused: bool = True,
+                 on_unit_ready: Callable[[GradUnit], None] | None = None):
+        self.units, self.policy = units, policy
+        self.scaling, self.comm_dtype = scaling or _no_scaling, comm_dtype
+        self.ignore_unused = ignore_unused
+        self.on_unit_ready = on_unit_ready
+        self._slot = {id(u.params[s.param]): (u, s) for u in units for s in u.layout.segments}
+        self.reducing = False
+        self._next = 0
+        self._bucket: list[GradUnit] = []
+        self._bucket_elems = 0
+        self._in_flight: list[_Flight] = []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for u in units for p in u.members]
+
+    # -- backward -------------------------------------------------------------------------------
+    def begin(self, sync: bool) -> None:
+        """Before each backward; `sync` is true on the micro-step that ends the accumulation window."""
+        self.reducing = sync or self.policy.every_micro_step
+        self._next = 0
+        for u in self.units:
+            u.pending = len(u.layout.segments)
+            u.seen = set()
+
+    @torch.no_grad()
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        unit, seg = self._slot[id(param)]
+        unit.add(seg, param.grad)
+        param.grad = None
+        unit.seen.add(seg.param)
+        if not self.reducing:
+            return
+        unit.pending -= 1
+        if unit.pending == 0 and self.on_unit_ready is not None:
+            self.on_unit_ready(unit)
+        while self._next < len(self.units) and self.units[self._next].pending <= 0:
+            self._launch(self.units[self._next])
+            self._next += 1
+
+    def _launch(self, unit: GradUnit) -> None:
+        """Add `unit` to the current reduction bucket; send the bucket once it is full enough."""
+        if self._bucket and self._bucket[0].group is not unit.group:
+            self._flush()
+        self._bucket.append(unit)
+        self._bucket_elems += unit.layout.padded
+        if self._bucket_elems >= self.policy.fuse_up_to:
+            self._flush()
+
+    def _flush(self) -> None:
+        units, self._bucket, self._bucket_elems = self._bucket, [], 0
+        if not units:
+            return
+        world = units[0].world_size
+        pre, _ = self.scaling(world)
+        sends = [self._scaled_source(u, pre) for u in units]
+        scatter = self.policy.collective is Collective.REDUCE_SCATTER
+        if len(sends) == 1:
+            send = sends[0]
+        elif scatter:  # rank-major: rank r's chunk of every unit, then rank r + 1's
+            send = torch.cat([s.view(world, -1) for s in sends], dim=1).reshape(-1)
+        else:
+            send = torch.cat(sends)
+        if not scatter:
+            out = send
+            handle = comm.all_reduce(send, op="sum", group=units[0].group, async_op=True)
+        else:
+            if len(units) == 1 and send is units[0].accum:  # stage 1: this rank's chunk of its own buffer
+                lo, hi = units[0].layout.chunk_range(units[0].rank)
+                out = send[lo:hi]
+            else:
+                out = torch.empty(sum(u.layout.chunk for u in units), dtype=send.dtype, device=send.device)
+            handle = comm.reduce_scatter_tensor(out, send, op="sum", group=units[0].group, async_op=True)
+        self._in_flight.append(_Flight(units, out, handle))
+        if not self.policy.overlap:
+            self._complete_all()
+        elif self.policy.max_in_flight is not None and len(self._in_flight) > self.policy.max_in_flight:
+            self._complete(self._in_flight.pop(0))
+
+    def _scaled_source(self, unit: GradUnit, pre: float) -> torch.Tensor:
+        src = unit.source()
+        if pre != 1.0:
+            src.mul_(pre)
+        if self.comm_dtype is not None and self.comm_dtype != src.dtype:
+            src = src.to(self.comm_dtype)
+        return src
+
+    @torch.no_grad()
+    def _complete(self, flight: _Flight) -> None:
+        flight.handle.wait()
+        _, post = self.scaling(flight.units[0].world_size)
+        if post != 1.0:
+            flight.out.mul_(post)
+        scatter = self.policy.collective is Collective.REDUCE_SCATTER
+        offset = 0
+        for u in flight.units:
+            n = u.layout.chunk if scatter else u.layout.padded
+            u.deliver(flight.out[offset:offset + n])
+            offset += n
+
+    def _complete_all(self) -> None:
+        while self._in_flight:
+            self._complete(self._in_flight.pop(0))
+
+    # -- the end of a reduction -----------------------------------------------------------------
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Launch what unused parameters held back, then wait for every collective."""
+        if not self.reducing:
+            return
+        self._check_unused()
+        while self._next < len(self.units):
+            self._launch(self.units[self._next])
+            self._next += 1
+        self._flush()
+        self._complete_all()
+        self.reducing = False
+
+    def _check_unused(self) -> None:
+        if self.ignore_unused:
+            return
+        missing = [f"parameter of shape {tuple(u.params[s.param].shape)} (unit {i})" for i, u in enumerate(self.units)
+                   for s in u.layout.segments if s.param not in u.seen]
+        if missing:
+            raise RuntimeError("parameters received no gradient this step: " + "; ".join(missing[:5]) +
+                               " — set zero_optimization.ignore_unused_parameters to true to allow this")
+
+    def zero(self) -> None:
+        for u in self.units:
+            u.zero()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -1,0 +1,122 @@
+"""The contract between the engine and a ZeRO strategy, and what every strategy shares.
+
+The engine, the pipeline engine and `zerospeed.checkpoint` talk to a strategy only through
+`ZeroStrategy`: they ask its capabilities (`supports_no_sync`, `weights_in_shards`,
+`replicated_state`), never its stage number. The stage is resolved once, in
+`zerospeed.zero.build_strategy`; `stage` is kept for reports and the checkpoint manifest only.
+
+Note [reduction groups]: every parameter group reduces its gradients over its own process group
+(`ReductionGroup`): dense weights over the data-parallel (x sequence-parallel) ranks, expert
+weights (a param group with DeepSpeed's `"moe": True, "name": "ep_size_N"`) over the
+expert-data-parallel ranks of the mesh. Sharded stages shard the group's optimizer state over the
+same ranks. The global gradient norm stays exact: each rank's squared norm of a gradient is
+weighted by 1 / (ranks of the norm group holding that same value) — 1 for a shard, 1/world for an
+all-reduced (replicated) gradient — and the weighted sums are all-reduced once over the norm group.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from zerospeed import comm
+from zerospeed.accelerator import get_accelerator
+from zerospeed.config.errors import ConfigError
+
+
+@runtime_checkable
+class ZeroStrategy(Protocol):
+    stage: int  # for reports and manifests only: callers ask the capabilities below
+    supports_no_sync: bool  # gradients can accumulate unreduced across micro-steps
+    weights_in_shards: bool  # trainable weights exist only as shards (the module holds placeholders)
+    replicated_state: bool  # every rank holds the same masters and optimizer states
+
+    def optimizer_param_groups(self) -> list[dict]: ...
+    def retarget(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def start_micro_step(self) -> None: ...
+    def begin_backward(self, sync: bool) -> None: ...
+    def end_micro_step(self) -> None: ...
+    def finish_reduction(self) -> None: ...
+    def global_grad_norm(self) -> float: ...
+    def step(self, optimizer: torch.optim.Optimizer, coef: float) -> None: ...
+    def zero_grads(self) -> None: ...
+    def shard_entries(self, names: dict[int, str]) -> list: ...
+    def sync_params_from_masters(self) -> None: ...
+    def load_masters_from_params(self) -> None: ...
+    def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]: ...
+    def resident(self, optimizer) -> contextlib.AbstractContextManager: ...
+    def placement(self) -> dict[str, str]: ...
+    def swap_files(self) -> list: ...
+    def memory_breakdown(self, optimizer) -> dict[str, int]: ...
+    def remove_hooks(self) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ReductionGroup:
+    """The ranks one parameter group's gradients reduce over (and its optimizer state shards over)."""
+
+    group: object  # process group handle; None = the world
+    world_size: int
+    rank: int
+
+    @classmethod
+    def of(cls, group) -> "ReductionGroup":
+        return cls(group, comm.get_world_size(group), comm.get_rank(group))
+
+
+_EP_NAME = re.compile(r"ep_size_(\d+)")
+
+
+def reduction_groups(param_groups: list[dict], mesh) -> list[ReductionGroup]:
+    """Note [reduction groups]: the group of each param group, in order."""
+    dense = ReductionGroup.of(mesh.group("dp_sp"))
+    return [_expert_group(g, i, mesh) if g.get("moe") else dense for i, g in enumerate(param_groups)]
+
+
+def _expert_group(g: dict, index: int, mesh) -> ReductionGroup:
+    match = _EP_NAME.fullmatch(str(g.get("name", "")))
+    if match is None:
+        raise ConfigError(f"param group {index} has 'moe': True but name={g.get('name')!r}; expert param groups are "
+                          "named 'ep_size_<N>' (zerospeed.moe.utils.split_params_into_different_moe_groups_for_optimizer "
+                          "and DeepSpeed's helper of that name make them)")
+    return ReductionGroup.of(mesh.expert_data_parallel_group(int(match.group(1))))
+
+
+def weighted_global_norm(parts: list[tuple[torch.Tensor, float]], group) -> float:
+    """sqrt of the all-reduced sum of weight * |tensor|^2 (fp64, one collective; Note [reduction groups]).
+
+    Partial sums are taken on each tensor's own device, then moved once to the communication device:
+    offloaded gradients live on the host, the collective runs where the backend needs it."""
+    comm_device = get_accelerator().device(comm.get_local_rank())
+    by_device: dict[torch.device, torch.Tensor] = {}
+    for t, weight in parts:
+        sq = torch.linalg.vector_norm(t, dtype=torch.float64) ** 2 * weight
+        by_device[t.device] = by_device[t.device] + sq if t.device in by_device else sq
+    total = torch.zeros((), dtype=torch.float64, device=comm_device)
+    for partial in by_device.values():
+        total += partial.to(comm_device)
+    comm.all_reduce(total, op="sum", group=group)
+    value = float(total)
+    return math.sqrt(value) if value >= 0 else value
+
+
+def state_placement(plan, *, params: list[torch.Tensor], grads: list[torch.Tensor], stepper) -> dict[str, str]:
+    """Devices of the parameter and gradient tensors; masters and optimizer states by the stepper."""
+    def where(ts):
+        return ",".join(sorted({str(t.device) for t in ts})) or "none"
+    opt = (f"nvme:{plan.optimizer_nvme}" if stepper.kind == "nvme"
+           else str(plan.master_device) if plan is not None else where(params))
+    return {"parameters": where(params), "gradients": where(grads), "master_weights": opt,
+            "optimizer_states": opt}
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    if optimizer is None:
+        return 0
+    return sum(v.nbytes for state in optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
