@@ -99,6 +99,16 @@ def try_size(mode: str, shape, args) -> dict:
             "gpu_peak_gib": acc.max_memory_allocated() / 2**30, "loss": loss.item()}
 
 
+class _ProgressRows(list):
+    """The table's rows; each is also printed to stderr as it comes, so a run cut short (a time cap)
+    still shows what it measured."""
+
+    def append(self, row) -> None:
+        mode, shape, n, what = row
+        print(f"[offload_largest] {mode} {shape or ''} {n / 1e9:.2f}B: {what}", file=sys.stderr, flush=True)
+        super().append(row)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nvme-path", default="/tmp/zerospeed_nvme")
@@ -115,7 +125,7 @@ def main() -> None:
                        "MASTER_PORT": os.environ.get("MASTER_PORT", "29533")})
     Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    rows = []
+    rows = _ProgressRows()
     for mode in args.modes.split(","):
         best = None
         for shape in SMOKE_LADDER if args.smoke else LADDER:

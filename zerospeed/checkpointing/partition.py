@@ -32,8 +32,17 @@ def chunk_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
 def copy_partition(flat: torch.Tensor, world_size: int, rank: int, dest: torch.Tensor) -> torch.Tensor:
     """Write this rank's chunk of the 1-D ``flat`` into ``dest`` (``chunk_numel`` elements), zero-padded."""
     start, stop = chunk_bounds(flat.numel(), world_size, rank)
-    dest[:stop - start].copy_(flat[start:stop], non_blocking=True)
-    dest[stop - start:].zero_()
+    n = stop - start
+    if n < dest.numel() and dest.device != flat.device:
+        # Note [no host write into a pinned slot]: zeroing host memory runs at once, while the device
+        # may still have a copy queued that reads this reused arena slot (the last step's restore):
+        # pad on the device and make the whole chunk one stream-ordered copy instead.
+        padded = torch.zeros(dest.numel(), dtype=flat.dtype, device=flat.device)
+        padded[:n].copy_(flat[start:stop])
+        dest.copy_(padded, non_blocking=True)
+        return dest
+    dest[:n].copy_(flat[start:stop], non_blocking=True)
+    dest[n:].zero_()
     return dest
 
 

@@ -52,11 +52,16 @@ def init_distributed(dist_backend: str | None = None, timeout: _dt.timedelta = D
     once initialised is a no-op.
     """
     if dist.is_initialized():
+        _bind_device()  # initialised by the caller: the object collectives still need this rank's GPU current
         return
     if dist_init_required is False:
         raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; "
                            "initialise it yourself or pass dist_init_required=None/True")
     backend = dist_backend or get_accelerator().communication_backend
+    if backend == "nccl" and get_accelerator().name != "cuda":
+        raise RuntimeError("init_distributed(dist_backend='nccl') on the cpu accelerator: NCCL moves GPU tensors "
+                           "only, and zerospeed would place every tensor on the host; use dist_backend='gloo' or "
+                           "unset ZEROSPEED_ACCELERATOR=cpu on a machine with GPUs")
     env_rank, env_world = _env_int("RANK"), _env_int("WORLD_SIZE")
     rank = rank if rank >= 0 else (env_rank if env_rank is not None else 0)
     world_size = world_size if world_size > 0 else (env_world if env_world is not None else 1)
@@ -133,6 +138,31 @@ def global_rank(group, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank)
 
 
+def _bind_device() -> None:
+    """Make this rank's accelerator device current (NCCL's object collectives and barrier use it)."""
+    if get_accelerator().name != "cpu":
+        get_accelerator().set_device(get_local_rank())
+
+
+def _is_nccl(group) -> bool:
+    return dist.get_backend(group) == "nccl"
+
+
+def _check_tensors(kind: str, group, *tensors: torch.Tensor) -> None:
+    """Note [what NCCL refuses]: host tensors and non-contiguous tensors, which gloo takes. They are
+    refused here by name, with the fix — also in a one-rank NCCL group, where no collective runs, so
+    that a single-GPU run finds what two GPUs would hang or fail on. (What no check can see: ranks
+    passing different dtypes or sizes to one collective; NCCL then returns garbage or hangs.)"""
+    if not is_initialized() or not _is_nccl(group):
+        return
+    for t in tensors:
+        if t.device.type != "cuda" or not t.is_contiguous():
+            raise ValueError(f"NCCL {kind}: every tensor must be contiguous and on this rank's GPU, got a "
+                             f"{'non-contiguous ' if not t.is_contiguous() else ''}{t.dtype} tensor of shape "
+                             f"{tuple(t.shape)} on {t.device}; create it with device=<the engine's device> "
+                             "(or .to(device).contiguous() it) before the collective")
+
+
 def new_group(ranks: list[int]):
     """A process group over `ranks`. Every process must call it, with the same ranks, in order."""
     return dist.new_group(ranks=ranks)
@@ -178,6 +208,7 @@ def _op(op: str):
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool = False):
     """Reduce `tensor` in place across the group. op: sum | avg | max | min."""
+    _check_tensors("all_reduce", group, tensor)
     if get_world_size(group) == 1:
         return Handle() if async_op else None
     if op == "avg":
@@ -190,6 +221,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
     """Copy `tensor` from global rank `src` to every rank of the group, in place."""
+    _check_tensors("broadcast", group, tensor)
     if get_world_size(group) == 1:
         return Handle() if async_op else None
     return _issue("broadcast", tensor.nbytes, group, async_op,
@@ -203,6 +235,7 @@ def _is_gloo(group) -> bool:
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """Concatenate each rank's `input` (equal sizes) into `output`, rank order."""
     world = get_world_size(group)
+    _check_tensors("all_gather_into_tensor", group, output, input)
     if world == 1:
         output.copy_(input.reshape(output.shape))
         return Handle() if async_op else None
@@ -218,6 +251,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "sum", group=None,
                           async_op: bool = False):
     """Reduce `input` across ranks and leave rank r's equal slice r in `output`."""
+    _check_tensors("reduce_scatter_tensor", group, output, input)
     if get_world_size(group) == 1:
         output.copy_(input.reshape(output.shape))
         return Handle() if async_op else None
@@ -235,9 +269,11 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "
 
 
 def all_gather_object(obj: Any, group=None) -> list[Any]:
-    """Every rank's picklable `obj`, in rank order."""
+    """Every rank's picklable `obj`, in rank order (NCCL: the pickles travel through tensors on the
+    current GPU, which must be this rank's)."""
     if get_world_size(group) == 1:
         return [obj]
+    _bind_device()
     out: list[Any] = [None] * get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
@@ -247,11 +283,17 @@ def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
     """Rank `src`'s picklable `obj` on every rank."""
     if get_world_size(group) == 1:
         return obj
+    _bind_device()
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
 def barrier(group=None) -> None:
-    if get_world_size(group) > 1:
+    if get_world_size(group) <= 1:
+        return
+    if _is_nccl(group):  # NCCL's barrier is an all-reduce on a GPU: name this rank's
+        _bind_device()
+        dist.barrier(group=group, device_ids=[get_accelerator().device(get_local_rank()).index])
+    else:
         dist.barrier(group=group)
