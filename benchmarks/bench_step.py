@@ -2,6 +2,7 @@
 
     python benchmarks/bench_step.py --nproc 2 --steps 10 --warmup 3 --out benchmarks/results.md
     python benchmarks/bench_step.py --variants zs1,zs2,ddp_zero,ds1,ds2   # a subset
+    python benchmarks/bench_step.py --variants zs0,zs1,zs2,zs3,ddp --baseline ../baseline  # before/after
 
 Each variant runs as ``--nproc`` fresh processes (RANK/WORLD_SIZE/MASTER_ADDR/... in the
 environment, gloo on CPU, NCCL on GPU), one variant at a time, with the same OMP_NUM_THREADS
@@ -44,6 +45,9 @@ ALIASES = {"zerospeed": "zs0", "deepspeed": "ds0"}  # the names of the stage-0-o
 STAGE = {"zs0": 0, "zs1": 1, "zs2": 2, "zs3": 3, "zs3_noprefetch": 3, "ds0": 0, "ds1": 1, "ds2": 2, "ds3": 3,
          "ds3_noprefetch": 3, "ddp": 0, "ddp_zero": 0, "fsdp2": 3, "fsdp2_noprefetch": 3}
 STAGE |= {f"{lib}{o}": int(o[0]) for lib in ("zs", "ds") for o in OFFLOAD}
+
+
+BASE_SUFFIX = "@base"  # a zerospeed variant run against the --baseline checkout
 
 
 def resolve_variants(text: str) -> list[str]:
@@ -93,11 +97,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per variant")
     p.add_argument("--plot", type=Path, default=None, help="also write a bar chart of the step times (PNG)")
     p.add_argument("--out", type=Path, default=None, help="append the table and machine description here")
+    p.add_argument("--baseline", type=Path, default=None,
+                   help="another zerospeed checkout (e.g. a git worktree of an older commit): every zs* variant "
+                        "also runs against it, as '<variant>@base', and a before/after table is printed")
     args = p.parse_args()
     try:
         args.variants = resolve_variants(args.variants)
     except ValueError as e:
         p.error(str(e))
+    if args.baseline is not None:
+        if not (args.baseline / "zerospeed" / "__init__.py").is_file():
+            p.error(f"--baseline {args.baseline}: no zerospeed package there (give the checkout's root)")
+        args.variants += [f"{v}{BASE_SUFFIX}" for v in args.variants if v.startswith("zs")]
     args.overlap_comm = args.overlap_comm == "true"
     if args.steps < 1 or args.warmup < 0 or args.nproc < 1 or args.repeats < 1:
         p.error("need --steps >= 1, --warmup >= 0, --nproc >= 1 and --repeats >= 1")
@@ -112,14 +123,16 @@ def free_port() -> int:
 
 def launch(variant: str, args: argparse.Namespace, workdir: Path, threads: int) -> list[dict]:
     """Run one variant on nproc processes; return each rank's result, or raise with the failing log."""
-    spec = {"variant": variant, "stage": STAGE[variant], "out_dir": str(workdir)} | {
+    kind, on_baseline = variant.removesuffix(BASE_SUFFIX), variant.endswith(BASE_SUFFIX)
+    spec = {"variant": kind, "stage": STAGE[kind], "out_dir": str(workdir / variant)} | {
         k: getattr(args, k) for k in ("steps", "warmup", "model_size", "seq_len", "micro_batch",
                                       "grad_accum", "seed", "corpus_bytes", "reduce_bucket_size",
                                       "allgather_bucket_size", "overlap_comm", "param_persistence_threshold",
                                       "max_live_parameters")}
-    spec["prefetch_bucket_size"] = 0 if variant.endswith("_noprefetch") else args.prefetch_bucket_size
-    spec["offload"] = variant.split("_", 1)[1] if variant[2:] in OFFLOAD else "none"
+    spec["prefetch_bucket_size"] = 0 if kind.endswith("_noprefetch") else args.prefetch_bucket_size
+    spec["offload"] = kind.split("_", 1)[1] if kind[2:] in OFFLOAD else "none"
     spec["nvme_path"] = str(args.nvme_path or workdir)
+    (workdir / variant).mkdir(exist_ok=True)
     port, procs = free_port(), []
     for rank in range(args.nproc):
         env = os.environ | {
@@ -128,6 +141,8 @@ def launch(variant: str, args: argparse.Namespace, workdir: Path, threads: int) 
             "OMP_NUM_THREADS": str(threads)}
         if variant.startswith("ds") and not torch.cuda.is_available():
             env["DS_ACCELERATOR"] = "cpu"
+        if on_baseline:  # imported ahead of the installed (editable) zerospeed
+            env["PYTHONPATH"] = os.pathsep.join([str(args.baseline.resolve()), env.get("PYTHONPATH", "")])
         log = open(workdir / f"{variant}.rank{rank}.log", "w")
         procs.append((subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)], env=env,
                                        stdout=log, stderr=subprocess.STDOUT), log))
@@ -139,7 +154,7 @@ def launch(variant: str, args: argparse.Namespace, workdir: Path, threads: int) 
                 p.kill()
                 p.wait()
             log.close()
-    return [json.loads((workdir / f"{variant}.rank{r}.json").read_text()) for r in range(args.nproc)]
+    return [json.loads((workdir / variant / f"{kind}.rank{r}.json").read_text()) for r in range(args.nproc)]
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float, variant: str, workdir: Path) -> None:
@@ -254,6 +269,21 @@ def table(results: dict[str, dict], notes: list[str]) -> str:
     return "\n".join(lines + [""] + [f"- {n}" for n in notes])
 
 
+def before_after(results: dict[str, dict], baseline: Path) -> str:
+    """Each zerospeed variant against the same variant run on the --baseline checkout."""
+    lines = [f"Before (`{baseline}`) / after (this checkout), same invocation:", "",
+             "| variant | before: median step (ms) | after (ms) | after / before | peak memory before / after (MiB) |",
+             "|---|---:|---:|---:|---|"]
+    for name, r in results.items():
+        b = results.get(name + BASE_SUFFIX)
+        if b is None:
+            continue
+        lines.append(f"| {name} | {1000 * b['median_step_s']:.1f} | {1000 * r['median_step_s']:.1f} | "
+                     f"{r['median_step_s'] / b['median_step_s']:.3f} | {mib(max(b['peak_memory']))} / "
+                     f"{mib(max(r['peak_memory']))} |")
+    return "\n".join(lines) + "\n"
+
+
 def comm_table(results: dict[str, dict]) -> str:
     """Where the time goes: the zerospeed variants' collectives per measured step, one total row each."""
     lines = ["| variant | collective | calls/step | payload/step (MiB) | wire/step per rank (MiB) "
@@ -342,6 +372,8 @@ def main() -> None:
     traffic = stage3_traffic(results, args.nproc, args.grad_accum)
     comm_text += ("\n" + traffic) if traffic else ""
     text = header + table(results, notes) + "\n" + ("\n" + comm_text if comm_text else "")
+    if args.baseline is not None:
+        text += "\n" + before_after(results, args.baseline)
     print(text)
     if args.plot and results:
         from zerospeed.utils.plot import save_bar_chart

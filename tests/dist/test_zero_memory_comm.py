@@ -29,8 +29,8 @@ def check_traffic(r, world):
     if world == 1:
         return  # single-rank collectives are skipped and not counted
     if r["stage"] == 0:
-        # the gradient buffers, then the squared gradient norm (8 bytes; it also carries fp16 overflow)
-        assert t.pop("all_reduce") == grad + 8
+        # the gradient buffers only: the norm (and fp16 overflow) is local (Note [stage-0 local norm])
+        assert t.pop("all_reduce") == grad
     elif r["stage"] == 3:
         # per micro-step: every unit gathered for forward and again for backward (+ an 8-byte code per
         # rank for the divergence check), gradients reduce-scattered. With stage3_max_reuse_distance 0

@@ -1,23 +1,7 @@
-"""Pure communication math: bucket assignment and the rank grid."""
+"""Pure communication math: the rank grid."""
 import pytest
 
-from zerospeed.comm import RankGrid, assign_buckets
-
-
-def test_buckets_keep_order_and_cap_size():
-    assert assign_buckets([3, 4, 10, 1, 1], 6) == [[0], [1], [2], [3, 4]]
-    assert assign_buckets([2, 2, 2], 6) == [[0, 1, 2]]
-    assert assign_buckets([2, 2, 2], 4) == [[0, 1], [2]]
-    assert assign_buckets([], 4) == []
-
-
-def test_oversized_tensor_gets_its_own_bucket():
-    assert assign_buckets([1, 100, 1], 10) == [[0], [1], [2]]
-
-
-def test_bucket_size_must_be_positive():
-    with pytest.raises(ValueError, match="bucket_size must be positive"):
-        assign_buckets([1], 0)
+from zerospeed.comm import RankGrid
 
 
 def test_grid_coords_and_rank_roundtrip():

@@ -68,3 +68,16 @@ def test_zero_paper_bytes_per_parameter():
     assert sum(model_state_bytes(p, 64, 0, **kw).values()) / 1e9 == 120.0
     assert round(sum(model_state_bytes(p, 64, 1, **kw).values()) / 1e9, 1) == 31.4
     assert round(sum(model_state_bytes(p, 64, 2, **kw).values()) / 1e9, 1) == 16.6
+
+
+def _groups(numels, size):
+    return [[seg.param for seg in layout.segments] for layout in build_layouts(numels, size, world_size=1)]
+
+
+def test_layouts_keep_order_and_cap_size():
+    # the grouping every stage's gradient units use (stage 0: world_size 1, no chunks)
+    assert _groups([3, 4, 10, 1, 1], 6) == [[0], [1], [2], [3, 4]]
+    assert _groups([2, 2, 2], 6) == [[0, 1, 2]]
+    assert _groups([2, 2, 2], 4) == [[0, 1], [2]]
+    assert _groups([], 4) == []
+    assert _groups([1, 100, 1], 10) == [[0], [1], [2]]  # an oversized parameter gets its own layout

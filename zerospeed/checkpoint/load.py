@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Plan:
+class _ReadList:
     tag_dir: Path
     manifest: dict
     entries: list[ShardEntry]
@@ -58,12 +58,12 @@ def _weights_in_shards(engine, manifest: dict) -> bool:
     return engine.zero.weights_in_shards or manifest["weights_in_shards"]
 
 
-def _plan(engine, tag_dir: Path, manifest: dict, *, strict: bool, with_optimizer: bool, module_only: bool) -> _Plan:
+def _read_list(engine, tag_dir: Path, manifest: dict, *, strict: bool, with_optimizer: bool, module_only: bool) -> _ReadList:
     check_model_compat(manifest, engine.module, strict=strict, where=tag_dir)
     rank = comm.get_rank()
     entries = engine.zero.shard_entries(parameter_names(engine.module))
     if module_only and not _weights_in_shards(engine, manifest):
-        return _Plan(tag_dir, manifest, entries, None, set(), None, [MODEL_STATES])
+        return _ReadList(tag_dir, manifest, entries, None, set(), None, [MODEL_STATES])
     if with_optimizer:
         _check_optimizer(engine.optimizer, manifest, tag_dir)
     saved_trainable = {n for n, s in manifest["parameters"].items() if s["trainable"]}
@@ -72,7 +72,7 @@ def _plan(engine, tag_dir: Path, manifest: dict, *, strict: bool, with_optimizer
     rng_file = optim_states_name(rank) if rank < manifest["dp_world_size"] else None
     files = [MODEL_STATES] + ([direct.file] if direct else files_holding(manifest, names))
     files += [rng_file] if rng_file and rng_file not in files else []
-    return _Plan(tag_dir, manifest, entries, direct, names, rng_file, files)
+    return _ReadList(tag_dir, manifest, entries, direct, names, rng_file, files)
 
 
 def _check_optimizer(optimizer, manifest: dict, tag_dir: Path) -> None:
@@ -111,10 +111,10 @@ def _scalar(value, master: torch.Tensor, group: dict):
 
 
 @torch.no_grad()
-def _load_direct(plan: _Plan, optimizer, with_optimizer: bool) -> None:
-    data = torch.load(plan.tag_dir / plan.direct.file, map_location="cpu", mmap=True, weights_only=True)
-    groups = entry_groups(optimizer, [e.master for e in plan.entries])
-    for entry, layout, record, gi in zip(plan.entries, plan.direct.entries, data["entries"], groups):
+def _load_direct(reads: _ReadList, optimizer, with_optimizer: bool) -> None:
+    data = torch.load(reads.tag_dir / reads.direct.file, map_location="cpu", mmap=True, weights_only=True)
+    groups = entry_groups(optimizer, [e.master for e in reads.entries])
+    for entry, layout, record, gi in zip(reads.entries, reads.direct.entries, data["entries"], groups):
         entry.master.view(-1).copy_(record["master"])
         if with_optimizer and optimizer is not None:
             group = optimizer.param_groups[gi] if gi >= 0 else {}
@@ -124,12 +124,12 @@ def _load_direct(plan: _Plan, optimizer, with_optimizer: bool) -> None:
 
 
 @torch.no_grad()
-def _load_resharded(plan: _Plan, optimizer, with_optimizer: bool) -> None:
-    uni = load_universal(plan.tag_dir, plan.manifest, names=plan.names,
+def _load_resharded(reads: _ReadList, optimizer, with_optimizer: bool) -> None:
+    uni = load_universal(reads.tag_dir, reads.manifest, names=reads.names,
                          keys=None if with_optimizer else {FP32})
-    groups = entry_groups(optimizer, [e.master for e in plan.entries])
+    groups = entry_groups(optimizer, [e.master for e in reads.entries])
     any_scalars = next(iter(uni.scalars.values()), {})
-    for entry, gi in zip(plan.entries, groups):
+    for entry, gi in zip(reads.entries, groups):
         pieces = [p for p in entry.pieces if p.name in uni.tensors]
         fill_entry(entry.master, pieces, {p.name: uni.tensors[p.name][FP32] for p in pieces})
         if not with_optimizer or optimizer is None:
@@ -146,7 +146,7 @@ def _load_resharded(plan: _Plan, optimizer, with_optimizer: bool) -> None:
         optimizer.state[entry.master] = state
 
 
-def _restore_training_state(engine, states: dict, plan: _Plan, with_optimizer: bool, with_scheduler: bool) -> None:
+def _restore_training_state(engine, states: dict, reads: _ReadList, with_optimizer: bool, with_scheduler: bool) -> None:
     opt = engine.optimizer
     if opt is not None and (with_optimizer or with_scheduler):
         for group, saved in zip(opt.param_groups, states["optimizer_param_groups"]):
@@ -169,12 +169,12 @@ def _restore_training_state(engine, states: dict, plan: _Plan, with_optimizer: b
     engine.micro_steps = int(states["micro_steps"]) if same_gas else engine.global_steps * gas
     if engine.training_dataloader is not None and states.get("data_sampler") is not None:
         engine.training_dataloader.load_state_dict(states["data_sampler"])
-    if plan.rng_file is not None:
-        rng = torch.load(plan.tag_dir / plan.rng_file, map_location="cpu", mmap=True, weights_only=True)["rng"]
+    if reads.rng_file is not None:
+        rng = torch.load(reads.tag_dir / reads.rng_file, map_location="cpu", mmap=True, weights_only=True)["rng"]
         restore_rng_state(rng)
     else:
         logger.warning("checkpoint %s was saved by %d ranks: rank %d has no saved RNG state and keeps its own",
-                       plan.tag_dir, plan.manifest["dp_world_size"], comm.get_rank())
+                       reads.tag_dir, reads.manifest["dp_world_size"], comm.get_rank())
 
 
 def _resolve(engine, root: Path, tag) -> str | None:
@@ -201,13 +201,13 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
         return None, None
     start = time.perf_counter()
     with_optimizer = load_optimizer_states and not load_module_only
-    plan, error = None, None
+    reads, error = None, None
     try:
         tag_dir = resolve_tag_dir(CheckpointPaths(root, tag))
         manifest = read_manifest(tag_dir)
-        plan = _plan(engine, tag_dir, manifest, strict=load_module_strict, with_optimizer=with_optimizer,
+        reads = _read_list(engine, tag_dir, manifest, strict=load_module_strict, with_optimizer=with_optimizer,
                      module_only=load_module_only)
-        if (problem := verify_files(tag_dir, manifest, plan.files)) is not None:
+        if (problem := verify_files(tag_dir, manifest, reads.files)) is not None:
             raise CheckpointError(problem)
     except CheckpointError as exc:
         error = str(exc)
@@ -215,30 +215,30 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
 
     states = None
     with engine.zero.resident(engine.optimizer):  # NVMe-offloaded masters and states: in memory for the load
-        states = _load_states(engine, plan, with_optimizer, load_module_only, load_module_strict)
+        states = _load_states(engine, reads, with_optimizer, load_module_only, load_module_strict)
     if not load_module_only:
-        _restore_training_state(engine, states, plan, with_optimizer, load_lr_scheduler_states)
+        _restore_training_state(engine, states, reads, with_optimizer, load_lr_scheduler_states)
     comm.barrier()
-    logger.info("loaded checkpoint %s (%s) in %.2fs", plan.tag_dir,
-                "same layout" if plan.direct is not None else "resharded", time.perf_counter() - start)
+    logger.info("loaded checkpoint %s (%s) in %.2fs", reads.tag_dir,
+                "same layout" if reads.direct is not None else "resharded", time.perf_counter() - start)
     client_state = {k: v for k, v in states.items() if k not in RESERVED_KEYS}
-    return str(plan.tag_dir / MODEL_STATES), client_state
+    return str(reads.tag_dir / MODEL_STATES), client_state
 
 
-def _load_states(engine, plan: _Plan, with_optimizer: bool, load_module_only: bool, load_module_strict: bool):
+def _load_states(engine, reads: _ReadList, with_optimizer: bool, load_module_only: bool, load_module_strict: bool):
     states, error = None, None
     try:
-        states = torch.load(plan.tag_dir / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False)
-        _load_module(engine, states, plan.manifest, load_module_strict, plan.tag_dir)
+        states = torch.load(reads.tag_dir / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False)
+        _load_module(engine, states, reads.manifest, load_module_strict, reads.tag_dir)
         engine.zero.load_masters_from_params()
-        # stage 3 keeps sharded parameters only in the shards: a module-only load reads their masters too
-        if not load_module_only or _weights_in_shards(engine, plan.manifest):
-            (_load_direct if plan.direct is not None else _load_resharded)(plan, engine.optimizer, with_optimizer)
+        # weights kept only in the shards: a module-only load reads their masters too
+        if not load_module_only or _weights_in_shards(engine, reads.manifest):
+            (_load_direct if reads.direct is not None else _load_resharded)(reads, engine.optimizer, with_optimizer)
     except CheckpointError as exc:
         error = str(exc)
     except Exception as exc:  # noqa: BLE001 — every rank must learn of it before the collective below
-        error = f"rank {comm.get_rank()}: loading {plan.tag_dir} failed: {type(exc).__name__}: {exc}"
+        error = f"rank {comm.get_rank()}: loading {reads.tag_dir} failed: {type(exc).__name__}: {exc}"
     raise_if_any_rank_failed(error)
-    if not load_module_only or _weights_in_shards(engine, plan.manifest):
+    if not load_module_only or _weights_in_shards(engine, reads.manifest):
         engine.zero.sync_params_from_masters()
     return states

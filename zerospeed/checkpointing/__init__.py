@@ -1,5 +1,6 @@
 """Activation checkpointing with DeepSpeed's API (``deepspeed.checkpointing``): ZeRO-R's
-partitioned, CPU-offloaded and contiguous checkpoints.
+partitioned, CPU-offloaded and contiguous checkpoints. (Saving and loading *model* checkpoints is
+`zerospeed.checkpoint`, DeepSpeed's ``deepspeed.checkpoint``; both paths are DeepSpeed's.)
 
     from zerospeed import checkpointing
     checkpointing.configure(mpu, deepspeed_config="ds_config.json")   # or keyword switches

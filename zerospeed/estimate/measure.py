@@ -3,7 +3,9 @@
 N spawned gloo processes train a bias-free MLP for two optimizer steps at each ZeRO stage
 (`zerospeed.testing.zero_probe`); the measurement is an independent census of live tensor storages
 (not the engine's counters); the prediction is `stage_bytes` with zerospeed's fp32 gradient
-accumulation. Offload is not measured (it is not implemented in the engine yet).
+accumulation. Offload rows are not measured here: on a CPU-only machine host and device are the same
+memory, so a census cannot tell offloaded state apart (tests/dist/test_offload.py checks placement
+and NVMe swap-file bytes instead).
 """
 from __future__ import annotations
 

@@ -20,6 +20,11 @@ import torch
 
 from zerospeed.accelerator import get_accelerator
 from zerospeed.config.errors import ConfigError
+from zerospeed.offload.aio import AsyncIO
+from zerospeed.offload.optimizer_swap import NvmeOptimizerSwapper
+from zerospeed.offload.param_swap import NvmeParamSwapper
+from zerospeed.offload.swap import check_nvme_path
+from zerospeed.optim.sub_group_step import InMemoryStepper
 
 HOST = torch.device("cpu")
 
@@ -94,7 +99,6 @@ class OffloadPlan:
     @functools.cached_property
     def io(self):
         """The one asynchronous I/O engine (thread pool) every NVMe swapper of this rank shares."""
-        from zerospeed.offload.aio import AsyncIO
         return AsyncIO.from_config(self.aio) if self.aio is not None else AsyncIO()
 
     def describe(self) -> dict[str, str]:
@@ -107,18 +111,14 @@ class OffloadPlan:
 
 def _nvme_dir(section, key: str) -> Path:
     """The nvme_path, checked to exist and be writable now (space is checked once sizes are known)."""
-    from zerospeed.offload.swap import check_nvme_path
     return check_nvme_path(section.nvme_path, 0, key=f"{key}.nvme_path")
 
 
 def make_stepper(plan: OffloadPlan | None, masters: list[torch.nn.Parameter], sub_groups: list[list[int]],
                  rank: int):
     """The optimizer stepper for this plan: in memory, or through NVMe swap files."""
-    from zerospeed.optim.sub_group_step import InMemoryStepper
     if plan is None or plan.optimizer != "nvme":
         return InMemoryStepper()
-    from zerospeed.offload.optimizer_swap import NvmeOptimizerSwapper
-    from zerospeed.offload.swap import check_nvme_path
     numel = sum(m.numel() for m in masters)
     # fp32 masters + two Adam moments: the usual worst case of an elementwise optimizer
     check_nvme_path(plan.optimizer_nvme, 12 * numel, key="zero_optimization.offload_optimizer.nvme_path")
@@ -130,8 +130,6 @@ def make_param_swapper(plan: OffloadPlan | None, fps: list, rank: int, dtype: to
     """Stage 3 with `offload_param.device: nvme`: the swapper that moves the shards of `fps` to disk."""
     if plan is None or plan.param != "nvme":
         return None
-    from zerospeed.offload.param_swap import NvmeParamSwapper
-    from zerospeed.offload.swap import check_nvme_path
     nbytes = sum(fp.shard_numel for fp in fps) * torch.tensor([], dtype=dtype).element_size()
     check_nvme_path(plan.param_nvme, nbytes, key="zero_optimization.offload_param.nvme_path")
     return NvmeParamSwapper(fps, directory=plan.param_nvme, rank=rank, aio=plan.io,

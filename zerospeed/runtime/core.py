@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from zerospeed import comm
+from zerospeed import checkpoint, comm
 from zerospeed.accelerator import get_accelerator
 from zerospeed.optim.sub_group_step import use_fused_cpu_step
 from zerospeed.precision.loss_scaler import loss_scaler_from_config
@@ -206,22 +206,19 @@ class EngineCore(torch.nn.Module):
     # -- checkpoints (zerospeed.checkpoint does the work) ----------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False):
-        from zerospeed.checkpoint import save_checkpoint
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+        return checkpoint.save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
         """Restore a checkpoint (any world size, ZeRO stage 0-3); returns (load_path, client_state)."""
-        from zerospeed.checkpoint import load_checkpoint
-        return load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+        return checkpoint.load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin"):
-        from zerospeed.checkpoint import save_16bit_model
-        return save_16bit_model(self, save_dir, save_filename)
+        return checkpoint.save_16bit_model(self, save_dir, save_filename)
 
     # -- module passthrough ------------------------------------------------------------------------
     def train(self, mode: bool = True):
@@ -239,5 +236,15 @@ class EngineCore(torch.nn.Module):
 
 
 def _broadcast_from_first(t: torch.Tensor, group) -> None:
-    if comm.get_world_size(group) > 1:
+    """Rank 0 of `group`'s values into `t` on every rank. NCCL refuses non-contiguous tensors (a
+    buffer made by `expand`, like transformers' position_ids, even has stride 0): those travel as a
+    contiguous copy, written back where the tensor owns its elements."""
+    if comm.get_world_size(group) <= 1 or t.numel() == 0:
+        return
+    if t.is_contiguous():
         comm.broadcast(t, src=comm.global_rank(group, 0), group=group)
+        return
+    buf = t.contiguous()
+    comm.broadcast(buf, src=comm.global_rank(group, 0), group=group)
+    if 0 not in t.stride():
+        t.copy_(buf)

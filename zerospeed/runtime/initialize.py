@@ -108,7 +108,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         from zerospeed import checkpointing
         checkpointing.configure(mpu_=mpu, deepspeed_config=cfg)
 
-    allow_untested = cfg.zero_stage == 0 or cfg.zero_allow_untested_optimizer
+    allow_untested = cfg.untested_optimizers_allowed
 
     def optimizer_factory(strategy):
         if isinstance(optimizer, torch.optim.Optimizer):

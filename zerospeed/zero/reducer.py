@@ -155,6 +155,7 @@ class GradientReducer:
         self.on_unit_ready = on_unit_ready
         self._slot = {id(u.params[s.param]): (u, s) for u in units for s in u.layout.segments}
         self.reducing = False
+        self.reduced = False  # the buffers hold a completed reduction (since the last zero())
         self._next = 0
         self._bucket: list[GradUnit] = []
         self._bucket_elems = 0
@@ -262,6 +263,7 @@ class GradientReducer:
         self._flush()
         self._complete_all()
         self.reducing = False
+        self.reduced = True
 
     def _check_unused(self) -> None:
         if self.ignore_unused:
@@ -275,6 +277,7 @@ class GradientReducer:
     def zero(self) -> None:
         for u in self.units:
             u.zero()
+        self.reduced = False
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -11,6 +11,7 @@ import torch
 
 from zerospeed.optim.sub_group_step import InMemoryStepper, step_in_sub_groups
 from zerospeed.precision.master import MasterWeights
+from zerospeed.zero.grad_math import global_norm
 from zerospeed.zero.partition import build_layouts
 from zerospeed.zero.reducer import GradientReducer, GradUnit, all_reduce_at_boundary
 from zerospeed.zero.shards import Piece, ShardEntry
@@ -35,6 +36,7 @@ class DataParallelStrategy:
                                                                                   accum_dtype)]
         self.reducer = GradientReducer(self.units, all_reduce_at_boundary(), scaling=scaling,
                                        comm_dtype=comm_dtype)
+        self._norm_group_only = all(rg.group is norm_group for rg in reduction)
 
     def optimizer_param_groups(self) -> list[dict]:
         return self.master.map_param_groups(self.groups)
@@ -55,7 +57,13 @@ class DataParallelStrategy:
         self.reducer.finish()
 
     def global_grad_norm(self) -> float:
-        # every rank of a unit's group holds the same reduced gradient: each copy counts 1/world
+        """Note [stage-0 local norm]: when every unit reduced over the norm group itself, each rank
+        already holds the whole reduced gradient and its local norm is the global one (an inf or nan
+        anywhere is everywhere after the all-reduce) — no collective needed. Otherwise (expert groups,
+        or a boundary inside no_sync that reduced nothing) each rank's copy counts 1/world of its
+        group in one weighted all-reduce."""
+        if self._norm_group_only and self.reducer.reduced:
+            return global_norm([u.accum for u in self.units])
         return weighted_global_norm([(u.accum, 1.0 / u.world_size) for u in self.units], self.norm_group)
 
     def grads(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:

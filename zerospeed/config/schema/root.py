@@ -152,6 +152,12 @@ class ZeroSpeedConfig(_BatchAndOptim, _Precision, _Memory, _Observability, _Chec
         return self.zero_optimization.stage
 
     @property
+    def untested_optimizers_allowed(self) -> bool:
+        """A client optimizer outside ZeRO's tested list is accepted: always without ZeRO (stage 0),
+        with it only under `zero_allow_untested_optimizer` (DeepSpeed's rule)."""
+        return self.zero_optimization.stage == 0 or self.zero_allow_untested_optimizer
+
+    @property
     def dynamic_loss_scale(self) -> bool:
         """True when fp16 is on with ``loss_scale`` 0, i.e. the loss scale adapts to overflows."""
         return self.fp16.enabled and self.fp16.loss_scale == 0

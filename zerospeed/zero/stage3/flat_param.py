@@ -14,6 +14,7 @@ import torch
 
 from zerospeed.zero.flat_group import flatten_fp32
 from zerospeed.zero.partition import FlatLayout, build_layouts
+from zerospeed.zero.stage3.gather import GatherBatch
 
 
 class State(enum.Enum):
@@ -152,7 +153,6 @@ def _placed(values: torch.Tensor, device: torch.device, dtype: torch.dtype, pin)
 def start_gathers(fps: list[FlatParam]) -> None:
     """Issue one all-gather per process group for all of `fps` (SHARDED ones; every rank must pass
     the same list — flat parameters of different groups, e.g. dense and expert, travel apart)."""
-    from zerospeed.zero.stage3.gather import GatherBatch
     todo = [fp for fp in fps if fp.state is State.SHARDED]
     if not todo:
         return
