@@ -20,8 +20,9 @@ def capture_rng_state() -> dict:
              "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
              "torch": torch.get_rng_state()}
-    if get_accelerator().name == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state()
+    acc = get_accelerator()
+    if acc.name == "cuda":
+        state["cuda"] = acc.get_rng_state(acc.current_device())
     return state
 
 
@@ -33,5 +34,6 @@ def restore_rng_state(state: dict) -> None:
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and get_accelerator().name == "cuda":
-        torch.cuda.set_rng_state(state["cuda"])
+    acc = get_accelerator()
+    if "cuda" in state and acc.name == "cuda":
+        acc.set_rng_state(state["cuda"], acc.current_device())

@@ -63,6 +63,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
     `fn` must be importable (a module-level function) and its result picklable. backend "gloo"
     runs on the CPU; "nccl" puts rank r on GPU r.
     """
+    if backend == "nccl":
+        import torch
+        if world_size > torch.cuda.device_count():
+            raise ValueError(f"run_distributed(backend='nccl', world_size={world_size}): this machine has "
+                             f"{torch.cuda.device_count()} GPU(s) and NCCL needs one per rank; skip the test "
+                             "below that many GPUs or use backend='gloo'")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

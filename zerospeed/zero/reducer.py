@@ -102,13 +102,11 @@ class GradUnit:
         return [self.params[s.param] for s in self.layout.segments]
 
     def add(self, seg, grad: torch.Tensor) -> None:
-        if self.accum is None and self.staging is None:
-            self.staging = torch.zeros(self.layout.padded, dtype=self.staging_dtype, device=self.device)
-        target = self.accum if self.accum is not None else self.staging
-        target[seg.offset:seg.offset + seg.numel].add_(grad.reshape(-1))
+        self.source()[seg.offset:seg.offset + seg.numel].add_(grad.reshape(-1))
 
     def source(self) -> torch.Tensor:
-        """The buffer to reduce (a unit no gradient reached still takes part, with zeros)."""
+        """The buffer gradients add into and the collective reduces (a unit no gradient reached still
+        takes part, with zeros)."""
         if self.accum is not None:
             return self.accum
         if self.staging is None:
@@ -116,13 +114,13 @@ class GradUnit:
         return self.staging
 
     def deliver(self, part: torch.Tensor) -> None:
-        """Land this unit's reduced part (a view of the collective's output) in `result`."""
-        if part.data_ptr() == self.result.data_ptr():
-            pass  # reduced in place
-        elif self.accum is not None:
-            self.result.copy_(part)
-        else:
-            self.result.add_(part if part.device == self.result.device else part.to(self.result.device))
+        """Land this unit's reduced part (a view of the collective's output) in `result` — unless it
+        was reduced in place. Accumulated-before gradients are copied; reduced-per-micro-step ones add up."""
+        if part.data_ptr() != self.result.data_ptr():
+            if self.accum is not None:
+                self.result.copy_(part)
+            else:
+                self.result.add_(part if part.device == self.result.device else part.to(self.result.device))
         self.staging = None
 
     def zero(self) -> None:
