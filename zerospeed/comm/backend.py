@@ -119,11 +119,26 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
+class _SelfGroup:
+    """The group of this rank alone (Note [size-1 axes] in comm/mesh.py): every collective on it is
+    the identity, so it needs no torch process group — and making one would be collective."""
+
+    def __repr__(self) -> str:
+        return "comm.SELF"
+
+
+SELF = _SelfGroup()
+
+
 def get_rank(group=None) -> int:
+    if group is SELF:
+        return 0
     return dist.get_rank(group) if is_initialized() else 0
 
 
 def get_world_size(group=None) -> int:
+    if group is SELF:
+        return 1
     return dist.get_world_size(group) if is_initialized() else 1
 
 
@@ -133,6 +148,8 @@ def get_local_rank() -> int:
 
 def global_rank(group, group_rank: int) -> int:
     """The global rank of `group_rank` within `group` (None = the world group)."""
+    if group is SELF:
+        return get_rank()
     if group is None or not is_initialized():
         return group_rank
     return dist.get_global_rank(group, group_rank)
@@ -145,7 +162,7 @@ def _bind_device() -> None:
 
 
 def _is_nccl(group) -> bool:
-    return dist.get_backend(group) == "nccl"
+    return dist.get_backend(None if group is SELF else group) == "nccl"
 
 
 def _check_tensors(kind: str, group, *tensors: torch.Tensor) -> None:

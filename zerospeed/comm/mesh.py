@@ -16,12 +16,12 @@ this rank's view, `members(axis)` the global ranks. Expert groups for other expe
 `expert_data_parallel_group(N)`; `as_mpu()` offers the whole mesh to code written for a
 Megatron/DeepSpeed `mpu`, and `from_mpu(mpu)` wraps such an object.
 
-Note [size-1 axes]: a size-1 axis still gets a real one-rank group, because collectives and
-`comm.get_rank(group)` need one. All size-1 axes share a single set of one-rank groups, made once per
-mesh (`_GroupMaker` reuses a group already made for the same ranks). They cannot be made lazily on
-first use: a rank asking alone cannot join a collective `new_group`, and torch's group-local creation
-names a group by its ranks, so a second mesh on the same rank would collide (and, on a device-bound
-NCCL world, the split it performs needs every rank).
+Note [size-1 axes]: an axis whose groups are single ranks gets `comm.SELF`, the group of this rank
+alone: `comm.get_rank(SELF)` is 0, `get_world_size(SELF)` 1, and every collective on it is the
+identity, so no torch process group is made. (None cannot stand for it — None is the world group —
+and a real one-rank group is a collective `new_group` per rank: W of them for every plain
+data-parallel engine.) Groups of two or more ranks are made once per mesh (`_GroupMaker` reuses a
+group already made for the same ranks), every rank asking for every group in the same order.
 """
 from __future__ import annotations
 
@@ -64,6 +64,8 @@ class _GroupMaker:
         mine = tuple(next(g for g in groups if self.rank in g))
         if len(mine) == self.world:
             return AxisGroup(None, self.world, mine.index(self.rank), mine)
+        if all(len(g) == 1 for g in groups):  # Note [size-1 axes]
+            return AxisGroup(backend.SELF, 1, 0, mine)
         for ranks in groups:
             if tuple(ranks) not in self._made:
                 self._made[tuple(ranks)] = backend.new_group(list(ranks))

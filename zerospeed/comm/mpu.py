@@ -48,7 +48,7 @@ def mesh_axes_from_mpu(mpu, maker: _GroupMaker) -> dict[str, AxisGroup | None]:
     if axes["dp"] is None:
         raise TypeError(f"{type(mpu).__name__} is not an mpu: it has no get_data_parallel_group(); give an "
                         "object with Megatron's get_*_parallel_group() methods, or use ParallelMesh.build()")
-    one = maker.singletons()  # collective (Note [size-1 axes]): made even if the mpu has every axis
+    one = maker.singletons()  # comm.SELF (Note [size-1 axes])
     axes.update({axis: axes[axis] or one for axis in ("pp", "sp", "tp", "mp")})
     if axes["dp_sp"] is None and axes["sp"].size == 1:
         axes["dp_sp"] = axes["dp"]
