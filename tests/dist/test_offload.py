@@ -251,6 +251,38 @@ def test_gradient_staging_is_bounded_whatever_the_model_size(stage):
         assert buckets >= 10 and 1 <= peak <= 3, (peak, buckets)
 
 
+def _staging_held_in_flight():
+    """Stage 3 fuses several units into one reduce-scatter: once their gradients are copied into the
+    bucket's send buffer, no unit may keep its own staging buffer while the collective runs."""
+    held, fused = [0], [0]
+    cfg = zero_config(3)
+    cfg["zero_optimization"]["reduce_bucket_size"] = 3000  # several small units per bucket
+    model = build_model()
+    engine, *_ = zerospeed.initialize(model=model, model_parameters=param_groups(model), config=cfg)
+    reducer = engine.zero.reducer
+    flush = reducer._flush
+
+    def watched_flush():
+        flush()
+        for flight in reducer._in_flight:
+            if len(flight.units) > 1:
+                fused[0] += 1
+                held[0] = max(held[0], sum(u.staging is not None for u in flight.units))
+    reducer._flush = watched_flush
+    rank, world = comm.get_rank(), comm.get_world_size()
+    for batch in global_batches(world, steps=2):
+        for x, y in split_global_batch(batch, world, GAS, rank):
+            engine.backward(engine(x, y))
+            engine.step()
+    return held[0], fused[0]
+
+
+@pytest.mark.timeout(200)
+def test_fused_stage3_buckets_free_each_units_staging_at_launch():
+    for held, fused in run_distributed(_staging_held_in_flight, 2, timeout=180):
+        assert fused > 0 and held == 0, (held, fused)
+
+
 def _too_small_buffer(tmp):
     from zerospeed.config import ConfigError
     try:

@@ -20,7 +20,7 @@ from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.naming import MANIFEST
 
 FORMAT = "zerospeed-checkpoint"
-FORMAT_VERSION = 2  # 2: `weights_in_shards` recorded (format 1 implied it by ZeRO stage 3)
+FORMAT_VERSION = 1
 _SHOW = 8  # names listed in an error before "... and N more"
 
 
@@ -130,8 +130,9 @@ def read_manifest(tag_dir: Path) -> dict:
 
 
 def _upgraded(manifest: dict) -> dict:
-    """An older format's manifest with the fields of the current one (format 1: only stage-3
-    checkpoints kept their trainable weights in the shards alone)."""
-    if manifest.get("format_version", 0) < 2:
+    """A manifest from before `weights_in_shards` was recorded, with it (then only stage-3 checkpoints
+    kept their trainable weights in the shards alone). The field is an addition, not a new format:
+    older readers ignore it, and read these checkpoints as before."""
+    if "weights_in_shards" not in manifest:
         manifest = {**manifest, "weights_in_shards": manifest["zero_stage"] == 3}
     return manifest

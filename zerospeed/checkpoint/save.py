@@ -68,6 +68,10 @@ def _check_supported(engine) -> None:
     if engine.world_size != engine.dp_world_size:
         raise NotImplementedError("checkpoints with model (tensor/pipeline) parallelism are not supported yet: "
                                   f"world size {engine.world_size} != data-parallel size {engine.dp_world_size}")
+    if not engine.zero.uniform_reduction:
+        raise NotImplementedError("checkpoints of models whose param groups reduce over different groups (expert "
+                                  "param groups, 'moe': True) are not supported yet: expert weights differ across "
+                                  "expert-parallel ranks and would be saved under one name")
 
 
 def _frozen_names(module: torch.nn.Module) -> list[str]:

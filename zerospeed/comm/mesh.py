@@ -86,6 +86,7 @@ class ParallelMesh:
         self._axes = axes
         self._maker = maker or _GroupMaker(self.rank, self.world_size)
         self._experts: dict[int, tuple[AxisGroup, AxisGroup]] = {axes["ep"].size: (axes["ep"], axes["edp"])}
+        self._mpu = None  # the mpu this mesh wraps (from_mpu), handed back by as_mpu
 
     # -- constructors (collective) -----------------------------------------------------------------
     @classmethod
@@ -128,7 +129,9 @@ class ParallelMesh:
         """Wrap a Megatron/DeepSpeed-style `mpu` (its groups are used as they are; `grid` is None)."""
         from zerospeed.comm.mpu import mesh_axes_from_mpu
         maker = _GroupMaker(backend.get_rank(), backend.get_world_size())
-        return cls(mesh_axes_from_mpu(mpu, maker), maker=maker)
+        mesh = cls(mesh_axes_from_mpu(mpu, maker), maker=maker)
+        mesh._mpu = mpu
+        return mesh
 
     # -- queries -------------------------------------------------------------------------------------
     def _axis(self, axis: str) -> AxisGroup:
@@ -199,7 +202,12 @@ class ParallelMesh:
         return [list(g) for g in groups]
 
     def as_mpu(self):
-        """This mesh as a Megatron/DeepSpeed `mpu` (get_data_parallel_group(), ...)."""
+        """This mesh as a Megatron/DeepSpeed `mpu` (get_data_parallel_group(), ...): the mpu it was
+        made from, if any (DeepSpeed's `engine.mpu` is the user's own); otherwise an adapter whose
+        size-1 groups are `comm.SELF` (Note [size-1 axes]) — fine for zerospeed.comm's collectives
+        and `*_world_size()` / `*_rank()`, not a torch.distributed process group."""
+        if self._mpu is not None:
+            return self._mpu
         from zerospeed.comm.mpu import MeshMpu
         return MeshMpu(self)
 

@@ -34,10 +34,10 @@ def build_strategy(cfg, groups: list[dict], reduction: list[ReductionGroup], *, 
     scaling = functools.partial(reduction_factors, op="sum" if cfg.gradient_allreduce_op == "sum" else "avg",
                                 prescale=cfg.prescale_gradients, predivide_factor=cfg.gradient_predivide_factor)
     common = dict(comm_dtype=comm_dtype, scaling=scaling, norm_group=norm_group)
+    plan = OffloadPlan.from_config(cfg, device)  # also refuses offload keys the stage cannot honour
     if zero.stage == 0:
         return DataParallelStrategy(groups, reduction, mixed=param_dtype != torch.float32, module=module,
                                     bucket_size=int(zero.reduce_bucket_size), accum_dtype=grad_dtype, **common)
-    plan = OffloadPlan.from_config(cfg, device)
     if zero.stage == 3:
         return Stage3Strategy(module, groups, reduction, param_dtype=param_dtype, device=device,
                               reduce_bucket_size=int(zero.reduce_bucket_size), sub_group_size=int(zero.sub_group_size),

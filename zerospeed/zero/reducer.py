@@ -198,6 +198,10 @@ class GradientReducer:
         if not units:
             return
         world = units[0].world_size
+        if world == 1:  # nothing to exchange: no scaling (pre x post is 1) and no cast to comm_dtype
+            for u in units:
+                u.deliver(u.source()[:u.layout.chunk])
+            return
         pre, _ = self.scaling(world)
         sends = [self._scaled_source(u, pre) for u in units]
         scatter = self.policy.collective is Collective.REDUCE_SCATTER
@@ -207,6 +211,9 @@ class GradientReducer:
             send = torch.cat([s.view(world, -1) for s in sends], dim=1).reshape(-1)
         else:
             send = torch.cat(sends)
+        for u in units:  # staging copied into the send buffer is not needed until the result lands
+            if u.accum is None and u.staging is not send:
+                u.staging = None
         if not scatter:
             out = send
             handle = comm.all_reduce(send, op="sum", group=units[0].group, async_op=True)
@@ -233,15 +240,20 @@ class GradientReducer:
 
     @torch.no_grad()
     def _complete(self, flight: _Flight) -> None:
+        """Wait, then land each unit's part. The factor after the sum applies where the values end:
+        an all-reduced gradient in its (fp32) accumulation buffer, a reduce-scattered chunk in the
+        collective's output, as each stage did before there was one reducer."""
         flight.handle.wait()
         _, post = self.scaling(flight.units[0].world_size)
-        if post != 1.0:
-            flight.out.mul_(post)
         scatter = self.policy.collective is Collective.REDUCE_SCATTER
+        if scatter and post != 1.0:
+            flight.out.mul_(post)
         offset = 0
         for u in flight.units:
             n = u.layout.chunk if scatter else u.layout.padded
             u.deliver(flight.out[offset:offset + n])
+            if not scatter and post != 1.0:
+                u.result.mul_(post)
             offset += n
 
     def _complete_all(self) -> None:

@@ -40,6 +40,7 @@ class ShardedOptimizerBase:
 
     def _finish_setup(self, policy: ReductionPolicy, *, sub_group_size: int, scaling,
                       comm_dtype, ignore_unused: bool = True, on_unit_ready=None, launch_order=None) -> None:
+        self.uniform_reduction = all(u.group is self.norm_group for u in self.units)
         self.sub_groups = group_sub_groups([u.layout.chunk for u in self.units], sub_group_size)
         # swap files are named by the global rank: group ranks repeat across groups
         self.stepper = make_stepper(self.plan, self.masters, self.sub_groups, comm.get_rank())

@@ -36,7 +36,7 @@ class DataParallelStrategy:
                                                                                   accum_dtype)]
         self.reducer = GradientReducer(self.units, all_reduce_at_boundary(), scaling=scaling,
                                        comm_dtype=comm_dtype)
-        self._norm_group_only = all(rg.group is norm_group for rg in reduction)
+        self.uniform_reduction = all(rg.group is norm_group for rg in reduction)
 
     def optimizer_param_groups(self) -> list[dict]:
         return self.master.map_param_groups(self.groups)
@@ -62,7 +62,7 @@ class DataParallelStrategy:
         anywhere is everywhere after the all-reduce) — no collective needed. Otherwise (expert groups,
         or a boundary inside no_sync that reduced nothing) each rank's copy counts 1/world of its
         group in one weighted all-reduce."""
-        if self._norm_group_only and self.reducer.reduced:
+        if self.uniform_reduction and self.reducer.reduced:
             return global_norm([u.accum for u in self.units])
         return weighted_global_norm([(u.accum, 1.0 / u.world_size) for u in self.units], self.norm_group)
 

@@ -34,6 +34,7 @@ class ZeroStrategy(Protocol):
     supports_no_sync: bool  # gradients can accumulate unreduced across micro-steps
     weights_in_shards: bool  # trainable weights exist only as shards (the module holds placeholders)
     replicated_state: bool  # every rank holds the same masters and optimizer states
+    uniform_reduction: bool  # every param group reduces over the norm group (no expert groups)
 
     def optimizer_param_groups(self) -> list[dict]: ...
     def retarget(self, optimizer: torch.optim.Optimizer) -> None: ...
