@@ -24,11 +24,11 @@ from zerospeed.zero.partition import group_sub_groups
 from zerospeed.zero.reducer import (GradientReducer, GradUnit, ReductionPolicy, reduce_scatter_at_boundary,
                                     reduce_scatter_every_micro_step)
 from zerospeed.zero.shards import Piece, ShardEntry
-from zerospeed.zero.stage0 import full_module_state
-from zerospeed.zero.strategy import ReductionGroup, optimizer_state_bytes, state_placement, weighted_global_norm
+from zerospeed.zero.strategy import (ReducingStrategy, ReductionGroup, full_module_state, optimizer_state_bytes,
+                                     state_placement, weighted_global_norm)
 
 
-class ShardedOptimizerBase:
+class ShardedOptimizerBase(ReducingStrategy):
     """Stages 1-3: per-chunk masters, optimizer states and gradients (see the module docstring).
 
     A subclass sets `self.units` (one per chunk), `self.masters` (aligned with them), `self.plan`
@@ -47,21 +47,7 @@ class ShardedOptimizerBase:
         self.reducer = GradientReducer(launch_order or self.units, policy, scaling=scaling, comm_dtype=comm_dtype,
                                        ignore_unused=ignore_unused, on_unit_ready=on_unit_ready)
 
-    # -- reduction -----------------------------------------------------------------------------
-    def begin_backward(self, sync: bool) -> None:
-        self.reducer.begin(sync)
-
-    def start_micro_step(self) -> None:
-        pass
-
-    def end_micro_step(self) -> None:
-        """After every backward: a policy that reduces every micro-step settles it now."""
-        if self.reducer.policy.every_micro_step:
-            self.reducer.finish()
-
-    def finish_reduction(self) -> None:
-        self.reducer.finish()
-
+    # -- reduction (the rest is ReducingStrategy's) ----------------------------------------------
     def global_grad_norm(self) -> float:
         """L2 norm of the full reduced gradient: each chunk once (Note [reduction groups])."""
         return weighted_global_norm([(u.result, 1.0) for u in self.units], self.norm_group)
@@ -74,9 +60,6 @@ class ShardedOptimizerBase:
         self.stepper.step(optimizer, pairs, coef, self.sub_groups, on_stepped=self._publish)
         self._after_step()
 
-    def zero_grads(self) -> None:
-        self.reducer.zero()
-
     def resident(self, optimizer):
         """Context in which every master and optimizer state is in memory (checkpoint save/load)."""
         return self.stepper.resident(optimizer)
@@ -84,9 +67,6 @@ class ShardedOptimizerBase:
     def swap_files(self) -> list:
         """(kind, path, bytes) of every NVMe swap file this rank owns."""
         return self.stepper.files()
-
-    def remove_hooks(self) -> None:
-        self.reducer.remove_hooks()
 
     def close(self) -> None:
         """Remove the swap files (also done at exit)."""

@@ -15,10 +15,11 @@ from zerospeed.zero.grad_math import global_norm
 from zerospeed.zero.partition import build_layouts
 from zerospeed.zero.reducer import GradientReducer, GradUnit, all_reduce_at_boundary
 from zerospeed.zero.shards import Piece, ShardEntry
-from zerospeed.zero.strategy import ReductionGroup, optimizer_state_bytes, weighted_global_norm
+from zerospeed.zero.strategy import (ReducingStrategy, ReductionGroup, full_module_state, optimizer_state_bytes,
+                                     weighted_global_norm)
 
 
-class DataParallelStrategy:
+class DataParallelStrategy(ReducingStrategy):
     stage = 0
     supports_no_sync = True
     weights_in_shards = False
@@ -44,18 +45,6 @@ class DataParallelStrategy:
     def retarget(self, optimizer: torch.optim.Optimizer) -> None:
         self.master.retarget_optimizer(optimizer)
 
-    def begin_backward(self, sync: bool) -> None:
-        self.reducer.begin(sync)
-
-    def start_micro_step(self) -> None:
-        pass
-
-    def end_micro_step(self) -> None:
-        pass
-
-    def finish_reduction(self) -> None:
-        self.reducer.finish()
-
     def global_grad_norm(self) -> float:
         """Note [stage-0 local norm]: when every unit reduced over the norm group itself, each rank
         already holds the whole reduced gradient and its local norm is the global one (an inf or nan
@@ -75,9 +64,6 @@ class DataParallelStrategy:
     def step(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
         step_in_sub_groups(optimizer, [(self.master.master_of(p), g) for p, g in self.grads()], coef)
         self.master.copy_to_model()
-
-    def zero_grads(self) -> None:
-        self.reducer.zero()
 
     def shard_entries(self, names: dict[int, str]) -> list[ShardEntry]:
         """Every master is a whole parameter, held identically by every rank."""
@@ -110,9 +96,6 @@ class DataParallelStrategy:
     def close(self) -> None:
         pass
 
-    def remove_hooks(self) -> None:
-        self.reducer.remove_hooks()
-
     def memory_breakdown(self, optimizer) -> dict[str, int]:
         params = sum(p.nbytes for p in self.master.model_params)
         masters = sum(m.nbytes for m in self.master.masters) if self.master.mixed else 0
@@ -131,9 +114,3 @@ def _units(params: list[torch.nn.Parameter], rg: ReductionGroup, bucket_size: in
         units.append(GradUnit(ordered, layout, rg, result=accum, accum=accum))
     return units
 
-
-def full_module_state(module: torch.nn.Module | None, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    if module is None:
-        return {}
-    return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
-            for k, v in module.state_dict().items()}

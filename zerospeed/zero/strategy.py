@@ -106,6 +106,41 @@ def weighted_global_norm(parts: list[tuple[torch.Tensor, float]], group) -> floa
     return math.sqrt(value) if value >= 0 else value
 
 
+class ReducingStrategy:
+    """What every strategy does the same way with its `self.reducer` (a zero.reducer.GradientReducer):
+    start a backward, settle a micro-step that the policy reduces every time, finish at the
+    boundary, zero, unhook."""
+
+    def begin_backward(self, sync: bool) -> None:
+        self.reducer.begin(sync)
+
+    def start_micro_step(self) -> None:
+        pass
+
+    def end_micro_step(self) -> None:
+        """After every backward: a policy that reduces every micro-step settles it now."""
+        if self.reducer.policy.every_micro_step:
+            self.reducer.finish()
+
+    def finish_reduction(self) -> None:
+        self.reducer.finish()
+
+    def zero_grads(self) -> None:
+        self.reducer.zero()
+
+    def remove_hooks(self) -> None:
+        self.reducer.remove_hooks()
+
+
+def full_module_state(module: torch.nn.Module | None, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The module's own state dict (cast to `dtype`): what a strategy that keeps whole weights on every
+    rank returns as its full state dict."""
+    if module is None:
+        return {}
+    return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
+            for k, v in module.state_dict().items()}
+
+
 def state_placement(plan, *, params: list[torch.Tensor], grads: list[torch.Tensor], stepper) -> dict[str, str]:
     """Devices of the parameter and gradient tensors; masters and optimizer states by the stepper."""
     def where(ts):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from zerospeed.zero.flat_group import flatten_fp32
-from zerospeed.zero.partition import FlatLayout, build_layouts
+from zerospeed.zero.partition import build_layouts
 from zerospeed.zero.stage3.gather import GatherBatch
 
 
