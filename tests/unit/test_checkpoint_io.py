@@ -2,16 +2,20 @@
 training DataLoader — no processes."""
 from __future__ import annotations
 
-import json
 import struct
+from pathlib import Path
 
 import pytest
+import safetensors
+import safetensors.torch as safetensors_torch
 import torch
 
+from zerospeed.checkpoint import safetensors_io
 from zerospeed.checkpoint.atomic import atomic_write, atomic_write_text, sha256_file, swap_in_dir
 from zerospeed.checkpoint.errors import CheckpointError
+from zerospeed.checkpoint.export import clone_overlapping, export_state_dict, read_exported
 from zerospeed.checkpoint.naming import CheckpointPaths
-from zerospeed.checkpoint.safetensors_io import SafetensorsError, build_header, read_safetensors, write_safetensors
+from zerospeed.checkpoint.safetensors_io import SafetensorsError, read_safetensors, write_safetensors
 from zerospeed.checkpoint.tags import resolve_tag_dir
 from zerospeed.runtime.dataloader import RepeatingLoader, ShardedDataLoader
 
@@ -61,61 +65,95 @@ def test_resolving_a_missing_tag_names_the_directory(tmp_path):
         resolve_tag_dir(CheckpointPaths(tmp_path, "nope"))
 
 
-def test_safetensors_header_bytes_follow_the_format():
-    t = {"b": torch.zeros(2, dtype=torch.float16), "a": torch.ones(3)}
-    raw = build_header(t, {"format": "pt"})
-    (n,) = struct.unpack("<Q", raw[:8])
-    assert n == len(raw) - 8 and n % 8 == 0
-    assert json.loads(raw[8:]) == {"__metadata__": {"format": "pt"},
-                                   "b": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]},
-                                   "a": {"dtype": "F32", "shape": [3], "data_offsets": [4, 16]}}
-
-
 def test_safetensors_round_trip_of_every_common_dtype(tmp_path):
     g = torch.Generator().manual_seed(0)
     tensors = {"f32": torch.randn(3, 4, generator=g), "bf16": torch.randn(5, generator=g).bfloat16(),
                "f16": torch.randn(2, 2, generator=g).half(), "f64": torch.randn(2, generator=g).double(),
-               "i64": torch.arange(7), "i8": torch.tensor([-3, 4], dtype=torch.int8),
-               "u8": torch.tensor([255], dtype=torch.uint8),
+               "f8": torch.randn(4, generator=g).to(torch.float8_e4m3fn),
+               "f8e5": torch.randn(4, generator=g).to(torch.float8_e5m2),
+               "i64": torch.arange(7), "i32": torch.arange(3, dtype=torch.int32),
+               "i16": torch.tensor([-2, 300], dtype=torch.int16), "i8": torch.tensor([-3, 4], dtype=torch.int8),
+               "u8": torch.tensor([255], dtype=torch.uint8), "u32": torch.tensor([2**32 - 1], dtype=torch.uint32),
                "bool": torch.tensor([True, False]), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
-               "noncontig": torch.arange(12.0).view(3, 4).t()}
+               "noncontig": torch.arange(12.0).view(3, 4).t(), "halves_a": torch.arange(8.0)[:4],
+               "grad": torch.ones(2, requires_grad=True)}
+    tensors["halves_b"] = tensors["halves_a"]._base[4:]  # disjoint views of one buffer are fine
     write_safetensors(tmp_path / "x.safetensors", tensors, {"k": "v"})
     back, meta = read_safetensors(tmp_path / "x.safetensors")
-    assert meta == {"k": "v"} and list(back) == list(tensors)
+    assert meta == {"k": "v"} and list(back) == sorted(tensors)
     for k, v in tensors.items():
-        assert back[k].dtype == v.dtype and back[k].shape == v.shape and torch.equal(back[k], v), k
-    size = (tmp_path / "x.safetensors").stat().st_size
-    assert size == 8 + struct.unpack("<Q", (tmp_path / "x.safetensors").read_bytes()[:8])[0] + sum(
-        v.nbytes for v in tensors.values())
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape and torch.equal(back[k], v.detach()), k
+    back["f32"].add_(1)  # a copy-on-write map: the file keeps its bytes
+    assert torch.equal(read_safetensors(tmp_path / "x.safetensors")[0]["f32"], tensors["f32"])
 
 
-def test_safetensors_refuses_shared_memory_and_reports_bad_files(tmp_path):
-    w = torch.ones(4)
-    with pytest.raises(ValueError, match="'b' and 'a' share memory"):
-        write_safetensors(tmp_path / "s.safetensors", {"a": w, "b": w})
+def test_zerospeed_and_the_safetensors_package_read_each_others_files(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    tensors = {"w": torch.randn(3, 5, generator=g), "h": torch.randn(4, generator=g).bfloat16(), "i": torch.arange(3),
+               "b": torch.tensor([True])}
+    write_safetensors(tmp_path / "ours.safetensors", tensors, {"format": "pt", "tied": "{}"})
+    theirs = safetensors_torch.load_file(str(tmp_path / "ours.safetensors"))
+    assert theirs.keys() == tensors.keys() and all(torch.equal(theirs[k], v) for k, v in tensors.items())
+    with safetensors.safe_open(str(tmp_path / "ours.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "tied": "{}"}
+    safetensors_torch.save_file(tensors, str(tmp_path / "theirs.safetensors"), metadata={"k": "v"})
+    back, meta = read_safetensors(tmp_path / "theirs.safetensors")
+    assert meta == {"k": "v"} and back.keys() == tensors.keys()
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in tensors.items())
+    part, _ = read_safetensors(tmp_path / "theirs.safetensors", names=["i"])
+    assert list(part) == ["i"] and torch.equal(part["i"], tensors["i"])
+
+
+def test_a_bad_safetensors_file_or_a_missing_tensor_names_the_file(tmp_path):
     path = tmp_path / "t.safetensors"
     write_safetensors(path, {"a": torch.ones(4)})
+    with pytest.raises(SafetensorsError, match=rf"{path} holds no tensor 'nope' \(it holds 1\)"):
+        read_safetensors(path, names=["a", "nope"])
     data = path.read_bytes()
-    path.write_bytes(data[:-4])
-    with pytest.raises(SafetensorsError, match=r"tensor 'a' offsets \[0, 16\) do not fit"):
-        read_safetensors(path)
-    path.write_bytes(b"\x00" * 5)
-    with pytest.raises(SafetensorsError, match="too short"):
-        read_safetensors(path)
-    path.write_bytes(struct.pack("<Q", 4) + b"{no}")
-    with pytest.raises(SafetensorsError, match="header is not valid JSON"):
-        read_safetensors(path)
+    for bad in (data[:-4], b"\x00" * 5, struct.pack("<Q", 4) + b"{no}"):
+        path.write_bytes(bad)
+        with pytest.raises(SafetensorsError, match=rf"{path} is not a readable safetensors file .*truncated or corrupt"):
+            read_safetensors(path)
+    with pytest.raises(FileNotFoundError):
+        read_safetensors(tmp_path / "absent.safetensors")
 
 
-def test_safetensors_files_match_the_reference_package(tmp_path):
-    safetensors_torch = pytest.importorskip("safetensors.torch")
-    tensors = {"w": torch.randn(3, 5), "h": torch.randn(4).bfloat16(), "i": torch.arange(3)}
-    write_safetensors(tmp_path / "ours.safetensors", tensors)
-    theirs = safetensors_torch.load_file(str(tmp_path / "ours.safetensors"))
-    assert all(torch.equal(theirs[k], v) for k, v in tensors.items())
-    safetensors_torch.save_file(tensors, str(tmp_path / "theirs.safetensors"))
-    back, _ = read_safetensors(tmp_path / "theirs.safetensors")
-    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+def test_a_failed_safetensors_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    path = tmp_path / "model.safetensors"
+    write_safetensors(path, {"w": torch.zeros(64)})
+    real_save = safetensors_io.save_file
+
+    def dies_half_way(tensors, filename, metadata=None):
+        real_save(tensors, filename, metadata=metadata)
+        with open(filename, "r+b") as f:
+            f.truncate(Path(filename).stat().st_size // 2)
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(safetensors_io, "save_file", dies_half_way)
+    with pytest.raises(RuntimeError, match="killed"):
+        write_safetensors(path, {"w": torch.ones(64)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    assert torch.equal(read_safetensors(path)[0]["w"], torch.zeros(64))
+
+
+def test_shared_memory_is_refused_by_the_writer_and_cloned_by_the_export(tmp_path):
+    w = torch.arange(8.0)
+    with pytest.raises(RuntimeError, match="share memory"):
+        write_safetensors(tmp_path / "s.safetensors", {"a": w, "b": w})
+    with pytest.raises(TypeError, match=r"cannot store \['c'\] of dtype torch.complex128"):
+        write_safetensors(tmp_path / "c.safetensors", {"c": torch.zeros(2, dtype=torch.complex128)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    sd = {"all": w, "head": w[:4], "tail": w[4:], "mid": w[2:6], "alias": w, "flat": w.view(2, 4),
+          "empty_inside": w[3:3], "t": torch.ones(2, 3).t()}
+    disjoint = {k: sd[k] for k in ("head", "tail", "t")}
+    assert all(v is disjoint[k] for k, v in clone_overlapping(disjoint).items())  # no copy
+    kept = clone_overlapping({k: sd[k] for k in ("head", "mid", "all", "tail")})
+    assert kept["all"] is w and all(kept[k].data_ptr() != sd[k].data_ptr() for k in ("head", "mid", "tail"))
+    assert all(torch.equal(kept[k], sd[k]) for k in kept)
+    export_state_dict(sd, tmp_path / "out")
+    back = read_exported(tmp_path / "out")
+    assert back.keys() == sd.keys() and back["alias"] is back["all"]
+    assert all(torch.equal(back[k], v) for k, v in sd.items())
 
 
 def _loader(rank, world, micro, n=24):

@@ -36,12 +36,21 @@ def fsync_dir(path: Path) -> None:
 
 def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Call `write(file)` on a temporary file, then fsync it and rename it to `path`."""
+    def write_named(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            write(f)
+
+    atomic_write_named(path, write_named)
+
+
+def atomic_write_named(path: Path, write: Callable[[Path], None]) -> None:
+    """Call `write(temporary path)` (for a writer that opens the file itself, such as a library's
+    `save_file`), then fsync that file and rename it to `path`."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
+        write(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:

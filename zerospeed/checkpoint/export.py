@@ -5,7 +5,8 @@ One file (`model.safetensors`, or `pytorch_model.bin` without safe serialization
 (`model.safetensors.index.json`: {"metadata": {"total_size": bytes}, "weight_map": {name: file}}).
 Tied tensors: a safetensors file cannot hold two names for one memory, so an alias is stored once,
 under its first name, and listed in the file metadata and the index ("tied": {alias: name});
-torch.save keeps the sharing by itself, so a .bin shard holds both names.
+torch.save keeps the sharing by itself, so a .bin shard holds both names. See Note [safetensors and
+shared memory] for views that overlap without being aliases.
 """
 from __future__ import annotations
 
@@ -68,6 +69,27 @@ def split_aliases(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.
     return unique, aliases
 
 
+def clone_overlapping(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` with no two overlapping in memory: of overlapping ones the longest is kept, the others cloned.
+
+    Note [safetensors and shared memory]: the `safetensors` package refuses tensors that overlap in
+    memory. Exact aliases are split off before (stored once, listed as tied); what still overlaps is
+    a partial view of another tensor, or the same bytes under another shape or dtype, and is stored
+    as its own copy. Disjoint views of one buffer (the consolidated fp32 masters) are not copied, so an
+    export adds no second copy of the model; non-contiguous tensors are packed by `write_safetensors`.
+    """
+    out = dict(tensors)
+    # by start, the longest first: a tensor and a part of it keep the whole and clone the part
+    spans = sorted((str(v.device), v.data_ptr(), -v.nbytes, k) for k, v in tensors.items() if v.is_contiguous())
+    reach: dict[str, int] = {}  # per device: the end of the kept tensors so far (pairwise disjoint)
+    for device, start, neg_nbytes, name in spans:
+        if start < reach.get(device, start):
+            out[name] = tensors[name].clone()
+        else:
+            reach[device] = start - neg_nbytes
+    return out
+
+
 def export_state_dict(state_dict: dict[str, torch.Tensor], output_dir, *, max_shard_size: int | str = "5GB",
                       safe_serialization: bool = True) -> list[Path]:
     """Write `state_dict` into `output_dir`; returns the paths written (the index last, when sharded)."""
@@ -85,7 +107,7 @@ def export_state_dict(state_dict: dict[str, torch.Tensor], output_dir, *, max_sh
         tied_here = {a: c for a, c in aliases.items() if c in members}
         path = out / files[i]
         if safe_serialization:
-            write_safetensors(path, {k: unique[k] for k in names},
+            write_safetensors(path, clone_overlapping({k: unique[k] for k in names}),
                               {"format": "pt", **({"tied": json.dumps(tied_here)} if tied_here else {})})
         else:
             atomic_torch_save({k: v for k, v in state_dict.items() if k in members or k in tied_here}, path)
