@@ -121,7 +121,7 @@ def configure(name: str, args, mpu=None) -> bool:
 
 def partition_worker(args) -> dict[str, tuple]:
     """On each rank: memory and median step time of the partitioned variants."""
-    device = get_accelerator().device(comm.get_local_rank())
+    device = get_accelerator().torch_device(comm.get_local_rank())
     blocks, x = build(args, device)
     mpu, out = GroupMpu(comm.new_group(list(range(comm.get_world_size())))), {}
     for name in PARTITION_VARIANTS:
@@ -174,7 +174,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = get_accelerator().device()
+    device = get_accelerator().torch_device()
     blocks, x = build(args, device)
     one_input = x.numel() * x.element_size()
     print(f"{args.blocks} GPT blocks, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, fp32 on {device}; "
@@ -192,7 +192,7 @@ def main() -> None:
     seconds = step_seconds(blocks, x, args)
     rows = {name: (*memory[name], seconds[name]) for name in VARIANTS}
     if args.mp_ranks > 1:
-        backend = get_accelerator().communication_backend
+        backend = get_accelerator().communication_backend_name()
         for name, row in run_distributed(partition_worker, args.mp_ranks, args, timeout=3600,
                                          backend=backend)[0].items():
             rows[f"{name} ({args.mp_ranks} ranks)"] = row

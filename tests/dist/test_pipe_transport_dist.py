@@ -14,7 +14,7 @@ from zerospeed.testing import run_distributed
 
 def exchange(steps: int = 3) -> list:
     """Runs on 2 ranks; returns what each received per step, on the host."""
-    device = get_accelerator().device(comm.get_local_rank())
+    device = get_accelerator().torch_device(comm.get_local_rank())
     transport, rank, got = Transport(device), comm.get_rank(), []
     act, grad = ("act", 0, "train"), ("grad", 1, "train")
     for step in range(steps):

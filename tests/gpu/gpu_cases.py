@@ -34,7 +34,7 @@ def exact_fp32() -> None:
 
 
 def device() -> torch.device:
-    return get_accelerator().device(comm.get_local_rank())
+    return get_accelerator().torch_device(comm.get_local_rank())
 
 
 def _cpu(obj):
@@ -347,4 +347,91 @@ def partitioned_checkpointing_ranks() -> dict:
             kept |= set(k)
         out[name] = {"grads": grads, "kept": sorted(kept), "gathers": gathers}
     checkpointing.unconfigure()
+    return _cpu(out)
+
+
+# -- the accelerator API (CUDA only: each answer next to torch.cuda's own) ----------------------------
+
+def accelerator_api_ranks() -> dict[str, tuple]:
+    """DeepSpeed's accelerator methods on this rank's GPU: name -> (accelerator's answer, torch.cuda's)."""
+    acc, i = get_accelerator(), torch.cuda.current_device()
+    major = torch.cuda.get_device_capability()[0]
+    out = {"class": (type(acc).__name__, "CudaAccelerator"),
+           "names": ((acc.device_name(), acc.device_name(i), acc.current_device_name()),
+                     ("cuda", f"cuda:{i}", f"cuda:{i}")),
+           "current_device": ((type(acc.current_device()), acc.current_device()), (int, i)),
+           "device": ((acc.device(i), acc.torch_device(0)), (torch.device("cuda", i), torch.device("cuda", 0))),
+           "device_count": (acc.device_count(), torch.cuda.device_count()),
+           "backend": ((acc.communication_backend_name(), acc.communication_backend_version()),
+                       ("nccl", torch.cuda.nccl.version())),
+           "synchronized": (acc.is_synchronized_device(), False)}
+    # random numbers
+    acc.manual_seed(7)
+    got = torch.rand(8, device="cuda")
+    torch.cuda.manual_seed(7)
+    out["manual_seed"] = (torch.equal(got, torch.rand(8, device="cuda")), True)
+    out["initial_seed"] = (acc.initial_seed(), torch.cuda.initial_seed())
+    out["get_rng_state"] = ((torch.equal(acc.get_rng_state(), torch.cuda.get_rng_state()),
+                             torch.equal(acc.get_rng_state(i), torch.cuda.get_rng_state(i))), (True, True))
+    state = acc.get_rng_state(i)
+    first = torch.rand(8, device="cuda")
+    acc.set_rng_state(state, i)
+    again = torch.equal(torch.rand(8, device="cuda"), first)
+    acc.set_rng_state(state)
+    out["set_rng_state"] = ((again, torch.equal(torch.rand(8, device="cuda"), first)), (True, True))
+    out["default_generator"] = (acc.default_generator(i) is torch.cuda.default_generators[i], True)
+    # memory, read back to back with torch's
+    x = torch.ones(1024, 1024, device="cuda")
+    acc.synchronize()
+    out["memory_allocated"] = ((acc.memory_allocated(), acc.memory_allocated(i)),
+                               (torch.cuda.memory_allocated(), torch.cuda.memory_allocated(i)))
+    out["max_memory_allocated"] = (acc.max_memory_allocated(), torch.cuda.max_memory_allocated())
+    out["memory_reserved"] = ((acc.memory_reserved(), acc.memory_cached(), acc.max_memory_reserved(),
+                               acc.max_memory_cached()),
+                              (torch.cuda.memory_reserved(),) * 2 + (torch.cuda.max_memory_reserved(),) * 2)
+    out["memory_stats"] = (acc.memory_stats()["allocated_bytes.all.current"],
+                           torch.cuda.memory_stats()["allocated_bytes.all.current"])
+    del x
+    acc.empty_cache()
+    acc.reset_peak_memory_stats()
+    out["reset_peak"] = (acc.max_memory_allocated(), torch.cuda.memory_allocated())
+    out["total_memory"] = (acc.total_memory(), torch.cuda.get_device_properties(i).total_memory)
+    free = torch.cuda.mem_get_info()[0]
+    out["available_memory"] = (abs(acc.available_memory() - free) < 256 * 2**20, True)
+    # streams, events, graphs
+    s = acc.Stream()
+    with acc.stream(s):
+        inside = torch.cuda.current_stream() == s
+    out["streams"] = ((acc.Stream, acc.Event, inside, acc.current_stream() == torch.cuda.current_stream(),
+                       acc.default_stream(i) == torch.cuda.default_stream(i)),
+                      (torch.cuda.Stream, torch.cuda.Event, True, True, True))
+    static = torch.ones(16, device="cuda")
+    s.wait_stream(torch.cuda.current_stream())
+    for _ in range(2):  # warm up on a side stream, as graph capture wants
+        with acc.stream(s):
+            static * 2
+    torch.cuda.synchronize()
+    graph = acc.create_graph()
+    with acc.capture_to_graph(graph):
+        doubled = static * 2
+    static.fill_(3.0)
+    acc.replay_graph(graph)
+    acc.synchronize()
+    out["graph"] = ((type(graph), doubled.sum().item()), (torch.cuda.CUDAGraph, 96.0))
+    # dtypes and tensors
+    bf16, fp16 = torch.cuda.is_bf16_supported(), major >= 7
+    dtypes = {torch.float32} | ({torch.float16} if fp16 else set()) | ({torch.bfloat16} if bf16 else set())
+    out["dtypes"] = ((acc.is_bf16_supported(), acc.is_fp16_supported(), set(acc.supported_dtypes())),
+                     (bf16, fp16, dtypes))
+    pinned = acc.pin_memory(torch.ones(4))
+    out["pinning"] = ((pinned.is_pinned(), acc.is_pinned(pinned), acc.pinned_empty(4, torch.float16).is_pinned()),
+                      (True, True, True))
+    t = acc.HalfTensor([1.0, 2.0])
+    out["tensors"] = ((t.device.type, t.dtype, acc.on_accelerator(t), acc.on_accelerator(pinned)),
+                      ("cuda", torch.float16, True, False))
+    ran = []
+    acc.lazy_call(lambda: ran.append(True))  # CUDA is initialised by now: it runs at once
+    acc.range_push("accelerator_api")
+    acc.range_pop()
+    out["misc"] = ((ran, acc.is_triton_supported(), acc.amp() is torch.cuda.amp), ([True], major >= 8, True))
     return _cpu(out)

@@ -22,7 +22,7 @@ from zerospeed.config import ConfigError, parse_config
 from zerospeed.testing.census import live_tensor_bytes
 from zerospeed.testing.models import Block, GPTConfig
 
-DEV = get_accelerator().device()
+DEV = get_accelerator().torch_device()
 D, B, T, N_BLOCKS = 32, 4, 8, 4
 
 

@@ -22,16 +22,17 @@ MODEL_PARALLEL_RNG = "model-parallel-rng"
 # -- accelerator generator access (zerospeed.accelerator holds the device specifics) -------------
 
 def device_rng_state(device: torch.device) -> torch.Tensor:
-    return get_accelerator().get_rng_state(device)
+    return get_accelerator().get_rng_state(device.index)
 
 
 def set_device_rng_state(state: torch.Tensor, device: torch.device) -> None:
-    get_accelerator().set_rng_state(state, device)
+    get_accelerator().set_rng_state(state, device.index)
 
 
 def current_accelerator_device() -> torch.device | None:
     """The accelerator device this process computes on, or None on a host-only accelerator."""
-    return get_accelerator().current_device()
+    device = torch.device(get_accelerator().current_device_name())
+    return None if device.type == "cpu" else device
 
 
 def _tracked_get() -> torch.Tensor:

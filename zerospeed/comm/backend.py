@@ -57,7 +57,7 @@ def init_distributed(dist_backend: str | None = None, timeout: _dt.timedelta = D
     if dist_init_required is False:
         raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; "
                            "initialise it yourself or pass dist_init_required=None/True")
-    backend = dist_backend or get_accelerator().communication_backend
+    backend = dist_backend or get_accelerator().communication_backend_name()
     if backend == "nccl" and get_accelerator().name != "cuda":
         raise RuntimeError("init_distributed(dist_backend='nccl') on the cpu accelerator: NCCL moves GPU tensors "
                            "only, and zerospeed would place every tensor on the host; use dist_backend='gloo' or "
@@ -311,6 +311,6 @@ def barrier(group=None) -> None:
         return
     if _is_nccl(group):  # NCCL's barrier is an all-reduce on a GPU: name this rank's
         _bind_device()
-        dist.barrier(group=group, device_ids=[get_accelerator().device(get_local_rank()).index])
+        dist.barrier(group=group, device_ids=[get_accelerator().torch_device(get_local_rank()).index])
     else:
         dist.barrier(group=group)

@@ -54,7 +54,7 @@ def warm_up(group=None, device: torch.device | None = None) -> None:
     its first p2p batch; a no-op on gloo."""
     if not _is_nccl(group) or dist.get_world_size(group) == 1:
         return
-    device = device if device is not None else get_accelerator().device(get_local_rank())
+    device = device if device is not None else get_accelerator().torch_device(get_local_rank())
     dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 

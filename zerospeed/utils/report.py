@@ -42,7 +42,7 @@ def versions() -> dict[str, str]:
 def accelerator() -> dict[str, str]:
     from zerospeed.accelerator import get_accelerator
     acc = get_accelerator()
-    out = {"accelerator": acc.name, "communication backend": acc.communication_backend,
+    out = {"accelerator": acc.name, "communication backend": acc.communication_backend_name(),
            "cuda available": str(torch.cuda.is_available()), "device count": str(acc.device_count()),
            "host memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB"}
     for i in range(torch.cuda.device_count()):

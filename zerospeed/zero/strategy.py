@@ -93,7 +93,7 @@ def weighted_global_norm(parts: list[tuple[torch.Tensor, float]], group) -> floa
 
     Partial sums are taken on each tensor's own device, then moved once to the communication device:
     offloaded gradients live on the host, the collective runs where the backend needs it."""
-    comm_device = get_accelerator().device(comm.get_local_rank())
+    comm_device = get_accelerator().torch_device(comm.get_local_rank())
     by_device: dict[torch.device, torch.Tensor] = {}
     for t, weight in parts:
         sq = torch.linalg.vector_norm(t, dtype=torch.float64) ** 2 * weight

@@ -74,7 +74,7 @@ class PipelineEngine(EngineCore):
                               "cannot be combined with pipeline parallelism (as in DeepSpeed): gradients are "
                               "produced micro-batch by micro-batch across the schedule; use stage 0 or 1")
         # Tied-gradient hooks must be registered before the strategy's (Engine.__init__ builds it).
-        module.to(get_accelerator().device(comm.get_local_rank()))
+        module.to(get_accelerator().torch_device(comm.get_local_rank()))
         ties = TiedGradients(module)
         ties.broadcast_weights()
         kwargs.setdefault("mesh", module.groups.mesh)

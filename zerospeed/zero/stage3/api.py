@@ -108,7 +108,7 @@ class Init:
         if not params:
             return
         world, rank = comm.get_world_size(self.group), comm.get_rank(self.group)
-        device = get_accelerator().device(comm.get_local_rank())  # Note [where zero.Init shards live]
+        device = get_accelerator().torch_device(comm.get_local_rank())  # Note [where zero.Init shards live]
         host = self.remote_device in ("cpu", "nvme") and device.type != "cpu"
         built_on = params[0].device
         owner = FlatParam(-1, params, [p.detach().to(torch.float32) for p in params], group_index=0,
