@@ -379,7 +379,8 @@ def main() -> None:
         from zerospeed.utils.plot import save_bar_chart
         names = list(results)
         save_bar_chart(args.plot, names, [results[v]["median_step_s"] * 1e3 for v in names],
-                       title=f"median step time, {args.model_size} GPT, {args.nproc} ranks", unit=" ms", width=720)
+                       title=f"median step time, {args.model_size} GPT, {args.nproc} ranks", unit=" ms",
+                       xlabel="median step time (ms)", width=720)
         print(f"plot: {args.plot}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

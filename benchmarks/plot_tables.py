@@ -46,8 +46,8 @@ def main() -> None:
     src, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
     for stamp, names, ms in tables(src.read_text()):
         path = out_dir / f"bench_{stamp}.png"
-        save_bar_chart(path, names, ms, title=f"median step time (ms), bench_step {stamp.replace('_', ' ')} UTC",
-                       unit=" ms", width=720)
+        save_bar_chart(path, names, ms, title=f"median step time, bench_step {stamp.replace('_', ' ')} UTC",
+                       unit=" ms", xlabel="median step time (ms)", width=720)
         print(path)
 
 

@@ -7,9 +7,10 @@ The script uses only the DeepSpeed-style public API (``zerospeed.initialize``, `
 display numbers, so the same loop runs under DeepSpeed by swapping the import. The corpus is read
 from the local Python installation: nothing is downloaded.
 
-On rank 0 it shows a progress bar (loss averaged over ranks, tokens/s, memory per rank), writes the
-loss curve to ``<out-dir>/loss.png`` and the numbers to ``<out-dir>/summary.json``, and prints a
-summary at the end.
+On rank 0 it shows a progress bar (loss averaged over ranks, tokens/s, memory per rank; in a file
+or CI log, ten plain progress lines instead), writes the loss curve to ``<out-dir>/loss.png`` (the
+`plots` extra: matplotlib) and the numbers to ``<out-dir>/summary.json``, and prints a summary at
+the end.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 import zerospeed
 import zerospeed.comm as comm
@@ -30,9 +30,9 @@ from zerospeed.accelerator import get_accelerator
 from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus
 from zerospeed.testing.models import GPT, GPTConfig
 from zerospeed.monitor.plot_cli import plot_run
+from zerospeed.utils import log_dist
 from zerospeed.utils.plot import save_line_plot
-
-logger = logging.getLogger("train_gpt")
+from zerospeed.utils.progress import Progress
 
 MODEL_SIZES = {
     "tiny": dict(n_layer=2, n_head=2, n_embd=64),
@@ -72,8 +72,8 @@ def resolve_steps(args: argparse.Namespace) -> int:
     if args.steps is None:
         return int(total) if total is not None else DEFAULT_STEPS
     if total is not None and total != args.steps:
-        logger.warning("--steps %d differs from the scheduler's total_num_steps %d: the learning "
-                       "rate schedule will not end with the run", args.steps, total)
+        log_dist(f"--steps {args.steps} differs from the scheduler's total_num_steps {total}: the learning "
+                 "rate schedule will not end with the run", ranks=[0], level=logging.WARNING)
     return args.steps
 
 
@@ -128,7 +128,7 @@ def train(engine, loader, steps: int, seq_len: int) -> tuple[list[float], float]
     """Run ``steps`` optimizer steps; returns the rank-averaged loss of each step and the wall time."""
     device, is_rank0 = engine.device, engine.global_rank == 0
     tokens_per_step = engine.train_batch_size() * seq_len
-    bar = tqdm(total=steps, desc="train", unit="step", disable=not is_rank0, dynamic_ncols=True)
+    bar = Progress(steps, "train", enabled=is_rank0)  # live in a terminal, plain lines in a log
     losses: list[float] = []
     window: list[torch.Tensor] = []
     mem = memory_per_rank()
@@ -148,9 +148,8 @@ def train(engine, loader, steps: int, seq_len: int) -> tuple[list[float], float]
         if engine.global_steps % MEMORY_EVERY == 0:
             mem = memory_per_rank()
         now = time.perf_counter()
-        bar.set_postfix_str(f"loss {losses[-1]:.3f} | {tokens_per_step / (now - last):,.0f} tok/s | "
-                            f"lr {engine.get_lr()[0]:.2e} | mem {fmt_mib(mem)}", refresh=False)
-        bar.update(1)
+        bar.update(f"loss {losses[-1]:.3f} | {tokens_per_step / (now - last):,.0f} tok/s | "
+                   f"lr {engine.get_lr()[0]:.2e} | mem {fmt_mib(mem)}")
         last = now
         if len(losses) >= steps:
             break
@@ -176,7 +175,8 @@ def report(engine, args, n_params: int, steps: int, losses: list[float], wall: f
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     save_line_plot(args.out_dir / "loss.png", losses, xs=list(range(1, len(losses) + 1)),
-                   title=f"{args.model_size} gpt zero-{summary['zero_stage']} x{engine.world_size}: loss")
+                   title=f"{args.model_size} GPT, ZeRO stage {summary['zero_stage']}, {engine.world_size} ranks",
+                   xlabel="optimizer step", ylabel="training loss (mean over ranks)")
     (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary, args.out_dir)
     monitor = engine.config.csv_monitor

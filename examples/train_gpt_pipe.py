@@ -16,14 +16,13 @@ import logging
 import time
 from pathlib import Path
 
-from tqdm import tqdm
-
 import zerospeed
 import zerospeed.comm as comm
 from zerospeed.parallel.pipeline.gpt_layers import gpt_layer_specs, lm_loss
 from zerospeed.pipe import PipelineModule
 from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus
 from zerospeed.testing.models import GPTConfig
+from zerospeed.utils.progress import Progress
 
 logger = logging.getLogger("train_gpt_pipe")
 
@@ -54,12 +53,11 @@ def main() -> None:
     engine, _, _, _ = zerospeed.initialize(args=args, model=model, model_parameters=model.parameters(),
                                            training_data=dataset)
     rank0 = comm.get_rank() == 0
-    bar = tqdm(total=args.steps, desc=f"pipe x{args.stages}", unit="step", disable=not rank0, dynamic_ncols=True)
+    bar = Progress(args.steps, f"pipe x{args.stages}", enabled=rank0)  # live in a terminal, plain lines in a log
     losses, start = [], time.perf_counter()
     for _ in range(args.steps):
         losses.append(engine.train_batch().item())  # the loss arrives on every stage
-        bar.set_postfix_str(f"loss {losses[-1]:.3f} | lr {engine.get_lr()[0]:.2e}", refresh=False)
-        bar.update(1)
+        bar.update(f"loss {losses[-1]:.3f} | lr {engine.get_lr()[0]:.2e}")
     bar.close()
     wall = time.perf_counter() - start
     timing, acts = engine.last_batch_timing, engine.activation_stats

@@ -1,15 +1,16 @@
-"""Monitors and the engine observer: a few real engine steps, then the CSV and TensorBoard files are read back."""
+"""Monitors and the engine observer: a few real engine steps, then the CSV and TensorBoard files are read back
+(the event files by TensorBoard's own reader, `tensorboard.backend.event_processing`)."""
 import csv
 import logging
+import sys
 
 import pytest
 import torch
 
 import zerospeed
 from zerospeed.config import ConfigError, parse_config
-from zerospeed.monitor import crc32c, read_scalars
+from zerospeed.monitor import TensorBoardMonitor, read_scalars
 from zerospeed.monitor.plot_cli import main as plot_main
-from zerospeed.monitor.tfevents import encode_scalar_event, masked_crc, read_records, record
 from zerospeed.monitor.writers import CsvMonitor, build_monitors
 from zerospeed.profiling.observer import EngineObserver
 from zerospeed.testing.models import GPT, GPTConfig
@@ -20,24 +21,38 @@ TAGS = {"Train/Samples/train_loss", "Train/Samples/lr", "Train/Samples/loss_scal
         "Train/Samples/samples_per_sec", "Train/Samples/tokens_per_sec", "Train/Samples/memory_MiB_rank0"}
 
 
-def test_crc32c_and_record_framing():
-    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
-    assert crc32c(b"") == 0
-    framed = record(b"abc")
-    assert framed[:8] == (3).to_bytes(8, "little") and framed[12:15] == b"abc" and len(framed) == 19
-    assert int.from_bytes(framed[15:], "little") == masked_crc(b"abc")
-    assert read_records(framed + record(b"")) == [b"abc", b""]
-    with pytest.raises(ValueError, match="corrupt TFRecord at byte 0"):
-        read_records(framed[:12] + b"abd" + framed[15:])
+def accumulate(path):
+    """TensorBoard's own reader over an event file or run directory, keeping every scalar."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+    acc = ea.EventAccumulator(str(path), size_guidance={ea.SCALARS: 0})
+    acc.Reload()
+    return acc
 
 
-def test_event_protobuf_bytes():
-    # Event{wall_time=1.0 (field 1, fixed64), step=300 (field 2, varint ac 02), summary (field 5)
-    #   {value (1) {tag (1) "a", simple_value (2, fixed32) 0.5}}}
-    ev = encode_scalar_event("a", 0.5, 300, 1.0)
-    assert ev == (b"\x09" + bytes.fromhex("000000000000f03f") + b"\x10\xac\x02"
-                  + b"\x2a\x0a\x0a\x08\x0a\x01a\x15" + bytes.fromhex("0000003f"))
-    assert read_scalars(record(ev)) == [("a", 0.5, 300)]
+def test_tensorboard_monitor_events_read_back_by_tensorboard(tmp_path):
+    mon = TensorBoardMonitor(str(tmp_path), "job")
+    mon.write_events([("Train/Samples/train_loss", 2.5, 4), ("Train/Samples/lr", 0.125, 4)])
+    mon.write_events([("Train/Samples/train_loss", 1.75, 8), ("Train/Samples/lr", 0.0625, 8)])
+    (event_file,) = (tmp_path / "job").iterdir()  # output_path/job_name, one file of TensorBoard's name
+    assert event_file.name.startswith("events.out.tfevents.")
+    acc = accumulate(event_file)  # before close: each write_events flushed its step
+    assert sorted(acc.Tags()["scalars"]) == ["Train/Samples/lr", "Train/Samples/train_loss"]
+    assert [(e.step, e.value) for e in acc.Scalars("Train/Samples/train_loss")] == [(4, 2.5), (8, 1.75)]
+    assert [(e.step, e.value) for e in acc.Scalars("Train/Samples/lr")] == [(4, 0.125), (8, 0.0625)]
+    mon.close()
+    assert read_scalars(tmp_path / "job") == [("Train/Samples/lr", 0.125, 4), ("Train/Samples/lr", 0.0625, 8),
+                                              ("Train/Samples/train_loss", 2.5, 4),
+                                              ("Train/Samples/train_loss", 1.75, 8)]
+    with pytest.raises(FileNotFoundError, match="no TensorBoard event file or run directory at"):
+        read_scalars(tmp_path / "missing")
+
+
+def test_tensorboard_without_the_package_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were missing
+    cfg = parse_config(dict(BASE, tensorboard={"enabled": True, "output_path": str(tmp_path)}), check_features=False)
+    with pytest.raises(ConfigError, match=r"tensorboard.enabled=true but the `tensorboard` package is not "
+                                          r"installed; `pip install 'zerospeed\[tensorboard\]'`"):
+        build_monitors(cfg)
 
 
 def run_steps(tmp_path, steps=3, **tools):
@@ -66,7 +81,7 @@ def run_steps(tmp_path, steps=3, **tools):
 
 def test_csv_and_tensorboard_read_back(tmp_path):
     out = str(tmp_path)
-    engine, obs, losses, norms = run_steps(
+    _, _, losses, norms = run_steps(
         tmp_path, tensorboard={"enabled": True, "output_path": out, "job_name": "tb"},
         csv_monitor={"enabled": True, "output_path": out, "job_name": "csv"})
     mean_loss = [(losses[2 * i] + losses[2 * i + 1]) / 2 for i in range(3)]
@@ -82,19 +97,25 @@ def test_csv_and_tensorboard_read_back(tmp_path):
     assert {p.stem for p in (tmp_path / "csv").glob("*.csv")} == {t.replace("/", "_") for t in TAGS}
 
     (event_file,) = (tmp_path / "tb").glob("events.out.tfevents.*")
-    scalars = read_scalars(event_file.read_bytes())
-    assert {t for t, _, _ in scalars} == TAGS
-    got = [(v, s) for t, v, s in scalars if t == "Train/Samples/train_loss"]
-    assert [s for _, s in got] == samples
-    assert [v for v, _ in got] == pytest.approx(mean_loss, rel=1e-6)  # stored as float32
-    assert [v for t, v, _ in scalars if t == "Train/Samples/lr"] == pytest.approx([1e-3] * 3)
-    assert [v for t, v, _ in scalars if t == "Train/Samples/loss_scale"] == [1.0] * 3
-    tokens = [v for t, v, _ in scalars if t == "Train/Samples/tokens_per_sec"]
-    sps = [v for t, v, _ in scalars if t == "Train/Samples/samples_per_sec"]
+    acc = accumulate(event_file)
+    assert set(acc.Tags()["scalars"]) == TAGS
+
+    def series(tag):
+        return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+    assert [s for s, _ in series("Train/Samples/train_loss")] == samples
+    assert [v for _, v in series("Train/Samples/train_loss")] == pytest.approx(mean_loss, rel=1e-6)  # float32
+    assert [v for _, v in series("Train/Samples/lr")] == pytest.approx([1e-3] * 3)
+    assert series("Train/Samples/loss_scale") == [(s, 1.0) for s in samples]
+    tokens = [v for _, v in series("Train/Samples/tokens_per_sec")]
+    sps = [v for _, v in series("Train/Samples/samples_per_sec")]
     assert all(tok == pytest.approx(s * 16, rel=1e-5) for tok, s in zip(tokens, sps))  # 16 tokens per sample
 
     assert plot_main([str(tmp_path / "csv")]) == 0
-    assert (tmp_path / "csv" / "Train_Samples_train_loss.png").read_bytes()[:4] == b"\x89PNG"
+    import matplotlib.image
+    assert matplotlib.image.imread(tmp_path / "csv" / "Train_Samples_train_loss.png").shape == (400, 640, 4)
+    # the per-rank memory series (one rank here) share one plot
+    assert (tmp_path / "csv" / "Train_Samples_memory_MiB.png").exists()
 
 
 def test_progress_line_timers_profiler_and_comms(tmp_path, caplog, capsys):
@@ -103,8 +124,10 @@ def test_progress_line_timers_profiler_and_comms(tmp_path, caplog, capsys):
               comms_logger={"enabled": True}, flops_profiler={"enabled": True, "profile_step": 1, "detailed": False,
                                                               "output_file": str(tmp_path / "flops.txt")})
     messages = [r.getMessage() for r in caplog.records]
-    progress = [m for m in messages if m.startswith("step 2 | samples 8 | loss ")]
-    assert len(progress) == 1 and "| lr 1.000e-03 |" in progress[0] and "tokens/s" in progress[0]
+    # DeepSpeed's line (engine._report_progress), then zerospeed's numbers in the same key=value form
+    progress = [m for m in messages if m.startswith("[Rank 0] step=2, skipped=0, lr=[0.001], mom=[(0.9, 0.999)], "
+                                                    "samples=8, loss=")]
+    assert len(progress) == 1 and ", grad_norm=" in progress[0] and ", tokens/sec=" in progress[0], messages
     timing = [m for m in messages if m.startswith("step 2 time (ms) | forward: ")]
     assert len(timing) == 1 and "| backward: " in timing[0] and "| comm: " in timing[0]
     assert any(m.startswith("memory: allocated") for m in messages)
@@ -117,7 +140,7 @@ def test_progress_line_timers_profiler_and_comms(tmp_path, caplog, capsys):
 
 def test_everything_off_is_inactive_and_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    engine, obs, _, _ = run_steps(tmp_path, steps=1)
+    _, obs, _, _ = run_steps(tmp_path, steps=1)
     assert not obs.active and obs.monitors == [] and list(tmp_path.iterdir()) == []
 
 
@@ -139,3 +162,23 @@ def test_plot_cli_errors(tmp_path, capsys):
     (tmp_path / "x.csv").write_text("a,b\n1,2\n")
     assert plot_main([str(tmp_path)]) == 2
     assert "not a csv_monitor file" in capsys.readouterr().err
+
+
+def test_plot_cli_draws_one_plot_per_tag_and_one_for_all_ranks(tmp_path, monkeypatch):
+    from zerospeed.monitor import plot_cli
+    for name, tag, rows in (("Train_Samples_train_loss", "Train/Samples/train_loss", "4,2.5\n8,2.0\n"),
+                            ("Train_Samples_memory_MiB_rank0", "Train/Samples/memory_MiB_rank0", "4,10\n8,11\n"),
+                            ("Train_Samples_memory_MiB_rank1", "Train/Samples/memory_MiB_rank1", "4,12\n8,13\n")):
+        (tmp_path / f"{name}.csv").write_text(f"step,{tag}\n{rows}")
+    calls = []
+    monkeypatch.setattr(plot_cli, "save_line_plot", lambda png, ys, **kw: calls.append((png.name, ys, kw)))
+    plot_cli.plot_run(tmp_path)
+    assert calls == [
+        ("Train_Samples_memory_MiB.png", {"rank 0": [10.0, 11.0], "rank 1": [12.0, 13.0]},
+         {"xs": {"rank 0": [4.0, 8.0], "rank 1": [4.0, 8.0]}, "title": "Train/Samples/memory_MiB per rank",
+          "xlabel": "samples", "ylabel": "memory MiB"}),
+        ("Train_Samples_train_loss.png", [2.5, 2.0],
+         {"xs": [4.0, 8.0], "title": "Train/Samples/train_loss", "xlabel": "samples", "ylabel": "train loss"})]
+    monkeypatch.undo()
+    assert sorted(p.name for p in plot_cli.plot_run(tmp_path)) == ["Train_Samples_memory_MiB.png",
+                                                                   "Train_Samples_train_loss.png"]

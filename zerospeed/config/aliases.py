@@ -10,7 +10,6 @@ together with its replacement is an error naming both, as in DeepSpeed.
 from __future__ import annotations
 
 import copy
-import logging
 import os
 import sys
 import warnings
@@ -18,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerospeed.config.errors import ConfigError
+from zerospeed.utils.logging import current_rank, get_logger, should_log
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)  # Note [rank-0 logging]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -68,7 +68,8 @@ def _warn(message: str) -> None:
 def _announce(old: str, new: str, deprecated: bool, how: str = "") -> None:
     if deprecated:
         message = f"config key {old} is deprecated; use {new}{how} instead (applied automatically)"
-        _warn(message)
+        if should_log([0], current_rank()):  # once per job, like the log line (Note [rank-0 logging])
+            _warn(message)
         logger.warning(message)
     else:
         logger.info("config key %s is read as %s", old, new)

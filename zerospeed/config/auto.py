@@ -12,15 +12,15 @@ left ``"auto"`` are dropped so batch resolution can derive them; any other unres
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from zerospeed.config.errors import ConfigError
 from zerospeed.config.schema.root import BATCH_KEYS
+from zerospeed.utils.logging import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)  # Note [rank-0 logging]
 
 AUTO = "auto"
 

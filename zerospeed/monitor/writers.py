@@ -1,18 +1,15 @@
 """Monitors: each takes `write_events([(tag, value, step), ...])` and writes them somewhere.
 
-TensorBoard and CSV need nothing installed; WandB and Comet import their packages only when
-enabled and fail with a clear error when they are missing.
+CSV needs nothing installed. TensorBoard writes through `torch.utils.tensorboard.SummaryWriter`
+(the `tensorboard` extra); WandB and Comet import their packages only when enabled. A missing
+package is a ConfigError naming what to install.
 """
 from __future__ import annotations
 
 import csv
-import os
-import socket
-import time
 from pathlib import Path
 
 from zerospeed.config.errors import ConfigError
-from zerospeed.monitor.tfevents import encode_scalar_event, encode_version_event, record
 
 Event = tuple[str, float, int]
 
@@ -23,25 +20,37 @@ def _run_dir(output_path: str, job_name: str) -> Path:
 
 
 class TensorBoardMonitor:
-    """Writes `events.out.tfevents.<time>.<host>` under output_path/job_name."""
+    """Writes `events.out.tfevents.*` under output_path/job_name through TensorBoard's SummaryWriter."""
 
     def __init__(self, output_path: str, job_name: str):
+        tb = _require("torch.utils.tensorboard", "tensorboard", package="tensorboard", pip="'zerospeed[tensorboard]'")
         self.dir = _run_dir(output_path, job_name)
         self.dir.mkdir(parents=True, exist_ok=True)
-        now = time.time()
-        self.path = self.dir / f"events.out.tfevents.{int(now)}.{socket.gethostname()}.{os.getpid()}"
-        self._f = open(self.path, "ab")
-        self._f.write(record(encode_version_event(now)))
-        self._f.flush()
+        self.writer = tb.SummaryWriter(log_dir=str(self.dir))
 
-    def write_events(self, events: list[Event]) -> None:
-        now = time.time()
+    def write_events(self, events: list[Event], flush: bool = True) -> None:
         for tag, value, step in events:
-            self._f.write(record(encode_scalar_event(tag, float(value), int(step), now)))
-        self._f.flush()
+            self.writer.add_scalar(tag, float(value), int(step))
+        if flush:  # as DeepSpeed does: one flush per optimizer step, so a crash loses at most that step
+            self.writer.flush()
 
     def close(self) -> None:
-        self._f.close()
+        self.writer.close()
+
+
+def read_scalars(path: str | Path) -> list[Event]:
+    """Every (tag, value, step) scalar in an event file or a run directory, read back by TensorBoard's
+    own `EventAccumulator`; grouped by tag (sorted), each tag's events in the order written."""
+    try:
+        from tensorboard.backend.event_processing import event_accumulator as ea
+    except ImportError:
+        raise ImportError("reading TensorBoard event files needs tensorboard: "
+                          "pip install 'zerospeed[tensorboard]'") from None
+    if not Path(path).exists():
+        raise FileNotFoundError(f"no TensorBoard event file or run directory at {path}")
+    acc = ea.EventAccumulator(str(path), size_guidance={ea.SCALARS: 0})  # 0: keep every event, no sampling
+    acc.Reload()
+    return [(tag, e.value, e.step) for tag in sorted(acc.Tags()["scalars"]) for e in acc.Scalars(tag)]
 
 
 class CsvMonitor:
@@ -68,13 +77,16 @@ class CsvMonitor:
         pass
 
 
-def _require(module: str, section: str):
+def _require(module: str, section: str, package: str | None = None, pip: str | None = None):
+    """Import `module` for the `section` monitor, or raise a ConfigError naming what to install."""
     import importlib
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ConfigError(f"{section}.enabled=true but the `{module}` package is not installed; "
-                          f"`pip install {module.replace('_', '-')}` or set {section}.enabled to false") from None
+        package = package or module
+        pip = pip or package.replace("_", "-")
+        raise ConfigError(f"{section}.enabled=true but the `{package}` package is not installed; "
+                          f"`pip install {pip}` or set {section}.enabled to false") from None
 
 
 class WandbMonitor:

@@ -19,7 +19,6 @@ takes precedence and ``optimizer.type`` is then ignored (we log a warning).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -30,8 +29,9 @@ from zerospeed.optim._kwargs import check_params, closest_names
 from zerospeed.optim.lamb import Lamb
 from zerospeed.optim.lion import Lion
 from zerospeed.optim.param_groups import trainable_param_groups
+from zerospeed.utils.logging import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)  # Note [rank-0 logging]
 
 __all__ = ["ZERO_TESTED_OPTIMIZERS", "build_optimizer", "is_zero_tested_optimizer"]
 

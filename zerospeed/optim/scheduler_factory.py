@@ -8,7 +8,6 @@ config, as in current DeepSpeed.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -18,8 +17,9 @@ from torch.optim import lr_scheduler as torch_schedulers
 from zerospeed.config.errors import ConfigError
 from zerospeed.optim._kwargs import check_params, closest_names
 from zerospeed.optim.schedulers import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from zerospeed.utils.logging import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)  # Note [rank-0 logging]
 
 __all__ = ["DEEPSPEED_SCHEDULERS", "build_lr_scheduler"]
 

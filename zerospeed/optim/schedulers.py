@@ -17,7 +17,6 @@ Lists: ``warmup_min_lr``, ``warmup_max_lr``, ``cycle_min_lr``, ``cycle_max_lr`` 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,8 +24,9 @@ import torch
 
 from zerospeed.config.errors import ConfigError
 from zerospeed.optim import lr_formulas as F
+from zerospeed.utils.logging import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)  # Note [rank-0 logging]
 
 __all__ = ["LRRangeTest", "OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR"]
 

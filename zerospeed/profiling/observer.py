@@ -73,7 +73,7 @@ class EngineObserver:
         self._step_at_start = 0
 
     @classmethod
-    def for_engine(cls, engine) -> "EngineObserver":
+    def for_engine(cls, engine) -> EngineObserver:
         """Build from an engine's parsed config and rank (what `Engine.__init__` calls)."""
         obs = cls(engine.config, rank=engine.global_rank)
         obs.timers = PhaseTimers(engine.accelerator.synchronize)
@@ -139,7 +139,7 @@ class EngineObserver:
                 m.write_events(events)
         # Timings, comm and memory reports follow steps_per_print, or every step when it is unset.
         if engine.global_steps % (self.every or 1) == 0:
-            self._print_reports(engine, dict((t.rsplit("/", 1)[-1], v) for t, v, _ in events))
+            self._print_reports(engine, {t.rsplit("/", 1)[-1]: v for t, v, _ in events})
         self._losses, self._tokens = [], 0
 
     def close(self) -> None:
@@ -220,17 +220,21 @@ class EngineObserver:
         self._steps_since_print = 0
 
     def _progress_line(self, engine, v: dict[str, float]) -> str:
-        parts = [f"step {engine.global_steps}", f"samples {engine.global_samples}"]
+        """DeepSpeed's `steps_per_print` line, `[Rank 0] step=N, skipped=S, lr=[...], mom=[...]`, then
+        the numbers zerospeed adds in the same `key=value` form."""
+        groups = engine.optimizer.param_groups
+        mom = [g["betas"] if "betas" in g else g.get("momentum", 0.0) for g in groups]  # DeepSpeed's get_mom
+        parts = [f"[Rank {self.rank}] step={engine.global_steps}", f"skipped={engine.skipped_steps}",
+                 f"lr={engine.get_lr()}", f"mom={mom}", f"samples={engine.global_samples}"]
         if "train_loss" in v:
-            parts.append(f"loss {v['train_loss']:.4f}")
-        parts.append(f"lr {v['lr']:.3e}")
+            parts.append(f"loss={v['train_loss']:.4f}")
         if "grad_norm" in v:
-            parts.append(f"grad_norm {v['grad_norm']:.4f}")
-        parts.append(f"loss_scale {v['loss_scale']:g}")
+            parts.append(f"grad_norm={v['grad_norm']:.4f}")
+        parts.append(f"loss_scale={v['loss_scale']:g}")
         if "samples_per_sec" in v:
-            parts.append(f"{v['samples_per_sec']:.1f} samples/s")
+            parts.append(f"samples/sec={v['samples_per_sec']:.1f}")
         if "tokens_per_sec" in v:
-            parts.append(f"{v['tokens_per_sec']:,.0f} tokens/s")
+            parts.append(f"tokens/sec={v['tokens_per_sec']:.0f}")
         mem = [f"{b:.0f}" for k, b in sorted(v.items()) if k.startswith("memory_MiB_rank")]
-        parts.append(f"mem {'/'.join(mem) if mem else f'{engine.accelerator.memory_allocated() / MIB:.0f}'} MiB")
-        return " | ".join(parts)
+        parts.append(f"mem_MiB={'/'.join(mem) if mem else f'{engine.accelerator.memory_allocated() / MIB:.0f}'}")
+        return ", ".join(parts)

@@ -6,13 +6,14 @@ can resume with exactly the next micro-batch — also at another world size, see
 from __future__ import annotations
 
 import itertools
-import logging
 from typing import Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-logger = logging.getLogger(__name__)
+from zerospeed.utils.logging import get_logger
+
+logger = get_logger(__name__)  # Note [rank-0 logging]
 
 
 def resume_position(batches: int, micro_batch: int, world_size: int, new_micro_batch: int,
