@@ -14,7 +14,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setting up $VENV ($TORCH_SPEC, zerospeed[test]) ..."
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$TORCH_SPEC" 2>&1 | grep -v "^WARNING: Location" || true
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[test]" 2>&1 | grep -v "^WARNING: Location" || true
-  "$VENV/bin/python" -c "import torch, pydantic, zerospeed" || { echo "setup failed" >&2; exit 1; }
+  "$VENV/bin/python" -c "import torch, pydantic, matplotlib, tensorboard, zerospeed" || { echo "setup failed" >&2; exit 1; }
+  # `import deepspeed` and the `deepspeed` command served by zerospeed (refuses if a real DeepSpeed is here)
+  "$VENV/bin/zerospeed-compat" install
   echo "$want" > "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"

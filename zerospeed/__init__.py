@@ -16,6 +16,7 @@ _EXPORTS = {
     "initialize": "zerospeed.runtime.initialize",
     "add_config_arguments": "zerospeed.runtime.initialize",
     "Engine": "zerospeed.runtime.engine",
+    "DeepSpeedEngine": "zerospeed.runtime.engine",
     "init_distributed": "zerospeed.comm",
     "ConfigError": "zerospeed.config.errors",
     "RepeatingLoader": "zerospeed.runtime.dataloader",

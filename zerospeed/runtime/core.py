@@ -9,7 +9,6 @@ built over the parallel mesh), the optimizer and LR scheduler (`zerospeed.optim`
 """
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
@@ -20,11 +19,12 @@ from zerospeed.optim.sub_group_step import use_fused_cpu_step
 from zerospeed.precision.loss_scaler import loss_scaler_from_config
 from zerospeed.precision.policy import PrecisionPolicy
 from zerospeed.profiling.observer import EngineObserver
+from zerospeed.utils.logging import get_logger
 from zerospeed.zero import build_strategy, full_numel, reduction_groups
 from zerospeed.zero.grad_math import clip_coefficient
 from zerospeed.zero.memory import OPTIMIZER_STATE_BYTES, model_state_bytes, optimizer_kind
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)  # Note [rank-0 logging]
 
 
 class EngineCore(torch.nn.Module):
@@ -41,7 +41,7 @@ class EngineCore(torch.nn.Module):
         self.global_rank = comm.get_rank()
         self.world_size = comm.get_world_size()
         self.dp_world_size = mesh.size("dp")
-        self.device = self.accelerator.device(self.local_rank)
+        self.device = self.accelerator.torch_device(self.local_rank)
         self.precision = PrecisionPolicy.from_config(config)
 
         self.module = module.to(self.device)
@@ -219,6 +219,19 @@ class EngineCore(torch.nn.Module):
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin"):
         return checkpoint.save_16bit_model(self, save_dir, save_filename)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's switch for consolidated saves at stage 3 (accelerate and transformers read it)."""
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """Collective: the full module state dict in its training dtype on rank 0 ({} elsewhere), gathered
+        unit by unit — the name transformers and accelerate call under ZeRO-3."""
+        state = self.zero.full_state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state
 
     # -- module passthrough ------------------------------------------------------------------------
     def train(self, mode: bool = True):

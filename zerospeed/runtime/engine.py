@@ -62,14 +62,19 @@ class Engine(EngineCore):
         self.zero.begin_backward(sync=self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
         self.observer.on_backward_start(self, loss)
         scaled.backward(retain_graph=retain_graph)
+        # the micro-step's reduction settles here, not in step(): accelerate (and so the stock
+        # Trainer) calls engine.step() only at accumulation boundaries, as DeepSpeed allows
+        self.zero.end_micro_step()
         self.observer.on_backward_end(self)
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """At an accumulation boundary: reduce, unscale, check overflow, clip, step; else count."""
         self.observer.on_step_start(self)
-        self.zero.end_micro_step()
         if self.is_gradient_accumulation_boundary():
             self.take_model_step(lr_kwargs)
         self.micro_steps += 1
         self.observer.on_step_end(self)
+
+
+DeepSpeedEngine = Engine  # DeepSpeed's name (`deepspeed.DeepSpeedEngine`, `deepspeed.runtime.engine.DeepSpeedEngine`)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 from typing import Any
 
 import torch
@@ -15,8 +14,9 @@ from zerospeed.runtime.dataloader import ShardedDataLoader
 from zerospeed.comm.mesh import ParallelMesh
 from zerospeed.parallel.pipeline import PipelineEngine, PipelineModule
 from zerospeed.runtime.engine import Engine
+from zerospeed.utils.logging import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)  # Note [rank-0 logging]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -72,6 +72,23 @@ def _param_groups(model, optimizer, model_parameters) -> list[dict]:
     return groups
 
 
+def _retarget(strategy, optimizer: torch.optim.Optimizer) -> None:
+    """Point the client optimizer's groups at the strategy's masters. A group with no trainable
+    parameter (the Trainer's no-decay group over a LoRA model: every bias and norm is frozen) was
+    not partitioned; it stays in the optimizer, empty, so group indices (and a scheduler's per-group
+    lrs) keep their meaning — as in DeepSpeed."""
+    groups = optimizer.param_groups
+    trainable = [g for g in groups if any(p.requires_grad for p in g["params"])]
+    if len(trainable) < len(groups):
+        for g in groups:
+            if g not in trainable:
+                g["params"] = []
+        view = argparse.Namespace(param_groups=trainable, state=optimizer.state)
+        strategy.retarget(view)
+    else:
+        strategy.retarget(optimizer)
+
+
 def _mesh(model, mpu, mesh) -> ParallelMesh:
     """The parallel layout: the one given, a DeepSpeed/Megatron `mpu`, a PipelineModule's, or plain
     data parallelism over every rank."""
@@ -118,7 +135,7 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
             if not allow_untested and not is_zero_tested_optimizer(optimizer):
                 raise ConfigError(f"{type(optimizer).__name__} is not tested with ZeRO stage {cfg.zero_stage}; "
                                   "set zero_allow_untested_optimizer: true to use it anyway")
-            strategy.retarget(optimizer)
+            _retarget(strategy, optimizer)
             return optimizer
         if optimizer is None and cfg.optimizer is None:
             return None

@@ -7,6 +7,8 @@ to their all-default model so engine code can read ``cfg.fp16.enabled`` without 
 
 from __future__ import annotations
 
+import pydantic
+
 from zerospeed.config.schema.base import (
     DTYPE_SYNONYMS, Bool, NonNegNum, OptDict, OptDtype, OptPosInt, OptStr, PosInt, PosNum,
     StrictModel, choice_type, ds_field, ds_section,
@@ -92,12 +94,18 @@ class _Memory(StrictModel):
 class _Observability(StrictModel):
     """Logging, monitoring and profiling sections."""
 
-    steps_per_print: OptPosInt = ds_field(None, "Print a progress report every N steps; null = never.")
+    steps_per_print: OptPosInt = ds_field(None, "Print a progress report every N steps; null (or inf) = never.")
     wall_clock_breakdown: Bool = ds_field(False, "Time forward/backward/step phases.")
     memory_breakdown: Bool = ds_field(False, "Report memory usage at steps.")
     dump_state: Bool = ds_field(False, "Print the engine state after initialisation.")
     log_level: OptStr = ds_field(None, "DeepSpeed logger level, e.g. info.")
     disable_python_gc: Bool = ds_field(False, "Disable Python's cyclic GC while the engine lives.")
+
+    @pydantic.field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _never_as_infinity(cls, value):
+        # transformers' Trainer writes float("inf") to silence DeepSpeed's report; DeepSpeed takes it
+        return None if isinstance(value, float) and value == float("inf") else value
     tensorboard: TensorBoardConfig = ds_section(TensorBoardConfig, "TensorBoard monitor.")
     wandb: WandbConfig = ds_section(WandbConfig, "WandB monitor.")
     csv_monitor: CsvMonitorConfig = ds_section(CsvMonitorConfig, "CSV monitor.")
@@ -156,6 +164,25 @@ class ZeroSpeedConfig(_BatchAndOptim, _Precision, _Memory, _Observability, _Chec
         """A client optimizer outside ZeRO's tested list is accepted: always without ZeRO (stage 0),
         with it only under `zero_allow_untested_optimizer` (DeepSpeed's rule)."""
         return self.zero_optimization.stage == 0 or self.zero_allow_untested_optimizer
+
+    # -- read like DeepSpeed's config dict: DeepSpeed's `engine.config` is the dict it was given, and
+    # libraries read it so (transformers: `engine.config.get("zero_optimization", {}).get("stage")`).
+    # Here the values are the resolved ones ("auto" filled in, defaults present), under DeepSpeed's keys.
+    def as_dict(self) -> dict:
+        """The config as a plain dict under DeepSpeed's key names, with resolved values."""
+        return self.model_dump(by_alias=True, mode="json")
+
+    def get(self, key: str, default=None):
+        return self.as_dict().get(key, default)
+
+    def __getitem__(self, key: str):
+        return self.as_dict()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.as_dict()
+
+    def keys(self):
+        return self.as_dict().keys()
 
     @property
     def dynamic_loss_scale(self) -> bool:
