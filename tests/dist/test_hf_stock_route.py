@@ -101,6 +101,21 @@ def test_user_script_unchanged_matches_ddp(stage, launcher, ddp_runs, tmp_path):
 
 @needs_shim
 @pytest.mark.timeout(600)
+def test_from_config_under_zero3_builds_sharded_through_zero_init(tmp_path):
+    """TrainingArguments first, then the model: transformers builds it inside deepspeed.zero.Init and
+    initialises it module by module on rank 0 (its own order, so other values than an unsharded
+    build); trained, it matches DDP started from those same initial weights."""
+    init = tmp_path / "init.pt"
+    run = _launch("deepspeed", "hf_user_script.py", tmp_path, "zinit", DS_CONFIG=_config(tmp_path, 3),
+                  ZERO_INIT="1", SAVE_INIT=str(init))
+    assert run["built_sharded"]  # the parameters are shards when training starts
+    ref = _launch("torchrun", "hf_user_script.py", tmp_path, "ddp_from_init", LOAD_INIT=str(init))
+    assert _close(run["losses"], ref["losses"]) <= TOL, (run["losses"], ref["losses"])
+    assert run["changed"] == ref["changed"]
+
+
+@needs_shim
+@pytest.mark.timeout(600)
 def test_peft_lora_at_zero3_trains_only_the_adapter_and_saves_it(ddp_runs, tmp_path):
     pytest.importorskip("peft")
     run = _launch("deepspeed", "hf_user_script.py", tmp_path, "lora3", DS_CONFIG=_config(tmp_path, 3), PEFT="1")

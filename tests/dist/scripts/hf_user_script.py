@@ -13,13 +13,15 @@ What differs from the tutorial script, and why:
   in the losses), and the log history is written to LOG for the test to compare.
 
 Environment: DS_CONFIG (a path, or unset for the plain DDP reference run), OUT, LOG, PEFT=1 for a
-LoRA adapter (peft), MAX_STEPS.
+LoRA adapter (peft), MAX_STEPS, ZERO_INIT=1 (the arguments made before the model, so that under
+ZeRO-3 transformers builds it inside deepspeed.zero.Init), SAVE_INIT / LOAD_INIT (a file of the
+initial weights, written by one run and started from by another).
 """
 import json
 import os
 
 import torch
-from transformers import (DataCollatorForLanguageModeling, LlamaConfig, LlamaForCausalLM,
+from transformers import (AutoModelForCausalLM, DataCollatorForLanguageModeling, LlamaConfig,
                           PreTrainedTokenizerFast, Trainer, TrainingArguments)
 
 if os.environ.get("DS_CONFIG"):
@@ -59,30 +61,34 @@ class Lines(torch.utils.data.Dataset):
 
 
 def build_model(tok):
-    """A small Llama (GQA: 4 heads, 2 KV heads) from a config, as `from_pretrained` would give one."""
+    """A small Llama (GQA: 4 heads, 2 KV heads) from a config, as `from_pretrained` would give one
+    (under ZeRO-3 with the TrainingArguments made first, transformers builds it inside zero.Init)."""
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                        max_position_embeddings=32, pad_token_id=tok.pad_token_id,
-                                        eos_token_id=tok.eos_token_id))
+    return AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id))
 
 
 def main():
     tok = tokenizer()
+    if os.environ.get("ZERO_INIT") == "1":  # transformers' rule for ZeRO-3: the arguments before the model
+        args = arguments()
     model = build_model(tok)
+    if os.environ.get("LOAD_INIT"):  # start from another run's initial weights (the zero.Init run's)
+        model.load_state_dict(torch.load(os.environ["LOAD_INIT"]), strict=False)
     if os.environ.get("PEFT") == "1":
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                  lora_dropout=0.0, task_type="CAUSAL_LM"))
-    args = TrainingArguments(output_dir=os.environ["OUT"], num_train_epochs=3, per_device_train_batch_size=4,
-                             gradient_accumulation_steps=2, warmup_steps=2, logging_steps=1, save_steps=500,
-                             max_steps=int(os.environ.get("MAX_STEPS", "6")), learning_rate=0.1, optim="sgd",
-                             max_grad_norm=0.0, weight_decay=0.0, report_to=[], disable_tqdm=True, seed=0,
-                             data_seed=0, dataloader_drop_last=True, deepspeed=os.environ.get("DS_CONFIG") or None,
-                             use_cpu=not os.environ.get("DS_CONFIG") and not torch.cuda.is_available())
+    if os.environ.get("ZERO_INIT") != "1":
+        args = arguments()
     trainer = Trainer(model=model, args=args, train_dataset=Lines(tok), processing_class=tok,
                       data_collator=DataCollatorForLanguageModeling(tok, mlm=False))
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    before = {n: _full(p).clone() for n, p in model.named_parameters()}  # collective
+    sharded = sum(p.numel() for p in model.parameters()) < sum(t.numel() for t in before.values())
+    if os.environ.get("SAVE_INIT") and trainer.args.process_index == 0:
+        torch.save(before, os.environ["SAVE_INIT"])
     trainer.train()
     if os.environ.get("PEFT") == "1":
         trainer.save_model(os.environ["OUT"] + "/adapter")
@@ -90,7 +96,16 @@ def main():
     if trainer.args.process_index == 0:
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         with open(os.environ["LOG"], "w") as f:
-            json.dump({"losses": losses, "changed": changed}, f)
+            json.dump({"losses": losses, "changed": changed, "built_sharded": sharded}, f)
+
+
+def arguments():
+    return TrainingArguments(output_dir=os.environ["OUT"], num_train_epochs=3, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=2, warmup_steps=2, logging_steps=1, save_steps=500,
+                             max_steps=int(os.environ.get("MAX_STEPS", "6")), learning_rate=0.1, optim="sgd",
+                             max_grad_norm=0.0, weight_decay=0.0, report_to=[], disable_tqdm=True, seed=0,
+                             data_seed=0, dataloader_drop_last=True, deepspeed=os.environ.get("DS_CONFIG") or None,
+                             use_cpu=not os.environ.get("DS_CONFIG") and not torch.cuda.is_available())
 
 
 def _full(p):
