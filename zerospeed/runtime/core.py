@@ -54,6 +54,7 @@ class EngineCore(torch.nn.Module):
         if self.precision.mixed:
             self.module.to(self.precision.param_dtype)
         self.optimizer = optimizer_factory(self.zero)
+        self.zero.bind_optimizer(self.optimizer)  # the optimizer whose states the safe_get_* accessors read
         if getattr(self.zero, "plan", None) is not None and self.zero.plan.optimizer != "none":
             use_fused_cpu_step(self.optimizer)  # the offloaded step: torch's fused CPU Adam on flat shards
         self.lr_scheduler = scheduler_factory(self.optimizer)
@@ -109,6 +110,8 @@ class EngineCore(torch.nn.Module):
 
     def bf16_enabled(self) -> bool:
         return self.precision.param_dtype == torch.bfloat16
+
+    bfloat16_enabled = bf16_enabled  # DeepSpeed's name
 
     def steps_per_print(self) -> int:
         return self.config.steps_per_print

@@ -21,6 +21,12 @@ rank delays that rank's launches until `finish()`, but every rank still issues t
 collectives, so the job cannot deadlock or reduce mismatched buffers. Units of different process
 groups interleave in that same fixed order on every rank, so each group sees one consistent order.
 
+Note [.grad as a slot view]: stage 0 shows each parameter's slot of its persistent buffer as
+`param.grad` between a backward and the next one (or the step), as DeepSpeed's stage 0 shows the
+accumulated, and at the boundary all-reduced, gradient. A backward that runs while the view is
+attached (autograd called directly, without `begin`) accumulates into the slot in place; the hook
+then finds its own slot and adds nothing, so nothing is counted twice.
+
 Note [bounded in-flight buckets]: with overlap a bucket's collective runs while backward goes on;
 with `max_in_flight` set, launching one more than that first completes the oldest. Staging memory
 (the bucket's gradients until reduced, plus its output) is then a constant number of
@@ -104,6 +110,11 @@ class GradUnit:
     def add(self, seg, grad: torch.Tensor) -> None:
         self.source()[seg.offset:seg.offset + seg.numel].add_(grad.reshape(-1))
 
+    def is_slot(self, seg, grad: torch.Tensor) -> bool:
+        """`grad` is this segment's slot of the persistent buffer itself (Note [.grad as a slot view])."""
+        return (self.accum is not None and grad.dtype == self.accum.dtype and grad.device == self.accum.device
+                and grad.data_ptr() == self.accum.data_ptr() + seg.offset * self.accum.element_size())
+
     def source(self) -> torch.Tensor:
         """The buffer gradients add into and the collective reduces (a unit no gradient reached still
         takes part, with zeros)."""
@@ -154,6 +165,7 @@ class GradientReducer:
         self._slot = {id(u.params[s.param]): (u, s) for u in units for s in u.layout.segments}
         self.reducing = False
         self.reduced = False  # the buffers hold a completed reduction (since the last zero())
+        self.holds_grads = False  # a gradient arrived since the last zero()
         self._next = 0
         self._bucket: list[GradUnit] = []
         self._bucket_elems = 0
@@ -172,8 +184,10 @@ class GradientReducer:
     @torch.no_grad()
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         unit, seg = self._slot[id(param)]
-        unit.add(seg, param.grad)
+        if not unit.is_slot(seg, param.grad):  # else autograd already added into the slot in place
+            unit.add(seg, param.grad)
         param.grad = None
+        self.holds_grads = True
         unit.seen.add(seg.param)
         if not self.reducing:
             return
@@ -288,6 +302,7 @@ class GradientReducer:
         for u in self.units:
             u.zero()
         self.reduced = False
+        self.holds_grads = False
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -19,7 +19,9 @@ import torch
 
 from zerospeed import comm
 from zerospeed.offload.plan import make_stepper
+from zerospeed.zero import fragment
 from zerospeed.zero.flat_group import FlatParamGroup
+from zerospeed.zero.fragment import Held, ParamFragment
 from zerospeed.zero.partition import group_sub_groups
 from zerospeed.zero.reducer import (GradientReducer, GradUnit, ReductionPolicy, reduce_scatter_at_boundary,
                                     reduce_scatter_every_micro_step)
@@ -31,9 +33,10 @@ from zerospeed.zero.strategy import (ReducingStrategy, ReductionGroup, full_modu
 class ShardedOptimizerBase(ReducingStrategy):
     """Stages 1-3: per-chunk masters, optimizer states and gradients (see the module docstring).
 
-    A subclass sets `self.units` (one per chunk), `self.masters` (aligned with them), `self.plan`
-    and `self.norm_group`, then calls `_finish_setup`; it provides `_publish(indices)` (updated
-    masters into the parameters) and `_after_step()` (refresh what the model computes with)."""
+    A subclass sets `self.units` (one per chunk), `self.masters` (aligned with them), `self.plan`,
+    `self.device` and `self.norm_group`, then calls `_finish_setup`; it provides `_publish(indices)`
+    (updated masters into the parameters), `_after_step()` (refresh what the model computes with) and
+    `refresh_weights` (one parameter's, after its master was written through its fragment)."""
 
     weights_in_shards = False
     replicated_state = False
@@ -46,6 +49,34 @@ class ShardedOptimizerBase(ReducingStrategy):
         self.stepper = make_stepper(self.plan, self.masters, self.sub_groups, comm.get_rank())
         self.reducer = GradientReducer(launch_order or self.units, policy, scaling=scaling, comm_dtype=comm_dtype,
                                        ignore_unused=ignore_unused, on_unit_ready=on_unit_ready)
+        # id(parameter) -> (index of its unit, its segment there): Note [parameter fragments]
+        self._where = {id(u.params[s.param]): (k, s) for k, u in enumerate(self.units) for s in u.layout.segments}
+        fragment.claim([u.params[s.param] for u in self.units for s in u.layout.segments], self)
+
+    # -- parameter accessors (Note [parameter fragments] in zero/fragment.py) ----------------------
+    def param_fragment(self, param: torch.Tensor) -> ParamFragment | None:
+        """This rank's piece of the parameter inside its chunk of the unit's layout (possibly none).
+        The gradient is that chunk's reduced one — or, at stage 1 before the boundary reduction, the
+        whole locally accumulated gradient, which every rank then holds for itself."""
+        where = self._where.get(id(param))
+        if where is None:
+            return None
+        k, seg = where
+        u = self.units[k]
+        ranks = ReductionGroup(u.group, u.world_size, u.rank)
+        piece = next((p for p in u.layout.rank_segments(u.rank) if p.param == seg.param), None)
+        master = (Held(self.masters[k], piece.offset, piece.param_offset, piece.numel, ranks) if piece is not None
+                  else Held(self.masters[k], 0, 0, 0, ranks))
+        if not self.has_grads():
+            grad = None
+        elif u.accum is not None and not self.reducer.reduced:
+            grad = Held(u.accum, seg.offset, 0, seg.numel)
+        else:
+            grad = master.on(u.result)
+        return ParamFragment(self._full_shape(param), self.device, master, grad)
+
+    def _full_shape(self, param: torch.Tensor) -> torch.Size:
+        return param.shape
 
     # -- reduction (the rest is ReducingStrategy's) ----------------------------------------------
     def global_grad_norm(self) -> float:
@@ -129,6 +160,11 @@ class ShardedStrategy(ShardedOptimizerBase):
             raise ValueError("client optimizer param groups do not match the groups zerospeed partitioned")
         for group, fg in zip(optimizer.param_groups, self.flat):
             group["params"] = list(fg.masters)
+
+    @torch.no_grad()
+    def refresh_weights(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """After the masters' pieces were set to `value`: every rank's whole copy of the weight too."""
+        param.detach().copy_(value.reshape(param.shape))
 
     def _publish(self, indices: list[int]) -> None:
         """Updated masters of these units into this rank's parameter chunks, while resident."""

@@ -3,7 +3,10 @@
 Each param group's parameters are laid out in flat fp32 (grad_accum_dtype) buffers of about
 `reduce_bucket_size` elements, one `GradUnit` each; micro-batches accumulate there at full
 precision, and on the boundary micro-step each buffer is all-reduced over its group while autograd
-continues (`zero/reducer.py`).
+continues (`zero/reducer.py`); the all-reduce is settled before `backward` returns. Between a
+backward and the next one (or the step) each parameter's `.grad` is its slot of the buffer (a view,
+where the dtypes agree; Note [.grad as a slot view] in zero/reducer.py): the local accumulated
+gradient before the boundary, the averaged one after it, as DeepSpeed's stage 0 shows it.
 """
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import torch
 
 from zerospeed.optim.sub_group_step import InMemoryStepper, step_in_sub_groups
 from zerospeed.precision.master import MasterWeights
+from zerospeed.zero import fragment
+from zerospeed.zero.fragment import Held, ParamFragment
 from zerospeed.zero.grad_math import global_norm
 from zerospeed.zero.partition import build_layouts
 from zerospeed.zero.reducer import GradientReducer, GradUnit, all_reduce_at_boundary
@@ -38,6 +43,9 @@ class DataParallelStrategy(ReducingStrategy):
         self.reducer = GradientReducer(self.units, all_reduce_at_boundary(), scaling=scaling,
                                        comm_dtype=comm_dtype)
         self.uniform_reduction = all(rg.group is norm_group for rg in reduction)
+        self._grads = self.grads()  # the buffers are persistent: their views are too
+        self._grad_of = {id(p): g for p, g in self._grads}
+        fragment.claim(params, self)
 
     def optimizer_param_groups(self) -> list[dict]:
         return self.master.map_param_groups(self.groups)
@@ -60,10 +68,47 @@ class DataParallelStrategy(ReducingStrategy):
         return [(u.params[s.param], u.accum[s.offset:s.offset + s.numel].view_as(u.params[s.param]))
                 for u in self.units for s in u.layout.segments]
 
+    # -- .grad as a view of the buffer (Note [.grad as a slot view]) ------------------------------
+    def begin_backward(self, sync: bool) -> None:
+        self._hide_grads()  # autograd starts from None: the hooks add each fresh gradient once
+        super().begin_backward(sync)
+
+    def end_micro_step(self) -> None:
+        super().end_micro_step()  # the boundary all-reduce completes first
+        for p, g in self._grads:
+            if g.dtype == p.dtype and g.device == p.device:  # a bf16 model with fp32 accumulation shows none
+                p.grad = g
+
+    def zero_grads(self) -> None:
+        super().zero_grads()
+        self._hide_grads()
+
+    def _hide_grads(self) -> None:
+        for p, g in self._grads:
+            if p.grad is not None and p.grad.data_ptr() == g.data_ptr() and p.grad.dtype == g.dtype:
+                p.grad = None
+
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
-        step_in_sub_groups(optimizer, [(self.master.master_of(p), g) for p, g in self.grads()], coef)
+        step_in_sub_groups(optimizer, [(self.master.master_of(p), g) for p, g in self._grads], coef)
         self.master.copy_to_model()
+
+    # -- parameter accessors (Note [parameter fragments] in zero/fragment.py) ----------------------
+    def param_fragment(self, param: torch.Tensor) -> ParamFragment | None:
+        """Every rank holds the whole master and the whole (local, or after the boundary averaged) gradient."""
+        grad = self._grad_of.get(id(param))
+        if grad is None:
+            return None
+        n = param.numel()
+        return ParamFragment(param.shape, param.device, Held(self.master.master_of(param), 0, 0, n),
+                             Held(grad, 0, 0, n) if self.has_grads() else None)
+
+    @torch.no_grad()
+    def refresh_weights(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """The 16-bit weight from its just-written master (in fp32 the master is the weight itself)."""
+        master = self.master.master_of(param)
+        if master is not param:
+            param.copy_(master)
 
     def shard_entries(self, names: dict[int, str]) -> list[ShardEntry]:
         """Every master is a whole parameter, held identically by every rank."""

@@ -55,6 +55,11 @@ class ZeroStrategy(Protocol):
     def memory_breakdown(self, optimizer) -> dict[str, int]: ...
     def remove_hooks(self) -> None: ...
     def close(self) -> None: ...
+    # Note [parameter fragments] (zero/fragment.py): DeepSpeed's safe_get_* / safe_set_* accessors
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None: ...
+    def optimizer_for_accessors(self) -> torch.optim.Optimizer | None: ...
+    def param_fragment(self, param: torch.Tensor): ...  # -> zero.fragment.ParamFragment | None
+    def refresh_weights(self, param: torch.Tensor, value: torch.Tensor) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -106,10 +111,15 @@ def weighted_global_norm(parts: list[tuple[torch.Tensor, float]], group) -> floa
     return math.sqrt(value) if value >= 0 else value
 
 
+_UNBOUND = object()
+
+
 class ReducingStrategy:
     """What every strategy does the same way with its `self.reducer` (a zero.reducer.GradientReducer):
-    start a backward, settle a micro-step that the policy reduces every time, finish at the
-    boundary, zero, unhook."""
+    start a backward, settle the reduction that backward started, zero, unhook; and the optimizer
+    the parameter accessors read states from (Note [parameter fragments] in zero/fragment.py)."""
+
+    bound_optimizer = _UNBOUND
 
     def begin_backward(self, sync: bool) -> None:
         self.reducer.begin(sync)
@@ -118,9 +128,24 @@ class ReducingStrategy:
         pass
 
     def end_micro_step(self) -> None:
-        """After every backward: a policy that reduces every micro-step settles it now."""
-        if self.reducer.policy.every_micro_step:
-            self.reducer.finish()
+        """After every backward: settle the reduction it started (every micro-step at stages 2-3, the
+        boundary one at stages 0-1), so that gradients are final when backward returns, as DeepSpeed's
+        are (its stage 0-1 all-reduce runs inside engine.backward too)."""
+        self.reducer.finish()
+
+    def bind_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """The optimizer the engine steps with: where the accessors find optimizer states."""
+        self.bound_optimizer = optimizer
+
+    def optimizer_for_accessors(self) -> torch.optim.Optimizer | None:
+        if self.bound_optimizer is _UNBOUND:
+            raise RuntimeError("optimizer states are not reachable: the engine has not bound its optimizer "
+                               "to the ZeRO strategy (engine.zero.bind_optimizer(engine.optimizer))")
+        return self.bound_optimizer
+
+    def has_grads(self) -> bool:
+        """Gradients arrived since the last zeroing (the accessors answer None otherwise)."""
+        return self.reducer.holds_grads
 
     def finish_reduction(self) -> None:
         self.reducer.finish()

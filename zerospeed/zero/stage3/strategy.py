@@ -50,6 +50,7 @@ class Stage3Strategy(ShardedOptimizerBase):
         self.module = module
         self.plan = plan
         self.norm_group = norm_group
+        self.device = device
         self.hparams = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         self.max_live = max_live_parameters
         self.residency = Residency()
@@ -189,6 +190,21 @@ class Stage3Strategy(ShardedOptimizerBase):
             return
         for i in indices:
             self.flat[i].shard_from_master()
+
+    # -- parameter accessors (the fragment itself is the base's) -----------------------------------
+    def _full_shape(self, param: torch.Tensor) -> torch.Size:
+        return registry.full_shape(param)
+
+    @torch.no_grad()
+    def refresh_weights(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """After the masters' pieces were set to `value`: this rank's shard, and the full copy where one
+        is resident (persistent, or gathered now; every rank is in the same state)."""
+        k, seg = self._where[id(param)]
+        fp = self.flat[k]
+        fp.shard_from_master()
+        if fp.state is not State.SHARDED:
+            fp.wait()
+            fp.full[seg.offset:seg.offset + seg.numel].copy_(value.reshape(-1))
 
     def placement(self) -> dict[str, str]:
         """Where each kind of model state lives: read off the tensors, the stepper and the swapper."""
