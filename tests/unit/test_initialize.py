@@ -102,3 +102,17 @@ def test_monitors_timers_and_progress_line_are_wired_through_the_config(tmp_path
     assert rows[0] == ["step", "Train/Samples/train_loss"] and len(rows) == 3  # two optimizer steps
     assert abs(float(rows[1][1]) - (losses[0] + losses[1]) / 2) < 1e-6
     assert "forward" in caplog.text and "backward" in caplog.text  # the wall-clock breakdown
+
+
+def test_deprecated_deepscale_config_is_read_as_deepspeed_config(tmp_path):
+    # DeepSpeed 0.19.8 (deepspeed/__init__.py, initialize): a set args.deepscale_config is moved to
+    # args.deepspeed_config with a warning; both set is an error.
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(dict(CFG, train_batch_size=8)))
+    args = zerospeed.add_config_arguments(argparse.ArgumentParser()).parse_args(["--deepscale_config", str(path)])
+    engine, *_ = zerospeed.initialize(args=args, model=TinyMLP())
+    assert engine.train_batch_size() == 8
+    assert (args.deepspeed_config, args.deepscale_config) == (str(path), None)
+    both = argparse.Namespace(deepscale_config=str(path), deepspeed_config=str(path))
+    with pytest.raises(ConfigError, match="keep --deepspeed_config"):
+        zerospeed.initialize(args=both, model=TinyMLP())

@@ -25,7 +25,21 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--deepspeed", nargs="?", const=True, default=False,
                        help="enable zerospeed; optionally followed by the path of the JSON config")
     group.add_argument("--deepspeed_config", default=None, type=str, help="path of the DeepSpeed JSON config")
+    group.add_argument("--deepscale", default=False, action="store_true", help="deprecated: --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str, help="deprecated: --deepspeed_config")
     return parser
+
+
+def _take_deepscale_config(args) -> None:
+    """DeepSpeed still reads the deprecated `args.deepscale_config` (with a warning) as the config path."""
+    old = getattr(args, "deepscale_config", None)
+    if old is None:
+        return
+    logger.warning("--deepscale_config is deprecated; use --deepspeed_config")
+    if getattr(args, "deepspeed_config", None) is not None:
+        raise ConfigError(f"initialize: both args.deepscale_config ({old!r}) and args.deepspeed_config "
+                          f"({args.deepspeed_config!r}) are set; keep --deepspeed_config only")
+    args.deepspeed_config, args.deepscale_config = old, None
 
 
 def _config_source(args, config, config_params):
@@ -34,6 +48,7 @@ def _config_source(args, config, config_params):
     config = config if config is not None else config_params
     from_args = None
     if args is not None:
+        _take_deepscale_config(args)
         from_args = getattr(args, "deepspeed_config", None)
         flag = getattr(args, "deepspeed", None)
         if from_args is None and isinstance(flag, str):
