@@ -176,7 +176,7 @@ def test_export_round_trips_as_one_file_or_as_shards_with_an_index(saved, tmp_pa
 def test_safetensors_output_is_readable_by_the_safetensors_package(saved, tmp_path):
     safetensors_torch = pytest.importorskip("safetensors.torch")
     root, _ = saved
-    convert_zero_checkpoint_to_fp32_state_dict(root / "s2", tmp_path)
+    convert_zero_checkpoint_to_fp32_state_dict(root / "s2", tmp_path, safe_serialization=True)
     theirs = safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
     ours = get_fp32_state_dict_from_zero_checkpoint(root / "s2")
     assert set(theirs) == set(ours) - {"lm_head.weight"}
@@ -235,12 +235,15 @@ def test_cli_inspect_prints_the_manifest_and_verifies(saved, capsys):
 
 def test_cli_to_fp32_writes_shards_and_reports_errors(saved, tmp_path, capsys):
     root, _ = saved
-    assert cli_main(["to-fp32", str(root / "s1"), str(tmp_path / "out"), "--max-shard-size", "40KB",
-                     "--no-safe-serialization"]) == 0
+    assert cli_main(["to-fp32", str(root / "s1"), str(tmp_path / "out"), "--max-shard-size", "40KB"]) == 0
     printed = capsys.readouterr().out.split()
-    assert printed[-1].endswith("pytorch_model.bin.index.json") and len(printed) >= 4
+    assert printed[-1].endswith("pytorch_model.bin.index.json") and len(printed) >= 4  # DeepSpeed's default
     back = read_exported(tmp_path / "out")
     assert torch.equal(back["wte.weight"], get_fp32_state_dict_from_zero_checkpoint(root / "s1")["wte.weight"])
+    # DeepSpeed's zero_to_fp32.py spellings
+    assert cli_main(["to-fp32", str(root / "s1"), str(tmp_path / "safe"), "--max_shard_size", "40KB",
+                     "--safe_serialization", "-t", "global_step1"]) == 0
+    assert capsys.readouterr().out.split()[-1].endswith("model.safetensors.index.json")
     assert cli_main(["to-fp32", str(tmp_path / "nothing"), str(tmp_path / "o2")]) == 1
     assert "nothing/latest does not exist" in capsys.readouterr().err
 

@@ -104,7 +104,8 @@ def every_key_config() -> dict:
         "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.001}},
         "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
         "gradient_clipping": 2.5, "prescale_gradients": True, "gradient_predivide_factor": 4.0,
-        "gradient_allreduce_op": "sum", "communication_data_type": "bf16",
+        # "sum" (parsed in test_gradient_allreduce_op_is_deepspeeds_key) is refused at stage 3, as in DeepSpeed
+        "gradient_allreduce_op": "mean", "communication_data_type": "bf16",
         "seq_parallel_communication_data_type": "fp16", "sparse_gradients": True, "disable_allgather": True,
         "graph_harvesting": True,
         "fp16": {"enabled": False, "auto_cast": True, "loss_scale": 128.0, "initial_scale_power": 12,
@@ -220,7 +221,7 @@ def test_every_documented_key_round_trips():
     assert zero.zenflow.select_interval == 10 and zero.zenflow.update_interval == "auto"
     assert zero.stage3_model_persistence_threshold == 10_000_000_000
     assert zero.leaf_module.name_suffixes == ["moe"]  # a single string becomes a list, as in DeepSpeed
-    assert cfg.gradient_allreduce_op == "sum" and cfg.communication_data_type == "bf16"
+    assert cfg.gradient_allreduce_op == "mean" and cfg.communication_data_type == "bf16"
     assert cfg.torch_autocast.dtype == "fp16" and cfg.seq_parallel_communication_data_type == "fp16"
     assert cfg.fp16.loss_scale == 128.0 and cfg.fp16.min_loss_scale == 0.5 and not cfg.dynamic_loss_scale
     assert cfg.bf16_enabled and cfg.bf16.bf16_optimizer_states

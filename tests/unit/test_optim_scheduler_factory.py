@@ -77,8 +77,10 @@ def test_missing_required_param():
 
 
 def test_bad_values():
-    with pytest.raises(ConfigError, match="scheduler.params.warmup_type"):
-        build_lr_scheduler("WarmupLR", {"warmup_type": "exp"}, sgd())
+    with pytest.raises(ConfigError, match="scheduler.params.warmup_num_steps"):
+        build_lr_scheduler("WarmupLR", {"warmup_num_steps": 0}, sgd())
+    # an unknown warmup_type warms up as "log" with a warning, as in DeepSpeed (test_deepspeed_fidelity.py)
+    assert build_lr_scheduler("WarmupLR", {"warmup_type": "exp"}, sgd()).warmup_type == "log"
     expected = "scheduler.params: LinearLR rejected .*'start_factor': 2.0.*multiplicative factor"
     with pytest.raises(ConfigError, match=expected):
         build_lr_scheduler("LinearLR", {"start_factor": 2.0}, sgd())

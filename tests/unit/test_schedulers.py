@@ -82,9 +82,12 @@ def test_warmup_num_steps_must_be_positive_int(steps):
         WarmupLR(sgd(), warmup_num_steps=steps)
 
 
-def test_warmup_type_must_be_known():
-    with pytest.raises(ConfigError, match=r"scheduler.params.warmup_type: must be one of \['log', 'linear'\]"):
-        WarmupLR(sgd(), warmup_type="cosine")
+def test_unknown_warmup_type_warms_up_as_log_with_a_warning(caplog):
+    # DeepSpeed 0.19.8 logs "Using unknown warmup_type" and falls back to log (tests/unit/test_deepspeed_fidelity.py)
+    with caplog.at_level("WARNING"):
+        sched = WarmupLR(sgd(), warmup_type="cosine", warmup_num_steps=10)
+    assert "warmup_type 'cosine' is not one of ['log', 'linear']; warming up as 'log'" in caplog.text
+    assert sched.warmup_type == "log"
 
 
 # ---------------------------------------------------------------- WarmupDecayLR
@@ -171,15 +174,15 @@ def one_cycle(opt, **kw):
     return OneCycle(opt, **args)
 
 
-def test_one_cycle_lr_and_momentum_sgd():
-    opt = sgd(momentum=0.5)
+def test_one_cycle_lr_and_momentum_adam():
+    opt = adam(betas=(0.9, 0.95))
     sched = one_cycle(opt)
     assert opt.param_groups[0]["lr"] == 0.1
-    assert opt.param_groups[0]["momentum"] == 0.9  # formula value at step -1 (scale 0)
+    assert opt.param_groups[0]["betas"] == (0.8, 0.95)  # cycle_min_mom, written at construction as DeepSpeed
     lr, mom = {}, {}
     for it in range(14):
         sched.step()
-        lr[it], mom[it] = opt.param_groups[0]["lr"], opt.param_groups[0]["momentum"]
+        lr[it], mom[it] = opt.param_groups[0]["lr"], opt.param_groups[0]["betas"][0]
     # batch = it + 1; scale = batch/4 climbing, (10 - batch)/6 descending.
     assert lr[0] == approx(0.1 + 1.0 * 1 / 4) and mom[0] == approx(0.9 - 0.1 * 1 / 4)
     assert lr[3] == approx(1.1) and mom[3] == approx(0.8)
@@ -189,23 +192,34 @@ def test_one_cycle_lr_and_momentum_sgd():
     # decay: d = it - 10 + 1; lr = 0.1 / (1 + 0.5 * d/2); mom = 0.9 * (1 + 0.01 * d/2).
     assert lr[10] == approx(0.1 / 1.25) and mom[10] == approx(0.9 * 1.005)
     assert lr[13] == approx(0.1 / 2.0) and mom[13] == approx(0.9 * 1.02)
+    assert opt.param_groups[0]["betas"][1] == 0.95
+
+
+def test_one_cycle_sgd_cycles_the_lr_and_leaves_momentum_as_deepspeed(caplog):
+    opt = sgd(momentum=0.5)
+    with caplog.at_level("WARNING"):
+        sched = one_cycle(opt)
+    assert "cycle_momentum is disabled: SGD has no 'betas'" in caplog.text
+    assert sched.get_mom() is None
+    sched.step()
+    assert opt.param_groups[0]["lr"] == approx(0.35) and opt.param_groups[0]["momentum"] == 0.5
 
 
 def test_one_cycle_adam_writes_betas0_and_keeps_betas1():
     opt = adam(betas=(0.9, 0.95))
     sched = one_cycle(opt)
-    assert opt.param_groups[0]["betas"] == (0.9, 0.95)
+    assert opt.param_groups[0]["betas"] == (0.8, 0.95)
     sched.step()
     sched.step()
     assert opt.param_groups[0]["betas"] == (approx(0.9 - 0.1 * 2 / 4), 0.95)
-    assert sched.get_mom() == [approx(0.85)]
+    assert sched.get_mom() == [(approx(0.85), 0.95)]
 
 
 def test_one_cycle_without_decay_holds_min_lr_and_max_mom():
-    opt = sgd()
+    opt = adam()
     sched = one_cycle(opt, decay_step_size=0)
     sched.step(last_batch_iteration=25)
-    assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[0]["momentum"] == 0.9
+    assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[0]["betas"] == (0.9, 0.95)
 
 
 def test_one_cycle_stairs():
@@ -220,7 +234,7 @@ def test_one_cycle_momentum_disabled_for_optimizers_without_it(caplog):
     opt = torch.optim.Adagrad([torch.nn.Parameter(torch.ones(1))], lr=1.0)
     with caplog.at_level("WARNING"):
         sched = one_cycle(opt)
-    assert "cycle_momentum disabled" in caplog.text
+    assert "cycle_momentum is disabled" in caplog.text
     assert sched.get_mom() is None
     sched.step()
     assert opt.param_groups[0]["lr"] == approx(0.35)
@@ -261,7 +275,7 @@ def make_all(opt_factory):
 
 
 def test_state_dict_round_trip_continues_identically():
-    for ref, fresh in zip(make_all(sgd), make_all(sgd)):
+    for ref, fresh in zip(make_all(adam), make_all(adam)):
         for _ in range(7):
             ref.step()
         state = ref.state_dict()
@@ -271,7 +285,7 @@ def test_state_dict_round_trip_continues_identically():
             ref.step()
             fresh.step()
             assert fresh.get_last_lr() == ref.get_last_lr()
-            assert fresh.optimizer.param_groups[0]["momentum"] == ref.optimizer.param_groups[0]["momentum"]
+            assert fresh.optimizer.param_groups[0]["betas"] == ref.optimizer.param_groups[0]["betas"]
 
 
 def test_resuming_with_last_batch_iteration_leaves_optimizer_until_step():
@@ -323,7 +337,8 @@ def test_formulas_directly():
     assert F.warmup_lr(-1, 0.2, 1.0, 8) == 0.2
     assert F.warmup_decay_gamma(15, 5, 15) == 0.0
     assert F.warmup_cosine_ratio(-1, 10) == 0.0
-    assert F.one_cycle_scale(1, 4, 6) == 2 / 4
+    assert F.one_cycle_scale(1, 4, 6) == 0.4999999999999999  # DeepSpeed's float arithmetic, to the bit
+    assert F.one_cycle_scale(1, 4, 4) == 2 / 4
     assert F.one_cycle_scale(6, 4, 6, 0, 3) == 1 / 3  # batch 7: distance 3, floor(3*3/6)/3
     assert F.one_cycle_momentum(3, 0.8, 0.9, 4, 4) == approx(0.8)
     assert F.lr_range_test_lr(-1, 0.5, 7) == 0.5

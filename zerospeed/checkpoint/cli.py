@@ -1,8 +1,12 @@
 """`zerospeed-ckpt`: inspect a checkpoint, or consolidate it to one fp32 state dict.
 
     zerospeed-ckpt inspect DIR [--tag T] [--json] [--verify]
-    zerospeed-ckpt to-fp32 DIR OUT [--tag T] [--max-shard-size 5GB] [--no-safe-serialization]
+    zerospeed-ckpt to-fp32 DIR OUT [--tag T] [--max-shard-size 5GB] [--safe-serialization]
                                    [--exclude-frozen-parameters]
+
+`to-fp32` writes what DeepSpeed's `zero_to_fp32.py DIR OUT` writes: pytorch_model.bin by default,
+model.safetensors with --safe-serialization; DeepSpeed's spellings of the options (--max_shard_size,
+--safe_serialization, -t/--tag, --exclude_frozen_parameters) work too.
 """
 from __future__ import annotations
 
@@ -24,13 +28,17 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("--tag", default=None, help="tag to inspect (default: the one `latest` names)")
     ins.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
     ins.add_argument("--verify", action="store_true", help="also check every file's size and sha256")
-    conv = sub.add_parser("to-fp32", help="write the consolidated fp32 weights (safetensors by default)")
+    conv = sub.add_parser("to-fp32", help="write the consolidated fp32 weights (pytorch_model.bin by default)")
     conv.add_argument("dir", help="checkpoint folder")
     conv.add_argument("out", help="output folder")
-    conv.add_argument("--tag", default=None, help="tag to convert (default: the one `latest` names)")
-    conv.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB, 500MB (default 5GB)")
-    conv.add_argument("--no-safe-serialization", action="store_true", help="write pytorch_model.bin (torch.save)")
-    conv.add_argument("--exclude-frozen-parameters", action="store_true", help="leave frozen parameters out")
+    conv.add_argument("-t", "--tag", default=None, help="tag to convert (default: the one `latest` names)")
+    conv.add_argument("--max-shard-size", "--max_shard_size", dest="max_shard_size", default="5GB",
+                      help="largest output file, e.g. 5GB, 500MB (default 5GB)")
+    conv.add_argument("--safe-serialization", "--safe_serialization", dest="safe_serialization",
+                      action=argparse.BooleanOptionalAction, default=False,
+                      help="write model.safetensors instead of pytorch_model.bin (torch.save), as DeepSpeed's flag")
+    conv.add_argument("--exclude-frozen-parameters", "--exclude_frozen_parameters", dest="exclude_frozen_parameters",
+                      action="store_true", help="leave frozen parameters out")
     return parser
 
 
@@ -68,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"verified {len(manifest['files'])} files")
             return 0
         written = convert_zero_checkpoint_to_fp32_state_dict(
-            args.dir, args.out, max_shard_size=args.max_shard_size, safe_serialization=not args.no_safe_serialization,
+            args.dir, args.out, max_shard_size=args.max_shard_size, safe_serialization=args.safe_serialization,
             tag=args.tag, exclude_frozen_parameters=args.exclude_frozen_parameters)
         for path in written:
             print(path)

@@ -38,11 +38,15 @@ def resolve_checkpoint(checkpoint_dir, tag: str | None = None) -> tuple[Path, di
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag: str | None = None,
-                                             exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+                                             exclude_frozen_parameters: bool = False,
+                                             lazy_mode: bool = False) -> dict[str, torch.Tensor]:
     """The model's full state dict with fp32 master weights, from a checkpoint of any world size and stage.
 
     Trainable parameters are the fp32 masters; frozen parameters (unless excluded) and buffers are as
     saved. Tied names share one tensor. Every file read is verified against the manifest first.
+    DeepSpeed's signature: with `lazy_mode` DeepSpeed returns placeholders that `.contiguous()`
+    materialises; the tensors here are already CPU tensors read from memory-mapped files (and
+    `.contiguous()` on them is a no-op), so code written for either mode works unchanged.
     """
     tag_dir, manifest = resolve_checkpoint(checkpoint_dir, tag)
     if (problem := verify_files(tag_dir, manifest, list(manifest["files"]))) is not None:
@@ -69,20 +73,33 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag: str | None = N
     return out
 
 
-def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, *, max_shard_size: int | str = "5GB",
-                                               safe_serialization: bool = True, tag: str | None = None,
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_shard_size: int | str = "5GB",
+                                               safe_serialization: bool = False, tag: str | None = None,
                                                exclude_frozen_parameters: bool = False) -> list[Path]:
-    """Write the fp32 state dict as model.safetensors (or pytorch_model.bin), sharded with an index json
-    when larger than `max_shard_size`; returns the files written."""
+    """Write the fp32 state dict as pytorch_model.bin (torch.save), or model.safetensors with
+    `safe_serialization`, sharded with an index json when larger than `max_shard_size`.
+
+    DeepSpeed's signature, positional order and defaults (`deepspeed.utils.zero_to_fp32`) and its
+    file names (`pytorch_model-00001-of-00002.bin` + `pytorch_model.bin.index.json`, or the same
+    with `model` / `.safetensors`). Returns the files written (DeepSpeed returns None).
+    """
     sd = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
     return export_state_dict(sd, output_dir, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
 
 
-def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir, tag: str | None = None,
-                                         strict: bool = True) -> torch.nn.Module:
+def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir, tag: str | None = None, *,
+                                         strict: bool = False) -> torch.nn.Module:
     """Load the consolidated fp32 weights into `model`, moved to the CPU (values are copied into the
-    dtypes of its tensors); returns the model."""
+    dtypes of its tensors); returns the model.
+
+    As DeepSpeed, the load is not strict by default; keys that do not match are logged as a warning
+    (DeepSpeed says nothing). `strict=True` (ours, keyword-only) makes them an error.
+    """
     sd = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
     model = model.cpu()
-    model.load_state_dict(sd, strict=strict)
+    result = model.load_state_dict(sd, strict=strict)
+    if result.missing_keys or result.unexpected_keys:
+        logger.warning("load_state_dict_from_zero_checkpoint: the checkpoint does not match the model: "
+                       "missing %s, unexpected %s (pass strict=True to make this an error)",
+                       result.missing_keys[:8], result.unexpected_keys[:8])
     return model

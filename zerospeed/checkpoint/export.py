@@ -1,8 +1,9 @@
 """Writing a consolidated state dict the way Hugging Face `save_pretrained` lays it out.
 
-One file (`model.safetensors`, or `pytorch_model.bin` without safe serialization) when it fits in
-`max_shard_size`, else numbered shards (`model-00001-of-00003.safetensors`) plus an index
-(`model.safetensors.index.json`: {"metadata": {"total_size": bytes}, "weight_map": {name: file}}).
+One file (`pytorch_model.bin`, or `model.safetensors` with safe serialization) when it fits in
+`max_shard_size`, else numbered shards (`pytorch_model-00001-of-00003.bin`) plus an index
+(`pytorch_model.bin.index.json`: {"metadata": {"total_size": bytes}, "weight_map": {name: file}}) —
+DeepSpeed's `zero_to_fp32` names, defaults and shard grouping.
 Tied tensors: a safetensors file cannot hold two names for one memory, so an alias is stored once,
 under its first name, and listed in the file metadata and the index ("tied": {alias: name});
 torch.save keeps the sharing by itself, so a .bin shard holds both names. See Note [safetensors and
@@ -37,16 +38,27 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
-    """Names grouped into consecutive shards of at most `max_bytes` (a larger tensor gets its own)."""
+def plan_shards(sizes: list[tuple[str, int]], max_bytes: int | None) -> list[list[str]]:
+    """Names grouped into shards of at most `max_bytes` (None: one shard), as DeepSpeed's converter groups
+    them (Hugging Face's `split_torch_state_dict_into_shards`): consecutive names fill the open shard,
+    which is closed when the next name does not fit; a tensor larger than `max_bytes` gets a shard of
+    its own at once while the open shard stays open for the names after it."""
+    if max_bytes is None:
+        return [[name for name, _ in sizes]] if sizes else []
     shards: list[list[str]] = []
+    current: list[str] = []
     filled = 0
     for name, n in sizes:
-        if not shards or filled + n > max_bytes:
-            shards.append([])
-            filled = 0
-        shards[-1].append(name)
+        if n > max_bytes:
+            shards.append([name])
+            continue
+        if filled + n > max_bytes:
+            shards.append(current)
+            current, filled = [], 0
+        current.append(name)
         filled += n
+    if current:
+        shards.append(current)
     return shards
 
 
@@ -90,14 +102,17 @@ def clone_overlapping(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
-def export_state_dict(state_dict: dict[str, torch.Tensor], output_dir, *, max_shard_size: int | str = "5GB",
-                      safe_serialization: bool = True) -> list[Path]:
-    """Write `state_dict` into `output_dir`; returns the paths written (the index last, when sharded)."""
+def export_state_dict(state_dict: dict[str, torch.Tensor], output_dir, *, max_shard_size: int | str | None = "5GB",
+                      safe_serialization: bool = False) -> list[Path]:
+    """Write `state_dict` into `output_dir` (torch.save by default, safetensors with `safe_serialization`,
+    DeepSpeed's defaults); `max_shard_size=None` never shards. Returns the paths written (the index
+    last, when sharded)."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     unique, aliases = split_aliases(state_dict)
     stem, ext = ("model", "safetensors") if safe_serialization else ("pytorch_model", "bin")
-    shards = plan_shards([(k, v.nbytes) for k, v in unique.items()], parse_size(max_shard_size))
+    limit = None if max_shard_size is None else parse_size(max_shard_size)
+    shards = plan_shards([(k, v.nbytes) for k, v in unique.items()], limit)
     count = len(shards)
     files = [f"{stem}.{ext}"] if count <= 1 else [shard_name(stem, ext, i, count) for i in range(count)]
     owner = {k: files[i] for i, names in enumerate(shards) for k in names}

@@ -19,7 +19,7 @@ from zerospeed import comm
 from zerospeed.checkpoint.errors import CheckpointError, raise_if_any_rank_failed
 from zerospeed.checkpoint.layout import RankFile, entry_groups, partition_from_manifest
 from zerospeed.checkpoint.manifest import check_model_compat, read_manifest, verify_files
-from zerospeed.checkpoint.naming import MODEL_STATES, CheckpointPaths, optim_states_name
+from zerospeed.checkpoint.naming import MODEL_STATES, CheckpointPaths, check_load_dir, optim_states_name
 from zerospeed.checkpoint.rng import restore_rng_state
 from zerospeed.checkpoint.save import RESERVED_KEYS, _check_supported, sharded_param_names
 from zerospeed.checkpoint.tags import agree_on_tag, read_latest, resolve_tag_dir
@@ -194,8 +194,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     Returns (path of the model states file, client_state), or (None, None) with a warning when
     `tag` is None and `load_dir` has no `latest` file.
     """
+    root = check_load_dir(load_dir)
     _check_supported(engine)
-    root = Path(load_dir)
     tag = _resolve(engine, root, tag)
     if tag is None:
         return None, None

@@ -40,6 +40,24 @@ def check_tag(tag: object) -> str:
     return tag
 
 
+def check_save_dir(save_dir: object) -> Path:
+    """`save_dir` as a Path. "" and None are DeepSpeed's ValueError (its test, `not save_dir`, word for
+    word): an empty string would otherwise write the checkpoint into the working directory."""
+    if not save_dir:
+        raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r} (pass the folder that "
+                         "holds `latest` and the tag directories)")
+    return Path(save_dir)
+
+
+def check_load_dir(load_dir: object) -> Path:
+    """`load_dir` as a Path; None is a TypeError, the type DeepSpeed raises (from os.path.join), with a
+    message that names the argument. "" is the working directory, as in DeepSpeed."""
+    if load_dir is None:
+        raise TypeError("load_dir must be a str or path, got None (pass the folder that holds `latest` and "
+                        "the tag directories)")
+    return Path(load_dir)
+
+
 @dataclass(frozen=True)
 class CheckpointPaths:
     """The paths of one tag inside a checkpoint folder."""

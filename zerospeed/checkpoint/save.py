@@ -24,7 +24,8 @@ from zerospeed.checkpoint.errors import raise_if_any_rank_failed
 from zerospeed.checkpoint.layout import EntryLayout, RankFile, entry_groups, split_state
 from zerospeed.checkpoint.manifest import (FORMAT, FORMAT_VERSION, dtype_name, file_record, param_specs,
                                            tied_aliases, write_manifest)
-from zerospeed.checkpoint.naming import MODEL_STATES, CheckpointPaths, default_tag, optim_states_name
+from zerospeed.checkpoint.naming import (MODEL_STATES, CheckpointPaths, check_save_dir, default_tag,
+                                         optim_states_name)
 from zerospeed.checkpoint.rng import capture_rng_state
 from zerospeed.checkpoint.tags import agree_on_tag
 from zerospeed.zero.shards import parameter_names
@@ -161,6 +162,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     Every rank must call it. The checkpoint loads at any world size and ZeRO stage (see
     `load_checkpoint`); `client_state` (a dict) comes back from the load.
     """
+    root = check_save_dir(save_dir)
     _check_supported(engine)
     client_state = dict(client_state or {})
     clash = sorted(RESERVED_KEYS & set(client_state))
@@ -172,7 +174,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
                        "gradients are not saved")
     tag = agree_on_tag(str(tag) if tag is not None else default_tag(engine.global_steps),
                        engine.config.checkpoint.tag_validation)
-    paths = CheckpointPaths(Path(save_dir), tag)
+    paths = CheckpointPaths(root, tag)
     rank = comm.get_rank()
     start = time.perf_counter()
     error = None

@@ -23,6 +23,11 @@ def _check_api_rules(cfg: ZeroSpeedConfig) -> None:
         raise ConfigError("optimizer.params.max_grad_norm is not supported; use the top-level gradient_clipping")
     if cfg.fp16.enabled and cfg.bf16.enabled:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; choose one precision mode")
+    if cfg.gradient_allreduce_op == "sum" and cfg.zero_optimization.stage == 3:
+        # DeepSpeed's DeepSpeedConfig._do_error_check refuses the pair too, with the first sentence.
+        raise ConfigError("gradient_allreduce_op='sum' is not supported with ZeRO stage 3 (as in DeepSpeed); "
+                          "set gradient_allreduce_op to \"mean\" (the default), or use zero_optimization.stage "
+                          "0, 1 or 2 to sum the gradients")
 
 
 def _with_batch_sizes(cfg: ZeroSpeedConfig, world_size: int, auto_keys: list[str]) -> ZeroSpeedConfig:

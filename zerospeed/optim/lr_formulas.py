@@ -36,7 +36,7 @@ def warmup_gamma(step: int, warmup_num_steps: int, warmup_type: str = "log") -> 
     if step >= n:
         return 1.0
     if warmup_type == "log":
-        return math.log(step + 1) / math.log(n)
+        return (1.0 / math.log(n)) * math.log(step + 1)  # DeepSpeed's order of operations, to the last bit
     if warmup_type == "linear":
         return step / n
     raise ValueError(f"warmup_type must be one of {WARMUP_TYPES}, got {warmup_type!r}")
@@ -107,21 +107,29 @@ def one_cycle_scale(
 ) -> float:
     """Position in the 1Cycle triangle, 0 at the edges and 1 at the peak, for batch ``step + 1``.
 
-    A stair count > 0 holds the value flat over ``size / count`` steps of that half; it is
-    quantised from the integer offset into the cycle, not from the float scale, so the peak is
-    reached exactly.
+    DeepSpeed's float arithmetic, operation for operation, so the lrs are bit-identical to its
+    (``x / ratio`` can sit an ulp off the exact fraction: 0.4999999999999999 for 2 of 4 steps
+    in a 4 + 6 cycle). ``second_step_size`` 0 is a sawtooth: the lr climbs, then restarts.
+    A stair count > 0 holds the value flat over ``size / count`` steps of that half; like
+    DeepSpeed it is quantised from the integer offset into the cycle, not from the float scale,
+    so every stair (the peak included) is reached exactly.
     """
     batch = step + 1
-    total = first_step_size + second_step_size
-    offset = batch % total
-    if offset <= first_step_size:
-        stairs, distance, size = first_stair_count, offset, first_step_size
+    total = float(first_step_size) + float(second_step_size)
+    ratio = first_step_size / total
+    x = 1.0 + batch / total - math.floor(1 + batch / total)
+    if x <= ratio:
+        scale, stairs = x / ratio, first_stair_count
     else:
-        stairs, distance, size = second_stair_count, total - offset, second_step_size
+        scale, stairs = (x - 1) / (ratio - 1), second_stair_count
     if stairs > 0:
-        # Integer floor division: a float product could land 1 ulp under an exact stair.
-        return ((distance * stairs) // size) / stairs
-    return distance / size
+        offset = batch % total
+        if offset <= first_step_size:
+            position = offset * stairs / first_step_size
+        else:
+            position = (total - offset) * stairs / second_step_size
+        scale = math.floor(position) / stairs
+    return scale
 
 
 def one_cycle_lr(
@@ -136,14 +144,14 @@ def one_cycle_lr(
     decay_step_size: int = 0,
 ) -> float:
     """1Cycle lr: ``min + (max - min) * scale`` within the cycle; after it (when decay is on)
-    ``min / (1 + rate * d / decay_step_size)`` with ``d = step - cycle_len + 1``, else ``min``."""
+    ``min / (1 + rate * (d / decay_step_size))`` with ``d = step - cycle_len + 1``, else ``min``."""
     total = first_step_size + second_step_size
     if step < total:
         scale = one_cycle_scale(step, first_step_size, second_step_size, first_stair_count, second_stair_count)
         return min_lr + (max_lr - min_lr) * scale
     if decay_step_size == 0 or decay_lr_rate == 0:
         return min_lr
-    return min_lr / (1.0 + decay_lr_rate * (step - total + 1) / decay_step_size)
+    return min_lr / (1 + decay_lr_rate * ((step - total + 1) / decay_step_size))
 
 
 def one_cycle_momentum(
@@ -158,14 +166,15 @@ def one_cycle_momentum(
     decay_step_size: int = 0,
 ) -> float:
     """1Cycle momentum, inverse to the lr: ``max - (max - min) * scale`` within the cycle; after
-    it (when decay is on) ``max * (1 + rate * d / decay_step_size)``, else ``max``."""
+    it (when decay is on) ``max * (1 + rate * (d / decay_step_size))``, else ``max`` (DeepSpeed
+    grows it, so a long decay can pass 1)."""
     total = first_step_size + second_step_size
     if step < total:
         scale = one_cycle_scale(step, first_step_size, second_step_size, first_stair_count, second_stair_count)
         return max_mom - (max_mom - min_mom) * scale
     if decay_step_size == 0 or decay_mom_rate == 0:
         return max_mom
-    return max_mom * (1.0 + decay_mom_rate * (step - total + 1) / decay_step_size)
+    return max_mom * (1 + decay_mom_rate * ((step - total + 1) / decay_step_size))
 
 
 def lr_range_test_lr(

@@ -11,8 +11,13 @@ as in DeepSpeed. API, as DeepSpeed's:
   writes one lr per param group;
 * ``get_lr()`` is the lr list for the current iteration, ``get_last_lr()`` what was last written.
 
-Lists: ``warmup_min_lr``, ``warmup_max_lr``, ``cycle_min_lr``, ``cycle_max_lr`` and
-``lr_range_test_min_lr`` may be one value per param group.
+Lists: ``warmup_min_lr``, ``warmup_max_lr``, ``cycle_min_lr``, ``cycle_max_lr``,
+``cycle_min_mom``, ``cycle_max_mom`` and ``lr_range_test_min_lr`` may be one value per param group.
+
+Where DeepSpeed accepts a value with a warning we do too, with DeepSpeed's result (an unknown
+``warmup_type`` warms up as "log"; ``cycle_second_step_size=0`` is a sawtooth). The one place we
+differ on purpose: OneCycle keeps each group's ``betas[1]`` where DeepSpeed writes 0.99 (see
+docs/migrating_from_deepspeed.md, "Where zerospeed differs on purpose").
 """
 
 from __future__ import annotations
@@ -57,9 +62,14 @@ def _check_positive_int(value: Any, key: str) -> None:
         raise ConfigError(f"scheduler.params.{key}: must be a positive integer, got {value!r}")
 
 
-def _check_warmup_type(warmup_type: str) -> None:
-    if warmup_type not in F.WARMUP_TYPES:
-        raise ConfigError(f"scheduler.params.warmup_type: must be one of {list(F.WARMUP_TYPES)}, got {warmup_type!r}")
+def _warmup_type(warmup_type: Any, scheduler: str) -> str:
+    """DeepSpeed's fallback: an unknown warmup_type warms up as "log", with a warning."""
+    if warmup_type in F.WARMUP_TYPES:
+        return warmup_type
+    logger.warning("%s: scheduler.params.warmup_type %r is not one of %s; warming up as 'log' (DeepSpeed's "
+                   "fallback); set it to 'log' or 'linear' to silence this", scheduler, warmup_type,
+                   list(F.WARMUP_TYPES))
+    return "log"
 
 
 class _BatchScheduler:
@@ -79,8 +89,8 @@ class _BatchScheduler:
         """The lr of each param group at the current ``last_batch_iteration``."""
         raise NotImplementedError
 
-    def get_mom(self) -> list[float] | None:
-        """The momentum of each group at the current iteration, or None when not cycled."""
+    def get_mom(self) -> list[tuple[float, float]] | None:
+        """The ``betas`` of each group at the current iteration, or None when momentum is not cycled."""
         return None
 
     def get_last_lr(self) -> list[float]:
@@ -118,8 +128,8 @@ class _BatchScheduler:
         self._last_lr = [float(lr) for lr in lrs]
         moms = self.get_mom()
         if moms is not None:
-            for group, mom in zip(self.optimizer.param_groups, moms):
-                _set_momentum(group, mom)
+            for group, betas in zip(self.optimizer.param_groups, moms):
+                group["betas"] = betas
 
 
 def _set_scalar(group: dict[str, Any], key: str, value: float) -> None:
@@ -128,13 +138,6 @@ def _set_scalar(group: dict[str, Any], key: str, value: float) -> None:
         group[key].fill_(value)
     else:
         group[key] = value
-
-
-def _set_momentum(group: dict[str, Any], mom: float) -> None:
-    if "betas" in group:
-        group["betas"] = (mom, group["betas"][1])
-    else:
-        _set_scalar(group, "momentum", mom)
 
 
 class WarmupLR(_BatchScheduler):
@@ -153,7 +156,7 @@ class WarmupLR(_BatchScheduler):
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
         _check_positive_int(warmup_num_steps, "warmup_num_steps")
-        _check_warmup_type(warmup_type)
+        warmup_type = _warmup_type(warmup_type, type(self).__name__)
         n = len(self.optimizer.param_groups)
         if warmup_max_lr is None:
             warmup_max_lr = [float(g["lr"]) for g in self.optimizer.param_groups]
@@ -217,7 +220,7 @@ class WarmupCosineLR(_BatchScheduler):
         super().__init__(optimizer, last_batch_iteration)
         _check_positive_int(total_num_steps, "total_num_steps")
         _check_positive_int(warmup_num_steps, "warmup_num_steps")
-        _check_warmup_type(warmup_type)
+        warmup_type = _warmup_type(warmup_type, "WarmupCosineLR")
         if total_num_steps < warmup_num_steps:
             logger.warning(
                 "WarmupCosineLR: total_num_steps %s < warmup_num_steps %s", total_num_steps, warmup_num_steps
@@ -252,8 +255,10 @@ class OneCycle(_BatchScheduler):
     (``min / (1 + decay_lr_rate * d / decay_step_size)``) when ``decay_step_size`` > 0.
 
     With ``cycle_momentum`` the momentum moves inversely between ``cycle_max_mom`` and
-    ``cycle_min_mom``: it is written to ``betas[0]`` (Adam family; ``betas[1]`` kept) or to
-    ``momentum`` (SGD & co.). Optimizers with neither get a warning and no momentum cycling.
+    ``cycle_min_mom``, as DeepSpeed: it is ``betas[0]``, so only optimizers with ``betas`` in their
+    defaults (the Adam family) cycle it; for others (SGD & co.) it is disabled with a warning.
+    ``get_mom()`` is one ``(beta1, beta2)`` per group; construction writes ``cycle_min_mom``.
+    Each group keeps its own ``betas[1]`` (DeepSpeed writes 0.99 there: a difference on purpose).
     """
 
     def __init__(
@@ -268,8 +273,8 @@ class OneCycle(_BatchScheduler):
         cycle_second_stair_count: int | None = None,
         decay_step_size: int = 0,
         cycle_momentum: bool = True,
-        cycle_min_mom: float = 0.8,
-        cycle_max_mom: float = 0.9,
+        cycle_min_mom: float | Sequence[float] = 0.8,
+        cycle_max_mom: float | Sequence[float] = 0.9,
         decay_mom_rate: float = 0.0,
         last_batch_iteration: int = -1,
     ) -> None:
@@ -285,14 +290,20 @@ class OneCycle(_BatchScheduler):
         self.decay_step_size = decay_step_size
         self.decay_lr_rate = decay_lr_rate
         self.decay_mom_rate = decay_mom_rate
-        self.min_mom, self.max_mom = cycle_min_mom, cycle_max_mom
         self.cycle_momentum = cycle_momentum and self._supports_momentum()
+        if self.cycle_momentum:
+            self.min_moms = _per_group(cycle_min_mom, n, "cycle_min_mom")
+            self.max_moms = _per_group(cycle_max_mom, n, "cycle_max_mom")
         self._start()
 
     def _init_cycle(self, first: int, second: int | None, first_stairs: int, second_stairs: int | None) -> None:
         second = first if second is None else second
         _check_positive_int(first, "cycle_first_step_size")
-        _check_positive_int(second, "cycle_second_step_size")
+        if isinstance(second, bool) or not isinstance(second, int) or second < 0:
+            raise ConfigError(f"scheduler.params.cycle_second_step_size: must be an integer >= 0, got {second!r}")
+        if second == 0:
+            logger.warning("OneCycle: cycle_second_step_size is 0: the lr climbs for %d steps and drops back to "
+                           "cycle_min_lr in one step (a sawtooth), as in DeepSpeed", first)
         second_stairs = first_stairs if second_stairs is None else second_stairs
         for key, stairs in (("cycle_first_stair_count", first_stairs), ("cycle_second_stair_count", second_stairs)):
             if isinstance(stairs, bool) or not isinstance(stairs, int) or stairs < 0:
@@ -301,14 +312,25 @@ class OneCycle(_BatchScheduler):
         self.first_stair_count, self.second_stair_count = first_stairs, second_stairs
 
     def _supports_momentum(self) -> bool:
-        groups = self.optimizer.param_groups
-        if all("betas" in g or "momentum" in g for g in groups):
-            return True
-        logger.warning(
-            "OneCycle: cycle_momentum disabled: %s has neither 'betas' nor 'momentum' in its param groups",
-            type(self.optimizer).__name__,
-        )
-        return False
+        # DeepSpeed asks the optimizer's defaults; a wrapper without them answers through its groups.
+        defaults = getattr(self.optimizer, "defaults", None)
+        has_betas = "betas" in defaults if isinstance(defaults, dict) else all(
+            "betas" in g for g in self.optimizer.param_groups)
+        if not has_betas:
+            logger.warning("OneCycle: cycle_momentum is disabled: %s has no 'betas' (the momentum OneCycle cycles "
+                           "is betas[0], as in DeepSpeed); set cycle_momentum: false to silence this",
+                           type(self.optimizer).__name__)
+        return has_betas
+
+    def _start(self) -> None:
+        if self.last_batch_iteration != -1:
+            return
+        self._write()
+        if self.cycle_momentum:
+            # Note [OneCycle's first momentum]: DeepSpeed writes cycle_min_mom at construction, while
+            # its formula at step -1 (scale 0) is cycle_max_mom; the first optimizer step uses the former.
+            for group, mom in zip(self.optimizer.param_groups, self.min_moms):
+                group["betas"] = (mom, group["betas"][1])
 
     def _cycle_args(self) -> tuple[int, int, int, int]:
         return self.first_step_size, self.second_step_size, self.first_stair_count, self.second_stair_count
@@ -320,18 +342,15 @@ class OneCycle(_BatchScheduler):
             for lo, hi in zip(self.min_lrs, self.max_lrs)
         ]
 
-    def get_mom(self) -> list[float] | None:
+    def get_mom(self) -> list[tuple[float, float]] | None:
         if not self.cycle_momentum:
             return None
-        mom = F.one_cycle_momentum(
-            self.last_batch_iteration,
-            self.min_mom,
-            self.max_mom,
-            *self._cycle_args(),
-            self.decay_mom_rate,
-            self.decay_step_size,
-        )
-        return [mom] * len(self.optimizer.param_groups)
+        step, groups = self.last_batch_iteration, self.optimizer.param_groups
+        return [
+            (F.one_cycle_momentum(step, lo, hi, *self._cycle_args(), self.decay_mom_rate, self.decay_step_size),
+             group["betas"][1])
+            for lo, hi, group in zip(self.min_moms, self.max_moms, groups)
+        ]
 
 
 class LRRangeTest(_BatchScheduler):

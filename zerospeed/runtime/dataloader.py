@@ -2,11 +2,20 @@
 
 It remembers where it is inside an epoch (how many micro-batches it has handed out), so a checkpoint
 can resume with exactly the next micro-batch — also at another world size, see `resume_position`.
+
+Note [DeepSpeed's training_data order]: DeepSpeed's engine reads `training_data` through a
+`DistributedSampler` with its defaults (shuffle=True, seed=0, drop_last=False: the index list is padded
+with its first indices to a multiple of the world size), and `dataloader_drop_last` drops only the last
+short micro-batch (runtime/dataloader.py, DeepSpeedDataLoader). Its PipelineEngine builds its own loader
+with `shuffle=False` (pipe/engine.py, `_build_data_iter`): the dataset in order, rank r taking indices
+r, r + world, ... `build_training_loader` makes the same choices, so the first epoch is DeepSpeed's index
+for index. After it ours reshuffles per epoch (`set_epoch`); DeepSpeed never calls `set_epoch`, so it
+repeats the first epoch's order (see docs/migrating_from_deepspeed.md, "Where zerospeed differs on purpose").
 """
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
@@ -64,8 +73,9 @@ class ShardedDataLoader:
         self.micro_batch = micro_batch
         self.world_size = world_size
         self.drop_last = drop_last
+        # drop_last pads the sampler, then drops the short micro-batch (Note [DeepSpeed's training_data order])
         self.sampler = _ResumableSampler(DistributedSampler(dataset, num_replicas=world_size, rank=rank,
-                                                            shuffle=shuffle, seed=seed, drop_last=drop_last))
+                                                            shuffle=shuffle, seed=seed, drop_last=False))
         # An own generator: creating an iterator draws a worker base seed, which must not advance the
         # global torch RNG (a resumed run creates its iterator at another moment than the original).
         self.loader = DataLoader(dataset, batch_size=micro_batch, sampler=self.sampler, collate_fn=collate_fn,
@@ -122,6 +132,14 @@ class ShardedDataLoader:
         self._resume = (epoch, position)
         self.epoch = epoch
         self._version += 1
+
+
+def build_training_loader(dataset: Dataset, micro_batch: int, *, rank: int, world_size: int, pipeline: bool,
+                          collate_fn: Callable | None = None, drop_last: bool = False) -> ShardedDataLoader:
+    """The loader of `initialize(training_data=...)`, sampled as DeepSpeed samples it: shuffled (seed 0)
+    for the plain engine, in order for a pipeline (Note [DeepSpeed's training_data order])."""
+    return ShardedDataLoader(dataset, micro_batch, rank=rank, world_size=world_size, collate_fn=collate_fn,
+                             shuffle=not pipeline, seed=0, drop_last=drop_last)
 
 
 class _Pass:

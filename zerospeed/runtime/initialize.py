@@ -10,7 +10,7 @@ from zerospeed import comm
 from zerospeed.config import ConfigError, auto_values_from_hidden_size, parse_config
 from zerospeed.optim import build_lr_scheduler, build_optimizer
 from zerospeed.optim.factory import is_zero_tested_optimizer
-from zerospeed.runtime.dataloader import ShardedDataLoader
+from zerospeed.runtime.dataloader import build_training_loader
 from zerospeed.comm.mesh import ParallelMesh
 from zerospeed.parallel.pipeline import PipelineEngine, PipelineModule
 from zerospeed.runtime.engine import Engine
@@ -168,9 +168,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
 
     loader = None
     if training_data is not None:
-        loader = ShardedDataLoader(training_data, cfg.train_micro_batch_size_per_gpu,
-                                   rank=comm.get_rank(dp_group), world_size=dp_world, collate_fn=collate_fn,
-                                   drop_last=cfg.dataloader_drop_last)
+        # DeepSpeed's order: shuffled for the engine, in order for a pipeline (DistributedSampler(shuffle=False))
+        loader = build_training_loader(training_data, cfg.train_micro_batch_size_per_gpu,
+                                       rank=comm.get_rank(dp_group), world_size=dp_world, collate_fn=collate_fn,
+                                       drop_last=cfg.dataloader_drop_last, pipeline=isinstance(model, PipelineModule))
     engine_cls = PipelineEngine if isinstance(model, PipelineModule) else Engine
     engine = engine_cls(model, cfg, param_groups=_param_groups(model, optimizer, model_parameters),
                         optimizer_factory=optimizer_factory, scheduler_factory=scheduler_factory,

@@ -22,6 +22,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.checkpoint.atomic import atomic_torch_save, atomic_write_text
+from zerospeed.checkpoint.naming import check_load_dir, check_save_dir
 from zerospeed.config.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -60,8 +61,9 @@ def _masters(engine) -> list[tuple[torch.Tensor, torch.nn.Parameter]]:
 
 
 def save_pipeline_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
+    root = check_save_dir(save_dir)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    path = Path(save_dir) / tag
+    path = root / tag
     path.mkdir(parents=True, exist_ok=True)
     module, dp_rank = engine.module, comm.get_rank(engine.dp_group)
     if dp_rank == 0:
@@ -80,7 +82,7 @@ def save_pipeline_checkpoint(engine, save_dir, tag=None, client_state=None, save
         atomic_torch_save(_engine_state(engine, client_state), path / "engine_states.pt")
     comm.barrier()
     if save_latest and comm.get_rank() == 0:
-        atomic_write_text(Path(save_dir) / "latest", tag)
+        atomic_write_text(root / "latest", tag)
     comm.barrier()
     return True
 
@@ -112,7 +114,7 @@ def load_pipeline_checkpoint(engine, load_dir, tag=None, strict: bool = True, lo
 
     Returns (path, client_state), or (None, None) when there is no checkpoint to load.
     """
-    load_dir = Path(load_dir)
+    load_dir = check_load_dir(load_dir)
     if tag is None:
         latest = load_dir / "latest"
         if not latest.exists():
