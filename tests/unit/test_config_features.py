@@ -73,7 +73,6 @@ TRIGGERS: dict[str, tuple[dict, str]] = {
     "graph_harvesting": ({"graph_harvesting": True}, "graph_harvesting=true"),
     "managed_gradient_accumulation": ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation=false"),
     "disable_python_gc": ({"disable_python_gc": True}, "disable_python_gc=true"),
-    "sparse_attention": ({"sparse_attention": {"mode": "fixed"}}, "sparse_attention={...}: sparse attention"),
     "compression_training": ({"compression_training": {"layer_reduction": {"enabled": False}}},
                              "compression_training={...}: the compression library"),
     "weight_quantization": ({"weight_quantization": {}}, "weight_quantization={...}"),

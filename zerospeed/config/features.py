@@ -77,7 +77,6 @@ ROWS: list[Row] = [
     Row("managed_gradient_accumulation", lambda c: not c.managed_gradient_accumulation,
         "caller-managed gradient accumulation", "true"),
     _switch("disable_python_gc", "disabling Python's garbage collector"),
-    _present("sparse_attention", "sparse attention"),
     Row("compression_training", lambda c: c.compression_training is not None
         and bool(c.compression_training.model_fields_set), "the compression library", "null (remove it)"),
     _present("weight_quantization", "weight quantization"),

@@ -17,7 +17,9 @@ from zerospeed.config.schema.base import (
 
 
 class SparseAttentionConfig(StrictModel):
-    """``sparse_attention``: block-sparse self-attention layouts."""
+    """``sparse_attention``: block-sparse self-attention layouts; the model builds its layers from it
+    with ``zerospeed.ops.sparse_attention.build_sparsity_config`` (the engine applies nothing itself,
+    as in DeepSpeed)."""
 
     mode: choice_type("dense", "fixed", "variable", "bigbird", "bslongformer") = ds_field(
         "fixed", "Sparsity structure.")
