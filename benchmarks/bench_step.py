@@ -342,6 +342,17 @@ def run_variants(args: argparse.Namespace, variants: list[str], threads: int,
     return {v: r for v, r in runs.items() if v not in failed}
 
 
+def real_deepspeed_installed() -> bool:
+    """True when `import deepspeed` is DeepSpeed itself, not zerospeed's compatibility shim (which
+    would make the ds* variants measure zerospeed under DeepSpeed's name)."""
+    from importlib.metadata import distribution
+
+    from zerospeed.compat import is_shim
+    if importlib.util.find_spec("deepspeed") is None:
+        return False
+    return not is_shim(distribution("deepspeed"))
+
+
 def main() -> None:
     args = parse_args()
     threads = max(1, (os.cpu_count() or 1) // args.nproc)
@@ -349,10 +360,10 @@ def main() -> None:
     notes: list[str] = []
     variants = list(args.variants)
     skipped = [v for v in variants if v.startswith("ds")]
-    if skipped and importlib.util.find_spec("deepspeed") is None:
+    if skipped and not real_deepspeed_installed():
         variants = [v for v in variants if v not in skipped]
-        notes.append(f"{', '.join(skipped)}: skipped (deepspeed not installed; `pip install deepspeed` "
-                     "to include them)")
+        notes.append(f"{', '.join(skipped)}: skipped (the real DeepSpeed is not installed here — `deepspeed` is "
+                     "absent or zerospeed's shim; run in an environment with `pip install deepspeed` to include them)")
     runs = run_variants(args, variants, threads, notes)
     results = {v: summarize(runs[v], tokens_per_step) for v in variants if v in runs}
     header = (f"### bench_step — {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC}\n\n"
