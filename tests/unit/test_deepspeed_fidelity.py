@@ -516,3 +516,25 @@ def test_initialize_pipeline_training_data_is_read_in_order():
 #             pipe = DeepSpeedDataLoader(data, data_sampler=torch.utils.data.distributed.DistributedSampler(
 #                 data, num_replicas=world, rank=r, shuffle=False), **kw)  # PipelineEngine._build_data_iter's
 #             print("SHARD", world, drop, r, [b[0].tolist() for b in plain], [b[0].tolist() for b in pipe])
+
+
+# DeepSpeed 0.19.8: DeepSpeedZeroConfig(stage=3, offload_optimizer={"device": "cpu", "pipeline_write": True})
+# read through its field names (the stage3_* keys are their aliases) gives these values.
+DS_ZERO3_FIELD_VALUES = {
+    "prefetch_bucket_size": 50000000, "param_persistence_threshold": 100000,
+    "model_persistence_threshold": 9223372036854775807, "max_live_parameters": 1000000000,
+    "max_reuse_distance": 1000000000, "gather_16bit_weights_on_model_save": False,
+    "module_granularity_threshold": 0, "use_all_reduce_for_fetch_params": False, "allgather_sequential": False,
+}
+
+
+def test_zero_config_answers_to_deepspeeds_field_names():
+    from zerospeed.config import parse_config
+    zero = parse_config({"train_batch_size": 2, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "pipeline_write": True}}}).zero_optimization
+    assert {name: getattr(zero, name) for name in DS_ZERO3_FIELD_VALUES} == DS_ZERO3_FIELD_VALUES
+    assert zero.offload_optimizer.pipeline is True  # DeepSpeed: pipeline_read or pipeline_write
+    zero = parse_config({"train_batch_size": 2, "zero_optimization": {
+        "stage": 3, "stage3_prefetch_bucket_size": 123, "stage3_gather_16bit_weights_on_model_save": True}}
+    ).zero_optimization
+    assert (zero.prefetch_bucket_size, zero.gather_16bit_weights_on_model_save) == (123, True)

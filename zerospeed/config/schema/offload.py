@@ -35,6 +35,11 @@ class OffloadOptimizerConfig(StrictModel):
     convert_grad_on_cpu: Bool = ds_field(True, "Convert gradients on the CPU rather than the GPU.")
     cpuadam_cores_perc: Fraction = ds_field(0.8, "Fraction of CPU cores used by CPU Adam with super_offload.")
 
+    @property
+    def pipeline(self) -> bool:
+        """DeepSpeed's derived attribute: either direction of NVMe pipelining is on."""
+        return self.pipeline_read or self.pipeline_write
+
 
 AioBackend = choice_type("async_io", "posix", synonyms={"aio": "async_io", "async": "async_io",
                                                         "deepnvme": "async_io"})

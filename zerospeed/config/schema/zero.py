@@ -107,6 +107,18 @@ class ZeroConfig(StrictModel):
         False, "Keep the Muon momentum in memory under NVMe offload.")
     leaf_module: LeafModuleConfig = ds_section(LeafModuleConfig, "ZeRO-3 leaf modules.")
 
+    # DeepSpeed's attribute names for the stage-3 keys (its model names the field `prefetch_bucket_size`
+    # and takes `stage3_prefetch_bucket_size` as the alias), so code reading them off the config works.
+    prefetch_bucket_size = property(lambda self: self.stage3_prefetch_bucket_size)
+    param_persistence_threshold = property(lambda self: self.stage3_param_persistence_threshold)
+    model_persistence_threshold = property(lambda self: self.stage3_model_persistence_threshold)
+    max_live_parameters = property(lambda self: self.stage3_max_live_parameters)
+    max_reuse_distance = property(lambda self: self.stage3_max_reuse_distance)
+    gather_16bit_weights_on_model_save = property(lambda self: self.stage3_gather_16bit_weights_on_model_save)
+    module_granularity_threshold = property(lambda self: self.stage3_module_granularity_threshold)
+    use_all_reduce_for_fetch_params = property(lambda self: self.stage3_use_all_reduce_for_fetch_params)
+    allgather_sequential = property(lambda self: self.stage3_allgather_sequential)
+
     @model_validator(mode="after")
     def _resolve_overlap_comm(self) -> "ZeroConfig":
         # DeepSpeed's dynamic default: overlap only under stage 3 unless the user says so.
