@@ -267,3 +267,23 @@ def test_stage_3_save_load_and_16bit_model_in_one_process(tmp_path):
     src.save_16bit_model(tmp_path / "out")
     saved = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True)
     assert all(torch.equal(saved[k], full_src[k]) for k in full_src)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_save_16bit_model_can_exclude_frozen_parameters(tmp_path, stage):
+    # DeepSpeed 0.19.8's signature: save_16bit_model(save_dir, save_filename="pytorch_model.bin",
+    # exclude_frozen_parameters=False); excluded = the parameters with requires_grad False
+    import zerospeed
+    from zerospeed.testing.models import TinyMLP
+    torch.manual_seed(0)
+    model = TinyMLP()
+    list(model.parameters())[0].requires_grad_(False)  # the first layer's weight
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    engine, *_ = zerospeed.initialize(model=model, config={"train_batch_size": 2, "zero_optimization": {"stage": stage},
+                                                           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine.save_16bit_model(tmp_path / "all")
+    engine.save_16bit_model(tmp_path / "trainable", exclude_frozen_parameters=True)
+    everything = torch.load(tmp_path / "all" / "pytorch_model.bin", weights_only=True)
+    trainable = torch.load(tmp_path / "trainable" / "pytorch_model.bin", weights_only=True)
+    assert frozen and frozen <= everything.keys()
+    assert trainable.keys() == everything.keys() - frozen

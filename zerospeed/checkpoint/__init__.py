@@ -11,7 +11,7 @@ from zerospeed.checkpoint.consolidate import (convert_zero_checkpoint_to_fp32_st
                                               load_state_dict_from_zero_checkpoint)
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.load import load_checkpoint
-from zerospeed.checkpoint.save import save_16bit_model, save_checkpoint
+from zerospeed.checkpoint.save import save_16bit_model, save_checkpoint, without_frozen
 
 __all__ = ["CheckpointError", "convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
-           "load_checkpoint", "load_state_dict_from_zero_checkpoint", "save_16bit_model", "save_checkpoint"]
+           "load_checkpoint", "load_state_dict_from_zero_checkpoint", "save_16bit_model", "save_checkpoint", "without_frozen"]

@@ -223,12 +223,22 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     return True
 
 
-def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
-    """Collective: rank 0 writes the module's state dict, in its training dtype, to save_dir/save_filename."""
+def without_frozen(engine, state: dict, exclude: bool = True) -> dict:
+    """`state` without the entries of parameters that do not require grad (when `exclude`)."""
+    if not exclude:
+        return state
+    frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+    return {k: v for k, v in state.items() if k not in frozen}
+
+
+def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin",
+                     exclude_frozen_parameters: bool = False) -> bool:
+    """Collective: rank 0 writes the module's state dict, in its training dtype, to save_dir/save_filename
+    (without parameters that do not require grad, with `exclude_frozen_parameters`)."""
     _check_supported(engine)
     error = None
     # collective: sharded weights are gathered unit by unit onto rank 0
-    state = engine.zero.full_state_dict()
+    state = without_frozen(engine, engine.zero.full_state_dict(), exclude_frozen_parameters)
     if comm.get_rank() == 0:
         try:
             Path(save_dir).mkdir(parents=True, exist_ok=True)

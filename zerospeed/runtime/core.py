@@ -220,8 +220,9 @@ class EngineCore(torch.nn.Module):
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
 
-    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin"):
-        return checkpoint.save_16bit_model(self, save_dir, save_filename)
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False):
+        return checkpoint.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """DeepSpeed's switch for consolidated saves at stage 3 (accelerate and transformers read it)."""
@@ -230,11 +231,7 @@ class EngineCore(torch.nn.Module):
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
         """Collective: the full module state dict in its training dtype on rank 0 ({} elsewhere), gathered
         unit by unit — the name transformers and accelerate call under ZeRO-3."""
-        state = self.zero.full_state_dict()
-        if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-            state = {k: v for k, v in state.items() if k not in frozen}
-        return state
+        return checkpoint.without_frozen(self, self.zero.full_state_dict(), exclude_frozen_parameters)
 
     # -- module passthrough ------------------------------------------------------------------------
     def train(self, mode: bool = True):
