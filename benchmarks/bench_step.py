@@ -345,12 +345,8 @@ def run_variants(args: argparse.Namespace, variants: list[str], threads: int,
 def real_deepspeed_installed() -> bool:
     """True when `import deepspeed` is DeepSpeed itself, not zerospeed's compatibility shim (which
     would make the ds* variants measure zerospeed under DeepSpeed's name)."""
-    from importlib.metadata import distribution
-
-    from zerospeed.compat import is_shim
-    if importlib.util.find_spec("deepspeed") is None:
-        return False
-    return not is_shim(distribution("deepspeed"))
+    from zerospeed.compat import deepspeed_is_shim
+    return importlib.util.find_spec("deepspeed") is not None and not deepspeed_is_shim()
 
 
 def main() -> None:

@@ -133,14 +133,9 @@ def memory_bandwidth(nbytes: int = 1 << 30) -> tuple[float, float]:
 
 def deepspeed_cpu_adam(params: list[torch.nn.Parameter]) -> tuple[Callable[[], None] | None, str]:
     """DeepSpeed's CPUAdam over the list, or None and why it is unavailable; also times the JIT build."""
-    import importlib.metadata
-
-    from zerospeed.compat import is_shim
-    try:
-        if is_shim(importlib.metadata.distribution("deepspeed")):
-            return None, "deepspeed here is zerospeed's compatibility shim, not DeepSpeed"
-    except importlib.metadata.PackageNotFoundError:
-        return None, "deepspeed not installed"
+    from zerospeed.compat import deepspeed_is_shim
+    if deepspeed_is_shim():
+        return None, "deepspeed here is zerospeed's compatibility shim, not DeepSpeed"
     try:
         from deepspeed.ops.op_builder import CPUAdamBuilder
     except Exception as err:  # noqa: BLE001 - any import failure means "not available", reported as such

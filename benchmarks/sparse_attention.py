@@ -46,15 +46,6 @@ def _status(field: str) -> int:
         return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) * 1024
 
 
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _attention(kind: str, args, seq: int):
     """(fn(q, k, v) -> out, layout MiB, blocks per row)."""
     import torch
@@ -99,7 +90,8 @@ def run_case(kind: str, seq: int, args, what: str) -> dict:
     q, k, v = inputs(seq)
     result = {"layout_mib": layout_mib, "per_row": per_row}
     if what == "memory":
-        if not _reset_peak():
+        from zerospeed.accelerator import reset_kernel_peak_rss
+        if not reset_kernel_peak_rss():
             return {"error": "cannot reset VmHWM (/proc/self/clear_refs)"}
         before = _status("VmRSS")
         step(fn, q, k, v)

@@ -173,7 +173,8 @@ def _kernel_peak_rss() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
-def _reset_kernel_peak_rss() -> bool:
+def reset_kernel_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) of this process; False where the kernel does not allow it."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -306,7 +307,7 @@ class CpuAccelerator(DeepSpeedAccelerator):
         return max(self._sampled_peak, _kernel_peak_rss()) if self._kernel_peak_counts else self._sampled_peak
 
     def reset_peak_memory_stats(self, device_index=None) -> None:
-        self._kernel_peak_counts = _reset_kernel_peak_rss()
+        self._kernel_peak_counts = reset_kernel_peak_rss()
         self._sampled_peak = _rss()
 
     def memory_reserved(self, device_index=None) -> int:

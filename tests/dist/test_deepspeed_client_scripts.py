@@ -18,15 +18,16 @@ the loss by 1e-3..1e-2, so optimizer, scheduler and data order all show at the t
 """
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from zerospeed.compat import deepspeed_is_shim
+from zerospeed.testing import free_port
 
 SCRIPTS = Path(__file__).parent / "scripts"
 BIN = Path(sys.executable).parent
@@ -41,26 +42,12 @@ DS_REFERENCE = {0: DS_CIFAR_LOSSES, 2: DS_CIFAR_LOSSES}
 DS_FIRST_LABELS = [[0, 5, 6, 4, 2, 8, 4, 4], [4, 6, 9, 6, 1, 0, 8, 6]]
 
 
-def _shim_installed() -> bool:
-    from zerospeed.compat import is_shim
-    try:
-        return is_shim(importlib.metadata.distribution("deepspeed"))
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
-needs_shim = pytest.mark.skipif(not _shim_installed(), reason="the deepspeed shim is not installed "
+needs_shim = pytest.mark.skipif(not deepspeed_is_shim(), reason="the deepspeed shim is not installed "
                                 "(scripts/setup.sh runs `zerospeed-compat install`)")
 
 
-def _port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _launch(script: str, config: str, log: Path, timeout: float = 120) -> dict:
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", _port(), str(SCRIPTS / script),
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(SCRIPTS / script),
            "--deepspeed_config", str(SCRIPTS / config), "--loss_log", str(log)]
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "DS_CONFIG")}
     env.update(OMP_NUM_THREADS="1")

@@ -7,18 +7,19 @@ DeepSpeed route shows in the losses. Each run is a fresh launcher invocation (wh
 """
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from zerospeed.compat import deepspeed_is_shim
+from zerospeed.testing import free_port
 
 pytest.importorskip("transformers")
 
@@ -27,22 +28,8 @@ BIN = Path(sys.executable).parent
 TOL = 1e-5
 
 
-def _shim_installed() -> bool:
-    from zerospeed.compat import is_shim
-    try:
-        return is_shim(importlib.metadata.distribution("deepspeed"))
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
-needs_shim = pytest.mark.skipif(not _shim_installed(), reason="the deepspeed shim is not installed "
+needs_shim = pytest.mark.skipif(not deepspeed_is_shim(), reason="the deepspeed shim is not installed "
                                 "(scripts/setup.sh runs `zerospeed-compat install`)")
-
-
-def _port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: float = 300) -> None:
@@ -58,9 +45,9 @@ def _launch(launcher: str, script: str, tmp: Path, name: str, **env: str) -> dic
     log, out = tmp / f"{name}.json", tmp / name
     path = str(SCRIPTS / script)
     if launcher == "torchrun":
-        cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", _port(), path]
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), path]
     else:
-        cmd = [str(BIN / launcher), "--num_gpus", "2", "--master_port", _port(), path]
+        cmd = [str(BIN / launcher), "--num_gpus", "2", "--master_port", str(free_port()), path]
     _run(cmd, {"OUT": str(out), "LOG": str(log), **env})
     return {**json.loads(log.read_text()), "out": str(out)}
 
@@ -188,8 +175,8 @@ def test_a_real_deepspeed_is_never_shadowed(tmp_path):
     proc = _python("""
         import deepspeed, accelerate.state as s
         assert getattr(deepspeed, "IS_REAL_DEEPSPEED", False), deepspeed.__file__
-        from zerospeed.compat.accelerate_cpu import _deepspeed_is_the_shim
-        assert not _deepspeed_is_the_shim()
+        from zerospeed.compat import deepspeed_is_shim
+        assert not deepspeed_is_shim()
         print("real")
     """, [real])
     assert proc.returncode == 0 and "real" in proc.stdout, proc.stderr

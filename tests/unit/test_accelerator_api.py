@@ -198,7 +198,7 @@ def test_cpu_peak_counts_pages_no_query_saw(cpu):
 
 
 def test_cpu_peak_without_a_kernel_reset_samples_like_deepspeed(cpu, monkeypatch):
-    monkeypatch.setattr(za, "_reset_kernel_peak_rss", lambda: False)
+    monkeypatch.setattr(za, "reset_kernel_peak_rss", lambda: False)
     cpu.reset_peak_memory_stats()
     base = cpu.max_memory_allocated()
     block = torch.ones(64 * MIB // 4)

@@ -25,24 +25,14 @@ TARGET = "accelerate.state"
 
 
 def _wants_cpu_deepspeed(cpu: bool) -> bool:
+    from zerospeed.compat.alias import deepspeed_is_shim  # a real DeepSpeed first on the path is left alone
+
     if cpu or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         return False
-    if int(os.environ.get("LOCAL_RANK", -1)) == -1 or not _deepspeed_is_the_shim():
+    if int(os.environ.get("LOCAL_RANK", -1)) == -1 or not deepspeed_is_shim():
         return False
     from zerospeed.accelerator import get_accelerator
     return get_accelerator().communication_backend_name() == "gloo"
-
-
-def _deepspeed_is_the_shim() -> bool:
-    """True when `import deepspeed` resolves to zerospeed's shim (a real DeepSpeed earlier on the
-    path is left alone: Note [never shadow a real DeepSpeed] in alias.py)."""
-    import importlib.metadata
-
-    from zerospeed.compat.alias import is_shim
-    try:
-        return is_shim(importlib.metadata.distribution("deepspeed"))
-    except importlib.metadata.PackageNotFoundError:
-        return False
 
 
 def patch_state_module(state) -> None:

@@ -32,6 +32,15 @@ def is_shim(dist: importlib.metadata.Distribution) -> bool:
     return f"+{SHIM_TAG}" in (dist.version or "")
 
 
+def deepspeed_is_shim() -> bool:
+    """True when the `deepspeed` distribution found first on sys.path (the one `import deepspeed` gets)
+    is zerospeed's shim; False for a real DeepSpeed or none."""
+    try:
+        return is_shim(importlib.metadata.distribution("deepspeed"))
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
 def foreign_deepspeeds(path: list[str] | None = None) -> list[importlib.metadata.Distribution]:
     """Distributions named `deepspeed` on `path` (default sys.path) that are not zerospeed's shim."""
     found = importlib.metadata.distributions(name="deepspeed", path=path if path is not None else sys.path)
