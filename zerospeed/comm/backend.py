@@ -285,6 +285,40 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "
                   lambda: _reduce_scatter_tensor(output, input, op=_op(op), group=group, async_op=async_op))
 
 
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None, group=None, async_op: bool = False):
+    """Send slice j of `input` (along dim 0) to rank j and receive rank j's slice for this rank into slice j of
+    `output`. Without split sizes the slices are equal (dim 0 divisible by the group size); with them, uneven.
+
+    Counted as payload = `input`'s bytes, wire = the bytes that leave this rank (all but its own slice)."""
+    world = get_world_size(group)
+    _check_tensors("all_to_all_single", group, output, input)
+    if world == 1:
+        output.copy_(input.reshape(output.shape))
+        return Handle() if async_op else None
+    rows = input.shape[0]
+    if input_split_sizes is None:
+        if rows % world:
+            raise ValueError(f"all_to_all_single: dim 0 of the input ({rows}) is not divisible by the group size "
+                             f"{world}; pass input_split_sizes / output_split_sizes for uneven slices")
+        own = rows // world
+    else:
+        own = input_split_sizes[get_rank(group)]
+    per_row = input.nbytes // rows if rows else 0
+    wire = (rows - own) * per_row
+    start = time.perf_counter()
+    work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
+                                  async_op=async_op)
+
+    def record():
+        STATS.record("all_to_all", input.nbytes, time.perf_counter() - start, world, wire_bytes=wire)
+
+    if async_op:
+        return Handle(work, record)
+    record()
+    return None
+
+
 def all_gather_object(obj: Any, group=None) -> list[Any]:
     """Every rank's picklable `obj`, in rank order (NCCL: the pickles travel through tensors on the
     current GPU, which must be this rank's)."""

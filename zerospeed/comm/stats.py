@@ -3,7 +3,8 @@
 `payload` is the size of the full tensor a collective works on (all-reduce: the tensor; reduce-scatter:
 the input; all-gather: the output). `wire` is what one rank sends under the ring algorithms that
 NCCL and gloo use for large tensors: all-reduce 2(N-1)/N of the payload, reduce-scatter and
-all-gather (N-1)/N, broadcast (N-1)/N; a point-to-point send carries its payload once (a receive
+all-gather (N-1)/N, broadcast (N-1)/N, all-to-all (N-1)/N (exact for uneven splits: all but the slice
+a rank keeps); a point-to-point send carries its payload once (a receive
 sends nothing). Time runs from issue to the moment the result is usable
 (`wait()` for async collectives), so overlapped collectives show their latency, not lost time.
 """
@@ -34,11 +35,14 @@ class KindStats:
 class CommStats:
     kinds: dict[str, KindStats] = field(default_factory=dict)
 
-    def record(self, kind: str, nbytes: int, seconds: float, world_size: int) -> None:
+    def record(self, kind: str, nbytes: int, seconds: float, world_size: int,
+               wire_bytes: float | None = None) -> None:
+        """Count one collective; `wire_bytes` overrides the ring estimate where the exact figure is known
+        (an uneven all-to-all sends everything but the slice a rank keeps)."""
         k = self.kinds.setdefault(kind, KindStats())
         k.calls += 1
         k.payload_bytes += nbytes
-        k.wire_bytes += nbytes * wire_fraction(kind, world_size)
+        k.wire_bytes += nbytes * wire_fraction(kind, world_size) if wire_bytes is None else wire_bytes
         k.seconds += seconds
 
     def reset(self) -> None:
