@@ -72,3 +72,26 @@ def seq_all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) ->
         return x
     ndim = x.dim()
     return _SeqAllToAll.apply(x, group, scatter_dim % ndim, gather_dim % ndim)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        backend.all_reduce(out, op="sum", group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Every rank's output is the same sum, so d(output_r)/d(x_q) = 1 for every r, q: the adjoint
+        # all-reduces the upstream gradients.
+        return _AllReduceSum.apply(grad.contiguous(), ctx.group), None
+
+
+def all_reduce_sum(x: torch.Tensor, group=None) -> torch.Tensor:
+    """The sum of `x` over the ranks of `group`, on every rank; differentiable (the backward all-reduces
+    the gradients, so a loss built from it and averaged over the group's ranks gets exact gradients)."""
+    if backend.get_world_size(group) == 1:
+        return x
+    return _AllReduceSum.apply(x, group)

@@ -93,7 +93,6 @@ ROWS: list[Row] = [
     Row("tensor_parallel.autotp_size", lambda c: c.tensor_parallel.autotp_size != 0,
         "AutoTP tensor parallelism", "0"),
     _switch("expert_parallel.enabled", "AutoEP expert parallelism"),
-    Row("sequence_parallel_size", lambda c: c.sequence_parallel_size > 1, "sequence parallelism", "1"),
     _switch("hybrid_engine.enabled", "the hybrid engine"),
     _switch("compile.deepcompile", "DeepCompile"),
     _switch("compile.enabled", "torch.compile through the config"),

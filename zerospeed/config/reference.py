@@ -86,6 +86,9 @@ NO_EFFECT: dict[str, str] = {
     "zero_optimization.leaf_module": "stage-3 units are fixed, one per module holding parameters; not configurable yet",
     "pipeline.pipe_partitioned": "it partitions across tensor-parallel ranks; there is no tensor parallelism yet",
     "pipeline.grad_partitioned": "it partitions across tensor-parallel ranks; there is no tensor parallelism yet",
+    "seq_parallel_communication_data_type": "gradients of a sequence-parallel model reduce over "
+        "data x sequence ranks in one collective, in communication_data_type; the attention all-to-alls travel in the "
+        "activations' own dtype",
     "aio.io_backend": "I/O always goes through zerospeed's thread-pool file I/O (zerospeed/offload/aio.py)",
     "timers.throughput": "samples/s is always measured for the progress line and monitors",
     "checkpoint.checkpoint_serialization": "checkpoints are always written with torch.save's default format",
@@ -95,7 +98,6 @@ NO_EFFECT: dict[str, str] = {
 # feature is off, so they have nothing to configure. ``block or key -> the switching ROWS key``.
 # Derived at render time, so removing the row (the feature lands) makes them ``works``.
 GATES: dict[str, str] = {
-    "seq_parallel_communication_data_type": "sequence_parallel_size",
     "use_data_before_expert_parallelism": "expert_parallel.enabled",
     "zero_optimization.offload_optimizer.convert_grad_on_cpu": "zero_optimization.offload_optimizer.super_offload",
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": "zero_optimization.offload_optimizer.super_offload",

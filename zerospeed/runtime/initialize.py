@@ -12,6 +12,10 @@ from zerospeed.optim import build_lr_scheduler, build_optimizer
 from zerospeed.optim.factory import is_zero_tested_optimizer
 from zerospeed.runtime.dataloader import build_training_loader
 from zerospeed.comm.mesh import ParallelMesh
+from zerospeed.comm.mpu import MeshMpu
+from zerospeed.config.loader import load_raw
+from zerospeed.moe.layer import bind_expert_groups
+from zerospeed.moe.utils import moe_param_groups
 from zerospeed.parallel.pipeline import PipelineEngine, PipelineModule
 from zerospeed.runtime.engine import Engine
 from zerospeed.utils.logging import get_logger
@@ -104,18 +108,29 @@ def _retarget(strategy, optimizer: torch.optim.Optimizer) -> None:
         strategy.retarget(optimizer)
 
 
-def _mesh(model, mpu, mesh) -> ParallelMesh:
-    """The parallel layout: the one given, a DeepSpeed/Megatron `mpu`, a PipelineModule's, or plain
-    data parallelism over every rank."""
+def _mesh(model, mpu, mesh, sp: int) -> ParallelMesh:
+    """The parallel layout: the one given, a DeepSpeed/Megatron `mpu`, a PipelineModule's, or data
+    parallelism over every rank — with a sequence axis of `sp` (the config's sequence_parallel_size)."""
     if mesh is not None and mpu is not None:
         raise ConfigError("initialize: give `mesh` or `mpu`, not both (an mpu is another view of the same layout)")
-    if mesh is not None:
-        return mesh
-    if mpu is not None:
-        return ParallelMesh.from_mpu(mpu)
-    if isinstance(model, PipelineModule):
-        return model.groups.mesh
-    return ParallelMesh.data_parallel()
+    if mesh is None and mpu is not None:
+        mesh = getattr(mpu, "mesh", None) if isinstance(mpu, MeshMpu) else ParallelMesh.from_mpu(mpu)
+    if mesh is None and isinstance(model, PipelineModule):
+        mesh = model.groups.mesh
+    if mesh is None:
+        return ParallelMesh.build(sp=sp) if sp > 1 else ParallelMesh.data_parallel()
+    if sp > 1 and mesh.size("sp") != sp:
+        raise ConfigError(f"sequence_parallel_size is {sp} but the parallel layout given to initialize has a "
+                          f"sequence-parallel size of {mesh.size('sp')}; make them agree (or drop the key and let "
+                          "the mesh/mpu decide)")
+    return mesh
+
+
+def _sequence_parallel_size(raw) -> int:
+    value = load_raw(raw).get("sequence_parallel_size", 1)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"sequence_parallel_size must be a positive integer, got {value!r}")
+    return value
 
 
 def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
@@ -130,7 +145,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         raise ConfigError("initialize: `model` is required (the torch.nn.Module to train)")
     raw = _config_source(args, config, config_params)
     comm.init_distributed(dist_init_required=dist_init_required)
-    mesh = _mesh(model, mpu, mesh)
+    mesh = _mesh(model, mpu, mesh, _sequence_parallel_size(raw))
+    bind_expert_groups(model, mesh)  # Note [expert groups at initialize] (moe/layer.py)
     dp_group = mesh.group("dp")
     dp_world = mesh.size("dp")
     hidden = _hidden_size(model)
@@ -173,7 +189,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                                        rank=comm.get_rank(dp_group), world_size=dp_world, collate_fn=collate_fn,
                                        drop_last=cfg.dataloader_drop_last, pipeline=isinstance(model, PipelineModule))
     engine_cls = PipelineEngine if isinstance(model, PipelineModule) else Engine
-    engine = engine_cls(model, cfg, param_groups=_param_groups(model, optimizer, model_parameters),
+    engine = engine_cls(model, cfg, param_groups=moe_param_groups(_param_groups(model, optimizer, model_parameters),
+                                                                client_optimizer=isinstance(optimizer, torch.optim.Optimizer)),
                         optimizer_factory=optimizer_factory, scheduler_factory=scheduler_factory,
                         mesh=mesh, training_dataloader=loader)
     return engine, engine.optimizer, loader, engine.lr_scheduler

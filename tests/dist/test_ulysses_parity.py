@@ -1,0 +1,182 @@
+"""Ulysses sequence parallelism against one plain PyTorch process on the full sequence.
+
+A tiny GPT whose attention is `DistributedAttention` around plain SDPA trains 10 steps through
+`zerospeed.initialize` with `"sequence_parallel_size"` in the config; the reference is the same
+architecture in one process with SDPA over the whole sequence and `F.cross_entropy`'s mean over the
+non-ignored tokens (per data-parallel replica, replicas averaged: DDP's semantics). Sequences are 13
+tokens (not a multiple of 2 or 4), right-padded to different lengths, with -100 labels scattered, so
+the ranks hold uneven numbers of valid tokens. Head layouts: MHA, uneven heads (6 over 4 ranks), GQA,
+and MQA (one kv head replicated to every rank). fp32, <= 1e-5.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zerospeed
+from zerospeed import comm
+from zerospeed.sequence.data import shard_sequence_batch, shift_labels_of
+from zerospeed.sequence.layer import DistributedAttention
+from zerospeed.sequence.loss import sequence_parallel_cross_entropy
+from zerospeed.testing import run_distributed
+
+VOCAB, SEQ, MICRO, STEPS, LR, TOL = 32, 13, 2, 10, 1e-2, 1e-5
+
+
+def local_sdpa(q, k, v):
+    """[b, s, h, d] causal attention (GQA by SDPA's own head grouping)."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                         enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+class Block(nn.Module):
+    def __init__(self, width, heads, kv_heads, attention):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, width // heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, (heads + 2 * kv_heads) * self.hd, bias=False)  # a k bias has an exactly-zero gradient that Adam would turn noise into steps
+        self.proj = nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.attention = attention
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split([self.heads * self.hd, self.kv_heads * self.hd,
+                                               self.kv_heads * self.hd], dim=-1)
+        ctx = self.attention(q.view(b, s, self.heads, self.hd), k.view(b, s, self.kv_heads, self.hd),
+                             v.view(b, s, self.kv_heads, self.hd))
+        x = x + self.proj(ctx.reshape(b, s, -1))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, width, heads, kv_heads, attention, layers=2, checkpoint=False):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, width), nn.Embedding(64, width)
+        self.blocks = nn.ModuleList(Block(width, heads, kv_heads, attention) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(width), nn.Linear(width, VOCAB, bias=False)
+        self.checkpoint = checkpoint
+
+    def logits(self, ids, pos):
+        x = self.tok(ids) + self.pos(pos)
+        for block in self.blocks:
+            x = zerospeed.checkpointing.checkpoint(block, x) if self.checkpoint else block(x)
+        return self.head(self.ln(x))
+
+
+class SPLoss(nn.Module):
+    """The sharded model: logits of this rank's slice, the exact global mean of the loss."""
+
+    def __init__(self, gpt, group):
+        super().__init__()
+        self.gpt, self.group = gpt, group
+
+    def forward(self, input_ids, position_ids, shift_labels):
+        return sequence_parallel_cross_entropy(self.gpt.logits(input_ids, position_ids), shift_labels, self.group)
+
+
+def batches(dp: int):
+    """STEPS global batches of dp * MICRO right-padded sequences with scattered -100 labels."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (dp * MICRO, SEQ), generator=g)
+        labels = ids.clone()
+        labels[torch.rand(ids.shape, generator=g) < 0.2] = -100
+        for row in range(ids.shape[0]):  # right padding of varying length
+            pad = int(torch.randint(0, 5, (), generator=g))
+            if pad:
+                ids[row, SEQ - pad:], labels[row, SEQ - pad:] = 0, -100
+        out.append((ids, labels))
+    return out
+
+
+def build(width, heads, kv_heads, attention, checkpoint=False):
+    torch.manual_seed(0)
+    return GPT(width, heads, kv_heads, attention, checkpoint=checkpoint)
+
+
+CASES = {  # name: world, sp, zero stage, width, heads, kv heads, activation checkpointing
+    "mha_sp2": (2, 2, 1, 16, 4, 4, False),
+    "uneven_heads_sp4": (4, 4, 0, 24, 6, 3, False),
+    "gqa_sp2_dp2_zero2_ckpt": (4, 2, 2, 16, 4, 2, True),
+    "mqa_sp2_dp2_zero3": (4, 2, 3, 16, 4, 1, False),
+}
+
+
+def _train(name):
+    world, sp, stage, width, heads, kv, ckpt = CASES[name]
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "sequence_parallel_size": sp,
+           "optimizer": {"type": "Adam", "params": {"lr": LR}}, "zero_optimization": {"stage": stage}}
+    if stage == 3:
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    box = {}
+    gpt = build(width, heads, kv, lambda q, k, v: box["attn"](q, k, v, batch_dim_idx=0), checkpoint=ckpt)
+    # the engine builds the mesh from the config; its sequence group is what the attention uses
+    mesh = zerospeed.comm.ParallelMesh.build(sp=sp)
+    box["attn"] = DistributedAttention(local_sdpa, mesh.group("sp"))
+    engine, *_ = zerospeed.initialize(model=SPLoss(gpt, mesh.group("sp")), config=cfg, mesh=mesh)
+    dp_rank, sp_rank, dp = mesh.rank_in("dp"), mesh.rank_in("sp"), mesh.size("dp")
+    losses = []
+    for ids, labels in batches(dp):
+        mine = {"input_ids": ids[dp_rank * MICRO:(dp_rank + 1) * MICRO],
+                "labels": labels[dp_rank * MICRO:(dp_rank + 1) * MICRO]}
+        shard = shard_sequence_batch(mine, sp_rank, sp)
+        loss = engine(shard["input_ids"], shard["position_ids"], shard["shift_labels"])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    with zerospeed.zero.GatheredParameters(list(gpt.parameters())):
+        weights = {k: v.detach().clone() for k, v in gpt.state_dict().items()}
+    return {"losses": losses, "weights": weights, "dp_rank": dp_rank}
+
+
+def _train_many(names):
+    return {name: _train(name) for name in names}
+
+
+def reference(name):
+    world, sp, stage, width, heads, kv, _ = CASES[name]
+    dp = world // sp
+    gpt = build(width, heads, kv, local_sdpa)
+    opt = torch.optim.Adam(gpt.parameters(), lr=LR)
+    losses = []
+    for ids, labels in batches(dp):
+        per_replica = []
+        for d in range(dp):
+            rows = slice(d * MICRO, (d + 1) * MICRO)
+            logits = gpt.logits(ids[rows], torch.arange(SEQ).expand(MICRO, SEQ))
+            target = shift_labels_of(labels[rows])
+            per_replica.append(F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1), ignore_index=-100))
+        opt.zero_grad()
+        torch.stack(per_replica).mean().backward()
+        opt.step()
+        losses.append([l.item() for l in per_replica])
+    return losses, gpt.state_dict()
+
+
+def _check(name, results):
+    ref_losses, ref_weights = reference(name)
+    for rank, res in enumerate(results):
+        got = res[name]
+        expect = [step[got["dp_rank"]] for step in ref_losses]
+        assert max(abs(a - b) for a, b in zip(got["losses"], expect)) <= TOL, (name, rank, got["losses"], expect)
+        for key, value in ref_weights.items():
+            torch.testing.assert_close(got["weights"][key], value, atol=TOL, rtol=0, msg=f"{name} rank {rank} {key}")
+
+
+@pytest.mark.timeout(180)
+def test_sp2_matches_one_process():
+    results = run_distributed(_train_many, 2, ["mha_sp2"], timeout=150)
+    _check("mha_sp2", results)
+
+
+@pytest.mark.timeout(400)
+def test_sp4_and_sp_x_dp_with_zero_match_one_process():
+    names = ["uneven_heads_sp4", "gqa_sp2_dp2_zero2_ckpt", "mqa_sp2_dp2_zero3"]
+    results = run_distributed(_train_many, 4, names, timeout=360)
+    for name in names:
+        _check(name, results)

@@ -1,0 +1,9 @@
+"""Sequence parallelism (DeepSpeed-Ulysses) at DeepSpeed's path `deepspeed.sequence`.
+
+`layer.DistributedAttention` (the all-to-all attention), `data` (each rank's slice of every sequence,
+DeepSpeed's `UlyssesSPDataLoaderAdapter`), `loss` (the exact cross-rank mean), `tiled` (ALST's tiled MLP
+and tiled logits + loss), `hf` (transformers models by config: `UlyssesSPAttentionHF`). docs/sequence_parallel.md.
+"""
+from zerospeed._lazy import lazy_submodules
+
+__getattr__ = lazy_submodules(__name__)
