@@ -1,0 +1,5 @@
+"""DeepSpeed's `deepspeed.runtime.sequence_parallel.ulysses_sp` names, served by `zerospeed.sequence`."""
+from zerospeed.sequence.data import UlyssesSPDataLoaderAdapter
+from zerospeed.sequence.hf import UlyssesSPAttentionHF
+
+__all__ = ["UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"]
