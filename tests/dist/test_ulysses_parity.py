@@ -53,9 +53,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, width, heads, kv_heads, attention, layers=2, checkpoint=False):
+    def __init__(self, width, heads, kv_heads, attention, layers=2, checkpoint=False, max_pos=64):
         super().__init__()
-        self.tok, self.pos = nn.Embedding(VOCAB, width), nn.Embedding(64, width)
+        self.tok, self.pos = nn.Embedding(VOCAB, width), nn.Embedding(max_pos, width)
         self.blocks = nn.ModuleList(Block(width, heads, kv_heads, attention) for _ in range(layers))
         self.ln, self.head = nn.LayerNorm(width), nn.Linear(width, VOCAB, bias=False)
         self.checkpoint = checkpoint
@@ -94,9 +94,9 @@ def batches(dp: int):
     return out
 
 
-def build(width, heads, kv_heads, attention, checkpoint=False):
+def build(width, heads, kv_heads, attention, checkpoint=False, max_pos=64):
     torch.manual_seed(0)
-    return GPT(width, heads, kv_heads, attention, checkpoint=checkpoint)
+    return GPT(width, heads, kv_heads, attention, checkpoint=checkpoint, max_pos=max_pos)
 
 
 CASES = {  # name: world, sp, zero stage, width, heads, kv heads, activation checkpointing
@@ -180,3 +180,64 @@ def test_sp4_and_sp_x_dp_with_zero_match_one_process():
     results = run_distributed(_train_many, 4, names, timeout=360)
     for name in names:
         _check(name, results)
+
+
+# -- activation memory and bytes ---------------------------------------------------------------------
+MEM_SEQ, MEM_WIDTH, MEM_HEADS = 512, 32, 4
+
+
+def _saved_activation_bytes(model: GPT, ids, pos) -> int:
+    """Bytes of the distinct storages autograd saves during one forward, parameters excluded: an
+    independent census of the activation memory the backward will need."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.logits(ids, pos)
+    return sum(storages.values())
+
+
+def _memory_and_bytes(sps):
+    out = {}
+    for sp in sps:
+        mesh = zerospeed.comm.ParallelMesh.build(sp=sp)
+        attn = DistributedAttention(local_sdpa, mesh.group("sp"))
+        gpt = build(MEM_WIDTH, MEM_HEADS, MEM_HEADS, lambda q, k, v: attn(q, k, v, batch_dim_idx=0), max_pos=MEM_SEQ)
+        local = MEM_SEQ // sp
+        r = mesh.rank_in("sp")
+        ids = torch.randint(0, VOCAB, (1, local), generator=torch.Generator().manual_seed(r))
+        pos = torch.arange(r * local, (r + 1) * local).unsqueeze(0)
+        comm.STATS.reset()
+        saved = _saved_activation_bytes(gpt, ids, pos)
+        out[sp] = {"saved": saved, "a2a": comm.STATS.snapshot()["all_to_all"]}
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_activation_memory_falls_as_one_over_p_and_all_to_all_bytes_match_the_formula():
+    results = run_distributed(_memory_and_bytes, 4, [2, 4], timeout=150)
+    gpt = build(MEM_WIDTH, MEM_HEADS, MEM_HEADS, local_sdpa, max_pos=MEM_SEQ)
+    ids = torch.randint(0, VOCAB, (1, MEM_SEQ), generator=torch.Generator().manual_seed(0))
+    full = _saved_activation_bytes(gpt, ids, torch.arange(MEM_SEQ).unsqueeze(0))
+    layers = len(gpt.blocks)
+    for res in results:
+        # every saved activation is per token (attention's q, k, v, output: the whole sequence but 1/P of
+        # the heads), so the census halves from sp 2 to sp 4 ...
+        assert res[4]["saved"] == pytest.approx(res[2]["saved"] / 2, rel=0.01), (res[2]["saved"], res[4]["saved"])
+    for sp in (2, 4):
+        for res in results:
+            got = res[sp]
+            # ... and is the single-process census over P, plus one [N/P, h] tensor per layer (the context the
+            # second all-to-all returns, which one process would not copy): 7.5% here
+            assert full / sp <= got["saved"] <= 1.1 * full / sp, (sp, got["saved"], full)
+            # per layer and forward: q, k, v and the context, each N/P tokens x h values of 4 bytes
+            payload = layers * 4 * (MEM_SEQ // sp) * MEM_WIDTH * 4
+            assert got["a2a"]["calls"] == layers * 4
+            assert got["a2a"]["payload_bytes"] == payload
+            assert got["a2a"]["wire_bytes"] == pytest.approx(payload * (sp - 1) / sp)
