@@ -21,50 +21,9 @@ from zerospeed.sequence.data import shard_sequence_batch, shift_labels_of
 from zerospeed.sequence.layer import DistributedAttention
 from zerospeed.sequence.loss import sequence_parallel_cross_entropy
 from zerospeed.testing import run_distributed
+from zerospeed.testing.sequence_models import GPT, VOCAB, local_sdpa
 
-VOCAB, SEQ, MICRO, STEPS, LR, TOL = 32, 13, 2, 10, 1e-2, 1e-5
-
-
-def local_sdpa(q, k, v):
-    """[b, s, h, d] causal attention (GQA by SDPA's own head grouping)."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                         enable_gqa=True)
-    return out.transpose(1, 2)
-
-
-class Block(nn.Module):
-    def __init__(self, width, heads, kv_heads, attention):
-        super().__init__()
-        self.heads, self.kv_heads, self.hd = heads, kv_heads, width // heads
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, (heads + 2 * kv_heads) * self.hd, bias=False)  # a k bias has an exactly-zero gradient that Adam would turn noise into steps
-        self.proj = nn.Linear(width, width)
-        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
-        self.attention = attention
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split([self.heads * self.hd, self.kv_heads * self.hd,
-                                               self.kv_heads * self.hd], dim=-1)
-        ctx = self.attention(q.view(b, s, self.heads, self.hd), k.view(b, s, self.kv_heads, self.hd),
-                             v.view(b, s, self.kv_heads, self.hd))
-        x = x + self.proj(ctx.reshape(b, s, -1))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, width, heads, kv_heads, attention, layers=2, checkpoint=False, max_pos=64):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(VOCAB, width), nn.Embedding(max_pos, width)
-        self.blocks = nn.ModuleList(Block(width, heads, kv_heads, attention) for _ in range(layers))
-        self.ln, self.head = nn.LayerNorm(width), nn.Linear(width, VOCAB, bias=False)
-        self.checkpoint = checkpoint
-
-    def logits(self, ids, pos):
-        x = self.tok(ids) + self.pos(pos)
-        for block in self.blocks:
-            x = zerospeed.checkpointing.checkpoint(block, x) if self.checkpoint else block(x)
-        return self.head(self.ln(x))
+SEQ, MICRO, STEPS, LR, TOL = 13, 2, 10, 1e-2, 1e-5
 
 
 class SPLoss(nn.Module):

@@ -15,6 +15,16 @@ it by the accumulation steps (the same contract as DeepSpeed under accelerate).
 Note [boundaries]: the engine's boundary is set from the Trainer's `sync_gradients` flag every
 micro-batch, so the short last accumulation window of an epoch steps in both (as accelerate does
 for DeepSpeed); within a window the engine's own count agrees with the Trainer's.
+
+Note [Trainer sequence parallelism]: with `"sequence_parallel_size": P` in the config the Trainer
+turns Ulysses on by itself (docs/sequence_parallel.md): the model's attention is registered
+(`UlyssesSPAttentionHF`), the train loader — accelerate's, one shard per rank — is wrapped in
+DeepSpeed's `UlyssesSPDataLoaderAdapter` (so P ranks train each batch together and the Trainer's
+epoch and step counts see the P-times longer loader), the model's loss becomes the sequence-parallel
+one, and the "auto" batch sizes count data-parallel ranks only. The Trainer passes
+`num_items_in_batch` (every rank's shard tokens, summed over all ranks) and multiplies by the
+number of processes; the loss then divides this rank's token-loss sum by that count, so the engine's
+average over data x sequence ranks yields the gradient of the whole batch's mean exactly.
 """
 from __future__ import annotations
 
@@ -112,6 +122,7 @@ class Trainer(transformers.Trainer):
 
     def __init__(self, *args: Any, **kwargs: Any):
         self.engine = None
+        self._sp_mpu = None  # Note [Trainer sequence parallelism]
         super().__init__(*args, **kwargs)
         _require_our_arguments(self.args)
 
@@ -122,13 +133,43 @@ class Trainer(transformers.Trainer):
     # -- building the engine ------------------------------------------------------------------------
     def zerospeed_config(self, total_steps: int | None) -> dict[str, Any]:
         """The user's config with the Trainer's values for every "auto" (see `hf_auto`)."""
+        dp_world = comm.get_world_size() // self._sequence_parallel_size()
         cfg = resolve_hf_config(self.args.deepspeed, self.args, getattr(self.model, "config", None),
-                                comm.get_world_size(), total_steps)
+                                dp_world, total_steps)
         if "optimizer" not in cfg:
             # the Trainer's optimizer (AdamW by default) is what the user asked for; as in transformers'
             # DeepSpeed integration it is allowed with ZeRO without a separate opt-in
             cfg["zero_allow_untested_optimizer"] = True
         return cfg
+
+    def _sequence_parallel_size(self) -> int:
+        if not self.zerospeed_enabled:
+            return 1
+        from zerospeed.integrations.hf_auto import load_hf_config
+        return int(load_hf_config(self.args.deepspeed).get("sequence_parallel_size", 1))
+
+    def _sequence_parallel_mpu(self):
+        """The mpu of the sequence-parallel layout, registering Ulysses once (Note [Trainer sequence parallelism])."""
+        sp = self._sequence_parallel_size()
+        if sp == 1 or self._sp_mpu is not None:
+            return self._sp_mpu
+        from zerospeed.sequence.hf import UlyssesSPAttentionHF, install_sequence_parallel_loss
+        implementation = getattr(self.model.config, "_attn_implementation", None) or "sdpa"
+        self._sp_mpu = UlyssesSPAttentionHF.register_with_transformers(
+            self.model, implementation, sp, self.args.per_device_train_batch_size)
+        install_sequence_parallel_loss(self.model, self._sp_mpu.get_sequence_parallel_group())
+        return self._sp_mpu
+
+    def get_train_dataloader(self):
+        loader = super().get_train_dataloader()
+        mpu = self._sequence_parallel_mpu()
+        if mpu is None:
+            return loader
+        from zerospeed.sequence.data import UlyssesSPDataLoaderAdapter
+        pad = getattr(self.model.config, "pad_token_id", None)
+        return UlyssesSPDataLoaderAdapter(loader, mpu.get_sequence_parallel_rank(), mpu.get_sequence_parallel_group(),
+                                          mpu.get_sequence_parallel_world_size(), self.args.device,
+                                          pad_token_id=pad if isinstance(pad, int) else 0)
 
     def _trainer_scheduler(self, total_steps: int):
         """A callable(optimizer) -> the Trainer's scheduler on the engine's optimizer."""
@@ -142,7 +183,7 @@ class Trainer(transformers.Trainer):
         optimizer = None if "optimizer" in cfg else self.create_optimizer()
         scheduler = None if "scheduler" in cfg else self._trainer_scheduler(total_steps)
         engine, opt, _, sched = zerospeed.initialize(model=self.model, config=cfg, optimizer=optimizer,
-                                                     lr_scheduler=scheduler)
+                                                     lr_scheduler=scheduler, mpu=self._sequence_parallel_mpu())
         self.engine = engine
         self.optimizer = EngineOptimizer(opt)
         self.lr_scheduler = EngineScheduler(sched) if sched is not None else None

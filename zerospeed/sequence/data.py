@@ -79,12 +79,20 @@ class UlyssesSPDataLoaderAdapter:
         self.device, self.pad_token_id = device, pad_token_id
         self.iter = iter(dl)
         self.micro_batches: deque = deque()
+        self._started = False
 
     def __len__(self) -> int:
         return len(self.dl) * self.sp_world_size
 
     def __iter__(self):
+        if self._started:  # a new epoch: start the loader over
+            self.iter, self.micro_batches = iter(self.dl), deque()
+        self._started = True
         return self
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dl, "set_epoch"):
+            self.dl.set_epoch(epoch)
 
     def __next__(self):
         if not self.micro_batches:

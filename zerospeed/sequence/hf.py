@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from zerospeed import comm
 from zerospeed.comm.mesh import ParallelMesh
@@ -184,13 +185,22 @@ def _attention_modules(model, text_config) -> set[int] | None:
 
 def install_sequence_parallel_loss(model, group, ignore_index: int = -100) -> None:
     """Make `model(..., labels=..., shift_labels=...)`'s loss the exact mean over the whole sequence on
-    every rank (Note [sequence-parallel loss]); the shift_labels come from `shard_sequence_batch`."""
+    every rank (Note [sequence-parallel loss]); the shift_labels come from `shard_sequence_batch`. Given
+    the Trainer's `num_items_in_batch`, the loss is this rank's sum over that count instead (the Trainer
+    scales and averages it)."""
     def loss_function(logits, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=ignore_index,
                       shift_labels=None, **kwargs):
         if shift_labels is None:
             raise ValueError("sequence parallelism: the batch has no 'shift_labels' (labels shifted on the full "
                              "sequence before sharding); feed the model through zerospeed.sequence.data."
                              "shard_sequence_batch or UlyssesSPDataLoaderAdapter")
-        return sequence_parallel_cross_entropy(logits, shift_labels, group, ignore_index=ignore_index)
+        if num_items_in_batch is None:
+            return sequence_parallel_cross_entropy(logits, shift_labels, group, ignore_index=ignore_index)
+        # the Trainer's contract (Note [Trainer sequence parallelism] in integrations/hf_trainer.py): this
+        # rank's token-loss sum over the tokens of the whole accumulated batch, counted over every rank
+        flat = logits.reshape(-1, logits.shape[-1]).float()
+        local = F.cross_entropy(flat, shift_labels.reshape(-1).to(flat.device), ignore_index=ignore_index,
+                                reduction="sum")
+        return local / torch.as_tensor(num_items_in_batch, device=local.device, dtype=local.dtype)
 
     model.loss_function = loss_function
