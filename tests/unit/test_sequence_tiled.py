@@ -71,3 +71,30 @@ def test_tiled_cross_entropy_equals_full_logits_and_never_holds_them():
     torch.testing.assert_close(h2.grad, hidden.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(w2.grad, weight.grad, rtol=1e-5, atol=1e-6)
     assert max(saved) < tokens * vocab  # no [tokens, vocab] tensor saved
+
+
+def test_enable_tiled_mlp_on_a_transformers_llama_changes_nothing_but_memory():
+    import pytest
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zerospeed.sequence.hf import enable_tiled_mlp
+
+    def llama():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+                                            attn_implementation="sdpa")).double()
+
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
+    ref, tiled = llama(), llama()
+    assert enable_tiled_mlp(tiled, shards=4) == 2
+    assert list(tiled.state_dict()) == list(ref.state_dict())
+    ref_loss = ref(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    loss, saved = _saved_numels(lambda: tiled(input_ids=ids, labels=ids).loss)
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-12)
+    for (name, p), q in zip(tiled.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-10, msg=name)
+    assert 80 * 128 not in saved  # no [tokens, intermediate] activation kept

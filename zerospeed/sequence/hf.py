@@ -204,3 +204,35 @@ def install_sequence_parallel_loss(model, group, ignore_index: int = -100) -> No
         return local / torch.as_tensor(num_items_in_batch, device=local.device, dtype=local.dtype)
 
     model.loss_function = loss_function
+
+
+def enable_tiled_mlp(model: torch.nn.Module, shards: int) -> int:
+    """ALST's tiled MLP for a transformers model: every MLP block (a module whose class name ends in
+    "MLP" and holds parameters) computes over `shards` tiles of its tokens (`zerospeed.sequence.tiled`),
+    so its [tokens, intermediate] activations exist one tile at a time. The module's own forward is kept
+    and called per tile (names and weights are untouched); returns the number of blocks tiled. ZeRO 0-2."""
+    from zerospeed.sequence.tiled import tiled_mlp
+    count = 0
+    for module in model.modules():
+        if not type(module).__name__.endswith("MLP") or not any(True for _ in module.parameters()):
+            continue
+        own = module.forward
+        inner = _OwnForward(own, module)
+        module.forward = lambda x, inner=inner, shards=shards: tiled_mlp(inner, x, shards)  # instance attribute
+        count += 1
+    if count == 0:
+        raise ValueError(f"enable_tiled_mlp: {type(model).__name__} has no module whose class name ends in 'MLP'")
+    return count
+
+
+class _OwnForward:
+    """The MLP's original forward as a callable with the module's parameters (what tiled_mlp reads)."""
+
+    def __init__(self, forward, module):
+        self.forward, self.module = forward, module
+
+    def __call__(self, x):
+        return self.forward(x)
+
+    def parameters(self):
+        return self.module.parameters()
