@@ -76,6 +76,19 @@ def test_each_rank_gets_its_environment_and_verbatim_args(tmp_path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding two ranks to their own cores needs 2 cores")
+def test_bind_cores_to_rank_pins_each_rank_to_its_cores(tmp_path):
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    result = _run(["--num_gpus", "2", "--bind_cores_to_rank", f"--bind_core_list={cores[0]},{cores[1]}",
+                   str(SCRIPTS / "launcher_dump.py")], _env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    for rank in range(2):
+        dump = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert dump["affinity"] == [cores[rank]]  # what the kernel says the process may run on
+        assert dump["env"]["OMP_NUM_THREADS"] == "1"
+
+
+@pytest.mark.timeout(60)
 def test_user_omp_num_threads_module_and_no_local_rank(tmp_path):
     env = _env(tmp_path, OMP_NUM_THREADS="7", PYTHONPATH=str(SCRIPTS))
     result = _run(["--num_gpus", "1", "--module", "--no_local_rank", "launcher_dump", "x y"], env)

@@ -27,8 +27,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MASTER_PORT = 29500  # torch.distributed's default, as in DeepSpeed
 # DeepSpeed flags for features zerospeed does not have; named here so the error says so.
-UNSUPPORTED = ("autotuning", "elastic_training", "min_elastic_nodes", "max_elastic_nodes",
-               "bind_cores_to_rank", "bind_core_list")
+UNSUPPORTED = ("autotuning", "elastic_training", "min_elastic_nodes", "max_elastic_nodes")
 
 
 def _build_parser() -> tuple[argparse.ArgumentParser, set[str]]:
@@ -70,8 +69,12 @@ def _build_parser() -> tuple[argparse.ArgumentParser, set[str]]:
     flag("--no_ssh_check", help="accepted for DeepSpeed compatibility (no ssh check is made)")
     flag("--force_multi", help="use the multi-node runner even for a single node")
     flag("--save_pid", help="write the launcher's pid to /tmp/<pid of this command>.deepspeed")
+    flag("--bind_cores_to_rank", help="give each local rank its own block of CPU cores (and OMP_NUM_THREADS = "
+         "its size)")
+    value("--bind_core_list", default=None, help="the cores --bind_cores_to_rank splits, e.g. 0,2-4,6 "
+          "(default: every physical core)")
     for name in UNSUPPORTED:
-        if name in ("elastic_training", "bind_cores_to_rank"):
+        if name == "elastic_training":
             flag(f"--{name}", help=argparse.SUPPRESS)
         else:
             value(f"--{name}", default=None, help=argparse.SUPPRESS)
@@ -129,6 +132,8 @@ def _normalize(args: argparse.Namespace) -> None:
             raise LauncherError(f"--{name} must be >= 1, got {value}")
     if args.enable_each_rank_log == "None":  # DeepSpeed's "not set"
         args.enable_each_rank_log = None
+    if args.bind_core_list is not None and not args.bind_cores_to_rank:  # DeepSpeed ignores it too
+        logger.warning("--bind_core_list %s has no effect without --bind_cores_to_rank", args.bind_core_list)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -153,8 +158,10 @@ def _launch(args: argparse.Namespace, command: UserCommand) -> int:
     plan = make_plan(args, read_hostfile(args.hostfile), visible, detect_device_count)
     if plan.node_rank is not None:
         options = NodeOptions(plan.master_addr, args.master_port, args.enable_each_rank_log,
-                              save_pid=os.getpid() if args.save_pid else None)
+                              save_pid=os.getpid() if args.save_pid else None,
+                              bind_cores_to_rank=args.bind_cores_to_rank, bind_core_list=args.bind_core_list)
         return run_node(plan.world, plan.node_rank, command, options)
     return run_multinode(plan, command, master_port=args.master_port, each_rank_log=args.enable_each_rank_log,
                          save_pid=args.save_pid, launcher_args=args.launcher_args, ssh_port=args.ssh_port,
-                         comment=args.comment, account=args.account)
+                         comment=args.comment, account=args.account, bind_cores_to_rank=args.bind_cores_to_rank,
+                         bind_core_list=args.bind_core_list)

@@ -37,6 +37,7 @@ class ChildSpec:
     env: dict[str, str]
     log_path: str | None = None     # stdout and stderr go to this file instead of the terminal
     stdin: str = "inherit"          # "inherit", "devnull" or "pipe" (kept open until the child ends)
+    cpu_affinity: tuple[int, ...] | None = None  # the cores the child may run on (--bind_cores_to_rank)
 
 
 @dataclass
@@ -93,12 +94,26 @@ def _spawn(spec: ChildSpec) -> subprocess.Popen:
     try:
         popen = subprocess.Popen(list(spec.argv), env=spec.env, stdin=stdin, stdout=out,
                                  stderr=subprocess.STDOUT if out else None, start_new_session=True,
-                                 preexec_fn=_die_with_parent_hook())
+                                 preexec_fn=_pre_exec(spec.cpu_affinity))
     finally:
         if out is not None:
             out.close()
     logger.debug("started %s (pid %d): %s", spec.label, popen.pid, list(spec.argv))
     return popen
+
+
+def _pre_exec(cpu_affinity: tuple[int, ...] | None) -> Callable[[], None] | None:
+    """What runs in the child between fork and exec: its core binding, then the parent-death signal."""
+    die = _die_with_parent_hook()
+    if cpu_affinity is None:
+        return die
+
+    def hook() -> None:
+        os.sched_setaffinity(0, cpu_affinity)
+        if die is not None:
+            die()
+
+    return hook
 
 
 def _die_with_parent_hook() -> Callable[[], None] | None:

@@ -28,12 +28,13 @@ ENV_FILE_DIRS = (os.path.expanduser("~"), ".")
 
 def run_multinode(plan: LaunchPlan, command: UserCommand, *, master_port: int, each_rank_log: str | None,
                   save_pid: bool, launcher_args: str = "", ssh_port: int | None = None, comment: str = "",
-                  account: str = "") -> int:
+                  account: str = "", bind_cores_to_rank: bool = False, bind_core_list: str | None = None) -> int:
     """Start one node launcher per node of ``plan.world`` with ``plan.launcher``; return the exit code."""
     r.check_runner_world(plan.launcher, plan.world)
     remote = plan.launcher != "local"
     nc = r.NodeCommand(encode_world_info(plan.world), plan.master_addr, master_port, command, each_rank_log,
-                       save_pid=os.getpid() if save_pid and remote else None)
+                       save_pid=os.getpid() if save_pid and remote else None,
+                       bind_cores_to_rank=bind_cores_to_rank, bind_core_list=bind_core_list)
     hosts = list(plan.world)
     logger.info("%s runner: %d node(s) %s, master %s:%d", plan.launcher, len(hosts), plan.world,
                 plan.master_addr, master_port)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from zerospeed.launcher.cores import cores_for_rank, parse_core_list, physical_cores
 from zerospeed.launcher.environment import UserCommand, available_cpus, rank_argv, rank_environment
 from zerospeed.launcher.errors import LauncherError
 from zerospeed.launcher.local import ChildSpec, run_children
@@ -36,6 +37,8 @@ class NodeOptions:
     each_rank_log: str | None = None   # directory for one ``<time>_rank<N>.log`` per rank
     save_pid: int | None = None        # main pid naming the ``--save_pid`` file
     watch_stdin: bool = False          # stop when stdin closes (the ssh runner's launcher is gone)
+    bind_cores_to_rank: bool = False   # give each local rank its own block of cores (launcher/cores.py)
+    bind_core_list: str | None = None  # the cores to split ("0,2-4,6"); default: every physical core
 
 
 def rank_specs(world: Mapping[str, Sequence[int]], node_rank: int, command: UserCommand,
@@ -43,6 +46,7 @@ def rank_specs(world: Mapping[str, Sequence[int]], node_rank: int, command: User
                log_prefix: str = "", python: str = sys.executable) -> list[ChildSpec]:
     """What to start for each local rank of node ``node_rank`` (pure)."""
     layout = node_layout(world, node_rank)
+    bind_cores = _bind_cores(options, base_env) if options.bind_cores_to_rank else []
     specs = []
     for local_rank in range(layout.local_size):
         rank = layout.global_rank(local_rank)
@@ -50,9 +54,21 @@ def rank_specs(world: Mapping[str, Sequence[int]], node_rank: int, command: User
                if options.each_rank_log else None)
         env = rank_environment(layout, local_rank, master_addr=options.master_addr,
                                master_port=options.master_port, cpu_count=cpu_count, base_env=base_env)
+        affinity = None
+        if options.bind_cores_to_rank:
+            affinity = tuple(cores_for_rank(bind_cores, layout.local_size, local_rank))
+            env["OMP_NUM_THREADS"] = str(len(affinity))  # DeepSpeed's: one thread per bound core
         specs.append(ChildSpec(label=f"rank {rank}", argv=rank_argv(command, local_rank, python), env=env,
-                               log_path=log, stdin="devnull" if options.watch_stdin else "inherit"))
+                               log_path=log, stdin="devnull" if options.watch_stdin else "inherit",
+                               cpu_affinity=affinity))
     return specs
+
+
+def _bind_cores(options: NodeOptions, base_env: Mapping[str, str]) -> list[int]:
+    if "KMP_AFFINITY" in base_env:
+        raise LauncherError("--bind_cores_to_rank: KMP_AFFINITY is set, and it would override the core binding of "
+                            "every rank; unset it (unset KMP_AFFINITY) or launch without --bind_cores_to_rank")
+    return parse_core_list(options.bind_core_list) if options.bind_core_list else physical_cores()
 
 
 def run_node(world: Mapping[str, Sequence[int]], node_rank: int, command: UserCommand,
@@ -101,6 +117,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(flag, action="store_true")
     p.add_argument("--enable_each_rank_log", default=None)
     p.add_argument("--save_pid", type=int, default=None)
+    p.add_argument("--bind_cores_to_rank", action="store_true")
+    p.add_argument("--bind_core_list", default=None)
     return p
 
 
@@ -117,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = UserCommand(argv[cut + 1], tuple(argv[cut + 2:]), module=args.module,
                               no_python=args.no_python, no_local_rank=args.no_local_rank)
         options = NodeOptions(args.master_addr, args.master_port, args.enable_each_rank_log,
-                              args.save_pid, args.watch_stdin)
+                              args.save_pid, args.watch_stdin, args.bind_cores_to_rank, args.bind_core_list)
         return run_node(decode_world_info(args.world_info), node_rank, command, options,
                         name=f"zerospeed node {node_rank}")
     except LauncherError as err:

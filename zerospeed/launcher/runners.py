@@ -40,6 +40,8 @@ class NodeCommand:
     each_rank_log: str | None = None
     save_pid: int | None = None
     python: str = sys.executable     # assumed to be the same path on every node, as DeepSpeed does
+    bind_cores_to_rank: bool = False
+    bind_core_list: str | None = None
 
 
 def node_launcher_argv(nc: NodeCommand, node_rank: int | str | None, *, watch_stdin: bool = False) -> list[str]:
@@ -54,6 +56,10 @@ def node_launcher_argv(nc: NodeCommand, node_rank: int | str | None, *, watch_st
         argv.append(f"--enable_each_rank_log={nc.each_rank_log}")
     if nc.save_pid is not None:
         argv.append(f"--save_pid={nc.save_pid}")
+    if nc.bind_cores_to_rank:
+        argv.append("--bind_cores_to_rank")
+    if nc.bind_core_list:
+        argv.append(f"--bind_core_list={nc.bind_core_list}")
     return argv + ["--", cmd.script, *cmd.args]
 
 
