@@ -17,6 +17,8 @@ import torch
 
 from zerospeed import comm
 from zerospeed.checkpoint.errors import CheckpointError, raise_if_any_rank_failed
+from zerospeed.checkpoint.experts import (CheckpointNames, checkpoint_names, is_expert_key, load_expert_files,
+                                          local_expert_files)
 from zerospeed.checkpoint.layout import RankFile, entry_groups, partition_from_manifest
 from zerospeed.checkpoint.manifest import check_model_compat, read_manifest, verify_files
 from zerospeed.checkpoint.naming import MODEL_STATES, CheckpointPaths, check_load_dir, optim_states_name
@@ -24,7 +26,7 @@ from zerospeed.checkpoint.rng import restore_rng_state
 from zerospeed.checkpoint.save import RESERVED_KEYS, _check_supported, sharded_param_names
 from zerospeed.checkpoint.tags import agree_on_tag, read_latest, resolve_tag_dir
 from zerospeed.checkpoint.universal import FP32, files_holding, load_universal
-from zerospeed.zero.shards import ShardEntry, fill_entry, parameter_names
+from zerospeed.zero.shards import ShardEntry, fill_entry
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +60,14 @@ def _weights_in_shards(engine, manifest: dict) -> bool:
     return engine.zero.weights_in_shards or manifest["weights_in_shards"]
 
 
-def _read_list(engine, tag_dir: Path, manifest: dict, *, strict: bool, with_optimizer: bool, module_only: bool) -> _ReadList:
-    check_model_compat(manifest, engine.module, strict=strict, where=tag_dir)
+def _read_list(engine, tag_dir: Path, manifest: dict, *, strict: bool, with_optimizer: bool, module_only: bool,
+               names: CheckpointNames) -> _ReadList:
+    check_model_compat(manifest, engine.module, strict=strict, where=tag_dir, specs=names.specs)
     rank = comm.get_rank()
-    entries = engine.zero.shard_entries(parameter_names(engine.module))
+    entries = engine.zero.shard_entries(names.params)
+    expert_files = local_expert_files(names.spans)
     if module_only and not _weights_in_shards(engine, manifest):
-        return _ReadList(tag_dir, manifest, entries, None, set(), None, [MODEL_STATES])
+        return _ReadList(tag_dir, manifest, entries, None, set(), None, [MODEL_STATES] + expert_files)
     if with_optimizer:
         _check_optimizer(engine.optimizer, manifest, tag_dir)
     saved_trainable = {n for n, s in manifest["parameters"].items() if s["trainable"]}
@@ -72,6 +76,7 @@ def _read_list(engine, tag_dir: Path, manifest: dict, *, strict: bool, with_opti
     rng_file = optim_states_name(rank) if rank < manifest["dp_world_size"] else None
     files = [MODEL_STATES] + ([direct.file] if direct else files_holding(manifest, names))
     files += [rng_file] if rng_file and rng_file not in files else []
+    files += expert_files
     return _ReadList(tag_dir, manifest, entries, direct, names, rng_file, files)
 
 
@@ -88,11 +93,14 @@ def _check_optimizer(optimizer, manifest: dict, tag_dir: Path) -> None:
                               "the weights only")
 
 
-def _load_module(engine, states: dict, manifest: dict, strict: bool, where: Path) -> None:
+def _load_module(engine, states: dict, manifest: dict, strict: bool, where: Path, spans) -> None:
     sharded = sharded_param_names(engine.module)  # stage 3: filled from the shards, not the module state
     module_state = {k: v for k, v in states["module"].items() if k not in sharded}
     result = engine.module.load_state_dict(module_state, strict=False)
+    if spans:  # Note [global expert names]: this rank's experts come from their own files
+        load_expert_files(engine.module, spans, where, skip=sharded)
     excluded = set(manifest.get("excluded_frozen", ())) | sharded
+    excluded |= {k for k in result.missing_keys if is_expert_key(k, spans)}
     if manifest["weights_in_shards"]:  # such a checkpoint keeps trainable parameters in its shards only
         excluded |= {n for n, p in engine.module.named_parameters(remove_duplicate=False) if p.requires_grad}
     missing = [k for k in result.missing_keys if k not in excluded]
@@ -129,17 +137,22 @@ def _load_resharded(reads: _ReadList, optimizer, with_optimizer: bool) -> None:
                          keys=None if with_optimizer else {FP32})
     groups = entry_groups(optimizer, [e.master for e in reads.entries])
     any_scalars = next(iter(uni.scalars.values()), {})
+    # an entry of padding only (a small group's last chunks) still gets zero-filled elementwise states
+    any_tensors = next(iter(uni.tensors.values()), {})
     for entry, gi in zip(reads.entries, groups):
         pieces = [p for p in entry.pieces if p.name in uni.tensors]
         fill_entry(entry.master, pieces, {p.name: uni.tensors[p.name][FP32] for p in pieces})
         if not with_optimizer or optimizer is None:
             continue
-        keys = set.intersection(*(set(uni.tensors[p.name]) for p in pieces)) - {FP32} if pieces else set()
+        if pieces:
+            keys = set.intersection(*(set(uni.tensors[p.name]) for p in pieces)) - {FP32}
+        else:
+            keys = set(any_tensors) - {FP32}
         group = optimizer.param_groups[gi] if gi >= 0 else {}
         scalars = uni.scalars[pieces[0].name] if pieces else any_scalars
         state = {k: _scalar(v, entry.master, group) for k, v in scalars.items()}
         for key in sorted(keys):
-            dtype = uni.tensors[pieces[0].name][key].dtype
+            dtype = (uni.tensors[pieces[0].name] if pieces else any_tensors)[key].dtype
             t = torch.zeros(entry.master.shape, dtype=dtype, device=entry.master.device)
             fill_entry(t, pieces, {p.name: uni.tensors[p.name][key] for p in pieces})
             state[key] = t
@@ -153,6 +166,8 @@ def _restore_training_state(engine, states: dict, reads: _ReadList, with_optimiz
             for k, v in saved.items():
                 if not with_optimizer and k != "lr":
                     continue  # a scheduler-only load restores just the lr it set
+                if k in ("name", "moe"):
+                    continue  # the group's identity is this engine's ("ep_size_4" loading "ep_size_2")
                 if isinstance(group.get(k), torch.Tensor) and isinstance(v, torch.Tensor):
                     group[k].copy_(v)
                 else:
@@ -195,10 +210,11 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     `tag` is None and `load_dir` has no `latest` file.
     """
     root = check_load_dir(load_dir)
-    _check_supported(engine)
+    _check_supported(engine, experts_ok=True)
     tag = _resolve(engine, root, tag)
     if tag is None:
         return None, None
+    names = checkpoint_names(engine.module)  # collective with MoE layers (Note [global expert names])
     start = time.perf_counter()
     with_optimizer = load_optimizer_states and not load_module_only
     reads, error = None, None
@@ -206,7 +222,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
         tag_dir = resolve_tag_dir(CheckpointPaths(root, tag))
         manifest = read_manifest(tag_dir)
         reads = _read_list(engine, tag_dir, manifest, strict=load_module_strict, with_optimizer=with_optimizer,
-                     module_only=load_module_only)
+                           module_only=load_module_only, names=names)
         if (problem := verify_files(tag_dir, manifest, reads.files)) is not None:
             raise CheckpointError(problem)
     except CheckpointError as exc:
@@ -215,7 +231,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
 
     states = None
     with engine.zero.resident(engine.optimizer):  # NVMe-offloaded masters and states: in memory for the load
-        states = _load_states(engine, reads, with_optimizer, load_module_only, load_module_strict)
+        states = _load_states(engine, reads, with_optimizer, load_module_only, load_module_strict, names.spans)
     if not load_module_only:
         _restore_training_state(engine, states, reads, with_optimizer, load_lr_scheduler_states)
     comm.barrier()
@@ -225,11 +241,12 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     return str(reads.tag_dir / MODEL_STATES), client_state
 
 
-def _load_states(engine, reads: _ReadList, with_optimizer: bool, load_module_only: bool, load_module_strict: bool):
+def _load_states(engine, reads: _ReadList, with_optimizer: bool, load_module_only: bool, load_module_strict: bool,
+                 spans=()):
     states, error = None, None
     try:
         states = torch.load(reads.tag_dir / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False)
-        _load_module(engine, states, reads.manifest, load_module_strict, reads.tag_dir)
+        _load_module(engine, states, reads.manifest, load_module_strict, reads.tag_dir, spans)
         engine.zero.load_masters_from_params()
         # weights kept only in the shards: a module-only load reads their masters too
         if not load_module_only or _weights_in_shards(engine, reads.manifest):

@@ -71,8 +71,12 @@ def model_mismatches(saved: dict[str, dict], current: dict[str, dict], *, strict
     return problems
 
 
-def check_model_compat(manifest: dict, module: torch.nn.Module, *, strict: bool, where: Path) -> None:
-    problems = model_mismatches(manifest["parameters"], param_specs(module), strict=strict)
+def check_model_compat(manifest: dict, module: torch.nn.Module, *, strict: bool, where: Path,
+                       specs: dict[str, dict] | None = None) -> None:
+    """`specs`: the model's as the checkpoint names them (param_specs(module) when None; with MoE layers,
+    every rank's experts under global names — checkpoint/experts.py)."""
+    current = param_specs(module) if specs is None else specs
+    problems = model_mismatches(manifest["parameters"], current, strict=strict)
     if problems:
         raise CheckpointError(f"checkpoint {where} was saved from a different model: " + "; ".join(problems))
 

@@ -21,14 +21,15 @@ import zerospeed
 from zerospeed import comm
 from zerospeed.checkpoint.atomic import atomic_torch_save, atomic_write_text, fresh_dir, swap_in_dir
 from zerospeed.checkpoint.errors import raise_if_any_rank_failed
+from zerospeed.checkpoint.experts import (CheckpointNames, checkpoint_names, expert_spans, is_expert_key,
+                                          write_expert_files)
 from zerospeed.checkpoint.layout import EntryLayout, RankFile, entry_groups, split_state
-from zerospeed.checkpoint.manifest import (FORMAT, FORMAT_VERSION, dtype_name, file_record, param_specs,
+from zerospeed.checkpoint.manifest import (FORMAT, FORMAT_VERSION, dtype_name, file_record,
                                            tied_aliases, write_manifest)
 from zerospeed.checkpoint.naming import (MODEL_STATES, CheckpointPaths, check_save_dir, default_tag,
                                          optim_states_name)
 from zerospeed.checkpoint.rng import capture_rng_state
 from zerospeed.checkpoint.tags import agree_on_tag
-from zerospeed.zero.shards import parameter_names
 from zerospeed.zero.stage3.registry import full_shape, owner_of
 
 logger = logging.getLogger(__name__)
@@ -65,11 +66,13 @@ def compact_state_dict(sd: dict) -> dict:
     return out
 
 
-def _check_supported(engine) -> None:
+def _check_supported(engine, experts_ok: bool = False) -> None:
+    """`experts_ok`: MoE layers' expert groups are fine (save/load_checkpoint name them globally, Note
+    [global expert names] in checkpoint/experts.py); other per-group reductions are not."""
     if engine.world_size != engine.dp_world_size:
         raise NotImplementedError("checkpoints with model (tensor/pipeline) parallelism are not supported yet: "
                                   f"world size {engine.world_size} != data-parallel size {engine.dp_world_size}")
-    if not engine.zero.uniform_reduction:
+    if not engine.zero.uniform_reduction and not (experts_ok and expert_spans(engine.module)):
         raise NotImplementedError("checkpoints of models whose param groups reduce over different groups (expert "
                                   "param groups, 'moe': True) are not supported yet: expert weights differ across "
                                   "expert-parallel ranks and would be saved under one name")
@@ -84,11 +87,13 @@ def sharded_param_names(module: torch.nn.Module) -> set[str]:
     return {n for n, p in module.named_parameters(remove_duplicate=False) if owner_of(p) is not None}
 
 
-def _model_states(engine, client_state: dict, exclude_frozen: bool) -> dict:
+def _model_states(engine, client_state: dict, exclude_frozen: bool, spans=()) -> dict:
     module = engine.module
     sd = module.state_dict()
     for name in sharded_param_names(module):  # stage 3: empty placeholders, the shards hold the values
         sd.pop(name, None)
+    for name in [k for k in sd if is_expert_key(k, spans)]:  # experts have files of their own
+        sd.pop(name)
     if exclude_frozen:
         for name in _frozen_names(module):
             sd.pop(name, None)
@@ -116,11 +121,12 @@ def _model_states(engine, client_state: dict, exclude_frozen: bool) -> dict:
     return states
 
 
-def _rank_states(engine, rank: int) -> tuple[dict, list[EntryLayout]]:
-    """This rank's shard (its entries; when every rank holds the same state, only rank 0's) and RNG."""
-    entries = engine.zero.shard_entries(parameter_names(engine.module))
-    if engine.zero.replicated_state and rank != 0:
-        entries = []
+def _rank_states(engine, rank: int, names: CheckpointNames) -> tuple[dict, list[EntryLayout]]:
+    """This rank's shard (its entries; when every rank holds the same state, only rank 0's — and, with
+    MoE layers, each expert's from rank 0 of its expert-data-parallel group) and RNG."""
+    entries = engine.zero.shard_entries(names.params)
+    if engine.zero.replicated_state:
+        entries = [e for e in entries if _writes_replicated(e, rank, names.spans)]
     opt = engine.optimizer
     records, layouts = [], []
     for entry, group in zip(entries, entry_groups(opt, [e.master for e in entries])):
@@ -135,7 +141,15 @@ def _rank_states(engine, rank: int) -> tuple[dict, list[EntryLayout]]:
             "entries": records, "rng": capture_rng_state(), "ds_version": zerospeed.__version__}, layouts
 
 
-def _manifest(engine, tag: str, files: dict, partition: list[RankFile], excluded: list[str]) -> dict:
+def _writes_replicated(entry, rank: int, spans) -> bool:
+    """Whether this rank saves `entry` of a replicated (stage-0) state: a dense entry from rank 0, an
+    expert's from rank 0 of its expert-data-parallel group."""
+    owner = next((s for s in spans for p in entry.pieces if p.name.startswith(s.prefix + ".")), None)
+    return owner.writer if owner is not None else rank == 0
+
+
+def _manifest(engine, tag: str, files: dict, partition: list[RankFile], excluded: list[str],
+              names: CheckpointNames) -> dict:
     module = engine.module
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "zerospeed_version": zerospeed.__version__,
@@ -146,9 +160,10 @@ def _manifest(engine, tag: str, files: dict, partition: list[RankFile], excluded
         "global_steps": engine.global_steps, "global_samples": engine.global_samples,
         "optimizer": {"type": type(engine.optimizer).__name__ if engine.optimizer is not None else None,
                       "param_groups": len(engine.optimizer.param_groups) if engine.optimizer is not None else 0},
-        "parameters": param_specs(module), "tied": tied_aliases(module),
-        "module_keys": list(module.state_dict().keys()), "excluded_frozen": excluded,
-        "replicated": engine.zero.replicated_state,  # rank 0's entries stand for every rank
+        "parameters": names.specs, "tied": tied_aliases(module),
+        "module_keys": names.module_keys, "excluded_frozen": excluded,
+        # rank 0's entries stand for every rank (not with experts: each expert's come from its own ranks)
+        "replicated": engine.zero.replicated_state and not names.has_experts,
         "weights_in_shards": engine.zero.weights_in_shards,  # the module state holds no trainable weights
         "partition": [rf.to_json() for rf in partition],
         "files": files,
@@ -163,7 +178,8 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     `load_checkpoint`); `client_state` (a dict) comes back from the load.
     """
     root = check_save_dir(save_dir)
-    _check_supported(engine)
+    _check_supported(engine, experts_ok=True)
+    names = checkpoint_names(engine.module)  # collective with MoE layers (Note [global expert names])
     client_state = dict(client_state or {})
     clash = sorted(RESERVED_KEYS & set(client_state))
     if clash:
@@ -189,18 +205,21 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     files, layouts = {}, []
     try:
         if rank == 0:
-            model_states = _model_states(engine, client_state, exclude_frozen_parameters)
+            model_states = _model_states(engine, client_state, exclude_frozen_parameters, names.spans)
             atomic_torch_save(model_states, paths.staging / MODEL_STATES)
             del model_states
             files[MODEL_STATES] = file_record(paths.staging / MODEL_STATES)
         with engine.zero.resident(engine.optimizer):  # NVMe-offloaded state: in memory while it is written
-            shard, layouts = _rank_states(engine, rank)
+            shard, layouts = _rank_states(engine, rank, names)
             name = optim_states_name(rank)
             atomic_torch_save(shard, paths.staging / name)
             del shard
         files[name] = file_record(paths.staging / name)
     except Exception as exc:  # noqa: BLE001 — every rank must learn of it, or the others hang
         error = f"rank {rank} could not write its checkpoint files in {paths.staging}: {exc}"
+    raise_if_any_rank_failed(error)
+    expert_files, error = write_expert_files(engine.module, names.spans, paths.staging)  # collective at stage 3
+    files.update(expert_files)
     raise_if_any_rank_failed(error)
 
     gathered = comm.all_gather_object((files, [e.to_json() for e in layouts]))
@@ -210,7 +229,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
             partition = [RankFile.from_json({"rank": r, "file": optim_states_name(r), "entries": lay})
                          for r, (_, lay) in enumerate(gathered)]
             excluded = _frozen_names(engine.module) if exclude_frozen_parameters else []
-            write_manifest(paths.staging, _manifest(engine, tag, all_files, partition, excluded))
+            write_manifest(paths.staging, _manifest(engine, tag, all_files, partition, excluded, names))
             swap_in_dir(paths.staging, paths.dir, paths.previous)
         except OSError as exc:
             error = f"could not finish checkpoint {paths.dir}: {exc}"

@@ -23,6 +23,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.config.errors import ConfigError
+from zerospeed.moe.layer import moe_monitor_events
 from zerospeed.monitor.writers import build_monitors
 from zerospeed.profiling.comms_report import diff_snapshots, format_comm_report
 from zerospeed.profiling.peak import current_device_peak
@@ -135,6 +136,7 @@ class EngineObserver:
         events = self._step_events(engine)
         if self.monitoring:
             events += self._memory_events(engine)
+            events += [(t, v, engine.global_samples) for t, v in moe_monitor_events(engine.module)]
             for m in self.monitors:
                 m.write_events(events)
         # Timings, comm and memory reports follow steps_per_print, or every step when it is unset.

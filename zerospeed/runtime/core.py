@@ -22,7 +22,7 @@ from zerospeed.profiling.observer import EngineObserver
 from zerospeed.utils.logging import get_logger
 from zerospeed.zero import build_strategy, full_numel, reduction_groups
 from zerospeed.zero.grad_math import clip_coefficient
-from zerospeed.zero.memory import OPTIMIZER_STATE_BYTES, model_state_bytes, optimizer_kind
+from zerospeed.zero.memory import OPTIMIZER_STATE_BYTES, grouped_model_state_bytes, optimizer_kind
 
 logger = get_logger(__name__)  # Note [rank-0 logging]
 
@@ -46,6 +46,10 @@ class EngineCore(torch.nn.Module):
 
         self.module = module.to(self.device)
         reduction = reduction_groups(param_groups, mesh)
+        # per group: (its parameters, the ranks it shards over: its reduction group — dense weights over
+        # data x sequence ranks, experts over expert-dp), for memory_breakdown
+        self._group_sizes = [(sum(full_numel(p) for p in g["params"]), rg.world_size)
+                             for g, rg in zip(param_groups, reduction)]
         self._broadcast_model(param_groups, reduction)
         # The strategy snapshots fp32 masters before the model is cast to 16-bit.
         self.zero = build_strategy(config, param_groups, reduction, module=self.module,
@@ -197,10 +201,9 @@ class EngineCore(torch.nn.Module):
     def memory_breakdown(self) -> dict[str, dict[str, float]]:
         """Per-rank model-state bytes held by the engine, next to the ZeRO formula's prediction."""
         measured = self.zero.memory_breakdown(self.optimizer)
-        n = sum(full_numel(p) for p in self.module.parameters() if p.requires_grad)
         pb = torch.tensor([], dtype=self.precision.param_dtype).element_size()
-        predicted = model_state_bytes(
-            n, self.dp_world_size, self.zero_optimization_stage(), param_bytes=pb,
+        predicted = grouped_model_state_bytes(
+            self._group_sizes, self.zero_optimization_stage(), param_bytes=pb,
             grad_bytes=torch.tensor([], dtype=self.precision.grad_accum_dtype).element_size(),
             master_bytes=4 if self.precision.mixed else 0,
             optim_bytes=OPTIMIZER_STATE_BYTES[optimizer_kind(self.optimizer)] if self.optimizer else 0)

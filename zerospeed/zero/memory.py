@@ -29,6 +29,17 @@ def model_state_bytes(num_params: int, world_size: int, stage: int, *, param_byt
     }
 
 
+def grouped_model_state_bytes(groups: list[tuple[int, int]], stage: int, **bytes_per_param: int) -> dict[str, float]:
+    """`model_state_bytes` summed over param groups given as (parameters on this rank, ranks the group
+    shards over): dense weights over the data-parallel ranks, an MoE layer's local experts
+    (num_experts / ep of them) over their expert-data-parallel ranks."""
+    total: dict[str, float] = {}
+    for numel, world in groups:
+        for kind, value in model_state_bytes(numel, world, stage, **bytes_per_param).items():
+            total[kind] = total.get(kind, 0.0) + value
+    return total
+
+
 def optimizer_kind(optimizer) -> str:
     """The OPTIMIZER_STATE_BYTES key for a torch optimizer instance."""
     name = type(optimizer).__name__.lower()

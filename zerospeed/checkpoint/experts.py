@@ -1,0 +1,168 @@
+"""Checkpoints of models with MoE layers: global expert names and DeepSpeed's per-expert files.
+
+Note [global expert names]: a rank holds `E / ep` experts of each MoE layer under local names
+(`...deepspeed_experts.{j}...`), and which global expert `j` is depends on the rank and the ep size
+(Note [expert parallel layout] in moe/sharded_moe.py: global `e = ep_rank * E / ep + j`). Inside a
+checkpoint every expert tensor is named by its *global* index instead — in the rank files' pieces,
+the manifest's parameter specs and module keys, and the expert files. The checkpoint then describes
+one model with all E experts, whatever ep it was saved at; loading maps the global names back onto
+the loading rank's own experts, so a checkpoint loads at any ep and data-parallel size, and
+consolidates to the state dict of the same model at ep = 1.
+
+Expert files: `layer_{i}_expert_{e}_mp_rank_00_model_states.pt` (DeepSpeed's name; i counts MoE
+layers in module order) holds expert e's state dict in the training dtype under global keys,
+written by rank 0 of the expert's expert-data-parallel group. The main model-states file leaves the
+experts out, as DeepSpeed's does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zerospeed import comm
+from zerospeed.checkpoint.atomic import atomic_torch_save
+from zerospeed.checkpoint.manifest import file_record, param_specs
+
+_EXPERTS = "deepspeed_moe.experts.deepspeed_experts"
+
+
+@dataclass(frozen=True)
+class ExpertSpan:
+    """This rank's experts of one MoE layer."""
+
+    layer: int  # index among the model's MoE layers, in module order
+    prefix: str  # qualified name of the layer's expert ModuleList, e.g. "blocks.0.moe.deepspeed_moe.experts..."
+    first: int  # global index of local expert 0
+    local: int  # experts on this rank
+    writer: bool  # rank 0 of the experts' expert-data-parallel group: writes their files
+
+    def globalize(self, key: str) -> str | None:
+        """The global name of a local key under this layer's experts; None for any other key."""
+        if not key.startswith(self.prefix + "."):
+            return None
+        j, _, rest = key[len(self.prefix) + 1:].partition(".")
+        return f"{self.prefix}.{self.first + int(j)}.{rest}"
+
+    def localize(self, key: str) -> str | None:
+        """The local name of a global key of one of this rank's experts; None otherwise."""
+        if not key.startswith(self.prefix + "."):
+            return None
+        e, _, rest = key[len(self.prefix) + 1:].partition(".")
+        j = int(e) - self.first
+        return f"{self.prefix}.{j}.{rest}" if 0 <= j < self.local else None
+
+    def expert_of(self, global_key: str) -> int:
+        return int(global_key[len(self.prefix) + 1:].partition(".")[0])
+
+
+def expert_file_name(layer: int, expert: int) -> str:
+    return f"layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt"
+
+
+def expert_spans(module: torch.nn.Module) -> list[ExpertSpan]:
+    from zerospeed.moe.layer import (
+        MoE,  # zerospeed.moe imports the runtime's neighbours; keep this lazy
+    )
+    spans = []
+    for name, m in module.named_modules():
+        if isinstance(m, MoE):
+            ep_rank = comm.get_rank(m.deepspeed_moe.ep_group)
+            prefix = f"{name}.{_EXPERTS}" if name else _EXPERTS
+            spans.append(ExpertSpan(len(spans), prefix, ep_rank * m.num_local_experts, m.num_local_experts,
+                                    comm.get_rank(m.expert_data_parallel_group) == 0))
+    return spans
+
+
+def globalize(key: str, spans: list[ExpertSpan]) -> str:
+    for span in spans:
+        if (g := span.globalize(key)) is not None:
+            return g
+    return key
+
+
+def is_expert_key(key: str, spans: list[ExpertSpan]) -> bool:
+    return any(span.globalize(key) is not None for span in spans)
+
+
+@dataclass(frozen=True)
+class CheckpointNames:
+    """How one rank's model appears in a checkpoint (Note [global expert names])."""
+
+    spans: list[ExpertSpan]
+    params: dict[int, str]  # id(parameter) -> checkpoint name
+    specs: dict[str, dict]  # checkpoint name -> {shape, dtype, trainable}, every rank's experts included
+    module_keys: list[str]  # the full model's state-dict keys, every rank's experts included
+
+    @property
+    def has_experts(self) -> bool:
+        return bool(self.spans)
+
+
+def checkpoint_names(module: torch.nn.Module) -> CheckpointNames:
+    """Collective when the model has MoE layers (one all-gather of names and specs)."""
+    spans = expert_spans(module)
+    params = {id(p): globalize(n, spans) for n, p in module.named_parameters()}
+    specs = {globalize(n, spans): s for n, s in param_specs(module).items()}
+    keys = [globalize(k, spans) for k in module.state_dict()]
+    if spans:
+        specs, keys = _merge(comm.all_gather_object((specs, keys)))
+    return CheckpointNames(spans, params, specs, keys)
+
+
+def _merge(per_rank: list[tuple[dict, list]]) -> tuple[dict, list]:
+    """Union of every rank's specs and keys, keys in first-seen order (rank 0's order for the dense ones)."""
+    specs, keys, seen = {}, [], set()
+    for rank_specs, rank_keys in per_rank:
+        specs.update(rank_specs)
+        for k in rank_keys:
+            if k not in seen:
+                seen.add(k)
+                keys.append(k)
+    return specs, keys
+
+
+def write_expert_files(module: torch.nn.Module, spans: list[ExpertSpan], directory: Path
+                       ) -> tuple[dict[str, dict], str | None]:
+    """Collective (stage 3 gathers each expert over its expert-dp group, so every rank goes through
+    every expert even after a failed write): (the files this rank wrote, name -> record; an error)."""
+    from zerospeed.zero import GatheredParameters
+    state = dict(module.named_parameters())
+    state.update(module.named_buffers())
+    files, error = {}, None
+    for span in spans:
+        for j in range(span.local):
+            local_prefix = f"{span.prefix}.{j}."
+            keys = [k for k in state if k.startswith(local_prefix)]
+            with GatheredParameters([state[k] for k in keys if isinstance(state[k], torch.nn.Parameter)]):
+                if not span.writer or error is not None:
+                    continue
+                name = expert_file_name(span.layer, span.first + j)
+                try:
+                    atomic_torch_save({span.globalize(k): state[k].detach().cpu().clone() for k in keys},
+                                      directory / name)
+                    files[name] = file_record(directory / name)
+                except OSError as exc:
+                    error = f"rank {comm.get_rank()} could not write expert file {directory / name}: {exc}"
+    return files, error
+
+
+def local_expert_files(spans: list[ExpertSpan]) -> list[str]:
+    return [expert_file_name(span.layer, span.first + j) for span in spans for j in range(span.local)]
+
+
+@torch.no_grad()
+def load_expert_files(module: torch.nn.Module, spans: list[ExpertSpan], tag_dir: Path, skip: set[str]) -> None:
+    """Copy this rank's experts from their files into the module (names in `skip` — stage-3 sharded
+    parameters, whose values come from the shards — are left alone)."""
+    state = dict(module.named_parameters())
+    state.update(module.named_buffers())
+    for span in spans:
+        for j in range(span.local):
+            saved = torch.load(Path(tag_dir) / expert_file_name(span.layer, span.first + j), map_location="cpu",
+                               mmap=True, weights_only=True)
+            for key, value in saved.items():
+                local = span.localize(key)
+                if local is not None and local in state and local not in skip:
+                    state[local].copy_(value)

@@ -1,0 +1,8 @@
+"""Mixture of Experts with expert parallelism, at DeepSpeed's paths: `moe.layer.MoE`,
+`moe.sharded_moe` (TopKGate, MOELayer, top1gating / top2gating / topkgating), `moe.experts.Experts`,
+`moe.utils` (param-group helpers). See docs/moe.md."""
+from zerospeed.moe.experts import Experts
+from zerospeed.moe.layer import MoE, bind_expert_groups
+from zerospeed.moe.sharded_moe import MOELayer, TopKGate
+
+__all__ = ["Experts", "MOELayer", "MoE", "TopKGate", "bind_expert_groups"]
