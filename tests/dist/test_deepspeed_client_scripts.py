@@ -12,7 +12,15 @@ The reference losses (rank 0, one per step) were produced with real DeepSpeed 0.
         /work/dsvenv/bin/torchrun --nproc_per_node 2 --master_port 2961$z $S/ds_cifar_style.py \
         --deepspeed_config $S/ds_cifar_zero$z.json --loss_log /tmp/cif/ds$z.json; done
 
-(/work/main being this repository's checkout). The first three steps coincide with forward-only
+(/work/main being this repository's checkout), and for the pipeline example:
+
+    cd /tmp/pipe && DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 /work/dsvenv/bin/torchrun --nproc_per_node 2 \
+        --master_port 29641 $S/ds_pipe_style.py --deepspeed_config $S/ds_pipe.json --loss_log /tmp/pipe/ds.json
+
+`scripts/ds_pipe_style.py` has the shape of DeepSpeedExamples' pipeline tutorial
+(training/pipeline_parallelism/train.py: join_layers with a lambda layer, PipelineModule with
+partition_method="parameters", initialize(training_data=...), engine.train_batch()), 2 stages, 4
+micro-batches per step, Adam. The first three steps coincide with forward-only
 losses of the initial weights (WarmupLR's log warm-up starts at lr 0); from step 4 on the updates move
 the loss by 1e-3..1e-2, so optimizer, scheduler and data order all show at the tolerance.
 """
@@ -38,6 +46,10 @@ DS_CIFAR_LOSSES = [2.3029210567474365, 2.267176628112793, 2.3046348094940186, 2.
                    2.3490426540374756, 2.3202967643737793, 2.322810411453247, 2.2999820709228516,
                    2.299572467803955, 2.3377866744995117]
 DS_REFERENCE = {0: DS_CIFAR_LOSSES, 2: DS_CIFAR_LOSSES}
+# Real DeepSpeed 0.19.8's train_batch() losses for the pipeline example (command in the module docstring).
+DS_PIPE_LOSSES = [2.2922792434692383, 2.2906813621520996, 2.309140682220459, 2.2983336448669434,
+                  2.2572081089019775, 2.312016248703003, 2.2714755535125732, 2.3402044773101807,
+                  2.3105406761169434, 2.353178024291992]
 # Rank 0's labels of its first two micro-batches: DeepSpeed's DistributedSampler order (shuffle, seed 0).
 DS_FIRST_LABELS = [[0, 5, 6, 4, 2, 8, 4, 4], [4, 6, 9, 6, 1, 0, 8, 6]]
 
@@ -49,6 +61,10 @@ needs_shim = pytest.mark.skipif(not deepspeed_is_shim(), reason="the deepspeed s
 def _launch(script: str, config: str, log: Path, timeout: float = 120) -> dict:
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(SCRIPTS / script),
            "--deepspeed_config", str(SCRIPTS / config), "--loss_log", str(log)]
+    return _run(cmd, log, timeout)
+
+
+def _run(cmd: list[str], log: Path, timeout: float) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "DS_CONFIG")}
     env.update(OMP_NUM_THREADS="1")
     try:
@@ -70,3 +86,12 @@ def test_cifar_tutorial_script_matches_real_deepspeed(stage, tmp_path):
     assert len(run["losses"]) == len(ref), (run["losses"], ref)
     diff = max(abs(a - b) for a, b in zip(run["losses"], ref))
     assert diff <= TOL, (diff, run["losses"], ref)
+
+
+@needs_shim
+@pytest.mark.timeout(300)
+def test_pipeline_tutorial_script_matches_real_deepspeed(tmp_path):
+    run = _launch("ds_pipe_style.py", "ds_pipe.json", tmp_path / "losses.json")
+    assert len(run["losses"]) == len(DS_PIPE_LOSSES), run["losses"]
+    diff = max(abs(a - b) for a, b in zip(run["losses"], DS_PIPE_LOSSES))
+    assert diff <= TOL, (diff, run["losses"], DS_PIPE_LOSSES)
