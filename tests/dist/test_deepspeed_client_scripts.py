@@ -32,7 +32,9 @@ so the test holds DeepSpeed's losses and zerospeed's own resume, not DeepSpeed's
 `scripts/ds_pipe_style.py` has the shape of DeepSpeedExamples' pipeline tutorial
 (training/pipeline_parallelism/train.py: join_layers with a lambda layer, PipelineModule with
 partition_method="parameters", initialize(training_data=...), engine.train_batch()), 2 stages, 4
-micro-batches per step, Adam. The first three steps coincide with forward-only
+micro-batches per step, Adam.
+
+For the CIFAR script, the first three steps coincide with forward-only
 losses of the initial weights (WarmupLR's log warm-up starts at lr 0); from step 4 on the updates move
 the loss by 1e-3..1e-2, so optimizer, scheduler and data order all show at the tolerance.
 """
