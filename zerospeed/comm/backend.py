@@ -258,8 +258,9 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
         return Handle() if async_op else None
     if _is_gloo(group):
         # gloo's list all-gather into views of `output` is ~20% faster than its tensor form (measured).
+        # gloo wants every piece shaped like `input`: both sides go flat (contiguous, so views).
         return _issue("all_gather", output.nbytes, group, async_op,
-                      lambda: dist.all_gather(list(output.view(-1).chunk(world)), input, group=group,
+                      lambda: dist.all_gather(list(output.view(-1).chunk(world)), input.reshape(-1), group=group,
                                               async_op=async_op))
     return _issue("all_gather", output.nbytes, group, async_op,
                   lambda: _all_gather_tensor(output, input, group=group, async_op=async_op))
@@ -279,8 +280,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "
         # gloo's list reduce-scatter is ~1.5x faster than its tensor form (measured, 4M floats).
         world = get_world_size(group)
         return _issue("reduce_scatter", input.nbytes, group, async_op,
-                      lambda: dist.reduce_scatter(output, list(input.view(-1).chunk(world)), op=_op(op), group=group,
-                                                  async_op=async_op))
+                      lambda: dist.reduce_scatter(output.view(-1), list(input.view(-1).chunk(world)), op=_op(op),
+                                                  group=group, async_op=async_op))
     return _issue("reduce_scatter", input.nbytes, group, async_op,
                   lambda: _reduce_scatter_tensor(output, input, op=_op(op), group=group, async_op=async_op))
 

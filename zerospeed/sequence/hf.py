@@ -45,9 +45,9 @@ class _LocalHeads:
 def _gather_sequence(t: torch.Tensor, group) -> torch.Tensor:
     """[b, s/P] -> [b, s] (the global position ids, for attention kernels that read them)."""
     world = comm.get_world_size(group)
-    out = t.new_empty(world * t.numel())
-    comm.all_gather_into_tensor(out, t.reshape(-1).contiguous(), group=group)
-    return torch.cat(out.view(world, *t.shape).unbind(0), dim=-1)
+    out = t.new_empty((world, *t.shape))
+    comm.all_gather_into_tensor(out, t.contiguous(), group=group)
+    return torch.cat(out.unbind(0), dim=-1)
 
 
 class UlyssesSPAttentionHF(torch.nn.Module):
