@@ -20,6 +20,7 @@ _EXPORTS = {
     "init_distributed": "zerospeed.comm",
     "ConfigError": "zerospeed.config.errors",
     "RepeatingLoader": "zerospeed.runtime.dataloader",
+    "tp_model_init": "zerospeed.parallel.tensor.autotp",
 }
 _SUBMODULES = {"comm", "config", "optim", "precision", "runtime", "testing", "launcher", "accelerator", "utils",
                "zero", "checkpoint", "checkpointing", "offload", "integrations"}

@@ -55,6 +55,8 @@ class EngineCore(torch.nn.Module):
         self.zero = build_strategy(config, param_groups, reduction, module=self.module,
                                    param_dtype=self.precision.param_dtype, device=self.device,
                                    norm_group=mesh.group("dp_sp"))
+        if mesh.size("tp") > 1:
+            self._count_tensor_parallel_params_once(mesh)
         if self.precision.mixed:
             self.module.to(self.precision.param_dtype)
         self.optimizer = optimizer_factory(self.zero)
@@ -87,6 +89,17 @@ class EngineCore(torch.nn.Module):
         rest = [p for p in self.module.parameters() if id(p) not in done] + list(self.module.buffers())
         for t in rest:
             _broadcast_from_first(t.data, self.dp_group)
+
+    def _count_tensor_parallel_params_once(self, mesh) -> None:
+        """Note [norm weights] (zero/strategy.py): the gradient norm spans the tensor-parallel ranks, a
+        parameter held by r of them counting 1/r on each."""
+        if mesh.size("pp") > 1:
+            raise NotImplementedError("tensor parallelism inside pipeline stages is not supported yet; use pp=1 "
+                                      "with tensor_parallel, or a pipeline without it")
+        from zerospeed.parallel.tensor.state import replica_counts
+        counts = replica_counts(self.module, mesh.size("tp"))
+        weights = {id(p): 1.0 / counts[name] for name, p in self.module.named_parameters()}
+        self.zero.set_norm_weights(weights, mesh.group("world"))
 
     @property
     def mpu(self):

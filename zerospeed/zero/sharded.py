@@ -80,7 +80,10 @@ class ShardedOptimizerBase(ReducingStrategy):
 
     # -- reduction (the rest is ReducingStrategy's) ----------------------------------------------
     def global_grad_norm(self) -> float:
-        """L2 norm of the full reduced gradient: each chunk once (Note [reduction groups])."""
+        """L2 norm of the full reduced gradient: each chunk once (Note [reduction groups]), each parameter
+        by its weight (Note [norm weights])."""
+        if self.norm_weights is not None:
+            return weighted_global_norm(self._weighted_parts(full=False), self.norm_group)
         return weighted_global_norm([(u.result, 1.0) for u in self.units], self.norm_group)
 
     # -- step ------------------------------------------------------------------------------------

@@ -58,7 +58,9 @@ class DataParallelStrategy(ReducingStrategy):
         already holds the whole reduced gradient and its local norm is the global one (an inf or nan
         anywhere is everywhere after the all-reduce) — no collective needed. Otherwise (expert groups,
         or a boundary inside no_sync that reduced nothing) each rank's copy counts 1/world of its
-        group in one weighted all-reduce."""
+        group in one weighted all-reduce (per parameter under Note [norm weights])."""
+        if self.norm_weights is not None:
+            return weighted_global_norm(self._weighted_parts(full=True), self.norm_group)
         if self.uniform_reduction and self.reducer.reduced:
             return global_norm([u.accum for u in self.units])
         return weighted_global_norm([(u.accum, 1.0 / u.world_size) for u in self.units], self.norm_group)

@@ -120,6 +120,30 @@ class ReducingStrategy:
     the parameter accessors read states from (Note [parameter fragments] in zero/fragment.py)."""
 
     bound_optimizer = _UNBOUND
+    norm_weights: dict[int, float] | None = None
+    """Note [norm weights]: id(parameter) -> the weight its squared gradient norm counts with (None: all
+    1). Under tensor parallelism a parameter held identically by r tensor-parallel ranks counts 1/r on
+    each, and the norm group spans the tensor-parallel ranks too, so every parameter of the full model
+    is counted once (`zerospeed.parallel.tensor.replica_counts`)."""
+
+    def set_norm_weights(self, weights: dict[int, float] | None, group) -> None:
+        """Count parameters with `weights` in the global gradient norm, all-reduced over `group`."""
+        self.norm_weights, self.norm_group = weights, group
+        self.uniform_reduction = False
+
+    def _weighted_parts(self, full: bool) -> list[tuple[torch.Tensor, float]]:
+        """Per parameter piece of this rank's gradients: (piece, weight) by `norm_weights`. `full`: each
+        unit holds its whole (replicated) buffer (stage 0), counted 1/world on every rank of its group;
+        otherwise this rank's chunk of it."""
+        parts = []
+        for u in self.units:
+            buf = u.accum if full else u.result
+            pieces = u.layout.segments if full else u.layout.rank_segments(u.rank)
+            scale = 1.0 / u.world_size if full else 1.0
+            for s in pieces:
+                weight = self.norm_weights.get(id(u.params[s.param]), 1.0)
+                parts.append((buf[s.offset:s.offset + s.numel], scale * weight))
+        return parts
 
     def begin_backward(self, sync: bool) -> None:
         self.reducer.begin(sync)

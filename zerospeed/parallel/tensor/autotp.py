@@ -231,11 +231,11 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
                   vocab_parallel: bool = True) -> nn.Module:
     """DeepSpeed's `tp_model_init(model, tp_size, dtype)`: cast (when `dtype` is given) and shard `model` in
     place over the tp group — `mesh.group("tp")`, or `group` — whose size must be `tp_size`."""
+    if group is None and mesh is None and backend.get_world_size() != tp_size:
+        from zerospeed.comm.mesh import ParallelMesh
+        mesh = ParallelMesh.build(tp=tp_size)  # collective, as DeepSpeed's own tp group creation is
     if group is None and mesh is not None:
         group = mesh.group("tp")
-    if group is None and backend.get_world_size() != tp_size:
-        raise ValueError(f"tp_model_init(tp_size={tp_size}) without a group or mesh uses the world group, which has "
-                         f"{backend.get_world_size()} ranks; pass mesh=ParallelMesh.build(tp={tp_size}) or group=")
     if backend.get_world_size(group) != tp_size:
         raise ValueError(f"tp_model_init(tp_size={tp_size}): the tp group has {backend.get_world_size(group)} ranks")
     if dtype is not None:

@@ -1,0 +1,72 @@
+"""AutoTP from the config: `"tensor_parallel": {"autotp_size": N, ...}` makes `initialize` shard the model.
+
+As in DeepSpeed (since 0.16.4), `initialize` applies AutoTP itself when the config asks for it, so the
+training loop does not change; a model already sharded (`tp_model_init`) is left as it is. The mesh's
+tensor axis has N ranks (adjacent ranks), data parallelism fills the rest. Sharding replaces modules,
+and with them their parameters, so the `model_parameters` the user passed (taken before sharding) are
+mapped to the sharded model's parameters by name; a client optimizer built over the unsharded
+parameters cannot be mapped and is refused.
+"""
+from __future__ import annotations
+
+import torch
+
+from zerospeed.config import ConfigError
+from zerospeed.parallel.tensor.autotp import shard_model
+from zerospeed.parallel.tensor.layers import TensorParallelModule
+
+
+def tensor_parallel_size(raw: dict) -> int:
+    """The config's tensor-parallel degree (autotp_size; 0 and absent mean 1)."""
+    value = (raw.get("tensor_parallel") or {}).get("autotp_size", 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"tensor_parallel.autotp_size must be a non-negative integer, got {value!r}")
+    return max(1, value)
+
+
+def _refuse_unsupported(tp_cfg) -> None:
+    if tp_cfg.kernel_inject:
+        raise ConfigError("tensor_parallel.kernel_inject=true: zerospeed has no inference kernels to inject; "
+                          "remove the key (AutoTP training shards the model's own modules)")
+
+
+def _remap(model_parameters, old_names: dict[int, str], new: dict[str, torch.nn.Parameter]):
+    def param(p):
+        name = old_names.get(id(p))
+        if name is None or name not in new:
+            raise ConfigError("tensor_parallel: a parameter in model_parameters is not one of the model's "
+                              "(by name) after AutoTP sharding; pass model.parameters() or param groups of it")
+        return new[name]
+
+    if model_parameters is None:
+        return None
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        return [{**g, "params": [param(p) for p in g["params"]]} for g in items]
+    return [param(p) for p in items]
+
+
+def apply_autotp_config(model: torch.nn.Module, mesh, cfg, optimizer, model_parameters):
+    """Shard `model` over the mesh's tensor axis when the config asks (returns the remapped
+    `model_parameters`); a no-op without tensor parallelism or for an already sharded model."""
+    sharded = [m for m in model.modules() if isinstance(m, TensorParallelModule)]
+    if mesh.size("tp") == 1:
+        if sharded:
+            raise ConfigError(f"the model is already sharded for tensor parallelism over {sharded[0].tp_size} ranks "
+                              "(tp_model_init / shard_model) but the config has no tensor_parallel.autotp_size; add "
+                              f'"tensor_parallel": {{"autotp_size": {sharded[0].tp_size}}} so that the engine reduces '
+                              "gradients over the data-parallel ranks only")
+        return model_parameters
+    if sharded:
+        return model_parameters  # sharded already (tp_model_init / shard_model)
+    tp_cfg = cfg.tensor_parallel
+    _refuse_unsupported(tp_cfg)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError("tensor_parallel: a client optimizer was built over the unsharded parameters, which AutoTP "
+                          "replaces; give the optimizer in the config, or pass a callable optimizer(params), or call "
+                          "zerospeed.tp_model_init(model, tp_size) before building the optimizer")
+    old_names = {id(p): n for n, p in model.named_parameters()}
+    if model_parameters is not None:
+        model_parameters = list(model_parameters)  # a generator (model.parameters()) must yield the old ones
+    shard_model(model, mesh.group("tp"), partition_config=tp_cfg.partition_config, preset_model=tp_cfg.preset_model)
+    return _remap(model_parameters, old_names, dict(model.named_parameters()))
