@@ -86,8 +86,6 @@ TRIGGERS: dict[str, tuple[dict, str]] = {
     "pipeline.seed_layers": ({"pipeline": {"seed_layers": True}}, "pipeline.seed_layers=true"),
     "pipeline.activation_checkpoint_interval": ({"pipeline": {"activation_checkpoint_interval": 1}},
                                                 "pipeline.activation_checkpoint_interval=1"),
-    "tensor_parallel.autotp_size": ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size=2"),
-    "expert_parallel.enabled": ({"expert_parallel": {"enabled": True}}, "expert_parallel.enabled=true"),
     "hybrid_engine.enabled": ({"hybrid_engine": {"enabled": True}}, "hybrid_engine.enabled=true"),
     "compile.deepcompile": ({"compile": {"deepcompile": True}}, "compile.deepcompile=true: DeepCompile"),
     "compile.enabled": ({"compile": {"enabled": True}}, "compile.enabled=true"),

@@ -89,22 +89,32 @@ NO_EFFECT: dict[str, str] = {
     "seq_parallel_communication_data_type": "gradients of a sequence-parallel model reduce over "
         "data x sequence ranks in one collective, in communication_data_type; the attention all-to-alls travel in the "
         "activations' own dtype",
+    "tensor_parallel.tp_overlap_comm": "the tensor-parallel all-reduces run in order on the compute stream",
+    "tensor_parallel.vocab_parallel_lm_head": "AutoTP always shards the embedding and the output head over the "
+                                               "vocabulary (a tied pair once)",
+    "tensor_parallel.dtype": "the model's dtype comes from fp16 / bf16; AutoTP shards whatever dtype the model has",
+    "tensor_parallel.keep_module_on_host": "the model is sharded where it lives; there is no load-time placement",
+    "tensor_parallel.tp.tp_size": "inference-style setting; training takes the degree from autotp_size",
+    "tensor_parallel.tp.tp_grain_size": "inference-style setting; splits are by whole heads and even columns",
     "aio.io_backend": "I/O always goes through zerospeed's thread-pool file I/O (zerospeed/offload/aio.py)",
     "timers.throughput": "samples/s is always measured for the progress line and monitors",
     "checkpoint.checkpoint_serialization": "checkpoints are always written with torch.save's default format",
+    **{f"expert_parallel.{name}": "AutoEP's experts run one matmul pair per local expert and move tokens by the comm "
+       "gateway's all-to-all (docs/moe.md); there is no grouped-GEMM kernel, DeepEP buffer or split-plan stream to tune"
+       for name in ("use_grouped_mm", "disable_triton_grouped_mm", "async_split_plan", "combine_impl", "comm_num_sm",
+                    "comm_qp_margin", "comm_max_tokens_per_rank")},
+    "expert_parallel.validate_folding_routing": "expert groups always split the data-parallel ranks (no folding onto "
+                                                "tensor-parallel ranks), so there is no folded routing to validate",
 }
 
 # Keys that only configure a feature a features.ROWS row switches on: while that row exists the
 # feature is off, so they have nothing to configure. ``block or key -> the switching ROWS key``.
 # Derived at render time, so removing the row (the feature lands) makes them ``works``.
 GATES: dict[str, str] = {
-    "use_data_before_expert_parallelism": "expert_parallel.enabled",
     "zero_optimization.offload_optimizer.convert_grad_on_cpu": "zero_optimization.offload_optimizer.super_offload",
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": "zero_optimization.offload_optimizer.super_offload",
     "amp": "amp.enabled",
     "torch_autocast": "torch_autocast.enabled",
-    "tensor_parallel": "tensor_parallel.autotp_size",
-    "expert_parallel": "expert_parallel.enabled",
     "hybrid_engine": "hybrid_engine.enabled",
     **{f"compile.{name}": "compile.deepcompile" for name in (
         "autoep_non_moe", "free_activation", "free_activation_threshold", "offload_activation",
@@ -125,6 +135,20 @@ GATES: dict[str, str] = {
 
 # Keys refused outside features.ROWS (by the code that would use them): key -> (feature, where).
 REFUSED_ELSEWHERE: dict[str, tuple[str, str]] = {
+    "use_data_before_expert_parallelism": ("the data-major expert layout",
+                                           "true is a ConfigError from zerospeed/moe/autoep.py"),
+    **{f"expert_parallel.{name}": (what, "a value other than the default is a ConfigError from zerospeed/moe/autoep.py")
+       for name, what in (("expert_tensor_parallel_size", "expert tensor parallelism"),
+                          ("comm_backend", "the DeepEP all-to-all backend"),
+                          ("load_balance_coeff", "auxiliary-loss-free load balancing"),
+                          ("num_expert_groups", "group-limited routing"), ("num_limited_groups", "group-limited routing"),
+                          ("route_scale", "scaling router scores"),
+                          ("routed_scaling_factor", "scaling routed expert outputs"),
+                          ("expert_w3", "separate gate / up expert weights"))},
+    **{f"expert_parallel.{name}": ("routing other than the model's own",
+                                   "AutoEP keeps the model's router: a value that differs from what it does is a "
+                                   "ConfigError from zerospeed/moe/autoep.py")
+       for name in ("route_norm", "score_func", "score_apply", "top_k")},
     "comms_logger.debug": ("naming the calling function of each collective",
                            "true with comms_logger.enabled is a ConfigError from zerospeed/profiling/observer.py"),
 }

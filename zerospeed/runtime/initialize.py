@@ -14,9 +14,11 @@ from zerospeed.runtime.dataloader import build_training_loader
 from zerospeed.comm.mesh import ParallelMesh
 from zerospeed.comm.mpu import MeshMpu
 from zerospeed.config.loader import load_raw
+from zerospeed.moe.autoep import apply_autoep_config
 from zerospeed.moe.layer import bind_expert_groups
 from zerospeed.moe.utils import moe_param_groups
 from zerospeed.parallel.pipeline import PipelineEngine, PipelineModule
+from zerospeed.parallel.tensor.config import apply_autotp_config, tensor_parallel_size
 from zerospeed.runtime.engine import Engine
 from zerospeed.utils.logging import get_logger
 
@@ -108,9 +110,10 @@ def _retarget(strategy, optimizer: torch.optim.Optimizer) -> None:
         strategy.retarget(optimizer)
 
 
-def _mesh(model, mpu, mesh, sp: int) -> ParallelMesh:
+def _mesh(model, mpu, mesh, sp: int, tp: int = 1) -> ParallelMesh:
     """The parallel layout: the one given, a DeepSpeed/Megatron `mpu`, a PipelineModule's, or data
-    parallelism over every rank — with a sequence axis of `sp` (the config's sequence_parallel_size)."""
+    parallelism over every rank — with a sequence axis of `sp` (the config's sequence_parallel_size)
+    and a tensor axis of `tp` (tensor_parallel.autotp_size)."""
     if mesh is not None and mpu is not None:
         raise ConfigError("initialize: give `mesh` or `mpu`, not both (an mpu is another view of the same layout)")
     if mesh is None and mpu is not None:
@@ -118,7 +121,10 @@ def _mesh(model, mpu, mesh, sp: int) -> ParallelMesh:
     if mesh is None and isinstance(model, PipelineModule):
         mesh = model.groups.mesh
     if mesh is None:
-        return ParallelMesh.build(sp=sp) if sp > 1 else ParallelMesh.data_parallel()
+        return ParallelMesh.build(sp=sp, tp=tp) if sp * tp > 1 else ParallelMesh.data_parallel()
+    if tp > 1 and mesh.size("tp") != tp:
+        raise ConfigError(f"tensor_parallel.autotp_size is {tp} but the parallel layout given to initialize has a "
+                          f"tensor-parallel size of {mesh.size('tp')}; make them agree")
     if sp > 1 and mesh.size("sp") != sp:
         raise ConfigError(f"sequence_parallel_size is {sp} but the parallel layout given to initialize has a "
                           f"sequence-parallel size of {mesh.size('sp')}; make them agree (or drop the key and let "
@@ -145,13 +151,15 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         raise ConfigError("initialize: `model` is required (the torch.nn.Module to train)")
     raw = _config_source(args, config, config_params)
     comm.init_distributed(dist_init_required=dist_init_required)
-    mesh = _mesh(model, mpu, mesh, _sequence_parallel_size(raw))
+    mesh = _mesh(model, mpu, mesh, _sequence_parallel_size(raw), tensor_parallel_size(load_raw(raw)))
     bind_expert_groups(model, mesh)  # Note [expert groups at initialize] (moe/layer.py)
     dp_group = mesh.group("dp")
     dp_world = mesh.size("dp")
     hidden = _hidden_size(model)
     known = auto_values_from_hidden_size(hidden) if hidden else {}
     cfg = parse_config(raw, world_size=dp_world, known=known)
+    model_parameters = apply_autotp_config(model, mesh, cfg, optimizer, model_parameters)  # parallel/tensor/config.py
+    model_parameters = apply_autoep_config(model, mesh, cfg, optimizer, model_parameters)  # AutoEP (moe/autoep.py)
     if "activation_checkpointing" in cfg.model_fields_set:  # ZeRO-R: zerospeed.checkpointing follows the config
         from zerospeed import checkpointing
         checkpointing.configure(mpu_=mpu, deepspeed_config=cfg)
