@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from zerospeed import comm
 from zerospeed.comm.functional import all_to_all
@@ -123,6 +124,10 @@ def routing_facts(router: nn.Module, num_experts: int) -> dict:
 
 # -- the expert-parallel container ---------------------------------------------------------------------
 
+AUTOEP_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> True (identity, not ==)
+"""The expert parameters AutoEP made (`moe.utils.is_autoep_expert_param` answers from it)."""
+
+
 class ExpertParallelExperts(nn.Module):
     """This rank's `E / ep` experts of one sparse-MoE block, with transformers' fused layout and the
     replaced container's parameter names (`gate_up_proj [E/ep, 2I, H]`, `down_proj [E/ep, H, I]` by
@@ -157,6 +162,7 @@ class ExpertParallelExperts(nn.Module):
     def _register(self) -> None:  # Note [expert parameter registry] (experts.py)
         for p in (self.w_in, self.w_out):
             _EXPERT_GROUP[p] = self.expert_group_name
+            AUTOEP_PARAMS[p] = True
 
     def __setstate__(self, state) -> None:  # deepcopy / unpickle: the copies are expert parameters too
         super().__setstate__(state)

@@ -36,8 +36,9 @@ def is_moe_param(param: torch.Tensor) -> bool:
 
 
 def is_autoep_expert_param(param: torch.Tensor) -> bool:
-    """DeepSpeed's AutoEP tag; zerospeed has no AutoEP experts yet, so always False."""
-    return False
+    """DeepSpeed's AutoEP tag: whether `param` is an expert weight AutoEP made (zerospeed.moe.autoep)."""
+    from zerospeed.moe.autoep import AUTOEP_PARAMS
+    return param in AUTOEP_PARAMS
 
 
 def is_moe_param_group(param_group: dict) -> bool:
