@@ -31,6 +31,18 @@ def _linear_init(weight: torch.Tensor) -> None:
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
 
 
+def _full_linear(in_features: int, out_features: int, bias: bool, init_method, dtype, device):
+    """The full (unsharded) weight and bias a parallel linear layer slices, initialised like nn.Linear's
+    (or by `init_method`): every rank builds the same values from the same seed."""
+    full_w = torch.empty(out_features, in_features, dtype=dtype, device=device)
+    (init_method or _linear_init)(full_w)
+    full_b = None
+    if bias:
+        bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+        full_b = torch.empty(out_features, dtype=dtype, device=device).uniform_(-bound, bound)
+    return full_w, full_b
+
+
 class TensorParallelModule(nn.Module):
     """Base of the layers here: the tp group, this rank's index and every rank's parameter layouts.
 
@@ -75,12 +87,7 @@ class ColumnParallelLinear(TensorParallelModule):
                  group, sequence_parallel: bool = False, sequence_dim: int = 0,
                  init_method: Callable[[torch.Tensor], None] | None = None,
                  dtype: torch.dtype | None = None, device=None):
-        full_w = torch.empty(out_features, in_features, dtype=dtype, device=device)
-        (init_method or _linear_init)(full_w)
-        full_b = None
-        if bias:
-            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
-            full_b = torch.empty(out_features, dtype=dtype, device=device).uniform_(-bound, bound)
+        full_w, full_b = _full_linear(in_features, out_features, bias, init_method, dtype, device)
         tp = backend.get_world_size(group)
         specs = tuple(column_spec(out_features, tp, r) for r in range(tp))
         self._build(full_w, full_b, specs, group, gather_output, sequence_parallel, sequence_dim)
@@ -167,12 +174,7 @@ class RowParallelLinear(TensorParallelModule):
                  group, sequence_parallel: bool = False, sequence_dim: int = 0,
                  init_method: Callable[[torch.Tensor], None] | None = None,
                  dtype: torch.dtype | None = None, device=None):
-        full_w = torch.empty(out_features, in_features, dtype=dtype, device=device)
-        (init_method or _linear_init)(full_w)
-        full_b = None
-        if bias:
-            bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
-            full_b = torch.empty(out_features, dtype=dtype, device=device).uniform_(-bound, bound)
+        full_w, full_b = _full_linear(in_features, out_features, bias, init_method, dtype, device)
         self._build(full_w, full_b, None, group, input_is_parallel, sequence_parallel, sequence_dim)
 
     @classmethod
