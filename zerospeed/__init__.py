@@ -21,9 +21,11 @@ _EXPORTS = {
     "ConfigError": "zerospeed.config.errors",
     "RepeatingLoader": "zerospeed.runtime.dataloader",
     "tp_model_init": "zerospeed.parallel.tensor.autotp",
+    "init_inference": "zerospeed.inference.api",
 }
 _SUBMODULES = {"comm", "config", "optim", "precision", "runtime", "testing", "launcher", "accelerator", "utils",
-               "zero", "checkpoint", "checkpointing", "offload", "integrations"}
+               "zero", "checkpoint", "checkpointing", "offload", "integrations", "inference", "moe", "sequence",
+               "parallel"}
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -55,7 +55,7 @@ class EngineCore(torch.nn.Module):
         self.zero = build_strategy(config, param_groups, reduction, module=self.module,
                                    param_dtype=self.precision.param_dtype, device=self.device,
                                    norm_group=mesh.group("dp_sp"))
-        if mesh.size("tp") > 1:
+        if mesh.size("tp") > 1 and _has_tensor_parallel_layers(self.module):
             self._count_tensor_parallel_params_once(mesh)
         if self.precision.mixed:
             self.module.to(self.precision.param_dtype)
@@ -277,3 +277,10 @@ def _broadcast_from_first(t: torch.Tensor, group) -> None:
     comm.broadcast(buf, src=comm.global_rank(group, 0), group=group)
     if 0 not in t.stride():
         t.copy_(buf)
+
+
+def _has_tensor_parallel_layers(module: torch.nn.Module) -> bool:
+    """zerospeed's own tensor-parallel layers (AutoTP, zerospeed.parallel.tensor) know which parameters
+    are replicated; a model parallelised by its own code (with an mpu) keeps the per-rank norm."""
+    from zerospeed.parallel.tensor.layers import TensorParallelModule
+    return any(isinstance(m, TensorParallelModule) for m in module.modules())

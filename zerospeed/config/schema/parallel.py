@@ -46,7 +46,7 @@ class TpInnerConfig(StrictModel):
     """``tensor_parallel.tp``: inference-style tensor-parallel group settings."""
 
     tp_size: PosInt = ds_field(1, "Devices the model is split across.")
-    tp_grain_size: PosInt = ds_field(1, "Granularity of MLP/lm_head splits.")
+    tp_grain_size: PosInt = ds_field(64, "Granularity of MLP/lm_head splits.")
 
 
 class TpLayerSpec(StrictModel):

@@ -50,7 +50,7 @@ class ShardReport:
     attention: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
-def _is_linear(module: nn.Module) -> bool:
+def is_linear_layer(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
@@ -61,7 +61,7 @@ def _full_weight(module: nn.Module) -> tuple[torch.Tensor, bool]:
     return module.weight.detach().t(), True
 
 
-def _text_config(model: nn.Module):
+def text_config_of(model: nn.Module):
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         return config.get_text_config()
@@ -74,9 +74,9 @@ def _head_counts(config) -> tuple[int | None, int | None]:
     return heads, kv
 
 
-def _tp_plans(model: nn.Module) -> list[dict[str, str]]:
+def tp_plans_of(model: nn.Module) -> list[dict[str, str]]:
     plans = []
-    config = _text_config(model)
+    config = text_config_of(model)
     for plan in (getattr(config, "base_model_tp_plan", None), getattr(type(model), "_tp_plan", None)):
         if plan:
             plans.append(dict(plan))
@@ -89,7 +89,7 @@ class _Sharder:
     def __init__(self, model: nn.Module, group, rules: tuple[Rule, ...]):
         self.model, self.group, self.rules = model, group, rules
         self.tp, self.rank = backend.get_world_size(group), backend.get_rank(group)
-        self.heads, self.kv_heads = _head_counts(_text_config(model))
+        self.heads, self.kv_heads = _head_counts(text_config_of(model))
         self.report = ShardReport()
 
     def attention_layout(self, parent: nn.Module, name: str) -> P.HeadLayout | None:
@@ -202,14 +202,14 @@ def _suggest_rule(name: str) -> str:
 def shard_model(model: nn.Module, group, *, partition_config: Any = None, preset_model: str | None = None,
                 vocab_parallel: bool = True) -> ShardReport:
     """Shard `model` in place over the tp `group` (every rank of it calls this with the same full model)."""
-    config = _text_config(model)
+    config = text_config_of(model)
     model_type = getattr(config, "model_type", None)
-    rules = resolve_rules(partition_config=partition_config, tp_plans=_tp_plans(model), model_type=model_type,
+    rules = resolve_rules(partition_config=partition_config, tp_plans=tp_plans_of(model), model_type=model_type,
                           preset_model=preset_model)
     skip = {id(m) for m in (model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None,
                             model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None)
             if m is not None}
-    linears = [(n, m) for n, m in model.named_modules() if _is_linear(m) and id(m) not in skip]
+    linears = [(n, m) for n, m in model.named_modules() if is_linear_layer(m) and id(m) not in skip]
     matched = [(n, m, first_match(f"{n}.weight", rules)) for n, m in linears]
     missing = [n for n, _, rule in matched if rule is None]
     if missing:

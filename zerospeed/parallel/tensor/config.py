@@ -50,6 +50,8 @@ def apply_autotp_config(model: torch.nn.Module, mesh, cfg, optimizer, model_para
     """Shard `model` over the mesh's tensor axis when the config asks (returns the remapped
     `model_parameters`); a no-op without tensor parallelism or for an already sharded model."""
     sharded = [m for m in model.modules() if isinstance(m, TensorParallelModule)]
+    if cfg.tensor_parallel.autotp_size == 0 and not sharded:
+        return model_parameters  # no AutoTP asked for (an mpu's own tensor parallelism is the model's business)
     if mesh.size("tp") == 1:
         if sharded:
             raise ConfigError(f"the model is already sharded for tensor parallelism over {sharded[0].tp_size} ranks "

@@ -1,0 +1,92 @@
+"""`QuantizedLinear`: a linear layer whose weight is stored int8 / int4 group-wise (groupwise.py) and
+dequantized for each forward (weight-only quantization: activations stay in the model's dtype).
+
+`quantize_model(model, settings_for)` replaces every nn.Linear (and transformers Conv1D, transposed to
+[out, in]) that `settings_for(name)` returns settings for, except a head tied to the input embedding
+(its weight is the embedding's too). DeepSpeed's config form is `quant.weight.post_init_quant`:
+{"name substring": {"num_bits": 4, "group_size": 64, "symmetric": false}}, or
+`quant.weight.quantized_initialization`: one such settings object for every linear layer.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zerospeed.inference.quantize.groupwise import QuantizedWeight, dequantize, quantize
+
+
+class QuantizedLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, bits: int, group_size: int,
+                 symmetric: bool):
+        super().__init__()
+        qw = quantize(weight, bits, group_size, symmetric)
+        self.out_features, self.in_features = qw.shape
+        self.bits, self.group_size = bits, group_size
+        self.register_buffer("qdata", qw.data)
+        self.register_buffer("scale", qw.scale)
+        self.register_buffer("minimum", qw.minimum)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def quantized(self) -> QuantizedWeight:
+        return QuantizedWeight(self.qdata, self.scale, self.minimum, (self.out_features, self.in_features), self.bits,
+                               self.group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, dequantize(self.quantized(), x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, "
+                f"group {self.group_size}")
+
+
+def _as_linear(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    if isinstance(module, nn.Linear):
+        return module.weight, module.bias
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers GPT-2: weight [in, out]
+        return module.weight.t(), module.bias
+    return None
+
+
+def settings_from_config(weight_config) -> Callable[[str], dict | None]:
+    """Which settings apply to a layer name under DeepSpeed's `quant.weight` section."""
+    patterns: dict[str, Any] = dict(weight_config.post_init_quant or {})
+    everywhere = dict(weight_config.quantized_initialization or {})
+
+    def settings_for(name: str) -> dict | None:
+        matched = [p for p in patterns if p in name]
+        if len(matched) > 1:
+            raise ValueError(f"quant.weight.post_init_quant: layer {name!r} matches several keys {matched}; "
+                             "make them distinct")
+        return patterns[matched[0]] if matched else (everywhere or None)
+    return settings_for
+
+
+def quantize_model(model: nn.Module, settings_for: Callable[[str], dict | None]) -> dict[str, int]:
+    """Replace matching linear layers in place; returns {layer name: bits}."""
+    tied = None
+    if hasattr(model, "get_output_embeddings") and hasattr(model, "get_input_embeddings"):
+        head, emb = model.get_output_embeddings(), model.get_input_embeddings()
+        if head is not None and emb is not None and getattr(head, "weight", None) is getattr(emb, "weight", 0):
+            tied = head
+    done = {}
+    for name, module in list(model.named_modules()):
+        found = _as_linear(module)
+        settings = settings_for(name) if found is not None and module is not tied else None
+        if not settings:
+            continue
+        unknown = set(settings) - {"num_bits", "group_size", "group_dim", "symmetric"}
+        if unknown or settings.get("group_dim", 1) != 1:
+            raise ValueError(f"quantization settings for {name!r}: {sorted(unknown) or 'group_dim must be 1'}; "
+                             "known keys: num_bits, group_size, group_dim (1: groups along the input features), "
+                             "symmetric")
+        weight, bias = found
+        new = QuantizedLinear(weight, bias, bits=int(settings.get("num_bits", 8)),
+                              group_size=int(settings.get("group_size", 64)),
+                              symmetric=bool(settings.get("symmetric", False)))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+        done[name] = new.bits
+    return done
