@@ -17,6 +17,8 @@ greedy decoding, KV cache on everywhere, prompts of `--prompt` random tokens (no
   module is gathered for each forward (persistence threshold 0): per-token time vs the time to copy the
   model's bytes once on this machine (a plain tensor copy of that size) — the ratio the issue asks for.
 - paged server: all requests added at once; per-token ms = mean step time after the first step.
+- the last table times transformers `generate` and `init_inference` at tp = 1 alternately in one process
+  (separate processes differ by several % from run to run on this machine).
 """
 from __future__ import annotations
 
@@ -96,6 +98,25 @@ def _engine(args, batch, tp, zero):
     return res
 
 
+def _interleaved(args, batch):
+    """transformers `generate` and `init_inference` (tp 1) on copies of the same model in one process, timed
+    alternately: the same-process comparison (separate processes differ by a few % run to run here)."""
+    import zerospeed
+    _threads(1)
+    plain, served = _model(args), _model(args)
+    engine = zerospeed.init_inference(served, {"dtype": torch.float32})
+    ids = _prompts(args, batch)
+    runs = {"plain": [], "engine": []}
+    with torch.no_grad():
+        plain.generate(ids, max_new_tokens=2, do_sample=False)
+    engine.generate(ids, max_new_tokens=2, do_sample=False)
+    for _ in range(args.repeats):
+        with torch.no_grad():
+            runs["plain"].append(_time(lambda: plain.generate(ids, max_new_tokens=args.new, do_sample=False)))
+        runs["engine"].append(_time(lambda: engine.generate(ids, max_new_tokens=args.new, do_sample=False)))
+    return {k: statistics.median(v) for k, v in runs.items()}
+
+
 def _paged(args, batch):
     from zerospeed.inference.paged import PagedServer
     _threads(1)
@@ -135,7 +156,7 @@ def main() -> None:
     args = parser.parse_args()
     from zerospeed.testing import run_distributed
 
-    rows = []
+    rows, interleaved = [], []
     for batch in args.batches:
         variants = {"transformers generate": run_distributed(_plain, 1, args, batch, timeout=3600),
                     "zerospeed init_inference, tp = 1": run_distributed(_engine, 1, args, batch, 1, False, timeout=3600),
@@ -151,6 +172,8 @@ def main() -> None:
             if "waste" in r:
                 note = f"KV block waste {r['waste']:.1%}"
             rows.append((batch, name, r, r["tok_s"] / base, max(x["rss"] for x in results), note))
+        same = run_distributed(_interleaved, 1, args, batch, timeout=3600)[0]
+        interleaved.append((batch, same["plain"], same["engine"]))
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; Llama {args.layers} "
           f"layers x {args.width}, {args.heads} heads ({args.kv_heads} kv), vocab {args.vocab}, fp32, greedy, "
           f"prompt {args.prompt}, new {args.new}\n")
@@ -160,6 +183,11 @@ def main() -> None:
     for batch, name, r, ratio, rss, note in rows:
         print(f"| {batch} | {name} | {r['first']:.3f} | {r['total']:.3f} | {r['tok_s']:.1f} | {ratio:.2f} | "
               f"{r['per_token_ms']:.2f} | {rss:.0f} | {note} |")
+    print("\nSame process, alternating runs (tp = 1):\n")
+    print("| batch | transformers generate s | init_inference generate s | zerospeed tokens/s vs transformers |")
+    print("|---|---|---|---|")
+    for batch, plain_s, engine_s in interleaved:
+        print(f"| {batch} | {plain_s:.3f} | {engine_s:.3f} | {plain_s / engine_s:.2f} |")
 
 
 if __name__ == "__main__":
