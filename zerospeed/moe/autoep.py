@@ -45,6 +45,7 @@ from zerospeed.moe.dropless import exchange_counts
 from zerospeed.moe.experts import _EXPERT_GROUP
 from zerospeed.moe.sharded_moe import _ScaleGrad
 from zerospeed.utils.logging import log_dist
+from zerospeed.utils.param_groups import substitute_parameters
 
 # DeepSpeed's preset names. A preset fixes where the blocks are and which model.config attribute
 # counts the experts. Run against stock transformers (tests/dist/test_moe_autoep_parity.py): mixtral and
@@ -394,24 +395,12 @@ def apply_autoep_config(model: nn.Module, mesh, cfg, optimizer=None, model_param
                               f"with ep_size={done[0][1].ep_size} (apply_autoep); make them agree")
         return model_parameters
     spec, expect = autoep_settings(ep, model)
-    return _substitute(model_parameters, apply_autoep(model, mesh, ep.autoep_size, spec, expect))
+    return substitute_parameters(model_parameters, apply_autoep(model, mesh, ep.autoep_size, spec, expect))
 
 
 def converted_experts(model: nn.Module) -> list[tuple[str, ExpertParallelExperts]]:
     """(qualified name, container) of every expert-parallel expert container of `model`."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, ExpertParallelExperts)]
-
-
-def _substitute(model_parameters, replaced: dict[int, nn.Parameter]):
-    if model_parameters is None:
-        return None
-    out = []
-    for item in model_parameters:  # tensors or param-group dicts, as initialize accepts them
-        if isinstance(item, dict):
-            out.append({**item, "params": [replaced.get(id(p), p) for p in item["params"]]})
-        else:
-            out.append(replaced.get(id(item), item))
-    return out
 
 
 # -- a plain state dict --------------------------------------------------------------------------------

@@ -132,8 +132,8 @@ def _mesh(model, mpu, mesh, sp: int, tp: int = 1) -> ParallelMesh:
     return mesh
 
 
-def _sequence_parallel_size(raw) -> int:
-    value = load_raw(raw).get("sequence_parallel_size", 1)
+def _sequence_parallel_size(loaded: dict) -> int:
+    value = loaded.get("sequence_parallel_size", 1)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"sequence_parallel_size must be a positive integer, got {value!r}")
     return value
@@ -151,7 +151,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         raise ConfigError("initialize: `model` is required (the torch.nn.Module to train)")
     raw = _config_source(args, config, config_params)
     comm.init_distributed(dist_init_required=dist_init_required)
-    mesh = _mesh(model, mpu, mesh, _sequence_parallel_size(raw), tensor_parallel_size(load_raw(raw)))
+    loaded = load_raw(raw)  # the layout keys, read once before the mesh exists
+    mesh = _mesh(model, mpu, mesh, _sequence_parallel_size(loaded), tensor_parallel_size(loaded))
     bind_expert_groups(model, mesh)  # Note [expert groups at initialize] (moe/layer.py)
     dp_group = mesh.group("dp")
     dp_world = mesh.size("dp")

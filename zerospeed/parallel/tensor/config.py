@@ -4,7 +4,7 @@ As in DeepSpeed (since 0.16.4), `initialize` applies AutoTP itself when the conf
 training loop does not change; a model already sharded (`tp_model_init`) is left as it is. The mesh's
 tensor axis has N ranks (adjacent ranks), data parallelism fills the rest. Sharding replaces modules,
 and with them their parameters, so the `model_parameters` the user passed (taken before sharding) are
-mapped to the sharded model's parameters by name; a client optimizer built over the unsharded
+mapped to the sharded model's parameters by name (`utils.param_groups.substitute_parameters`); a client optimizer built over the unsharded
 parameters cannot be mapped and is refused.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from zerospeed.config import ConfigError
 from zerospeed.parallel.tensor.autotp import shard_model
 from zerospeed.parallel.tensor.layers import TensorParallelModule
+from zerospeed.utils.param_groups import substitute_parameters
 
 
 def tensor_parallel_size(raw: dict) -> int:
@@ -28,22 +29,6 @@ def _refuse_unsupported(tp_cfg) -> None:
     if tp_cfg.kernel_inject:
         raise ConfigError("tensor_parallel.kernel_inject=true: zerospeed has no inference kernels to inject; "
                           "remove the key (AutoTP training shards the model's own modules)")
-
-
-def _remap(model_parameters, old_names: dict[int, str], new: dict[str, torch.nn.Parameter]):
-    def param(p):
-        name = old_names.get(id(p))
-        if name is None or name not in new:
-            raise ConfigError("tensor_parallel: a parameter in model_parameters is not one of the model's "
-                              "(by name) after AutoTP sharding; pass model.parameters() or param groups of it")
-        return new[name]
-
-    if model_parameters is None:
-        return None
-    items = list(model_parameters)
-    if items and isinstance(items[0], dict):
-        return [{**g, "params": [param(p) for p in g["params"]]} for g in items]
-    return [param(p) for p in items]
 
 
 def apply_autotp_config(model: torch.nn.Module, mesh, cfg, optimizer, model_parameters):
@@ -70,5 +55,10 @@ def apply_autotp_config(model: torch.nn.Module, mesh, cfg, optimizer, model_para
     old_names = {id(p): n for n, p in model.named_parameters()}
     if model_parameters is not None:
         model_parameters = list(model_parameters)  # a generator (model.parameters()) must yield the old ones
+        given = [p for item in model_parameters for p in (item["params"] if isinstance(item, dict) else [item])]
+        if any(id(p) not in old_names for p in given):
+            raise ConfigError("tensor_parallel: a parameter in model_parameters is not one of the model's; pass "
+                              "model.parameters() or param groups of it")
     shard_model(model, mesh.group("tp"), partition_config=tp_cfg.partition_config, preset_model=tp_cfg.preset_model)
-    return _remap(model_parameters, old_names, dict(model.named_parameters()))
+    new = dict(model.named_parameters())
+    return substitute_parameters(model_parameters, {i: new[n] for i, n in old_names.items() if n in new})
