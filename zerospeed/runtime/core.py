@@ -93,9 +93,6 @@ class EngineCore(torch.nn.Module):
     def _count_tensor_parallel_params_once(self, mesh) -> None:
         """Note [norm weights] (zero/strategy.py): the gradient norm spans the tensor-parallel ranks, a
         parameter held by r of them counting 1/r on each."""
-        if mesh.size("pp") > 1:
-            raise NotImplementedError("tensor parallelism inside pipeline stages is not supported yet; use pp=1 "
-                                      "with tensor_parallel, or a pipeline without it")
         from zerospeed.parallel.tensor.state import replica_counts
         counts = replica_counts(self.module, mesh.size("tp"))
         weights = {id(p): 1.0 / counts[name] for name, p in self.module.named_parameters()}

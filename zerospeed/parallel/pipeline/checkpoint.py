@@ -12,6 +12,14 @@ Layout of `save_dir/tag/`:
   and the layout that wrote the checkpoint.
 
 `latest` (the tag's name) is written last, after every rank finished.
+
+Note [full-layout layer files]: with tensor parallelism inside the stages, a layer's tensors are
+gathered over the tp group before they are written (tp rank 0 writes) and each loading rank takes
+its own piece by its layers' shard layouts (`zerospeed.parallel.tensor.partition.take`). So the
+per-layer files — module states, and at ZeRO stage 0 the fp32 masters and optimizer states — hold
+the full model whatever the tp degree that wrote them, and load at any stage count, tp degree and
+data-parallel size. ZeRO-1/2 flat files stay per rank (`..._mp_rank_TT_...` under tp) and load into
+the same layout only.
 """
 from __future__ import annotations
 
@@ -24,6 +32,8 @@ from zerospeed import comm
 from zerospeed.checkpoint.atomic import atomic_torch_save, atomic_write_text
 from zerospeed.checkpoint.naming import check_load_dir, check_save_dir
 from zerospeed.config.errors import ConfigError
+from zerospeed.parallel.tensor.partition import take
+from zerospeed.parallel.tensor.state import gather_full, param_layouts
 
 logger = logging.getLogger(__name__)
 
@@ -32,14 +42,45 @@ def layer_file(idx: int, kind: str = "model") -> str:
     return f"layer_{idx:02d}-{kind}_states.pt"
 
 
-def _cpu(state: dict) -> dict:
-    return {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
-
-
 def _layout(engine) -> dict:
     m = engine.module
-    return {"num_layers": m.num_layers, "pp": m.num_stages, "dp": m.grid.dp, "chunks": m.chunks,
+    return {"num_layers": m.num_layers, "pp": m.num_stages, "dp": m.grid.dp, "tp": m.grid.tp, "chunks": m.chunks,
             "bounds": list(m.bounds), "zero_stage": engine.zero.stage}
+
+
+class _TensorParallel:
+    """Gathers a layer's tensors to full size and takes a rank's piece back (Note [full-layout layer
+    files]); the identity without tensor parallelism."""
+
+    def __init__(self, engine):
+        self.group = engine.module.groups.group("tp")
+        self.size = engine.module.grid.tp
+        self.rank = engine.module.groups.rank_in("tp")
+        named = dict(engine.module.named_parameters())
+        self.specs = {id(named[n]): specs for n, specs in param_layouts(engine.module).items() if specs is not None}
+
+    def full(self, t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        specs = self.specs.get(id(param))
+        return t.detach().cpu().clone() if specs is None else gather_full(t, specs, self.group).cpu()
+
+    def piece(self, full: torch.Tensor, param: torch.Tensor, where) -> torch.Tensor:
+        specs = self.specs.get(id(param))
+        local = full if specs is None else take(full, specs[self.rank])
+        if local.shape != param.shape:
+            raise ConfigError(f"{where}: saved tensor of shape {tuple(full.shape)} does not give this rank's piece "
+                              f"of shape {tuple(param.shape)} (a different model width or layer list?)")
+        return local
+
+    def module_state(self, mod: torch.nn.Module) -> dict:
+        params = dict(mod.named_parameters())
+        out = {}
+        for k, v in mod.state_dict().items():
+            out[k] = self.full(v, params[k]) if k in params else v.detach().cpu().clone()
+        return out
+
+    def load_module(self, mod: torch.nn.Module, state: dict, where) -> dict:
+        params = dict(mod.named_parameters())
+        return {k: (self.piece(v, params[k], f"{where} [{k}]") if k in params else v) for k, v in state.items()}
 
 
 def _param_layers(engine) -> dict[int, list[tuple[int, str]]]:
@@ -66,18 +107,22 @@ def save_pipeline_checkpoint(engine, save_dir, tag=None, client_state=None, save
     path = root / tag
     path.mkdir(parents=True, exist_ok=True)
     module, dp_rank = engine.module, comm.get_rank(engine.dp_group)
+    tp = _TensorParallel(engine)
+    writes = tp.rank == 0  # the gathers below are collective over the tp group: every tp rank joins
     if dp_rank == 0:
         for idx in module.local_layer_indices():
             mod = module.layer_module(idx)
             if mod is not None:
-                atomic_torch_save(_cpu(mod.state_dict()), path / layer_file(idx))
+                state = tp.module_state(mod)
+                if writes:
+                    atomic_torch_save(state, path / layer_file(idx))
         if engine.zero.replicated_state and engine.optimizer is not None:
-            _save_layer_optim(engine, path)
+            _save_layer_optim(engine, path, tp, writes)
     if not engine.zero.replicated_state and engine.optimizer is not None:
         masters = [e.master.detach().cpu().clone() for e in engine.zero.shard_entries(
             {id(p): n for n, p in module.named_parameters()})]
         atomic_torch_save({"optimizer": engine.optimizer.state_dict(), "masters": masters, "layout": _layout(engine)},
-                          path / f"zero_pp_rank_{module.stage_id}_dp_rank_{dp_rank}_optim_states.pt")
+                          path / _flat_file(engine))
     if comm.get_rank() == 0:
         atomic_torch_save(_engine_state(engine, client_state), path / "engine_states.pt")
     comm.barrier()
@@ -87,15 +132,26 @@ def save_pipeline_checkpoint(engine, save_dir, tag=None, client_state=None, save
     return True
 
 
-def _save_layer_optim(engine, path: Path) -> None:
+def _flat_file(engine) -> str:
+    """A rank's ZeRO-1/2 optimizer file (DeepSpeed's names; `mp_rank` only under tensor parallelism)."""
+    m = engine.module
+    mp = f"_mp_rank_{m.groups.rank_in('tp'):02d}" if m.grid.tp > 1 else ""
+    return f"zero_pp_rank_{m.stage_id}_dp_rank_{comm.get_rank(engine.dp_group)}{mp}_optim_states.pt"
+
+
+def _save_layer_optim(engine, path: Path, tp: _TensorParallel, writes: bool) -> None:
     where = _param_layers(engine)
     per_layer: dict[int, dict] = {}
     for master, param in _masters(engine):
-        state = _cpu(engine.optimizer.state.get(master, {}))
+        state = {k: (tp.full(v, param) if isinstance(v, torch.Tensor) and v.shape == master.shape else
+                     (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v))
+                 for k, v in engine.optimizer.state.get(master, {}).items()}
+        full_master = tp.full(master, param)
         for idx, name in where.get(id(param), []):
-            per_layer.setdefault(idx, {})[name] = {"master": master.detach().cpu().clone(), "state": state}
-    for idx, entries in per_layer.items():
-        atomic_torch_save(entries, path / layer_file(idx, "optim"))
+            per_layer.setdefault(idx, {})[name] = {"master": full_master, "state": state}
+    if writes:
+        for idx, entries in per_layer.items():
+            atomic_torch_save(entries, path / layer_file(idx, "optim"))
 
 
 def _engine_state(engine, client_state) -> dict:
@@ -139,7 +195,7 @@ def load_pipeline_checkpoint(engine, load_dir, tag=None, strict: bool = True, lo
 
 
 def _load_modules(engine, path: Path, strict: bool) -> None:
-    device = engine.device
+    device, tp = engine.device, _TensorParallel(engine)
     for idx in engine.module.local_layer_indices():
         mod = engine.module.layer_module(idx)
         if mod is None:
@@ -148,7 +204,8 @@ def _load_modules(engine, path: Path, strict: bool) -> None:
         if not file.exists():
             raise FileNotFoundError(f"{file}: layer {idx} of this model has no saved state (was the checkpoint "
                                     "written by a different layer list?)")
-        mod.load_state_dict(torch.load(file, map_location=device, weights_only=True), strict=strict)
+        state = tp.load_module(mod, torch.load(file, map_location="cpu", weights_only=True), file)
+        mod.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=strict)
 
 
 def _load_optimizer(engine, path: Path, saved: dict) -> None:
@@ -162,11 +219,11 @@ def _load_optimizer(engine, path: Path, saved: dict) -> None:
                               "and load only into that stage and layout; pass load_optimizer_states=False")
         _load_layer_optim(engine, path)
         return
-    if {k: saved["layout"][k] for k in here} != here:
+    if {k: saved["layout"].get(k, 1 if k == "tp" else None) for k in here} != here:
         raise ConfigError(f"{path}: ZeRO-1 optimizer states were saved by layout {saved['layout']} and this job is "
                           f"{here}; they load only into the same layout. Pass load_optimizer_states=False to load "
                           "the module states alone, or save with ZeRO stage 0 to reshard optimizer states")
-    file = path / f"zero_pp_rank_{engine.module.stage_id}_dp_rank_{comm.get_rank(engine.dp_group)}_optim_states.pt"
+    file = path / _flat_file(engine)
     state = torch.load(file, map_location=engine.device, weights_only=False)
     engine.optimizer.load_state_dict(state["optimizer"])
     names = {id(p): n for n, p in engine.module.named_parameters()}
@@ -178,15 +235,20 @@ def _load_optimizer(engine, path: Path, saved: dict) -> None:
 
 def _load_layer_optim(engine, path: Path) -> None:
     where = _param_layers(engine)
+    tp = _TensorParallel(engine)
     cache: dict[int, dict] = {}
     with torch.no_grad():
         for master, param in _masters(engine):
             idx, name = where[id(param)][0]
+            file = path / layer_file(idx, "optim")
             if idx not in cache:
-                cache[idx] = torch.load(path / layer_file(idx, "optim"), map_location=engine.device,
-                                        weights_only=False)
+                cache[idx] = torch.load(file, map_location="cpu", weights_only=False)
             entry = cache[idx][name]
-            master.copy_(entry["master"])
-            engine.optimizer.state[master] = {k: (v.to(engine.device) if isinstance(v, torch.Tensor) and v.dim() > 0
-                                                  else v) for k, v in entry["state"].items()}
+            full = entry["master"]
+            master.copy_(tp.piece(full, param, f"{file} [{name}]"))
+            engine.optimizer.state[master] = {
+                k: (tp.piece(v, param, f"{file} [{name}.{k}]").to(engine.device)
+                    if isinstance(v, torch.Tensor) and v.shape == full.shape and v.dim() > 0 else
+                    v.to(engine.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                for k, v in entry["state"].items()}
     engine.zero.sync_params_from_masters()

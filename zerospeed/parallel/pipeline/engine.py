@@ -12,6 +12,13 @@ Note [one reduction per batch]: every micro-batch's backward runs with the strat
 `ReduceGrads` one extra backward feeds each parameter a zero gradient (tied weights: their summed
 gradient) with reduction on, which launches the strategy's data-parallel reduction through its own
 hooks, in its own order. Gradients cross stages first (tied sums), then ranks (data parallel).
+
+ZeRO-2 keeps no full-size gradient buffer, so there each micro-batch's backward is its own reduction
+(`begin_backward` / `end_micro_step` around it, as the ordinary engine does at every micro-step):
+its gradients are reduce-scattered into this rank's chunk right away, tied weights' contributions
+held back (zeroed by TiedGradients' hook) and reduced at `ReduceGrads` by the same extra backward.
+That is m + 1 reduce-scatters per batch of m micro-batches instead of one all-reduce — the price of
+gradient memory of 1/dp, which is why DeepSpeed refuses the combination rather than pay it.
 """
 from __future__ import annotations
 
@@ -69,10 +76,11 @@ class PipelineEngine(EngineCore):
     def __init__(self, module: PipelineModule, config, **kwargs):
         if not isinstance(module, PipelineModule):
             raise TypeError(f"PipelineEngine needs a PipelineModule, got {type(module).__name__}")
-        if config.zero_optimization.stage >= 2:
-            raise ConfigError(f"zero_optimization.stage={config.zero_optimization.stage}: ZeRO stages 2 and 3 "
-                              "cannot be combined with pipeline parallelism (as in DeepSpeed): gradients are "
-                              "produced micro-batch by micro-batch across the schedule; use stage 0 or 1")
+        if config.zero_optimization.stage >= 3:
+            raise ConfigError("zero_optimization.stage=3 cannot be combined with pipeline parallelism: a stage's "
+                              "parameters would be gathered and released once per micro-batch and per direction "
+                              "across the schedule; use stage 0, 1 or 2 (stage 2 shards gradients and optimizer "
+                              "states over the stage's data-parallel ranks)")
         # Tied-gradient hooks must be registered before the strategy's (Engine.__init__ builds it).
         module.to(get_accelerator().torch_device(comm.get_local_rank()))
         ties = TiedGradients(module)
@@ -83,8 +91,8 @@ class PipelineEngine(EngineCore):
         self.pp_group = module.groups.group("pp")
         self.transport = Transport(self.device)
         self.num_stages, self.stage_id, self.chunks = module.num_stages, module.stage_id, module.chunks
-        dp_index = module.grid.coords(self.global_rank)["dp"]
-        self._stage_rank = [module.grid.rank(pp=s, dp=dp_index) for s in range(self.num_stages)]
+        me = module.grid.coords(self.global_rank)  # Note [tensor parallelism inside stages] (module.py)
+        self._stage_rank = [module.grid.rank(pp=s, dp=me["dp"], tp=me["tp"]) for s in range(self.num_stages)]
         self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
         self._data_iter: Iterator | None = None
         self.activation_stats = {"peak_bytes": 0, "peak_micro_batches": 0}
@@ -113,11 +121,19 @@ class PipelineEngine(EngineCore):
 
     def grad_norm(self) -> float:
         """The norm over every stage: each stage's strategy knows its own (data-parallel reduced)
-        norm; tied weights are held by several stages but count once."""
-        sq = self.zero.global_grad_norm() ** 2 - self.ties.duplicate_sq_norm
-        t = torch.tensor([sq], dtype=torch.float64, device=self.device)
-        comm.all_reduce(t, op="sum", group=self.pp_group)
-        total = float(t.item())
+        norm; tied weights are held by several stages but count once. Under tensor parallelism the
+        strategy's norm already spans every rank (Note [norm weights] in zero/strategy.py), stages
+        included: the tied duplicates are then summed over every rank too, each data-parallel copy 1/dp."""
+        weights = self.zero.norm_weights
+        dup = torch.tensor([self.ties.duplicate_sq_norm], dtype=torch.float64, device=self.device)
+        if weights is not None:
+            dup /= self.dp_world_size
+            comm.all_reduce(dup, op="sum")
+            total = self.zero.global_grad_norm() ** 2 - float(dup.item())
+        else:
+            t = self.zero.global_grad_norm() ** 2 - dup
+            comm.all_reduce(t, op="sum", group=self.pp_group)
+            total = float(t.item())
         return (math.sqrt(max(total, 0.0)) if math.isfinite(total) else total) / self.loss_scale
 
     # -- batches ----------------------------------------------------------------------------------
@@ -235,7 +251,7 @@ class PipelineEngine(EngineCore):
             self._backward(ins, state)
             state.compute_s += time.perf_counter() - t0
         elif isinstance(ins, S.ReduceTiedGrads):
-            self.ties.reduce(self.dp_group)
+            self.ties.reduce(self.dp_group, self.zero.norm_weights)
         elif isinstance(ins, S.ReduceGrads):
             self._hand_grads_to_strategy()
         elif isinstance(ins, S.OptimizerStep):
@@ -301,6 +317,14 @@ class PipelineEngine(EngineCore):
         return out, total[0]
 
     def _backward(self, ins: S.BackwardPass, state: _BatchState) -> None:
+        reduce_now = not self.zero.supports_no_sync  # ZeRO-2: Note [one reduction per batch]
+        if reduce_now:
+            self.zero.begin_backward(sync=True)
+        self._run_backward(ins, state)
+        if reduce_now:
+            self.zero.end_micro_step()
+
+    def _run_backward(self, ins: S.BackwardPass, state: _BatchState) -> None:
         key = (ins.micro_batch, ins.chunk)
         if self._is_last_vs(ins.chunk):
             loss = state.loss_tensors.pop(ins.micro_batch)

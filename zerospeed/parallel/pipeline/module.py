@@ -5,8 +5,15 @@ and rank, shared by every layer with that key — e.g. the token embedding and t
 gradient is summed across the stages that hold it), plain modules, or plain callables.
 
 The list is split into `num_stages * chunks` parts (partition.py); part `vs` (a virtual stage) lives
-on pipeline stage `vs % num_stages` as its chunk `vs // num_stages`. The pipeline x data-parallel rank
+on pipeline stage `vs % num_stages` as its chunk `vs // num_stages`. The pipeline x data x tensor rank
 grid comes from `zerospeed.comm.RankGrid` and its process groups from `comm.ParallelGroups`.
+
+Note [tensor parallelism inside stages]: a stage's layers may be tensor-parallel (zerospeed.parallel.
+tensor layers); they need the tp group when they are built, so the layout is made first —
+`mesh = ParallelMesh.build(pp=P, tp=T)` — the layers are given `mesh.group("tp")`, and the module is
+given `topology=mesh` (its groups are reused, not made twice). Everything that pairs ranks across
+stages (activations, tied weights, the loss broadcast) pairs ranks with the same data- and
+tensor-parallel index, so each tp rank of a stage talks to the same tp rank of the next one.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from zerospeed import comm
+from zerospeed.comm.mesh import ParallelMesh
 from zerospeed.config.errors import ConfigError
 from zerospeed.parallel.pipeline.partition import partition
 from zerospeed.parallel.pipeline.topology import ProcessTopology
@@ -96,7 +104,7 @@ class PipelineModule(nn.Module):
     """The part of a layered model that this rank runs; see the module docstring."""
 
     def __init__(self, layers: list, num_stages: int | None = None,
-                 topology: comm.RankGrid | ProcessTopology | None = None,
+                 topology: comm.RankGrid | ProcessTopology | ParallelMesh | None = None,
                  loss_fn: Callable | None = None, seed_layers: bool = False, base_seed: int = 1234,
                  partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
                  chunks: int = 1):
@@ -106,7 +114,11 @@ class PipelineModule(nn.Module):
         if activation_checkpoint_interval < 0:
             raise ConfigError(f"activation_checkpoint_interval must be >= 0, got {activation_checkpoint_interval}")
         comm.init_distributed()
-        self.grid = _resolve_grid(num_stages, topology, comm.get_world_size())
+        mesh = topology if isinstance(topology, ParallelMesh) else None
+        if mesh is not None and mesh.grid is None:
+            raise ConfigError("PipelineModule: the mesh given as topology wraps an mpu's groups and has no rank grid; "
+                              "build it with ParallelMesh.build(pp=..., tp=...) instead")
+        self.grid = _resolve_grid(num_stages, mesh.grid if mesh is not None else topology, comm.get_world_size())
         self.num_stages, self.chunks = self.grid.pp, chunks
         if chunks < 1 or (chunks > 1 and self.num_stages < 2):
             raise ConfigError(f"PipelineModule: chunks={chunks}: interleaving needs chunks >= 1 and at least "
@@ -122,7 +134,7 @@ class PipelineModule(nn.Module):
         self.global_rank = comm.get_rank()
         self.stage_id = self.grid.coords(self.global_rank)["pp"]
         self.ties = self._tie_infos()
-        self.groups = comm.ParallelGroups.build(self.grid)
+        self.groups = comm.ParallelGroups(mesh) if mesh is not None else comm.ParallelGroups.build(self.grid)
         self.tie_groups = self._build_tie_groups()
         self.tied_modules = nn.ModuleDict()
         self.layer_modules = nn.ModuleDict()
@@ -162,20 +174,22 @@ class PipelineModule(nn.Module):
         return {k: TieInfo(k, tuple(sorted(stages[k])), attrs[k]) for k in sorted(stages)}
 
     def _build_tie_groups(self) -> dict[str, Any]:
-        """Per tied key held by several stages: the group of those stages at this data-parallel index.
+        """Per tied key held by several stages: the group of those stages at this data- and tensor-parallel
+        index (Note [tensor parallelism inside stages]).
 
         new_group is collective: every rank creates every group, in the same (sorted) order.
         """
         out = {}
-        dp_index = self.grid.coords(self.global_rank)["dp"]
+        me = self.grid.coords(self.global_rank)
         for key, tie in self.ties.items():
             if len(tie.stages) < 2:
                 continue
             for d in range(self.grid.dp):
-                ranks = [self.grid.rank(pp=s, dp=d) for s in tie.stages]
-                handle = None if len(ranks) == self.grid.world_size else comm.new_group(ranks)
-                if d == dp_index and self.stage_id in tie.stages:
-                    out[key] = (handle, ranks)
+                for t in range(self.grid.tp):
+                    ranks = [self.grid.rank(pp=s, dp=d, tp=t) for s in tie.stages]
+                    handle = None if len(ranks) == self.grid.world_size else comm.new_group(ranks)
+                    if (d, t) == (me["dp"], me["tp"]) and self.stage_id in tie.stages:
+                        out[key] = (handle, ranks)
         return out
 
     def _build(self, seed_layers: bool, base_seed: int) -> None:
@@ -260,8 +274,9 @@ def _resolve_grid(num_stages: int | None, topology: comm.RankGrid | ProcessTopol
                               f"the job has {world}")
         if num_stages is not None and num_stages != topology.pp:
             raise ConfigError(f"PipelineModule: num_stages={num_stages} disagrees with topology pp={topology.pp}")
-        if topology.sp != 1 or topology.tp != 1:
-            raise ConfigError("PipelineModule: only pipeline x data-parallel grids are supported (sp = tp = 1)")
+        if topology.sp != 1 or topology.ep != 1:
+            raise ConfigError(f"PipelineModule: topology {topology.shape} has sequence- or expert-parallel ranks; "
+                              "pipelines combine with data and tensor parallelism only (sp = ep = 1)")
         return topology
     if num_stages is None:
         raise ConfigError("PipelineModule: give num_stages or topology")

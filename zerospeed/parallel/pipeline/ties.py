@@ -45,8 +45,9 @@ class TiedGradients:
                 comm.broadcast(p.data, src=ranks[0], group=group)
 
     @torch.no_grad()
-    def reduce(self, dp_group) -> None:
-        """Sum over the holding stages; note the squared norm the non-owners would count twice."""
+    def reduce(self, dp_group, norm_weights: dict[int, float] | None = None) -> None:
+        """Sum over the holding stages; note the squared norm the non-owners would count twice (each
+        weight counted with its `norm_weights` share: 1/r for one replicated over r tensor-parallel ranks)."""
         self.duplicate_sq_norm = 0.0
         for key, params in self.params.items():
             group, ranks = self.module.tie_groups[key]
@@ -57,7 +58,8 @@ class TiedGradients:
                     # the gradient the strategy will hold after its data-parallel average
                     avg = self.acc[id(p)].clone()
                     comm.all_reduce(avg, op="avg", group=dp_group)
-                    self.duplicate_sq_norm += float(avg.double().pow(2).sum())
+                    weight = 1.0 if norm_weights is None else norm_weights.get(id(p), 1.0)
+                    self.duplicate_sq_norm += weight * float(avg.double().pow(2).sum())
 
     def zero(self) -> None:
         for acc in self.acc.values():
