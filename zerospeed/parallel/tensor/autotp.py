@@ -33,6 +33,7 @@ from zerospeed.comm import backend
 from zerospeed.parallel.tensor import partition as P
 from zerospeed.parallel.tensor.cross_entropy import VocabParallelCausalLMLoss
 from zerospeed.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from zerospeed.parallel.tensor.load import load_shards, safetensors_files
 from zerospeed.parallel.tensor.plan import Rule, first_match, resolve_rules
 
 # Attention attributes transformers models read in forward, by what they count.
@@ -227,10 +228,18 @@ def shard_model(model: nn.Module, group, *, partition_config: Any = None, preset
 
 
 def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = None, *, group=None, mesh=None,
-                  partition_config: Any = None, preset_model: str | None = None,
-                  vocab_parallel: bool = True) -> nn.Module:
+                  partition_config: Any = None, preset_model: str | None = None, vocab_parallel: bool = True,
+                  checkpoint: Any = None) -> nn.Module:
     """DeepSpeed's `tp_model_init(model, tp_size, dtype)`: cast (when `dtype` is given) and shard `model` in
-    place over the tp group — `mesh.group("tp")`, or `group` — whose size must be `tp_size`."""
+    place over the tp group — `mesh.group("tp")`, or `group` — whose size must be `tp_size`.
+
+    `checkpoint` (zerospeed's; DeepSpeed has none): a `save_pretrained` directory, a safetensors index,
+    file or list of files to load the weights from after sharding, each rank reading only its slices
+    (load.py). Meant for a model built on the meta device, which needs one."""
+    if checkpoint is None and any(p.is_meta for p in model.parameters()):
+        raise ValueError(f"tp_model_init: {type(model).__name__} is on the meta device and has no weights; pass "
+                         f"checkpoint=<save_pretrained directory or safetensors files>, e.g. "
+                         f"tp_model_init(model, {tp_size}, checkpoint=path), to load this rank's shards")
     if group is None and mesh is None and backend.get_world_size() != tp_size:
         from zerospeed.comm.mesh import ParallelMesh
         mesh = ParallelMesh.build(tp=tp_size)  # collective, as DeepSpeed's own tp group creation is
@@ -238,8 +247,13 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
         group = mesh.group("tp")
     if backend.get_world_size(group) != tp_size:
         raise ValueError(f"tp_model_init(tp_size={tp_size}): the tp group has {backend.get_world_size(group)} ranks")
+    files = None
+    if checkpoint is not None:
+        files = safetensors_files(checkpoint)  # before sharding: a bad path fails fast
     if dtype is not None:
         model.to(dtype)
     shard_model(model, group, partition_config=partition_config, preset_model=preset_model,
                 vocab_parallel=vocab_parallel)
+    if files is not None:
+        load_shards(model, files)
     return model

@@ -31,14 +31,28 @@ def _refuse_unsupported(tp_cfg) -> None:
                           "remove the key (AutoTP training shards the model's own modules)")
 
 
+def _refuse_meta_model(model: torch.nn.Module, tp: int) -> None:
+    """A model on the meta device has no weights to train: shard-on-load is tp_model_init's `checkpoint`."""
+    meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
+    if meta is None:
+        return
+    fix = (f"zerospeed.tp_model_init(model, {tp}, checkpoint=<save_pretrained directory>) before initialize, "
+           "which reads only this rank's slices" if tp > 1 else "build it on the CPU, or, for tensor parallelism, "
+           "call zerospeed.tp_model_init(model, N, checkpoint=<save_pretrained directory>) and set "
+           "tensor_parallel.autotp_size N")
+    raise ConfigError(f"initialize: the model is on the meta device (parameter {meta!r} has no storage), so there "
+                      f"is nothing to train; load its weights first: {fix}")
+
+
 def apply_autotp_config(model: torch.nn.Module, mesh, cfg, optimizer, model_parameters):
     """Shard `model` over the mesh's tensor axis when the config asks (returns the remapped
     `model_parameters`); a no-op without tensor parallelism or for an already sharded model."""
+    _refuse_meta_model(model, cfg.tensor_parallel.autotp_size)
     sharded = [m for m in model.modules() if isinstance(m, TensorParallelModule)]
     if cfg.tensor_parallel.autotp_size == 0 and not sharded:
         return model_parameters  # no AutoTP asked for (an mpu's own tensor parallelism is the model's business)
     if mesh.size("tp") == 1:
-        if sharded:
+        if sharded and sharded[0].tp_size > 1:  # (layers over a tp group of one rank are plain layers)
             raise ConfigError(f"the model is already sharded for tensor parallelism over {sharded[0].tp_size} ranks "
                               "(tp_model_init / shard_model) but the config has no tensor_parallel.autotp_size; add "
                               f'"tensor_parallel": {{"autotp_size": {sharded[0].tp_size}}} so that the engine reduces '
