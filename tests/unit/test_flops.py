@@ -141,3 +141,19 @@ def test_zero3_sharded_model_counts_full_parameters():
     prof.stop_profile()
     assert prof.get_total_flops() == gpt_forward_flops(2, 16, 64, 2, 256, 2)
     assert prof.get_total_params() == census_of_module(engine.module).total_params == 120_576
+
+
+def test_tp_size_counts_replicated_work_once_and_labels_per_rank():
+    # A model without tensor-parallel layers is replicated on every tp rank: its model totals are one rank's.
+    model = TinyMLP()
+    prof = FlopsProfiler(model, tp_size=2)
+    prof.start_profile()
+    model(torch.randn(3, 16))
+    prof.stop_profile()
+    assert prof.model_totals() == (prof.get_total_flops(), prof.get_total_macs(), prof.get_total_params()) \
+        == (11_160, 5_376, 1_864)
+    text = format_profile(prof, detailed=True)
+    assert "tensor-parallel size:          2" in text and "forward FLOPs of model:        11.16 KFLOPs" in text
+    assert "forward FLOPs per rank:        11.16 KFLOPs" in text and "inclusive of children, this rank" in text
+    with pytest.raises(ValueError, match="tp_size must be >= 1"):
+        FlopsProfiler(model, tp_size=0)

@@ -1,4 +1,5 @@
-"""Memory estimator: ZeRO model-state formulas for every stage and offload, a model census, a planner.
+"""Memory estimator: ZeRO model-state formulas for every stage and offload, a model census, a planner,
+and per-rank parameters / activations under tensor and pipeline parallelism (`layout`).
 
 DeepSpeed names: `estimate_zero2_model_states_mem_needs_all_live/_all_cold`,
 `estimate_zero3_model_states_mem_needs_all_live/_all_cold`. CLI: `zerospeed-estimate`.
@@ -11,10 +12,14 @@ from zerospeed.estimate.deepspeed_api import (EstimateRow, estimate_zero2_model_
                                               estimate_zero3_model_states_mem_needs_all_live, zero2_rows, zero3_rows)
 from zerospeed.estimate.formulas import (OPTIONS, Option, Precision, deepspeed_zero2_bytes, deepspeed_zero3_bytes,
                                          placed_model_states, stage_bytes, transformer_activation_bytes)
-from zerospeed.estimate.plan import PlanRow, Setup, plan_rows, recommend
+from zerospeed.estimate.layout import (TransformerShape, check_layout, layer_activation_bytes, stage_activation_bytes,
+                                       stage_params)
+from zerospeed.estimate.plan import PlanRow, Setup, layout_rows, plan_rows, recommend
 
 __all__ = [
-    "EstimateRow", "ModelCensus", "OPTIONS", "Option", "PlanRow", "Precision", "Setup", "census_of_config",
+    "EstimateRow", "ModelCensus", "OPTIONS", "Option", "PlanRow", "Precision", "Setup", "TransformerShape",
+    "census_of_config", "check_layout", "layer_activation_bytes", "layout_rows", "stage_activation_bytes",
+    "stage_params",
     "census_of_file", "census_of_module", "deepspeed_zero2_bytes", "deepspeed_zero3_bytes",
     "estimate_zero2_model_states_mem_needs_all_cold", "estimate_zero2_model_states_mem_needs_all_live",
     "estimate_zero3_model_states_mem_needs_all_cold", "estimate_zero3_model_states_mem_needs_all_live",

@@ -1,7 +1,8 @@
 """How big is the model? Parameter counts from a module, a transformers config.json or a GPT config.
 
 The estimator needs three numbers: total parameters, the largest layer's parameters (ZeRO-3 gathers
-one layer at a time) and, for activations, the transformer shape (layers, hidden, heads).
+one layer at a time) and, for activations, the transformer shape (layers, hidden, heads). Tensor and
+pipeline parallelism need every layer's sizes: a census from a config carries its `TransformerShape`.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zerospeed.estimate.layout import TransformerShape, largest_module_params, total_params
 from zerospeed.zero import full_numel
 
 
@@ -23,6 +25,7 @@ class ModelCensus:
     hidden: int | None = None
     heads: int | None = None
     seq_len: int | None = None
+    shape: TransformerShape | None = None
 
 
 def census_of_module(model) -> ModelCensus:
@@ -34,21 +37,13 @@ def census_of_module(model) -> ModelCensus:
 
 
 def transformer_params(*, layers: int, hidden: int, vocab: int, positions: int = 0, ffn: int | None = None,
-                       tied: bool = True, bias: bool = True, gated: bool = False) -> ModelCensus:
-    """Parameters of a standard decoder: attention 4h^2, MLP 2*h*ffn (3*h*ffn gated), norms, embeddings."""
-    ffn = ffn or 4 * hidden
-    mlp_mats = 3 if gated else 2
-    attn = 4 * hidden * hidden + (4 * hidden if bias else 0)
-    mlp = mlp_mats * hidden * ffn + ((ffn + hidden) if bias else 0)
-    norms = 2 * (2 * hidden if bias else hidden)
-    per_layer = attn + mlp + norms
-    embed = vocab * hidden + positions * hidden
-    head = 0 if tied else vocab * hidden
-    final_norm = 2 * hidden if bias else hidden
-    total = layers * per_layer + embed + head + final_norm
-    b = 1 if bias else 0
-    largest = max(vocab * hidden, (hidden + b) * ffn, (hidden + b) * 3 * hidden)
-    return ModelCensus(total, largest, layers, hidden, None, positions or None)
+                       tied: bool = True, bias: bool = True, gated: bool = False, heads: int | None = None,
+                       kv_heads: int | None = None, head_dim: int | None = None) -> ModelCensus:
+    """Parameters of a standard decoder: attention 4h^2 (less with fewer kv heads), MLP 2*h*ffn
+    (3*h*ffn gated), norms, embeddings; the count is `layout.total_params` of the shape."""
+    shape = TransformerShape(layers, hidden, vocab, heads, kv_heads, ffn, positions, tied, bias, gated, head_dim)
+    return ModelCensus(total_params(shape), largest_module_params(shape), layers, hidden, heads,
+                       positions or None, shape)
 
 
 def census_of_config(config: dict[str, Any]) -> ModelCensus:
@@ -56,8 +51,9 @@ def census_of_config(config: dict[str, Any]) -> ModelCensus:
     if "n_embd" in config:  # zerospeed.testing.models.GPTConfig (and GPT-2 style configs)
         c = transformer_params(layers=config["n_layer"], hidden=config["n_embd"], vocab=config["vocab_size"],
                                positions=config.get("block_size", config.get("n_positions", 0)),
-                               bias=config.get("bias", True))
-        return _with(c, heads=config["n_head"])
+                               bias=config.get("bias", True), ffn=config.get("n_inner"), heads=config["n_head"],
+                               tied=config.get("tie_word_embeddings", True))
+        return c
     needed = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
     missing = [k for k in needed if k not in config]
     if missing:
@@ -70,8 +66,10 @@ def census_of_config(config: dict[str, Any]) -> ModelCensus:
     c = transformer_params(layers=config["num_hidden_layers"], hidden=config["hidden_size"],
                            vocab=config["vocab_size"], ffn=config.get("intermediate_size"),
                            tied=config.get("tie_word_embeddings", True), bias=not gated, gated=gated,
-                           positions=0 if gated else config.get("max_position_embeddings", 0))
-    return _with(c, heads=config["num_attention_heads"], seq_len=config.get("max_position_embeddings"))
+                           positions=0 if gated else config.get("max_position_embeddings", 0),
+                           heads=config["num_attention_heads"], kv_heads=config.get("num_key_value_heads"),
+                           head_dim=config.get("head_dim"))
+    return _with(c, seq_len=config.get("max_position_embeddings"))
 
 
 def census_of_file(path: str | Path) -> ModelCensus:

@@ -2,16 +2,19 @@
 
     zerospeed-estimate --params 7.5B --devices-per-node 8 --nodes 8
     zerospeed-estimate --model-config config.json --micro-batch 4 --seq-len 2048 --device-memory 80
+    zerospeed-estimate --model-config config.json --devices-per-node 8 --tp 4 --pp 2 --seq-len 2048
+    zerospeed-estimate --model-config config.json --devices-per-node 8 --device-memory 80 --layouts
     zerospeed-estimate --measure --ranks 2
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from zerospeed.estimate.census import ModelCensus, census_of_file, parse_count
 from zerospeed.estimate.formulas import DTYPE_BYTES
-from zerospeed.estimate.plan import Setup, format_plan, plan_rows, recommend
+from zerospeed.estimate.plan import Setup, format_layouts, format_plan, layout_rows, plan_rows, recommend
 from zerospeed.zero.memory import OPTIMIZER_STATE_BYTES
 
 GB = 1e9
@@ -34,6 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, help="transformer layers (with --params, for activations)")
     p.add_argument("--hidden", type=int, help="hidden size (with --params, for activations)")
     p.add_argument("--heads", type=int, help="attention heads (with --params, for activations)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (needs --model-config)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (needs --model-config)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron sequence parallelism with --tp: activations all / tp")
+    p.add_argument("--micro-batches", type=int,
+                   help="micro-batches per step (gradient accumulation); with --pp, 1F1B holds min(pp, this)")
+    p.add_argument("--layouts", action="store_true",
+                   help="with --device-memory: every valid dp x tp x pp and its fastest option that fits")
     p.add_argument("--device-memory", type=float, help="GB (1e9 bytes) per device, for the recommendation")
     p.add_argument("--host-memory", type=float, help="GB (1e9 bytes) per node, for the recommendation")
     p.add_argument("--measure", action="store_true",
@@ -51,7 +62,7 @@ def _census(args) -> ModelCensus:
     else:
         raise ValueError("give --params or --model-config (or --measure)")
     if args.largest_layer:
-        c = ModelCensus(c.total_params, parse_count(args.largest_layer), c.layers, c.hidden, c.heads, c.seq_len)
+        c = replace(c, largest_layer_params=parse_count(args.largest_layer))
     return c
 
 
@@ -62,11 +73,21 @@ def run(args) -> str:
         return format_measurements(measure(world=args.ranks, stages=(0, 1, 2, 3)))
     census = _census(args)
     setup = Setup(args.devices_per_node, args.nodes, args.precision, args.optimizer, args.grad_dtype,
-                  args.micro_batch, args.seq_len)
+                  args.micro_batch, args.seq_len, tp=args.tp, pp=args.pp, sequence_parallel=args.sequence_parallel,
+                  micro_batches=args.micro_batches)
+    if args.layouts:
+        if not args.device_memory:
+            raise ValueError("--layouts needs --device-memory (GB per device) to pick an option per layout")
+        return format_layouts(layout_rows(census, setup, args.device_memory * GB,
+                                          args.host_memory * GB if args.host_memory else None), GB, "GB")
     rows = plan_rows(census, setup)
     out = [f"model: {census.total_params:,} parameters (largest layer {census.largest_layer_params:,}); "
-           f"{setup.nodes} node(s) x {setup.devices_per_node} device(s); {setup.precision}, {setup.optimizer}",
-           format_plan(rows, GB, "GB")]
+           f"{setup.nodes} node(s) x {setup.devices_per_node} device(s); {setup.precision}, {setup.optimizer}"]
+    if setup.tp * setup.pp > 1:
+        out.append(f"layout: dp {rows[0].dp} x tp {setup.tp} x pp {setup.pp}"
+                   + (" (sequence parallel)" if setup.sequence_parallel else "")
+                   + "; bytes per rank: tp rank 0 of the pipeline stage with the largest total")
+    out.append(format_plan(rows, GB, "GB"))
     if not any(r.device["activations"] for r in rows):
         out.append("activations: not estimated (give --model-config, or --layers/--hidden/--heads and --seq-len)")
     if args.device_memory:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zerospeed.estimate.layout import stage_activation_bytes
 from zerospeed.zero.memory import OPTIMIZER_STATE_BYTES, model_state_bytes
 
 # DeepSpeed's estimator multiplies host memory by this factor for pinned / staging buffers.
@@ -95,19 +96,21 @@ def placed_model_states(num_params: int, world_size: int, option: Option, prec: 
 
 
 def transformer_activation_bytes(*, layers: int, hidden: int, heads: int, seq_len: int, micro_batch: int,
-                                 checkpointing: bool, act_bytes: int = 2) -> float:
-    """Activation memory of one rank's micro-batch through a GPT-style transformer (no tensor parallel).
+                                 checkpointing: bool, act_bytes: int = 2, tp: int = 1,
+                                 sequence_parallel: bool = False, micro_batches_in_flight: int = 1) -> float:
+    """Activation memory of one rank's micro-batch(es) through `layers` GPT-style layers.
 
     Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models") count
-    s*b*h*(34 + 5*a*s/h) bytes per layer with 16-bit activations. With full activation checkpointing
-    each layer keeps only its 16-bit input (2*s*b*h) and one layer's activations are live again
-    while it is recomputed. `act_bytes` 4 doubles everything (fp32 activations).
+    s*b*h*(34 + 5*a*s/h) bytes per layer with 16-bit activations, s*b*h*(10 + 24/t + 5*a*s/(h*t)) at
+    tensor-parallel size t, and all of it / t with sequence parallelism (`layout.layer_activation_bytes`).
+    With full activation checkpointing each layer keeps only its 16-bit input (2*s*b*h) and one layer's
+    activations are live again while it is recomputed. `act_bytes` 4 doubles everything (fp32
+    activations); a pipeline stage multiplies by the micro-batches it holds (`layout.in_flight`).
     """
-    s, b, h, a = seq_len, micro_batch, hidden, heads
-    per_layer = s * b * h * (34 + 5 * a * s / h) * act_bytes / 2
-    if not checkpointing:
-        return layers * per_layer
-    return layers * 2 * s * b * h * act_bytes / 2 + per_layer
+    return stage_activation_bytes(layers=layers, seq_len=seq_len, micro_batch=micro_batch, hidden=hidden,
+                                  heads=heads, checkpointing=checkpointing, tp=tp,
+                                  sequence_parallel=sequence_parallel,
+                                  micro_batches_in_flight=micro_batches_in_flight, act_bytes=act_bytes)
 
 
 def deepspeed_zero2_bytes(total_params: int, num_gpus_per_node: int, num_nodes: int,

@@ -3,13 +3,21 @@
 `plan_rows` evaluates every `Option` (fastest first) with and without activation checkpointing;
 `recommend` picks the first row whose device total fits the device memory (and host total, the host
 memory when one is given). Activation rows need the transformer shape; without it they are 0.
+
+With tensor / pipeline parallelism (`Setup.tp`, `Setup.pp`) the data-parallel size ZeRO shards over
+is world / (tp x pp); every pipeline stage is evaluated (its tp rank 0's parameters, `layout.py`,
+and its activations with the micro-batches 1F1B keeps in flight) and a row reports the stage with the
+largest device total. `layout_rows` lists every valid (dp, tp, pp) of the world with its fastest fitting
+option.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from zerospeed.estimate.census import ModelCensus
 from zerospeed.estimate.formulas import OPTIONS, Option, Precision, placed_model_states, transformer_activation_bytes
+from zerospeed.estimate.layout import (check_layout, in_flight, largest_module_params, stage_layers, stage_params,
+                                       valid_tp)
 
 
 @dataclass(frozen=True)
@@ -23,10 +31,18 @@ class Setup:
     grad_dtype: str | None = None
     micro_batch: int = 1
     seq_len: int | None = None
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    micro_batches: int | None = None  # per step (gradient accumulation); bounds 1F1B's in-flight count
 
     @property
     def world_size(self) -> int:
         return self.devices_per_node * self.nodes
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
 
 
 @dataclass(frozen=True)
@@ -38,6 +54,10 @@ class PlanRow:
     device: dict[str, float]
     host_per_rank: dict[str, float]
     devices_per_node: int
+    stage: int = 0  # the pipeline stage these numbers are for (the largest)
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
 
     @property
     def device_total(self) -> float:
@@ -51,28 +71,65 @@ class PlanRow:
     def label(self) -> str:
         return self.option.label() + (", activation checkpointing" if self.checkpointing else "")
 
+    def layout_label(self) -> str:
+        return f"dp {self.dp} x tp {self.tp} x pp {self.pp}" + (f", pipeline stage {self.stage}" if self.pp > 1 else "")
 
-def activation_bytes(census: ModelCensus, setup: Setup, checkpointing: bool) -> float:
-    """Activation estimate for one micro-batch, or 0 when the transformer shape is unknown."""
+
+def activation_bytes(census: ModelCensus, setup: Setup, checkpointing: bool, stage: int = 0) -> float:
+    """Activation estimate for pipeline `stage` (all layers when pp = 1) on one rank, or 0 when the
+    transformer shape is unknown."""
     seq = setup.seq_len or census.seq_len
     if not (census.layers and census.hidden and census.heads and seq):
         return 0.0
-    return transformer_activation_bytes(layers=census.layers, hidden=census.hidden, heads=census.heads,
+    layers = stage_layers(census.layers, setup.pp)[stage]
+    return transformer_activation_bytes(layers=layers, hidden=census.hidden, heads=census.heads,
                                         seq_len=seq, micro_batch=setup.micro_batch, checkpointing=checkpointing,
-                                        act_bytes=4 if setup.precision == "fp32" else 2)
+                                        act_bytes=4 if setup.precision == "fp32" else 2, tp=setup.tp,
+                                        sequence_parallel=setup.sequence_parallel,
+                                        micro_batches_in_flight=in_flight(stage, setup.pp, setup.micro_batches))
+
+
+def rank_params(census: ModelCensus, setup: Setup) -> tuple[list[int], int]:
+    """(parameters on tp rank 0 of each pipeline stage, largest module there) for the setup's layout."""
+    if setup.tp * setup.pp == 1:
+        return [census.total_params], census.largest_layer_params
+    return stage_params(census.shape, setup.tp, setup.pp), largest_module_params(census.shape, setup.tp)
 
 
 def plan_rows(census: ModelCensus, setup: Setup) -> list[PlanRow]:
-    """Every option x {no checkpointing, checkpointing}, fastest first."""
+    """Every option x {no checkpointing, checkpointing}, fastest first; per row the largest stage."""
+    dp = check_layout(census.shape, setup.world_size, setup.tp, setup.pp, seq_len=setup.seq_len or census.seq_len,
+                      sequence_parallel=setup.sequence_parallel)
     prec = Precision.of(setup.precision, setup.optimizer, setup.grad_dtype)
+    per_stage, largest = rank_params(census, setup)
     rows = []
     for option in OPTIONS:
-        placed = placed_model_states(census.total_params, setup.world_size, option, prec,
-                                     census.largest_layer_params)
         for ckpt in (False, True):
-            device = dict(placed["device"], activations=activation_bytes(census, setup, ckpt))
-            rows.append(PlanRow(option, ckpt, device, placed["host"], setup.devices_per_node))
+            candidates = []
+            for stage, params in enumerate(per_stage):
+                placed = placed_model_states(params, dp, option, prec, largest)
+                device = dict(placed["device"], activations=activation_bytes(census, setup, ckpt, stage))
+                candidates.append(PlanRow(option, ckpt, device, placed["host"], setup.devices_per_node, stage,
+                                          setup.tp, setup.pp, dp))
+            rows.append(max(candidates, key=lambda r: (r.device_total, -r.stage)))
     return rows
+
+
+def layout_rows(census: ModelCensus, setup: Setup, device_memory: float,
+                host_memory: float | None = None) -> list[tuple[Setup, PlanRow | None]]:
+    """Every valid (tp, pp) for the setup's world, tp within a node (its all-reduces are per layer),
+    with the fastest option that fits (None when nothing does); most data parallelism first."""
+    out = []
+    tps = valid_tp(census.shape, limit=setup.devices_per_node) if census.shape else [1]
+    for tp in tps:
+        for pp in range(1, (census.layers or 1) + 1):
+            if setup.devices_per_node % tp or setup.world_size % (tp * pp):
+                continue
+            s = replace(setup, tp=tp, pp=pp)
+            if s.sequence_parallel and (s.seq_len or census.seq_len or 0) % tp:
+                continue
+            out.append((s, recommend(plan_rows(census, s), device_memory, host_memory)))
+    return sorted(out, key=lambda x: (-x[0].dp, x[0].tp, x[0].pp))
 
 
 def speed_rank(row: PlanRow) -> tuple[int, bool, int]:
@@ -100,7 +157,22 @@ def format_plan(rows: list[PlanRow], unit: float = 2**30, unit_name: str = "GiB"
     for r in rows:
         d = r.device
         optim = d["master_weights"] + d["optimizer_states"]
-        lines.append(f"{r.label():<75} | {d['parameters'] / unit:8.2f} | {d['gradients'] / unit:8.2f} | "
+        label = r.label() + (f" [pipeline stage {r.stage}]" if r.pp > 1 else "")
+        lines.append(f"{label:<75} | {d['parameters'] / unit:8.2f} | {d['gradients'] / unit:8.2f} | "
                      f"{optim / unit:8.2f} | {d['activations'] / unit:8.2f} | {r.device_total / unit:8.2f} | "
                      f"{r.host_total / unit:9.2f}")
+    return "\n".join(lines)
+
+
+def format_layouts(rows: list[tuple[Setup, PlanRow | None]], unit: float = 1e9, unit_name: str = "GB") -> str:
+    """A table: dp x tp x pp | fastest option that fits | its device total on the largest stage."""
+    head = f"{'dp x tp x pp':<14} | {'fastest option that fits':<75} | {'device':>8}   ({unit_name})"
+    lines = [head, "-" * len(head)]
+    for s, row in rows:
+        layout = f"{s.dp} x {s.tp} x {s.pp}"
+        if row is None:
+            lines.append(f"{layout:<14} | {'nothing fits':<75} | {'-':>8}")
+        else:
+            label = row.label() + (f" [pipeline stage {row.stage}]" if row.pp > 1 else "")
+            lines.append(f"{layout:<14} | {label:<75} | {row.device_total / unit:8.2f}")
     return "\n".join(lines)

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from zerospeed.profiling.peak import current_device_peak
-from zerospeed.profiling.profiler import FlopsProfiler
+from zerospeed.profiling.profiler import NO_GROUP, FlopsProfiler
 from zerospeed.profiling.report import format_profile, human
 
 logger = logging.getLogger(__name__)
@@ -16,12 +16,16 @@ logger = logging.getLogger(__name__)
 def get_model_profile(model: torch.nn.Module, input_shape: tuple[int, ...] | None = None, args=(), kwargs=None,
                       print_profile: bool = True, detailed: bool = True, module_depth: int = -1,
                       top_modules: int = 1, warm_up: int = 1, as_string: bool = True,
-                      output_file: str | None = None, ignore_modules=(), peak_flops: float | None = None):
+                      output_file: str | None = None, ignore_modules=(), peak_flops: float | None = None,
+                      tp_group=NO_GROUP, tp_size: int | None = None):
     """Run `model(*args, **kwargs)` (or on a random `input_shape` tensor) and return (flops, macs, params).
 
     `warm_up` unprofiled passes run first. The numbers are strings like '1.23 GFLOPs' unless
     `as_string` is False. The report goes to `output_file`, else stdout, when `print_profile`.
     `peak_flops` (FLOP/s) sets the MFU reference; default: the device table, none on CPU.
+    Tensor parallelism: the returned numbers are this rank's (its shards); the report adds the model's
+    totals over `tp_group` (None: the world group; every rank of it must call this, with the same
+    print_profile) or, without a group, `tp_size` ranks doing the same work (`FlopsProfiler`).
     """
     kwargs = dict(kwargs or {})
     if input_shape is not None:
@@ -29,7 +33,7 @@ def get_model_profile(model: torch.nn.Module, input_shape: tuple[int, ...] | Non
             raise ValueError("get_model_profile: give input_shape or args, not both")
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         args = (torch.ones(input_shape, device=device),)
-    prof = FlopsProfiler(model, ignore_modules=tuple(ignore_modules))
+    prof = FlopsProfiler(model, ignore_modules=tuple(ignore_modules), tp_group=tp_group, tp_size=tp_size)
     with torch.no_grad():
         for _ in range(warm_up):
             model(*args, **kwargs)

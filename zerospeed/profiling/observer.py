@@ -8,7 +8,8 @@ The engine calls, around each micro-step:
     close()                             at the end of training
 
 and the observer sequences the tools the config enables: the flops profiler (`flops_profiler`, on
-rank 0 at `profile_step`), phase timers (`wall_clock_breakdown`), the comm report
+rank 0 at `profile_step`; under tensor parallelism on every rank, for the model totals, printed by
+rank 0), phase timers (`wall_clock_breakdown`), the comm report
 (`comms_logger`, from `zerospeed.comm.STATS`), the monitors (`tensorboard`, `csv_monitor`, `wandb`,
 `comet`, written by rank 0), the `steps_per_print` progress line and `memory_breakdown`. With every
 tool off, `active` is False and each hook returns at once.
@@ -41,6 +42,11 @@ def _tokens(inputs: tuple) -> int | None:
     if isinstance(first, torch.Tensor) and first.dim() >= 2 and not first.is_floating_point():
         return first.numel()
     return None
+
+
+def _tp_size(engine) -> int:
+    mesh = getattr(engine, "mesh", None)
+    return mesh.size("tp") if mesh is not None else 1
 
 
 class EngineObserver:
@@ -88,7 +94,8 @@ class EngineObserver:
             self._last_time = self._clock()
         self._tokens += _tokens(inputs) or 0
         if self._profiling_now(engine) and self.profiler is None:
-            self.profiler = FlopsProfiler(engine.module)
+            self.profiler = FlopsProfiler(engine.module, engine,
+                                          recompute_fwd_factor=self.config.flops_profiler.recompute_fwd_factor)
             self.profiler.start_profile()
         if self.timing:
             self.timers.start("forward")
@@ -159,12 +166,19 @@ class EngineObserver:
         return format_comm_report(snapshot, kinds)
 
     def _profiling_now(self, engine) -> bool:
-        return self.profile and self.rank == 0 and engine.global_steps == self.config.flops_profiler.profile_step
+        # Under tensor parallelism every rank profiles: the model's totals are an all-reduce over tp.
+        here = self.rank == 0 or _tp_size(engine) > 1
+        return self.profile and here and engine.global_steps == self.config.flops_profiler.profile_step
 
     def _finish_profile(self, engine) -> None:
         if self.profiler is None:
             return
         fp = self.config.flops_profiler
+        if self.rank != 0:  # a tp rank: take part in the model totals' all-reduce, print nothing
+            self.profiler.model_totals()
+            self.profiler.end_profile()
+            self.profiler, self.profile = None, False
+            return
         text = format_profile(self.profiler, module_depth=fp.module_depth, top_modules=fp.top_modules,
                               detailed=fp.detailed, peak_flops=current_device_peak(), step=self._step_at_start,
                               batch_size=engine.train_micro_batch_size_per_gpu(),
