@@ -42,6 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _tensor_parallel(manifest: dict) -> str:
+    layout = manifest.get("parallel_layout", {})
+    tp = layout.get("tensor_parallel", 1)
+    return f"tensor parallel {tp} ({len(layout.get('shard_specs', {}))} sharded parameters), " if tp > 1 else ""
+
+
 def summary(tag_dir, manifest: dict) -> str:
     """A human-readable account of a manifest."""
     params = manifest["parameters"]
@@ -51,7 +57,7 @@ def summary(tag_dir, manifest: dict) -> str:
              f"tag               {manifest['tag']}",
              f"zerospeed         {manifest['zerospeed_version']} (torch {manifest['torch_version']})",
              f"layout            ZeRO stage {manifest['zero_stage']}, data parallel {manifest['dp_world_size']}, "
-             f"world {manifest['world_size']}, params {manifest['param_dtype']}",
+             f"{_tensor_parallel(manifest)}world {manifest['world_size']}, params {manifest['param_dtype']}",
              f"progress          step {manifest['global_steps']}, {manifest['global_samples']} samples",
              f"optimizer         {manifest['optimizer']['type']} ({manifest['optimizer']['param_groups']} groups)",
              f"parameters        {len(params)} tensors: {trainable:,} trainable, {frozen:,} frozen elements"]

@@ -1,9 +1,12 @@
 """Consolidation without processes or GPUs: one fp32 state dict from any zerospeed checkpoint.
 
 The trainable parameters come from the fp32 masters in the rank files (universal.py streams them
-one file at a time, memory-mapped), frozen parameters and buffers from the model states file; keys
+one file at a time, memory-mapped), frozen parameters and buffers from the model states file(s); keys
 follow the model's `state_dict()` order and tied names share one tensor, so the result loads with
-`strict=True` into the plain model. Peak memory is about one fp32 copy of the trainable parameters
+`strict=True` into the plain model. A tensor-parallel checkpoint gives the same: every tensor full, in
+the layout of the model before sharding (Note [canonical tensors] in tensor_parallel.py), which a
+transformers model reads with `from_pretrained` once exported (`convert_zero_checkpoint_to_fp32_state_dict`
+plus the model's config.json). Peak memory is about one fp32 copy of the trainable parameters
 plus the pages of the file being read.
 """
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.export import export_state_dict
 from zerospeed.checkpoint.manifest import read_manifest, verify_files
+from zerospeed.checkpoint.module_state import SavedModule
 from zerospeed.checkpoint.naming import MANIFEST, MODEL_STATES, CheckpointPaths, check_tag
 from zerospeed.checkpoint.tags import read_latest, resolve_tag_dir
 from zerospeed.checkpoint.universal import FP32, load_universal
@@ -52,7 +56,8 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag: str | None = N
     if (problem := verify_files(tag_dir, manifest, list(manifest["files"]))) is not None:
         raise CheckpointError(problem)
     masters = {n: t[FP32] for n, t in load_universal(tag_dir, manifest, keys={FP32}).tensors.items()}
-    saved = torch.load(tag_dir / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False)["module"]
+    saved = SavedModule(tag_dir, manifest,
+                        torch.load(tag_dir / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False))
     params, tied = manifest["parameters"], manifest["tied"]
     out: dict[str, torch.Tensor] = {}
     for key in manifest["module_keys"]:
@@ -63,7 +68,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag: str | None = N
             continue
         elif key in saved:
             # a frozen alias shares its tensor with the first name, as in the model
-            out[key] = out[name] if name in out and name != key else saved[key].clone()
+            out[key] = out[name] if name in out and name != key else saved.full(key).clone()
         elif key not in manifest.get("excluded_frozen", ()):
             raise CheckpointError(f"checkpoint {tag_dir}: {key!r} is in neither the rank files nor {MODEL_STATES}")
     del saved

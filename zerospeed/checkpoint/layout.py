@@ -38,18 +38,22 @@ class EntryLayout:
 @dataclass(frozen=True)
 class RankFile:
     """One rank's shard file and the entries in it (none for ranks > 0 at stage 0, where rank 0's
-    entries are everyone's)."""
+    entries are everyone's). `rank` is the data-parallel rank; `tp_rank` the tensor-parallel rank, whose
+    local tensors the pieces address (Note [canonical tensors] in tensor_parallel.py)."""
 
     rank: int
     file: str
     entries: tuple[EntryLayout, ...]
+    tp_rank: int = 0
 
     def to_json(self) -> dict:
-        return {"rank": self.rank, "file": self.file, "entries": [e.to_json() for e in self.entries]}
+        d = {"rank": self.rank, "file": self.file, "entries": [e.to_json() for e in self.entries]}
+        return {**d, "tp_rank": self.tp_rank} if self.tp_rank else d
 
     @classmethod
     def from_json(cls, d: dict) -> RankFile:
-        return cls(int(d["rank"]), d["file"], tuple(EntryLayout.from_json(e) for e in d["entries"]))
+        return cls(int(d["rank"]), d["file"], tuple(EntryLayout.from_json(e) for e in d["entries"]),
+                   int(d.get("tp_rank", 0)))
 
 
 def partition_from_manifest(manifest: dict) -> list[RankFile]:

@@ -1,10 +1,12 @@
-"""Loading: any checkpoint into an engine of any data-parallel world size and ZeRO stage 0-3.
+"""Loading: any checkpoint into an engine of any data-parallel and tensor-parallel size and ZeRO stage 0-3.
 
 Every rank checks the manifest against its model and verifies the checksums of the files it will
 read; a problem on any rank becomes the same error on all of them. A rank whose entries have exactly
-the layout of one saved rank file (same world size and bucketing) copies that file's tensors; any
-other layout is filled from the universal form (full per-parameter tensors, universal.py) of just
-the parameters its entries touch. Masters are then written back into the model on every rank.
+the layout of one saved rank file (same world size, tensor-parallel layout and bucketing) copies that
+file's tensors; any other layout is filled from the universal form (full per-parameter tensors,
+universal.py) of just the parameters its entries touch, cut to this rank's tensor-parallel pieces
+(Note [canonical tensors] in tensor_parallel.py) — so a checkpoint loads at any tp degree as well.
+Masters are then written back into the model on every rank.
 """
 from __future__ import annotations
 
@@ -17,13 +19,17 @@ import torch
 
 from zerospeed import comm
 from zerospeed.checkpoint.errors import CheckpointError, raise_if_any_rank_failed
-from zerospeed.checkpoint.experts import (CheckpointNames, checkpoint_names, is_expert_key, load_expert_files,
-                                          local_expert_files)
+from zerospeed.checkpoint.experts import CheckpointNames, is_expert_key, load_expert_files, local_expert_files
 from zerospeed.checkpoint.layout import RankFile, entry_groups, partition_from_manifest
-from zerospeed.checkpoint.manifest import check_model_compat, read_manifest, verify_files
-from zerospeed.checkpoint.naming import MODEL_STATES, CheckpointPaths, check_load_dir, optim_states_name
+from zerospeed.checkpoint.manifest import (check_model_compat, read_manifest, saved_layouts, tied_aliases,
+                                           verify_files)
+from zerospeed.checkpoint.module_state import SavedModule, local_module_state
+from zerospeed.checkpoint.naming import (MODEL_STATES, CheckpointPaths, check_load_dir, is_model_states_name,
+                                         optim_states_name)
 from zerospeed.checkpoint.rng import restore_rng_state
-from zerospeed.checkpoint.save import RESERVED_KEYS, _check_supported, sharded_param_names
+from zerospeed.checkpoint.save import (RESERVED_KEYS, Placement, _check_supported, engine_names, placement,
+                                       sharded_param_names)
+from zerospeed.checkpoint.tensor_parallel import layout_problem, reslice
 from zerospeed.checkpoint.tags import agree_on_tag, read_latest, resolve_tag_dir
 from zerospeed.checkpoint.universal import FP32, files_holding, load_universal
 from zerospeed.zero.shards import ShardEntry, fill_entry
@@ -35,6 +41,7 @@ logger = logging.getLogger(__name__)
 class _ReadList:
     tag_dir: Path
     manifest: dict
+    place: Placement
     entries: list[ShardEntry]
     direct: RankFile | None  # a saved rank file laid out exactly like this rank's entries
     names: set[str]  # trainable parameters this rank's entries hold pieces of
@@ -42,17 +49,34 @@ class _ReadList:
     files: list[str]  # everything this rank reads, to verify first
 
 
-def _matching_file(manifest: dict, entries: list[ShardEntry], rank: int) -> RankFile | None:
-    partition = partition_from_manifest(manifest)
-    if manifest["replicated"]:
-        candidate = partition[0]
-    elif rank < len(partition):
-        candidate = partition[rank]
-    else:
+def _matching_file(manifest: dict, entries: list[ShardEntry], place: Placement) -> RankFile | None:
+    if saved_layouts(manifest) != place.layouts:
+        return None
+    dp_rank = 0 if manifest["replicated"] else place.dp_rank
+    candidate = next((rf for rf in partition_from_manifest(manifest)
+                      if rf.rank == dp_rank and rf.tp_rank == place.tp_rank), None)
+    if candidate is None:
         return None
     same = len(candidate.entries) == len(entries) and all(
         lay.numel == e.master.numel() and lay.pieces == tuple(e.pieces) for lay, e in zip(candidate.entries, entries))
     return candidate if same else None
+
+
+def _model_files(manifest: dict) -> list[str]:
+    """The model-states files (MODEL_STATES first): every tp rank's when some tensor is sharded."""
+    if not saved_layouts(manifest):
+        return [MODEL_STATES]
+    return [MODEL_STATES] + sorted(n for n in manifest["files"] if is_model_states_name(n) and n != MODEL_STATES)
+
+
+def _check_layouts(manifest: dict, place: Placement, tag_dir: Path) -> None:
+    """Every sharded parameter of this engine can be cut out of the checkpoint's full tensor."""
+    for name, layout in place.layouts.items():
+        saved = manifest["parameters"].get(name)
+        if saved is not None and (problem := layout_problem(name, saved["shape"], layout, place.tp)) is not None:
+            raise CheckpointError(f"checkpoint {tag_dir}: {problem} (its full shape in the checkpoint is "
+                                  f"{saved['shape']}); build the model as it was when saved (the same model config "
+                                  "and tensor_parallel.partition_config)")
 
 
 def _weights_in_shards(engine, manifest: dict) -> bool:
@@ -61,23 +85,25 @@ def _weights_in_shards(engine, manifest: dict) -> bool:
 
 
 def _read_list(engine, tag_dir: Path, manifest: dict, *, strict: bool, with_optimizer: bool, module_only: bool,
-               names: CheckpointNames) -> _ReadList:
+               names: CheckpointNames, place: Placement) -> _ReadList:
     check_model_compat(manifest, engine.module, strict=strict, where=tag_dir, specs=names.specs)
-    rank = comm.get_rank()
+    _check_layouts(manifest, place, tag_dir)
     entries = engine.zero.shard_entries(names.params)
     expert_files = local_expert_files(names.spans)
+    model_files = _model_files(manifest)
     if module_only and not _weights_in_shards(engine, manifest):
-        return _ReadList(tag_dir, manifest, entries, None, set(), None, [MODEL_STATES] + expert_files)
+        return _ReadList(tag_dir, manifest, place, entries, None, set(), None, model_files + expert_files)
     if with_optimizer:
         _check_optimizer(engine.optimizer, manifest, tag_dir)
     saved_trainable = {n for n, s in manifest["parameters"].items() if s["trainable"]}
     names = {p.name for e in entries for p in e.pieces} & saved_trainable
-    direct = _matching_file(manifest, entries, rank)
-    rng_file = optim_states_name(rank) if rank < manifest["dp_world_size"] else None
-    files = [MODEL_STATES] + ([direct.file] if direct else files_holding(manifest, names))
+    direct = _matching_file(manifest, entries, place)
+    rng_file = optim_states_name(place.dp_rank, place.tp_rank)
+    rng_file = rng_file if rng_file in manifest["files"] else None
+    files = model_files + ([direct.file] if direct else files_holding(manifest, names))
     files += [rng_file] if rng_file and rng_file not in files else []
     files += expert_files
-    return _ReadList(tag_dir, manifest, entries, direct, names, rng_file, files)
+    return _ReadList(tag_dir, manifest, place, entries, direct, names, rng_file, files)
 
 
 def _check_optimizer(optimizer, manifest: dict, tag_dir: Path) -> None:
@@ -93,9 +119,11 @@ def _check_optimizer(optimizer, manifest: dict, tag_dir: Path) -> None:
                               "the weights only")
 
 
-def _load_module(engine, states: dict, manifest: dict, strict: bool, where: Path, spans) -> None:
+def _load_module(engine, states: dict, manifest: dict, strict: bool, where: Path, spans, place: Placement) -> None:
     sharded = sharded_param_names(engine.module)  # stage 3: filled from the shards, not the module state
-    module_state = {k: v for k, v in states["module"].items() if k not in sharded}
+    module_state = local_module_state(SavedModule(where, manifest, states), layouts=place.layouts,
+                                      tp_rank=place.tp_rank, tp=place.tp, tied=tied_aliases(engine.module),
+                                      skip=sharded)
     result = engine.module.load_state_dict(module_state, strict=False)
     if spans:  # Note [global expert names]: this rank's experts come from their own files
         load_expert_files(engine.module, spans, where, skip=sharded)
@@ -135,6 +163,9 @@ def _load_direct(reads: _ReadList, optimizer, with_optimizer: bool) -> None:
 def _load_resharded(reads: _ReadList, optimizer, with_optimizer: bool) -> None:
     uni = load_universal(reads.tag_dir, reads.manifest, names=reads.names,
                          keys=None if with_optimizer else {FP32})
+    place = reads.place
+    for name, full in uni.tensors.items():  # this rank's tensor-parallel piece of each full tensor
+        uni.tensors[name] = {k: reslice(t, place.layouts.get(name), place.tp_rank) for k, t in full.items()}
     groups = entry_groups(optimizer, [e.master for e in reads.entries])
     any_scalars = next(iter(uni.scalars.values()), {})
     # an entry of padding only (a small group's last chunks) still gets zero-filled elementwise states
@@ -189,7 +220,7 @@ def _restore_training_state(engine, states: dict, reads: _ReadList, with_optimiz
         restore_rng_state(rng)
     else:
         logger.warning("checkpoint %s was saved by %d ranks: rank %d has no saved RNG state and keeps its own",
-                       reads.tag_dir, reads.manifest["dp_world_size"], comm.get_rank())
+                       reads.tag_dir, reads.manifest["world_size"], comm.get_rank())
 
 
 def _resolve(engine, root: Path, tag) -> str | None:
@@ -204,7 +235,7 @@ def _resolve(engine, root: Path, tag) -> str | None:
 
 def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False):
-    """Collective: restore a checkpoint saved at any world size and ZeRO stage 0-3.
+    """Collective: restore a checkpoint saved at any world size, tensor-parallel degree and ZeRO stage 0-3.
 
     Returns (path of the model states file, client_state), or (None, None) with a warning when
     `tag` is None and `load_dir` has no `latest` file.
@@ -214,7 +245,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     tag = _resolve(engine, root, tag)
     if tag is None:
         return None, None
-    names = checkpoint_names(engine.module)  # collective with MoE layers (Note [global expert names])
+    place = placement(engine)
+    names = engine_names(engine, place)  # collective with MoE layers (Note [global expert names])
     start = time.perf_counter()
     with_optimizer = load_optimizer_states and not load_module_only
     reads, error = None, None
@@ -222,7 +254,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
         tag_dir = resolve_tag_dir(CheckpointPaths(root, tag))
         manifest = read_manifest(tag_dir)
         reads = _read_list(engine, tag_dir, manifest, strict=load_module_strict, with_optimizer=with_optimizer,
-                           module_only=load_module_only, names=names)
+                           module_only=load_module_only, names=names, place=place)
         if (problem := verify_files(tag_dir, manifest, reads.files)) is not None:
             raise CheckpointError(problem)
     except CheckpointError as exc:
@@ -246,7 +278,7 @@ def _load_states(engine, reads: _ReadList, with_optimizer: bool, load_module_onl
     states, error = None, None
     try:
         states = torch.load(reads.tag_dir / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False)
-        _load_module(engine, states, reads.manifest, load_module_strict, reads.tag_dir, spans)
+        _load_module(engine, states, reads.manifest, load_module_strict, reads.tag_dir, spans, reads.place)
         engine.zero.load_masters_from_params()
         # weights kept only in the shards: a module-only load reads their masters too
         if not load_module_only or _weights_in_shards(engine, reads.manifest):

@@ -18,9 +18,13 @@ from zerospeed.zero.stage3.registry import full_shape
 from zerospeed.checkpoint.atomic import atomic_write_text, sha256_file
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.naming import MANIFEST
+from zerospeed.checkpoint.tensor_parallel import Layouts, layouts_from_json
 
 FORMAT = "zerospeed-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Version 2 adds tensor-parallel pieces (parallel_layout.shard_specs, rank files' tp_rank), which a
+# version-1 reader would take for whole parameters; a checkpoint without them is still written as 1.
+PLAIN_FORMAT_VERSION = 1
 _SHOW = 8  # names listed in an error before "... and N more"
 
 
@@ -131,6 +135,15 @@ def read_manifest(tag_dir: Path) -> dict:
         raise CheckpointError(f"{path} has format version {manifest['format_version']}; this zerospeed reads "
                               f"up to {FORMAT_VERSION} — upgrade zerospeed")
     return _upgraded(manifest)
+
+
+def saved_layouts(manifest: dict) -> Layouts:
+    """The checkpoint's tensor-parallel layouts ({} when it was saved without tensor parallelism)."""
+    return layouts_from_json(manifest.get("parallel_layout", {}).get("shard_specs"))
+
+
+def saved_tp(manifest: dict) -> int:
+    return int(manifest.get("parallel_layout", {}).get("tensor_parallel", 1))
 
 
 def _upgraded(manifest: dict) -> dict:

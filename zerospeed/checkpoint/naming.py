@@ -1,8 +1,10 @@
 """Where each checkpoint file lives — DeepSpeed's names, so users' tooling and habits carry over.
 
     {dir}/latest                                           the newest complete tag (text)
-    {dir}/{tag}/mp_rank_00_model_states.pt                 module, scheduler, counters, config, client state
-    {dir}/{tag}/zero_pp_rank_{r}_mp_rank_00_optim_states.pt  rank r's fp32 shards, optimizer state, RNG
+    {dir}/{tag}/mp_rank_{t:02d}_model_states.pt            module (tp rank t's pieces), scheduler, counters,
+                                                           config, client state (t = 00 without tensor parallelism)
+    {dir}/{tag}/zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt  data-parallel rank d's fp32 shards, optimizer
+                                                           state and RNG, of tp rank t
     {dir}/{tag}/zerospeed_manifest.json                    layout, partition map, checksums (written last)
 
 A save is staged in `{dir}/.{tag}.partial` and renamed to `{dir}/{tag}` when complete (see Note
@@ -10,17 +12,28 @@ A save is staged in `{dir}/.{tag}.partial` and renamed to `{dir}/{tag}` when com
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-MODEL_STATES = "mp_rank_00_model_states.pt"
+MODEL_STATES = "mp_rank_00_model_states.pt"  # tp rank 0's: the one file that holds the training state
 MANIFEST = "zerospeed_manifest.json"
 LATEST = "latest"
 
 
-def optim_states_name(rank: int) -> str:
-    """File name of data-parallel rank `rank`'s shard."""
-    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+def model_states_name(tp_rank: int = 0) -> str:
+    """File name of tensor-parallel rank `tp_rank`'s model states (DeepSpeed's `mp_rank_XX`)."""
+    return f"mp_rank_{tp_rank:02d}_model_states.pt"
+
+
+def optim_states_name(rank: int, tp_rank: int = 0) -> str:
+    """File name of data-parallel rank `rank`'s shard of tensor-parallel rank `tp_rank`."""
+    return f"zero_pp_rank_{rank}_mp_rank_{tp_rank:02d}_optim_states.pt"
+
+
+def is_model_states_name(name: str) -> bool:
+    """A tp rank's model-states file (not an expert file, `layer_..._mp_rank_00_model_states.pt`)."""
+    return re.fullmatch(r"mp_rank_\d+_model_states\.pt", name) is not None
 
 
 def default_tag(global_steps: int) -> str:

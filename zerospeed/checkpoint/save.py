@@ -2,8 +2,9 @@
 
 Order of a save (each step finishes on every rank before the next begins):
   1. rank 0 empties the staging directory `.{tag}.partial`;
-  2. rank 0 writes mp_rank_00_model_states.pt, every rank its zero_pp_rank_{r}_... file (each through a
-     temporary name, fsync and rename) and hashes it;
+  2. data-parallel rank 0 of each tensor-parallel rank t writes mp_rank_{t:02d}_model_states.pt, every
+     rank its zero_pp_rank_{d}_mp_rank_{t:02d}_... file (each through a temporary name, fsync and
+     rename) and hashes it;
   3. rank 0 gathers the hashes and partition maps, writes the manifest and renames the staging
      directory to `{tag}` (Note [tag directory swap] in atomic.py);
   4. after a barrier, rank 0 rewrites `latest`.
@@ -11,8 +12,10 @@ A process killed at any point leaves `latest` naming a complete checkpoint.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,12 +27,14 @@ from zerospeed.checkpoint.errors import raise_if_any_rank_failed
 from zerospeed.checkpoint.experts import (CheckpointNames, checkpoint_names, expert_spans, is_expert_key,
                                           write_expert_files)
 from zerospeed.checkpoint.layout import EntryLayout, RankFile, entry_groups, split_state
-from zerospeed.checkpoint.manifest import (FORMAT, FORMAT_VERSION, dtype_name, file_record,
+from zerospeed.checkpoint.manifest import (FORMAT, FORMAT_VERSION, PLAIN_FORMAT_VERSION, dtype_name, file_record,
                                            tied_aliases, write_manifest)
-from zerospeed.checkpoint.naming import (MODEL_STATES, CheckpointPaths, check_save_dir, default_tag,
+from zerospeed.checkpoint.naming import (CheckpointPaths, check_save_dir, default_tag, model_states_name,
                                          optim_states_name)
 from zerospeed.checkpoint.rng import capture_rng_state
 from zerospeed.checkpoint.tags import agree_on_tag
+from zerospeed.checkpoint.tensor_parallel import (Layouts, canonical_shape, layouts_to_json, model_layouts,
+                                                  pack_pieces, writes)
 from zerospeed.zero.stage3.registry import full_shape, owner_of
 
 logger = logging.getLogger(__name__)
@@ -68,14 +73,67 @@ def compact_state_dict(sd: dict) -> dict:
 
 def _check_supported(engine, experts_ok: bool = False) -> None:
     """`experts_ok`: MoE layers' expert groups are fine (save/load_checkpoint name them globally, Note
-    [global expert names] in checkpoint/experts.py); other per-group reductions are not."""
-    if engine.world_size != engine.dp_world_size:
-        raise NotImplementedError("checkpoints with model (tensor/pipeline) parallelism are not supported yet: "
-                                  f"world size {engine.world_size} != data-parallel size {engine.dp_world_size}")
+    [global expert names] in checkpoint/experts.py); other per-group reductions are not. Tensor
+    parallelism is fine when zerospeed's tensor-parallel layers (AutoTP, parallel.tensor) say how each
+    parameter is split (Note [canonical tensors] in tensor_parallel.py)."""
+    mesh = engine.mesh
+    tp = mesh.size("tp")
+    if mesh.size("pp") > 1:
+        raise NotImplementedError("this engine has pipeline stages: its checkpoints are the pipeline engine's "
+                                  "(zerospeed.parallel.pipeline.checkpoint), not these")
+    if engine.world_size != engine.dp_world_size * tp:
+        raise NotImplementedError("checkpoints with sequence parallelism are not supported yet: world size "
+                                  f"{engine.world_size} != data-parallel size {engine.dp_world_size} x tensor-parallel "
+                                  f"size {tp}")
+    if tp > 1:
+        _check_tensor_parallel(engine, tp)
+        return
     if not engine.zero.uniform_reduction and not (experts_ok and expert_spans(engine.module)):
         raise NotImplementedError("checkpoints of models whose param groups reduce over different groups (expert "
                                   "param groups, 'moe': True) are not supported yet: expert weights differ across "
                                   "expert-parallel ranks and would be saved under one name")
+
+
+def _check_tensor_parallel(engine, tp: int) -> None:
+    from zerospeed.parallel.tensor.layers import TensorParallelModule
+    if not any(isinstance(m, TensorParallelModule) for m in engine.module.modules()):
+        raise NotImplementedError(f"checkpoints of a tensor-parallel engine (tp={tp}) whose model is split by its own "
+                                  "code: without zerospeed's tensor-parallel layers (AutoTP's "
+                                  '"tensor_parallel": {"autotp_size": N}, or zerospeed.parallel.tensor) the checkpoint '
+                                  "cannot know how each parameter is split; use those layers")
+    groups = engine.optimizer.param_groups if engine.optimizer is not None else []
+    if expert_spans(engine.module) or any(g.get("moe") for g in groups):
+        raise NotImplementedError("checkpoints of tensor-parallel models with MoE layers are not supported yet")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this rank sits in the checkpoint: its data- and tensor-parallel ranks, and the layouts of the
+    model's sharded parameters ({} without tensor parallelism)."""
+
+    dp_rank: int
+    tp_rank: int
+    tp: int
+    layouts: Layouts
+
+    def writes(self, name: str) -> bool:
+        """Whether this tp rank saves (its piece of) parameter or buffer `name` (a first name, not an alias)."""
+        return writes(self.layouts.get(name), self.tp_rank)
+
+
+def placement(engine) -> Placement:
+    mesh = engine.mesh
+    return Placement(mesh.rank_in("dp"), mesh.rank_in("tp"), mesh.size("tp"), model_layouts(engine.module))
+
+
+def engine_names(engine, place: Placement) -> CheckpointNames:
+    """`checkpoint_names`, with each sharded parameter's canonical full shape (Note [canonical tensors])."""
+    names = checkpoint_names(engine.module)  # collective with MoE layers (Note [global expert names])
+    if not place.layouts:
+        return names
+    specs = {n: {**s, "shape": canonical_shape(s["shape"], place.layouts.get(n), place.tp_rank)}
+             for n, s in names.specs.items()}
+    return dataclasses.replace(names, specs=specs)
 
 
 def _frozen_names(module: torch.nn.Module) -> list[str]:
@@ -87,11 +145,15 @@ def sharded_param_names(module: torch.nn.Module) -> set[str]:
     return {n for n, p in module.named_parameters(remove_duplicate=False) if owner_of(p) is not None}
 
 
-def _model_states(engine, client_state: dict, exclude_frozen: bool, spans=()) -> dict:
+def _model_states(engine, client_state: dict, exclude_frozen: bool, spans=(),
+                  place: Placement | None = None) -> dict:
     module = engine.module
     sd = module.state_dict()
     for name in sharded_param_names(module):  # stage 3: empty placeholders, the shards hold the values
         sd.pop(name, None)
+    if place is not None and place.tp > 1:  # each distinct piece once: replicated tensors from tp rank 0
+        tied = tied_aliases(module)
+        sd = {k: v for k, v in sd.items() if place.writes(tied.get(k, k))}
     for name in [k for k in sd if is_expert_key(k, spans)]:  # experts have files of their own
         sd.pop(name)
     if exclude_frozen:
@@ -114,31 +176,40 @@ def _model_states(engine, client_state: dict, exclude_frozen: bool, spans=()) ->
         "global_steps": engine.global_steps, "global_samples": engine.global_samples,
         "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
         "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
-        "dp_world_size": engine.dp_world_size, "mp_world_size": 1, "zero_stage": engine.zero.stage,
+        "dp_world_size": engine.dp_world_size, "mp_world_size": engine.mesh.size("tp"),
+        "zero_stage": engine.zero.stage,
         "ds_config": engine.config.model_dump(mode="json"), "ds_version": zerospeed.__version__,
     }
     states.update(client_state)
     return states
 
 
-def _rank_states(engine, rank: int, names: CheckpointNames) -> tuple[dict, list[EntryLayout]]:
-    """This rank's shard (its entries; when every rank holds the same state, only rank 0's — and, with
-    MoE layers, each expert's from rank 0 of its expert-data-parallel group) and RNG."""
+def _rank_states(engine, place: Placement, names: CheckpointNames) -> tuple[dict, list[EntryLayout]]:
+    """This rank's shard (its entries; when every rank holds the same state, only data-parallel rank 0's —
+    and, with MoE layers, each expert's from rank 0 of its expert-data-parallel group; under tensor
+    parallelism only the pieces this tp rank writes) and RNG."""
     entries = engine.zero.shard_entries(names.params)
-    if engine.zero.replicated_state:
-        entries = [e for e in entries if _writes_replicated(e, rank, names.spans)]
     opt = engine.optimizer
+    groups = entry_groups(opt, [e.master for e in entries])
+    if engine.zero.replicated_state:
+        kept = [i for i, e in enumerate(entries) if _writes_replicated(e, place.dp_rank, names.spans)]
+        entries, groups = [entries[i] for i in kept], [groups[i] for i in kept]
     records, layouts = [], []
-    for entry, group in zip(entries, entry_groups(opt, [e.master for e in entries])):
+    for entry, group in zip(entries, groups):
         state = opt.state.get(entry.master, {}) if opt is not None else {}
         elementwise, scalars = split_state(state, entry.master.numel())
-        records.append({"master": compact(entry.master.reshape(-1)),
-                        "state": {**{k: compact(state[k].reshape(-1)) for k in elementwise},
+        keep = {p.name for p in entry.pieces if place.writes(p.name)}
+        if not keep and entry.pieces:
+            continue  # every piece is another tp rank's to save
+        master, pieces = pack_pieces(entry.master.reshape(-1), entry.pieces, keep)
+        records.append({"master": compact(master),
+                        "state": {**{k: compact(pack_pieces(state[k].reshape(-1), entry.pieces, keep)[0])
+                                     for k in elementwise},
                                   **{k: state[k] for k in scalars}}})
-        layouts.append(EntryLayout(group, entry.master.numel(), tuple(entry.pieces), tuple(elementwise),
-                                   tuple(scalars)))
-    return {"rank": rank, "dp_world_size": engine.dp_world_size, "zero_stage": engine.zero.stage,
-            "entries": records, "rng": capture_rng_state(), "ds_version": zerospeed.__version__}, layouts
+        layouts.append(EntryLayout(group, master.numel(), tuple(pieces), tuple(elementwise), tuple(scalars)))
+    return {"rank": place.dp_rank, "tp_rank": place.tp_rank, "dp_world_size": engine.dp_world_size,
+            "zero_stage": engine.zero.stage, "entries": records, "rng": capture_rng_state(),
+            "ds_version": zerospeed.__version__}, layouts
 
 
 def _writes_replicated(entry, rank: int, spans) -> bool:
@@ -148,14 +219,22 @@ def _writes_replicated(entry, rank: int, spans) -> bool:
     return owner.writer if owner is not None else rank == 0
 
 
+def _parallel_layout(engine, place: Placement) -> dict:
+    layout = {"data_parallel": engine.dp_world_size, "tensor_parallel": place.tp, "pipeline_parallel": 1}
+    if place.layouts:  # Note [canonical tensors]: how each sharded parameter's pieces make its full tensor
+        layout["shard_specs"] = layouts_to_json(place.layouts)
+    return layout
+
+
 def _manifest(engine, tag: str, files: dict, partition: list[RankFile], excluded: list[str],
-              names: CheckpointNames) -> dict:
+              names: CheckpointNames, place: Placement) -> dict:
     module = engine.module
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "zerospeed_version": zerospeed.__version__,
+        "format": FORMAT, "format_version": FORMAT_VERSION if place.layouts else PLAIN_FORMAT_VERSION,
+        "zerospeed_version": zerospeed.__version__,
         "torch_version": torch.__version__, "tag": tag, "created_unix": time.time(),
         "world_size": engine.world_size, "dp_world_size": engine.dp_world_size, "zero_stage": engine.zero.stage,
-        "parallel_layout": {"data_parallel": engine.dp_world_size, "tensor_parallel": 1, "pipeline_parallel": 1},
+        "parallel_layout": _parallel_layout(engine, place),
         "param_dtype": dtype_name(engine.precision.param_dtype), "master_dtype": "float32",
         "global_steps": engine.global_steps, "global_samples": engine.global_samples,
         "optimizer": {"type": type(engine.optimizer).__name__ if engine.optimizer is not None else None,
@@ -174,12 +253,13 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
                     exclude_frozen_parameters: bool = False) -> bool:
     """Collective: save the engine's full training state under `save_dir/tag` (default global_step{N}).
 
-    Every rank must call it. The checkpoint loads at any world size and ZeRO stage (see
-    `load_checkpoint`); `client_state` (a dict) comes back from the load.
+    Every rank must call it. The checkpoint loads at any world size, tensor-parallel degree and ZeRO
+    stage (see `load_checkpoint`); `client_state` (a dict) comes back from the load.
     """
     root = check_save_dir(save_dir)
     _check_supported(engine, experts_ok=True)
-    names = checkpoint_names(engine.module)  # collective with MoE layers (Note [global expert names])
+    place = placement(engine)
+    names = engine_names(engine, place)  # collective with MoE layers (Note [global expert names])
     client_state = dict(client_state or {})
     clash = sorted(RESERVED_KEYS & set(client_state))
     if clash:
@@ -204,14 +284,15 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
 
     files, layouts = {}, []
     try:
-        if rank == 0:
-            model_states = _model_states(engine, client_state, exclude_frozen_parameters, names.spans)
-            atomic_torch_save(model_states, paths.staging / MODEL_STATES)
+        if place.dp_rank == 0:
+            model_states = _model_states(engine, client_state, exclude_frozen_parameters, names.spans, place)
+            name = model_states_name(place.tp_rank)
+            atomic_torch_save(model_states, paths.staging / name)
             del model_states
-            files[MODEL_STATES] = file_record(paths.staging / MODEL_STATES)
+            files[name] = file_record(paths.staging / name)
         with engine.zero.resident(engine.optimizer):  # NVMe-offloaded state: in memory while it is written
-            shard, layouts = _rank_states(engine, rank, names)
-            name = optim_states_name(rank)
+            shard, layouts = _rank_states(engine, place, names)
+            name = optim_states_name(place.dp_rank, place.tp_rank)
             atomic_torch_save(shard, paths.staging / name)
             del shard
         files[name] = file_record(paths.staging / name)
@@ -222,14 +303,15 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     files.update(expert_files)
     raise_if_any_rank_failed(error)
 
-    gathered = comm.all_gather_object((files, [e.to_json() for e in layouts]))
+    gathered = comm.all_gather_object((files, [e.to_json() for e in layouts], place.dp_rank, place.tp_rank))
     if rank == 0:
         try:
-            all_files = {k: v for f, _ in gathered for k, v in f.items()}
-            partition = [RankFile.from_json({"rank": r, "file": optim_states_name(r), "entries": lay})
-                         for r, (_, lay) in enumerate(gathered)]
+            all_files = {k: v for f, *_ in gathered for k, v in f.items()}
+            partition = sorted((RankFile.from_json({"rank": d, "tp_rank": t, "file": optim_states_name(d, t),
+                                                    "entries": lay}) for _, lay, d, t in gathered),
+                               key=lambda rf: (rf.tp_rank, rf.rank))
             excluded = _frozen_names(engine.module) if exclude_frozen_parameters else []
-            write_manifest(paths.staging, _manifest(engine, tag, all_files, partition, excluded, names))
+            write_manifest(paths.staging, _manifest(engine, tag, all_files, partition, excluded, names, place))
             swap_in_dir(paths.staging, paths.dir, paths.previous)
         except OSError as exc:
             error = f"could not finish checkpoint {paths.dir}: {exc}"
@@ -237,7 +319,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     if save_latest and rank == 0:
         atomic_write_text(paths.latest, tag)
     comm.barrier()
-    logger.info("saved checkpoint %s (%d rank files) in %.2fs", paths.dir, engine.dp_world_size,
+    logger.info("saved checkpoint %s (%d rank files) in %.2fs", paths.dir, engine.world_size,
                 time.perf_counter() - start)
     return True
 
@@ -250,14 +332,26 @@ def without_frozen(engine, state: dict, exclude: bool = True) -> dict:
     return {k: v for k, v in state.items() if k not in frozen}
 
 
+def _full_16bit_state(engine) -> dict:
+    """Collective: the whole model's state dict in its training dtype on rank 0 — stage-3 weights gathered
+    unit by unit; tensor-parallel ones gathered over the tp group into the layout of the model before
+    sharding (`parallel.tensor.full_state_dict`), so the file loads into the plain model."""
+    if engine.mesh.size("tp") == 1:
+        return engine.zero.full_state_dict()
+    from zerospeed.parallel.tensor.state import full_state_dict
+    from zerospeed.zero import GatheredParameters
+    with GatheredParameters(list(engine.module.parameters())):
+        state = full_state_dict(engine.module, engine.mesh.group("tp"))
+    return state if comm.get_rank() == 0 else {}
+
+
 def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin",
                      exclude_frozen_parameters: bool = False) -> bool:
     """Collective: rank 0 writes the module's state dict, in its training dtype, to save_dir/save_filename
     (without parameters that do not require grad, with `exclude_frozen_parameters`)."""
     _check_supported(engine)
     error = None
-    # collective: sharded weights are gathered unit by unit onto rank 0
-    state = without_frozen(engine, engine.zero.full_state_dict(), exclude_frozen_parameters)
+    state = without_frozen(engine, _full_16bit_state(engine), exclude_frozen_parameters)
     if comm.get_rank() == 0:
         try:
             Path(save_dir).mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,8 @@ streams the files one at a time (memory-mapped, so only the pieces it copies are
 piece into a full tensor per parameter: its fp32 master ("fp32") and each elementwise optimizer state
 (e.g. "exp_avg"). Resharding fills a new layout's entries from this form (`zero.shards.fill_entry`);
 consolidation returns its "fp32" tensors. Peak memory is the requested full tensors plus the pages of
-one file being copied.
+one file being copied (and, for a tensor-parallel checkpoint, the tp ranks' local pieces of them until
+each full tensor is assembled: Note [canonical tensors] in tensor_parallel.py).
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import torch
 
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.layout import partition_from_manifest
+from zerospeed.checkpoint.manifest import saved_layouts
+from zerospeed.checkpoint.tensor_parallel import assemble_full, local_shape, writer_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +55,14 @@ def files_holding(manifest: dict, names: set[str] | None) -> list[str]:
 
 def load_universal(tag_dir: Path, manifest: dict, *, names: set[str] | None = None,
                    keys: set[str] | None = None) -> UniversalState:
-    """Full tensors of the named trainable parameters (all when None) for `keys` (FP32 and every
-    elementwise optimizer state when None), assembled from the rank files of `tag_dir`."""
+    """Full (canonical) tensors of the named trainable parameters (all when None) for `keys` (FP32 and
+    every elementwise optimizer state when None), assembled from the rank files of `tag_dir`: each tp
+    rank's local tensor from its data-parallel pieces, then the full tensor from the tp ranks' pieces."""
     specs = manifest["parameters"]
+    layouts = saved_layouts(manifest)
     out = UniversalState()
-    spans: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
+    local: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # (name, tp rank) -> key -> flat local tensor
+    spans: dict[tuple[str, int, str], list[tuple[int, int]]] = defaultdict(list)
     for rf in partition_from_manifest(manifest):
         wanted = [(i, e) for i, e in enumerate(rf.entries)
                   if any(names is None or p.name in names for p in e.pieces)]
@@ -69,39 +75,55 @@ def load_universal(tag_dir: Path, manifest: dict, *, names: set[str] | None = No
             for piece in layout.pieces:
                 if names is not None and piece.name not in names:
                     continue
-                full = out.tensors.setdefault(piece.name, {})
+                flat = local.setdefault((piece.name, rf.tp_rank), {})
                 for key, src in sources.items():
                     if keys is not None and key not in keys:
                         continue
-                    if key not in full:
-                        full[key] = torch.zeros(prod(specs[piece.name]["shape"]), dtype=src.dtype)
-                    full[key][piece.param_offset:piece.param_offset + piece.numel].copy_(
+                    if key not in flat:
+                        shape = local_shape(specs[piece.name]["shape"], layouts.get(piece.name), rf.tp_rank)
+                        flat[key] = torch.zeros(prod(shape), dtype=src.dtype)
+                    flat[key][piece.param_offset:piece.param_offset + piece.numel].copy_(
                         src[piece.offset:piece.offset + piece.numel])
-                    spans[piece.name, key].append((piece.param_offset, piece.param_offset + piece.numel))
+                    spans[piece.name, rf.tp_rank, key].append((piece.param_offset, piece.param_offset + piece.numel))
                 out.scalars.setdefault(piece.name, {k: _own(record["state"][k]) for k in layout.scalars})
                 out.groups.setdefault(piece.name, layout.group)
         del data  # unmaps the file before the next one is opened
-    _check_coverage(out, spans, specs, names, keys, tag_dir)
-    for name, full in out.tensors.items():
-        for key in full:
-            full[key] = full[key].view(specs[name]["shape"])
+    _check_coverage(local, spans, specs, layouts, names, keys, tag_dir)
+    for name in dict.fromkeys(n for n, _ in local):
+        out.tensors[name] = _assembled(local, name, specs[name]["shape"], layouts.get(name))
     return out
+
+
+def _assembled(local: dict, name: str, shape: list[int], layout) -> dict[str, torch.Tensor]:
+    """key -> the full tensor of `name`, from (and freeing) the writer tp ranks' flat local tensors; a key
+    some writer lacks (an optimizer state dropped for gaps) is left out."""
+    ranks = writer_ranks(layout)
+    per_rank = [local.pop((name, r), {}) for r in ranks]
+    common = set.intersection(*(set(d) for d in per_rank))
+    return {key: assemble_full({r: d[key].view(local_shape(shape, layout, r)) for r, d in zip(ranks, per_rank)},
+                               layout).view(shape) for key in sorted(common)}
 
 
 def _own(value):
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
-def _check_coverage(out: UniversalState, spans, specs, names, keys, tag_dir) -> None:
+def _check_coverage(local, spans, specs, layouts, names, keys, tag_dir) -> None:
+    """Every element of every expected parameter's master is in some rank file (else CheckpointError);
+    an optimizer state with gaps is dropped (with a warning), the parameter's other states kept."""
     expected = [n for n, s in specs.items() if s["trainable"] and (names is None or n in names)]
     for name in expected:
-        numel = prod(specs[name]["shape"])
-        full = out.tensors.get(name, {})
-        if (keys is None or FP32 in keys) and (gaps := uncovered(spans[name, FP32], numel)):
-            raise CheckpointError(f"checkpoint {tag_dir}: elements {gaps} of parameter {name!r} are in no rank "
-                                  "file — the partition map does not cover it")
-        for key in [k for k in full if k != FP32]:
-            if gaps := uncovered(spans[name, key], numel):
-                logger.warning("checkpoint %s: optimizer state %r of %s misses elements %s; dropping it",
-                               tag_dir, key, name, gaps)
-                del full[key]
+        layout = layouts.get(name)
+        for r in writer_ranks(layout):
+            numel = prod(local_shape(specs[name]["shape"], layout, r))
+            flat = local.get((name, r), {})
+            where = f"tp rank {r}'s piece of parameter {name!r}" if layout is not None else f"parameter {name!r}"
+            if (keys is None or FP32 in keys) and (gaps := uncovered(spans[name, r, FP32], numel)):
+                raise CheckpointError(f"checkpoint {tag_dir}: elements {gaps} of {where} are in no rank file (its "
+                                      f"pieces belong in zero_pp_rank_*_mp_rank_{r:02d}_optim_states.pt) — the "
+                                      "partition map does not cover it; the checkpoint is incomplete, save it again")
+            for key in [k for k in flat if k != FP32]:
+                if gaps := uncovered(spans[name, r, key], numel):
+                    logger.warning("checkpoint %s: optimizer state %r of %s misses elements %s; dropping it",
+                                   tag_dir, key, where, gaps)
+                    del flat[key]

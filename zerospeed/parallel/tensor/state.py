@@ -88,3 +88,11 @@ def full_state_dict(model: nn.Module, group) -> dict[str, torch.Tensor]:
         if name not in out:
             out[name] = value.detach().clone()
     return out
+
+
+def transposed_params(model: nn.Module) -> set[str]:
+    """Names (as `named_parameters()` yields them) of the weights whose full tensor in `full_state_dict` is
+    the transpose of the sharded layer's [out, in] layout: transformers Conv1D weights, [in, out]."""
+    ids = {id(m.weight) for m in model.modules()
+           if isinstance(m, TensorParallelModule) and m.source_transposed and getattr(m, "weight", None) is not None}
+    return {name for name, p in model.named_parameters() if id(p) in ids}
