@@ -45,16 +45,17 @@ ZERO_TESTED_OPTIMIZERS: tuple[type, ...] = (
     Lion,
 )
 
-# DeepSpeed's compressed-communication and muP optimizers.
+# DeepSpeed's muP optimizers and Muon.
 _NOT_IMPLEMENTED = {
-    "onebitadam": "OneBitAdam",
-    "zerooneadam": "ZeroOneAdam",
-    "onebitlamb": "OneBitLamb",
     "muadam": "MuAdam",
     "muadamw": "MuAdamW",
     "musgd": "MuSGD",
     "muon": "Muon",
 }
+
+# DeepSpeed's compressed-communication optimizers (zerospeed/runtime/fp16/onebit), bound to the engine
+# after it is built (Note [the engine's backward all-reduce] in onebit/base.py).
+_ONE_BIT = {"onebitadam": "OnebitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OnebitLamb"}
 
 _ADAM_EXTRAS = ("torch_adam", "adam_w_mode", "bias_correction", "set_grad_none")
 _LION_EXTRAS = ("set_grad_none",)
@@ -106,8 +107,8 @@ def is_zero_tested_optimizer(optimizer: Any) -> bool:
 
 
 def _check_zero_tested(optimizer: Any) -> None:
-    if is_zero_tested_optimizer(optimizer):
-        return
+    if is_zero_tested_optimizer(optimizer) or hasattr(optimizer, "bind_engine"):
+        return  # (the 1-bit optimizers refuse sharded states themselves, with the reason, when bound)
     tested = [c.__name__ for c in ZERO_TESTED_OPTIMIZERS]
     why = " (its per-tensor trust ratio is wrong on ZeRO shards)" if isinstance(optimizer, Lamb) else ""
     raise ConfigError(
@@ -134,7 +135,7 @@ def _from_client(client: Any, model_parameters: Iterable[Any]) -> torch.optim.Op
 
 
 def _from_config(opt_type: str, params: dict[str, Any], groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    if "max_grad_norm" in params:
+    if "max_grad_norm" in params and opt_type.lower() not in _ONE_BIT:  # (1-bit ones take it, and refuse non-zero)
         raise ConfigError("optimizer.params.max_grad_norm: not supported; use the top-level gradient_clipping")
     cls, params, extras = _resolve(opt_type, params)
     check_params(params, cls, "optimizer.params", extra_accepted=extras)
@@ -158,6 +159,11 @@ def _resolve(opt_type: str, params: dict[str, Any]) -> tuple[type, dict[str, Any
         )
     if key in ("adam", "adamw"):
         return (*_adam_params(params, force_decoupled=key == "adamw"), _ADAM_EXTRAS)
+    if key in _ONE_BIT:
+        from zerospeed.runtime.fp16 import onebit
+        if isinstance(params.get("betas"), list):
+            params["betas"] = tuple(params["betas"])
+        return getattr(onebit, _ONE_BIT[key]), params, ()
     if key == "lion":
         params.pop("set_grad_none", None)
         # DeepSpeed's FusedLion defaults, not the paper's (our Lion class has the paper's).

@@ -30,6 +30,10 @@ logger = get_logger(__name__)  # Note [rank-0 logging]
 class EngineCore(torch.nn.Module):
     """Precision, ZeRO strategy, optimizer, scheduler, loss scaler and counters around `module`."""
 
+    enable_backward_allreduce = True
+    """DeepSpeed's switch: False leaves each rank's gradients unreduced at the accumulation boundary (the
+    1-bit optimizers' compressed stages; Note [the engine's backward all-reduce] in runtime/fp16/onebit)."""
+
     def __init__(self, module: torch.nn.Module, config, *, param_groups, optimizer_factory, scheduler_factory,
                  mesh, training_dataloader=None):
         super().__init__()
@@ -60,6 +64,8 @@ class EngineCore(torch.nn.Module):
         if self.precision.mixed:
             self.module.to(self.precision.param_dtype)
         self.optimizer = optimizer_factory(self.zero)
+        if hasattr(self.optimizer, "bind_engine"):  # 1-bit optimizers steer enable_backward_allreduce
+            self.optimizer.bind_engine(self)
         self.zero.bind_optimizer(self.optimizer)  # the optimizer whose states the safe_get_* accessors read
         if getattr(self.zero, "plan", None) is not None and self.zero.plan.optimizer != "none":
             use_fused_cpu_step(self.optimizer)  # the offloaded step: torch's fused CPU Adam on flat shards

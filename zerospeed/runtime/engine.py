@@ -59,7 +59,8 @@ class Engine(EngineCore):
             raise RuntimeError("engine.backward: the loss does not require grad (was it computed under "
                                "torch.no_grad() or engine.eval()?)")
         scaled = self.scale_loss(loss, scale_wrt_gas)
-        self.zero.begin_backward(sync=self.is_gradient_accumulation_boundary() and not self._inside_no_sync)
+        self.zero.begin_backward(sync=self.is_gradient_accumulation_boundary() and not self._inside_no_sync
+                                 and self.enable_backward_allreduce)
         self.observer.on_backward_start(self, loss)
         scaled.backward(retain_graph=retain_graph)
         # the micro-step's reduction settles here, not in step(): accelerate (and so the stock

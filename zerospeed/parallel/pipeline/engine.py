@@ -73,6 +73,9 @@ def _repeat(loader) -> Iterator:
 class PipelineEngine(EngineCore):
     """Trains a `PipelineModule` with 1F1B (interleaved when the module has chunks > 1)."""
 
+    pipeline_enable_backward_allreduce = True
+    """DeepSpeed's pipeline form of `enable_backward_allreduce` (the 1-bit optimizers turn it off)."""
+
     def __init__(self, module: PipelineModule, config, **kwargs):
         if not isinstance(module, PipelineModule):
             raise TypeError(f"PipelineEngine needs a PipelineModule, got {type(module).__name__}")
@@ -351,7 +354,7 @@ class PipelineEngine(EngineCore):
                  for p in params]
         self.ties.capturing = False
         try:
-            self.zero.begin_backward(sync=True)
+            self.zero.begin_backward(sync=self.pipeline_enable_backward_allreduce)
             torch.autograd.backward(params, grads)
         finally:
             self.ties.capturing = True
