@@ -79,10 +79,45 @@ def test_unknown_name_lists_closest():
     assert "optimizer.type: unknown optimizer 'Adamm'" in msg and "'Adam'" in msg
 
 
-@pytest.mark.parametrize("name", ["OneBitAdam", "ZeroOneAdam", "OneBitLamb", "MuAdam", "MuAdamW", "MuSGD"])
-def test_compressed_and_mup_optimizers_not_implemented(name):
+@pytest.mark.parametrize("name", ["MuAdam", "MuAdamW", "MuSGD"])
+def test_mup_optimizers_not_implemented(name):
     with pytest.raises(ConfigError, match=f"optimizer.type: '{name}'.*not implemented yet"):
         build_optimizer(name, {}, params())
+
+
+@pytest.mark.parametrize("name,cls,key,default", [("OneBitAdam", "OnebitAdam", "freeze_step", 100000),
+                                                  ("ZeroOneAdam", "ZeroOneAdam", "var_freeze_step", 100000),
+                                                  ("OneBitLamb", "OnebitLamb", "freeze_step", 100000)])
+def test_one_bit_optimizers_by_config_name_with_deepspeed_defaults(name, cls, key, default):
+    opt = build_optimizer(name, {"lr": 1e-3, "betas": [0.9, 0.99], "comm_backend_name": "nccl", "cuda_aware": False},
+                          params(), allow_untested=False)
+    assert type(opt).__name__ == cls and getattr(opt, key) == default
+    assert opt.param_groups[0]["betas"] == (0.9, 0.99)
+    with pytest.raises(ConfigError, match="max_grad_norm"):
+        build_optimizer(name, {"max_grad_norm": 1.0}, params())
+    with pytest.raises(ConfigError, match="comm_backend_name"):
+        build_optimizer(name, {"comm_backend_name": "carrier-pigeon"}, params())
+
+
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_one_bit_adam_warm_up_is_adam(bias_correction):
+    """Before freeze_step, on one process: torch's Adam (bias-corrected), or DeepSpeed's m / (sqrt(v) + eps)."""
+    from zerospeed.runtime.fp16.onebit import OnebitAdam
+    torch.manual_seed(0)
+    w0 = torch.randn(5, 3)
+    a, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    ours = OnebitAdam([a], lr=0.01, freeze_step=100, bias_correction=bias_correction)
+    torch_adam = torch.optim.Adam([b], lr=0.01)
+    m = v = torch.zeros_like(w0)
+    manual = w0.clone()
+    for t in range(1, 6):
+        g = torch.randn(5, 3)
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        torch_adam.step()
+        m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
+        manual -= 0.01 * m / (v.sqrt() + 1e-8)
+    torch.testing.assert_close(a.detach(), b.detach() if bias_correction else manual, atol=1e-6, rtol=0)
 
 
 def test_max_grad_norm_points_to_gradient_clipping():
