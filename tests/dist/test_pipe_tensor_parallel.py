@@ -19,6 +19,7 @@ from zerospeed.comm.mesh import ParallelMesh
 from zerospeed.parallel.pipeline.gpt_layers import TensorParallelLoss, gpt_layer_specs, lm_loss
 from zerospeed.parallel.tensor import gather_full, param_layouts
 from zerospeed.pipe import PipelineModule
+from zerospeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from zerospeed.testing import reference_train, run_distributed, split_global_batch
 from zerospeed.testing.census import live_tensor_bytes
 from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus
@@ -41,13 +42,19 @@ def global_batches(dp: int, steps: int):
     return [(xs[s * n:(s + 1) * n], ys[s * n:(s + 1) * n]) for s in range(steps)]
 
 
-def train(pp: int, tp: int, stage: int, steps: int) -> dict:
-    """One pipeline engine over the whole world: pp stages x tp ranks x (the rest) data parallel."""
+def train(pp: int, tp: int, stage: int, steps: int, deepspeed_topology: bool = False) -> dict:
+    """One pipeline engine over the whole world: pp stages x tp ranks x (the rest) data parallel.
+    `deepspeed_topology`: the module gets DeepSpeed's PipeModelDataParallelTopology (the layers the tp
+    group of a mesh made from it)."""
     gc.collect()
     before = live_tensor_bytes()
     mesh = ParallelMesh.build(pp=pp, tp=tp)
+    topology = mesh
+    if deepspeed_topology:
+        topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=comm.get_world_size() // (pp * tp))
+        mesh = ParallelMesh.from_grid(topology.to_grid())
     group = mesh.group("tp") if tp > 1 else None
-    module = PipelineModule(gpt_layer_specs(MODEL, build_gpt(), tp_group=group), topology=mesh,
+    module = PipelineModule(gpt_layer_specs(MODEL, build_gpt(), tp_group=group), topology=topology,
                             loss_fn=TensorParallelLoss(group, MODEL.vocab_size) if group else lm_loss)
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
@@ -103,7 +110,8 @@ def check(results: list[dict], dp: int, steps: int, trains: bool = True) -> None
     assert ref["norm"] > 1.0  # so clipping at 1.0 acts: the losses depend on the norm being right
 
 
-CASES = [(2, 2, 0, 8), (2, 2, 1, 4), (2, 1, 2, 4), (2, 2, 2, 4), (2, 1, 1, 4)]  # (pp, tp, zero stage, steps)
+CASES = [(2, 2, 0, 8), (2, 2, 1, 4), (2, 1, 2, 4), (2, 2, 2, 4), (2, 1, 1, 4),  # (pp, tp, zero stage, steps)
+         (2, 2, 1, 3, True)]  # DeepSpeed's PipeModelDataParallelTopology(2, 2, 1)
 
 
 def four_rank_work(path: str) -> dict:
@@ -122,8 +130,8 @@ def test_pipeline_by_tensor_parallel_two_by_two_matches_single_process(four_rank
     """pp x tp = 2 x 2 at ZeRO-0 and ZeRO-1: losses, the gradient norm (clipping acts) and the gathered
     tied embedding equal the single process's."""
     per_rank, _ = four_ranks
-    for i in (0, 1):
-        pp, tp, stage, steps = CASES[i]
+    for i in (0, 1, 5):
+        pp, tp, stage, steps = CASES[i][:4]
         check([rank["cases"][i] for rank in per_rank], 4 // (pp * tp), steps, trains=i == 0)
 
 

@@ -60,11 +60,6 @@ NO_EFFECT: dict[str, str] = {
     "zero_optimization.legacy_stage1": "there is one stage-1 implementation",
     "zero_optimization.round_robin_gradients":
         "it orders gradient copies for CPU offload; the partitioned layout already splits them evenly",
-    "zero_optimization.zero_hpz_partition_size": "ZeRO++ hierarchical partitioning is not built; the value is ignored",
-    "zero_optimization.zero_quantized_weights": "ZeRO++ quantized weights are not built; the value is ignored",
-    "zero_optimization.zero_quantized_nontrainable_weights":
-        "ZeRO++ quantized weights are not built; the value is ignored",
-    "zero_optimization.zero_quantized_gradients": "ZeRO++ quantized gradients are not built; the value is ignored",
     "zero_optimization.zeropp_loco_param": "LoCo-ZeRO++ is not built; the value is ignored",
     "zero_optimization.mics_shard_size": "MiCS is not built; the value is ignored",
     "zero_optimization.mics_hierarchical_params_gather": "MiCS is not built; the value is ignored",

@@ -17,6 +17,7 @@ from zerospeed.zero.sharded import ShardedStrategy, Stage2Strategy
 from zerospeed.zero.stage0 import DataParallelStrategy
 from zerospeed.zero.stage3 import GatheredParameters, Init, full_numel, full_shape, register_external_parameter
 from zerospeed.zero.stage3.strategy import Stage3Strategy
+from zerospeed.zero.stage3.zeropp import ZeroPPPolicy
 from zerospeed.zero.strategy import ReductionGroup, ZeroStrategy, reduction_groups
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -35,6 +36,7 @@ def build_strategy(cfg, groups: list[dict], reduction: list[ReductionGroup], *, 
                                 prescale=cfg.prescale_gradients, predivide_factor=cfg.gradient_predivide_factor)
     common = dict(comm_dtype=comm_dtype, scaling=scaling, norm_group=norm_group)
     plan = OffloadPlan.from_config(cfg, device)  # also refuses offload keys the stage cannot honour
+    zeropp = ZeroPPPolicy.from_config(zero, getattr(plan, "param", "none"))  # refuses ZeRO++ below stage 3
     if zero.stage == 0:
         return DataParallelStrategy(groups, reduction, mixed=param_dtype != torch.float32, module=module,
                                     bucket_size=int(zero.reduce_bucket_size), accum_dtype=grad_dtype, **common)
@@ -47,7 +49,7 @@ def build_strategy(cfg, groups: list[dict], reduction: list[ReductionGroup], *, 
                               max_reuse_distance=int(zero.stage3_max_reuse_distance),
                               param_persistence_threshold=int(zero.stage3_param_persistence_threshold),
                               model_persistence_threshold=int(zero.stage3_model_persistence_threshold),
-                              plan=plan, **common)
+                              plan=plan, zeropp=zeropp, **common)
     cls = ShardedStrategy if zero.stage == 1 else Stage2Strategy
     return cls(groups, reduction, param_dtype=param_dtype, device=device, module=module,
                reduce_bucket_size=int(zero.reduce_bucket_size), allgather_bucket_size=int(zero.allgather_bucket_size),

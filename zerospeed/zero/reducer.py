@@ -57,6 +57,9 @@ class ReductionPolicy:
     overlap: bool = True  # run collectives while backward continues (else wait for each at once)
     max_in_flight: int | None = None  # Note [bounded in-flight buckets]
     fuse_up_to: int = 0  # elements: consecutive units of one group travel together up to this many
+    # the reduce-scatter to use, with comm.reduce_scatter_tensor's signature (ZeRO++'s quantized
+    # all-to-all, stage3/zeropp.py); None = comm.reduce_scatter_tensor
+    reduce_scatter: Callable | None = None
 
 
 # The policies of the stages: stage 2 is stage 1's collective on every micro-step; stage 3 reduces as
@@ -73,9 +76,10 @@ def reduce_scatter_at_boundary(overlap: bool) -> ReductionPolicy:
                            max_in_flight=MAX_IN_FLIGHT_BUCKETS)
 
 
-def reduce_scatter_every_micro_step(overlap: bool, fuse_up_to: int = 0) -> ReductionPolicy:
+def reduce_scatter_every_micro_step(overlap: bool, fuse_up_to: int = 0,
+                                    reduce_scatter: Callable | None = None) -> ReductionPolicy:
     return ReductionPolicy(Collective.REDUCE_SCATTER, every_micro_step=True, overlap=overlap,
-                           max_in_flight=MAX_IN_FLIGHT_BUCKETS, fuse_up_to=fuse_up_to)
+                           max_in_flight=MAX_IN_FLIGHT_BUCKETS, fuse_up_to=fuse_up_to, reduce_scatter=reduce_scatter)
 
 
 class GradUnit:
@@ -237,7 +241,8 @@ class GradientReducer:
                 out = send[lo:hi]
             else:
                 out = torch.empty(sum(u.layout.chunk for u in units), dtype=send.dtype, device=send.device)
-            handle = comm.reduce_scatter_tensor(out, send, op="sum", group=units[0].group, async_op=True)
+            scatter = self.policy.reduce_scatter or comm.reduce_scatter_tensor
+            handle = scatter(out, send, op="sum", group=units[0].group, async_op=True)
         self._in_flight.append(_Flight(units, out, handle))
         if not self.policy.overlap:
             self._complete_all()

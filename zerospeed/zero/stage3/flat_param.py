@@ -14,7 +14,7 @@ import torch
 
 from zerospeed.zero.flat_group import flatten_fp32
 from zerospeed.zero.partition import build_layouts
-from zerospeed.zero.stage3.gather import GatherBatch
+from zerospeed.zero.stage3.gather import GatherBatch, Route
 
 
 class State(enum.Enum):
@@ -78,6 +78,11 @@ class FlatParam:
         self.state = State.SHARDED
         self.residency = residency if residency is not None else Residency()
         self.persistent = False
+        # ZeRO++ (set by the strategy): qwZ for training fetches; hpZ's sub-group and secondary shard
+        # (Note [ZeRO++ gather routes])
+        self.quantize_gathers = False
+        self.hpz = None  # comm AxisGroup of the hpZ sub-group
+        self.secondary: torch.Tensor | None = None
         self._point_params_at_nothing()
 
     @property
@@ -93,12 +98,24 @@ class FlatParam:
         if self.state is State.SHARDED:
             start_gathers([self])
 
+    def route(self, training: bool) -> Route:
+        """How a gather of this flat parameter travels (Note [ZeRO++ gather routes])."""
+        if not training:
+            return Route.EXACT
+        if self.secondary is not None:
+            return Route.SECONDARY
+        return Route.QUANTIZED if self.quantize_gathers else Route.EXACT
+
     def wait(self) -> None:
         if self.state is State.SHARDED:
             self.start_gather()
         if self.state is State.GATHERING:
+            primary = self.batch.route is not Route.SECONDARY
             self.batch.wait()
             self.batch = None
+            if primary and self.hpz is not None and self.secondary is None and not self.persistent:
+                size = self.padded // self.hpz.size
+                self.secondary = self.full[self.hpz.rank * size:(self.hpz.rank + 1) * size].clone()
             for p, s, shape in zip(self.params, self.layout.segments, self.shapes):
                 p.data = self.full[s.offset:s.offset + s.numel].view(shape)
             self.state = State.FULL
@@ -130,10 +147,12 @@ class FlatParam:
 
     @torch.no_grad()
     def shard_from_master(self) -> None:
+        self.secondary = None  # the weights change: hpZ's secondary shard is stale
         if self.shard is None or self.master.data_ptr() != self.shard.data_ptr():
             self._set_shard(self.master)
 
     def _set_shard(self, values: torch.Tensor) -> None:
+        self.secondary = None
         if self.swap is not None:
             self.swap.write_shard(self, values)
         else:
@@ -150,29 +169,38 @@ def _placed(values: torch.Tensor, device: torch.device, dtype: torch.dtype, pin)
     return pin.pinned(out) if pin is not None and out.device.type == "cpu" else out
 
 
-def start_gathers(fps: list[FlatParam]) -> None:
+def start_gathers(fps: list[FlatParam], training: bool = False) -> None:
     """Issue one all-gather per process group for all of `fps` (SHARDED ones; every rank must pass
-    the same list — flat parameters of different groups, e.g. dense and expert, travel apart)."""
+    the same list — flat parameters of different groups, e.g. dense and expert, travel apart).
+    `training`: a forward/backward fetch, which may take a ZeRO++ route (Note [ZeRO++ gather routes])."""
     todo = [fp for fp in fps if fp.state is State.SHARDED]
     if not todo:
         return
     swap = todo[0].swap
     if swap is not None:
         swap.launch_through()  # the batches read ahead since the last gathers go first (Note [NVMe reads ...])
-    for part in [p for run in _by_group(todo) for p in (swap.split(run) if swap is not None else [run])]:
-        batch = GatherBatch(part)
-        for fp in part:
-            fp.batch = batch
-            fp.state = State.GATHERING
-            fp.residency.live += fp.padded
-            fp.residency.gathering += fp.padded
+    for run in _by_route(todo, training):
+        route = run[0].route(training)
+        parts = swap.split(run) if swap is not None and route is not Route.SECONDARY else [run]
+        for part in parts:
+            _start_batch(part, route)
 
 
-def _by_group(fps: list[FlatParam]) -> list[list[FlatParam]]:
-    """Consecutive runs of flat parameters sharing a process group, in order."""
+def _start_batch(part: list[FlatParam], route: Route) -> None:
+    batch = GatherBatch(part, route)
+    for fp in part:
+        fp.batch = batch
+        fp.state = State.GATHERING
+        fp.residency.live += fp.padded
+        fp.residency.gathering += fp.padded
+
+
+def _by_route(fps: list[FlatParam], training: bool) -> list[list[FlatParam]]:
+    """Consecutive runs of flat parameters sharing a process group and a route, in order (every
+    rank decides alike: routes depend only on state all ranks share)."""
     runs: list[list[FlatParam]] = []
     for fp in fps:
-        if runs and runs[-1][0].dp_group is fp.dp_group:
+        if runs and runs[-1][0].dp_group is fp.dp_group and runs[-1][0].route(training) is fp.route(training):
             runs[-1].append(fp)
         else:
             runs.append([fp])

@@ -16,12 +16,30 @@ Note [stage-3 divergence check]: with every gather each rank also all-gathers a 
 parameters it is gathering (8 bytes). Ranks whose forward took different branches would otherwise
 exchange chunks of different parameters without noticing when the sizes happen to agree; now they
 stop with an error that says so.
+
+Note [ZeRO++ gather routes]: a batch travels one of three `Route`s. EXACT: the shards as they are,
+over the flat parameters' data-parallel group (every gather outside training: zero.Init,
+GatheredParameters, state dicts, persistent units). QUANTIZED (qwZ, training fetches): the shards
+block-quantized to int8 on the wire, dequantized into the full buffer. SECONDARY (hpZ, training
+fetches of a unit that holds a secondary shard, i.e. gathered once since the weights last changed):
+the secondary shards (1/H of the unit each) all-gathered over the hpZ sub-group of H ranks only, in
+the parameter dtype. The secondary shard is cut from the first primary gather's result, so forward
+and backward see the same (possibly quantized) weights.
 """
 from __future__ import annotations
+
+import enum
 
 import torch
 
 from zerospeed import comm
+from zerospeed.comm import zeropp
+
+
+class Route(enum.Enum):
+    EXACT = "exact"
+    QUANTIZED = "quantized"
+    SECONDARY = "secondary"
 
 
 def _code(indices: list[int]) -> float:
@@ -32,13 +50,22 @@ def _code(indices: list[int]) -> float:
 
 
 class GatherBatch:
-    def __init__(self, fps: list) -> None:
+    def __init__(self, fps: list, route: Route = Route.EXACT) -> None:
         self.fps = fps
         first = fps[0]
-        self.device, self.group = first.device, first.dp_group
-        self.world = first.layout.world_size
+        self.route = route
+        self.device = first.device
+        if route is Route.SECONDARY:  # Note [ZeRO++ gather routes]
+            self.group, self.world = first.hpz.handle, first.hpz.size
+            self.chunks = [fp.padded // self.world for fp in fps]
+        else:
+            self.group, self.world = first.dp_group, first.layout.world_size
+            self.chunks = [fp.layout.chunk for fp in fps]
         self.swap_buffer = None
         self.done = False
+        if route is Route.SECONDARY:
+            self._launch(first.secondary if len(fps) == 1 else torch.cat([fp.secondary for fp in fps]))
+            return
         if first.swap is not None:  # Note [NVMe reads ahead of the gather]
             self.swap_buffer, self.views, self.reads = first.swap.begin_read(fps, self)
             self.launched = False
@@ -67,10 +94,14 @@ class GatherBatch:
             self.recv = first.full
         else:
             self.recv = torch.empty(world * send.numel(), dtype=first.dtype, device=device)
-        self.handle = comm.all_gather_into_tensor(self.recv, send, group=self.group, async_op=True)
+        gather = {Route.EXACT: comm.all_gather_into_tensor, Route.QUANTIZED: zeropp.all_gather_quantized,
+                  Route.SECONDARY: zeropp.all_gather_secondary}[self.route]
+        self.handle = gather(self.recv, send, group=self.group, async_op=True)
         self.tags = torch.empty(world, dtype=torch.float64, device=device)
         mine = torch.tensor([_code([fp.index for fp in self.fps])], dtype=torch.float64, device=device)
-        self.tag_handle = comm.all_gather_into_tensor(self.tags, mine, group=self.group, async_op=True)
+        # (over the hpZ sub-group the code is counted with the sub-group's bytes: all_gather_hpz)
+        tag = zeropp.all_gather_secondary if self.route is Route.SECONDARY else comm.all_gather_into_tensor
+        self.tag_handle = tag(self.tags, mine, group=self.group, async_op=True)
         self.launched = True
 
     def wait(self) -> None:
@@ -92,8 +123,7 @@ class GatherBatch:
         if len(self.fps) > 1:
             rows = self.recv.view(self.world, -1)
             offset = 0
-            for fp in self.fps:
-                chunk = fp.layout.chunk
+            for fp, chunk in zip(self.fps, self.chunks):
                 fp.full = rows[:, offset:offset + chunk].reshape(-1).clone()
                 offset += chunk
         self.recv = None

@@ -11,7 +11,8 @@ parameter of a flat parameter has its gradient, the full tensors are released an
 reduce-scattered into this rank's fp32 gradient chunk — stage 2's reduction policy, with consecutive
 units fused into buckets of `reduce_bucket_size` elements (`zero/reducer.py`). The optimizer steps
 the fp32 master chunks through the base shared with stages 1-2. Which units to prefetch and whether
-to keep one after a use is the pure `FetchSchedule` (fetch_policy.py).
+to keep one after a use is the pure `FetchSchedule` (fetch_policy.py). ZeRO++ (quantized weights,
+hierarchical partitioning, quantized gradients) is the `ZeroPPPolicy` (zeropp.py).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import warnings
 import torch
 
 from zerospeed import comm
+from zerospeed.comm import zeropp as zcomm
 from zerospeed.offload.plan import HOST, make_param_swapper
 from zerospeed.zero.reducer import GradUnit, reduce_scatter_every_micro_step
 from zerospeed.zero.sharded import ShardedOptimizerBase
@@ -27,6 +29,7 @@ from zerospeed.zero.shards import Piece, ShardEntry
 from zerospeed.zero.stage3 import registry
 from zerospeed.zero.stage3.fetch_policy import FetchSchedule
 from zerospeed.zero.stage3.flat_param import FlatParam, Residency, State, start_gathers
+from zerospeed.zero.stage3.zeropp import QuantizedReduceScatter, ZeroPPPolicy
 from zerospeed.zero.strategy import ReductionGroup, optimizer_state_bytes, state_placement
 
 
@@ -46,7 +49,7 @@ class Stage3Strategy(ShardedOptimizerBase):
                  overlap_comm: bool, prefetch_bucket_size: int, max_live_parameters: int,
                  param_persistence_threshold: int, model_persistence_threshold: int,
                  max_reuse_distance: int = 1_000_000_000, comm_dtype: torch.dtype | None = None,
-                 scaling=None, norm_group=None, plan=None):
+                 scaling=None, norm_group=None, plan=None, zeropp: ZeroPPPolicy | None = None):
         self.module = module
         self.plan = plan
         self.norm_group = norm_group
@@ -57,6 +60,8 @@ class Stage3Strategy(ShardedOptimizerBase):
         self.flat: list[FlatParam] = []
         self.uses: dict[int, list[FlatParam]] = {}  # id(module) -> flat params its forward needs
         owner_unit = self._build_flat_params(groups, reduction, param_dtype, device)
+        self.zeropp = zeropp or ZeroPPPolicy()
+        hierarchies = self._apply_zeropp(reduction)
         self._map_uses(owner_unit)
         self._mark_persistent(param_persistence_threshold, model_persistence_threshold)
         self.units = [GradUnit(fp.params, fp.layout, reduction[fp.group_index], result=fp.grad_shard,
@@ -64,7 +69,9 @@ class Stage3Strategy(ShardedOptimizerBase):
         self.masters = [fp.master for fp in self.flat]
         self._flat_of = {id(u): fp for u, fp in zip(self.units, self.flat)}
         # reduce-scatters launch in reverse creation order (roughly backward order), strictly in turn
-        self._finish_setup(reduce_scatter_every_micro_step(overlap_comm, fuse_up_to=reduce_bucket_size),
+        scatter = QuantizedReduceScatter(hierarchies) if self.zeropp.quantized_gradients else None
+        self._finish_setup(reduce_scatter_every_micro_step(overlap_comm, fuse_up_to=reduce_bucket_size,
+                                                           reduce_scatter=scatter),
                            sub_group_size=sub_group_size, scaling=scaling, comm_dtype=comm_dtype,
                            launch_order=list(reversed(self.units)), on_unit_ready=self._on_unit_ready)
         self.param_swapper = make_param_swapper(plan, self.flat, comm.get_rank(), param_dtype)
@@ -107,6 +114,20 @@ class Stage3Strategy(ShardedOptimizerBase):
             registry.register(p, fp)
         return fp
 
+    def _apply_zeropp(self, reduction: list[ReductionGroup]) -> list[tuple[object, tuple]]:
+        """Mark the flat parameters for qwZ / hpZ; make the hpZ sub-groups of every reduction group
+        larger than the hpZ size (collective: every rank walks the same groups in the same order).
+        Returns (group, (intra, inter)) for each group that has them."""
+        hierarchies: list[tuple[object, tuple]] = []
+        size = self.zeropp.hpz_size
+        for rg in reduction:
+            if size > 1 and rg.world_size > size and not any(g is rg.group for g, _ in hierarchies):
+                hierarchies.append((rg.group, zcomm.hpz_groups(rg.group, size)))
+        for fp in self.flat:
+            fp.quantize_gathers = self.zeropp.quantized_weights
+            fp.hpz = next((h[0] for g, h in hierarchies if g is fp.dp_group), None)
+        return hierarchies
+
     def _map_uses(self, owner_unit: dict[int, list[FlatParam]]) -> None:
         for m in self.module.modules():
             used = list(m.parameters(recurse=False)) + registry.externals(m)
@@ -123,12 +144,12 @@ class Stage3Strategy(ShardedOptimizerBase):
 
     # -- gathering ---------------------------------------------------------------------------------
     def _fetch(self, fps: list[FlatParam]) -> None:
-        start_gathers(fps)  # what this module needs now, as one collective per group
+        start_gathers(fps, training=True)  # what this module needs now, as one collective per group
         for fp in fps:
             self.fetches.record(fp.index)
         ahead = self.fetches.to_prefetch(lambda i: self.flat[i].state is State.SHARDED,
                                          self.residency.gathering, self.residency.live)
-        start_gathers([self.flat[i] for i in ahead])
+        start_gathers([self.flat[i] for i in ahead], training=True)
         for fp in fps:
             fp.wait()
 
@@ -201,7 +222,7 @@ class Stage3Strategy(ShardedOptimizerBase):
         is resident (persistent, or gathered now; every rank is in the same state)."""
         k, seg = self._where[id(param)]
         fp = self.flat[k]
-        fp.shard_from_master()
+        fp.shard_from_master()  # (also drops hpZ's stale secondary shard)
         if fp.state is not State.SHARDED:
             fp.wait()
             fp.full[seg.offset:seg.offset + seg.numel].copy_(value.reshape(-1))
@@ -260,7 +281,7 @@ class Stage3Strategy(ShardedOptimizerBase):
 
     def memory_breakdown(self, optimizer) -> dict[str, int]:
         params = sum((fp.shard.nbytes if fp.shard is not None else 0) + (fp.full.nbytes if fp.full is not None else 0)
-                     for fp in self.flat)
+                     + (fp.secondary.nbytes if fp.secondary is not None else 0) for fp in self.flat)
         masters = sum(fp.master.nbytes for fp in self.flat
                       if fp.shard is None or fp.master.data_ptr() != fp.shard.data_ptr())
         return {"parameters": params, "gradients": sum(fp.grad_shard.nbytes for fp in self.flat),

@@ -1,0 +1,63 @@
+"""ZeRO++ at stage 3 (arXiv 2306.10209), resolved once from the config into a `ZeroPPPolicy`:
+
+- qwZ (`zero_quantized_weights`): training fetches all-gather int8 block-quantized shards
+  (`comm.zeropp.all_gather_quantized`), dequantized into the full buffer.
+- hpZ (`zero_hpz_partition_size` = H > 1): each unit keeps a secondary shard, 1/H of it, cut from
+  its first gather after the weights changed; later training fetches (the backward re-gather, and
+  every fetch of the further micro-steps of an accumulation window) all-gather those over the
+  sub-group of H ranks only (Note [hpZ sub-groups] in comm/zeropp.py, Note [ZeRO++ gather routes]
+  in gather.py).
+- qgZ (`zero_quantized_gradients`): the gradient reduce-scatter becomes an all-to-all of int4
+  block-quantized chunks (`comm.zeropp.reduce_scatter_quantized`), two-level (within the hpZ
+  sub-group, then across) when hpZ is on.
+
+`zero_quantized_nontrainable_weights` is refused by the config (zerospeed's stage 3 keeps frozen
+parameters whole on every rank: there is no gather of them to quantize).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerospeed.comm import zeropp as zcomm
+from zerospeed.config.errors import ConfigError
+
+_SWITCHES = ("zero_quantized_weights", "zero_quantized_gradients")
+
+
+@dataclass(frozen=True)
+class ZeroPPPolicy:
+    quantized_weights: bool = False
+    hpz_size: int = 1
+    quantized_gradients: bool = False
+
+    @classmethod
+    def from_config(cls, zero, offload_param: str = "none") -> "ZeroPPPolicy":
+        """The policy of a `zero_optimization` section; refuses what cannot be honoured."""
+        asked = [f"{k}=true" for k in _SWITCHES if getattr(zero, k)]
+        hpz = max(1, int(zero.zero_hpz_partition_size))
+        if hpz > 1:
+            asked.append(f"zero_hpz_partition_size={hpz}")
+        if asked and zero.stage != 3:
+            raise ConfigError(f"zero_optimization.{asked[0]}: ZeRO++ works on stage 3's partitioned parameters, but "
+                              f"zero_optimization.stage is {zero.stage}; set stage to 3 or remove "
+                              f"{', '.join(a.split('=')[0] for a in asked)}")
+        if hpz > 1 and offload_param != "none":
+            raise ConfigError(f"zero_optimization.zero_hpz_partition_size={hpz} with offload_param.device="
+                              f"{offload_param!r}: hpZ's secondary shards live in device memory, which offloading the "
+                              "parameters is meant to free; use one of them (set zero_hpz_partition_size to 1 or "
+                              "offload_param.device to none)")
+        return cls(bool(zero.zero_quantized_weights), hpz, bool(zero.zero_quantized_gradients))
+
+
+class QuantizedReduceScatter:
+    """The reducer's reduce-scatter under qgZ: two-level over the hpZ groups of a reduction group
+    that has them, single-level otherwise."""
+
+    def __init__(self, hierarchies: list[tuple[object, tuple]]):
+        self.hierarchies = hierarchies  # (reduction group handle, (intra, inter) AxisGroups)
+
+    def __call__(self, output, input, op: str = "sum", group=None, async_op: bool = False):
+        if op != "sum":
+            raise ValueError(f"qgZ reduce-scatter sums; got op={op!r}")
+        levels = next((h for g, h in self.hierarchies if g is group), None)
+        return zcomm.reduce_scatter_quantized(output, input, group=group, async_op=async_op, hierarchy=levels)
