@@ -10,13 +10,12 @@ whole model, as loading into a CPU-built model does, would exceed it.
 """
 from __future__ import annotations
 
-import threading
-import time
 
 import pytest
 import torch
 
 from zerospeed.testing import run_distributed
+from zerospeed.testing.rss import PeakSampler
 
 PAD, NEW = 0, 5
 
@@ -49,34 +48,6 @@ def run(model):
     tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
                             eos_token_id=None, pad_token_id=PAD)
     return logits, tokens
-
-
-def _anon_kib() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
-
-
-class PeakSampler:
-    def __enter__(self):
-        self.base = self.peak = _anon_kib()
-        self.running = True
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def _sample(self):
-        while self.running:
-            self.peak = max(self.peak, _anon_kib())
-            time.sleep(0.0005)
-
-    def __exit__(self, *exc):
-        self.running = False
-        self.thread.join()
-        self.peak = max(self.peak, _anon_kib())
-
-    @property
-    def growth_bytes(self) -> int:
-        return (self.peak - self.base) * 1024
 
 
 def _served(paths):

@@ -18,13 +18,12 @@ forms `checkpoint` takes (directory, index file, list of files) resolve to the f
 """
 from __future__ import annotations
 
-import threading
-import time
 
 import pytest
 import torch
 
 from zerospeed.testing import run_distributed
+from zerospeed.testing.rss import PeakSampler
 
 pytest.importorskip("transformers")
 
@@ -50,36 +49,6 @@ def config(arch: str):
 def batches():
     g = torch.Generator().manual_seed(1)
     return [torch.randint(0, V, (MICRO, T), generator=g) for _ in range(STEPS)]
-
-
-def _anon_kib() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
-
-
-class PeakSampler:
-    """Peak anonymous RSS growth while the block runs, sampled from /proc on a thread."""
-
-    def __enter__(self):
-        self.base = self.peak = _anon_kib()
-        self.running = True
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def _sample(self):
-        while self.running:
-            self.peak = max(self.peak, _anon_kib())
-            time.sleep(0.0005)
-
-    def __exit__(self, *exc):
-        self.running = False
-        self.thread.join()
-        self.peak = max(self.peak, _anon_kib())
-
-    @property
-    def growth_bytes(self) -> int:
-        return (self.peak - self.base) * 1024
 
 
 def _meta_model(path: str):

@@ -58,7 +58,7 @@ def sequence_to_heads(x: torch.Tensor, group, heads_per_rank, seq_dim: int, head
 def heads_to_sequence(x: torch.Tensor, group, heads_per_rank, seq_dim: int, head_dim: int) -> torch.Tensor:
     """The inverse of `sequence_to_heads` for a head partition: [.., N, .., n_rank, ..] ->
     [.., N/P, .., H, ..], the heads concatenated in rank order."""
-    world, rank = comm.get_world_size(group), comm.get_rank(group)
+    world = comm.get_world_size(group)
     perm = _perm(x.dim(), seq_dim, head_dim)
     x_SH = x.permute(perm)
     seq, mine, rest = x_SH.shape[0], x_SH.shape[1], x_SH.shape[2:]

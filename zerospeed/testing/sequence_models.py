@@ -3,7 +3,6 @@ reference) or `DistributedAttention` around it (Ulysses). Used by the sequence-p
 benchmarks/sequence_parallel.py."""
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
