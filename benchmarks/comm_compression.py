@@ -13,6 +13,9 @@ steps (every 4th step synchronises). ZeRO++ variants (stage 3, and each of qwZ /
 - wire MiB / rank / step: what the zerospeed gateway counted leaving one rank (`comm.STATS` wire bytes;
   ring all-reduce = 2(N-1)/N of the payload); DDP's bucketed all-reduce is the same ring over the
   parameter bytes (not counted by the gateway, computed).
+- of it outside the hpZ sub-group: the same less the collectives that stay inside an hpZ sub-group of
+  `zero_hpz_partition_size` ranks (one node when the launcher's LOCAL_WORLD_SIZE equals it) — what a
+  slow inter-node link carries.
 - bytes ratio / time ratio: against the uncompressed counterpart (Adam, LAMB, ZeRO-3) of the same row.
 
 On a 2-core machine with ranks on one host, bytes are cheap and compression's extra compute shows; on a
@@ -47,6 +50,9 @@ ZEROPP = {  # name: (zero_optimization extras, counterpart)
 }
 
 
+INTRA_KINDS = ("all_gather_hpz", "reduce_scatter_int4_intra")  # collectives inside an hpZ sub-group ("node")
+
+
 def _model(args):
     from zerospeed.testing.models import GPT, GPTConfig
     torch.manual_seed(0)
@@ -74,7 +80,9 @@ def _measure(step, args, rank) -> dict:
             times.append(t.item())
     world = comm.get_world_size()
     wire = comm.STATS.total_wire_bytes() - 2 * (world - 1) / world * 4 * args.steps  # (minus the timing all-reduce)
-    return {"step_s": statistics.median(times), "wire_mib": wire / args.steps / 2**20}
+    intra = sum(k["wire_bytes"] for kind, k in comm.STATS.snapshot().items() if kind in INTRA_KINDS)
+    return {"step_s": statistics.median(times), "wire_mib": wire / args.steps / 2**20,
+            "inter_mib": (wire - intra) / args.steps / 2**20}
 
 
 def _zerospeed(args, opt_type: str, params: dict, stage: int, zero_extra: dict) -> dict:
@@ -110,7 +118,7 @@ def _ddp(args) -> dict:
 
     out = _measure(step, args, comm.get_rank())
     world = comm.get_world_size()
-    out["wire_mib"] = 2 * (world - 1) / world * sum(p.numel() * 4 for p in model.parameters()) / 2**20
+    out["wire_mib"] = out["inter_mib"] = 2 * (world - 1) / world * sum(p.numel() * 4 for p in model.parameters()) / 2**20
     return out
 
 
@@ -120,7 +128,9 @@ def _all(args) -> dict:
         rows[name] = _zerospeed(args, opt_type, dict(params), stage, {})
     if args.zeropp:
         for name, (extra, _) in ZEROPP.items():
-            rows[name] = _zerospeed(args, "Adam", {}, 3, extra)
+            # every unit released after its use, so backward re-gathers it (what large models do; hpZ's case)
+            rows[name] = _zerospeed(args, "Adam", {}, 3, {"stage3_param_persistence_threshold": 0,
+                                                         "stage3_max_reuse_distance": 0, **extra})
     return rows
 
 
@@ -143,13 +153,15 @@ def main() -> None:
     print(f"# comm compression — {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, gloo, {args.world} ranks; GPT {args.layers}x{args.width} ({n / 1e6:.2f} M params), "
           f"micro {args.micro} x {args.seq}, {args.steps} measured steps\n")
-    print("| variant | step s | wire MiB / rank / step | bytes ratio | time ratio |")
-    print("|---|---|---|---|---|")
+    print("| variant | step s | wire MiB / rank / step | of it outside the hpZ sub-group | bytes ratio | "
+          "outside-sub-group ratio | time ratio |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         base = rows.get(counterpart.get(name) or "")
         br = f"{r['wire_mib'] / base['wire_mib']:.3f}" if base else "—"
+        ir = f"{r['inter_mib'] / base['inter_mib']:.3f}" if base else "—"
         tr = f"{r['step_s'] / base['step_s']:.2f}" if base else "—"
-        print(f"| {name} | {r['step_s']:.3f} | {r['wire_mib']:.3f} | {br} | {tr} |")
+        print(f"| {name} | {r['step_s']:.3f} | {r['wire_mib']:.3f} | {r['inter_mib']:.3f} | {br} | {ir} | {tr} |")
 
 
 if __name__ == "__main__":
