@@ -64,7 +64,7 @@ NO_EFFECT: dict[str, str] = {
     "zero_optimization.mics_shard_size": "MiCS is not built; the value is ignored",
     "zero_optimization.mics_hierarchical_params_gather": "MiCS is not built; the value is ignored",
     "zero_optimization.memory_efficient_linear": "zerospeed never replaces torch.nn.functional.linear",
-    "zero_optimization.pipeline_loading_checkpoint": "pipeline parallelism runs with ZeRO 0-1 only",
+    "zero_optimization.pipeline_loading_checkpoint": "pipeline parallelism runs with ZeRO 0-2 (stage 3 is refused)",
     "zero_optimization.override_module_apply": "zerospeed never overrides nn.Module.apply",
     "zero_optimization.log_trace_cache_warnings":
         "the recorded stage-3 fetch order has no warning switch (Note [stage-3 prefetch order])",
@@ -79,8 +79,8 @@ NO_EFFECT: dict[str, str] = {
     "zero_optimization.offload_optimizer.buffer_count": "the NVMe optimizer swapper sizes its buffer pool from "
                                                         "pipeline_read / pipeline_write (docs/offload.md)",
     "zero_optimization.leaf_module": "stage-3 units are fixed, one per module holding parameters; not configurable yet",
-    "pipeline.pipe_partitioned": "it partitions across tensor-parallel ranks; there is no tensor parallelism yet",
-    "pipeline.grad_partitioned": "it partitions across tensor-parallel ranks; there is no tensor parallelism yet",
+    "pipeline.pipe_partitioned": "with tensor parallelism inside stages every tp rank sends its whole activation; they are not split over tp ranks",
+    "pipeline.grad_partitioned": "with tensor parallelism inside stages every tp rank sends its whole gradient; they are not split over tp ranks",
     "seq_parallel_communication_data_type": "gradients of a sequence-parallel model reduce over "
         "data x sequence ranks in one collective, in communication_data_type; the attention all-to-alls travel in the "
         "activations' own dtype",
