@@ -60,8 +60,10 @@ class OneBitOptimizer(torch.optim.Optimizer):
         zero = getattr(engine, "zero", None)
         if zero is not None and not zero.replicated_state:
             raise ConfigError(f"{self.name} with ZeRO stage {zero.stage}: the compressed stage exchanges each rank's "
-                              "whole momentum, which ZeRO stages 1-3 shard; use zero_optimization.stage 0 (DeepSpeed "
-                              "supports 1-bit optimizers without ZeRO only, too)")
+                              "whole momentum, which ZeRO stages 1-3 shard (and their per-step parameter all-gather "
+                              "would cost more than the compression saves); use zero_optimization.stage 0 (DeepSpeed "
+                              "supports 1-bit optimizers without ZeRO only, too), or ZeRO++ at stage 3 "
+                              "(docs/comm_compression.md)")
         self.deepspeed = engine
         self.group = engine.dp_group
         self.size = backend.get_world_size(self.group)
