@@ -67,3 +67,17 @@ def test_reference_simulation_of_two_ranks_by_hand():
 def test_shape_mismatch_names_the_sizes():
     with pytest.raises(ValueError, match="worker error of 8"):
         compressed_allreduce(torch.ones(8), torch.zeros(16), torch.zeros(16))
+
+
+@pytest.mark.parametrize("path,cls", [("nccl", "NcclBackend"), ("mpi", "MpiBackend"), ("hccl", "HcclBackend"),
+                                      ("compressed", "CompressedBackend")])
+def test_deepspeed_backend_classes_reduce_in_place(path, cls):
+    """DeepSpeed's `runtime.comm.<backend>` classes: `compressed_allreduce(buffer, we, se, local_rank)` writes
+    the result into the buffer and returns it (one rank: the 1-bit compression of the buffer itself)."""
+    import importlib
+    backend_cls = getattr(importlib.import_module(f"zerospeed.runtime.comm.{path}"), cls)
+    b = backend_cls()
+    assert b.size == 1
+    x = torch.tensor([3.0, -1.0, 1.0, -3.0, 0.0, 2.0, -2.0, 1.0])
+    out = b.compressed_allreduce(x, *error_buffers(8, 1), 0)
+    assert out is x and out[0].item() == pytest.approx(math.sqrt(29 / 8))
