@@ -11,6 +11,7 @@ import contextlib
 
 import torch
 
+from zerospeed.compression.scheduler import scheduler_for
 from zerospeed.runtime.core import EngineCore
 
 
@@ -21,6 +22,7 @@ class Engine(EngineCore):
         super().__init__(module, config, **kwargs)
         self._boundary_override: bool | None = None
         self._inside_no_sync = False
+        self.compression_scheduler = scheduler_for(module)  # None unless init_compression ran on it
 
     # -- accumulation boundaries -------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -74,6 +76,8 @@ class Engine(EngineCore):
         self.observer.on_step_start(self)
         if self.is_gradient_accumulation_boundary():
             self.take_model_step(lr_kwargs)
+            if self.compression_scheduler is not None:
+                self.compression_scheduler.step()
         self.micro_steps += 1
         self.observer.on_step_end(self)
 

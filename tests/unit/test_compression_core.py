@@ -1,0 +1,255 @@
+"""Compression: quantizer, masks, bit schedule, config errors, init_compression, redundancy_clean."""
+import io
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from zerospeed.compression import init_compression, parse_compression_config, redundancy_clean
+from zerospeed.compression.basic_layer import LinearLayer_Compress, QuantizedLinear
+from zerospeed.compression.prune import row_l1_mask, sparse_l1_mask, topk_mask, topk_mask_ste
+from zerospeed.compression.quantize import bits_at_step, fake_quantize, quantize_codes, ste_quantize
+from zerospeed.compression.scheduler import compression_scheduler
+from zerospeed.config.errors import ConfigError
+from zerospeed.testing.models import GPT, GPTConfig, TinyMLP
+
+
+def wq_cfg(start=8, target=8, period=1, offset=0, groups=1, qtype="symmetric", modules=("net",)):
+    return {"compression_training": {"weight_quantization": {
+        "shared_parameters": {"enabled": True, "schedule_offset": offset, "quantize_groups": groups,
+                              "quantization_type": qtype},
+        "different_groups": {"wq1": {"params": {"start_bits": start, "target_bits": target,
+                                                "quantization_period": period}, "modules": list(modules)}}}}}
+
+
+def state_bytes(model):
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values()), buf.tell()
+
+
+# -- quantizer -----------------------------------------------------------------------------------
+def test_symmetric_round_trip_hand_values():
+    w = torch.tensor([[-1.0, -0.5, 0.0, 0.26, 1.0]])
+    c = quantize_codes(w, bits=3)  # qmax 3, scale 1/3
+    assert c.codes.tolist() == [[-3.0, -2.0, 0.0, 1.0, 3.0]]
+    assert torch.allclose(fake_quantize(w, 3), torch.tensor([[-1.0, -2 / 3, 0.0, 1 / 3, 1.0]]))
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("groups", [1, 4])
+def test_round_trip_error_within_half_step(symmetric, groups):
+    torch.manual_seed(0)
+    w = torch.randn(8, 16)
+    c = quantize_codes(w, 8, groups, symmetric)
+    err = (fake_quantize(w, 8, groups, symmetric) - w).reshape(groups, -1).abs()
+    assert (err <= c.scale / 2 + 1e-7).all()
+    assert fake_quantize(fake_quantize(w, 8, groups, symmetric), 8, groups, symmetric).allclose(
+        fake_quantize(w, 8, groups, symmetric), atol=1e-6)
+
+
+def test_stochastic_rounding_is_unbiased():
+    w = torch.full((20000,), 0.3)
+    w[0] = 1.0  # fixes the scale at 1/127
+    g = torch.Generator().manual_seed(0)
+    q = fake_quantize(w, 8, stochastic=True, generator=g)[1:]
+    assert abs(q.mean().item() - 0.3) < 1e-4
+    assert set(torch.unique(torch.round(q * 127)).tolist()) == {38.0, 39.0}
+
+
+def test_ste_gradient_is_identity():
+    torch.manual_seed(0)
+    w = torch.randn(4, 6, requires_grad=True)
+    g = torch.randn(4, 6)
+    (ste_quantize(w, 4) * g).sum().backward()
+    assert torch.equal(w.grad, g)
+
+
+def test_bit_schedule_table():
+    # DeepSpeed MoQ: one bit down when the step reaches the period, then the period doubles
+    table = {0: 8, 9: 8, 10: 7, 19: 7, 20: 6, 39: 6, 40: 5, 79: 5, 80: 4, 10_000: 4}
+    assert {s: bits_at_step(s, 8, 4, 10) for s in table} == table
+    assert [bits_at_step(s, 8, 6, 1) for s in range(6)] == [8, 7, 6, 6, 6, 6]
+
+
+def test_bit_schedule_through_scheduler_with_offset():
+    model = TinyMLP()
+    init_compression(model, wq_cfg(start=8, target=6, period=2, offset=3))
+    sched = compression_scheduler(model)
+    layer = model.net[0]
+    seen = []
+    for _ in range(9):
+        seen.append(layer.current_bits())
+        sched.step()
+    # steps 0..8: off before 3, then 8 bits, one drop at offset+2, another at offset+4
+    assert seen == [None, None, None, 8, 8, 7, 7, 6, 6]
+
+
+# -- masks ---------------------------------------------------------------------------------------
+def test_masks_equal_hand_computed():
+    w = torch.tensor([[1.0, -4.0, 2.0], [0.5, 3.0, -0.1], [-2.0, 0.2, 0.3]])
+    assert sparse_l1_mask(w, 0.4).tolist() == [[0, 1, 1], [0, 1, 0], [1, 0, 0]]  # ceil(3.6) = 4 kept
+    assert row_l1_mask(w, 0.5).tolist() == [[1], [1], [0]]  # norms 7, 3.6, 2.5: keep 2
+    scores = torch.tensor([0.1, 0.9, 0.5, 0.5])
+    assert topk_mask(scores, 0.5).tolist() == [0, 1, 1, 0]  # tie: first index wins
+
+
+def test_topk_mask_passes_gradient_to_scores():
+    scores = torch.tensor([0.1, 0.9, 0.5], requires_grad=True)
+    m = topk_mask_ste(scores, 0.34)
+    assert m.tolist() == [0, 1, 1]
+    (m * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    assert scores.grad.tolist() == [1.0, 2.0, 3.0]
+
+
+# -- config --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block, key", [
+    ({"weight_quantization": {"shared_parameters": {"enabeld": True}}},
+     "compression_training.weight_quantization.shared_parameters.enabeld"),
+    ({"row_pruning": {"different_groups": {"g": {"params": {"dense_ratio": 1.5}}}}},
+     "compression_training.row_pruning.different_groups.g.params.dense_ratio"),
+    ({"row_pruning": {"different_groups": {"g": {"params": {}}}}},
+     "compression_training.row_pruning.different_groups.g.params.dense_ratio"),
+    ({"weight_quantization": {"different_groups": {"g": {"params": {"start_bits": 4, "target_bits": 8}}}}},
+     "compression_training.weight_quantization.different_groups.g.params"),
+    ({"sparse_pruning": {"shared_parameters": {"enabled": True}}}, "compression_training.sparse_pruning"),
+    ({"sparse_pruning": {"shared_parameters": {"method": "magnitude"}}},
+     "compression_training.sparse_pruning.shared_parameters.method"),
+    ({"weight_quantization": {"different_groups": {"g": {"params": {"start_bits": 8, "target_bits": 8},
+                                                          "modules": ["("]}}}},
+     "compression_training.weight_quantization.different_groups.g"),
+])
+def test_config_errors_name_the_key(block, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        parse_compression_config({"compression_training": block})
+
+
+def test_config_defaults_are_deepspeeds():
+    cfg = parse_compression_config({"compression_training": {}})
+    assert cfg.weight_quantization.shared_parameters.schedule_offset == 0
+    assert cfg.sparse_pruning.shared_parameters.schedule_offset == 1000
+    assert cfg.activation_quantization.shared_parameters.range_calibration == "dynamic"
+    assert cfg.head_pruning.shared_parameters.method == "topk"
+
+
+def test_unbuilt_technique_is_refused():
+    block = {"head_pruning": {"shared_parameters": {"enabled": True, "num_heads": 2},
+                              "different_groups": {"g": {"params": {"dense_ratio": 0.5}}}}}
+    with pytest.raises(ConfigError, match=r"head_pruning\.shared_parameters\.enabled"):
+        init_compression(TinyMLP(), {"compression_training": block})
+
+
+def test_modules_matching_nothing_is_an_error():
+    with pytest.raises(ConfigError, match=r"wq1\.modules"):
+        init_compression(TinyMLP(), wq_cfg(modules=("nope",)))
+
+
+# -- models --------------------------------------------------------------------------------------
+def test_init_compression_quantizes_forward():
+    torch.manual_seed(0)
+    model = TinyMLP()
+    x = torch.randn(5, 16)
+    ref = model(x).detach()
+    init_compression(model, wq_cfg(start=4, target=4))
+    assert isinstance(model.net[0], LinearLayer_Compress)
+    w = [model.net[i].weight for i in (0, 2, 4)]
+    expect = x
+    for i, wi in enumerate(w):
+        layer = model.net[2 * i]
+        expect = torch.nn.functional.linear(expect, fake_quantize(wi, 4), layer.bias)
+        expect = torch.relu(expect) if i < 2 else expect
+    out = model(x)
+    assert torch.allclose(out, expect, atol=1e-6) and not torch.allclose(out, ref, atol=1e-3)
+    out.sum().backward()
+    assert model.net[0].weight.grad is not None
+
+
+def test_engine_steps_the_schedule():
+    import zerospeed
+    torch.manual_seed(0)
+    model = TinyMLP()
+    cfg = wq_cfg(start=8, target=6, period=1, offset=1)
+    init_compression(model, cfg)
+    # DeepSpeed's flow: the same config (with its compression_training block) goes to initialize
+    ds = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.01}}, **cfg}
+    engine, *_ = zerospeed.initialize(model=model, config=ds)
+    bits = []
+    for _ in range(4):
+        bits.append(model.net[0].current_bits())
+        loss = engine(torch.randn(2, 16), torch.randn(2, 8))
+        engine.backward(loss)
+        engine.step()
+    assert bits == [None, 8, 7, 6]
+
+
+def prune_cfg(sparse_ratio=None, row_ratio=None, method="l1", related=True, quant_bits=None):
+    block = {}
+    if sparse_ratio:
+        block["sparse_pruning"] = {"shared_parameters": {"enabled": True, "method": method, "schedule_offset": 0},
+                                   "different_groups": {"sp": {"params": {"dense_ratio": sparse_ratio},
+                                                               "modules": ["attn"]}}}
+    if row_ratio:
+        group = {"params": {"dense_ratio": row_ratio}, "modules": [r"mlp\.fc"]}
+        if related:
+            group["related_modules"] = [[r"mlp\.proj"]]
+        block["row_pruning"] = {"shared_parameters": {"enabled": True, "method": method, "schedule_offset": 0},
+                                "different_groups": {"rp": group}}
+    if quant_bits:
+        block["weight_quantization"] = wq_cfg(quant_bits, quant_bits, modules=("blocks",))[
+            "compression_training"]["weight_quantization"]
+    return {"compression_training": block}
+
+
+def test_gpt_sparse_mask_applied():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    init_compression(model, prune_cfg(sparse_ratio=0.5))
+    layer = model.blocks[0].attn.qkv
+    weight, _ = layer.effective_weight_and_bias()
+    assert (weight == 0).float().mean().item() == pytest.approx(0.5, abs=1e-3)
+    assert torch.equal(weight != 0, sparse_l1_mask(layer.weight, 0.5) > 0)
+
+
+@pytest.mark.parametrize("quant_bits", [None, 8])
+@pytest.mark.parametrize("method", ["l1", "topk"])
+def test_redundancy_clean_matches_masked_model_and_shrinks(quant_bits, method):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    cfg = prune_cfg(sparse_ratio=0.5, row_ratio=0.5, method=method, quant_bits=quant_bits)
+    init_compression(model, cfg)
+    idx = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        masked = model(idx)
+    before, _ = state_bytes(model)
+    fc_params = model.blocks[0].mlp.fc.weight.numel()
+    redundancy_clean(model, cfg)
+    with torch.no_grad():
+        clean = model(idx)
+    assert (clean - masked).abs().max().item() <= 1e-5
+    fc, proj = model.blocks[0].mlp.fc, model.blocks[0].mlp.proj
+    assert (fc.out_features, proj.in_features) == (128, 128)
+    after, _ = state_bytes(model)
+    assert not any(isinstance(m, LinearLayer_Compress) for m in model.modules())
+    if quant_bits:
+        assert isinstance(fc, QuantizedLinear) and fc.weight_codes.dtype == torch.int8
+    else:
+        # mask scores (topk) / mask buffers (l1) are gone and fc/proj lost half their rows/columns
+        assert before - after >= 2 * (fc_params // 2) * 4 * 2
+    assert after < before
+
+
+def test_int8_storage_is_about_4x_smaller():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256, bias=False), nn.ReLU(), nn.Linear(256, 256, bias=False))
+    cfg = wq_cfg(modules=("0", "2"))
+    before, _ = state_bytes(model)
+    init_compression(model, cfg)
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        qat = model(x)
+    redundancy_clean(model, cfg)
+    after, _ = state_bytes(model)
+    with torch.no_grad():
+        assert (model(x) - qat).abs().max().item() <= 1e-6
+    assert before / after == pytest.approx(4.0, rel=0.02)

@@ -1,0 +1,89 @@
+"""Weight fake-quantization for QAT: integer codes, scales, the straight-through estimator and the
+bit schedule. Pure functions of tensors and integers.
+
+Note [quantizer formula]: DeepSpeed's compression quantizers divide the range by 2**bits (so the
+largest magnitude is clamped one step short). Here the standard grids are used instead: symmetric
+``scale = max|w| / (2**(bits-1) - 1)``, codes in ``[-(2**(bits-1) - 1), 2**(bits-1) - 1]``;
+asymmetric ``scale = (max - min) / (2**bits - 1)``, ``zero = round(-min / scale)``, codes in
+``[0, 2**bits - 1]``. Each of ``groups`` contiguous chunks of the flattened weight has its own
+scale. The same codes are what ``redundancy_clean`` stores, so the stored model computes exactly
+what the QAT forward computed.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Codes(NamedTuple):
+    """Integer codes ``(groups, n)`` (float dtype holding integers) with per-group scale and zero."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor  # (groups, 1)
+    zero: torch.Tensor  # (groups, 1); all zeros when symmetric
+
+
+def _round(v: torch.Tensor, stochastic: bool, generator: torch.Generator | None) -> torch.Tensor:
+    if not stochastic:
+        return torch.round(v)
+    # floor(v + u), u ~ U[0, 1): rounds up with probability frac(v), so E[result] = v
+    return torch.floor(v + torch.rand(v.shape, generator=generator, device=v.device, dtype=v.dtype))
+
+
+def quantize_codes(w: torch.Tensor, bits: int, groups: int = 1, symmetric: bool = True,
+                   stochastic: bool = False, generator: torch.Generator | None = None) -> Codes:
+    """The integer grid of ``w`` (see Note [quantizer formula])."""
+    if w.numel() % groups:
+        raise ValueError(f"quantize_groups={groups} does not divide the weight's {w.numel()} elements")
+    x = w.detach().float().reshape(groups, -1)
+    tiny = torch.finfo(torch.float32).tiny
+    if symmetric:
+        qmax = 2 ** (bits - 1) - 1
+        scale = (x.abs().amax(dim=1, keepdim=True) / qmax).clamp_min(tiny)
+        zero = torch.zeros_like(scale)
+        codes = _round(x / scale, stochastic, generator).clamp(-qmax, qmax)
+    else:
+        lo, hi = x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)
+        scale = ((hi - lo) / (2 ** bits - 1)).clamp_min(tiny)
+        zero = torch.round(-lo / scale)
+        codes = (_round(x / scale, stochastic, generator) + zero).clamp(0, 2 ** bits - 1)
+    return Codes(codes, scale, zero)
+
+
+def dequantize_codes(c: Codes, shape: torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The real values of the codes, reshaped to ``shape``."""
+    return ((c.codes - c.zero) * c.scale).reshape(shape).to(dtype)
+
+
+def fake_quantize(w: torch.Tensor, bits: int, groups: int = 1, symmetric: bool = True,
+                  stochastic: bool = False, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``w`` rounded onto its ``bits``-bit grid, as a float tensor of ``w``'s shape and dtype (no grad)."""
+    return dequantize_codes(quantize_codes(w, bits, groups, symmetric, stochastic, generator), w.shape, w.dtype)
+
+
+def ste_quantize(w: torch.Tensor, bits: int, groups: int = 1, symmetric: bool = True,
+                 stochastic: bool = False, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Fake-quantized ``w`` whose gradient is the identity (straight-through estimator).
+
+    Every weight lies inside the grid's range (the scale comes from the weight's own extremes), so
+    the clipped and the plain STE coincide; DeepSpeed's quantizers pass the gradient unchanged too.
+    """
+    return w + (fake_quantize(w, bits, groups, symmetric, stochastic, generator) - w).detach()
+
+
+def bits_at_step(step: int, start_bits: int, target_bits: int, period: int) -> int:
+    """Bits in use after ``step`` quantization steps (DeepSpeed MoQ's schedule).
+
+    Note [bit schedule]: DeepSpeed drops one bit when the step count reaches the period and then
+    doubles the period (``runtime/quantize.py``: ``start_bits -= 1; q_period <<= 1``), so drop k
+    happens at step ``period * 2**(k-1)``: with period 10 and 8 -> 4 bits, 7 bits from step 10,
+    6 from 20, 5 from 40, 4 from 80. Steps count from ``schedule_offset`` here (quantization is off
+    before it), i.e. ``step = global_step - schedule_offset``.
+    """
+    if step < 0:
+        return start_bits
+    drops, at = 0, period
+    while drops < start_bits - target_bits and at <= step:
+        drops, at = drops + 1, at * 2
+    return start_bits - drops
