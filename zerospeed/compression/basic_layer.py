@@ -134,17 +134,37 @@ class LinearLayer_Compress(nn.Linear):
                 f"row={self.row}, step={self.training_steps}")
 
 
-class QuantizedLinear(nn.Module):
-    """A Linear stored as 8-bit integer codes with a per-row scale and zero point (``redundancy_clean``).
+def pack_nibbles(codes_OI: torch.Tensor, symmetric: bool) -> torch.Tensor:
+    """4-bit codes two per byte along the input dimension (an odd last column is padded): symmetric codes
+    in [-8, 7] are stored offset by 8, asymmetric ones in [0, 15] as they are; low nibble first."""
+    u = (codes_OI.to(torch.int16) + (8 if symmetric else 0)).to(torch.uint8)
+    if u.shape[1] % 2:
+        u = torch.cat([u, u.new_zeros(u.shape[0], 1)], dim=1)
+    return (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
 
-    Codes are int8 (symmetric) or uint8 (asymmetric); forward dequantizes and runs a float matmul
+
+def unpack_nibbles(packed: torch.Tensor, in_features: int, symmetric: bool) -> torch.Tensor:
+    """The int16 codes `pack_nibbles` packed."""
+    u = torch.stack([packed & 0x0F, packed >> 4], dim=2).reshape(packed.shape[0], -1)[:, :in_features]
+    return u.to(torch.int16) - (8 if symmetric else 0)
+
+
+class QuantizedLinear(nn.Module):
+    """A Linear stored as integer codes with a per-row scale and zero point (``redundancy_clean``).
+
+    Codes are int8 (symmetric) or uint8 (asymmetric); with `bits` <= 4 they are packed two per byte
+    (`weight_codes` is then [out, ceil(in / 2)] uint8). Forward dequantizes and runs a float matmul
     (no integer kernels yet). Per-row scales let rows and columns be removed without requantizing.
     """
 
     def __init__(self, codes_OI: torch.Tensor, scale_O: torch.Tensor, zero_O: torch.Tensor,
-                 bias: torch.Tensor | None, symmetric: bool):
+                 bias: torch.Tensor | None, symmetric: bool, bits: int = 8):
         super().__init__()
-        self.register_buffer("weight_codes", codes_OI.to(torch.int8 if symmetric else torch.uint8))
+        self.symmetric, self.packed = symmetric, bits <= 4
+        self._in = codes_OI.shape[1]
+        codes = pack_nibbles(codes_OI, symmetric) if self.packed else codes_OI.to(torch.int8 if symmetric
+                                                                                  else torch.uint8)
+        self.register_buffer("weight_codes", codes)
         self.register_buffer("weight_scale", scale_O.float().contiguous())
         self.register_buffer("weight_zero", zero_O.float().contiguous() if not symmetric else None)
         self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
@@ -155,10 +175,14 @@ class QuantizedLinear(nn.Module):
 
     @property
     def in_features(self) -> int:
-        return self.weight_codes.shape[1]
+        return self._in
+
+    def codes(self) -> torch.Tensor:
+        """The integer codes, [out, in] (unpacked when stored two per byte)."""
+        return unpack_nibbles(self.weight_codes, self._in, self.symmetric) if self.packed else self.weight_codes
 
     def dequantized_weight(self) -> torch.Tensor:
-        codes = self.weight_codes.float()
+        codes = self.codes().float()
         if self.weight_zero is not None:
             codes = codes - self.weight_zero.view(-1, 1)
         return codes * self.weight_scale.view(-1, 1)
@@ -172,10 +196,13 @@ class QuantizedLinear(nn.Module):
             self.bias = nn.Parameter(self.bias.detach()[idx].clone())
 
     def keep_cols(self, idx: torch.Tensor) -> None:
-        self.weight_codes = self.weight_codes[:, idx].contiguous()
+        kept = self.codes()[:, idx].contiguous()
+        self._in = kept.shape[1]
+        self.weight_codes = pack_nibbles(kept, self.symmetric) if self.packed else kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.weight_codes.dtype}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.weight_codes.dtype}"
+                f"{', 4-bit packed' if self.packed else ''}")

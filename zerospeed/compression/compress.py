@@ -130,7 +130,7 @@ def _fixed_linear(layer: LinearLayer_Compress) -> nn.Module:
         zero_O = c.zero.repeat_interleave(rows_per_group).view(-1, 1)
         codes = torch.where(keep > 0, codes, zero_O.expand_as(codes))  # a pruned weight is the value 0
         return QuantizedLinear(codes, c.scale.repeat_interleave(rows_per_group), zero_O.view(-1), bias,
-                               q.symmetric)
+                               q.symmetric, bits=q.target_bits)
 
 
 def _keep_rows(module: nn.Module, idx: torch.Tensor) -> None:
