@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from zerospeed.compression import init_compression, parse_compression_config, redundancy_clean
+from zerospeed.compression.compress import student_initialization
 from zerospeed.compression.basic_layer import LinearLayer_Compress, QuantizedLinear
 from zerospeed.compression.prune import row_l1_mask, sparse_l1_mask, topk_mask, topk_mask_ste
 from zerospeed.compression.quantize import bits_at_step, fake_quantize, quantize_codes, ste_quantize
@@ -288,3 +289,31 @@ def test_int4_storage_is_about_8x_smaller_and_survives_row_pruning(qtype):
     assert before / after == pytest.approx(expected, rel=0.02)
     model[2].keep_cols(torch.arange(0, 256, 2))  # columns out of packed codes: unpacked, cut, repacked
     assert model[2].in_features == 128 and model[2].weight_codes.shape == (255, 64)
+
+
+def test_layer_reduction_initialises_the_student_from_chosen_teacher_layers():
+    """layer_reduction 4 -> 2: student block i = teacher block teacher_layer[i], embeddings and final norm
+    copied; the student then computes exactly the teacher with blocks 0 and 2 dropped."""
+    torch.manual_seed(0)
+    teacher = GPT(GPTConfig(n_layer=4))
+    torch.manual_seed(1)
+    student = GPT(GPTConfig(n_layer=2))
+    cfg = {"compression_training": {"layer_reduction": {
+        "enabled": True, "keep_number_layer": 2, "module_name_prefix": "blocks", "teacher_layer": [1, 3],
+        "other_module_name": ["wte", "wpe", "ln_f"]}}}
+    student_initialization(student, teacher, cfg)
+    for i, t in enumerate([1, 3]):
+        for (n, a), (_, b) in zip(student.blocks[i].state_dict().items(), teacher.blocks[t].state_dict().items()):
+            assert torch.equal(a, b), n
+    assert torch.equal(student.wte.weight, teacher.wte.weight) and student.lm_head.weight is student.wte.weight
+    ids = torch.randint(0, GPTConfig().vocab_size, (2, 8))
+    with torch.no_grad():
+        x = teacher.wte(ids) + teacher.wpe(torch.arange(8))
+        for t in (1, 3):
+            x = teacher.blocks[t](x)
+        expected = teacher.lm_head(teacher.ln_f(x))
+        assert torch.allclose(student(ids), expected, atol=1e-6)
+    bad = {"compression_training": {"layer_reduction": {**cfg["compression_training"]["layer_reduction"],
+                                                        "keep_number_layer": 3}}}
+    with pytest.raises(ConfigError, match="keep_number_layer: 3 != len"):
+        student_initialization(student, teacher, bad)
