@@ -1,6 +1,7 @@
 """ZeRO-Inference: generation through `init_inference(zero={"stage": 3, "offload_param": ...})` on two ranks
 (each holding half of every parameter, in CPU memory or in files on "NVMe"), token-identical to
-transformers' own `generate` on the whole model, for a left-padded batch. The persistence threshold is 0,
+transformers' own `generate` on the whole model, for a left-padded batch (also on one rank, where a
+gather is a copy into a recycled buffer). The persistence threshold is 0,
 so every module's weights really are gathered for each forward (and dropped after it)."""
 from __future__ import annotations
 
@@ -49,10 +50,11 @@ def _served(nvme_dir):
 
 
 @pytest.mark.timeout(150)
-def test_zero_inference_matches_transformers(tmp_path):
+@pytest.mark.parametrize("world", [2, 1])  # 1: Note [one-rank gathers] and [reused full buffers]
+def test_zero_inference_matches_transformers(tmp_path, world):
     model = make()
     want, full = generate(model), sum(p.numel() for p in model.parameters())
-    for rank, res in enumerate(run_distributed(_served, 2, str(tmp_path), timeout=120)):
+    for rank, res in enumerate(run_distributed(_served, world, str(tmp_path), timeout=120)):
         for device, (tokens, local) in res.items():
             assert torch.equal(tokens, want), f"rank {rank} offload {device}:\n{tokens}\n!=\n{want}"
             assert local == 0, f"rank {rank} offload {device}: {local} of {full} parameter elements stay resident"

@@ -30,5 +30,6 @@ def zero_inference_engine(model: nn.Module, config: DeepSpeedInferenceConfig):
     ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": config.zero.model_dump(exclude_unset=True),
                  **_PRECISION[config.dtype]}
     engine, *_ = zerospeed.initialize(model=model, config=ds_config)
+    engine.zero.residency.spare = {}  # Note [reused full buffers]: generation runs without gradients
     model.register_forward_pre_hook(lambda module, args: engine.zero.start_micro_step(), prepend=True)
     return engine

@@ -12,6 +12,11 @@ order — when the next gathers are started (`start_gathers`), or when this batc
 waited on — in the order the batches were created. Every rank therefore issues the same collectives
 in the same order, while a prefetched unit's reads overlap the compute of the module before it.
 
+Note [one-rank gathers]: over a group of one rank (ZeRO-Inference on one process, offload to CPU or
+NVMe) a batch copies each shard straight into its parameter's own full buffer: one copy of the bytes.
+The general path would concatenate the shards, "all-gather" them (another copy) and clone each
+parameter out of the receive buffer (a third), and the divergence check has nobody to compare with.
+
 Note [stage-3 divergence check]: with every gather each rank also all-gathers a code of *which* flat
 parameters it is gathering (8 bytes). Ranks whose forward took different branches would otherwise
 exchange chunks of different parameters without noticing when the sizes happen to agree; now they
@@ -70,7 +75,21 @@ class GatherBatch:
             self.swap_buffer, self.views, self.reads = first.swap.begin_read(fps, self)
             self.launched = False
             return
+        if self._local():
+            self._copy_local([fp.shard for fp in fps])
+            return
         self._launch(first.shard if len(fps) == 1 else torch.cat([fp.shard for fp in fps]))
+
+    def _local(self) -> bool:
+        """Note [one-rank gathers]: an exact gather over a group of one rank is a copy of each shard."""
+        return self.world == 1 and self.route is Route.EXACT
+
+    def _copy_local(self, shards: list[torch.Tensor]) -> None:
+        for fp, shard in zip(self.fps, shards):
+            fp.full = fp.residency.take(fp.padded, fp.dtype, self.device)
+            fp.full.copy_(shard)
+        self._release_swap_buffer()
+        self.launched = self.done = True
 
     def launch(self) -> None:
         """NVMe-backed batches: wait for the shard reads, then issue the collectives."""
@@ -79,6 +98,9 @@ class GatherBatch:
         for r in self.reads:
             r.wait()
         views, self.views, self.reads = self.views, None, None
+        if self._local():
+            self._copy_local(views)
+            return
         send = views[0] if len(views) == 1 else torch.cat(views)
         if len(views) > 1:  # the concatenation is a copy: the pool buffer can go back now
             self._release_swap_buffer()
@@ -90,7 +112,7 @@ class GatherBatch:
             send = send.to(device)
             self._release_swap_buffer()
         if len(self.fps) == 1:
-            first.full = torch.empty(first.layout.padded, dtype=first.dtype, device=device)
+            first.full = first.residency.take(first.layout.padded, first.dtype, device)
             self.recv = first.full
         else:
             self.recv = torch.empty(world * send.numel(), dtype=first.dtype, device=device)
@@ -109,6 +131,8 @@ class GatherBatch:
             return
         if not self.launched:
             self.fps[0].swap.launch_through(self)  # earlier NVMe batches first: the same order on every rank
+            if self.done:  # Note [one-rank gathers]
+                return
         self.handle.wait()
         self.tag_handle.wait()
         self.done = True
@@ -124,7 +148,8 @@ class GatherBatch:
             rows = self.recv.view(self.world, -1)
             offset = 0
             for fp, chunk in zip(self.fps, self.chunks):
-                fp.full = rows[:, offset:offset + chunk].reshape(-1).clone()
+                fp.full = fp.residency.take(fp.padded, fp.dtype, self.device)
+                fp.full.view(self.world, chunk).copy_(rows[:, offset:offset + chunk])
                 offset += chunk
         self.recv = None
 
