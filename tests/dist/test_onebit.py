@@ -98,9 +98,10 @@ def onebit_config() -> dict:
             "zero_optimization": {"stage": 0}}
 
 
-def train_data_parallel() -> dict:
+def train_engine(cfg: dict) -> dict:
+    """STEPS global batches through a ZeRO-0 engine on every rank: rank-mean losses, per-step gateway bytes."""
     model = build_gpt()
-    engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=onebit_config())
+    engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     dp, rank = comm.get_world_size(), comm.get_rank()
     losses, bytes_per_step = [], []
     for batch in batches(dp, STEPS):
@@ -118,6 +119,10 @@ def train_data_parallel() -> dict:
     return {"losses": losses, "stats": bytes_per_step, "allreduce_flag": engine.enable_backward_allreduce}
 
 
+def train_data_parallel() -> dict:
+    return train_engine(onebit_config())
+
+
 def train_pipeline() -> dict:
     module = PipelineModule(gpt_layer_specs(MODEL, build_gpt()), num_stages=2, loss_fn=lm_loss)
     engine, *_ = zerospeed.initialize(model=module, model_parameters=module.parameters(), config=onebit_config())
@@ -133,43 +138,26 @@ VARIANTS = {  # the other two optimizers, with every stage inside STEPS: (config
 
 
 def train_variant(name: str) -> list[float]:
-    model = build_gpt()
     cfg = dict(onebit_config(), optimizer={"type": name, "params": {"lr": LR, **VARIANTS[name]}})
-    engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    dp, rank = comm.get_world_size(), comm.get_rank()
-    losses = []
-    for batch in batches(dp, STEPS):
-        total = 0.0
-        for x, y in split_global_batch(batch, dp, GAS, rank):
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        t = torch.tensor([total / GAS])
-        comm.all_reduce(t, op="avg")
-        losses.append(t.item())
-    return losses
+    return train_engine(cfg)["losses"]
 
 
 def train_variants_dp() -> dict:
     return {name: train_variant(name) for name in VARIANTS}
 
 
-def reference_variant(name: str, dp: int) -> list[float]:
-    """The optimizer over `dp` virtual ranks; 0/1 Adam's local steps give each rank its own weights."""
-    model = build_gpt()
+def reference_run(opt, model, dp: int, own_weights=None) -> list[float]:
+    """`opt` (a reference of onebit_reference.py) over `dp` virtual ranks, each with its own gradient;
+    `own_weights(k)`: virtual rank k's weights when they differ between ranks (0/1 Adam's local steps)."""
     params = list(model.parameters())
-    if name == "ZeroOneAdam":
-        opt = ZeroOneAdamReference(params, dp, lr=LR, padded=padded_size, **VARIANTS[name])
-    else:
-        opt = OneBitLambReference(params, dp, lr=LR, padded=padded_size, **VARIANTS[name])
     losses = []
     for batch in batches(dp, STEPS):
         rank_grads, total = [], 0.0
         for k in range(dp):
-            with torch.no_grad():
-                if name == "ZeroOneAdam" and opt.frozen:
-                    for p, q in zip(params, opt.rank_params(k)):
+            mine = own_weights(k) if own_weights is not None else None
+            if mine is not None:
+                with torch.no_grad():
+                    for p, q in zip(params, mine):
                         p.copy_(q)
             for p in params:
                 p.grad = None
@@ -181,6 +169,15 @@ def reference_variant(name: str, dp: int) -> list[float]:
         opt.step(rank_grads)
         losses.append(total / (dp * GAS))
     return losses
+
+
+def reference_variant(name: str, dp: int) -> list[float]:
+    model = build_gpt()
+    params = list(model.parameters())
+    if name == "ZeroOneAdam":
+        opt = ZeroOneAdamReference(params, dp, lr=LR, padded=padded_size, **VARIANTS[name])
+        return reference_run(opt, model, dp, lambda k: opt.rank_params(k) if opt.frozen else None)
+    return reference_run(OneBitLambReference(params, dp, lr=LR, padded=padded_size, **VARIANTS[name]), model, dp)
 
 
 @pytest.mark.timeout(150)
@@ -203,22 +200,8 @@ def test_zero_one_adam_and_onebit_lamb_equal_their_single_process_simulations():
 def reference(dp: int) -> list[float]:
     """1-bit Adam over `dp` virtual ranks, each with its own gradient (plain PyTorch, one process)."""
     model = build_gpt()
-    params = list(model.parameters())
-    opt = OneBitAdamReference(params, dp, lr=LR, freeze_step=FREEZE, padded=padded_size)
-    losses = []
-    for batch in batches(dp, STEPS):
-        rank_grads, total = [], 0.0
-        for k in range(dp):
-            for p in params:
-                p.grad = None
-            for x, y in split_global_batch(batch, dp, GAS, k):
-                loss = model(x, y)
-                (loss / GAS).backward()
-                total += loss.item()
-            rank_grads.append([p.grad.clone() for p in params])
-        opt.step(rank_grads)
-        losses.append(total / (dp * GAS))
-    return losses
+    opt = OneBitAdamReference(list(model.parameters()), dp, lr=LR, freeze_step=FREEZE, padded=padded_size)
+    return reference_run(opt, model, dp)
 
 
 @pytest.mark.timeout(150)
