@@ -1,5 +1,5 @@
 """The compression library under ZeRO: QAT (8 -> 6 bits) + sparse and row pruning on the test GPT, trained at
-ZeRO stages 0-2 on 2 ranks, against the same compressed model trained in one plain PyTorch process
+ZeRO stages 0 and 2 on 2 ranks, against the same compressed model trained in one plain PyTorch process
 (torch AdamW, the whole global batch per step): losses within 1e-5, and the compressed forward of the
 final weights within 1e-5."""
 from __future__ import annotations
@@ -67,7 +67,7 @@ def train(stage: int) -> dict:
 
 
 def all_stages():
-    return [train(stage) for stage in (0, 1, 2)]
+    return [train(stage) for stage in (0, 2)]  # (stage 1 shards like 2, reducing at the boundary only)
 
 
 @pytest.mark.timeout(150)

@@ -110,7 +110,7 @@ def check(results: list[dict], dp: int, steps: int, trains: bool = True) -> None
     assert ref["norm"] > 1.0  # so clipping at 1.0 acts: the losses depend on the norm being right
 
 
-CASES = [(2, 2, 0, 8), (2, 2, 1, 4), (2, 1, 2, 4), (2, 2, 2, 4), (2, 1, 1, 4),  # (pp, tp, zero stage, steps)
+CASES = [(2, 2, 0, 6), (2, 2, 1, 4), (2, 1, 2, 4), (2, 2, 2, 4), (2, 1, 1, 4),  # (pp, tp, zero stage, steps)
          (2, 2, 1, 3, True)]  # DeepSpeed's PipeModelDataParallelTopology(2, 2, 1)
 
 
@@ -153,8 +153,8 @@ def test_pipeline_with_zero2_matches_single_process(four_ranks):
 @pytest.mark.timeout(300)
 def test_three_d_dp_pp_tp_two_by_two_by_two_matches_single_process():
     """8 processes: 2 stages x 2 tensor-parallel x 2 data-parallel, ZeRO-1."""
-    per_rank = run_distributed(run_cases, 8, [(2, 2, 1, 3)], timeout=280)
-    check([rank[0] for rank in per_rank], 2, 3, trains=False)
+    per_rank = run_distributed(run_cases, 8, [(2, 2, 1, 2)], timeout=280)
+    check([rank[0] for rank in per_rank], 2, 2, trains=False)
 
 
 GLOBAL = 8  # samples per step, whatever the layout (gradient accumulation = GLOBAL / (MICRO * dp))
