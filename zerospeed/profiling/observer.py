@@ -27,6 +27,7 @@ from zerospeed.config.errors import ConfigError
 from zerospeed.moe.layer import moe_monitor_events
 from zerospeed.monitor.writers import build_monitors
 from zerospeed.profiling.comms_report import diff_snapshots, format_comm_report
+from zerospeed.profiling.memory_phases import PhasePeaks
 from zerospeed.profiling.peak import current_device_peak
 from zerospeed.profiling.profiler import FlopsProfiler
 from zerospeed.profiling.report import format_profile
@@ -78,12 +79,15 @@ class EngineObserver:
         self._comm_mark = comm.STATS.snapshot()
         self._steps_since_print = 0
         self._step_at_start = 0
+        self.memory_phases: PhasePeaks | None = None  # per-phase peaks with memory_breakdown (for_engine)
 
     @classmethod
     def for_engine(cls, engine) -> EngineObserver:
         """Build from an engine's parsed config and rank (what `Engine.__init__` calls)."""
         obs = cls(engine.config, rank=engine.global_rank)
         obs.timers = PhaseTimers(engine.accelerator.synchronize)
+        if engine.config.memory_breakdown:
+            obs.memory_phases = PhasePeaks(engine.accelerator)
         return obs
 
     # -- forward / backward -------------------------------------------------------------------------
@@ -99,12 +103,16 @@ class EngineObserver:
             self.profiler.start_profile()
         if self.timing:
             self.timers.start("forward")
+        if self.memory_phases is not None:
+            self.memory_phases.enter("forward")
 
     def on_forward_end(self, engine) -> None:
         if not self.active:
             return
         if self.timing:
             self.timers.stop("forward")
+        if self.memory_phases is not None:
+            self.memory_phases.leave()
         if self.profiler is not None and self.profiler.running:
             self.profiler.stop_profile()  # count one forward pass; backward is 2x by convention
 
@@ -115,10 +123,19 @@ class EngineObserver:
             self._losses.append(float(loss.detach().float().item() if isinstance(loss, torch.Tensor) else loss))
         if self.timing:
             self.timers.start("backward")
+        if self.memory_phases is not None:
+            self.memory_phases.enter("backward")
+
+    def on_reduce_start(self, engine) -> None:
+        """Autograd is done; what remains of the backward is waiting for the gradient reductions."""
+        if self.memory_phases is not None:
+            self.memory_phases.enter("reduce")
 
     def on_backward_end(self, engine) -> None:
         if self.active and self.timing:
             self.timers.stop("backward")
+        if self.memory_phases is not None:
+            self.memory_phases.leave()
 
     # -- optimizer step -------------------------------------------------------------------------------
     def on_step_start(self, engine) -> None:
@@ -127,6 +144,8 @@ class EngineObserver:
         self._step_at_start = engine.global_steps
         if self.timing:
             self.timers.start("step")
+        if self.memory_phases is not None:
+            self.memory_phases.enter("step")
 
     def on_step_end(self, engine, *, applied: bool | None = None, loss: float | None = None) -> None:
         """After `engine.step()`; acts when the step crossed an accumulation boundary."""
@@ -134,6 +153,8 @@ class EngineObserver:
             return
         if self.timing:
             self.timers.stop("step")
+        if self.memory_phases is not None:
+            self.memory_phases.leave()
         if loss is not None:
             self._losses.append(float(loss))
         if engine.global_steps == self._step_at_start:
@@ -228,9 +249,9 @@ class EngineObserver:
                             engine.global_steps - self._steps_since_print + 1, engine.global_steps,
                             self.comm_report(diff_snapshots(now, self._comm_mark)))
         if self.config.memory_breakdown and self.rank == 0:
-            logger.info("memory: allocated %.1f MiB, peak %.1f MiB; model states %s",
-                        engine.accelerator.memory_allocated() / MIB, engine.accelerator.max_memory_allocated() / MIB,
-                        engine.memory_breakdown())
+            phases = self.memory_phases.report() if self.memory_phases is not None else "-"
+            logger.info("memory: allocated %.1f MiB; peak by phase: %s; model states %s",
+                        engine.accelerator.memory_allocated() / MIB, phases, engine.memory_breakdown())
         self.timers.reset()
         self._comm_mark = comm.STATS.snapshot()
         self._steps_since_print = 0

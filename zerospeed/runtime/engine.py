@@ -65,6 +65,7 @@ class Engine(EngineCore):
                                  and self.enable_backward_allreduce)
         self.observer.on_backward_start(self, loss)
         scaled.backward(retain_graph=retain_graph)
+        self.observer.on_reduce_start(self)
         # the micro-step's reduction settles here, not in step(): accelerate (and so the stock
         # Trainer) calls engine.step() only at accumulation boundaries, as DeepSpeed allows
         self.zero.end_micro_step()

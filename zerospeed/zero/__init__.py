@@ -12,6 +12,7 @@ import functools
 import torch
 
 from zerospeed.offload.plan import OffloadPlan
+from zerospeed.zero.budgets import bounded_budgets
 from zerospeed.zero.grad_math import reduction_factors
 from zerospeed.zero.sharded import ShardedStrategy, Stage2Strategy
 from zerospeed.zero.stage0 import DataParallelStrategy
@@ -37,22 +38,26 @@ def build_strategy(cfg, groups: list[dict], reduction: list[ReductionGroup], *, 
     common = dict(comm_dtype=comm_dtype, scaling=scaling, norm_group=norm_group)
     plan = OffloadPlan.from_config(cfg, device)  # also refuses offload keys the stage cannot honour
     zeropp = ZeroPPPolicy.from_config(zero, getattr(plan, "param", "none"))  # refuses ZeRO++ below stage 3
+    # Note [buckets bounded by the model] (zero/budgets.py): DeepSpeed's sizes as upper bounds
+    budgets = bounded_budgets(sum(full_numel(p) for g in groups for p in g["params"]),
+                              reduce_bucket_size=int(zero.reduce_bucket_size),
+                              prefetch_bucket_size=int(zero.stage3_prefetch_bucket_size),
+                              max_reuse_distance=int(zero.stage3_max_reuse_distance))
     if zero.stage == 0:
         return DataParallelStrategy(groups, reduction, mixed=param_dtype != torch.float32, module=module,
                                     bucket_size=int(zero.reduce_bucket_size), accum_dtype=grad_dtype, **common)
     if zero.stage == 3:
         return Stage3Strategy(module, groups, reduction, param_dtype=param_dtype, device=device,
-                              reduce_bucket_size=int(zero.reduce_bucket_size), sub_group_size=int(zero.sub_group_size),
-                              overlap_comm=bool(zero.overlap_comm),
-                              prefetch_bucket_size=int(zero.stage3_prefetch_bucket_size),
+                              reduce_bucket_size=budgets.reduce_bucket, sub_group_size=int(zero.sub_group_size),
+                              overlap_comm=bool(zero.overlap_comm), prefetch_bucket_size=budgets.prefetch_bucket,
                               max_live_parameters=int(zero.stage3_max_live_parameters),
-                              max_reuse_distance=int(zero.stage3_max_reuse_distance),
+                              max_reuse_distance=budgets.reuse_distance,
                               param_persistence_threshold=int(zero.stage3_param_persistence_threshold),
                               model_persistence_threshold=int(zero.stage3_model_persistence_threshold),
                               plan=plan, zeropp=zeropp, **common)
     cls = ShardedStrategy if zero.stage == 1 else Stage2Strategy
     return cls(groups, reduction, param_dtype=param_dtype, device=device, module=module,
-               reduce_bucket_size=int(zero.reduce_bucket_size), allgather_bucket_size=int(zero.allgather_bucket_size),
+               reduce_bucket_size=budgets.reduce_bucket, allgather_bucket_size=int(zero.allgather_bucket_size),
                sub_group_size=int(zero.sub_group_size), overlap_comm=bool(zero.overlap_comm), grad_dtype=grad_dtype,
                ignore_unused_parameters=zero.ignore_unused_parameters, plan=plan, **common)
 

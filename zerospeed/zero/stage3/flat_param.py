@@ -10,6 +10,15 @@ therefore valid only until its unit is released. The spares are at most the full
 live at once (bounded by `stage3_max_live_parameters` and the prefetch budget) and stay allocated
 between forwards.
 
+Note [freed in place]: autograd keeps what an operation saved for backward — for `nn.Linear` the
+weight's transposed *view* of the full buffer — so dropping our reference to a released buffer
+frees nothing until that backward has run: every unit used in a forward would stay gathered until
+its backward, the whole model at once. A training release therefore frees the buffer's storage in
+place (`untyped_storage().resize_(0)`, as FSDP2 does) and keeps the empty tensor; the next gather of
+this flat parameter grows that same storage back and writes into it, so a view saved in forward
+reads the re-gathered weights (identical: weights change only at a step). A view used while its unit
+is released fails loudly (zero-size storage) instead of reading stale memory.
+
 Lifecycle (explicit, see `State`): SHARDED — the model's parameters point at empty tensors and this
 rank holds only its chunk; GATHERING — an all-gather of every rank's chunk into a full buffer is in
 flight; FULL — the parameters are views into that buffer. Nothing is attached to the
@@ -97,6 +106,7 @@ class FlatParam:
                                                                               torch.float32, pin))
             self.grad_shard = _placed(torch.zeros(self.layout.chunk), master_device, torch.float32, pin)
         self.full: torch.Tensor | None = None
+        self._freed: torch.Tensor | None = None  # Note [freed in place]: the released full buffer, storage size 0
         self.batch = None  # the GatherBatch in flight while GATHERING
         self.state = State.SHARDED
         self.residency = residency if residency is not None else Residency()
@@ -153,9 +163,22 @@ class FlatParam:
             self.residency.live -= self.padded
         self._point_params_at_nothing()
         if self.full is not None:
-            self.residency.give(self.full)
+            if self.residency.spare is None:  # training: Note [freed in place]
+                self.full.untyped_storage().resize_(0)
+                self._freed = self.full
+            else:
+                self.residency.give(self.full)
         self.full = None
         self.state = State.SHARDED
+
+    def full_buffer(self) -> torch.Tensor:
+        """The buffer a gather writes this flat parameter's full value into: the storage freed at the last
+        release grown back (Note [freed in place]), a recycled spare, or new memory."""
+        freed, self._freed = self._freed, None
+        if freed is not None:
+            freed.untyped_storage().resize_(self.padded * freed.element_size())
+            return freed
+        return self.residency.take(self.padded, self.dtype, self.device)
 
     def _point_params_at_nothing(self) -> None:
         empty = empty_like_dtype(self.dtype, self.device)

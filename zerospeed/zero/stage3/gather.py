@@ -86,7 +86,7 @@ class GatherBatch:
 
     def _copy_local(self, shards: list[torch.Tensor]) -> None:
         for fp, shard in zip(self.fps, shards):
-            fp.full = fp.residency.take(fp.padded, fp.dtype, self.device)
+            fp.full = fp.full_buffer()
             fp.full.copy_(shard)
         self._release_swap_buffer()
         self.launched = self.done = True
@@ -112,7 +112,7 @@ class GatherBatch:
             send = send.to(device)
             self._release_swap_buffer()
         if len(self.fps) == 1:
-            first.full = first.residency.take(first.layout.padded, first.dtype, device)
+            first.full = first.full_buffer()
             self.recv = first.full
         else:
             self.recv = torch.empty(world * send.numel(), dtype=first.dtype, device=device)
@@ -148,7 +148,7 @@ class GatherBatch:
             rows = self.recv.view(self.world, -1)
             offset = 0
             for fp, chunk in zip(self.fps, self.chunks):
-                fp.full = fp.residency.take(fp.padded, fp.dtype, self.device)
+                fp.full = fp.full_buffer()
                 fp.full.view(self.world, chunk).copy_(rows[:, offset:offset + chunk])
                 offset += chunk
         self.recv = None

@@ -1,0 +1,83 @@
+"""Peak host memory per rank and per phase at ZeRO stages 0-3, the DeepSpeed user's GPT-2 run.
+
+    python benchmarks/peak_memory.py [--stages 0 1 2 3] [--dtypes fp32 bf16] [--offload] [--steps 4]
+
+transformers GPT-2 (`GPT2Config(n_layer=12, n_embd=768, n_head=12)`, dropout 0, built without
+zero.Init), 2 ranks, micro batch 4 x 128 tokens, AdamW, DeepSpeed's defaults for every other key.
+The peaks are the kernel's high-water mark of each rank's resident set per phase of every step
+(`"memory_breakdown": true`, zerospeed/profiling/memory_phases.py); "states" is an independent census
+of live tensor storages after the last step (zerospeed.testing.census), "base" the resident set
+before the model was built. With `--offload` the optimizer (stages 1-3) is offloaded to the CPU:
+on a CPU-only machine that memory is the same host memory, so only the machinery's overhead shows.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+MIB = 1 << 20
+
+
+def run(stage: int, dtype: str, steps: int, offload: bool) -> dict:
+    import torch
+    import transformers
+
+    import zerospeed
+    from zerospeed.accelerator import get_accelerator
+    from zerospeed.testing import census
+    base = get_accelerator().memory_allocated()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, resid_pdrop=0.0, embd_pdrop=0.0,
+                                  attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    zero = {"stage": stage}
+    if offload and stage > 0:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    ds = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+          "zero_optimization": zero, "memory_breakdown": True, "steps_per_print": 10 ** 9}
+    if dtype == "bf16":
+        ds["bf16"] = {"enabled": True}
+    engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    del model
+    phases = engine.observer.memory_phases
+    g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+    times = []
+    for step in range(steps):
+        x = torch.randint(0, cfg.vocab_size, (4, 128), generator=g)
+        t = time.perf_counter()
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - t)
+        if step == 0:
+            phases.reset()  # the first step allocates the optimizer states: report the steady steps
+    return {"params": params, "base": base, "peak": dict(phases.peak), "start": dict(phases.start),
+            "states": census.live_tensor_bytes(), "step_s": sorted(times[1:])[len(times[1:]) // 2]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--offload", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
+    from zerospeed.testing import run_distributed
+    print("| dtype | stage | offload | params | peak MiB/rank | forward | backward | reduce | step | states MiB "
+          "| base MiB | step s |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for dtype in args.dtypes:
+        for stage in args.stages:
+            ranks = run_distributed(run, 2, stage, dtype, args.steps, args.offload, timeout=1200)
+            r = max(ranks, key=lambda r: max(r["peak"].values()))
+            cols = [f"{r['peak'].get(p, 0) / MIB:,.0f}" for p in ("forward", "backward", "reduce", "step")]
+            print(f"| {dtype} | {stage} | {'cpu' if args.offload and stage else '-'} | {r['params']:,} "
+                  f"| **{max(r['peak'].values()) / MIB:,.0f}** | {' | '.join(cols)} | {r['states'] / MIB:,.0f} "
+                  f"| {r['base'] / MIB:,.0f} | {r['step_s']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
