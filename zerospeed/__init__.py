@@ -25,7 +25,7 @@ _EXPORTS = {
 }
 _SUBMODULES = {"comm", "config", "optim", "precision", "runtime", "testing", "launcher", "accelerator", "utils",
                "zero", "checkpoint", "checkpointing", "offload", "integrations", "inference", "moe", "sequence",
-               "parallel"}
+               "parallel", "elasticity"}
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -103,8 +103,6 @@ ROWS: list[Row] = [
     _switch("hybrid_engine.enabled", "the hybrid engine"),
     _switch("compile.deepcompile", "DeepCompile"),
     _switch("compile.enabled", "torch.compile through the config"),
-    _switch("elasticity.enabled", "elastic training"),
-    _switch("autotuning.enabled", "the autotuner"),
     _switch("nebula.enabled", "Nebula checkpointing"),
     _present("datastates_ckpt", "DataStates checkpointing"),
     _present("casync_ckpt", "CAsync checkpointing"),

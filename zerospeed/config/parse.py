@@ -1,6 +1,7 @@
 """``parse_config``: the whole path from user input to a checked ``ZeroSpeedConfig``.
 
-load_raw -> aliases -> "auto" -> validation -> API checks -> batch sizes -> implemented features.
+load_raw -> aliases -> "auto" -> validation -> API checks -> batch sizes (from the elasticity block when
+it is enabled) -> implemented features.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from zerospeed.config.batch import resolve_batch_size
 from zerospeed.config.errors import ConfigError
 from zerospeed.config.features import check_implemented
 from zerospeed.config.loader import load_raw
-from zerospeed.config.schema.root import ZeroSpeedConfig
+from zerospeed.config.schema.root import BATCH_KEYS, ZeroSpeedConfig
 from zerospeed.config.validation import validate_config
 
 
@@ -30,10 +31,16 @@ def _check_api_rules(cfg: ZeroSpeedConfig) -> None:
                           "0, 1 or 2 to sum the gradients")
 
 
-def _with_batch_sizes(cfg: ZeroSpeedConfig, world_size: int, auto_keys: list[str]) -> ZeroSpeedConfig:
-    train, micro, gas = resolve_batch_size(
-        cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
-        world_size, auto_keys=auto_keys)
+def _with_batch_sizes(cfg: ZeroSpeedConfig, world_size: int, auto_keys: list[str],
+                      given_keys: list[str]) -> ZeroSpeedConfig:
+    if cfg.elasticity.enabled:  # elasticity owns the batch sizes (zerospeed/elasticity, docs/elasticity.md)
+        from zerospeed.elasticity.elasticity import resolve_elastic_batch_size  # it builds on zerospeed.config
+
+        train, micro, gas = resolve_elastic_batch_size(cfg.elasticity, world_size, given_keys)
+    else:
+        train, micro, gas = resolve_batch_size(
+            cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
+            world_size, auto_keys=auto_keys)
     return cfg.model_copy(update={
         "train_batch_size": train, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
     })
@@ -52,7 +59,7 @@ def _parse(config: Any, world_size: int, known: Mapping[str, Any], check_feature
     auto_batch = unresolved_batch_keys(raw, known)
     cfg = validate_config(resolve_auto(raw, known))
     _check_api_rules(cfg)
-    cfg = _with_batch_sizes(cfg, world_size, auto_batch)
+    cfg = _with_batch_sizes(cfg, world_size, auto_batch, [key for key in BATCH_KEYS if key in raw])
     if check_features:
         check_implemented(cfg)
     return cfg

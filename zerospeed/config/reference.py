@@ -93,6 +93,11 @@ NO_EFFECT: dict[str, str] = {
     "tensor_parallel.tp.tp_grain_size": "inference-style setting; splits are by whole heads and even columns",
     "aio.io_backend": "I/O always goes through zerospeed's thread-pool file I/O (zerospeed/offload/aio.py)",
     "timers.throughput": "samples/s is always measured for the progress line and monitors",
+    **{f"autotuning.model_info.{name}": "only DeepSpeed's bucket-size tuning space (fast: false) reads it; "
+       "zerospeed's autotuner tunes no bucket sizes by default (docs/autotuning.md)"
+       for name in ("hidden_size", "num_layers")},
+    "elasticity.min_time": "a hint for a resource scheduler (minutes to run before rescaling); the runtime, as "
+                           "DeepSpeed's, only checks it is >= 0",
     "checkpoint.checkpoint_serialization": "checkpoints are always written with torch.save's default format",
     **{f"expert_parallel.{name}": "AutoEP's experts run one matmul pair per local expert and move tokens by the comm "
        "gateway's all-to-all (docs/moe.md); there is no grouped-GEMM kernel, DeepEP buffer or split-plan stream to tune"
@@ -118,9 +123,7 @@ GATES: dict[str, str] = {
         "sync_after_allgather", "keep_int_input_tensors", "keep_all_input_tensors", "passes")},
     **{f"compile.{name}": "compile.enabled" for name in (
         "backend", "kwargs", "fullgraph", "dynamic", "mode", "options", "disable")},
-    "autotuning": "autotuning.enabled",
     "nebula": "nebula.enabled",
-    "elasticity": "elasticity.enabled",
     "curriculum_learning": "curriculum_learning.enabled",
     "data_efficiency": "data_efficiency.enabled",
     "progressive_layer_drop": "progressive_layer_drop.enabled",

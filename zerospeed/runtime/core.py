@@ -15,6 +15,7 @@ import torch
 
 from zerospeed import checkpoint, comm
 from zerospeed.accelerator import get_accelerator
+from zerospeed.autotuning.probe import trial_probe_for
 from zerospeed.optim.sub_group_step import use_fused_cpu_step
 from zerospeed.precision.loss_scaler import loss_scaler_from_config
 from zerospeed.precision.policy import PrecisionPolicy
@@ -81,6 +82,7 @@ class EngineCore(torch.nn.Module):
         self._step_applied = False
         # timers, flops profiler, monitors, comm report, the steps_per_print line (all off by default)
         self.observer = EngineObserver.for_engine(self)
+        self.trial_probe = trial_probe_for(self)  # None unless `zerospeed --autotuning` started this process
 
     # -- set-up -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -193,6 +195,8 @@ class EngineCore(torch.nn.Module):
         self.zero.zero_grads()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+        if self.trial_probe is not None:  # an autotuning trial: times the step, may end the process
+            self.trial_probe.on_step(self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (the engine's buffers and any stray .grad)."""

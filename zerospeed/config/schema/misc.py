@@ -22,19 +22,24 @@ class ActivationCheckpointingConfig(StrictModel):
 
 
 class ElasticityConfig(StrictModel):
-    """``elasticity``: pick a batch size that works across a range of GPU counts."""
+    """``elasticity``: pick a global batch size that works across a range of GPU counts.
 
-    enabled: Bool = ds_field(False, "Enable elastic training.")
-    max_train_batch_size: PosInt = ds_field(2000, "Largest acceptable global batch size.")
-    micro_batch_sizes: IntList = ds_field([2, 4, 6], "Acceptable micro-batch sizes.")
+    Enabled, it owns the batch sizes: ``zerospeed.elasticity`` checks the block (Note [elastic block
+    checks] there) and derives train_batch_size, the micro batch and the accumulation steps at the
+    current data-parallel world size (docs/elasticity.md).
+    """
+
+    enabled: Bool = ds_field(False, "Enable elastic training (the block then sets the batch sizes).")
+    max_train_batch_size: PosInt = ds_field(2000, "Largest acceptable global batch size (required when enabled).")
+    micro_batch_sizes: IntList = ds_field([2, 4, 6], "Acceptable micro-batch sizes (required when enabled).")
     min_gpus: PosInt = ds_field(1, "Fewest GPUs to plan for.")
     max_gpus: PosInt = ds_field(10000, "Most GPUs to plan for.")
-    min_time: NonNegInt = ds_field(20, "Minutes to run before the scheduler may rescale.")
-    prefer_larger_batch: Bool = ds_field(True, "Prefer the batch size closest to the maximum.")
+    min_time: NonNegInt = ds_field(0, "Minutes to run before the scheduler may rescale (0: unknown).")
+    prefer_larger_batch: Bool = ds_field(True, "Among equally elastic batch sizes, take the largest.")
     ignore_non_elastic_batch_info: Bool = ds_field(False, "Ignore (not reject) batch keys outside this block.")
-    version: Num = ds_field(0.2, "Version of the elasticity algorithm.")
-    model_parallel_size: PosInt = ds_field(1, "Model-parallel degree.")
-    num_gpus_per_node: PosInt = ds_field(1, "GPUs per node.")
+    version: Num = ds_field(0.2, "Version of the elasticity algorithm: 0.1 or 0.2.")
+    model_parallel_size: PosInt = ds_field(1, "Model-parallel degree (version 0.2 only).")
+    num_gpus_per_node: PosInt = ds_field(1, "GPUs per node (version 0.2 only).")
 
 
 class AutotuningModelInfo(StrictModel):
@@ -47,20 +52,25 @@ class AutotuningModelInfo(StrictModel):
 
 
 class AutotuningConfig(StrictModel):
-    """``autotuning``: the DeepSpeed autotuner."""
+    """``autotuning``: the autotuner run by ``zerospeed --autotuning tune|run`` (zerospeed/autotuning).
+
+    Inside a training run the block is ignored, as DeepSpeed ignores it without ``--autotuning``; the
+    autotuner's trials read ``start_profile_step`` / ``end_profile_step`` from it.
+    """
 
     enabled: Bool = ds_field(False, "Enable the autotuner.")
-    fast: Bool = ds_field(True, "Only tune ZeRO stage and micro-batch size.")
+    fast: Bool = ds_field(True, "Only tune ZeRO stage, micro-batch size (and offload when listed); false also "
+                                "tunes other list-valued zero_optimization keys.")
     results_dir: Str = ds_field("autotuning_results", "Directory of experiment results.")
     exps_dir: Str = ds_field("autotuning_exps", "Directory of experiment descriptions.")
-    overwrite: Bool = ds_field(True, "Re-run experiments whose results exist.")
+    overwrite: Bool = ds_field(True, "Re-run experiments whose results exist (false: reuse them).")
     start_profile_step: PosInt = ds_field(3, "Step at which profiling starts.")
-    end_profile_step: PosInt = ds_field(5, "Step at which profiling ends.")
+    end_profile_step: PosInt = ds_field(5, "Step at which profiling ends (and the trial exits).")
     metric: choice_type("latency", "throughput", "flops") = ds_field("throughput", "Ranking metric.")
-    metric_path: OptStr = ds_field(None, "File the metric is written to.")
+    metric_path: OptStr = ds_field(None, "File the metric is written to (the autotuner sets it per trial).")
     tuner_type: choice_type("gridsearch", "random", "model_based") = ds_field("gridsearch", "Search order.")
-    tuner_early_stopping: PosInt = ds_field(5, "Experiments beyond the best before stopping.")
-    tuner_num_trials: PosInt = ds_field(50, "Maximum experiments per ZeRO stage.")
+    tuner_early_stopping: PosInt = ds_field(5, "Experiments beyond the best before stopping (gridsearch, random).")
+    tuner_num_trials: PosInt = ds_field(50, "Most experiments to run.")
     arg_mappings: OptDict = ds_field(None, "Map of config keys to script arguments.")
     max_train_batch_size: OptPosInt = ds_field(None, "Largest global batch size to try.")
     min_train_batch_size: PosInt = ds_field(1, "Smallest global batch size to try.")
