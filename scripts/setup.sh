@@ -19,4 +19,6 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$VENV/bin/zerospeed-compat" install
   echo "$want" > "$stamp"
 fi
+# sshd, pdsh and mpirun for the multi-node launcher tests (never fails: those tests then skip loudly)
+bash "$ROOT/scripts/install_daemons.sh" || true
 export PATH="$VENV/bin:$PATH"

@@ -63,8 +63,7 @@ def no_gpu_probe(monkeypatch):
     (["--num_nodes", "-3", "t.py"], "--num_nodes must be >= 1, got -3"),
     (["--launcher", "torchrun", "t.py"],
      "--launcher 'torchrun' is not one of pdsh, ssh, openmpi, mvapich, mpich, impi, slurm, local"),
-    (["--autotuning", "tune", "--elastic_training", "t.py"],
-     "--autotuning, --elastic_training: not supported by zerospeed"),
+    (["--max_restarts", "-1", "t.py"], "--max_restarts must be >= 0, got -1"),
     (["--node_rank", "1", "t.py"], "--node_rank 1 needs --num_nodes > 1 (or a hostfile)"),
     (["--num_nodes", "2", "--master_addr", "h", "t.py"],
      "--num_nodes 2 without a hostfile starts one node per invocation: run it on every node with --node_rank "

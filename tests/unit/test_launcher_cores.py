@@ -4,7 +4,7 @@ import pytest
 from zerospeed.launcher.cores import cores_for_rank, parse_core_list
 from zerospeed.launcher.environment import UserCommand
 from zerospeed.launcher.errors import LauncherError
-from zerospeed.launcher.node import NodeOptions, rank_specs
+from zerospeed.launcher.node import NodeOptions, worker_spec
 
 
 def test_parse_core_list():
@@ -24,17 +24,17 @@ def test_cores_split_into_equal_consecutive_blocks():
         cores_for_rank(cores, 8, 0)
 
 
-def test_rank_specs_bind_and_set_omp_num_threads():
+def test_worker_spec_binds_and_sets_omp_num_threads():
     options = NodeOptions("127.0.0.1", 29500, bind_cores_to_rank=True, bind_core_list="0-5")
-    specs = rank_specs({"localhost": [0, 1, 2]}, 0, UserCommand("t.py"), options, base_env={"OMP_NUM_THREADS": "9"},
+    spec = worker_spec({"localhost": [0, 1, 2]}, 0, UserCommand("t.py"), options, base_env={"OMP_NUM_THREADS": "9"},
                        cpu_count=6)
-    assert [s.cpu_affinity for s in specs] == [(0, 1), (2, 3), (4, 5)]
-    assert [s.env["OMP_NUM_THREADS"] for s in specs] == ["2", "2", "2"]
-    unbound = rank_specs({"localhost": [0, 1]}, 0, UserCommand("t.py"), NodeOptions("127.0.0.1", 29500),
-                         base_env={}, cpu_count=6)
-    assert [s.cpu_affinity for s in unbound] == [None, None]
+    assert spec["cores"] == [[0, 1], [2, 3], [4, 5]]
+    assert spec["env"]["OMP_NUM_THREADS"] == "2"  # the block's size, over the user's 9 (DeepSpeed's rule)
+    unbound = worker_spec({"localhost": [0, 1]}, 0, UserCommand("t.py"), NodeOptions("127.0.0.1", 29500),
+                          base_env={}, cpu_count=6)
+    assert unbound["cores"] is None
     with pytest.raises(LauncherError, match="KMP_AFFINITY"):
-        rank_specs({"localhost": [0]}, 0, UserCommand("t.py"), options, base_env={"KMP_AFFINITY": "x"}, cpu_count=6)
+        worker_spec({"localhost": [0]}, 0, UserCommand("t.py"), options, base_env={"KMP_AFFINITY": "x"}, cpu_count=6)
 
 
 def test_node_launchers_are_told_to_bind():

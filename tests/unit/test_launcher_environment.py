@@ -63,7 +63,8 @@ def test_environment_one_node_two_ranks():
             for lr in range(2)]
     common = {"PATH": "/usr/bin", "HOME": "/root", "WORLD_SIZE": "2", "LOCAL_SIZE": "2", "CROSS_RANK": "0",
               "CROSS_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
-              "CUDA_VISIBLE_DEVICES": "0,1", "OMP_NUM_THREADS": "4"}  # 8 cores // 2 processes
+              "CUDA_VISIBLE_DEVICES": "0,1", "OMP_NUM_THREADS": "4",  # 8 cores // 2 processes
+              "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1"}  # torch's names too
     assert envs[0] == {**common, "RANK": "0", "LOCAL_RANK": "0"}
     assert envs[1] == {**common, "RANK": "1", "LOCAL_RANK": "1"}
 
@@ -74,7 +75,7 @@ def test_environment_node_rank_one_of_two_nodes_of_two():
             for lr in range(2)]
     common = {"WORLD_SIZE": "4", "LOCAL_SIZE": "2", "CROSS_RANK": "1", "CROSS_SIZE": "2",
               "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "6000", "CUDA_VISIBLE_DEVICES": "2,3",
-              "OMP_NUM_THREADS": "1"}
+              "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2"}
     assert envs[0] == {**common, "RANK": "2", "LOCAL_RANK": "0"}
     assert envs[1] == {**common, "RANK": "3", "LOCAL_RANK": "1"}
 

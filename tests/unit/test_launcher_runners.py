@@ -5,8 +5,8 @@ from zerospeed.launcher.environment import UserCommand
 from zerospeed.launcher.errors import LauncherError
 from zerospeed.launcher.runners import (NodeCommand, check_runner_world, collect_exports, hydra_command,
                                         local_commands, node_launcher_argv, openmpi_command, parse_env_file,
-                                        pdsh_command, pdsh_kill_command, remote_shell_command, slurm_command,
-                                        ssh_commands)
+                                        pdsh_commands, pdsh_kill_command, remote_shell_command, slurm_command,
+                                        slurm_env, ssh_commands, ssh_kill_commands, with_rsh_port)
 
 PY = "/usr/bin/python3"
 NC = NodeCommand(world_info="eyJ3MCI6IFswXX0=", master_addr="10.0.0.1", master_port=29500,
@@ -48,15 +48,26 @@ def test_remote_shell_command_quotes_every_word():
                     "prog 'a b' 'say \"hi\"' '$HOME' ''")
 
 
-def test_pdsh_command():
-    cmd = pdsh_command(HOSTS, NC, exports=EXPORTS, cwd="/work/job", launcher_args=["-R", "ssh"])
-    assert cmd == ["pdsh", "-S", "-f", "1024", "-w", "w0,w1", "-R", "ssh", REMOTE_0.replace("NR", "%n")]
+def test_pdsh_commands_one_per_host_with_its_rank():
+    cmds = pdsh_commands(HOSTS, NC, exports=EXPORTS, cwd="/work/job", launcher_args=["-R", "ssh"])
+    assert cmds == [["pdsh", "-S", "-f", "1024", "-w", "w0", "-R", "ssh", REMOTE_0.replace("NR", "0")],
+                    ["pdsh", "-S", "-f", "1024", "-w", "w1", "-R", "ssh", REMOTE_0.replace("NR", "1")]]
 
 
-def test_pdsh_kill_command():
-    assert pdsh_kill_command(HOSTS, NC) == [
-        "pdsh", "-S", "-f", "1024", "-w", "w0,w1",
-        r"pkill -f -- '[z]erospeed\.launcher\.node --world_info=eyJ3MCI6IFswXX0= .*--master_port=29500 '"]
+KILL_PATTERN = r"'[z]erospeed\.launcher\.node --world_info=eyJ3MCI6IFswXX0= .*--master_port=29500 '"
+KILL_LINE = (f"pkill -f -- {KILL_PATTERN}; n=0; while [ $n -lt 25 ] && pgrep -f -- {KILL_PATTERN} >/dev/null; "
+             f"do sleep 0.2; n=$((n + 1)); done; pkill -KILL -f -- {KILL_PATTERN}; true")
+
+
+def test_pdsh_kill_command_terms_then_kills_after_the_grace():
+    assert pdsh_kill_command(HOSTS, NC, ["-R", "ssh"], grace_s=5.0) == [
+        "pdsh", "-S", "-f", "1024", "-w", "w0,w1", "-R", "ssh", KILL_LINE]
+
+
+def test_ssh_kill_commands_one_per_host():
+    assert ssh_kill_commands(HOSTS, NC, ssh_port=2222, launcher_args=["-o", "X=1"], grace_s=5.0) == [
+        ["ssh", "-n", "-p", "2222", "-o", "X=1", "w0", KILL_LINE],
+        ["ssh", "-n", "-p", "2222", "-o", "X=1", "w1", KILL_LINE]]
 
 
 def test_ssh_commands_one_per_host_with_its_rank():
@@ -76,6 +87,16 @@ def test_openmpi_command():
         "--mca", "x", "y", "-x", "NCCL_DEBUG=INFO", *FROM_ENV]
 
 
+def test_openmpi_ssh_port_goes_into_the_rsh_agent_args():
+    assert with_rsh_port(["-v"], None) == ["-v"]
+    assert with_rsh_port(["-v"], 2222) == ["--mca", "plm_rsh_args", "-p 2222", "-v"]
+    assert with_rsh_port([], 2222, inherited="-i key") == ["--mca", "plm_rsh_args", "-i key -p 2222"]
+    assert with_rsh_port(["-mca", "plm_rsh_args", "-F cfg", "-v"], 2222, inherited="-i key") == [
+        "-mca", "plm_rsh_args", "-F cfg -p 2222", "-v"]
+    cmd = openmpi_command(HOSTS, NC, exports={}, launcher_args=["--mca", "plm_rsh_args", "-F cfg"], ssh_port=2)
+    assert cmd[10:13] == ["--mca", "plm_rsh_args", "-F cfg -p 2"]
+
+
 def test_hydra_command():
     assert hydra_command(["a", "b", "c"], NC, exports={"MV2_ENABLE_AFFINITY": "0", "K": "v w"}) == [
         "mpirun", "-n", "3", "-ppn", "1", "-hosts", "a,b,c", "-genv", "MV2_ENABLE_AFFINITY", "0",
@@ -83,16 +104,20 @@ def test_hydra_command():
 
 
 def test_slurm_command():
-    assert slurm_command(HOSTS, NC, exports={"NCCL_DEBUG": "INFO", "A": "1"}, launcher_args=["--exclusive"],
-                         comment="run 7", account="proj") == [
-        "srun", "--nodes", "2", "--ntasks", "2", "--ntasks-per-node", "1", "--nodelist", "w0,w1", "--exclusive",
-        "--comment", "run 7", "--account", "proj", "--export=ALL,NCCL_DEBUG=INFO,A=1", *FROM_ENV]
+    assert slurm_command(HOSTS, NC, launcher_args=["--exclusive"], comment="run 7", account="proj") == [
+        "srun", "--nodes", "2", "--ntasks", "2", "--ntasks-per-node", "1", "--nodelist", "w0,w1",
+        "--kill-on-bad-exit=1", "--exclusive", "--comment", "run 7", "--account", "proj", "--export=ALL", *FROM_ENV]
 
 
 def test_slurm_command_minimal():
-    assert slurm_command(["w0"], NC, exports={}) == [
-        "srun", "--nodes", "1", "--ntasks", "1", "--ntasks-per-node", "1", "--nodelist", "w0", "--export=ALL",
-        *FROM_ENV]
+    assert slurm_command(["w0"], NC) == [
+        "srun", "--nodes", "1", "--ntasks", "1", "--ntasks-per-node", "1", "--nodelist", "w0",
+        "--kill-on-bad-exit=1", "--export=ALL", *FROM_ENV]
+
+
+def test_slurm_exports_travel_in_the_environment_commas_and_all():
+    assert slurm_env({"PATH": "/bin", "A": "0"}, {"A": "1", "NCCL_SOCKET_IFNAME": "eth0,eth1"}) == {
+        "PATH": "/bin", "A": "1", "NCCL_SOCKET_IFNAME": "eth0,eth1"}
 
 
 def test_local_commands():

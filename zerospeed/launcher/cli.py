@@ -26,8 +26,9 @@ from zerospeed.launcher.runners import LAUNCHERS
 logger = logging.getLogger(__name__)
 
 DEFAULT_MASTER_PORT = 29500  # torch.distributed's default, as in DeepSpeed
+ELASTIC_MAX_RESTARTS = 100   # DeepSpeed's fixed value for its elastic agent
 # DeepSpeed flags for features zerospeed does not have; named here so the error says so.
-UNSUPPORTED = ("autotuning", "elastic_training", "min_elastic_nodes", "max_elastic_nodes")
+UNSUPPORTED: tuple[str, ...] = ()
 
 
 def _build_parser() -> tuple[argparse.ArgumentParser, set[str]]:
@@ -73,6 +74,16 @@ def _build_parser() -> tuple[argparse.ArgumentParser, set[str]]:
          "its size)")
     value("--bind_core_list", default=None, help="the cores --bind_cores_to_rank splits, e.g. 0,2-4,6 "
           "(default: every physical core)")
+    value("--max_restarts", type=int, default=None, help="restart every rank up to N times after a rank fails "
+          "(torch's elastic agent; default 0: the job ends with the first failure; 100 with --elastic_training)")
+    flag("--elastic_training", help="elastic membership: the job runs on --min_elastic_nodes to "
+         "--max_elastic_nodes nodes, restarting its ranks when nodes leave or join")
+    value("--min_elastic_nodes", type=int, default=-1, help="fewest nodes of an elastic job (default 1)")
+    value("--max_elastic_nodes", type=int, default=-1, help="most nodes of an elastic job (default: --num_nodes "
+          "or the hostfile's)")
+    value("--autotuning", default=None, choices=("tune", "run"), help="tune: search ZeRO stages and micro batches "
+          "with short trials of the script and write autotuning_results/ds_config_optimal.json; run: tune, then "
+          "train with it (the config's autotuning block, docs/autotuning.md)")
     for name in UNSUPPORTED:
         if name == "elastic_training":
             flag(f"--{name}", help=argparse.SUPPRESS)
@@ -143,6 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="[zerospeed] %(message)s")
     try:
         args, command = parse_command_line(argv)
+        if args.autotuning is not None:  # trials and the final run go through this launcher again
+            from zerospeed.autotuning.cli import autotune
+            return autotune(args.autotuning, argv, command)
         return _launch(args, command)
     except _ParseExit as exc:
         return exc.code
@@ -159,9 +173,24 @@ def _launch(args: argparse.Namespace, command: UserCommand) -> int:
     if plan.node_rank is not None:
         options = NodeOptions(plan.master_addr, args.master_port, args.enable_each_rank_log,
                               save_pid=os.getpid() if args.save_pid else None,
-                              bind_cores_to_rank=args.bind_cores_to_rank, bind_core_list=args.bind_core_list)
+                              bind_cores_to_rank=args.bind_cores_to_rank, bind_core_list=args.bind_core_list,
+                              **_agent_flags(args))
         return run_node(plan.world, plan.node_rank, command, options)
     return run_multinode(plan, command, master_port=args.master_port, each_rank_log=args.enable_each_rank_log,
                          save_pid=args.save_pid, launcher_args=args.launcher_args, ssh_port=args.ssh_port,
                          comment=args.comment, account=args.account, bind_cores_to_rank=args.bind_cores_to_rank,
-                         bind_core_list=args.bind_core_list)
+                         bind_core_list=args.bind_core_list, **_agent_flags(args))
+
+
+def _agent_flags(args: argparse.Namespace) -> dict[str, object]:
+    """The flags for torch's elastic agent on every node (DeepSpeed's -1 = not set)."""
+    if args.max_restarts is None:  # a node leaving an elastic job fails its peers' ranks: a restart each time
+        args.max_restarts = ELASTIC_MAX_RESTARTS if args.elastic_training else 0
+    if args.max_restarts < 0:
+        raise LauncherError(f"--max_restarts must be >= 0, got {args.max_restarts}")
+    if not args.elastic_training and (args.min_elastic_nodes, args.max_elastic_nodes) != (-1, -1):
+        logger.warning("--min_elastic_nodes/--max_elastic_nodes have no effect without --elastic_training")
+    unset = (None, -1)
+    return {"max_restarts": args.max_restarts, "elastic_training": args.elastic_training,
+            "min_elastic_nodes": None if args.min_elastic_nodes in unset else args.min_elastic_nodes,
+            "max_elastic_nodes": None if args.max_elastic_nodes in unset else args.max_elastic_nodes}

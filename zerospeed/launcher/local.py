@@ -1,7 +1,9 @@
-"""Starting and supervising this machine's child processes.
+"""Starting and supervising the per-node processes of a multi-node job.
 
-Each child runs in its own session (hence its own process group), so the launcher can stop a child
-together with everything it started (data-loader workers, compilers) by signalling the group.
+The children are node launchers (``--launcher local``) or the ssh / pdsh / mpirun / srun processes
+that start them; each node's ranks are run by torch's elastic agent inside its node launcher
+(``agent.py``), not here. Each child runs in its own session (hence its own process group), so it
+can be stopped together with everything it started by signalling the group.
 The rules: when a child exits non-zero, every other child is stopped within seconds and the
 launcher exits with that child's code; a SIGINT/SIGTERM/SIGHUP to the launcher is forwarded to all
 children; nothing is left running when the launcher returns.
@@ -11,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -32,12 +33,10 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 class ChildSpec:
     """One process to start."""
 
-    label: str                      # how messages name it: "rank 1", "node 0 (worker-0)"
+    label: str                      # how messages name it: "node 0 on worker-0 (ranks 0-1)", "pdsh"
     argv: Sequence[str]
     env: dict[str, str]
-    log_path: str | None = None     # stdout and stderr go to this file instead of the terminal
     stdin: str = "inherit"          # "inherit", "devnull" or "pipe" (kept open until the child ends)
-    cpu_affinity: tuple[int, ...] | None = None  # the cores the child may run on (--bind_cores_to_rank)
 
 
 @dataclass
@@ -52,21 +51,19 @@ class _Child:
 
 @dataclass
 class _Stop:
-    """Why supervision must end early: a signal to the launcher or its stdin closing."""
+    """Why supervision must end early: a signal to the launcher."""
 
     signum: int | None = None
     reason: str = ""
     saved: dict[int, object] = field(default_factory=dict)
 
 
-def run_children(specs: Sequence[ChildSpec], *, grace_s: float = GRACE_S, eof_fd: int | None = None,
+def run_children(specs: Sequence[ChildSpec], *, grace_s: float = GRACE_S,
                  on_stop: Callable[[], None] | None = None, name: str = "zerospeed") -> int:
     """Start ``specs``, supervise them and return the exit code for the launcher.
 
-    ``eof_fd``: a file descriptor (the node launcher's stdin under the ssh runner) whose end of file
-    means the job's launcher is gone, so this node stops too. ``on_stop`` runs once when the
-    children are being stopped early (the pdsh runner uses it to kill the remote processes).
-    ``name`` starts every message this prints.
+    ``on_stop`` runs once when the children are being stopped early (the pdsh runner uses it to
+    kill the remote processes). ``name`` starts every message this prints.
     """
     stop = _Stop()
     _install_handlers(stop)
@@ -80,7 +77,7 @@ def run_children(specs: Sequence[ChildSpec], *, grace_s: float = GRACE_S, eof_fd
                 print(f"{name}: cannot start {spec.label} ({spec.argv[0]}): {err}", file=sys.stderr)
                 # The shell's codes for "command not found" and "not executable".
                 return {FileNotFoundError: 127, PermissionError: 126}.get(type(err), 1)
-        return _supervise(children, _Settings(name, stop, grace_s, eof_fd, on_stop))
+        return _supervise(children, _Settings(name, stop, grace_s, on_stop))
     finally:
         _restore_handlers(stop)
         for c in children:
@@ -89,38 +86,19 @@ def run_children(specs: Sequence[ChildSpec], *, grace_s: float = GRACE_S, eof_fd
 
 
 def _spawn(spec: ChildSpec) -> subprocess.Popen:
-    out = open(spec.log_path, "w") if spec.log_path else None  # noqa: SIM115 (closed below; the child keeps its copy)
     stdin = {"inherit": None, "devnull": subprocess.DEVNULL, "pipe": subprocess.PIPE}[spec.stdin]
-    try:
-        popen = subprocess.Popen(list(spec.argv), env=spec.env, stdin=stdin, stdout=out,
-                                 stderr=subprocess.STDOUT if out else None, start_new_session=True,
-                                 preexec_fn=_pre_exec(spec.cpu_affinity))
-    finally:
-        if out is not None:
-            out.close()
+    popen = subprocess.Popen(list(spec.argv), env=spec.env, stdin=stdin, start_new_session=True,
+                             preexec_fn=_die_with_parent_hook())
     logger.debug("started %s (pid %d): %s", spec.label, popen.pid, list(spec.argv))
     return popen
-
-
-def _pre_exec(cpu_affinity: tuple[int, ...] | None) -> Callable[[], None] | None:
-    """What runs in the child between fork and exec: its core binding, then the parent-death signal."""
-    die = _die_with_parent_hook()
-    if cpu_affinity is None:
-        return die
-
-    def hook() -> None:
-        os.sched_setaffinity(0, cpu_affinity)
-        if die is not None:
-            die()
-
-    return hook
 
 
 def _die_with_parent_hook() -> Callable[[], None] | None:
     """A pre-exec hook asking Linux to SIGTERM the child if the launcher dies (even by SIGKILL).
 
-    Without it a launcher killed with SIGKILL would leave its ranks, which live in their own
-    sessions, running forever.
+    Without it a launcher killed with SIGKILL would leave its children, which live in their own
+    sessions, running forever (a node launcher then stops its ranks: Note [ranks die with their
+    node launcher] in worker.py).
     """
     if not sys.platform.startswith("linux"):
         return None
@@ -157,7 +135,6 @@ class _Settings:
     name: str
     stop: _Stop
     grace_s: float
-    eof_fd: int | None
     on_stop: Callable[[], None] | None
 
 
@@ -170,16 +147,7 @@ def _supervise(children: list[_Child], cfg: _Settings) -> int:
             return _interrupt(children, cfg)
         if not any(c.alive for c in children):
             return 0
-        _wait_a_moment(cfg.stop, cfg.eof_fd)
-
-
-def _wait_a_moment(stop: _Stop, eof_fd: int | None) -> None:
-    if eof_fd is None:
         time.sleep(POLL_S)
-        return
-    readable, _, _ = select.select([eof_fd], [], [], POLL_S)
-    if readable and not os.read(eof_fd, 4096) and stop.signum is None:
-        stop.signum, stop.reason = signal.SIGHUP, "lost the job's launcher (stdin closed)"
 
 
 def _fail(children: list[_Child], failed: _Child, cfg: _Settings) -> int:
@@ -189,9 +157,8 @@ def _fail(children: list[_Child], failed: _Child, cfg: _Settings) -> int:
     _stop_all(children, signal.SIGTERM, cfg.grace_s)
     code = failed.popen.returncode
     how = f"was killed by signal {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
-    log = f"; its output is in {failed.spec.log_path}" if failed.spec.log_path else ""
     print(f"{cfg.name}: {failed.spec.label} (pid {failed.popen.pid}) {how}; "
-          f"stopped the other {len(others)} process(es){log}", file=sys.stderr, flush=True)
+          f"stopped the other {len(others)} process(es)", file=sys.stderr, flush=True)
     return 128 - code if code < 0 else code
 
 

@@ -1,4 +1,5 @@
-"""Launcher test helper: record this rank's pid; the rank named by FAIL_RANK exits 3, others sleep."""
+"""Launcher test helper: record this rank's pid; the rank named by FAIL_RANK exits 3 (or, with
+FAIL_RAISE set, raises an exception), others sleep."""
 import os
 import sys
 import time
@@ -12,5 +13,7 @@ if str(rank) == os.environ.get("FAIL_RANK"):
     deadline = time.monotonic() + 20
     while not os.path.exists(os.path.join(out, "pid0")) and time.monotonic() < deadline:
         time.sleep(0.02)  # fail only once rank 0 is surely running
+    if os.environ.get("FAIL_RAISE"):
+        raise RuntimeError(f"rank {rank} fails on purpose")
     sys.exit(3)
 time.sleep(60)
