@@ -16,8 +16,10 @@ frees nothing until that backward has run: every unit used in a forward would st
 its backward, the whole model at once. A training release therefore frees the buffer's storage in
 place (`untyped_storage().resize_(0)`, as FSDP2 does) and keeps the empty tensor; the next gather of
 this flat parameter grows that same storage back and writes into it, so a view saved in forward
-reads the re-gathered weights (identical: weights change only at a step). A view used while its unit
-is released fails loudly (zero-size storage) instead of reading stale memory.
+reads the re-gathered weights (identical: weights change only at a step). The price, as in FSDP2: a
+view of a released unit must not be used before the unit is gathered again — its storage has no
+memory (on the CPU, reading it crashes the process). The backward pre-hooks gather every unit before
+its module's backward, so autograd's saved views are safe; a view kept outside autograd is not.
 
 Lifecycle (explicit, see `State`): SHARDED — the model's parameters point at empty tensors and this
 rank holds only its chunk; GATHERING — an all-gather of every rank's chunk into a full buffer is in
