@@ -27,8 +27,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MASTER_PORT = 29500  # torch.distributed's default, as in DeepSpeed
 ELASTIC_MAX_RESTARTS = 100   # DeepSpeed's fixed value for its elastic agent
-# DeepSpeed flags for features zerospeed does not have; named here so the error says so.
-UNSUPPORTED: tuple[str, ...] = ()
 
 
 def _build_parser() -> tuple[argparse.ArgumentParser, set[str]]:
@@ -84,11 +82,6 @@ def _build_parser() -> tuple[argparse.ArgumentParser, set[str]]:
     value("--autotuning", default=None, choices=("tune", "run"), help="tune: search ZeRO stages and micro batches "
           "with short trials of the script and write autotuning_results/ds_config_optimal.json; run: tune, then "
           "train with it (the config's autotuning block, docs/autotuning.md)")
-    for name in UNSUPPORTED:
-        if name == "elastic_training":
-            flag(f"--{name}", help=argparse.SUPPRESS)
-        else:
-            value(f"--{name}", default=None, help=argparse.SUPPRESS)
     return p, valued
 
 
@@ -132,9 +125,6 @@ def parse_command_line(argv: Sequence[str]) -> tuple[argparse.Namespace, UserCom
 
 
 def _normalize(args: argparse.Namespace) -> None:
-    used = [f"--{n}" for n in UNSUPPORTED if getattr(args, n) not in (None, False)]
-    if used:
-        raise LauncherError(f"{', '.join(used)}: not supported by zerospeed")
     for name in ("num_nodes", "num_gpus"):
         value = getattr(args, name)
         if value == -1:  # DeepSpeed's "not set"
