@@ -73,11 +73,12 @@ def test_agent_job_elastic_needs_local_rank():
 
 def test_agent_job_timeouts_from_the_environment():
     plan = _job(NodeOptions("h", 1), env={"ZEROSPEED_RDZV_TIMEOUT": "7", "ZEROSPEED_RDZV_LAST_CALL_TIMEOUT": "2",
-                                          "ZEROSPEED_RUN_ID": "job9"}).plan
-    assert (plan.join_timeout_s, plan.last_call_timeout_s, plan.run_id) == (7, 2, "job9")
+                                          "ZEROSPEED_RDZV_KEEP_ALIVE_INTERVAL": "1", "ZEROSPEED_RUN_ID": "job9"}).plan
+    assert (plan.join_timeout_s, plan.last_call_timeout_s, plan.keep_alive_s, plan.run_id) == (7, 2, 1, "job9")
     assert plan.parameters() == {"backend": "c10d", "endpoint": "h:1", "run_id": "job9", "min_nodes": 2,
                                  "max_nodes": 2, "is_host": False, "join_timeout": 7, "last_call_timeout": 2,
-                                 "read_timeout": 7}
+                                 "keep_alive_interval": 1, "read_timeout": 7}
+    assert _job(NodeOptions("h", 1)).plan.keep_alive_s == 5  # torch's default
 
 
 def test_node_launcher_parses_the_agent_flags_runners_send():

@@ -33,8 +33,10 @@ EXIT_BARRIER_S = 60  # Note [short exit barrier]
 MONITOR_S = 0.1      # how often the agent checks its workers; bounds the reaction time to a failure
 DEFAULT_RDZV_TIMEOUT_S = 600        # DynamicRendezvousHandler's join timeout
 DEFAULT_LAST_CALL_S = 30            # ... and its wait for more nodes once min_nodes joined (elastic only)
+DEFAULT_KEEP_ALIVE_S = 5            # ... and its heartbeat interval: a node silent for 3 of them is dropped
 RDZV_TIMEOUT_VAR = "ZEROSPEED_RDZV_TIMEOUT"            # seconds; exported to every node by the runners
 LAST_CALL_VAR = "ZEROSPEED_RDZV_LAST_CALL_TIMEOUT"
+KEEP_ALIVE_VAR = "ZEROSPEED_RDZV_KEEP_ALIVE_INTERVAL"
 RUN_ID_VAR = "ZEROSPEED_RUN_ID"
 
 
@@ -53,6 +55,7 @@ class RendezvousPlan:
     pinned: bool                # node order is the world's (non-elastic); else the rendezvous's
     join_timeout_s: int
     last_call_timeout_s: int
+    keep_alive_s: int = DEFAULT_KEEP_ALIVE_S  # heartbeat interval; a lost node is noticed after 3 of them
 
     @property
     def endpoint(self) -> str:
@@ -63,7 +66,7 @@ class RendezvousPlan:
         """Keyword arguments of torch's ``RendezvousParameters``."""
         return {"backend": "c10d", "endpoint": self.endpoint, "run_id": self.run_id, "min_nodes": self.min_nodes,
                 "max_nodes": self.max_nodes, "is_host": self.is_host, "join_timeout": self.join_timeout_s,
-                "last_call_timeout": self.last_call_timeout_s,
+                "last_call_timeout": self.last_call_timeout_s, "keep_alive_interval": self.keep_alive_s,
                 # a node waits for the store (node 0) as long as for the rendezvous itself
                 "read_timeout": self.join_timeout_s}
 
@@ -94,7 +97,8 @@ def rendezvous_plan(*, master_addr: str, master_port: int, node_rank: int, num_n
                           min_nodes=lo, max_nodes=hi, node_rank=node_rank, num_nodes=num_nodes,
                           is_host=node_rank == 0, pinned=elastic is None,
                           join_timeout_s=_seconds(env, RDZV_TIMEOUT_VAR, DEFAULT_RDZV_TIMEOUT_S),
-                          last_call_timeout_s=_seconds(env, LAST_CALL_VAR, DEFAULT_LAST_CALL_S))
+                          last_call_timeout_s=_seconds(env, LAST_CALL_VAR, DEFAULT_LAST_CALL_S),
+                          keep_alive_s=_seconds(env, KEEP_ALIVE_VAR, DEFAULT_KEEP_ALIVE_S))
 
 
 def arrival_key(run_id: str, node_rank: int) -> str:

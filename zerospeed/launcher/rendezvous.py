@@ -6,7 +6,10 @@ names the nodes that never came, (2) without elasticity, give each node its plac
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
+from collections.abc import Iterator
 
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters
@@ -43,7 +46,8 @@ class NodeRendezvous(RendezvousHandler):
         """Join the next round; without elasticity this node's group rank is its ``--node_rank``."""
         self._attempt += 1
         self._store.set(arrival_key(self._plan.run_id, self._plan.node_rank), str(self._attempt))
-        info = self._inner.next_rendezvous()
+        with _torch_store_sharing_off():  # Note [no torch store sharing]
+            info = self._inner.next_rendezvous()
         rank = self._plan.node_rank if self._plan.pinned else info.rank
         if self._plan.pinned:
             self._check_world(info)
@@ -114,6 +118,32 @@ class NodeRendezvous(RendezvousHandler):
     def shutdown(self) -> bool:
         """See ``RendezvousHandler``."""
         return self._inner.shutdown()
+
+
+_NO_SHARING_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+@contextlib.contextmanager
+def _torch_store_sharing_off() -> Iterator[None]:
+    # Note [no torch store sharing]: with its default (sharing on), torch's handler builds the ranks'
+    # store address once per node and caches it, so in later rounds the node that was rank 0 no longer
+    # publishes it in the round's keys. A node that joins a running job (elastic grow) has no cache and
+    # waits for that key until its read timeout, and the old node's restarted ranks wait for the new
+    # node's: the job hangs (torch 2.13; seen in tests/dist/test_elastic_training.py; pytorch #135712 is
+    # the restart side of it). And were the joining node to become rank 0, the others would keep a
+    # cached address that is no longer rank 0's. torch's opt-out makes rank 0 publish its address in
+    # every round (and starts no extra store server in the agent); which store the ranks meet in is
+    # still ours to say (``use_agent_store``, Note [the ranks' store]). torch reads the variable only in
+    # ``next_rendezvous``, so it is set for that call alone and the ranks started later don't inherit it.
+    previous = os.environ.get(_NO_SHARING_VAR)
+    os.environ[_NO_SHARING_VAR] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(_NO_SHARING_VAR, None)
+        else:
+            os.environ[_NO_SHARING_VAR] = previous
 
 
 def _free_port() -> int:
