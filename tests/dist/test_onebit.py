@@ -185,15 +185,16 @@ def test_zero_one_adam_and_onebit_lamb_equal_their_single_process_simulations():
     """0/1 Adam through its variance rounds (intervals 1, 1, 2), the 1-bit gradient means between them,
     and local steps synchronised every 1 then 2 steps; 1-bit LAMB through warm-up and compression.
 
-    0/1 Adam's local-step stage (the losses after step 6) amplifies float rounding: the reference run
-    against itself with gradients perturbed by 1e-7 (relative) already differs by 1.3e-5 at step 8 (a
-    1-bit sign of a near-zero change flips, and the synchronisation divides by D). Those steps get 1e-4."""
+    0/1 Adam's local-step stage amplifies float rounding: it starts with step 5 (var_freeze_step 4), so
+    the losses from step 6 on follow local steps. The reference run against itself with gradients
+    perturbed by 1e-7 (relative) already differs by 1.3e-5 at step 8 (a 1-bit sign of a near-zero change
+    flips, and the synchronisation divides by D), and a CI run saw 1.17e-5 at step 6. Those steps get 1e-4."""
     per_rank = run_distributed(train_variants_dp, 2, timeout=130)
     for name in VARIANTS:
         ref = reference_variant(name, 2)
         for r in per_rank:
             for step, (a, b) in enumerate(zip(r[name], ref), start=1):
-                bound = 1e-4 if name == "ZeroOneAdam" and step > 6 else 1e-5
+                bound = 1e-4 if name == "ZeroOneAdam" and step >= 6 else 1e-5
                 assert abs(a - b) <= bound, (name, step, r[name], ref)
 
 
