@@ -20,7 +20,7 @@ from zerospeed.testing import run_distributed
 
 pytest.importorskip("transformers")
 
-SEQ, MICRO, GAS, STEPS, LR, WORLD = 13, 2, 2, 4, 1e-3, 4
+SEQ, MICRO, GAS, STEPS, LR, WORLD = 13, 2, 2, 2, 1e-3, 4
 
 
 def llama():

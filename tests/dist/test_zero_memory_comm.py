@@ -1,5 +1,5 @@
 """ZeRO's memory and communication claims, checked by an independent tensor census and the gateway's
-byte counters on a 5.24M-parameter model at 1, 2 and 4 ranks."""
+byte counters on a 5.24M-parameter model at 2 and 4 ranks."""
 import pytest
 
 from zerospeed.comm import wire_fraction
@@ -10,7 +10,7 @@ PARAM_BYTES = {"fp32": 4, "bf16": 2}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [2, 4])  # one rank: the unsharded formula, no collectives to count
 def test_model_state_memory_matches_formula_and_traffic_matches_theory(world):
     results = run_distributed(probe_all, world, timeout=280)
     for rows in results:

@@ -91,10 +91,42 @@ def test_model_has_an_odd_trainable_parameter_count():
     assert n % 2 == 1
 
 
+STAGES = (1, 2, 3)
+# fp16 starts at scale 2^10: from 2^16 the scaler's warm-up skips the first steps on overflow (by
+# design), which delays the whole trajectory; the overflow path has its own test below.
+PRECISIONS = {"bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True, "initial_scale_power": 10}}}
+OVERFLOW = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}  # the fp16 block of the overflow run
+
+
+def _every_run(world: int) -> dict:
+    """Every run of this module at `world` ranks, in one spawn (starting processes is the slow part on
+    two cores): per stage the fp32 run; at 2 ranks also its bf16 and fp16 twins and the overflow run."""
+    out = {}
+    for stage in STAGES:
+        out["fp32", stage] = train_ranks(zero_config(stage))
+        if world == 2:
+            for name, extra in PRECISIONS.items():
+                out[name, stage] = {"losses": train_ranks(zero_config(stage, **extra))["losses"]}
+            out["overflow", stage] = train_ranks(zero_config(stage, fp16=OVERFLOW), 4, inject_overflow_at=(1,))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """world -> per rank {(kind, stage): result}, spawned when a test first needs that world size."""
+    cache = {}
+
+    def get(world: int) -> list[dict]:
+        if world not in cache:
+            cache[world] = run_distributed(_every_run, world, world, timeout=280)
+        return cache[world]
+    return get
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stage,world", [(1, 2), (2, 2), (3, 2), (1, 4), (2, 4), (3, 4)])
-def test_fp32_zero_matches_single_process_pytorch(stage, world):
-    results = run_distributed(train_ranks, world, zero_config(stage), timeout=280)
+def test_fp32_zero_matches_single_process_pytorch(stage, world, runs):
+    results = [rank["fp32", stage] for rank in runs(world)]
     ref_losses, ref_state = reference(world)
     assert ref_losses[-1] < ref_losses[0] - 0.1
     for r in results:
@@ -108,31 +140,19 @@ def test_fp32_zero_matches_single_process_pytorch(stage, world):
             torch.testing.assert_close(r["state"][k], v, rtol=1e-4, atol=1e-5, msg=k)
 
 
-def _precision_runs(stage):
-    """fp32, bf16 and fp16 trajectories of the same run (2 ranks)."""
-    out = {}
-    # fp16 starts at scale 2^10: from 2^16 the scaler's warm-up skips the first steps on overflow (by
-    # design), which delays the whole trajectory; the overflow path has its own test below.
-    for name, extra in [("fp32", {}), ("bf16", {"bf16": {"enabled": True}}),
-                        ("fp16", {"fp16": {"enabled": True, "initial_scale_power": 10}})]:
-        out[name] = train_ranks(zero_config(stage, **extra))["losses"]
-    return out
-
-
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_bf16_and_fp16_stay_within_two_percent_of_fp32(stage):
-    runs = run_distributed(_precision_runs, 2, stage, timeout=280)[0]
-    for name in ("bf16", "fp16"):
-        rel = [abs(a - b) / b for a, b in zip(runs[name], runs["fp32"])]
+@pytest.mark.parametrize("stage", STAGES)
+def test_bf16_and_fp16_stay_within_two_percent_of_fp32(stage, runs):
+    rank0 = runs(2)[0]
+    for name in PRECISIONS:
+        rel = [abs(a - b) / b for a, b in zip(rank0[name, stage]["losses"], rank0["fp32", stage]["losses"])]
         assert max(rel) <= 0.02, (name, max(rel))
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(stage):
-    cfg = zero_config(stage, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1})
-    r0, r1 = run_distributed(train_ranks, 2, cfg, 4, timeout=200, inject_overflow_at=(1,))
+@pytest.mark.parametrize("stage", STAGES)
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(stage, runs):
+    r0, r1 = (rank["overflow", stage] for rank in runs(2))
     for r in (r0, r1):
         assert r["applied"] == [True, False, True, True] and r["skipped"] == 1
         assert r["scale"] == 128.0  # 2^8 halved once (hysteresis 1), window 1000 not reached
