@@ -58,17 +58,12 @@ def _offload(stage, opt=None, param=None, **zero_over):
     return cfg
 
 
-def _compare(stage, opt, param, zero_over):
-    """Both runs on this rank; then the placement, swap files and memory of the offloaded engine."""
-    base, base_losses, base_bytes = _train(zero_config(stage))
-    shard_numel = sum(m.numel() for g in base.optimizer.param_groups for m in g["params"])
-    del base
-    gc.collect()
+def _offloaded(base, stage, opt, param, zero_over):
+    """The offloaded run of `stage` against its `base` run: losses, placement, swap files and memory."""
     engine, losses, nbytes = _train(_offload(stage, opt, param, **zero_over))
     files = [(kind, str(path), nbytes, os.path.getsize(path)) for kind, path, nbytes in engine.swap_files()]
-    out = {"base": base_losses, "losses": losses, "placement": engine.placement(), "files": files,
-           "breakdown": engine.memory_breakdown()["measured"], "shard_numel": shard_numel,
-           "base_bytes": base_bytes, "bytes": nbytes,
+    out = {**base, "losses": losses, "placement": engine.placement(), "files": files,
+           "breakdown": engine.memory_breakdown()["measured"], "bytes": nbytes,
            # swapped-out masters point at an empty tensor: their sizes come from the swapper
            "masters": getattr(engine.zero.stepper, "numels", []),
            # the swapper's host buffers, with the 4 KiB each over-allocates to align for O_DIRECT
@@ -82,24 +77,63 @@ def _compare(stage, opt, param, zero_over):
     return out
 
 
+def _compare_all(cases: dict) -> dict:
+    """Every offload case in these ranks (starting processes is the slow part on two cores): per stage
+    one run without offload, then each case's offloaded run against it."""
+    bases, out = {}, {}
+    for name, (stage, opt, param, zero_over) in cases.items():
+        if stage not in bases:
+            base, base_losses, base_bytes = _train(zero_config(stage))
+            shard_numel = sum(m.numel() for g in base.optimizer.param_groups for m in g["params"])
+            del base
+            gc.collect()
+            bases[stage] = {"base": base_losses, "shard_numel": shard_numel, "base_bytes": base_bytes}
+        out[name] = _offloaded(bases[stage], stage, opt, param, zero_over)
+        gc.collect()
+    return out
+
+
 def _nvme(tmp, **extra):
     return {"device": "nvme", "nvme_path": str(tmp), **extra}
 
 
-def _run(stage, opt, param=None, **zero_over):
-    results = run_distributed(_compare, 2, stage, opt, param, zero_over, timeout=250)
+def _cases(tmp: Path) -> dict:
+    """name -> (stage, offload_optimizer, offload_param, other zero_optimization keys); NVMe in `tmp`/name."""
+    return {"cpu_1": (1, {"device": "cpu", "pin_memory": True}, None, {}),
+            "cpu_2": (2, {"device": "cpu", "pin_memory": True}, None, {}),
+            "cpu_3_params": (3, {"device": "cpu"}, {"device": "cpu", "pin_memory": True}, {}),
+            "nvme_3": (3, _nvme(tmp / "nvme_3"), None, {}),
+            "nvme_3_params": (3, _nvme(tmp / "nvme_3_params", pipeline_read=True, pipeline_write=True),
+                              _nvme(tmp / "nvme_3_params", buffer_count=2, buffer_size=4096), {}),
+            "nvme_2_pipelined": (2, _nvme(tmp / "nvme_2_pipelined", pipeline_read=True, pipeline_write=True), None, {}),
+            "cpu_3_ratio": (3, {"device": "cpu", "ratio": 0.5}, None, {})}
+
+
+@pytest.fixture(scope="module")
+def offload_runs(tmp_path_factory):
+    """name -> (the case's NVMe folder, per-rank results), all cases in one spawn."""
+    tmp = tmp_path_factory.mktemp("offload")
+    cases = _cases(tmp)
+    for name in cases:
+        (tmp / name).mkdir()
+    per_rank = run_distributed(_compare_all, 2, cases, timeout=280)
+    return {name: (tmp / name, [rank[name] for rank in per_rank]) for name in cases}
+
+
+def _run(offload_runs, name):
+    folder, results = offload_runs[name]
     for r in results:
         diffs = [abs(a - b) for a, b in zip(r["losses"], r["base"])]
         assert len(diffs) == STEPS and max(diffs) <= 1e-5, diffs
         assert r["losses"][-1] < r["losses"][0] - 0.05  # it trains
         assert r["left"] == []  # swap files removed by engine.destroy()
-    return results
+    return folder, results
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stage", [1, 2])
-def test_cpu_optimizer_offload_matches_no_offload(stage):
-    for r in _run(stage, {"device": "cpu", "pin_memory": True}):
+def test_cpu_optimizer_offload_matches_no_offload(stage, offload_runs):
+    for r in _run(offload_runs, f"cpu_{stage}")[1]:
         assert r["placement"]["master_weights"] == "cpu" and r["placement"]["optimizer_states"] == "cpu"
         assert r["placement"]["gradients"] == "cpu"
         assert r["fused"] == [True, True]  # the offloaded step runs torch's fused CPU Adam
@@ -107,8 +141,8 @@ def test_cpu_optimizer_offload_matches_no_offload(stage):
 
 
 @pytest.mark.timeout(300)
-def test_stage3_cpu_optimizer_and_parameter_offload_matches_no_offload():
-    for r in _run(3, {"device": "cpu"}, {"device": "cpu", "pin_memory": True}):
+def test_stage3_cpu_optimizer_and_parameter_offload_matches_no_offload(offload_runs):
+    for r in _run(offload_runs, "cpu_3_params")[1]:
         assert r["placement"] == {"parameters": "cpu", "gradients": "cpu", "master_weights": "cpu",
                                   "optimizer_states": "cpu"}
 
@@ -132,32 +166,33 @@ def _check_optimizer_files(r, tmp):
 
 
 @pytest.mark.timeout(300)
-def test_stage3_nvme_optimizer_offload_matches_no_offload(tmp_path):
-    for r in _run(3, _nvme(tmp_path)):
-        assert r["placement"]["optimizer_states"] == f"nvme:{tmp_path.resolve()}"
+def test_stage3_nvme_optimizer_offload_matches_no_offload(offload_runs):
+    folder, results = _run(offload_runs, "nvme_3")
+    for r in results:
+        assert r["placement"]["optimizer_states"] == f"nvme:{folder.resolve()}"
         assert r["placement"]["parameters"] == "cpu"
-        _check_optimizer_files(r, tmp_path)
+        _check_optimizer_files(r, folder)
 
 
 @pytest.mark.timeout(300)
-def test_stage3_nvme_optimizer_and_parameter_offload_matches_no_offload(tmp_path):
-    results = _run(3, _nvme(tmp_path, pipeline_read=True, pipeline_write=True),
-                   _nvme(tmp_path, buffer_count=2, buffer_size=4096))
+def test_stage3_nvme_optimizer_and_parameter_offload_matches_no_offload(offload_runs):
+    folder, results = _run(offload_runs, "nvme_3_params")
     for r in results:
-        assert r["placement"]["parameters"] == f"nvme:{tmp_path.resolve()}"
+        assert r["placement"]["parameters"] == f"nvme:{folder.resolve()}"
         params = [f for f in r["files"] if f[0] == "parameters"]
         assert len(params) == 1 and params[0][3] == sum(slot_nbytes(n, torch.float32) for n in r["param_numels"])
 
 
 @pytest.mark.timeout(300)
-def test_stage2_nvme_optimizer_offload_with_pipelined_swaps(tmp_path):
-    for r in _run(2, _nvme(tmp_path, pipeline_read=True, pipeline_write=True)):
-        _check_optimizer_files(r, tmp_path)
+def test_stage2_nvme_optimizer_offload_with_pipelined_swaps(offload_runs):
+    folder, results = _run(offload_runs, "nvme_2_pipelined")
+    for r in results:
+        _check_optimizer_files(r, folder)
 
 
 @pytest.mark.timeout(300)
-def test_stage3_partial_cpu_offload_ratio(tmp_path):
-    for r in _run(3, {"device": "cpu", "ratio": 0.5}):
+def test_stage3_partial_cpu_offload_ratio(offload_runs):
+    for r in _run(offload_runs, "cpu_3_ratio")[1]:
         assert r["fused"] == [True, True]
 
 
