@@ -61,10 +61,19 @@ def _behaviour(stage):
     return out
 
 
-@pytest.mark.timeout(120)
+def _every_stage(stages):
+    return {stage: _behaviour(stage) for stage in stages}  # one spawn: starting processes is the slow part
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_distributed(_every_stage, 2, (1, 2), timeout=160)
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("stage", [1, 2])
-def test_zero_behaviour(stage):
-    r0, r1 = run_distributed(_behaviour, 2, stage, timeout=100)
+def test_zero_behaviour(stage, runs):
+    r0, r1 = (rank[stage] for rank in runs)
     for a, b in zip(r0["weights"], r1["weights"]):
         assert torch.equal(a, b)
     assert "received no gradient" in r0["strict"] and "ignore_unused_parameters" in r0["strict"]

@@ -63,10 +63,19 @@ class _Ref(Branchy):
         return super().forward(x, y, self.step % 2 == 0)
 
 
-@pytest.mark.timeout(200)
+def _every_stage(stages):
+    return {stage: _train(stage) for stage in stages}  # one spawn: starting processes is the slow part
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_distributed(_every_stage, 2, (1, 2, 3), timeout=280)
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_unused_branch_and_frozen_layer_match_pytorch(stage):
-    results = run_distributed(_train, 2, stage, timeout=180)
+def test_unused_branch_and_frozen_layer_match_pytorch(stage, runs):
+    results = [rank[stage] for rank in runs]
     torch.manual_seed(0)
     ref = _Ref()
     opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
