@@ -133,11 +133,23 @@ def test_sp2_matches_one_process():
     _check("mha_sp2", results)
 
 
+FOUR_RANK_CASES = ["uneven_heads_sp4", "gqa_sp2_dp2_zero2_ckpt", "mqa_sp2_dp2_zero3"]
+
+
+def _four_rank_work() -> dict:
+    """Both 4-rank tests' runs in one spawn (starting processes is the slow part on two cores)."""
+    return {"train": _train_many(FOUR_RANK_CASES), "memory": _memory_and_bytes([2, 4])}
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_distributed(_four_rank_work, 4, timeout=360)
+
+
 @pytest.mark.timeout(400)
-def test_sp4_and_sp_x_dp_with_zero_match_one_process():
-    names = ["uneven_heads_sp4", "gqa_sp2_dp2_zero2_ckpt", "mqa_sp2_dp2_zero3"]
-    results = run_distributed(_train_many, 4, names, timeout=360)
-    for name in names:
+def test_sp4_and_sp_x_dp_with_zero_match_one_process(four_ranks):
+    results = [rank["train"] for rank in four_ranks]
+    for name in FOUR_RANK_CASES:
         _check(name, results)
 
 
@@ -178,9 +190,9 @@ def _memory_and_bytes(sps):
     return out
 
 
-@pytest.mark.timeout(180)
-def test_activation_memory_falls_as_one_over_p_and_all_to_all_bytes_match_the_formula():
-    results = run_distributed(_memory_and_bytes, 4, [2, 4], timeout=150)
+@pytest.mark.timeout(400)
+def test_activation_memory_falls_as_one_over_p_and_all_to_all_bytes_match_the_formula(four_ranks):
+    results = [rank["memory"] for rank in four_ranks]
     gpt = build(MEM_WIDTH, MEM_HEADS, MEM_HEADS, local_sdpa, max_pos=MEM_SEQ)
     ids = torch.randint(0, VOCAB, (1, MEM_SEQ), generator=torch.Generator().manual_seed(0))
     full = _saved_activation_bytes(gpt, ids, torch.arange(MEM_SEQ).unsqueeze(0))
