@@ -9,23 +9,32 @@ The peaks are the kernel's high-water mark of each rank's resident set per phase
 of live tensor storages after the last step (zerospeed.testing.census), "base" the resident set
 before the model was built. With `--offload` the optimizer (stages 1-3) is offloaded to the CPU:
 on a CPU-only machine that memory is the same host memory, so only the machinery's overhead shows.
+
+"predicted" is the estimator's peak (`zerospeed.estimate.peak`, allocated bytes, gloo) and
+"allocated" the measured one it predicts: the torch profiler's allocator record of the steady steps
+(`zerospeed.testing.alloc_peak`, independent of zerospeed); the resident-set columns add the host
+allocator's share and the process's base on top.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
 MIB = 1 << 20
 
 
-def run(stage: int, dtype: str, steps: int, offload: bool) -> dict:
+def run(stage: int, dtype: str, steps: int, offload: bool, allocated: bool = True) -> dict:
     import torch
     import transformers
 
     import zerospeed
     from zerospeed.accelerator import get_accelerator
     from zerospeed.testing import census
+    from zerospeed.testing.alloc_peak import AllocationTrace
+    # the profiler's allocator record slows the step: --no-allocated for step times
+    trace = AllocationTrace().__enter__() if allocated else None
     base = get_accelerator().memory_allocated()
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -47,14 +56,32 @@ def run(stage: int, dtype: str, steps: int, offload: bool) -> dict:
     for step in range(steps):
         x = torch.randint(0, cfg.vocab_size, (4, 128), generator=g)
         t = time.perf_counter()
-        loss = engine(input_ids=x, labels=x).loss
-        engine.backward(loss)
-        engine.step()
+        with trace.window("steady" if step else "first") if trace else contextlib.nullcontext():
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
         times.append(time.perf_counter() - t)
         if step == 0:
             phases.reset()  # the first step allocates the optimizer states: report the steady steps
+    if trace:
+        trace.__exit__(None, None, None)
     return {"params": params, "base": base, "peak": dict(phases.peak), "start": dict(phases.start),
-            "states": census.live_tensor_bytes(), "step_s": sorted(times[1:])[len(times[1:]) // 2]}
+            "states": census.live_tensor_bytes(), "step_s": sorted(times[1:])[len(times[1:]) // 2],
+            "allocated": trace.peak("steady") if trace else 0}
+
+
+def predicted(stage: int, dtype: str, offload: bool) -> float:
+    """The estimator's peak for this run (2 ranks, gloo), bytes per rank."""
+    from zerospeed.estimate import Option, Precision, Workload, peak_terms
+    from zerospeed.estimate.census import census_of_config
+    from zerospeed.estimate.peak import EngineKnobs
+    shape = census_of_config({"n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,
+                              "n_positions": 1024}).shape
+    option = Option(stage, offload_optimizer=offload and stage > 0)
+    prec = Precision.of(dtype, "adamw", "fp32")
+    return peak_terms(shape, 2, option, prec, Workload(4, 128, act_bytes=4 if dtype == "fp32" else 2,
+                                                            mlp_activation="gelu_new"),
+                      EngineKnobs()).total
 
 
 def main() -> None:
@@ -63,20 +90,24 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--offload", action="store_true")
+    parser.add_argument("--no-allocated", dest="allocated", action="store_false",
+                        help="skip the profiler's allocator record (it slows the step): for step times")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
     from zerospeed.testing import run_distributed
     print("| dtype | stage | offload | params | peak MiB/rank | forward | backward | reduce | step | states MiB "
-          "| base MiB | step s |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| base MiB | step s | predicted MiB | allocated MiB |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for dtype in args.dtypes:
         for stage in args.stages:
-            ranks = run_distributed(run, 2, stage, dtype, args.steps, args.offload, timeout=1200)
+            ranks = run_distributed(run, 2, stage, dtype, args.steps, args.offload, args.allocated, timeout=1200)
             r = max(ranks, key=lambda r: max(r["peak"].values()))
             cols = [f"{r['peak'].get(p, 0) / MIB:,.0f}" for p in ("forward", "backward", "reduce", "step")]
             print(f"| {dtype} | {stage} | {'cpu' if args.offload and stage else '-'} | {r['params']:,} "
                   f"| **{max(r['peak'].values()) / MIB:,.0f}** | {' | '.join(cols)} | {r['states'] / MIB:,.0f} "
-                  f"| {r['base'] / MIB:,.0f} | {r['step_s']:.2f} |", flush=True)
+                  f"| {r['base'] / MIB:,.0f} | {r['step_s']:.2f} "
+                  f"| {predicted(stage, dtype, args.offload) / MIB:,.0f} | {max(x['allocated'] for x in ranks) / MIB:,.0f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import torch
 import zerospeed
 from zerospeed import comm
 from zerospeed.optim import build_lr_scheduler
-from zerospeed.testing import reference_train, run_distributed, split_global_batch
+from zerospeed.testing import per_world, reference_train, split_global_batch
 from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus
 from zerospeed.testing.models import GPT, GPTConfig
 
@@ -98,10 +98,10 @@ PRECISIONS = {"bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": 
 OVERFLOW = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}  # the fp16 block of the overflow run
 
 
-def _every_run(world: int) -> dict:
-    """Every run of this module at `world` ranks, in one spawn (starting processes is the slow part on
+def _every_run() -> dict:
+    """Every run of this module at this world size, in one spawn (starting processes is the slow part on
     two cores): per stage the fp32 run; at 2 ranks also its bf16 and fp16 twins and the overflow run."""
-    out = {}
+    out, world = {}, comm.get_world_size()
     for stage in STAGES:
         out["fp32", stage] = train_ranks(zero_config(stage))
         if world == 2:
@@ -114,13 +114,7 @@ def _every_run(world: int) -> dict:
 @pytest.fixture(scope="module")
 def runs():
     """world -> per rank {(kind, stage): result}, spawned when a test first needs that world size."""
-    cache = {}
-
-    def get(world: int) -> list[dict]:
-        if world not in cache:
-            cache[world] = run_distributed(_every_run, world, world, timeout=280)
-        return cache[world]
-    return get
+    return per_world(_every_run, timeout=280)
 
 
 @pytest.mark.timeout(300)

@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Megatron sequence parallelism with --tp: activations all / tp")
     p.add_argument("--micro-batches", type=int,
                    help="micro-batches per step (gradient accumulation); with --pp, 1F1B holds min(pp, this)")
+    p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
+                   help="collectives' backend for the peak's staging terms (gloo on CPU-only machines)")
     p.add_argument("--layouts", action="store_true",
                    help="with --device-memory: every valid dp x tp x pp and its fastest option that fits")
     p.add_argument("--device-memory", type=float, help="GB (1e9 bytes) per device, for the recommendation")
@@ -74,7 +76,7 @@ def run(args) -> str:
     census = _census(args)
     setup = Setup(args.devices_per_node, args.nodes, args.precision, args.optimizer, args.grad_dtype,
                   args.micro_batch, args.seq_len, tp=args.tp, pp=args.pp, sequence_parallel=args.sequence_parallel,
-                  micro_batches=args.micro_batches)
+                  micro_batches=args.micro_batches, backend=args.backend)
     if args.layouts:
         if not args.device_memory:
             raise ValueError("--layouts needs --device-memory (GB per device) to pick an option per layout")
@@ -88,6 +90,10 @@ def run(args) -> str:
                    + (" (sequence parallel)" if setup.sequence_parallel else "")
                    + "; bytes per rank: tp rank 0 of the pipeline stage with the largest total")
     out.append(format_plan(rows, GB, "GB"))
+    if any(r.peak is not None for r in rows):
+        out.append("peak: the step's predicted peak per device (model states + activations, logits, the live "
+                   "parameter window, reduce buckets, optimizer temporaries; zerospeed.estimate.peak), with the "
+                   "largest single contribution at that moment and its phase; the recommendation uses it")
     if not any(r.device["activations"] for r in rows):
         out.append("activations: not estimated (give --model-config, or --layers/--hidden/--heads and --seq-len)")
     if args.device_memory:

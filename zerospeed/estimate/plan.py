@@ -18,6 +18,7 @@ from zerospeed.estimate.census import ModelCensus
 from zerospeed.estimate.formulas import OPTIONS, Option, Precision, placed_model_states, transformer_activation_bytes
 from zerospeed.estimate.layout import (check_layout, in_flight, largest_module_params, stage_layers, stage_params,
                                        valid_tp)
+from zerospeed.estimate.peak import EngineKnobs, Peak, Workload, peak_terms
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class Setup:
     pp: int = 1
     sequence_parallel: bool = False
     micro_batches: int | None = None  # per step (gradient accumulation); bounds 1F1B's in-flight count
+    backend: str = "nccl"  # the collectives' backend, for the peak's staging terms ("gloo" on CPUs)
 
     @property
     def world_size(self) -> int:
@@ -58,10 +60,16 @@ class PlanRow:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    peak: Peak | None = None  # the step's peak (zerospeed.estimate.peak), when the shape is known
 
     @property
     def device_total(self) -> float:
         return sum(self.device.values())
+
+    @property
+    def device_need(self) -> float:
+        """What the device must hold: the predicted peak where known, else model states + activations."""
+        return self.peak.total if self.peak is not None else self.device_total
 
     @property
     def host_total(self) -> float:
@@ -89,6 +97,20 @@ def activation_bytes(census: ModelCensus, setup: Setup, checkpointing: bool, sta
                                         micro_batches_in_flight=in_flight(stage, setup.pp, setup.micro_batches))
 
 
+def row_peak(census: ModelCensus, setup: Setup, option: Option, checkpointing: bool, dp: int) -> Peak | None:
+    """The step's peak for a pure data-parallel run of a transformer whose shape and sequence length
+    are known (None otherwise: the peak model covers tp = pp = 1). Gradients accumulate in fp32 unless
+    --grad-dtype says otherwise, as the engine does (`data_types.grad_accum_dtype`)."""
+    seq = setup.seq_len or census.seq_len
+    if census.shape is None or not seq or setup.tp * setup.pp != 1 or census.shape.gated:
+        return None
+    prec = Precision.of(setup.precision, setup.optimizer, setup.grad_dtype or "fp32")
+    act = 4 if setup.precision == "fp32" else 2
+    return peak_terms(census.shape, dp, option, prec, Workload(setup.micro_batch, seq, checkpointing, act_bytes=act),
+                      EngineKnobs(collective_copies=1 if setup.backend == "gloo" else 0,
+                                  foreach_step=setup.backend != "gloo"))
+
+
 def rank_params(census: ModelCensus, setup: Setup) -> tuple[list[int], int]:
     """(parameters on tp rank 0 of each pipeline stage, largest module there) for the setup's layout."""
     if setup.tp * setup.pp == 1:
@@ -110,7 +132,7 @@ def plan_rows(census: ModelCensus, setup: Setup) -> list[PlanRow]:
                 placed = placed_model_states(params, dp, option, prec, largest)
                 device = dict(placed["device"], activations=activation_bytes(census, setup, ckpt, stage))
                 candidates.append(PlanRow(option, ckpt, device, placed["host"], setup.devices_per_node, stage,
-                                          setup.tp, setup.pp, dp))
+                                          setup.tp, setup.pp, dp, peak=row_peak(census, setup, option, ckpt, dp)))
             rows.append(max(candidates, key=lambda r: (r.device_total, -r.stage)))
     return rows
 
@@ -142,17 +164,21 @@ def speed_rank(row: PlanRow) -> tuple[int, bool, int]:
 
 
 def recommend(rows: list[PlanRow], device_memory: float, host_memory: float | None = None) -> PlanRow | None:
-    """The fastest row (by `speed_rank`) that fits the device memory (and host memory when given)."""
+    """The fastest row (by `speed_rank`) whose device need (its predicted peak where known) fits the
+    device memory (and host total, the host memory when given)."""
     for row in sorted(rows, key=speed_rank):
-        if row.device_total <= device_memory and (host_memory is None or row.host_total <= host_memory):
+        if row.device_need <= device_memory and (host_memory is None or row.host_total <= host_memory):
             return row
     return None
 
 
 def format_plan(rows: list[PlanRow], unit: float = 2**30, unit_name: str = "GiB") -> str:
-    """A table: option | per-device params, grads, optimizer (masters + states), activations, total | host."""
+    """A table: option | per-device params, grads, optimizer (masters + states), activations, total | host;
+    with the peak (zerospeed.estimate.peak) where known: the peak and the term that dominates it."""
+    peaks = any(r.peak is not None for r in rows)
     head = (f"{'option':<75} | {'params':>8} | {'grads':>8} | {'optim':>8} | {'activ':>8} | "
-            f"{'device':>8} | {'host/node':>9}   ({unit_name})")
+            f"{'device':>8} | {'host/node':>9}" + (f" | {'peak':>8} | {'dominant (phase)':<40}" if peaks else "")
+            + f"   ({unit_name})")
     lines = [head, "-" * len(head)]
     for r in rows:
         d = r.device
@@ -160,8 +186,14 @@ def format_plan(rows: list[PlanRow], unit: float = 2**30, unit_name: str = "GiB"
         label = r.label() + (f" [pipeline stage {r.stage}]" if r.pp > 1 else "")
         lines.append(f"{label:<75} | {d['parameters'] / unit:8.2f} | {d['gradients'] / unit:8.2f} | "
                      f"{optim / unit:8.2f} | {d['activations'] / unit:8.2f} | {r.device_total / unit:8.2f} | "
-                     f"{r.host_total / unit:9.2f}")
+                     f"{r.host_total / unit:9.2f}" + (_peak_cells(r, unit) if peaks else ""))
     return "\n".join(lines)
+
+
+def _peak_cells(r: PlanRow, unit: float) -> str:
+    if r.peak is None:
+        return f" | {'-':>8} | {'-':<40}"
+    return f" | {r.peak.total / unit:8.2f} | {f'{r.peak.dominant} ({r.peak.phase})':<40}"
 
 
 def format_layouts(rows: list[tuple[Setup, PlanRow | None]], unit: float = 1e9, unit_name: str = "GB") -> str:

@@ -121,3 +121,18 @@ def _stop(procs) -> None:
             p.join(timeout=5)
         if p.is_alive():
             p.kill()
+
+
+def per_world(fn, *args, timeout: float = 280.0, then=None):
+    """A getter `get(world)` that runs `fn(*args)` on `world` ranks the first time a world size is asked
+    for and keeps the per-rank results (mapped through `then` when given): a module fixture returns it,
+    so every test of a module shares one spawn per world size (starting processes is the slow part on a
+    small machine)."""
+    cache: dict[int, object] = {}
+
+    def get(world: int):
+        if world not in cache:
+            results = run_distributed(fn, world, *args, timeout=timeout)
+            cache[world] = then(results) if then is not None else results
+        return cache[world]
+    return get

@@ -1,0 +1,156 @@
+"""The estimator's predicted peak (`zerospeed.estimate.peak`) against the measured peak of a real run.
+
+Measured independently of zerospeed: the torch profiler's allocator events (`zerospeed.testing.
+alloc_peak`: every allocation and free the CPU allocator makes, their running-sum maximum — what a
+GPU's max_memory_allocated reports) over a steady training step (the first allocates Adam's
+states). Two GPT sizes (one dominated by the blocks, one by the vocabulary head), ZeRO stages 0-3, with
+and without activation checkpointing, at 2 and 4 ranks: one process launch per world size.
+`overlap_comm` is off so that how many reduce-scatters gloo has in flight does not depend on thread
+timing (with overlap the estimate is the bound of Note [bounded in-flight buckets]).
+
+    python tests/dist/test_estimate_peak.py      # prints the predicted-vs-measured table
+"""
+import pytest
+import torch
+
+from zerospeed.testing import per_world, run_distributed
+
+MIB = 1 << 20
+SIZES = {  # name: (GPTConfig kwargs, micro batch, sequence length)
+    "blocks": (dict(vocab_size=1024, block_size=64, n_layer=4, n_head=4, n_embd=256), 4, 64),
+    "head": (dict(vocab_size=2048, block_size=128, n_layer=2, n_head=3, n_embd=192), 4, 128),
+}
+TOLERANCE = 0.10
+# The measured peak is not repeatable to 10% on every rank: a rank sometimes holds one to three more
+# layout- or bucket-sized buffers than the model counts (+2.5-10 MiB here, up to 17%; about one run in
+# three on a quiet machine, more under load). The cause is not identified; most likely buffers of
+# finished collectives that gloo's worker threads free on their own schedule, or cyclic garbage. Each configuration is therefore held to 10% on its
+# quietest rank and to 20% on every rank.
+EVERY_RANK = 0.20
+
+
+def _gpt(kw, ckpt):
+    from zerospeed import checkpointing
+    from zerospeed.testing.models import GPT, GPTConfig
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x):
+            return checkpointing.checkpoint(self.block, x)
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**kw))
+    if ckpt:
+        model.blocks = torch.nn.ModuleList(Checkpointed(b) for b in model.blocks)
+    return model
+
+
+def _measure(kw, micro_batch, seq, stage, ckpt):
+    """The steady step's peak bytes allocated: the smaller of the second and third steps' peaks (the
+    first allocates Adam's states), so that a buffer gloo's worker thread happens to free late does
+    not count as the step's unless it does so in both."""
+    import zerospeed
+    from zerospeed.testing.alloc_peak import AllocationTrace
+    g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+    with AllocationTrace() as trace:
+        model = _gpt(kw, ckpt)
+        cfg = {"train_micro_batch_size_per_gpu": micro_batch, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+               "zero_optimization": {"stage": stage, "overlap_comm": False}}
+        engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        del model
+        for step in range(3):
+            x = torch.randint(0, kw["vocab_size"], (micro_batch, seq), generator=g)
+            with trace.window(f"step{step}"):
+                loss = engine(x, x)
+                engine.backward(loss)
+                engine.step()
+            del loss
+        del engine
+    return {"peak": min(trace.peak("step1"), trace.peak("step2")), "start": trace.at_start("step1")}
+
+
+def _predict(kw, micro_batch, seq, stage, ckpt, world):
+    from zerospeed.estimate.formulas import Option
+    from zerospeed.estimate.layout import TransformerShape
+    from zerospeed.estimate.peak import EngineKnobs, Workload, peak_terms, precision_for_peak
+    shape = TransformerShape(kw["n_layer"], kw["n_embd"], kw["vocab_size"], kw["n_head"], positions=kw["block_size"])
+    return peak_terms(shape, world, Option(stage), precision_for_peak("fp32", "adamw"),
+                      Workload(micro_batch, seq, ckpt), EngineKnobs(overlap_comm=False))
+
+
+def _all_configs():
+    world = torch.distributed.get_world_size()
+    rows = []
+    for name, (kw, mb, seq) in SIZES.items():
+        for ckpt in (False, True):
+            for stage in (0, 1, 2, 3):
+                m = _measure(kw, mb, seq, stage, ckpt)
+                rows.append(dict(size=name, stage=stage, ckpt=ckpt, world=world, **m))
+    return rows
+
+
+def _table(per_rank):
+    out = []
+    for rows in zip(*per_rank):
+        r0 = rows[0]
+        kw, mb, seq = SIZES[r0["size"]]
+        p = _predict(kw, mb, seq, r0["stage"], r0["ckpt"], r0["world"])
+        out.append(dict(r0, measured=[r["peak"] for r in rows], predicted=p.total, phase=p.phase,
+                        dominant=p.dominant))
+    return out
+
+
+def _check(out):
+    def off(r, m):
+        return abs(r["predicted"] - m) / m
+    bad = [r for r in out if min(off(r, m) for m in r["measured"]) > TOLERANCE
+           or max(off(r, m) for m in r["measured"]) > EVERY_RANK]
+    assert not bad, "\n".join(_format(bad))
+
+
+def _format(out):
+    lines = ["| ranks | model | ckpt | stage | predicted MiB | measured MiB (per rank) | predicted/measured | "
+             "peak phase | dominant |", "|---:|---|---|---:|---:|---:|---:|---|---|"]
+    for r in out:
+        ms = r["measured"]
+        lines.append(f"| {r['world']} | {r['size']} | {'yes' if r['ckpt'] else 'no'} | {r['stage']} | "
+                     f"{r['predicted'] / MIB:.1f} | {', '.join(f'{m / MIB:.1f}' for m in ms)} | "
+                     f"{min(r['predicted'] / m for m in ms):.3f}-{max(r['predicted'] / m for m in ms):.3f} | "
+                     f"{r['phase']} | {r['dominant']} |")
+    return lines
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """world -> the predicted-vs-measured table, one process launch per world size when first needed."""
+    return per_world(_all_configs, timeout=280, then=_table)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+def test_predicted_peak_within_10_percent(world, measured):
+    _check(measured(world))
+
+
+@pytest.mark.timeout(300)
+def test_memory_budget_stage3_fits_stage0_does_not(measured):
+    """A budget just above the predicted stage-3 peak (blocks model, 2 ranks) — by the estimator's own
+    tolerance, as a user sizing a device by it would leave: stage 3 trains within it; the estimator says
+    stage 0 would not fit, and its run indeed exceeds the budget."""
+    rows = {r["stage"]: r for r in measured(2) if r["size"] == "blocks" and not r["ckpt"]}
+    budget = (1 + TOLERANCE) * rows[3]["predicted"]
+    assert max(rows[3]["measured"]) <= budget, (budget, rows[3])  # stage 3 trains within the budget
+    assert rows[0]["predicted"] > budget, (budget, rows[0])  # the estimator says stage 0 would not fit
+    assert min(rows[0]["measured"]) > budget, (budget, rows[0])  # and indeed it exceeds the budget
+
+
+if __name__ == "__main__":
+    import sys
+    import time
+    for world in (int(w) for w in (sys.argv[1:] or ["2", "4"])):
+        t = time.time()
+        out = _table(run_distributed(_all_configs, world, timeout=600))
+        print("\n".join(_format(out)), f"\n({time.time() - t:.1f} s)", flush=True)
