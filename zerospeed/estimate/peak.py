@@ -72,9 +72,9 @@ stages its flat output (a layout) in the backend: measured, at most GLOO_STAGED 
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 
+from zerospeed.config.schema.zero import ZeroConfig
 from zerospeed.estimate.formulas import Option, Precision, placed_model_states
 from zerospeed.estimate.layout import TransformerShape, layer_modules
 from zerospeed.zero.budgets import bounded_budgets
@@ -82,18 +82,20 @@ from zerospeed.zero.partition import build_layouts, padded_size
 from zerospeed.zero.reducer import MAX_IN_FLIGHT_BUCKETS
 
 
+_ZERO_DEFAULTS = {name: f.default for name, f in ZeroConfig.model_fields.items()}  # DeepSpeed's, from the schema
+
 
 @dataclass(frozen=True)
 class EngineKnobs:
-    """The config keys the transient terms depend on (DeepSpeed's defaults)."""
+    """The config keys the transient terms depend on (defaults: the `zero_optimization` schema's)."""
 
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
-    prefetch_bucket_size: int = 50_000_000
-    max_live_parameters: int = 1_000_000_000
-    param_persistence_threshold: int = 100_000
-    model_persistence_threshold: int = sys.maxsize
-    sub_group_size: int = 1_000_000_000
+    reduce_bucket_size: int = _ZERO_DEFAULTS["reduce_bucket_size"]
+    allgather_bucket_size: int = _ZERO_DEFAULTS["allgather_bucket_size"]
+    prefetch_bucket_size: int = _ZERO_DEFAULTS["stage3_prefetch_bucket_size"]
+    max_live_parameters: int = _ZERO_DEFAULTS["stage3_max_live_parameters"]
+    param_persistence_threshold: int = _ZERO_DEFAULTS["stage3_param_persistence_threshold"]
+    model_persistence_threshold: int = _ZERO_DEFAULTS["stage3_model_persistence_threshold"]
+    sub_group_size: int = _ZERO_DEFAULTS["sub_group_size"]
     overlap_comm: bool | None = None  # None: stage == 3, as the config's default
     collective_copies: int = 1  # gloo's list-form collectives stage a flat copy; NCCL: 0
     foreach_step: bool = False  # torch's default on a CPU; True on CUDA
