@@ -154,7 +154,9 @@ def test_node_that_never_arrives_is_named_by_the_rendezvous_timeout(tmp_path, ca
     assert (f"zerospeed: error: node 1: cannot reach the rendezvous store at 127.0.0.1:{port1}, which node 0 "
             f"hosts, within {RDZV_TIMEOUT_S} s: node 0 never arrived") in alone1.stderr, alone1.stderr
     for end in ends:
-        assert RDZV_TIMEOUT_S <= end < RDZV_TIMEOUT_S + 5
+        # ends at the timeout, not at torch's 600 s default; the slack is teardown on a loaded machine
+        # (a CI run took 8.04 s with the suite's other processes around it)
+        assert RDZV_TIMEOUT_S <= end < RDZV_TIMEOUT_S + 10, ends
     assert not list(tmp_path.glob("*")), "no rank may start without a complete rendezvous"
     _assert_no_orphans(tmp_path)
 
