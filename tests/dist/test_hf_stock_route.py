@@ -32,10 +32,19 @@ needs_shim = pytest.mark.skipif(not deepspeed_is_shim(), reason="the deepspeed s
                                 "(scripts/setup.sh runs `zerospeed-compat install`)")
 
 
-def _run(cmd: list[str], env: dict[str, str], timeout: float = 300) -> None:
+# torch/gloo sometimes aborts a finished plain-DDP process at interpreter exit (seen once in CI: rank 0,
+# after its log and model were written); destroying the process group first made the run hang instead.
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: float = 300, done: Path | None = None) -> None:
+    """Run `cmd`; a failure is an error with its output — except, with `done` (the file a finished run
+    writes last) present, torch's abort at exit (EXIT_ABORT), which comes after the work."""
     full = {k: v for k, v in os.environ.items() if k not in ("DS_CONFIG", "PEFT", "CUDA_VISIBLE_DEVICES")}
     full.update(env, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     proc = subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 and done is not None and done.exists() and EXIT_ABORT in proc.stderr:
+        return
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
 
@@ -48,7 +57,7 @@ def _launch(launcher: str, script: str, tmp: Path, name: str, **env: str) -> dic
         cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), path]
     else:
         cmd = [str(BIN / launcher), "--num_gpus", "2", "--master_port", str(free_port()), path]
-    _run(cmd, {"OUT": str(out), "LOG": str(log), **env})
+    _run(cmd, {"OUT": str(out), "LOG": str(log), **env}, done=log if launcher == "torchrun" else None)
     return {**json.loads(log.read_text()), "out": str(out)}
 
 
