@@ -72,20 +72,3 @@ class AllocationTrace:
         lo = min(self._windows[name])[0]
         return sum(size for t, size, _ in self._events if t < lo)
 
-
-def live_at_peak(trace: AllocationTrace, name: str) -> list[int]:
-    """(diagnosis) sizes of the allocations live at the window's peak that were made inside it."""
-    lo, hi = min(trace._windows[name])[0], max(trace._windows[name])[1]
-    run = best = 0
-    live: dict[int, int] = {}
-    snap: dict[int, int] = {}
-    for t, size, ptr in trace._events:
-        run += size
-        if size > 0:
-            live[ptr] = (size, t)
-        else:
-            live.pop(ptr, None)
-        if lo <= t <= hi and run > best:
-            best = run
-            snap = {p: s for p, (s, ts) in live.items() if ts >= lo}
-    return sorted(snap.values(), reverse=True)
