@@ -192,6 +192,10 @@ class Handle:
         self._work = work
         self._record = record
 
+    def done(self) -> bool:
+        """The collective has completed (`wait()` would not block); does not wait."""
+        return self._work is None or self._work.is_completed()
+
     def wait(self) -> None:
         if self._work is not None:
             self._work.wait()

@@ -31,7 +31,9 @@ Note [bounded in-flight buckets]: with overlap a bucket's collective runs while 
 with `max_in_flight` set, launching one more than that first completes the oldest. Staging memory
 (the bucket's gradients until reduced, plus its output) is then a constant number of
 `reduce_bucket_size` buffers whatever the model size, instead of growing to the whole gradient when
-the network lags behind backward. Stage 0's buffers are persistent anyway, so it sets no bound.
+the network lags behind backward. Stage 0's buffers are persistent anyway, so it sets no bound. A
+bucket whose collective has already finished lands (and frees its staging) at the next launch, still
+in launch order, so the bound is what the network's lag can cost, not what every step pays.
 """
 from __future__ import annotations
 
@@ -95,8 +97,11 @@ class GradUnit:
 
     def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, reduction, *, result: torch.Tensor,
                  accum: torch.Tensor | None = None, staging_dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, only: set[int] | None = None):
         self.params, self.layout = params, layout
+        # the segments whose gradients arrive here: those of `params` indices in `only` (None: all; a
+        # stage-3 tied use reports only the parameters it shares, Note [tied uses], zero/stage3/strategy.py)
+        self.reporting = [s for s in layout.segments if only is None or s.param in only]
         # the ranks it reduces over (a zero.strategy.ReductionGroup)
         self.group, self.world_size, self.rank = reduction.group, reduction.world_size, reduction.rank
         self.accum, self.result = accum, result
@@ -109,10 +114,30 @@ class GradUnit:
     @property
     def members(self) -> list[torch.nn.Parameter]:
         """The parameters whose gradients this unit holds (`params` may be a whole group's list)."""
-        return [self.params[s.param] for s in self.layout.segments]
+        return [self.params[s.param] for s in self.reporting]
 
     def add(self, seg, grad: torch.Tensor) -> None:
-        self.source()[seg.offset:seg.offset + seg.numel].add_(grad.reshape(-1))
+        flat = grad.reshape(-1)
+        if self.accum is None and self.staging is None:
+            self.staging = self._first_staging(seg, flat)
+        else:
+            self.source()[seg.offset:seg.offset + seg.numel].add_(flat)
+
+    def _first_staging(self, seg, flat: torch.Tensor) -> torch.Tensor:
+        """The staging buffer, made by the first gradient to arrive: its slot holds a copy (no zero-fill
+        and add), or — when that gradient is the whole unpadded layout in the staging dtype and
+        owns its memory, as autograd's fresh gradient does once `.grad` is dropped — the gradient
+        itself (no copy at all). The rest is zeroed for the gradients still to come."""
+        n = self.layout.padded
+        if (seg.offset == 0 and seg.numel == n and flat.dtype == self.staging_dtype and flat.device == self.device
+                and flat.is_contiguous() and flat.storage_offset() == 0
+                and flat.untyped_storage().nbytes() == flat.nbytes):
+            return flat
+        staging = torch.empty(n, dtype=self.staging_dtype, device=self.device)
+        staging[:seg.offset].zero_()
+        staging[seg.offset + seg.numel:].zero_()
+        staging[seg.offset:seg.offset + seg.numel].copy_(flat)
+        return staging
 
     def is_slot(self, seg, grad: torch.Tensor) -> bool:
         """`grad` is this segment's slot of the persistent buffer itself (Note [.grad as a slot view])."""
@@ -166,7 +191,7 @@ class GradientReducer:
         self.scaling, self.comm_dtype = scaling or _no_scaling, comm_dtype
         self.ignore_unused = ignore_unused
         self.on_unit_ready = on_unit_ready
-        self._slot = {id(u.params[s.param]): (u, s) for u in units for s in u.layout.segments}
+        self._slot = {id(u.params[s.param]): (u, s) for u in units for s in u.reporting}
         self.reducing = False
         self.reduced = False  # the buffers hold a completed reduction (since the last zero())
         self.holds_grads = False  # a gradient arrived since the last zero()
@@ -182,7 +207,7 @@ class GradientReducer:
         self.reducing = sync or self.policy.every_micro_step
         self._next = 0
         for u in self.units:
-            u.pending = len(u.layout.segments)
+            u.pending = len(u.reporting)
             u.seen = set()
 
     @torch.no_grad()
@@ -204,6 +229,7 @@ class GradientReducer:
 
     def _launch(self, unit: GradUnit) -> None:
         """Add `unit` to the current reduction bucket; send the bucket once it is full enough."""
+        self._land_finished()
         if self._bucket and self._bucket[0].group is not unit.group:
             self._flush()
         self._bucket.append(unit)
@@ -229,6 +255,7 @@ class GradientReducer:
             send = torch.cat([s.view(world, -1) for s in sends], dim=1).reshape(-1)
         else:
             send = torch.cat(sends)
+        del sends  # (its references alone would keep every unit's staging alive through the collective)
         for u in units:  # staging copied into the send buffer is not needed until the result lands
             if u.accum is None and u.staging is not send:
                 u.staging = None
@@ -275,6 +302,12 @@ class GradientReducer:
                 u.result.mul_(post)
             offset += n
 
+    def _land_finished(self) -> None:
+        """Land the oldest buckets whose collectives have already finished, in launch order, so their
+        staging is freed now rather than at the next bound (Note [bounded in-flight buckets])."""
+        while self._in_flight and getattr(self._in_flight[0].handle, "done", lambda: False)():
+            self._complete(self._in_flight.pop(0))
+
     def _complete_all(self) -> None:
         while self._in_flight:
             self._complete(self._in_flight.pop(0))
@@ -298,7 +331,7 @@ class GradientReducer:
         if self.ignore_unused:
             return
         missing = [f"parameter of shape {tuple(u.params[s.param].shape)} (unit {i})" for i, u in enumerate(self.units)
-                   for s in u.layout.segments if s.param not in u.seen]
+                   for s in u.reporting if s.param not in u.seen]
         if missing:
             raise RuntimeError("parameters received no gradient this step: " + "; ".join(missing[:5]) +
                                " — set zero_optimization.ignore_unused_parameters to true to allow this")
