@@ -9,9 +9,10 @@ trained one micro-batch at a time. Every moment adds to base = model states + pe
 
     forward                   activations + logits                                  + live window
     backward_start            activations + head gradients                          + live window
-    backward_first_gradient   activations - head + block working set + tied head grad + live window + first staging
+    backward_first_gradient   activations - head + block working set + tied head grad + live window
+                              (- the head's unit at stage 3) + first staging
     backward_buckets          activations - head - blocks behind the buckets + block working set
-                              + tied head grad + live window + reduce buckets in flight
+                              + tied head grad + live window (- the head's unit) + reduce buckets in flight
     step                      max(optimizer temporaries, parameter all-gather staging)
 
 `peak_terms` returns every term (bytes; a negative one is memory freed by that moment), the peak of
@@ -35,21 +36,26 @@ its input (s*b*h).
 
 Note [peak: head and backward working set]: while cross-entropy runs, the logits (s*b*V) exist next
 to the log-probabilities: the forward's peak. Backward starts with the loss's gradient with respect
-to the log-probabilities and to the logits (2*s*b*V) while everything saved is alive (at stage 3 the
-first is freed before the head's backward pre-hook gathers the window, so the window meets s*b*V
-only). Later, inside a block's backward, the gradients of the MLP's two 4h-wide intermediates
-(8*s*b*h) coexist, and with checkpointing that block's recomputed activations (16*s*b*h); the head
-is gone by then, and a tied embedding's head gradient (V*h fp32) is buffered by autograd from the
-head's backward to the embedding's (both uses must report before the parameter's gradient is done).
+to the log-probabilities and to the logits (2*s*b*V) while everything saved is alive; then the
+head's weight gradient (V*h, model dtype) is computed next to the logits' gradient: the larger of
+the two (at stage 3 the first is freed before the head's backward pre-hook gathers the window, so
+the window meets the second only). Later, inside a block's backward, the gradients of the MLP's two
+4h-wide intermediates (8*s*b*h) coexist, and with checkpointing that block's recomputed activations
+(16*s*b*h); the head is gone by then, and a tied embedding's head gradient (V*h fp32) is buffered by
+autograd from the head's backward to the embedding's (both uses must report before the parameter's
+gradient is done) — at stages 0-2. At stage 3 it is a reduction unit of its own, launched first
+(Note [tied uses], zero/stage3/strategy.py): in flight with its output chunk at the first gradient,
+one of the buckets after.
 
 Note [peak: live parameter window]: at stage 3 a unit is gathered in full from its pre-hook to its
 release. Units of at most `stage3_param_persistence_threshold` elements (norms, small projections)
 stay gathered always: `persistent_parameters`. The head's unit (a tied embedding: for GPT-2, 31% of
-the model) stays gathered from the head's forward to the embedding's backward. Next to it, the units
+the model) stays gathered from the head's forward to the end of the head's backward, then is
+released (`head_unit_released`; the embedding's backward reads no weight). Next to it, the units
 within the look-ahead (`stage3_prefetch_bucket_size`, capped by Note [buckets bounded by the model],
 every unit's size counting as `FetchSchedule` counts it) are resident — prefetched, or kept since a
-use nearby — and the last prefetched batch's receive buffer and concatenated send (one block's units)
-exist while it is copied out.
+use nearby — and the last prefetched batch's receive buffer and concatenated send (one block's small
+units; Note [large units gather alone]) exist while it is copied out.
 
 Note [peak: reduce buckets]: stages 0-1 accumulate into persistent full-size fp32 buffers (model
 states). Stage 2 stages the first layout (~`reduce_bucket_size` elements, capped) from the first
@@ -80,6 +86,7 @@ from zerospeed.estimate.layout import TransformerShape, layer_modules
 from zerospeed.zero.budgets import bounded_budgets
 from zerospeed.zero.partition import build_layouts, padded_size
 from zerospeed.zero.reducer import MAX_IN_FLIGHT_BUCKETS
+from zerospeed.zero.stage3.flat_param import DIRECT_GATHER
 
 
 _ZERO_DEFAULTS = {name: f.default for name, f in ZeroConfig.model_fields.items()}  # DeepSpeed's, from the schema
@@ -246,7 +253,9 @@ def _bucket_moment(buckets: list[int], flights: int, per_element: float, shape: 
     """(elements of the buckets in flight, blocks whose backward has run) at the worst launch: `flights`
     consecutive buckets in flight when the last of them launches, which is after the backward of every
     unit in it and before — the head and final norm first, then the blocks from the last — so the blocks
-    behind it hold no activations any more (Note [peak: reduce buckets])."""
+    behind it hold no activations any more (Note [peak: reduce buckets]). The blocks done are counted as
+    the elements launched so far over a block's (an approximation: the head's units, and a tied head's
+    gradient share, count as blocks too)."""
     best, where = None, (0, 0)
     for i in range(len(buckets)):
         inflight = sum(buckets[i:i + flights])
@@ -280,7 +289,10 @@ def peak_terms(shape: TransformerShape, world: int, option: Option, prec: Precis
     t: dict[str, float] = dict.fromkeys(TERMS, 0.0)
     t["activations"] = saved_activations(shape, workload) * a
     t["logits"] = sbv * a
-    t["head_gradients"] = 2 * sbv * a
+    # the loss's gradients (log-probabilities and logits), or later the logits' gradient next to the
+    # head weight's gradient being computed (model dtype)
+    head_weight_grad = shape.vocab * shape.hidden * pb
+    t["head_gradients"] = max(2 * sbv * a, sbv * a + head_weight_grad)
     t["block_working_set"] = t["block_working_set_at_buckets"] = block_working_set(shape, workload) * a
     t["tied_head_gradient"] = t["tied_head_gradient_at_buckets"] = \
         shape.vocab * shape.hidden * 4.0 if shape.tied else 0.0
@@ -295,14 +307,23 @@ def peak_terms(shape: TransformerShape, world: int, option: Option, prec: Precis
         # embedding) stays gathered until its last use, outside the look-ahead
         order = [i for i in range(len(units) - 1, -1, -1) if i != head_unit]
         window = _live_window([units[i] for i in order], live_cap, knobs.param_persistence_threshold)
-        batch = min(window, _block_params(shape))
-        # the units gathered within the prefetch budget + the last prefetched batch's receive buffer
-        # and concatenated send, while it is copied out
+        # Note [large units gather alone]: only a block's small units travel in a batch whose receive
+        # buffer and concatenated send exist while it is copied out
+        small = sum(padded_size(sum(ps), n) for name, ps in mods if name.startswith("0.")
+                    and padded_size(sum(ps), n) < DIRECT_GATHER and padded_size(sum(ps), n) > knobs.param_persistence_threshold)
+        batch = min(window, small)
         t["live_window"] = (units[head_unit] + window + batch * (1 + 1 / n)) * pb
         # the loss's gradient with respect to the log-probabilities is freed before the head's backward
-        # pre-hook gathers the window: the logits' gradient alone meets it
-        t["head_gradients"] = max(sbv * a, 2 * sbv * a - t["live_window"])
-        buckets = _fused_buckets(units[::-1], budgets.reduce_bucket)
+        # pre-hook gathers the window: the logits' gradient (and the head weight's) meets it
+        t["head_gradients"] = max(sbv * a + head_weight_grad, 2 * sbv * a - t["live_window"])
+        launches = units[::-1]
+        if shape.tied:  # Note [tied uses]: the head's share of the tied gradient is a unit of its own,
+            # launched first and reduced at once, and the embedding's unit is released after the head
+            launches = [units[0]] + launches
+            t["tied_head_gradient"] = units[0] * 4.0 * (1 + (1 + copies) / n) if n > 1 else units[0] * 4.0
+            t["tied_head_gradient_at_buckets"] = 0.0
+            t["head_unit_released"] = -units[0] * pb
+        buckets = _fused_buckets(launches, budgets.reduce_bucket)
         # per bucket: the units' staging and its concatenated copy, then the copy, the output chunk
         # (+ the backend's copy of it)
         per = max(2.0, 1 + (1 + copies) / n) * 4.0
@@ -311,7 +332,7 @@ def peak_terms(shape: TransformerShape, world: int, option: Option, prec: Precis
         t["blocks_freed_before_buckets"] = -done * _block_saved(shape, workload) * a
         t["live_window_at_buckets"] = t["live_window"]
         if done == shape.layers:  # the buckets launch after the embedding's backward: no block's working
-            # set, the tied gradient delivered, only the head's unit still gathered
+            # set, the tied gradient delivered, only the head's unit still gathered (an untied head)
             t["block_working_set_at_buckets"] = t["tied_head_gradient_at_buckets"] = 0.0
             t["live_window_at_buckets"] = units[head_unit] * pb
         chunk = max(units) / n
@@ -342,6 +363,7 @@ def peak_terms(shape: TransformerShape, world: int, option: Option, prec: Precis
 
 
 TERMS = ("activations", "logits", "head_gradients", "block_working_set", "tied_head_gradient", "head_freed",
+         "head_unit_released",
          "first_staging", "blocks_freed_before_buckets", "block_working_set_at_buckets", "tied_head_gradient_at_buckets",
          "live_window_at_buckets",
          "persistent_parameters", "live_window", "reduce_buckets", "optimizer_temporaries", "allgather_staging")
@@ -353,9 +375,10 @@ PHASE_TERMS = {
     "forward": ("activations", "logits", "live_window"),
     "backward_start": ("activations", "head_gradients", "live_window"),
     "backward_first_gradient": ("activations", "head_freed", "block_working_set", "tied_head_gradient",
-                                "live_window", "first_staging"),
+                                "live_window", "head_unit_released", "first_staging"),
     "backward_buckets": ("activations", "head_freed", "blocks_freed_before_buckets", "block_working_set_at_buckets",
-                         "tied_head_gradient_at_buckets", "live_window_at_buckets", "reduce_buckets"),
+                         "tied_head_gradient_at_buckets", "live_window_at_buckets", "head_unit_released",
+                         "reduce_buckets"),
     "step": ("optimizer_temporaries", "allgather_staging"),
 }
 PHASES = tuple(PHASE_TERMS)

@@ -182,6 +182,15 @@ class FlatParam:
             return freed
         return self.residency.take(self.padded, self.dtype, self.device)
 
+    def point_params_at_shapes(self) -> None:
+        """While SHARDED: the parameters take their full shapes with no memory (one broadcast zero),
+        for a backward that reads no weights but whose gradients autograd checks against the
+        parameters' shapes (Note [tied uses], stage3/strategy.py)."""
+        if self.state is State.SHARDED:
+            zero = torch.zeros((), dtype=self.dtype, device=self.device)
+            for p, shape in zip(self.params, self.shapes):
+                p.data = zero.expand(shape)
+
     def _point_params_at_nothing(self) -> None:
         empty = empty_like_dtype(self.dtype, self.device)
         for p in self.params:
@@ -231,9 +240,30 @@ def start_gathers(fps: list[FlatParam], training: bool = False) -> None:
         swap.launch_through()  # the batches read ahead since the last gathers go first (Note [NVMe reads ...])
     for run in _by_route(todo, training):
         route = run[0].route(training)
-        parts = swap.split(run) if swap is not None and route is not Route.SECONDARY else [run]
+        parts = swap.split(run) if swap is not None and route is not Route.SECONDARY else _direct_split(run)
         for part in parts:
             _start_batch(part, route)
+
+
+# Note [large units gather alone]: a batch of several flat parameters travels as one collective into a
+# rank-major receive buffer, then is copied out into each parameter's own full buffer: its send
+# (the concatenated shards), the receive buffer and the full buffers coexist, 2.5x the batch at 2
+# ranks. Worth it for small units, whose collectives cost their latency; a unit of DIRECT_GATHER
+# elements or more is gathered alone, from its shard straight into its full buffer, with no copy.
+DIRECT_GATHER = 1 << 18
+
+
+def _direct_split(run: list[FlatParam]) -> list[list[FlatParam]]:
+    """`run` in order, with every large unit in a batch of its own and consecutive small ones together."""
+    parts: list[list[FlatParam]] = []
+    for fp in run:
+        if fp.padded >= DIRECT_GATHER:
+            parts.append([fp])
+        elif parts and len(parts[-1]) and parts[-1][-1].padded < DIRECT_GATHER:
+            parts[-1].append(fp)
+        else:
+            parts.append([fp])
+    return parts
 
 
 def _start_batch(part: list[FlatParam], route: Route) -> None:

@@ -13,6 +13,18 @@ units fused into buckets of `reduce_bucket_size` elements (`zero/reducer.py`). T
 the fp32 master chunks through the base shared with stages 1-2. Which units to prefetch and whether
 to keep one after a use is the pure `FetchSchedule` (fetch_policy.py). ZeRO++ (quantized weights,
 hierarchical partitioning, quantized gradients) is the `ZeroPPPolicy` (zeropp.py).
+
+Note [tied uses]: a module that registers a parameter another module owns (GPT-2's output head
+shares the input embedding's weight) runs its forward on a *proxy*: a leaf parameter sharing the
+gathered storage, put in the module's `_parameters` for the duration of that forward. Autograd then
+hands the head's gradient to the proxy as soon as the head's backward has run, instead of summing
+it with the embedding's in one buffer that lives until the embedding's backward at the very end of
+backward; the head's share is reduce-scattered at once, as a reduction unit of its own that lands in
+the same gradient chunk, and the gathered weights are released right after the head's backward.
+An `nn.Embedding`'s backward never reads its weight (it adds output-gradient rows into a zero
+gradient), so its backward does not gather it again. For GPT-2 (the embedding is 31% of the model)
+this takes the gathered embedding and its full gradient, 2 x V x h elements, off stage 3's backward
+peak; the price is one more reduce-scatter of V x h elements per micro-step.
 """
 from __future__ import annotations
 
@@ -59,21 +71,29 @@ class Stage3Strategy(ShardedOptimizerBase):
         self.residency = Residency()
         self.flat: list[FlatParam] = []
         self.uses: dict[int, list[FlatParam]] = {}  # id(module) -> flat params its forward needs
-        owner_unit = self._build_flat_params(groups, reduction, param_dtype, device)
+        owner_unit, owned = self._build_flat_params(groups, reduction, param_dtype, device)
         self.zeropp = zeropp or ZeroPPPolicy()
         hierarchies = self._apply_zeropp(reduction)
         self._map_uses(owner_unit)
         self._mark_persistent(param_persistence_threshold, model_persistence_threshold)
+        staging = comm_dtype or torch.float32
         self.units = [GradUnit(fp.params, fp.layout, reduction[fp.group_index], result=fp.grad_shard,
-                               staging_dtype=comm_dtype or torch.float32, device=fp.device) for fp in self.flat]
+                               staging_dtype=staging, device=fp.device) for fp in self.flat]
         self.masters = [fp.master for fp in self.flat]
         self._flat_of = {id(u): fp for u, fp in zip(self.units, self.flat)}
+        # Note [tied uses]: id(module) -> [(name, parameter, proxy)], and the proxies' reduction units
+        self._tied: dict[int, list[tuple[str, torch.nn.Parameter, torch.nn.Parameter]]] = {}
+        self._tied_modules: list[torch.nn.Module] = []
+        order = []  # reduction units in module order; launched in reverse (roughly backward order)
+        for m in module.modules():
+            order += [self.units[fp.index] for fp in owned.get(id(m), [])]
+            order += self._tied_units(m, owner_unit, owned, reduction, staging)
         # reduce-scatters launch in reverse creation order (roughly backward order), strictly in turn
         scatter = QuantizedReduceScatter(hierarchies) if self.zeropp.quantized_gradients else None
         self._finish_setup(reduce_scatter_every_micro_step(overlap_comm, fuse_up_to=reduce_bucket_size,
                                                            reduce_scatter=scatter),
                            sub_group_size=sub_group_size, scaling=scaling, comm_dtype=comm_dtype,
-                           launch_order=list(reversed(self.units)), on_unit_ready=self._on_unit_ready)
+                           launch_order=list(reversed(order)), on_unit_ready=self._on_unit_ready)
         self.param_swapper = make_param_swapper(plan, self.flat, comm.get_rank(), param_dtype)
         self.fetches = FetchSchedule([fp.padded for fp in self.flat], prefetch_budget=prefetch_bucket_size,
                                      max_live=max_live_parameters, max_reuse_distance=max_reuse_distance)
@@ -84,11 +104,13 @@ class Stage3Strategy(ShardedOptimizerBase):
                                 m.register_forward_hook(self._post_forward),
                                 m.register_full_backward_pre_hook(self._pre_backward)]
 
-    def _build_flat_params(self, groups, reduction, param_dtype, device) -> dict[int, list[FlatParam]]:
-        """One FlatParam per (module, param group); returns id(param) -> the unit owning it."""
+    def _build_flat_params(self, groups, reduction, param_dtype, device):
+        """One FlatParam per (module, param group); returns id(param) -> the unit owning it, and
+        id(module) -> the flat parameters it owns."""
         group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
         master_device = _master_devices(self.plan, groups, device)
         owner_unit: dict[int, list[FlatParam]] = {}
+        owned: dict[int, list[FlatParam]] = {}
         for m in self.module.modules():
             own = [p for p in m.parameters(recurse=False) if id(p) in group_of and id(p) not in owner_unit]
             by_group: dict[int, list[torch.nn.Parameter]] = {}
@@ -98,10 +120,12 @@ class Stage3Strategy(ShardedOptimizerBase):
                     for gi, ps in by_group.items()]
             for p in own:
                 owner_unit[id(p)] = unit
+            if unit:
+                owned[id(m)] = unit
         for p in self.module.parameters():
             if id(p) not in owner_unit and registry.owner_of(p) is not None:
                 p.data = _full_value(p)  # frozen under zero.Init: stage 3 keeps frozen parameters whole
-        return owner_unit
+        return owner_unit, owned
 
     def _flat_param(self, ps, gi, rg: ReductionGroup, param_dtype, device, master_device) -> FlatParam:
         plan = self.plan
@@ -135,6 +159,32 @@ class Stage3Strategy(ShardedOptimizerBase):
             if needed:
                 self.uses[id(m)] = list(needed.values())
 
+    def _tied_units(self, m: torch.nn.Module, owner_unit, owned, reduction, staging) -> list[GradUnit]:
+        """Proxies for the parameters `m` registers but another module owns, and one reduction unit
+        per owning flat parameter for their gradients (Note [tied uses])."""
+        mine = {id(fp) for fp in owned.get(id(m), [])}
+        by_flat: dict[int, tuple[FlatParam, dict[int, torch.nn.Parameter]]] = {}
+        for name, p in m._parameters.items():
+            if p is None or id(p) not in owner_unit or not p.requires_grad:
+                continue
+            fp = next((fp for fp in owner_unit[id(p)] if any(q is p for q in fp.params)), None)
+            if fp is None or id(fp) in mine:
+                continue
+            proxy = torch.nn.Parameter(p.data, requires_grad=True)
+            if id(m) not in self._tied:
+                self._tied_modules.append(m)
+            self._tied.setdefault(id(m), []).append((name, p, proxy))
+            i = next(i for i, q in enumerate(fp.params) if q is p)
+            by_flat.setdefault(id(fp), (fp, {}))[1][i] = proxy
+        units = []
+        for fp, proxies in by_flat.values():
+            params = [proxies.get(i, q) for i, q in enumerate(fp.params)]
+            unit = GradUnit(params, fp.layout, reduction[fp.group_index], result=fp.grad_shard,
+                            staging_dtype=staging, device=fp.device, only=set(proxies))
+            self._flat_of[id(unit)] = fp
+            units.append(unit)
+        return units
+
     def _mark_persistent(self, threshold: int, model_cap: int) -> None:
         total = 0
         for fp in self.flat:
@@ -159,13 +209,28 @@ class Stage3Strategy(ShardedOptimizerBase):
 
     def _pre_forward(self, module, args):
         self._fetch(self.uses[id(module)])
+        if torch.is_grad_enabled():
+            for name, p, proxy in self._tied.get(id(module), ()):
+                proxy.data = p.data  # Note [tied uses]
+                module._parameters[name] = proxy
 
     def _post_forward(self, module, args, output):
+        self._restore_tied(module)
         for fp in self.uses[id(module)]:
             self._release_unless_reused(fp)
 
+    def _restore_tied(self, module) -> None:
+        for name, p, _ in self._tied.get(id(module), ()):
+            module._parameters[name] = p
+
     def _pre_backward(self, module, grad_output):
+        if _weight_free_backward(module):  # Note [tied uses]
+            for fp in self.uses[id(module)]:
+                fp.point_params_at_shapes()
+            return
         self._fetch(self.uses[id(module)])
+        for _, p, proxy in self._tied.get(id(module), ()):
+            proxy.data = p.data  # the re-gathered weights its saved tensors read
 
     def _on_unit_ready(self, unit: GradUnit) -> None:
         """Every use in backward is done: the unit's gradient is complete, its full weights can go."""
@@ -175,6 +240,8 @@ class Stage3Strategy(ShardedOptimizerBase):
     def start_micro_step(self) -> None:
         """Before a forward: start a new recording; prefetch from the previous one."""
         self.fetches.start_micro_step()
+        for m in self._tied_modules:  # a forward that raised left its proxies in place
+            self._restore_tied(m)
 
     def end_micro_step(self) -> None:
         super().end_micro_step()
@@ -298,6 +365,12 @@ class Stage3Strategy(ShardedOptimizerBase):
         super().close()
         if self.param_swapper is not None:
             self.param_swapper.close()
+
+
+def _weight_free_backward(module: torch.nn.Module) -> bool:
+    """The module's backward reads none of its parameters: a stock dense `nn.Embedding` (Note [tied uses])."""
+    return (isinstance(module, torch.nn.Embedding) and type(module).forward is torch.nn.Embedding.forward
+            and not module.sparse and not registry.externals(module))
 
 
 def _full_value(p: torch.nn.Parameter) -> torch.Tensor:
