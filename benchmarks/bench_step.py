@@ -201,10 +201,10 @@ def stage3_theory_bytes(params: int, param_bytes: int, world: int, grad_accum: i
 def stage3_traffic(results: dict[str, dict], world: int, grad_accum: int) -> str:
     """The zerospeed stage-3 variants' measured wire bytes per step against ``stage3_theory_bytes``,
     with the known extras: an 8-byte tag all-gathered with every unit gather (half the all-gather
-    calls), the tied head's second forward gather of the owner's unit, and the rest (padding of
+    calls), the tied head's gradient share reduce-scattered on its own (Note [tied uses]), and the rest (padding of
     every unit to a multiple of N, the gradient-norm all-reduce)."""
     lines = ["| variant | wire/step per rank (MiB) | theory (MiB) | measured / theory | + tags (KiB) "
-             "| + tied head re-gather (MiB) | rest (KiB) |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "| + tied head's gradient share (MiB) | rest (KiB) |", "|---|---:|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         if STAGE.get(name) != 3 or not r["comm"] or not r["sizes"]["params"]:
             continue
@@ -212,7 +212,7 @@ def stage3_traffic(results: dict[str, dict], world: int, grad_accum: int) -> str
         measured = sum(c["wire_bytes"] for c in r["comm"].values())
         theory = stage3_theory_bytes(z["params"], z["param_bytes"], world, grad_accum)
         tags = r["comm"].get("all_gather", {}).get("calls", 0) / 2 * 8 * (world - 1)
-        tied = grad_accum * (world - 1) / world * z["tied_params"] * z["param_bytes"]
+        tied = grad_accum * (world - 1) / world * z["tied_params"] * 4
         lines.append(f"| {name} | {measured / 2**20:,.3f} | {theory / 2**20:,.3f} | {measured / theory:.4f} | "
                      f"{tags / 2**10:,.2f} | {tied / 2**20:,.3f} | {(measured - theory - tags - tied) / 2**10:,.2f} |")
     if len(lines) == 2:
@@ -221,7 +221,9 @@ def stage3_traffic(results: dict[str, dict], world: int, grad_accum: int) -> str
             "element; two all-gathers of the parameters per micro-step (forward, backward) and one fp32 "
             "gradient reduce-scatter — 3 x 4P x (N-1)/N per micro-step in fp32. tags = 8 bytes x (N-1) per unit "
             "gather (every gather also all-gathers the unit's index; half the all-gather calls). tied = the "
-            "head's own forward gather of the embedding's unit, GAS x (N-1)/N x P_tied x b. rest = padding "
+            "head's share of the tied gradient, reduce-scattered in fp32 on its own, GAS x (N-1)/N x P_tied x 4 "
+            "(the head's forward gathers the embedding's unit once more, and the embedding's backward, which "
+            "reads no weight, gathers nothing: those cancel). rest = padding "
             "of each unit to a multiple of N plus the gradient-norm all-reduce")
     return "Stage-3 bytes per optimizer step vs theory (zerospeed)\n\n" + "\n".join(lines) + "\n\n" + note + "\n"
 
