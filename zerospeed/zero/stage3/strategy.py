@@ -19,8 +19,9 @@ shares the input embedding's weight) runs its forward on a *proxy*: a leaf param
 gathered storage, put in the module's `_parameters` for the duration of that forward. Autograd then
 hands the head's gradient to the proxy as soon as the head's backward has run, instead of summing
 it with the embedding's in one buffer that lives until the embedding's backward at the very end of
-backward; the head's share is reduce-scattered at once, as a reduction unit of its own that lands in
-the same gradient chunk, and the gathered weights are released right after the head's backward.
+backward; the head's share is a reduction unit of its own, launched first (at once when it fills a
+reduce bucket, else fused with the units after it) and landing in the same gradient chunk, and the
+gathered weights are released right after the head's backward.
 An `nn.Embedding`'s backward never reads its weight (it adds output-gradient rows into a zero
 gradient), so its backward does not gather it again. For GPT-2 (the embedding is 31% of the model)
 this takes the gathered embedding and its full gradient, 2 x V x h elements, off stage 3's backward
