@@ -4,7 +4,9 @@ Under `torch.profiler.profile(profile_memory=True)` the CPU allocator reports ev
 free (with its size; frees negative) to the profiler — inside autograd's backward, in hooks, in
 storage resizes. Sorted by time, their running sum is the bytes allocated since profiling began; its
 maximum over a window is that window's peak, the number a GPU's `max_memory_allocated` reports
-(without the caching allocator's block rounding). Nothing here asks zerospeed for its sizes.
+(without the caching allocator's block rounding). Frees of memory allocated before profiling began
+are left out (they would count a previous run's late-collected tensors against this one). Nothing
+here asks zerospeed for its sizes.
 
     with AllocationTrace() as trace:
         build model, train ...
@@ -53,7 +55,18 @@ class AllocationTrace:
                 windows.setdefault(e.name.split("::", 1)[1], []).append((e.start_time_ns, e.end_time_ns))
             todo.extend(e.children)
         allocs.sort()
-        self._events, self._windows = allocs, windows
+        # a free of memory allocated before profiling began (a previous run's tensors, collected late)
+        # is not this run's: counting it would lower every later running sum
+        live, events = set(), []
+        for t, size, ptr in allocs:
+            if size > 0:
+                live.add(ptr)
+            elif ptr in live:
+                live.discard(ptr)
+            else:
+                continue
+            events.append((t, size, ptr))
+        self._events, self._windows = events, windows
 
     def peak(self, name: str | None = None) -> int:
         """Max bytes allocated (since profiling began) at any moment inside `name`'s windows (or ever)."""
@@ -71,4 +84,3 @@ class AllocationTrace:
         """Bytes allocated when the first window named `name` began."""
         lo = min(self._windows[name])[0]
         return sum(size for t, size, _ in self._events if t < lo)
-

@@ -38,6 +38,7 @@ in launch order, so the bound is what the network's lag can cost, not what every
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -181,6 +182,24 @@ def _no_scaling(world_size: int) -> tuple[float, float]:
     return 1.0, 1.0
 
 
+def weak_hook(method: Callable) -> Callable:
+    """A tensor hook that calls `method` while its object lives and does nothing after.
+
+    Note [weak tensor hooks]: a hook stored on a parameter that holds its owner strongly makes a cycle
+    (parameter -> hook -> reducer -> units -> parameter) that Python's collector cannot break: torch
+    lets the collector see a tensor's references only while no C++ code shares the tensor, and the
+    autograd graph's AccumulateGrad node does. Every engine built in a process then kept its
+    buffers alive after the user dropped it (measured: 21 MiB per dropped engine of a 2.4M-parameter
+    GPT at stage 1). Through a weak reference the owner is freed with the engine.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        bound = ref()
+        return None if bound is None else bound(*args)
+    return hook
+
+
 class GradientReducer:
     """Hooks every parameter of `units`, accumulates, and reduces ready units in order (see module doc)."""
 
@@ -199,7 +218,7 @@ class GradientReducer:
         self._bucket: list[GradUnit] = []
         self._bucket_elems = 0
         self._in_flight: list[_Flight] = []
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for u in units for p in u.members]
+        self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self._on_grad)) for u in units for p in u.members]
 
     # -- backward -------------------------------------------------------------------------------
     def begin(self, sync: bool) -> None:

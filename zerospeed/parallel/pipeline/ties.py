@@ -13,6 +13,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.parallel.pipeline.module import PipelineModule, get_attr_path
+from zerospeed.zero.reducer import weak_hook
 
 
 class TiedGradients:
@@ -25,7 +26,7 @@ class TiedGradients:
             for key in module.tie_groups}
         self.acc = {id(p): torch.zeros_like(p, dtype=torch.float32) for ps in self.params.values() for p in ps}
         self.capturing = True
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+        self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
                        for ps in self.params.values() for p in ps if p.requires_grad]
         self.duplicate_sq_norm = 0.0
 

@@ -59,6 +59,7 @@ class Init:
         self._hook = None
         self._roots: list[torch.nn.Module] = []
         self._built_on: dict[int, torch.device] = {}  # id(flat param) -> where its module was constructed
+        self._owners: list = []  # the flat parameters this context made
         if enabled and module is not None:
             comm.init_distributed()
             for m in module.modules():
@@ -89,9 +90,23 @@ class Init:
         self._hook = None
         if exc_type is None:
             # the roots are the parents that were never attached to anything themselves
-            for root in [p for k, p in self._parents.items() if k not in self._attached]:
+            roots = [p for k, p in self._parents.items() if k not in self._attached]
+            for root in roots:
                 self.finish(root)
+            self._forget_replaced(roots)
         return False
+
+    def _forget_replaced(self, roots: list[torch.nn.Module]) -> None:
+        """Unregister the parameters construction sharded and then dropped (a head's own weight that
+        its constructor replaced by the tied embedding's): the registry holds zero.Init's owners
+        strongly, so each such owner would keep its shard alive for the life of the process
+        (Note [weak tensor hooks]; registry.register)."""
+        live = {id(p) for root in roots for p in root.parameters()}
+        for owner in self._owners:
+            for p in owner.params:
+                if id(p) not in live:
+                    registry.unregister(p)
+        self._owners = []
 
     def finish(self, root: torch.nn.Module) -> torch.nn.Module:
         """Shard the root's own parameters and replay its `_init_weights` (see the class docstring)."""
@@ -117,6 +132,7 @@ class Init:
                           pin=_Pinned() if host and self.pin_memory else None,
                           dp_group=self.group, trainable=False)
         self._built_on[id(owner)] = built_on
+        self._owners.append(owner)
         for p in params:
             registry.register(p, owner)
 

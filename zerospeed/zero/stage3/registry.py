@@ -8,9 +8,20 @@ import torch
 _OWNERS: dict[int, tuple[weakref.ref, object]] = {}
 
 
-def register(param: torch.nn.Parameter, owner) -> None:
+def register(param: torch.nn.Parameter, owner, *, held_elsewhere: bool = False) -> None:
+    """Record `owner` as `param`'s. An owner that something else keeps alive (an engine's flat
+    parameters: its strategy holds them) is recorded weakly: a strong entry would keep the owner, and
+    through it every parameter and shard, alive for the life of the process after the engine and the
+    model are dropped (the owner holds its parameters; the entry dies with the parameter). zero.Init's
+    owners have no other holder until an engine re-registers their parameters: those stay strong."""
     key = id(param)
-    _OWNERS[key] = (weakref.ref(param, lambda _r, k=key, d=_OWNERS: d.pop(k, None)), owner)
+    _OWNERS[key] = (weakref.ref(param, lambda _r, k=key, d=_OWNERS: d.pop(k, None)),
+                    weakref.ref(owner) if held_elsewhere else owner)
+
+
+def unregister(param: torch.nn.Parameter) -> None:
+    """`param` is an ordinary parameter again (its value was made whole)."""
+    _OWNERS.pop(id(param), None)
 
 
 def owner_of(param: torch.Tensor):
@@ -18,7 +29,7 @@ def owner_of(param: torch.Tensor):
     entry = _OWNERS.get(id(param))
     if entry is None or entry[0]() is not param:
         return None
-    return entry[1]
+    return entry[1]() if isinstance(entry[1], weakref.ref) else entry[1]
 
 
 def full_shape(param: torch.Tensor) -> torch.Size:

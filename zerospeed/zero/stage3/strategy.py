@@ -138,6 +138,7 @@ class Stage3Strategy(ShardedOptimizerBase):
         for p in self.module.parameters():
             if id(p) not in owner_unit and registry.owner_of(p) is not None:
                 p.data = _full_value(p)  # frozen under zero.Init: stage 3 keeps frozen parameters whole
+                registry.unregister(p)
         return owner_unit, owned
 
     def _flat_param(self, ps, gi, rg: ReductionGroup, param_dtype, device, master_device) -> FlatParam:
@@ -148,7 +149,7 @@ class Stage3Strategy(ShardedOptimizerBase):
                        pin=plan, alias_master=plan is None or plan.param != "nvme")
         self.flat.append(fp)
         for p in ps:
-            registry.register(p, fp)
+            registry.register(p, fp, held_elsewhere=True)  # self.flat holds it
         return fp
 
     def _apply_zeropp(self, reduction: list[ReductionGroup]) -> list[tuple[object, tuple]]:

@@ -1,0 +1,29 @@
+"""zerospeed.testing.alloc_peak against sizes known by construction (torch's own element sizes)."""
+import torch
+
+from zerospeed.testing.alloc_peak import AllocationTrace
+
+MIB = 1 << 20
+
+
+def test_peak_is_the_largest_sum_of_live_allocations_in_the_window():
+    with AllocationTrace() as trace:
+        a = torch.empty(MIB // 4)  # 1 MiB, before the window
+        with trace.window("w"):
+            b = torch.empty(MIB // 2)  # 2 MiB: 3 live
+            del b
+            c = torch.empty(MIB // 8)  # 0.5 MiB: 1.5 live
+        del a, c
+    assert trace.peak("w") == 3 * MIB
+    assert trace.at_start("w") == MIB
+    assert trace.peak() == 3 * MIB
+
+
+def test_a_free_of_memory_allocated_before_the_trace_does_not_lower_the_peak():
+    old = torch.empty(MIB)  # 4 MiB, a previous run's tensor freed while this one is measured
+    with AllocationTrace() as trace:
+        with trace.window("w"):
+            del old
+            x = torch.empty(MIB // 4)
+        del x
+    assert trace.peak("w") == MIB
