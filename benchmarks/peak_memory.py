@@ -1,6 +1,7 @@
 """Peak host memory per rank and per phase at ZeRO stages 0-3, the DeepSpeed user's GPT-2 run.
 
     python benchmarks/peak_memory.py [--stages 0 1 2 3] [--dtypes fp32 bf16] [--offload] [--steps 4]
+                                     [--zero-init] [--no-allocated]
 
 transformers GPT-2 (`GPT2Config(n_layer=12, n_embd=768, n_head=12)`, dropout 0, built without
 zero.Init), 2 ranks, micro batch 4 x 128 tokens, AdamW, DeepSpeed's defaults for every other key.
@@ -25,7 +26,7 @@ import time
 MIB = 1 << 20
 
 
-def run(stage: int, dtype: str, steps: int, offload: bool, allocated: bool = True) -> dict:
+def run(stage: int, dtype: str, steps: int, offload: bool, allocated: bool = True, zero_init: bool = False) -> dict:
     import torch
     import transformers
 
@@ -39,8 +40,6 @@ def run(stage: int, dtype: str, steps: int, offload: bool, allocated: bool = Tru
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, resid_pdrop=0.0, embd_pdrop=0.0,
                                   attn_pdrop=0.0)
-    model = transformers.GPT2LMHeadModel(cfg)
-    params = sum(p.numel() for p in model.parameters())
     zero = {"stage": stage}
     if offload and stage > 0:
         zero["offload_optimizer"] = {"device": "cpu"}
@@ -48,7 +47,12 @@ def run(stage: int, dtype: str, steps: int, offload: bool, allocated: bool = Tru
           "zero_optimization": zero, "memory_breakdown": True, "steps_per_print": 10 ** 9}
     if dtype == "bf16":
         ds["bf16"] = {"enabled": True}
-    engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    # --zero-init: built under zero.Init (stage 3), each rank never holding the whole model
+    with trace.window("build") if trace else contextlib.nullcontext():
+        with zerospeed.zero.Init(config_dict_or_path=ds) if zero_init else contextlib.nullcontext():
+            model = transformers.GPT2LMHeadModel(cfg)
+        params = sum(zerospeed.zero.stage3.full_numel(p) for p in model.parameters())
+        engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     del model
     phases = engine.observer.memory_phases
     g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
@@ -67,7 +71,8 @@ def run(stage: int, dtype: str, steps: int, offload: bool, allocated: bool = Tru
         trace.__exit__(None, None, None)
     return {"params": params, "base": base, "peak": dict(phases.peak), "start": dict(phases.start),
             "states": census.live_tensor_bytes(), "step_s": sorted(times[1:])[len(times[1:]) // 2],
-            "allocated": trace.peak("steady") if trace else 0}
+            "allocated": trace.peak("steady") if trace else 0, "build": trace.peak("build") if trace else 0,
+            "after_build": trace.at_start("first") if trace else 0}
 
 
 def predicted(stage: int, dtype: str, offload: bool) -> float:
@@ -80,7 +85,7 @@ def predicted(stage: int, dtype: str, offload: bool) -> float:
     option = Option(stage, offload_optimizer=offload and stage > 0)
     prec = Precision.of(dtype, "adamw", "fp32")
     return peak_terms(shape, 2, option, prec, Workload(4, 128, act_bytes=4 if dtype == "fp32" else 2,
-                                                            mlp_activation="gelu_new"),
+                                                            mlp_activation="gelu_new", loss_upcast=True),
                       EngineKnobs()).total
 
 
@@ -90,6 +95,8 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--offload", action="store_true")
+    parser.add_argument("--zero-init", action="store_true",
+                        help="build the model under zero.Init (stage 3 only); prints the build + initialize peak")
     parser.add_argument("--no-allocated", dest="allocated", action="store_false",
                         help="skip the profiler's allocator record (it slows the step): for step times")
     args = parser.parse_args()
@@ -100,7 +107,10 @@ def main() -> None:
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for dtype in args.dtypes:
         for stage in args.stages:
-            ranks = run_distributed(run, 2, stage, dtype, args.steps, args.offload, args.allocated, timeout=1200)
+            if args.zero_init and stage != 3:
+                continue
+            ranks = run_distributed(run, 2, stage, dtype, args.steps, args.offload, args.allocated, args.zero_init,
+                                    timeout=1200)
             r = max(ranks, key=lambda r: max(r["peak"].values()))
             cols = [f"{r['peak'].get(p, 0) / MIB:,.0f}" for p in ("forward", "backward", "reduce", "step")]
             print(f"| {dtype} | {stage} | {'cpu' if args.offload and stage else '-'} | {r['params']:,} "
@@ -108,6 +118,12 @@ def main() -> None:
                   f"| {r['base'] / MIB:,.0f} | {r['step_s']:.2f} "
                   f"| {predicted(stage, dtype, args.offload) / MIB:,.0f} | {max(x['allocated'] for x in ranks) / MIB:,.0f} |",
                   flush=True)
+            if args.allocated:
+                full = r["params"] * (4 if dtype == "fp32" else 2)
+                build = ", ".join(f"{x['build'] / MIB:,.0f}" for x in ranks)
+                after = ", ".join(f"{x['after_build'] / MIB:,.0f}" for x in ranks)
+                print(f"  build + initialize{' under zero.Init' if args.zero_init else ''}: allocated peak {build} "
+                      f"MiB per rank, {after} after; the whole model is {full / MIB:,.0f} MiB", flush=True)
 
 
 if __name__ == "__main__":

@@ -84,3 +84,19 @@ def test_more_ranks_never_raise_the_peak(stage):
     shape = TransformerShape(4, 256, 1024, 4, positions=64)
     totals = [peak_terms(shape, n, Option(stage), prec, w, EngineKnobs(overlap_comm=False)).total for n in (2, 4, 8)]
     assert totals == sorted(totals, reverse=True)
+
+
+def test_a_loss_that_upcasts_the_logits_by_hand():
+    """transformers' ForCausalLMLoss casts the logits to fp32: in bf16 the log-probabilities, the fp32
+    copy of the logits and the loss's two gradients cost 6*s*b*V bytes more at forward and at the start
+    of backward (2 for the saved log-probabilities, 4 for the copy / the second fp32 gradient); none once
+    the head is freed. In fp32 the cast is a no-op and nothing changes."""
+    sbv = 4 * 2 * 16
+    for dtype, more in (("bf16", 6 * sbv), ("fp32", 0)):
+        prec, a = Precision.of(dtype, "adamw", "fp32"), 2 if dtype == "bf16" else 4
+        plain = peak_terms(SHAPE, 2, Option(0), prec, Workload(2, 4, act_bytes=a))
+        upcast = peak_terms(SHAPE, 2, Option(0), prec, Workload(2, 4, act_bytes=a, loss_upcast=True))
+        assert upcast.phases["forward"] - plain.phases["forward"] == more
+        assert upcast.phases["backward_start"] - plain.phases["backward_start"] == more
+        assert upcast.phases["backward_first_gradient"] == plain.phases["backward_first_gradient"]
+        assert upcast.phases["step"] == plain.phases["step"]

@@ -46,6 +46,13 @@ autograd from the head's backward to the embedding's (both uses must report befo
 gradient is done) — at stages 0-2. At stage 3 it is a reduction unit of its own, launched first
 (Note [tied uses], zero/stage3/strategy.py): in flight with its output chunk at the first gradient,
 one of the buckets after.
+Where the loss casts the logits to fp32 before cross-entropy (`Workload.loss_upcast`; transformers'
+ForCausalLMLoss does, whatever the model dtype), the log-probabilities and the loss's two gradients
+are fp32 (`loss_bytes`), the forward holds the fp32 copy of the logits next to them, and backward
+casts the logits' gradient back to the model dtype next to its fp32 source: max(2*lb, lb + a)*s*b*V
+bytes (lb = 4, a = `act_bytes`). In bf16 that is 6*s*b*V bytes more than without the upcast at the
+start of backward (measured on a transformers GPT-2 of V 8,192 in bf16: the prediction went from
+0.69-0.80 of the allocator's peak to 0.95-0.99 at stages 0-3).
 
 Note [peak: live parameter window]: at stage 3 a unit is gathered in full from its pre-hook to its
 release. Units of at most `stage3_param_persistence_threshold` elements (norms, small projections)
@@ -72,9 +79,18 @@ Note [peak: optimizer temporaries]: torch's single-tensor Adam/AdamW (the CPU de
 size, so the peak is twice the largest stepped tensor — the largest parameter at stage 0, the
 largest flat chunk at stages 1-3. The foreach form (the CUDA default) keeps one temporary per
 element of the whole step at once (a sub-group, `sub_group_size`). An offloaded step runs on the
-host in torch's fused CPU kernel (no device temporaries). After the step, stages 1-2 all-gather every
+host in torch's fused CPU kernel (no device temporaries; Note [peak: offload on a CPU-only machine]). After the step, stages 1-2 all-gather every
 layout's updated chunk (up to `allgather_bucket_size` in flight); on gloo each running all-gather
 stages its flat output (a layout) in the backend: measured, at most GLOO_STAGED at once.
+
+Note [peak: offload on a CPU-only machine]: where the host is the device (no accelerator; gloo), an
+offloaded state is already where offload would put it, and the engine does not copy it: fp32 masters
+alias the parameter buffer (zero/flat_group.py), the step reads the gradient partition in place. The
+states are then those of the same stage without offload, and only the step changes (the fused CPU
+kernel: no temporaries). `EngineKnobs.host_is_device` says so; the device/host split of
+`placed_model_states` is what a GPU run holds. Measured (tests/dist/test_estimate_peak.py): with the
+split, a CPU-only offload run was predicted 6-23% high (the host's master and gradient copies,
+8*P/N bytes, do not exist there).
 """
 from __future__ import annotations
 
@@ -106,6 +122,7 @@ class EngineKnobs:
     overlap_comm: bool | None = None  # None: stage == 3, as the config's default
     collective_copies: int = 1  # gloo's list-form collectives stage a flat copy; NCCL: 0
     foreach_step: bool = False  # torch's default on a CPU; True on CUDA
+    host_is_device: bool = False  # a CPU-only run: Note [peak: offload on a CPU-only machine]
 
     @classmethod
     def from_config(cls, zero: dict, *, backend: str = "gloo", foreach_step: bool | None = None) -> "EngineKnobs":
@@ -118,7 +135,8 @@ class EngineKnobs:
                    pick("stage3_param_persistence_threshold", d.param_persistence_threshold),
                    pick("stage3_model_persistence_threshold", d.model_persistence_threshold),
                    pick("sub_group_size", d.sub_group_size), zero.get("overlap_comm"),
-                   1 if backend == "gloo" else 0, backend != "gloo" if foreach_step is None else foreach_step)
+                   1 if backend == "gloo" else 0, backend != "gloo" if foreach_step is None else foreach_step,
+                   host_is_device=backend == "gloo")
 
 
 @dataclass(frozen=True)
@@ -131,6 +149,13 @@ class Workload:
     attention: str = "sdpa"  # "sdpa" (no s x s kept) or "eager" (softmax output kept)
     act_bytes: int = 4
     mlp_activation: str = "gelu"  # "gelu" (one op) or "gelu_new" (GPT-2's tanh form, composed of ops)
+    loss_upcast: bool = False  # the loss casts the logits to fp32 first (transformers' ForCausalLMLoss)
+
+    @property
+    def loss_bytes(self) -> int:
+        """Bytes per element of the log-probabilities and the loss's gradients (Note [peak: head and
+        backward working set])."""
+        return 4 if self.loss_upcast else self.act_bytes
 
 
 @dataclass(frozen=True)
@@ -209,7 +234,8 @@ def persistent_units(units: list[int], knobs: EngineKnobs) -> int:
 def saved_activations(shape: TransformerShape, w: Workload) -> float:
     """Elements kept for backward at the end of forward (Note [peak: saved activations])."""
     sbh = w.seq_len * w.micro_batch * shape.hidden
-    return shape.layers * _block_saved(shape, w) + 2 * sbh + w.seq_len * w.micro_batch * shape.vocab
+    sbv = w.seq_len * w.micro_batch * shape.vocab * w.loss_bytes / w.act_bytes  # in act_bytes elements
+    return shape.layers * _block_saved(shape, w) + 2 * sbh + sbv
 
 
 def block_working_set(shape: TransformerShape, w: Workload) -> float:
@@ -278,7 +304,9 @@ def peak_terms(shape: TransformerShape, world: int, option: Option, prec: Precis
     mods = module_params(shape)
     params = [x for _, ps in mods for x in ps]
     total = sum(params)
-    states = placed_model_states(total, n, option, prec, max(sum(ps) for _, ps in mods))["device"]
+    # Note [peak: offload on a CPU-only machine]
+    placed = Option(stage) if knobs.host_is_device else option
+    states = placed_model_states(total, n, placed, prec, max(sum(ps) for _, ps in mods))["device"]
     budgets = bounded_budgets(total, reduce_bucket_size=knobs.reduce_bucket_size,
                               prefetch_bucket_size=knobs.prefetch_bucket_size, max_reuse_distance=0)
     overlap = stage == 3 if knobs.overlap_comm is None else knobs.overlap_comm
@@ -288,16 +316,20 @@ def peak_terms(shape: TransformerShape, world: int, option: Option, prec: Precis
     sbv = workload.seq_len * workload.micro_batch * shape.vocab
     t: dict[str, float] = dict.fromkeys(TERMS, 0.0)
     t["activations"] = saved_activations(shape, workload) * a
-    t["logits"] = sbv * a
-    # the loss's gradients (log-probabilities and logits), or later the logits' gradient next to the
-    # head weight's gradient being computed (model dtype)
+    lb = workload.loss_bytes
+    # the logits; where the loss upcasts them, their fp32 copy too while log-softmax runs
+    t["logits"] = sbv * a + (sbv * lb if lb != a else 0)
+    # the loss's gradients (log-probabilities and logits, in the loss's dtype), then that gradient
+    # cast to the model dtype, or later the logits' gradient next to the head weight's gradient being
+    # computed (model dtype)
     head_weight_grad = shape.vocab * shape.hidden * pb
-    t["head_gradients"] = max(2 * sbv * a, sbv * a + head_weight_grad)
+    loss_grads = max(2 * lb, lb + a) * sbv
+    t["head_gradients"] = max(loss_grads, sbv * a + head_weight_grad)
     t["block_working_set"] = t["block_working_set_at_buckets"] = block_working_set(shape, workload) * a
     t["tied_head_gradient"] = t["tied_head_gradient_at_buckets"] = \
         shape.vocab * shape.hidden * 4.0 if shape.tied else 0.0
-    head_freed = 2 * sbh + sbv  # the final norm's input/output and the log-probabilities
-    t["head_freed"] = -head_freed * a
+    # the final norm's input/output and the log-probabilities
+    t["head_freed"] = -(2 * sbh * a + sbv * lb)
     if stage == 3:
         units = stage3_units(shape, n)
         t["persistent_parameters"] = persistent_units(units, knobs) * pb
@@ -314,8 +346,9 @@ def peak_terms(shape: TransformerShape, world: int, option: Option, prec: Precis
         batch = min(window, small)
         t["live_window"] = (units[head_unit] + window + batch * (1 + 1 / n)) * pb
         # the loss's gradient with respect to the log-probabilities is freed before the head's backward
-        # pre-hook gathers the window: the logits' gradient (and the head weight's) meets it
-        t["head_gradients"] = max(sbv * a + head_weight_grad, 2 * sbv * a - t["live_window"])
+        # pre-hook gathers the window: the logits' gradient (and the head weight's) meets it; the head's
+        # own unit is gathered throughout (from the head's forward to its backward)
+        t["head_gradients"] = max(sbv * a + head_weight_grad, loss_grads - (t["live_window"] - units[head_unit] * pb))
         launches = units[::-1]
         if shape.tied:  # Note [tied uses]: the head's share of the tied gradient is a unit of its own,
             # launched first and reduced at once, and the embedding's unit is released after the head

@@ -106,8 +106,10 @@ def row_peak(census: ModelCensus, setup: Setup, option: Option, checkpointing: b
         return None
     prec = Precision.of(setup.precision, setup.optimizer, setup.grad_dtype or "fp32")
     act = 4 if setup.precision == "fp32" else 2
-    return peak_terms(census.shape, dp, option, prec, Workload(setup.micro_batch, seq, checkpointing, act_bytes=act),
-                      EngineKnobs(collective_copies=1 if setup.backend == "gloo" else 0,
+    # a model config is a transformers model's: its loss (ForCausalLMLoss) upcasts the logits to fp32
+    return peak_terms(census.shape, dp, option, prec, Workload(setup.micro_batch, seq, checkpointing, act_bytes=act,
+                                                               loss_upcast=True),
+                      EngineKnobs(collective_copies=1 if setup.backend == "gloo" else 0, host_is_device=setup.backend == "gloo",
                                   foreach_step=setup.backend != "gloo"))
 
 
