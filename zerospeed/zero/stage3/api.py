@@ -10,6 +10,7 @@ from torch.nn.modules import module as _module_mod
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
 from zerospeed.config.errors import ConfigError
+from zerospeed.zero.partition import padded_size
 from zerospeed.zero.stage3 import registry
 from zerospeed.zero.stage3.flat_param import FlatParam, State
 
@@ -126,7 +127,13 @@ class Init:
         device = get_accelerator().torch_device(comm.get_local_rank())  # Note [where zero.Init shards live]
         host = self.remote_device in ("cpu", "nvme") and device.type != "cpu"
         built_on = params[0].device
-        owner = FlatParam(-1, params, [p.detach().to(torch.float32) for p in params], group_index=0,
+        values = [p.detach().to(torch.float32) for p in params]
+        # a lone contiguous fp32 parameter whose length needs no padding already is the flat buffer:
+        # shard it without a copy of the whole (Note [re-partitioning zero.Init in place], strategy.py)
+        v = values[0]
+        full = v.reshape(-1) if (len(values) == 1 and v.is_contiguous() and v.device == device
+                                 and padded_size(v.numel(), world) == v.numel()) else None
+        owner = FlatParam(-1, params, values, full=full, group_index=0,
                           world_size=world, rank=rank, dtype=self.dtype, device=device,
                           shard_device=torch.device("cpu") if host else device,
                           pin=_Pinned() if host and self.pin_memory else None,

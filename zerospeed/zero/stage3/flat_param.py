@@ -82,7 +82,7 @@ class FlatParam:
                  group_index: int, world_size: int, rank: int, dtype: torch.dtype, device: torch.device,
                  dp_group=None, trainable: bool = True, residency: Residency | None = None,
                  shard_device: torch.device | None = None, master_device: torch.device | None = None,
-                 pin=None, alias_master: bool = True):
+                 pin=None, alias_master: bool = True, full: torch.Tensor | None = None):
         self.index = index
         self.params = params
         self.shapes = [v.shape for v in values]
@@ -95,7 +95,9 @@ class FlatParam:
         shard_device = shard_device or device
         master_device = master_device or device
         (self.layout,) = build_layouts([v.numel() for v in values], bucket_size=1 << 62, world_size=world_size)
-        full = flatten_fp32(self.layout, values, device)
+        # `full`: the values already flattened in this layout, fp32 (Note [re-partitioning zero.Init in
+        # place], strategy.py); it is read, never kept
+        full = flatten_fp32(self.layout, values, device) if full is None else full
         lo, hi = self.layout.chunk_range(rank)
         self.shard = _placed(full[lo:hi], shard_device, dtype, pin)
         # fp32 training: the master is the shard itself when both live in the same memory; otherwise

@@ -37,6 +37,7 @@ from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
 from zerospeed.comm import zeropp as zcomm
 from zerospeed.offload.plan import HOST, make_param_swapper
+from zerospeed.zero.partition import padded_size
 from zerospeed.zero.reducer import GradUnit, reduce_scatter_every_micro_step
 from zerospeed.zero.sharded import ShardedOptimizerBase
 from zerospeed.zero.shards import Piece, ShardEntry
@@ -143,7 +144,11 @@ class Stage3Strategy(ShardedOptimizerBase):
 
     def _flat_param(self, ps, gi, rg: ReductionGroup, param_dtype, device, master_device) -> FlatParam:
         plan = self.plan
-        fp = FlatParam(len(self.flat), ps, [_full_value(p) for p in ps], group_index=gi, world_size=rg.world_size,
+        # Note [re-partitioning zero.Init in place]: the values of zero.Init's parameters are views of
+        # their owner's gathered buffer, not copies; a single parameter's buffer is the flat one
+        full = _reusable_full(ps, padded_size(sum(registry.full_numel(p) for p in ps), rg.world_size), device)
+        fp = FlatParam(len(self.flat), ps, [_full_value(p, copy=False) for p in ps], full=full,
+                       group_index=gi, world_size=rg.world_size,
                        rank=rg.rank, dtype=param_dtype, device=device, dp_group=rg.group, residency=self.residency,
                        shard_device=plan.shard_device if plan is not None else device, master_device=master_device,
                        pin=plan, alias_master=plan is None or plan.param != "nvme")
@@ -395,14 +400,30 @@ def _weight_free_backward(module: torch.nn.Module) -> bool:
             and not module.sparse and not registry.externals(module))
 
 
-def _full_value(p: torch.nn.Parameter) -> torch.Tensor:
-    """A parameter's full value: gathered from its zero.Init shards if it already has an owner."""
+def _full_value(p: torch.nn.Parameter, copy: bool = True) -> torch.Tensor:
+    """A parameter's full value: gathered from its zero.Init shards if it already has an owner (a view
+    of the owner's gathered buffer with `copy=False`, for a value about to be flattened)."""
     owner = registry.owner_of(p)
     if owner is None:
         return p.detach()
     owner.wait()
     i = next(i for i, q in enumerate(owner.params) if q is p)
-    return owner.full[owner.layout.segments[i].offset:][:owner.layout.segments[i].numel].view(owner.shapes[i]).clone()
+    value = owner.full[owner.layout.segments[i].offset:][:owner.layout.segments[i].numel].view(owner.shapes[i])
+    return value.clone() if copy else value
+
+
+def _reusable_full(ps: list[torch.nn.Parameter], padded: int, device: torch.device) -> torch.Tensor | None:
+    """Note [re-partitioning zero.Init in place]: a zero.Init owner's gathered buffer, when it already
+    is the flat buffer the engine's unit would build (one parameter, fp32, the same padded length and
+    device) — used as it is instead of being copied into a new one."""
+    owner = registry.owner_of(ps[0]) if len(ps) == 1 else None
+    if owner is None or len(owner.params) != 1:
+        return None
+    owner.wait()
+    full = owner.full
+    if full.dtype != torch.float32 or full.device != device or full.numel() != padded or owner.padded != padded:
+        return None
+    return full
 
 
 def _master_devices(plan, groups: list[dict], device: torch.device):
