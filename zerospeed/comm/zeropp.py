@@ -38,10 +38,17 @@ GRAD_BITS, GRAD_BLOCK = 4, 256  # qgZ: int4, one fp32 scale per 256 elements
 
 
 class _Decoding:
-    """An in-flight exchange; `wait()` completes it, counts it, then runs `finish` (the decode)."""
+    """An in-flight exchange; `wait()` completes it, counts it, then runs `finish` (the decode).
+    `finish_communicates`: `finish` runs another exchange (hierarchical qgZ's second level)."""
 
-    def __init__(self, work, record, finish):
+    def __init__(self, work, record, finish, finish_communicates: bool = False):
         self._work, self._record, self._finish = work, record, finish
+        self._finish_communicates = finish_communicates
+
+    def done(self) -> bool:
+        """`wait()` would not block: the exchange has completed and its decode is local (a second
+        level still to run counts as not done, so that every rank runs it in the same order)."""
+        return self._work is None or (not self._finish_communicates and self._work.is_completed())
 
     def wait(self) -> None:
         if self._work is None:
@@ -57,7 +64,8 @@ def _done(finish, async_op: bool):
     return _Decoding(None, None, None) if async_op else None
 
 
-def _launch(kind: str, payload: int, wire: float, group, launch, finish, async_op: bool):
+def _launch(kind: str, payload: int, wire: float, group, launch, finish, async_op: bool,
+            finish_communicates: bool = False):
     """Issue `launch(async_op=True)` (a blocking caller waits here), count it, decode on wait."""
     start = time.perf_counter()
     world = get_world_size(group)
@@ -66,7 +74,7 @@ def _launch(kind: str, payload: int, wire: float, group, launch, finish, async_o
     def record():
         STATS.record(kind, payload, time.perf_counter() - start, world, wire_bytes=wire)
 
-    handle = _Decoding(work, record, finish)
+    handle = _Decoding(work, record, finish, finish_communicates)
     if async_op:
         return handle
     handle.wait()
@@ -146,12 +154,13 @@ def _decoded_sum(recv: torch.Tensor, c: int, bits: int, block_size: int, exact_r
     return total
 
 
-def _all_to_all_rows(kind: str, send: torch.Tensor, group, async_op: bool, finish_with):
+def _all_to_all_rows(kind: str, send: torch.Tensor, group, async_op: bool, finish_with,
+                     finish_communicates: bool = False):
     recv = torch.empty_like(send)
     world = send.shape[0]
     return _launch(kind, send.numel(), (world - 1) * send.shape[1], group,
                    lambda a: dist.all_to_all_single(recv, send, group=group, async_op=a),
-                   lambda: finish_with(recv), async_op)
+                   lambda: finish_with(recv), async_op, finish_communicates)
 
 
 def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False,
@@ -203,7 +212,8 @@ def _two_level(output, rows_NC, hierarchy, bits, block_size, async_op):
         _all_to_all_rows("reduce_scatter_int4_inter", _quantized_rows(partial, bits, block_size), inter.handle,
                          False, finish_inter)
 
-    return _all_to_all_rows("reduce_scatter_int4_intra", send, intra.handle, async_op, finish_intra)
+    return _all_to_all_rows("reduce_scatter_int4_intra", send, intra.handle, async_op, finish_intra,
+                            finish_communicates=True)
 
 
 def quantized_gather_bytes(chunk: int, world: int, bits: int = WEIGHT_BITS, block_size: int = WEIGHT_BLOCK) -> int:

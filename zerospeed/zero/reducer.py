@@ -324,7 +324,7 @@ class GradientReducer:
     def _land_finished(self) -> None:
         """Land the oldest buckets whose collectives have already finished, in launch order, so their
         staging is freed now rather than at the next bound (Note [bounded in-flight buckets])."""
-        while self._in_flight and getattr(self._in_flight[0].handle, "done", lambda: False)():
+        while self._in_flight and self._in_flight[0].handle.done():
             self._complete(self._in_flight.pop(0))
 
     def _complete_all(self) -> None:

@@ -261,7 +261,7 @@ def _direct_split(run: list[FlatParam]) -> list[list[FlatParam]]:
     for fp in run:
         if fp.padded >= DIRECT_GATHER:
             parts.append([fp])
-        elif parts and len(parts[-1]) and parts[-1][-1].padded < DIRECT_GATHER:
+        elif parts and parts[-1][-1].padded < DIRECT_GATHER:
             parts[-1].append(fp)
         else:
             parts.append([fp])
