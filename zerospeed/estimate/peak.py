@@ -52,7 +52,7 @@ are fp32 (`loss_bytes`), the forward holds the fp32 copy of the logits next to t
 casts the logits' gradient back to the model dtype next to its fp32 source: max(2*lb, lb + a)*s*b*V
 bytes (lb = 4, a = `act_bytes`). In bf16 that is 6*s*b*V bytes more than without the upcast at the
 start of backward (measured on a transformers GPT-2 of V 8,192 in bf16: the prediction went from
-0.69-0.80 of the allocator's peak to 0.95-0.99 at stages 0-3).
+0.69-0.80 of the allocator's peak to 0.92-0.99 at stages 0-3).
 
 Note [peak: live parameter window]: at stage 3 a unit is gathered in full from its pre-hook to its
 release. Units of at most `stage3_param_persistence_threshold` elements (norms, small projections)
