@@ -168,6 +168,7 @@ def test_forward_peak_stays_within_max_live_parameters_plus_one_unit():
 
 def _init_to_training_trace(init: bool):
     """Allocator record (torch profiler, independent of zerospeed) of build -> initialize -> 3 steps."""
+    from zerospeed.testing import census
     from zerospeed.testing.alloc_peak import AllocationTrace
     cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=8, n_head=4, n_embd=256, bias=True)
     torch.manual_seed(0)
@@ -193,8 +194,7 @@ def _init_to_training_trace(init: bool):
                 engine.backward(engine(x, x))
                 engine.step()
     return {"full": full, "largest": largest, "build": trace.peak("build"), "initialize": trace.peak("initialize"),
-            "after_initialize": trace.at_start("step0"), "steady_start": trace.at_start("step2"),
-            "steady": trace.peak("step2")}
+            "after_initialize": trace.at_start("step0"), "live_after_training": census.live_tensor_bytes()}
 
 
 @pytest.mark.timeout(240)
@@ -205,17 +205,17 @@ def test_a_zero_init_model_is_never_whole_on_any_rank_from_construction_to_train
     for r, e in zip(inited, eager):
         full, largest = r["full"], r["largest"]
         # construction: this rank's quarter of the model plus the module being built, its flattened
-        # copy and that copy's shard (measured: 8.2 MiB of a 24.4 MiB model, largest module 1.0 MiB)
-        assert r["build"] <= full / world + 3 * largest, r
+        # copy and that copy's shard (measured: 8.1 MiB of a 24.4 MiB model, largest module 1.0 MiB;
+        # one module of slack for a collective's buffer that gloo frees late)
+        assert r["build"] <= full / world + 4 * largest, r
         # building and partitioning never hold the whole model on top of what stays: the peak minus
         # the bytes resident after initialize (this rank's parameter and gradient shards) is at most a
-        # few modules (measured 3.5 MiB). The eagerly built control does hold it (13.4 MiB: the whole
+        # few modules (measured 2.5 MiB; 3.5 before Note [re-partitioning zero.Init in place]). The eagerly built control does hold it (13.4 MiB: the whole
         # model before partitioning).
         assert max(r["build"], r["initialize"]) - r["after_initialize"] <= 4 * largest, r
         assert max(e["build"], e["initialize"]) - e["after_initialize"] >= full / 2, e
-        # training: nothing left over from zero.Init (its owners and gathered buffers are gone), the
-        # steady step holds what the eagerly built model's step holds, up to late-freed communication
-        # buffers (one to two bucket-sized ~1 MiB allocations on random ranks, in either run). A
-        # leftover Init owner -- this rank's quarter of the model, 6.1 MiB -- would exceed this bound.
-        assert abs(r["steady_start"] - e["steady_start"]) <= 3 * largest, (r, e)
-        assert abs(r["steady"] - e["steady"]) <= 3 * largest, (r, e)
+        # training: nothing left over from zero.Init (its owners and gathered buffers are gone): after
+        # three steps every live tensor storage (the garbage collector's census) adds up to the eagerly
+        # built model's, to the byte. (Not the allocator's record of the step: frees that gloo's worker
+        # threads make show up in it late or not at all, on random ranks.)
+        assert r["live_after_training"] == e["live_after_training"], (r, e)
