@@ -12,7 +12,7 @@ from zerospeed import comm
 from zerospeed.compression.compress import init_compression
 from zerospeed.compression.scheduler import scheduler_for
 from zerospeed.testing import reference_train, run_distributed, split_global_batch
-from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus
+from zerospeed.testing.data import text_batches
 from zerospeed.testing.models import GPT, GPTConfig
 
 MICRO, SEQ, STEPS, LR = 2, 8, 6, 3e-3
@@ -38,10 +38,7 @@ def compressed_gpt() -> GPT:
 
 def batches(world: int):
     n = world * MICRO
-    ds = ByteSequenceDataset(stdlib_corpus(max_bytes=STEPS * n * SEQ + 1), SEQ)
-    xs = torch.stack([ds[i][0] for i in range(len(ds))])
-    ys = torch.stack([ds[i][1] for i in range(len(ds))])
-    return [(xs[s * n:(s + 1) * n], ys[s * n:(s + 1) * n]) for s in range(STEPS)]
+    return text_batches(STEPS, n, SEQ)
 
 
 def train(stage: int) -> dict:

@@ -10,7 +10,7 @@ import zerospeed
 from zerospeed import comm
 from zerospeed.optim import build_lr_scheduler
 from zerospeed.testing import reference_train, run_distributed, split_global_batch
-from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus
+from zerospeed.testing.data import text_batches
 from zerospeed.testing.models import GPT, GPTConfig
 
 WORLD, MICRO, GAS, STEPS, SEQ = 2, 4, 2, 20, 16
@@ -30,11 +30,7 @@ def parity_config(**over):
 
 def global_batches(steps=STEPS):
     # real text (the stdlib's own source): a loss that can fall, unlike uniform random tokens
-    ds = ByteSequenceDataset(stdlib_corpus(max_bytes=steps * WORLD * MICRO * GAS * SEQ + 1), SEQ)
-    xs = torch.stack([ds[i][0] for i in range(len(ds))])
-    ys = torch.stack([ds[i][1] for i in range(len(ds))])
-    n = WORLD * MICRO * GAS
-    return [(xs[s * n:(s + 1) * n], ys[s * n:(s + 1) * n]) for s in range(steps)]
+    return text_batches(steps, WORLD * MICRO * GAS, SEQ)
 
 
 def train_ranks(config, steps=STEPS, inject_overflow_at=()):

@@ -21,7 +21,7 @@ from zerospeed.config.errors import ConfigError
 from zerospeed.parallel.pipeline.gpt_layers import gpt_layer_specs, lm_loss
 from zerospeed.pipe import PipelineModule
 from zerospeed.testing import run_distributed, split_global_batch
-from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus
+from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus, text_batches
 from zerospeed.testing.models import GPT, GPTConfig
 from zerospeed.testing.onebit_reference import (OneBitAdamReference, OneBitLambReference, ZeroOneAdamReference,
                                                 simulate_compressed_allreduce)
@@ -86,10 +86,7 @@ def build_gpt() -> GPT:
 
 def batches(dp: int, steps: int):
     n = dp * GAS * MICRO
-    ds = ByteSequenceDataset(stdlib_corpus(max_bytes=steps * n * SEQ + 1), SEQ)
-    xs = torch.stack([ds[i][0] for i in range(len(ds))])
-    ys = torch.stack([ds[i][1] for i in range(len(ds))])
-    return [(xs[s * n:(s + 1) * n], ys[s * n:(s + 1) * n]) for s in range(steps)]
+    return text_batches(steps, n, SEQ)
 
 
 def onebit_config() -> dict:

@@ -9,7 +9,7 @@ from zerospeed import comm
 from zerospeed.parallel.pipeline.gpt_layers import gpt_layer_specs, lm_loss
 from zerospeed.pipe import PipelineModule
 from zerospeed.testing import reference_train, run_distributed, split_global_batch
-from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus
+from zerospeed.testing.data import text_batches
 from zerospeed.testing.models import GPT, GPTConfig
 
 MICRO, STEPS, SEQ, LR = 2, 5, 8, 3e-3  # 5 steps: the loss already falls by 0.26
@@ -23,10 +23,7 @@ def build_gpt() -> GPT:
 
 def global_batches(dp: int, gas: int, steps: int = STEPS):
     n = dp * gas * MICRO
-    ds = ByteSequenceDataset(stdlib_corpus(max_bytes=steps * n * SEQ + 1), SEQ)
-    xs = torch.stack([ds[i][0] for i in range(len(ds))])
-    ys = torch.stack([ds[i][1] for i in range(len(ds))])
-    return [(xs[s * n:(s + 1) * n], ys[s * n:(s + 1) * n]) for s in range(steps)]
+    return text_batches(steps, n, SEQ)
 
 
 def config(gas: int, stage: int = 0) -> dict:

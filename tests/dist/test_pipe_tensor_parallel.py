@@ -22,7 +22,7 @@ from zerospeed.pipe import PipelineModule
 from zerospeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from zerospeed.testing import reference_train, run_distributed, split_global_batch
 from zerospeed.testing.census import live_tensor_bytes
-from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus
+from zerospeed.testing.data import text_batches
 from zerospeed.testing.models import GPT, GPTConfig
 
 MICRO, GAS, SEQ, LR = 2, 4, 8, 3e-3
@@ -36,10 +36,7 @@ def build_gpt() -> GPT:
 
 def global_batches(dp: int, steps: int):
     n = dp * GAS * MICRO
-    ds = ByteSequenceDataset(stdlib_corpus(max_bytes=steps * n * SEQ + 1), SEQ)
-    xs = torch.stack([ds[i][0] for i in range(len(ds))])
-    ys = torch.stack([ds[i][1] for i in range(len(ds))])
-    return [(xs[s * n:(s + 1) * n], ys[s * n:(s + 1) * n]) for s in range(steps)]
+    return text_batches(steps, n, SEQ)
 
 
 def train(pp: int, tp: int, stage: int, steps: int, deepspeed_topology: bool = False) -> dict:
@@ -161,10 +158,7 @@ GLOBAL = 8  # samples per step, whatever the layout (gradient accumulation = GLO
 
 
 def fixed_batches(steps: int):
-    ds = ByteSequenceDataset(stdlib_corpus(max_bytes=steps * GLOBAL * SEQ + 1), SEQ)
-    xs = torch.stack([ds[i][0] for i in range(len(ds))])
-    ys = torch.stack([ds[i][1] for i in range(len(ds))])
-    return [(xs[s * GLOBAL:(s + 1) * GLOBAL], ys[s * GLOBAL:(s + 1) * GLOBAL]) for s in range(steps)]
+    return text_batches(steps, GLOBAL, SEQ)
 
 
 def checkpoint_leg(pp: int, tp: int, stage: int, path: str, steps: range, save: bool) -> list[float]:

@@ -8,7 +8,7 @@ import zerospeed
 from zerospeed import comm
 from zerospeed.optim import build_lr_scheduler
 from zerospeed.testing import per_world, reference_train, split_global_batch
-from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus
+from zerospeed.testing.data import text_batches
 from zerospeed.testing.models import GPT, GPTConfig
 
 MICRO, GAS, STEPS, SEQ = 2, 2, 20, 16
@@ -45,10 +45,7 @@ def zero_config(stage, **over):
 
 def global_batches(world, steps=STEPS):
     n = world * MICRO * GAS
-    ds = ByteSequenceDataset(stdlib_corpus(max_bytes=steps * n * SEQ + 1), SEQ)
-    xs = torch.stack([ds[i][0] for i in range(len(ds))])
-    ys = torch.stack([ds[i][1] for i in range(len(ds))])
-    return [(xs[s * n:(s + 1) * n], ys[s * n:(s + 1) * n]) for s in range(steps)]
+    return text_batches(steps, n, SEQ)
 
 
 def train_ranks(config, steps=STEPS, inject_overflow_at=()):

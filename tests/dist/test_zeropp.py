@@ -12,7 +12,7 @@ from zerospeed import comm
 from zerospeed.comm import zeropp
 from zerospeed.ops.quantizer import quantize_blocks
 from zerospeed.testing import run_distributed, split_global_batch
-from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus
+from zerospeed.testing.data import text_batches
 from zerospeed.testing.models import GPT, GPTConfig
 
 MICRO, GAS, SEQ = 2, 1, 16
@@ -35,10 +35,7 @@ def config(precision="fp32", **zeropp):
 
 def global_batches(world, steps):
     n = world * MICRO * GAS
-    ds = ByteSequenceDataset(stdlib_corpus(max_bytes=steps * n * SEQ + 1), SEQ)
-    xs = torch.stack([ds[i][0] for i in range(len(ds))])
-    ys = torch.stack([ds[i][1] for i in range(len(ds))])
-    return [(xs[s * n:(s + 1) * n], ys[s * n:(s + 1) * n]) for s in range(steps)]
+    return text_batches(steps, n, SEQ)
 
 
 def train(cfg, steps, count_step=None):

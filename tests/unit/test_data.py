@@ -8,6 +8,7 @@ from zerospeed.testing.data import (
     random_token_dataset,
     stdlib_corpus,
     stdlib_source_files,
+    text_batches,
 )
 
 
@@ -102,3 +103,15 @@ def test_random_token_dataset_length_range_and_determinism():
     assert a.tokens.numel() == 41 and int(a.tokens.max()) < 10
     x, y = a[4]
     assert torch.equal(x[1:], y[:-1])
+
+
+def test_text_batches_are_consecutive_dataset_windows():
+    steps, batch, seq = 3, 4, 8
+    ds = ByteSequenceDataset(stdlib_corpus(max_bytes=steps * batch * seq + 1), seq)
+    got = text_batches(steps, batch, seq)
+    assert len(got) == steps
+    for s, (x, y) in enumerate(got):
+        assert x.shape == y.shape == (batch, seq)
+        for b in range(batch):
+            want_x, want_y = ds[s * batch + b]
+            assert torch.equal(x[b], want_x) and torch.equal(y[b], want_y)

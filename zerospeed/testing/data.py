@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["stdlib_corpus", "stdlib_source_files", "ByteSequenceDataset", "random_token_dataset"]
+__all__ = ["stdlib_corpus", "stdlib_source_files", "ByteSequenceDataset", "random_token_dataset", "text_batches"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,3 +84,16 @@ def random_token_dataset(n: int, seq_len: int, vocab: int = 256, seed: int = 0) 
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (n * seq_len + 1,), generator=gen, dtype=torch.int64)
     return ByteSequenceDataset(tokens, seq_len)
+
+
+def text_batches(steps: int, batch: int, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` consecutive global batches ``(x_BT, y_BT)`` of ``batch`` windows of the stdlib corpus.
+
+    Real text (a loss that can fall, unlike uniform random tokens), read in order: batch ``s`` holds
+    windows ``s*batch .. (s+1)*batch - 1`` of ``ByteSequenceDataset(stdlib_corpus(...), seq_len)``.
+    """
+    ds = ByteSequenceDataset(stdlib_corpus(max_bytes=steps * batch * seq_len + 1), seq_len)
+    windows = ds.tokens[:steps * batch * seq_len + 1]
+    xs = windows[:-1].view(steps, batch, seq_len)
+    ys = windows[1:].view(steps, batch, seq_len)
+    return [(xs[s].clone(), ys[s].clone()) for s in range(steps)]
