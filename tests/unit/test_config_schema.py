@@ -206,7 +206,8 @@ def every_key_config() -> dict:
                               "quantize_groups": 8, "fp16_mixed_quantize": {"enabled": True},
                               "quantize_algo": {"q_type": "asymmetric", "rounding": "stochastic"}},
         "compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True},
-                                                         "different_groups": {"wq1": {"modules": ["attn"]}}},
+                                                         "different_groups": {"wq1": {"modules": ["attn"], "params": {
+                                                             "start_bits": 8, "target_bits": 4}}}},
                                  "layer_reduction": {"enabled": True, "keep_number_layer": 5}},
         "weight_quantization": {"num_bits": 4, "q_type": "asymmetric", "q_groups": 64},
     }
@@ -241,7 +242,8 @@ def test_every_documented_key_round_trips():
     assert cfg.sparse_attention.mode == "bigbird" and cfg.sparse_attention.local_window_blocks == [2, 4]
     assert cfg.data_efficiency.data_sampling.curriculum_learning.curriculum_metrics == {"m": {}}
     assert cfg.quantize_training.quantize_algo.rounding == "stochastic"
-    assert cfg.compression_training.layer_reduction == {"enabled": True, "keep_number_layer": 5}
+    assert cfg.compression_training.layer_reduction.keep_number_layer == 5
+    assert cfg.compression_training.weight_quantization.different_groups["wq1"].params.target_bits == 4
     assert cfg.weight_quantization.q_groups == 64 and cfg.weight_quantization.enabled is True
     assert cfg.compile.passes == ["z3", "autosp"] and cfg.compile.kwargs == {"fullgraph": True}
 
@@ -309,7 +311,8 @@ def test_every_field_has_a_description_naming_the_default():
         seen.add(model)
         assert model.model_config.get("extra") == "forbid", model.__name__
         for name, field in model.model_fields.items():
-            assert field.description and "Default" in field.description, f"{model.__name__}.{name}"
+            says = "Required" if field.is_required() else "Default"
+            assert field.description and says in field.description, f"{model.__name__}.{name}"
             inner = _model_in(field.annotation)
             if inner is not None and issubclass(inner, BaseModel):
                 todo.append(inner)

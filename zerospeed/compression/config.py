@@ -1,241 +1,20 @@
-"""The ``compression_training`` block, typed and strict (DeepSpeed's keys and defaults).
-
-The root schema (``config/schema/techniques.py``) keeps each technique's ``shared_parameters`` and
-``different_groups`` as free-form objects; this module is the level that reads them. Every problem
-is a ``ConfigError`` that names the dotted key, e.g.
-``compression_training.weight_quantization.different_groups.wq1.params.start_bits``.
-"""
+"""``parse_compression_config``: the ``compression_training`` block out of whatever
+``init_compression`` was given (a config dict, a parsed config, a JSON path or string), validated by
+the schema in ``zerospeed/config/schema/compression.py`` that the root config uses too."""
 from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, ValidationError
 
 from zerospeed.config.errors import ConfigError
-from zerospeed.config.schema.base import (ERROR_KIND, Bool, Fraction, IntList, NonNegInt, OptPosInt, PosInt,
-                                          Str, StrList, StrictModel, choice_type, ds_field, ds_section, fail,
-                                          show)
-from zerospeed.config.validation import dotted
-
-ROOT_KEY = "compression_training"
-QuantType = choice_type("symmetric", "asymmetric")
-
-
-def _check_patterns(patterns: list[str]) -> list[str]:
-    for pattern in patterns:
-        if pattern != "*":
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise fail("a regular expression (or \"*\")", pattern, str(exc)) from None
-    return patterns
-
-
-class _Group(StrictModel):
-    """One entry of ``different_groups``: its ``params``, the modules it covers and their partners."""
-
-    modules: StrList = ds_field(["*"], "Module-name patterns (regex searched in the name; \"*\" = all).")
-    related_modules: list[StrList] | None = ds_field(
-        None, "Per ``modules`` entry, patterns of the modules whose input columns follow the pruned rows.")
-
-    @model_validator(mode="after")
-    def _patterns(self) -> "_Group":
-        _check_patterns(self.modules)
-        for patterns in self.related_modules or []:
-            _check_patterns(patterns)
-        return self
-
-
-# -- weight quantization -------------------------------------------------------------------------
-class Fp16MixedQuantize(StrictModel):
-    """``fp16_mixed_quantize``: blend fp16 and quantized weights (DeepSpeed's MoQ option)."""
-
-    enabled: Bool = ds_field(False, "Mix fp16 and quantized weights.")
-    quantize_change_ratio: Fraction = ds_field(0.001, "Ratio change per step.")
-
-
-class WeightQuantShared(StrictModel):
-    """``weight_quantization.shared_parameters``."""
-
-    enabled: Bool = ds_field(False, "Quantize weights.")
-    quantizer_kernel: Bool = ds_field(False, "Use DeepSpeed's CUDA kernel (same math here, in PyTorch).")
-    schedule_offset: NonNegInt = ds_field(0, "Step at which quantization starts.")
-    quantize_groups: PosInt = ds_field(1, "Groups per weight matrix, each with its own scale.")
-    quantize_verbose: Bool = ds_field(False, "Log bit changes.")
-    quantization_type: QuantType = ds_field("symmetric", "Symmetric or asymmetric.")
-    quantize_weight_in_forward: Bool = ds_field(False, "Fake-quantize in forward (always so here).")
-    rounding: choice_type("nearest", "stochastic") = ds_field("nearest", "Rounding mode.")
-    fp16_mixed_quantize: Fp16MixedQuantize = ds_section(Fp16MixedQuantize, "fp16 mixing.")
-
-
-class WeightQuantParams(StrictModel):
-    """``weight_quantization.different_groups.<name>.params``."""
-
-    start_bits: PosInt = Field(description="Bits when quantization starts. Required (DeepSpeed asserts it).")
-    target_bits: PosInt = Field(description="Bits at the end of the schedule. Required.")
-    quantization_period: PosInt = ds_field(1, "Steps before the first one-bit drop; doubles after each.")
-
-    @model_validator(mode="after")
-    def _bits(self) -> "WeightQuantParams":
-        if self.target_bits > self.start_bits:
-            raise fail(f"target_bits <= start_bits ({self.start_bits})", self.target_bits)
-        if self.start_bits > 8:
-            raise fail("start_bits <= 8 (codes are stored as 8-bit integers)", self.start_bits)
-        if self.target_bits < 3:
-            raise fail("target_bits >= 3", self.target_bits,
-                       "binary/ternary (XTC) weights are not implemented yet")
-        return self
-
-
-class WeightQuantGroup(_Group):
-    params: WeightQuantParams = Field(description="The group's bit schedule. Required.")
-
-
-class _Technique(StrictModel):
-    """A technique: ``shared_parameters`` plus named ``different_groups`` (needed once enabled)."""
-
-    @model_validator(mode="after")
-    def _groups_when_enabled(self) -> "_Technique":
-        if self.shared_parameters.enabled and not self.different_groups:
-            raise fail("at least one entry in different_groups (enabled is true)", {},
-                       "name a group with its params and modules")
-        return self
-
-
-class WeightQuantization(_Technique):
-    shared_parameters: WeightQuantShared = ds_section(WeightQuantShared, "Shared settings.")
-    different_groups: dict[str, WeightQuantGroup] = Field(default_factory=dict, description="Groups. Default {}.")
-
-
-# -- activation quantization (parsed; not implemented) -------------------------------------------
-class ActivationQuantShared(StrictModel):
-    enabled: Bool = ds_field(False, "Quantize activations.")
-    quantization_type: QuantType = ds_field("symmetric", "Symmetric or asymmetric.")
-    range_calibration: choice_type("dynamic", "static") = ds_field("dynamic", "Range calibration.")
-    schedule_offset: NonNegInt = ds_field(1000, "Step at which it starts.")
-
-
-class ActivationQuantParams(StrictModel):
-    bits: PosInt = Field(description="Activation bits. Required.")
-
-
-class ActivationQuantGroup(_Group):
-    params: ActivationQuantParams = Field(description="Group parameters. Required.")
-
-
-class ActivationQuantization(_Technique):
-    shared_parameters: ActivationQuantShared = ds_section(ActivationQuantShared, "Shared settings.")
-    different_groups: dict[str, ActivationQuantGroup] = Field(default_factory=dict, description="Default {}.")
-
-
-# -- pruning -------------------------------------------------------------------------------------
-class RatioParams(StrictModel):
-    """``params`` of a pruning group."""
-
-    dense_ratio: Fraction = Field(description="Fraction of weights (rows, heads, channels) kept. Required.")
-
-    @model_validator(mode="after")
-    def _positive(self) -> "RatioParams":
-        if self.dense_ratio <= 0:
-            raise fail("a dense_ratio in (0, 1]", self.dense_ratio)
-        return self
-
-
-class RatioGroup(_Group):
-    params: RatioParams = Field(description="Group parameters. Required.")
-
-
-class SparseShared(StrictModel):
-    """``sparse_pruning.shared_parameters``."""
-
-    enabled: Bool = ds_field(False, "Unstructured pruning.")
-    method: choice_type("l1", "topk", "snip_momentum") = ds_field("l1", "Mask method.")
-    schedule_offset: NonNegInt = ds_field(1000, "Step at which the mask is applied.")
-    schedule_offset_end: NonNegInt | None = ds_field(None, "snip_momentum: last step (null = schedule_offset).")
-    schedule_offset_stride: PosInt = ds_field(1, "snip_momentum: steps between mask updates.")
-    block_pattern: Str = ds_field("4x1", "snip_momentum: block shape.")
-    dense_ratio: Fraction = ds_field(0.1, "snip_momentum: final dense ratio.")
-    excluded_modules: StrList = ds_field([], "snip_momentum: modules left dense.")
-
-
-class SparsePruning(_Technique):
-    shared_parameters: SparseShared = ds_section(SparseShared, "Shared settings.")
-    different_groups: dict[str, RatioGroup] = Field(default_factory=dict, description="Groups. Default {}.")
-
-
-class RowShared(StrictModel):
-    enabled: Bool = ds_field(False, "Prune output rows.")
-    method: choice_type("l1", "topk") = ds_field("l1", "Mask method.")
-    schedule_offset: NonNegInt = ds_field(1000, "Step at which the mask is applied.")
-
-
-class RowPruning(_Technique):
-    shared_parameters: RowShared = ds_section(RowShared, "Shared settings.")
-    different_groups: dict[str, RatioGroup] = Field(default_factory=dict, description="Groups. Default {}.")
-
-
-class HeadShared(StrictModel):
-    enabled: Bool = ds_field(False, "Prune attention heads.")
-    method: choice_type("l1", "topk") = ds_field("topk", "Mask method.")
-    schedule_offset: NonNegInt = ds_field(1000, "Step at which the mask is applied.")
-    num_heads: OptPosInt = ds_field(None, "Heads of the attention output projection.")
-
-
-class HeadPruning(_Technique):
-    shared_parameters: HeadShared = ds_section(HeadShared, "Shared settings.")
-    different_groups: dict[str, RatioGroup] = Field(default_factory=dict, description="Groups. Default {}.")
-
-
-class ChannelShared(StrictModel):
-    enabled: Bool = ds_field(False, "Prune conv channels.")
-    method: choice_type("l1", "topk") = ds_field("l1", "Mask method.")
-    schedule_offset: NonNegInt = ds_field(1000, "Step at which the mask is applied.")
-
-
-class ChannelPruning(_Technique):
-    shared_parameters: ChannelShared = ds_section(ChannelShared, "Shared settings.")
-    different_groups: dict[str, RatioGroup] = Field(default_factory=dict, description="Groups. Default {}.")
-
-
-class LayerReduction(StrictModel):
-    """``layer_reduction``: initialise a shallower student from chosen teacher layers."""
-
-    enabled: Bool = ds_field(False, "Reduce layers.")
-    keep_number_layer: OptPosInt = ds_field(None, "Layers the student keeps.")
-    module_name_prefix: Str = ds_field("", "Name of the layer list, e.g. \"blocks\" or \"transformer.h\".")
-    teacher_layer: IntList = ds_field([], "Teacher layer copied into student layer i, per i.")
-    other_module_name: StrList = ds_field([], "Other modules copied from the teacher (embeddings, head).")
-
-
-class CompressionConfig(StrictModel):
-    """The whole ``compression_training`` block."""
-
-    weight_quantization: WeightQuantization = ds_section(WeightQuantization, "Weight quantization.")
-    activation_quantization: ActivationQuantization = ds_section(ActivationQuantization, "Activations.")
-    sparse_pruning: SparsePruning = ds_section(SparsePruning, "Unstructured pruning.")
-    row_pruning: RowPruning = ds_section(RowPruning, "Row pruning.")
-    head_pruning: HeadPruning = ds_section(HeadPruning, "Head pruning.")
-    channel_pruning: ChannelPruning = ds_section(ChannelPruning, "Channel pruning.")
-    layer_reduction: LayerReduction = ds_section(LayerReduction, "Layer reduction.")
-
-
-TECHNIQUES = ("weight_quantization", "activation_quantization", "sparse_pruning", "row_pruning",
-              "head_pruning", "channel_pruning")
-
-
-def _line(error: dict[str, Any]) -> str:
-    loc = (ROOT_KEY, *error["loc"])
-    kind = error["type"]
-    if kind == ERROR_KIND:
-        return f"{dotted(loc)}: {error['msg']}"
-    if kind == "extra_forbidden":
-        return f"{dotted(loc)}: unknown key (see docs/compression.md for the keys of this section)"
-    if kind == "missing":
-        return f"{dotted(loc)}: required key is missing"
-    return f"{dotted(loc)}: {error['msg'].rstrip('.')}, got {show(error.get('input'))}"
+from zerospeed.config.schema.base import show
+from zerospeed.config.schema.compression import ROOT_KEY, CompressionConfig
+from zerospeed.config.validation import translate
+
+__all__ = ["CompressionConfig", "ROOT_KEY", "parse_compression_config"]
 
 
 def _raw_block(deepspeed_config: Any) -> dict:
@@ -263,6 +42,4 @@ def parse_compression_config(deepspeed_config: Any) -> CompressionConfig:
     try:
         return CompressionConfig.model_validate(_raw_block(deepspeed_config))
     except ValidationError as exc:
-        lines = [_line(e) for e in exc.errors(include_url=False)]
-        raise ConfigError(lines[0] if len(lines) == 1 else
-                          f"{len(lines)} problems in the config:\n" + "\n".join(lines)) from None
+        raise translate(exc, prefix=(ROOT_KEY,)) from None

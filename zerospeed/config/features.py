@@ -37,8 +37,8 @@ def _uses_nvme(cfg: Cfg) -> bool:
 
 
 def _compression_enabled(cfg: Cfg, technique: str) -> bool:
-    section = getattr(cfg.compression_training, technique, None) if cfg.compression_training is not None else None
-    return section is not None and bool(section.shared_parameters.get("enabled", False))
+    block = cfg.compression_training
+    return block is not None and getattr(block, technique).shared_parameters.enabled
 
 
 def _switch(key: str, feature: str) -> Row:

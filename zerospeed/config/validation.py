@@ -39,7 +39,7 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
     origin = typing.get_origin(annotation)
     if origin is typing.Annotated:
         return _model_in(typing.get_args(annotation)[0])
-    if origin in (typing.Union, types.UnionType, list):
+    if origin in (typing.Union, types.UnionType, list, dict):
         for arg in typing.get_args(annotation):
             found = _model_in(arg)
             if found:
@@ -50,13 +50,24 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
 def model_at(loc: tuple[Any, ...], root: type[BaseModel] = ZeroSpeedConfig) -> type[BaseModel] | None:
     """The model class that validates the object at ``loc`` (list indices are skipped)."""
     model: type[BaseModel] | None = root
+    key_next = False  # the part after a ``dict[str, X]`` field is a user-chosen key: skip it
     for part in loc:
-        if isinstance(part, int):
+        if isinstance(part, int) or key_next:
+            key_next = False
             continue
         if model is None or part not in model.model_fields:
             return None
-        model = _model_in(model.model_fields[part].annotation)
+        annotation = model.model_fields[part].annotation
+        key_next = _is_mapping(annotation)
+        model = _model_in(annotation)
     return model
+
+
+def _is_mapping(annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_mapping(arg) for arg in typing.get_args(annotation))
+    return origin is dict
 
 
 def _unknown_key(loc: tuple[Any, ...]) -> str:
@@ -95,9 +106,10 @@ def _line(error: dict[str, Any]) -> str:
     return f"{dotted(loc)}: {_describe(error)}"
 
 
-def translate(exc: ValidationError) -> ConfigError:
-    """A ``ConfigError`` listing every problem of ``exc``, one per line."""
-    lines = [_line(error) for error in exc.errors(include_url=False)]
+def translate(exc: ValidationError, prefix: tuple[str, ...] = ()) -> ConfigError:
+    """A ``ConfigError`` listing every problem of ``exc``, one per line; ``prefix`` is where the
+    validated object sits in the whole config (for a section validated alone)."""
+    lines = [_line({**error, "loc": (*prefix, *error["loc"])}) for error in exc.errors(include_url=False)]
     if len(lines) == 1:
         return ConfigError(lines[0])
     return ConfigError(f"{len(lines)} problems in the config:\n" + "\n".join(lines))

@@ -29,8 +29,9 @@ from zerospeed.config.schema.parallel import (
 from zerospeed.config.schema.precision import (
     AmpConfig, Bf16Config, DataTypesConfig, Fp16Config, TorchAutocastConfig,
 )
+from zerospeed.config.schema.compression import CompressionConfig
 from zerospeed.config.schema.techniques import (
-    CompressionTrainingConfig, CurriculumLegacyConfig, DataEfficiencyConfig, EigenvalueConfig,
+    CurriculumLegacyConfig, DataEfficiencyConfig, EigenvalueConfig,
     ProgressiveLayerDropConfig, QuantizeTrainingConfig, SparseAttentionConfig, WeightQuantizationConfig,
 )
 from zerospeed.config.schema.zero import ZeroConfig
@@ -134,7 +135,7 @@ class _CheckpointAndData(StrictModel):
         ProgressiveLayerDropConfig, "Progressive layer drop.")
     eigenvalue: EigenvalueConfig = ds_section(EigenvalueConfig, "Eigenvalue computation.")
     quantize_training: QuantizeTrainingConfig = ds_section(QuantizeTrainingConfig, "MoQ quantization.")
-    compression_training: CompressionTrainingConfig | None = ds_field(None, "Compression library.")
+    compression_training: CompressionConfig | None = ds_field(None, "Compression library (docs/compression.md).")
     weight_quantization: WeightQuantizationConfig | None = ds_field(None, "Weight quantization.")
 
 

@@ -1,9 +1,10 @@
 """Training techniques: sparse attention, curriculum / data efficiency, progressive layer drop,
-eigenvalue, MoQ (``quantize_training``), the compression library and ``weight_quantization``.
+eigenvalue, MoQ (``quantize_training``) and ``weight_quantization`` (the compression library's
+``compression_training`` has its own module, ``compression.py``).
 
 Blocks whose contents DeepSpeed passes through to a sub-library unchecked (curriculum metrics,
-random-LTD, compression groups) are typed as free-form objects one level down; the level that
-DeepSpeed itself reads is strict.
+random-LTD) are typed as free-form objects one level down; the level that DeepSpeed itself reads
+is strict.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from zerospeed.config.schema.base import (
-    Bool, Dict, Int, IntList, NonNegInt, OptDict, OptInt, OptIntList, OptStr, PosInt, PosNum,
+    Bool, Dict, Int, IntList, NonNegInt, OptInt, OptIntList, OptStr, PosInt, PosNum,
     StrictModel, Str, choice_type, ds_field, ds_section, float_type,
 )
 
@@ -145,25 +146,6 @@ class QuantizeTrainingConfig(StrictModel):
     quantizer_kernel: Bool = ds_field(False, "Use the CUDA quantizer kernel.")
     quantize_algo: QuantizeAlgoConfig = ds_section(QuantizeAlgoConfig, "Algorithm.")
     eigenvalue: EigenvalueConfig = ds_section(EigenvalueConfig, "Eigenvalue-based MoQ.")
-
-
-class CompressionTechniqueConfig(StrictModel):
-    """One technique of ``compression_training`` (quantization or pruning)."""
-
-    shared_parameters: Dict = Field(default_factory=dict, description="Settings shared by all groups. Default {}.")
-    different_groups: Dict = Field(default_factory=dict, description="Named module groups. Default {}.")
-
-
-class CompressionTrainingConfig(StrictModel):
-    """``compression_training``: the DeepSpeed compression library."""
-
-    weight_quantization: CompressionTechniqueConfig | None = ds_field(None, "Weight quantization.")
-    activation_quantization: CompressionTechniqueConfig | None = ds_field(None, "Activation quantization.")
-    sparse_pruning: CompressionTechniqueConfig | None = ds_field(None, "Sparse pruning.")
-    row_pruning: CompressionTechniqueConfig | None = ds_field(None, "Row pruning.")
-    head_pruning: CompressionTechniqueConfig | None = ds_field(None, "Head pruning.")
-    channel_pruning: CompressionTechniqueConfig | None = ds_field(None, "Channel pruning.")
-    layer_reduction: OptDict = ds_field(None, "Layer reduction (enabled plus its parameters).")
 
 
 class WeightQuantizationConfig(StrictModel):
