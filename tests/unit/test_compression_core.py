@@ -135,9 +135,9 @@ def test_config_defaults_are_deepspeeds():
 
 
 def test_unbuilt_technique_is_refused():
-    block = {"head_pruning": {"shared_parameters": {"enabled": True, "num_heads": 2},
-                              "different_groups": {"g": {"params": {"dense_ratio": 0.5}}}}}
-    with pytest.raises(ConfigError, match=r"head_pruning\.shared_parameters\.enabled"):
+    block = {"sparse_pruning": {"shared_parameters": {"enabled": True, "method": "snip_momentum"},
+                                "different_groups": {"g": {"params": {"dense_ratio": 0.5}}}}}
+    with pytest.raises(ConfigError, match=r"sparse_pruning\.shared_parameters\.method: \"snip_momentum\""):
         init_compression(TinyMLP(), {"compression_training": block})
 
 

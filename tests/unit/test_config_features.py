@@ -67,10 +67,6 @@ TRIGGERS: dict[str, tuple[dict, str]] = {
     "graph_harvesting": ({"graph_harvesting": True}, "graph_harvesting=true"),
     "managed_gradient_accumulation": ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation=false"),
     "disable_python_gc": ({"disable_python_gc": True}, "disable_python_gc=true"),
-    **{f"compression_training.{name}": ({"compression_training": {name: {"shared_parameters": {"enabled": True}, "different_groups": {
-        "g": {"params": {"bits": 8} if name == "activation_quantization" else {"dense_ratio": 0.5}}}}}},
-                                        f"compression_training.{name}={{...}}: compression {name.replace('_', ' ')}")
-       for name in ("activation_quantization", "head_pruning", "channel_pruning")},
     "weight_quantization": ({"weight_quantization": {}}, "weight_quantization={...}"),
     "curriculum_learning.enabled": ({"curriculum_learning": {"enabled": True}}, "curriculum_learning.enabled=true"),
     "data_efficiency.enabled": ({"data_efficiency": {"enabled": True}}, "data_efficiency.enabled=true"),

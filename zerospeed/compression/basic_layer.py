@@ -1,7 +1,8 @@
-"""``LinearLayer_Compress`` (DeepSpeed's name): an ``nn.Linear`` that fake-quantizes and masks its
-weight in forward, as its techniques' schedules say, and ``QuantizedLinear``, the stored form.
+"""``LinearLayer_Compress`` and ``Conv2dLayer_Compress`` (DeepSpeed's names): an ``nn.Linear`` /
+``nn.Conv2d`` that fake-quantizes and masks its weight (and fake-quantizes its input) in forward, as
+its techniques' schedules say, and ``QuantizedLinear``, the stored form.
 
-A compressed layer *shares* the original Linear's ``weight`` and ``bias`` Parameters, so state-dict
+A compressed layer *shares* the original module's ``weight`` and ``bias`` Parameters, so state-dict
 keys, weight tying and optimizer parameter lists stay as they were. Its technique settings are
 explicit fields set by ``init_compression``; ``set_step`` (called by the compression scheduler)
 moves it along its schedules.
@@ -9,13 +10,15 @@ moves it along its schedules.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zerospeed.compression.prune import row_l1_mask, sparse_l1_mask, topk_mask_ste
-from zerospeed.compression.quantize import bits_at_step, ste_quantize
+from zerospeed.compression.prune import (channel_l1_mask, expand_head_mask, head_l1_mask, row_l1_mask,
+                                         sparse_l1_mask, topk_mask_ste)
+from zerospeed.compression.quantize import ActivationRange, bits_at_step, ste_quantize, ste_quantize_activation
 
 
 @dataclass(frozen=True)
@@ -30,38 +33,39 @@ class WeightQuantSpec:
 
 
 @dataclass(frozen=True)
+class ActivationQuantSpec:
+    bits: int
+    symmetric: bool
+    static: bool  # range_calibration "static" (a tracked range) or "dynamic" (per token)
+    offset: int
+
+
+@dataclass(frozen=True)
 class PruneSpec:
     method: str  # "l1" | "topk"
     dense_ratio: float
     offset: int
+    num_heads: int | None = None  # head pruning only
 
 
-class LinearLayer_Compress(nn.Linear):
-    """A Linear with optional weight QAT, sparse pruning and row pruning."""
+class _Compressible:
+    """The schedule and mask machinery shared by the compressed layers.
 
-    def __init__(self, linear: nn.Linear):
-        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.weight_quant: WeightQuantSpec | None = None
-        self.sparse: PruneSpec | None = None
-        self.row: PruneSpec | None = None
+    A layer names its mask kinds in ``MASKS``: kind -> (mask shape, l1 mask function of the layer).
+    """
+
+    MASKS: dict[str, tuple[Callable[[nn.Module], tuple], Callable[[nn.Module, PruneSpec], torch.Tensor]]] = {}
+    training_steps: int
+
+    def _init_compression_state(self) -> None:
+        self.specs: dict[str, PruneSpec] = {}
+        self.act_quant: ActivationQuantSpec | None = None
         self.training_steps = 0
         self._mask_ready: set[str] = set()
 
-    # -- configuration (init_compression) --------------------------------------------------------
-    def enable_weight_quantization(self, spec: WeightQuantSpec) -> None:
-        self.weight_quant = spec
-
-    def enable_sparse_pruning(self, spec: PruneSpec) -> None:
-        self.sparse = spec
-        self._enable_mask("sparse", spec, self.weight.shape)
-
-    def enable_row_pruning(self, spec: PruneSpec) -> None:
-        self.row = spec
-        self._enable_mask("row", spec, (self.out_features, 1))
-
-    def _enable_mask(self, kind: str, spec: PruneSpec, shape) -> None:
+    def enable_pruning(self, kind: str, spec: PruneSpec) -> None:
+        self.specs[kind] = spec
+        shape = self.MASKS[kind][0](self)
         like = dict(device=self.weight.device, dtype=self.weight.dtype)
         if spec.method == "topk":
             scores = torch.empty(shape, **like)
@@ -75,23 +79,70 @@ class LinearLayer_Compress(nn.Linear):
         if spec.offset <= self.training_steps:
             self._refresh_l1(kind)
 
+    def enable_activation_quantization(self, spec: ActivationQuantSpec) -> None:
+        self.act_quant = spec
+        if spec.static:
+            self.activation_range = ActivationRange()
+
     def _refresh_l1(self, kind: str) -> None:
-        spec = getattr(self, kind)
+        spec = self.specs[kind]
         if spec.method != "l1":
             return
-        mask_fn = sparse_l1_mask if kind == "sparse" else row_l1_mask
-        getattr(self, f"{kind}_pruning_mask").copy_(mask_fn(self.weight, spec.dense_ratio))
+        with torch.no_grad():
+            getattr(self, f"{kind}_pruning_mask").copy_(self.MASKS[kind][1](self, spec))
         self._mask_ready.add(kind)
 
-    # -- schedule --------------------------------------------------------------------------------
     def set_step(self, step: int) -> None:
         """Move to global step ``step``; l1 masks are computed the first time pruning is active."""
         self.training_steps = step
-        for kind in ("sparse", "row"):
-            spec = getattr(self, kind)
-            if spec is not None and spec.method == "l1" and step >= spec.offset and kind not in self._mask_ready:
-                with torch.no_grad():
-                    self._refresh_l1(kind)
+        for kind, spec in self.specs.items():
+            if spec.method == "l1" and step >= spec.offset and kind not in self._mask_ready:
+                self._refresh_l1(kind)
+
+    def mask(self, kind: str) -> torch.Tensor | None:
+        """The active mask of ``kind`` (see ``MASKS``), or None while that pruning is off."""
+        spec = self.specs.get(kind)
+        if spec is None or self.training_steps < spec.offset:
+            return None
+        if spec.method == "topk":
+            return topk_mask_ste(getattr(self, f"{kind}_mask_scores"), spec.dense_ratio)
+        return getattr(self, f"{kind}_pruning_mask")
+
+    SAMPLE_WISE = False  # dynamic activation ranges per token (Linear) or per sample (Conv2d)
+
+    def quantized_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` fake-quantized when activation quantization is active, else ``x``."""
+        a = self.act_quant
+        if a is None or self.training_steps < a.offset:
+            return x
+        x_range = self.activation_range(x) if a.static else None
+        return ste_quantize_activation(x, a.bits, a.symmetric, x_range, self.SAMPLE_WISE)
+
+
+class LinearLayer_Compress(_Compressible, nn.Linear):
+    """A Linear with optional weight QAT, activation quantization and sparse / row / head pruning.
+
+    Head pruning applies to an attention *output* projection: its input columns come in
+    ``num_heads`` blocks, one per head.
+    """
+
+    MASKS = {
+        "sparse": (lambda m: tuple(m.weight.shape), lambda m, s: sparse_l1_mask(m.weight, s.dense_ratio)),
+        "row": (lambda m: (m.out_features, 1), lambda m, s: row_l1_mask(m.weight, s.dense_ratio)),
+        "head": (lambda m: (1, m.specs["head"].num_heads),
+                 lambda m, s: head_l1_mask(m.weight, s.num_heads, s.dense_ratio)),
+    }
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.weight_quant: WeightQuantSpec | None = None
+        self._init_compression_state()
+
+    # -- configuration (init_compression) --------------------------------------------------------
+    def enable_weight_quantization(self, spec: WeightQuantSpec) -> None:
+        self.weight_quant = spec
 
     def current_bits(self) -> int | None:
         """Bits of the weight now, or None while weight quantization is off."""
@@ -99,15 +150,6 @@ class LinearLayer_Compress(nn.Linear):
         if q is None or self.training_steps < q.offset:
             return None
         return bits_at_step(self.training_steps - q.offset, q.start_bits, q.target_bits, q.period)
-
-    def mask(self, kind: str) -> torch.Tensor | None:
-        """The active ``"sparse"`` or ``"row"`` mask, or None while that pruning is off."""
-        spec = getattr(self, kind)
-        if spec is None or self.training_steps < spec.offset:
-            return None
-        if spec.method == "topk":
-            return topk_mask_ste(getattr(self, f"{kind}_mask_scores"), spec.dense_ratio)
-        return getattr(self, f"{kind}_pruning_mask")
 
     # -- forward ---------------------------------------------------------------------------------
     def effective_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -123,15 +165,46 @@ class LinearLayer_Compress(nn.Linear):
         if row is not None:
             weight = weight * row
             bias = bias * row.view(-1) if bias is not None else None
+        head = self.mask("head")
+        if head is not None:
+            weight = weight * expand_head_mask(head, self.in_features)
         return weight, bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.effective_weight_and_bias()
-        return F.linear(x, weight, bias)
+        return F.linear(self.quantized_input(x), weight, bias)
 
     def extra_repr(self) -> str:
-        return (f"{super().extra_repr()}, weight_quant={self.weight_quant}, sparse={self.sparse}, "
-                f"row={self.row}, step={self.training_steps}")
+        return (f"{super().extra_repr()}, weight_quant={self.weight_quant}, act_quant={self.act_quant}, "
+                f"pruning={self.specs}, step={self.training_steps}")
+
+
+class Conv2dLayer_Compress(_Compressible, nn.Conv2d):
+    """A Conv2d with optional channel pruning (output channels) and activation quantization."""
+
+    SAMPLE_WISE = True
+    MASKS = {"channel": (lambda m: (m.out_channels, 1, 1, 1),
+                         lambda m, s: channel_l1_mask(m.weight, s.dense_ratio))}
+
+    def __init__(self, conv: nn.Conv2d):
+        super().__init__(conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride,
+                         padding=conv.padding, dilation=conv.dilation, groups=conv.groups,
+                         bias=conv.bias is not None, padding_mode=conv.padding_mode, device="meta")
+        self.weight = conv.weight
+        self.bias = conv.bias
+        self._init_compression_state()
+
+    def effective_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        weight, bias = self.weight, self.bias
+        channel = self.mask("channel")
+        if channel is not None:
+            weight = weight * channel
+            bias = bias * channel.view(-1) if bias is not None else None
+        return weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.effective_weight_and_bias()
+        return self._conv_forward(self.quantized_input(x), weight, bias)
 
 
 def pack_nibbles(codes_OI: torch.Tensor, symmetric: bool) -> torch.Tensor:
@@ -168,6 +241,13 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("weight_scale", scale_O.float().contiguous())
         self.register_buffer("weight_zero", zero_O.float().contiguous() if not symmetric else None)
         self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
+        self.act_quant: ActivationQuantSpec | None = None
+
+    def enable_activation_quantization(self, spec: ActivationQuantSpec) -> None:
+        """Quantize the input too (always on: the stored form of a layer whose schedule reached it)."""
+        self.act_quant = spec
+        if spec.static:
+            self.activation_range = ActivationRange()
 
     @property
     def out_features(self) -> int:
@@ -201,8 +281,11 @@ class QuantizedLinear(nn.Module):
         self.weight_codes = pack_nibbles(kept, self.symmetric) if self.packed else kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.act_quant
+        if a is not None:
+            x = ste_quantize_activation(x, a.bits, a.symmetric, self.activation_range(x) if a.static else None)
         return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.weight_codes.dtype}"
-                f"{', 4-bit packed' if self.packed else ''}")
+                f"{', 4-bit packed' if self.packed else ''}, act_quant={self.act_quant}")

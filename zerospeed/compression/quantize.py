@@ -31,24 +31,30 @@ def _round(v: torch.Tensor, stochastic: bool, generator: torch.Generator | None)
     return torch.floor(v + torch.rand(v.shape, generator=generator, device=v.device, dtype=v.dtype))
 
 
+def _grid(x_GN: torch.Tensor, bits: int, symmetric: bool, lo_G1: torch.Tensor, hi_G1: torch.Tensor,
+          stochastic: bool, generator: torch.Generator | None) -> Codes:
+    """Codes of ``x_GN`` on the grid that spans ``[lo, hi]`` per row (values outside are clamped)."""
+    tiny = torch.finfo(torch.float32).tiny
+    if symmetric:
+        qmax = 2 ** (bits - 1) - 1
+        scale = (torch.maximum(lo_G1.abs(), hi_G1.abs()) / qmax).clamp_min(tiny)
+        zero = torch.zeros_like(scale)
+        codes = _round(x_GN / scale, stochastic, generator).clamp(-qmax, qmax)
+    else:
+        scale = ((hi_G1 - lo_G1) / (2 ** bits - 1)).clamp_min(tiny)
+        zero = torch.round(-lo_G1 / scale)
+        codes = (_round(x_GN / scale, stochastic, generator) + zero).clamp(0, 2 ** bits - 1)
+    return Codes(codes, scale, zero)
+
+
 def quantize_codes(w: torch.Tensor, bits: int, groups: int = 1, symmetric: bool = True,
                    stochastic: bool = False, generator: torch.Generator | None = None) -> Codes:
     """The integer grid of ``w`` (see Note [quantizer formula])."""
     if w.numel() % groups:
         raise ValueError(f"quantize_groups={groups} does not divide the weight's {w.numel()} elements")
     x = w.detach().float().reshape(groups, -1)
-    tiny = torch.finfo(torch.float32).tiny
-    if symmetric:
-        qmax = 2 ** (bits - 1) - 1
-        scale = (x.abs().amax(dim=1, keepdim=True) / qmax).clamp_min(tiny)
-        zero = torch.zeros_like(scale)
-        codes = _round(x / scale, stochastic, generator).clamp(-qmax, qmax)
-    else:
-        lo, hi = x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)
-        scale = ((hi - lo) / (2 ** bits - 1)).clamp_min(tiny)
-        zero = torch.round(-lo / scale)
-        codes = (_round(x / scale, stochastic, generator) + zero).clamp(0, 2 ** bits - 1)
-    return Codes(codes, scale, zero)
+    return _grid(x, bits, symmetric, x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True), stochastic,
+                 generator)
 
 
 def dequantize_codes(c: Codes, shape: torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -87,3 +93,48 @@ def bits_at_step(step: int, start_bits: int, target_bits: int, period: int) -> i
     while drops < start_bits - target_bits and at <= step:
         drops, at = drops + 1, at * 2
     return start_bits - drops
+
+
+def ste_quantize_activation(x: torch.Tensor, bits: int, symmetric: bool = True,
+                            x_range: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            sample_wise: bool = False) -> torch.Tensor:
+    """Fake-quantized activation ``x`` with the identity gradient (straight-through).
+
+    Note [activation ranges]: with ``x_range=None`` (DeepSpeed's ``range_calibration: "dynamic"``)
+    every token, i.e. every vector along the last dimension, gets the grid of its own min and max;
+    with a ``(lo, hi)`` pair (``"static"``) the whole tensor shares that grid and values outside it
+    are clamped. The grid itself is the weights' (Note [quantizer formula]).
+    """
+    flat = x.detach().float().reshape(x.shape[0], -1) if sample_wise else x.detach().float().reshape(-1, x.shape[-1])
+    if x_range is None:
+        lo, hi = flat.amin(dim=1, keepdim=True), flat.amax(dim=1, keepdim=True)
+    else:
+        lo, hi = (t.detach().float().reshape(1, 1) for t in x_range)
+    c = _grid(flat, bits, symmetric, lo, hi, stochastic=False, generator=None)
+    return x + (dequantize_codes(c, x.shape, x.dtype) - x).detach()
+
+
+class ActivationRange(torch.nn.Module):
+    """The static range of DeepSpeed's ``QuantAct``: an exponential moving average of each training
+    batch's min and max (the first batch sets it), frozen in eval mode. A buffer, so checkpoints
+    carry it."""
+
+    def __init__(self, momentum: float = 0.95):
+        super().__init__()
+        self.momentum = momentum
+        self.register_buffer("x_min_max", torch.zeros(2))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.bool))
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor) -> None:
+        now = torch.stack([x.detach().min(), x.detach().max()]).float()
+        if not bool(self.seen):
+            self.x_min_max.copy_(now)
+            self.seen.fill_(True)
+        else:
+            self.x_min_max.mul_(self.momentum).add_(now, alpha=1 - self.momentum)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.training:
+            self.update(x)
+        return self.x_min_max[0], self.x_min_max[1]

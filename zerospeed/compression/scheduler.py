@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from zerospeed.compression.basic_layer import LinearLayer_Compress
+from zerospeed.compression.basic_layer import Conv2dLayer_Compress, LinearLayer_Compress
 
 
 class compression_scheduler:  # noqa: N801 - DeepSpeed's name
-    """Counts optimizer steps and tells each ``LinearLayer_Compress`` of ``model`` the current one."""
+    """Counts optimizer steps and tells each compressed layer of ``model`` the current one."""
 
     def __init__(self, model: nn.Module, compression_config=None):
-        self.layers = [m for m in model.modules() if isinstance(m, LinearLayer_Compress)]
+        self.layers = [m for m in model.modules() if isinstance(m, (LinearLayer_Compress, Conv2dLayer_Compress))]
         self.training_steps = 0
 
     def step(self, step_zero_check: bool = False) -> None:

@@ -36,11 +36,6 @@ def _uses_nvme(cfg: Cfg) -> bool:
     return "nvme" in (_device(zero.offload_optimizer), _device(zero.offload_param))
 
 
-def _compression_enabled(cfg: Cfg, technique: str) -> bool:
-    block = cfg.compression_training
-    return block is not None and getattr(block, technique).shared_parameters.enabled
-
-
 def _switch(key: str, feature: str) -> Row:
     """A boolean switch that must stay false."""
     return Row(key, lambda cfg: _get(cfg, key) is True, feature, "false")
@@ -82,13 +77,7 @@ ROWS: list[Row] = [
     Row("managed_gradient_accumulation", lambda c: not c.managed_gradient_accumulation,
         "caller-managed gradient accumulation", "true"),
     _switch("disable_python_gc", "disabling Python's garbage collector"),
-    # the compression library: quantization-aware training, sparse and row pruning and layer reduction
-    # are built (zerospeed/compression, which validates the block itself); these techniques are not
-    *[Row(f"compression_training.{name}", (lambda n: lambda c: _compression_enabled(c, n))(name), feature,
-          "null, or shared_parameters.enabled false")
-      for name, feature in (("activation_quantization", "compression activation quantization"),
-                            ("head_pruning", "compression head pruning"),
-                            ("channel_pruning", "compression channel pruning"))],
+    # (compression_training: every technique is built, zerospeed/compression; it validates the block)
     _present("weight_quantization", "weight quantization"),
     _switch("curriculum_learning.enabled", "legacy curriculum learning"),
     _switch("data_efficiency.enabled", "the data efficiency library"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from zerospeed.config.schema.base import (Bool, Fraction, IntList, NonNegInt, OptPosInt, PosInt, Str, StrList,
                                           StrictModel, choice_type, ds_field, ds_section, fail)
@@ -105,7 +105,7 @@ class WeightQuantization(_Technique):
     different_groups: dict[str, WeightQuantGroup] = Field(default_factory=dict, description="Groups. Default {}.")
 
 
-# -- activation quantization (parsed; not implemented) -------------------------------------------
+# -- activation quantization ---------------------------------------------------------------------
 class ActivationQuantShared(StrictModel):
     enabled: Bool = ds_field(False, "Quantize activations.")
     quantization_type: QuantType = ds_field("symmetric", "Symmetric or asymmetric.")
@@ -114,7 +114,14 @@ class ActivationQuantShared(StrictModel):
 
 
 class ActivationQuantParams(StrictModel):
-    bits: PosInt = Field(description="Activation bits. Required.")
+    bits: PosInt = Field(description="Activation bits, 4 or 8 (DeepSpeed's two). Required.")
+
+    @field_validator("bits")
+    @classmethod
+    def _bits(cls, bits: int) -> int:
+        if bits not in (4, 8):
+            raise fail("4 or 8 (the activation bit widths DeepSpeed supports)", bits)
+        return bits
 
 
 class ActivationQuantGroup(_Group):
@@ -181,6 +188,13 @@ class HeadShared(StrictModel):
 
 class HeadPruning(_Technique):
     shared_parameters: HeadShared = ds_section(HeadShared, "Shared settings.")
+
+    @model_validator(mode="after")
+    def _num_heads(self) -> "HeadPruning":
+        if self.shared_parameters.enabled and self.shared_parameters.num_heads is None:
+            raise fail("shared_parameters.num_heads (the heads of the pruned projections)", None,
+                       "set it to the model's attention head count")
+        return self
     different_groups: dict[str, RatioGroup] = Field(default_factory=dict, description="Groups. Default {}.")
 
 
