@@ -1,4 +1,5 @@
-"""The compression library under ZeRO: QAT (8 -> 6 bits) + sparse and row pruning on the test GPT, trained at
+"""The compression library under ZeRO: QAT (8 -> 6 bits), activation quantization, sparse, row and (learned,
+topk) head pruning on the test GPT, trained at
 ZeRO stages 0 and 2 on 2 ranks, against the same compressed model trained in one plain PyTorch process
 (torch AdamW, the whole global batch per step): losses within 1e-5, and the compressed forward of the
 final weights within 1e-5."""
@@ -26,7 +27,11 @@ COMPRESSION = {"compression_training": {
                        "different_groups": {"sp": {"params": {"dense_ratio": 0.5}, "modules": [r"mlp\.proj"]}}},
     "row_pruning": {"shared_parameters": {"enabled": True, "method": "l1", "schedule_offset": 0},
                     "different_groups": {"rp": {"params": {"dense_ratio": 0.5}, "modules": [r"mlp\.fc"],
-                                                "related_modules": [[r"mlp\.proj"]]}}}}}
+                                                "related_modules": [[r"mlp\.proj"]]}}},
+    "head_pruning": {"shared_parameters": {"enabled": True, "method": "topk", "schedule_offset": 1, "num_heads": 2},
+                     "different_groups": {"hp": {"params": {"dense_ratio": 0.5}, "modules": [r"attn\.proj"]}}},
+    "activation_quantization": {"shared_parameters": {"enabled": True, "schedule_offset": 3},
+                                "different_groups": {"aq": {"params": {"bits": 8}, "modules": [r"mlp\.fc"]}}}}}
 
 
 def compressed_gpt() -> GPT:

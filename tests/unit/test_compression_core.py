@@ -258,14 +258,26 @@ def test_int8_storage_is_about_4x_smaller():
 
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_int4_nibble_packing_is_lossless(symmetric):
-    from zerospeed.compression.basic_layer import pack_nibbles, unpack_nibbles
+    from zerospeed.compression.basic_layer import pack_codes, unpack_codes
     lo, hi = (-8, 7) if symmetric else (0, 15)
     codes = torch.arange(lo, hi + 1).repeat(3, 1)[:, :15]  # every value, an odd column count
-    packed = pack_nibbles(codes, symmetric)
+    packed = pack_codes(codes, 4, symmetric)
     assert packed.dtype == torch.uint8 and packed.shape == (3, 8)
-    assert torch.equal(unpack_nibbles(packed, 15, symmetric), codes.to(torch.int16))
+    assert torch.equal(unpack_codes(packed, 15, 4, symmetric), codes.to(torch.int16))
     # low nibble first: the first byte holds codes 0 and 1
     assert packed[0, 0].item() == (codes[0, 0] - lo) | ((codes[0, 1] - lo) << 4)
+
+
+@pytest.mark.parametrize("width, values", [(2, [-1, 0, 1]), (1, [-1, 1])])
+def test_ternary_and_binary_packing_is_lossless(width, values):
+    from zerospeed.compression.basic_layer import pack_codes, unpack_codes
+    g = torch.Generator().manual_seed(0)
+    codes = torch.tensor(values)[torch.randint(0, len(values), (4, 13), generator=g)]
+    packed = pack_codes(codes, width, True)
+    assert packed.shape == (4, -(-13 // (8 // width)))
+    assert torch.equal(unpack_codes(packed, 13, width, True), codes.to(torch.int16))
+    first = [(c + 1) // 2 if width == 1 else c + 2 for c in codes[0, :8 // width].tolist()]
+    assert packed[0, 0].item() == sum(v << (i * width) for i, v in enumerate(first))
 
 
 @pytest.mark.parametrize("qtype", ["symmetric", "asymmetric"])
@@ -317,3 +329,46 @@ def test_layer_reduction_initialises_the_student_from_chosen_teacher_layers():
                                                         "keep_number_layer": 3}}}
     with pytest.raises(ConfigError, match="keep_number_layer: 3 != len"):
         student_initialization(student, teacher, bad)
+
+
+# -- XTC: ternary and binary weights -------------------------------------------------------------
+def test_ternary_hand_values():
+    w = torch.tensor([[0.1, -1.0, 0.5, 2.0, -0.2, 0.2]])  # mean|w| = 4/6, threshold 0.7 * 4/6 = 0.4667
+    c = quantize_codes(w, 2)
+    assert c.codes.tolist() == [[0.0, -1.0, 1.0, 1.0, 0.0, 0.0]]
+    assert c.scale.item() == pytest.approx((1.0 + 0.5 + 2.0) / 3)  # mean |w| of the kept
+    torch.testing.assert_close(fake_quantize(w, 2), torch.tensor([[0.0, -7 / 6, 7 / 6, 7 / 6, 0.0, 0.0]]))
+
+
+def test_binary_hand_values_per_group():
+    w = torch.tensor([[1.0, -3.0], [0.0, -0.5]])
+    torch.testing.assert_close(fake_quantize(w, 1, groups=2), torch.tensor([[2.0, -2.0], [0.25, -0.25]]))
+
+
+def test_extreme_bits_must_be_symmetric():
+    with pytest.raises(ConfigError, match=r"weight_quantization: expected shared_parameters\.quantization_type"):
+        parse_compression_config(wq_cfg(start=2, target=2, qtype="asymmetric"))
+
+
+@pytest.mark.parametrize("bits, ratio", [(2, 16), (1, 32)])
+def test_ternary_and_binary_layers_store_2_and_1_bit_codes(bits, ratio):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256, bias=False), nn.ReLU(), nn.Linear(256, 256, bias=False))
+    cfg = wq_cfg(start=bits, target=bits, modules=("0", "2"))
+    before, _ = state_bytes(model)
+    init_compression(model, cfg)
+    x = torch.randn(3, 256)
+    w = model[0].weight.detach().clone()
+    with torch.no_grad():
+        qat = model(x)
+        by_hand = fake_quantize(w, bits)  # one group: the whole matrix shares alpha
+        assert len(torch.unique(model[0].effective_weight_and_bias()[0])) == bits + 1
+        torch.testing.assert_close(model[0].effective_weight_and_bias()[0], by_hand)
+    redundancy_clean(model, cfg)
+    after, _ = state_bytes(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), qat, atol=1e-5, rtol=0)
+    assert model[0].width == bits and model[0].weight_codes.shape == (256, 256 * bits // 8)
+    weights, rows = 2 * 256 * 256, 2 * 256
+    assert before / after == pytest.approx(4 * weights / (weights * bits / 8 + 4 * rows), rel=0.02)
+    assert before / after > ratio * 0.8

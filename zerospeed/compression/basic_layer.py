@@ -207,36 +207,56 @@ class Conv2dLayer_Compress(_Compressible, nn.Conv2d):
         return self._conv_forward(self.quantized_input(x), weight, bias)
 
 
-def pack_nibbles(codes_OI: torch.Tensor, symmetric: bool) -> torch.Tensor:
-    """4-bit codes two per byte along the input dimension (an odd last column is padded): symmetric codes
-    in [-8, 7] are stored offset by 8, asymmetric ones in [0, 15] as they are; low nibble first."""
-    u = (codes_OI.to(torch.int16) + (8 if symmetric else 0)).to(torch.uint8)
-    if u.shape[1] % 2:
-        u = torch.cat([u, u.new_zeros(u.shape[0], 1)], dim=1)
-    return (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
+def storage_width(bits: int) -> int:
+    """Bits each stored code takes: 1 (binary), 2 (ternary), 4 (3-4 bits, two per byte) or 8."""
+    return 1 if bits == 1 else 2 if bits == 2 else 4 if bits <= 4 else 8
 
 
-def unpack_nibbles(packed: torch.Tensor, in_features: int, symmetric: bool) -> torch.Tensor:
-    """The int16 codes `pack_nibbles` packed."""
-    u = torch.stack([packed & 0x0F, packed >> 4], dim=2).reshape(packed.shape[0], -1)[:, :in_features]
-    return u.to(torch.int16) - (8 if symmetric else 0)
+def pack_codes(codes_OI: torch.Tensor, width: int, symmetric: bool) -> torch.Tensor:
+    """Codes of ``width`` bits (1, 2 or 4), ``8 // width`` per byte along the input dimension (the last
+    byte of a row padded), lowest bits first. Symmetric codes are stored offset by ``2**(width-1)``
+    (4 bits: [-8, 7]; 2 bits: the ternary [-1, 1]); binary codes -1 / +1 as 0 / 1; asymmetric ones
+    (4 bits only) as they are."""
+    c = codes_OI.to(torch.int16)
+    if symmetric:
+        c = (c + 1) // 2 if width == 1 else c + (1 << (width - 1))
+    per = 8 // width
+    pad = (-c.shape[1]) % per
+    u = torch.cat([c, c.new_zeros(c.shape[0], pad)], dim=1).to(torch.uint8) if pad else c.to(torch.uint8)
+    u = u.view(u.shape[0], -1, per)
+    out = torch.zeros(u.shape[:2], dtype=torch.uint8, device=u.device)
+    for i in range(per):
+        out |= u[:, :, i] << (i * width)
+    return out.contiguous()
+
+
+def unpack_codes(packed: torch.Tensor, in_features: int, width: int, symmetric: bool) -> torch.Tensor:
+    """The int16 codes ``pack_codes`` packed."""
+    per, lane = 8 // width, (1 << width) - 1
+    u = torch.stack([(packed >> (i * width)) & lane for i in range(per)], dim=2)
+    c = u.reshape(packed.shape[0], -1)[:, :in_features].to(torch.int16)
+    if symmetric:
+        c = 2 * c - 1 if width == 1 else c - (1 << (width - 1))
+    return c
 
 
 class QuantizedLinear(nn.Module):
     """A Linear stored as integer codes with a per-row scale and zero point (``redundancy_clean``).
 
-    Codes are int8 (symmetric) or uint8 (asymmetric); with `bits` <= 4 they are packed two per byte
-    (`weight_codes` is then [out, ceil(in / 2)] uint8). Forward dequantizes and runs a float matmul
-    (no integer kernels yet). Per-row scales let rows and columns be removed without requantizing.
+    Codes are int8 (symmetric) or uint8 (asymmetric); with `bits` <= 4 they are packed into bytes
+    (``storage_width``: 3-4 bits two per byte, ternary four, binary eight; `weight_codes` is then
+    [out, ceil(in / per byte)] uint8). Forward dequantizes and runs a float matmul. Per-row scales
+    let rows and columns be removed without requantizing.
     """
 
     def __init__(self, codes_OI: torch.Tensor, scale_O: torch.Tensor, zero_O: torch.Tensor,
                  bias: torch.Tensor | None, symmetric: bool, bits: int = 8):
         super().__init__()
-        self.symmetric, self.packed = symmetric, bits <= 4
+        self.symmetric, self.width = symmetric, storage_width(bits)
+        self.packed = self.width < 8
         self._in = codes_OI.shape[1]
-        codes = pack_nibbles(codes_OI, symmetric) if self.packed else codes_OI.to(torch.int8 if symmetric
-                                                                                  else torch.uint8)
+        codes = pack_codes(codes_OI, self.width, symmetric) if self.packed else codes_OI.to(
+            torch.int8 if symmetric else torch.uint8)
         self.register_buffer("weight_codes", codes)
         self.register_buffer("weight_scale", scale_O.float().contiguous())
         self.register_buffer("weight_zero", zero_O.float().contiguous() if not symmetric else None)
@@ -259,7 +279,8 @@ class QuantizedLinear(nn.Module):
 
     def codes(self) -> torch.Tensor:
         """The integer codes, [out, in] (unpacked when stored two per byte)."""
-        return unpack_nibbles(self.weight_codes, self._in, self.symmetric) if self.packed else self.weight_codes
+        return unpack_codes(self.weight_codes, self._in, self.width, self.symmetric) if self.packed \
+            else self.weight_codes
 
     def dequantized_weight(self) -> torch.Tensor:
         codes = self.codes().float()
@@ -278,7 +299,7 @@ class QuantizedLinear(nn.Module):
     def keep_cols(self, idx: torch.Tensor) -> None:
         kept = self.codes()[:, idx].contiguous()
         self._in = kept.shape[1]
-        self.weight_codes = pack_nibbles(kept, self.symmetric) if self.packed else kept
+        self.weight_codes = pack_codes(kept, self.width, self.symmetric) if self.packed else kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.act_quant
@@ -288,4 +309,4 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.weight_codes.dtype}"
-                f"{', 4-bit packed' if self.packed else ''}, act_quant={self.act_quant}")
+                f"{f', {self.width}-bit packed' if self.packed else ''}, act_quant={self.act_quant}")

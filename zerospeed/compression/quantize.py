@@ -47,12 +47,38 @@ def _grid(x_GN: torch.Tensor, bits: int, symmetric: bool, lo_G1: torch.Tensor, h
     return Codes(codes, scale, zero)
 
 
+def _ternary(x_GN: torch.Tensor) -> Codes:
+    """Note [XTC ternary and binary]: ternary weights (XTC, arXiv 2206.01859, and DeepSpeed's
+    TernaryQuantizer) keep per group the weights with ``|w| > 0.7 * mean|w|`` as ``sign(w) * alpha``,
+    ``alpha`` the mean ``|w|`` of those kept, and set the rest to 0: codes -1 / 0 / +1, scale alpha.
+    Binary weights are ``sign(w) * mean|w|``: codes -1 / +1 (a weight of exactly 0 counts as +1
+    here, so there are always two values and one bit stores them; DeepSpeed's sign() makes it 0)."""
+    thresh = 0.7 * x_GN.abs().mean(dim=1, keepdim=True)
+    keep = x_GN.abs() > thresh
+    alpha = (x_GN.abs() * keep).sum(dim=1, keepdim=True) / keep.sum(dim=1, keepdim=True).clamp_min(1)
+    codes = torch.sign(x_GN) * keep
+    scale = alpha.clamp_min(torch.finfo(torch.float32).tiny)
+    return Codes(codes, scale, torch.zeros_like(scale))
+
+
+def _binary(x_GN: torch.Tensor) -> Codes:
+    """See Note [XTC ternary and binary]."""
+    scale = x_GN.abs().mean(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    codes = torch.where(x_GN >= 0, 1.0, -1.0)
+    return Codes(codes, scale, torch.zeros_like(scale))
+
+
 def quantize_codes(w: torch.Tensor, bits: int, groups: int = 1, symmetric: bool = True,
                    stochastic: bool = False, generator: torch.Generator | None = None) -> Codes:
-    """The integer grid of ``w`` (see Note [quantizer formula])."""
+    """The integer grid of ``w`` (see Note [quantizer formula]; 2 bits: ternary, 1 bit: binary, see
+    Note [XTC ternary and binary])."""
     if w.numel() % groups:
         raise ValueError(f"quantize_groups={groups} does not divide the weight's {w.numel()} elements")
     x = w.detach().float().reshape(groups, -1)
+    if bits <= 2:
+        if not symmetric:
+            raise ValueError(f"{'binary' if bits == 1 else 'ternary'} weights are symmetric only")
+        return _ternary(x) if bits == 2 else _binary(x)
     return _grid(x, bits, symmetric, x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True), stochastic,
                  generator)
 

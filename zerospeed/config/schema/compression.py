@@ -79,9 +79,6 @@ class WeightQuantParams(StrictModel):
             raise fail(f"target_bits <= start_bits ({self.start_bits})", self.target_bits)
         if self.start_bits > 8:
             raise fail("start_bits <= 8 (codes are stored as 8-bit integers)", self.start_bits)
-        if self.target_bits < 3:
-            raise fail("target_bits >= 3", self.target_bits,
-                       "binary/ternary (XTC) weights are not implemented yet")
         return self
 
 
@@ -103,6 +100,15 @@ class _Technique(StrictModel):
 class WeightQuantization(_Technique):
     shared_parameters: WeightQuantShared = ds_section(WeightQuantShared, "Shared settings.")
     different_groups: dict[str, WeightQuantGroup] = Field(default_factory=dict, description="Groups. Default {}.")
+
+    @model_validator(mode="after")
+    def _extreme_bits_are_symmetric(self) -> "WeightQuantization":
+        for name, group in self.different_groups.items():
+            if group.params.target_bits <= 2 and self.shared_parameters.quantization_type != "symmetric":
+                raise fail(f"shared_parameters.quantization_type \"symmetric\" (group {name} goes to "
+                           f"{group.params.target_bits} bits: binary / ternary weights are symmetric)",
+                           self.shared_parameters.quantization_type)
+        return self
 
 
 # -- activation quantization ---------------------------------------------------------------------
