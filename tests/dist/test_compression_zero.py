@@ -1,6 +1,6 @@
 """The compression library under ZeRO: QAT (8 -> 6 bits), activation quantization, sparse, row and (learned,
 topk) head pruning on the test GPT, trained at
-ZeRO stages 0 and 2 on 2 ranks, against the same compressed model trained in one plain PyTorch process
+ZeRO stages 0, 2 and 3 (every parameter partitioned: persistence threshold 0) on 2 ranks, against the same compressed model trained in one plain PyTorch process
 (torch AdamW, the whole global batch per step): losses within 1e-5, and the compressed forward of the
 final weights within 1e-5."""
 from __future__ import annotations
@@ -50,7 +50,7 @@ def train(stage: int) -> dict:
     model = compressed_gpt()
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR,
                                                                                            "weight_decay": 0.0}},
-           "zero_optimization": {"stage": stage}, **COMPRESSION}
+           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, **COMPRESSION}
     engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     world, rank = comm.get_world_size(), comm.get_rank()
     losses = []
@@ -69,7 +69,7 @@ def train(stage: int) -> dict:
 
 
 def all_stages():
-    return [train(stage) for stage in (0, 2)]  # (stage 1 shards like 2, reducing at the boundary only)
+    return [train(stage) for stage in (0, 2, 3)]  # (stage 1 shards like 2, reducing at the boundary only)
 
 
 @pytest.mark.timeout(150)

@@ -85,10 +85,12 @@ class _Compressible:
             self.activation_range = ActivationRange()
 
     def _refresh_l1(self, kind: str) -> None:
+        from zerospeed.zero import GatheredParameters  # (the engine imports this module)
         spec = self.specs[kind]
         if spec.method != "l1":
             return
-        with torch.no_grad():
+        # under ZeRO-3 the weight is a shard outside forward: gather it (a no-op for a plain Parameter)
+        with torch.no_grad(), GatheredParameters([self.weight]):
             getattr(self, f"{kind}_pruning_mask").copy_(self.MASKS[kind][1](self, spec))
         self._mask_ready.add(kind)
 
