@@ -23,8 +23,10 @@ the teacher (DeepSpeed's `compression_training` blocks, built below):
 Each is cleaned (`redundancy_clean`) and written with `save_compressed` (fp32 models with
 safetensors' `save_model`); the table reports the file's bytes, the held-out perplexity and the median
 time of a forward pass over `--infer-batch` windows (`torch.inference_mode`, this process's threads).
-A last row times PyTorch's own dynamic int8 Linear (fbgemm) on the fp32 teacher: the speed real int8
-kernels give on this CPU (zerospeed's `QuantizedLinear` dequantizes and runs a float matmul).
+The ZeroQuant model is timed twice: as stored (`QuantizedLinear` dequantizes and runs a float matmul) and
+with `integer_matmul` (its int8 codes times the int8 activations through `torch._int_mm`). A last row
+times PyTorch's own dynamic int8 Linear (fbgemm) on the fp32 teacher: the speed of PyTorch's other int8
+kernel on this CPU.
 """
 from __future__ import annotations
 
@@ -207,6 +209,11 @@ def main() -> None:
     layerwise_distill(model, teacher, "blocks", [data.sample()[0] for _ in range(8)], args.lkd_steps, lr=1e-4)
     redundancy_clean(model, cfg)
     record("ZeroQuant int8 (PTQ + LKD)", model, True, time.perf_counter() - start)
+    from zerospeed.compression.basic_layer import QuantizedLinear
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            m.integer_matmul = True  # Note [integer matmul]: int8 x int8 -> int32 through torch._int_mm
+    record("ZeroQuant int8, integer matmul", model, True, None)
 
     # 50% sparse attention + 50% row-pruned MLP
     cfg = _config(_groups("sparse_pruning", {"dense_ratio": 0.5}, [r"attn\.(qkv|proj)"], method="l1"),

@@ -310,3 +310,26 @@ def test_input_quantization_survives_redundancy_clean():
     assert isinstance(model.net[2], QuantizedLinear)
     with torch.no_grad():
         torch.testing.assert_close(model(x), before, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("calibration", ["dynamic", "static"])
+def test_integer_matmul_equals_the_float_path(calibration):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 40), nn.ReLU(), nn.Linear(40, 24))
+    block = cfg(technique("weight_quantization", {"start_bits": 8, "target_bits": 8}, [r"^\d$"], quantize_groups=8),
+                technique("activation_quantization", {"bits": 8}, [r"^\d$"], schedule_offset=0,
+                          range_calibration=calibration))
+    init_compression(model, block)
+    model(torch.randn(16, 48))  # (a static range needs a training batch)
+    redundancy_clean(model, block)
+    model.eval()
+    x = torch.randn(2, 9, 48)
+    with torch.no_grad():
+        float_path = model(x)
+        for m in model:
+            if isinstance(m, QuantizedLinear):
+                m.integer_matmul = True
+        assert all(m._w8a8() for m in model if isinstance(m, QuantizedLinear))
+        int_path = model(x)
+    assert int_path.shape == float_path.shape
+    torch.testing.assert_close(int_path, float_path, atol=1e-5, rtol=1e-5)

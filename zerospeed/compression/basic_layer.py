@@ -18,7 +18,8 @@ from torch import nn
 
 from zerospeed.compression.prune import (channel_l1_mask, expand_head_mask, head_l1_mask, row_l1_mask,
                                          sparse_l1_mask, topk_mask_ste)
-from zerospeed.compression.quantize import ActivationRange, bits_at_step, ste_quantize, ste_quantize_activation
+from zerospeed.compression.quantize import (ActivationRange, activation_codes, bits_at_step, ste_quantize,
+                                            ste_quantize_activation)
 
 
 @dataclass(frozen=True)
@@ -249,7 +250,15 @@ class QuantizedLinear(nn.Module):
     (``storage_width``: 3-4 bits two per byte, ternary four, binary eight; `weight_codes` is then
     [out, ceil(in / per byte)] uint8). Forward dequantizes and runs a float matmul. Per-row scales
     let rows and columns be removed without requantizing.
+
+    Note [integer matmul]: with ``integer_matmul = True``, a W8A8 layer (symmetric int8 codes, 8-bit
+    symmetric input quantization) multiplies the int8 codes themselves (``torch._int_mm``, int32
+    accumulation, exact) and scales the result by the token's and the row's scales: the same numbers
+    as the float path up to float rounding. Off by default: on a CPU PyTorch's int8 kernel is slower
+    than an fp32 matmul (benchmarks/compression.py measures both); on a GPU it is the fast one.
     """
+
+    integer_matmul = False
 
     def __init__(self, codes_OI: torch.Tensor, scale_O: torch.Tensor, zero_O: torch.Tensor,
                  bias: torch.Tensor | None, symmetric: bool, bits: int = 8):
@@ -303,10 +312,22 @@ class QuantizedLinear(nn.Module):
         self._in = kept.shape[1]
         self.weight_codes = pack_codes(kept, self.width, self.symmetric) if self.packed else kept
 
+    def _w8a8(self) -> bool:
+        a = self.act_quant
+        return (self.integer_matmul and a is not None and a.bits == 8 and a.symmetric and self.symmetric
+                and not self.packed)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.act_quant
+        x_range = self.activation_range(x) if a is not None and a.static else None
+        if self._w8a8() and not (torch.is_grad_enabled() and x.requires_grad):
+            c = activation_codes(x, 8, True, x_range)
+            acc_TO = torch._int_mm(c.codes.to(torch.int8), self.weight_codes.t())
+            y = (acc_TO.float() * c.scale * self.weight_scale.view(1, -1)).to(x.dtype)
+            y = y if self.bias is None else y + self.bias
+            return y.reshape(*x.shape[:-1], self.out_features)
         if a is not None:
-            x = ste_quantize_activation(x, a.bits, a.symmetric, self.activation_range(x) if a.static else None)
+            x = ste_quantize_activation(x, a.bits, a.symmetric, x_range)
         return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:

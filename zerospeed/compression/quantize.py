@@ -121,22 +121,29 @@ def bits_at_step(step: int, start_bits: int, target_bits: int, period: int) -> i
     return start_bits - drops
 
 
+def activation_codes(x: torch.Tensor, bits: int, symmetric: bool = True,
+                     x_range: tuple[torch.Tensor, torch.Tensor] | None = None, sample_wise: bool = False) -> Codes:
+    """The codes of activation ``x`` as rows ``(tokens or samples, n)`` (Note [activation ranges])."""
+    flat = x.detach().float().reshape(x.shape[0], -1) if sample_wise else x.detach().float().reshape(-1, x.shape[-1])
+    if x_range is None:
+        lo, hi = flat.amin(dim=1, keepdim=True), flat.amax(dim=1, keepdim=True)
+    else:
+        lo, hi = (t.detach().float().reshape(1, 1) for t in x_range)
+    return _grid(flat, bits, symmetric, lo, hi, stochastic=False, generator=None)
+
+
 def ste_quantize_activation(x: torch.Tensor, bits: int, symmetric: bool = True,
                             x_range: tuple[torch.Tensor, torch.Tensor] | None = None,
                             sample_wise: bool = False) -> torch.Tensor:
     """Fake-quantized activation ``x`` with the identity gradient (straight-through).
 
     Note [activation ranges]: with ``x_range=None`` (DeepSpeed's ``range_calibration: "dynamic"``)
-    every token, i.e. every vector along the last dimension, gets the grid of its own min and max;
+    every token, i.e. every vector along the last dimension, gets the grid of its own min and max
+    (every sample, ``x[i]``, with ``sample_wise``: DeepSpeed's grouping for convolutions);
     with a ``(lo, hi)`` pair (``"static"``) the whole tensor shares that grid and values outside it
     are clamped. The grid itself is the weights' (Note [quantizer formula]).
     """
-    flat = x.detach().float().reshape(x.shape[0], -1) if sample_wise else x.detach().float().reshape(-1, x.shape[-1])
-    if x_range is None:
-        lo, hi = flat.amin(dim=1, keepdim=True), flat.amax(dim=1, keepdim=True)
-    else:
-        lo, hi = (t.detach().float().reshape(1, 1) for t in x_range)
-    c = _grid(flat, bits, symmetric, lo, hi, stochastic=False, generator=None)
+    c = activation_codes(x, bits, symmetric, x_range, sample_wise)
     return x + (dequantize_codes(c, x.shape, x.dtype) - x).detach()
 
 
