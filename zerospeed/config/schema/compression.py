@@ -169,9 +169,14 @@ class SparseShared(StrictModel):
     excluded_modules: StrList = ds_field([], "snip_momentum: modules left dense.")
 
 
-class SparsePruning(_Technique):
-    shared_parameters: SparseShared = ds_section(SparseShared, "Shared settings.")
+class _Pruning(_Technique):
+    """A pruning technique: its groups each give a ``dense_ratio``."""
+
     different_groups: dict[str, RatioGroup] = Field(default_factory=dict, description="Groups. Default {}.")
+
+
+class SparsePruning(_Pruning):
+    shared_parameters: SparseShared = ds_section(SparseShared, "Shared settings.")
 
 
 class RowShared(StrictModel):
@@ -180,9 +185,8 @@ class RowShared(StrictModel):
     schedule_offset: NonNegInt = ds_field(1000, "Step at which the mask is applied.")
 
 
-class RowPruning(_Technique):
+class RowPruning(_Pruning):
     shared_parameters: RowShared = ds_section(RowShared, "Shared settings.")
-    different_groups: dict[str, RatioGroup] = Field(default_factory=dict, description="Groups. Default {}.")
 
 
 class HeadShared(StrictModel):
@@ -192,7 +196,7 @@ class HeadShared(StrictModel):
     num_heads: OptPosInt = ds_field(None, "Heads of the attention output projection.")
 
 
-class HeadPruning(_Technique):
+class HeadPruning(_Pruning):
     shared_parameters: HeadShared = ds_section(HeadShared, "Shared settings.")
 
     @model_validator(mode="after")
@@ -201,7 +205,6 @@ class HeadPruning(_Technique):
             raise fail("shared_parameters.num_heads (the heads of the pruned projections)", None,
                        "set it to the model's attention head count")
         return self
-    different_groups: dict[str, RatioGroup] = Field(default_factory=dict, description="Groups. Default {}.")
 
 
 class ChannelShared(StrictModel):
@@ -210,9 +213,8 @@ class ChannelShared(StrictModel):
     schedule_offset: NonNegInt = ds_field(1000, "Step at which the mask is applied.")
 
 
-class ChannelPruning(_Technique):
+class ChannelPruning(_Pruning):
     shared_parameters: ChannelShared = ds_section(ChannelShared, "Shared settings.")
-    different_groups: dict[str, RatioGroup] = Field(default_factory=dict, description="Groups. Default {}.")
 
 
 class LayerReduction(StrictModel):
