@@ -22,7 +22,7 @@ from zerospeed.ops.sparse_attention import (
 from zerospeed.ops.sparse_attention.block_sparse import ScoreBias, flex_block_mask, flex_block_sparse_attention
 
 B, H, L, D, BLOCK = 2, 3, 64, 8, 8
-TOL = {"atol": 1e-6, "rtol": 0}
+TOL = {"atol": 1e-6, "rtol": 1e-6}  # fp32: a few ulps of |value| on top of the absolute bound
 
 
 def dense_reference(q, k, v, layout, block, kp_bias=None, attn_bias=None, extra=None):
@@ -50,7 +50,7 @@ def grads(out, tensors, seed=1):
 
 
 def assert_matches(out, ref, tensors):
-    """fp32 output and gradients within 1e-6 of the reference (the reference's own rounding included)."""
+    """fp32 output and gradients within 1e-6 (+ 1e-6 relative) of the reference (the reference's own rounding included)."""
     torch.testing.assert_close(out, ref, **TOL)
     for got, want in zip(grads(out, tensors), grads(ref, tensors)):
         torch.testing.assert_close(got, want, **TOL)
@@ -130,7 +130,7 @@ def test_causal_mask_inside_blocks_equals_a_tril_attention_mask():
 def test_rpe_per_batch_and_head_and_4d_attention_mask():
     layout = CONFIGS["fixed_per_head"].make_layout(L)
     q, k, v = inputs(seed=6)
-    rpe = torch.randn(B, H, L, L)
+    rpe = torch.randn(B, H, L, L, generator=torch.Generator().manual_seed(16))  # seeded: not the global stream
     attn, attn_bias = _attn_mask("add")
     attn4 = attn.expand(B, 1, L, L)
     out = block_sparse_attention(q, k, v, layout, BLOCK, rpe=rpe, attn_mask=attn4, chunk_elements=300)
