@@ -89,7 +89,8 @@ def _all_configs():
     world = torch.distributed.get_world_size()
     rows = []
     for name, (kw, mb, seq) in SIZES.items():
-        for ckpt in (False, True):
+        # activation checkpointing's terms do not depend on the world size: measured at 2 ranks only
+        for ckpt in (False, True) if world == 2 else (False,):
             for stage in (0, 1, 2, 3):
                 m = _measure(kw, mb, seq, stage, ckpt)
                 rows.append(dict(size=name, stage=stage, ckpt=ckpt, world=world, **m))
@@ -169,16 +170,17 @@ def test_memory_budget_stage3_fits_stage0_does_not(measured):
 # transformers' GPT-2 in bf16: its loss upcasts the logits to fp32 (Workload.loss_upcast); a vocabulary
 # large enough for the head to set the peak, so the upcast's terms are what is checked
 HF_GPT2 = dict(n_layer=2, n_embd=256, n_head=4, vocab_size=8192, n_positions=128)
+HF_STAGES = (0, 3)  # the two ends (bf16 on a CPU is slow); stages 1 and 2 run in fp32 above
 
 
 def _measure_hf_bf16():
-    """Per stage 0-3: the steady step's allocator peak of transformers' GPT-2 trained in bf16."""
+    """Per stage of HF_STAGES: the steady step's allocator peak of transformers' GPT-2 trained in bf16."""
     import transformers
 
     import zerospeed
     from zerospeed.testing.alloc_peak import AllocationTrace
     out = {}
-    for stage in (0, 1, 2, 3):
+    for stage in HF_STAGES:
         gc.collect()  # the previous stage's engine and model: freed before this trace, not inside it
         g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
         with AllocationTrace() as trace:
@@ -209,7 +211,7 @@ def test_bf16_transformers_peak_within_10_percent():
     shape = census_of_config(HF_GPT2).shape
     ranks = run_distributed(_measure_hf_bf16, 2, timeout=280)
     bad = []
-    for stage in (0, 1, 2, 3):
+    for stage in HF_STAGES:
         p = peak_terms(shape, 2, Option(stage), precision_for_peak("bf16", "adamw"),
                        Workload(4, 128, act_bytes=2, mlp_activation="gelu_new", loss_upcast=True),
                        EngineKnobs(overlap_comm=False)).total
