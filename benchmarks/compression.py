@@ -20,6 +20,8 @@ the teacher (DeepSpeed's `compression_training` blocks, built below):
 - XTC ternary: 2-bit (ternary) weights on every block Linear, `--steps` steps of cross-entropy +
   distillation loss from the teacher.
 
+A control row fine-tunes the fp32 teacher the same `--steps` steps without compression: the teacher is
+not trained to convergence, so the extra steps alone lower the perplexity; compare the methods with it.
 Each is cleaned (`redundancy_clean`) and written with `save_compressed` (fp32 models with
 safetensors' `save_model`); the table reports the file's bytes, the held-out perplexity and the median
 time of a forward pass over `--infer-batch` windows (`torch.inference_mode`, this process's threads).
@@ -182,6 +184,12 @@ def main() -> None:
                      _perplexity(model, data), _forward_ms(model, data, args.infer_batch), seconds))
 
     record("fp32", teacher, False, teacher_s)
+    # the control: the fine-tuning alone, no compression (the teacher is not trained to convergence, so
+    # the methods' extra steps help it too)
+    start = time.perf_counter()
+    control = copy.deepcopy(teacher).requires_grad_(True)
+    _train(control, data, args.steps, args.ft_lr)
+    record("fp32 + the same fine-tuning (control)", control, False, time.perf_counter() - start)
     all_blocks = [r"blocks\.\d+\.(attn|mlp)\.(qkv|proj|fc)"]
 
     def compressed_copy(config, steps, distill=False):
