@@ -41,6 +41,16 @@ NO_EFFECT_STATUS = "accepted, no effect"
 # Keys that *request* a missing feature belong in ``features.ROWS`` instead (an error, never
 # silence). Dotted keys; a section's key covers every key under it.
 NO_EFFECT: dict[str, str] = {
+    "compression_training.weight_quantization.shared_parameters.quantizer_kernel":
+        "there is no CUDA quantizer kernel; the PyTorch quantizer computes the same thing",
+    "compression_training.weight_quantization.shared_parameters.quantize_weight_in_forward":
+        "weights are always fake-quantized in forward",
+    "compression_training.weight_quantization.shared_parameters.quantize_verbose": "bit changes are not logged",
+    "compression_training.weight_quantization.shared_parameters.fp16_mixed_quantize.quantize_change_ratio":
+        "fp16 mixed quantization is refused",
+    **{f"compression_training.sparse_pruning.shared_parameters.{name}": "only the refused snip_momentum method reads it"
+       for name in ("schedule_offset_end", "schedule_offset_stride", "block_pattern", "dense_ratio",
+                    "excluded_modules")},
     "zero_force_ds_cpu_optimizer": "there is no DeepSpeed CPU optimizer (a compiled op) to require",
     "log_level": "zerospeed logs through Python's logging module; set levels there",
     "vocabulary_size": "DeepSpeed only warns when it is not a multiple of 8; zerospeed does not check it",
@@ -133,6 +143,11 @@ GATES: dict[str, str] = {
 
 # Keys refused outside features.ROWS (by the code that would use them): key -> (feature, where).
 REFUSED_ELSEWHERE: dict[str, tuple[str, str]] = {
+    "compression_training.weight_quantization.shared_parameters.fp16_mixed_quantize.enabled": (
+        "fp16 mixed quantization", "true is a ConfigError from zerospeed/compression/compress.py"),
+    "compression_training.sparse_pruning.shared_parameters.method": (
+        'the "snip_momentum" method', '"snip_momentum" is a ConfigError from zerospeed/compression/compress.py; '
+        '"l1" and "topk" work'),
     "use_data_before_expert_parallelism": ("the data-major expert layout",
                                            "true is a ConfigError from zerospeed/moe/autoep.py"),
     **{f"expert_parallel.{name}": (what, "a value other than the default is a ConfigError from zerospeed/moe/autoep.py")
@@ -314,6 +329,11 @@ def _annotated_type(key: str, annotation: Any) -> tuple[str, bool]:
     names = {bool: "bool", int: "int", float: "float", str: "str", dict: "object"}
     if inner in names:
         return names[inner], nullable
+    if typing.get_origin(inner) is dict:  # named entries of one model, e.g. compression's different_groups
+        _, value = typing.get_args(inner)
+        if isinstance(value, type) and issubclass(value, BaseModel):
+            keys = ", ".join(name for name, _ in _ordered_fields(value))
+            return f"object of name -> {{{keys}}}", nullable
     raise TypeError(f"{key}: zerospeed/config/reference.py cannot describe the type {annotation!r}; "
                     "teach _annotated_type about it")
 

@@ -12,7 +12,7 @@ import re
 
 from pydantic import Field, field_validator, model_validator
 
-from zerospeed.config.schema.base import (Bool, Fraction, IntList, NonNegInt, OptPosInt, PosInt, Str, StrList,
+from zerospeed.config.schema.base import (Bool, Fraction, IntList, NonNegInt, OptNonNegInt, OptPosInt, PosInt, Str, StrList,
                                           StrictModel, choice_type, ds_field, ds_section, fail)
 
 ROOT_KEY = "compression_training"
@@ -162,7 +162,7 @@ class SparseShared(StrictModel):
     enabled: Bool = ds_field(False, "Unstructured pruning.")
     method: choice_type("l1", "topk", "snip_momentum") = ds_field("l1", "Mask method.")
     schedule_offset: NonNegInt = ds_field(1000, "Step at which the mask is applied.")
-    schedule_offset_end: NonNegInt | None = ds_field(None, "snip_momentum: last step (null = schedule_offset).")
+    schedule_offset_end: OptNonNegInt = ds_field(None, "snip_momentum: last step (null = schedule_offset).")
     schedule_offset_stride: PosInt = ds_field(1, "snip_momentum: steps between mask updates.")
     block_pattern: Str = ds_field("4x1", "snip_momentum: block shape.")
     dense_ratio: Fraction = ds_field(0.1, "snip_momentum: final dense ratio.")
