@@ -31,7 +31,7 @@ def _describe(module: nn.Module) -> dict | None:
     """What ``load_compressed`` needs to rebuild ``module`` before loading its tensors."""
     if isinstance(module, QuantizedLinear):
         return {"kind": "QuantizedLinear", "in": module.in_features, "out": module.out_features,
-                "bits": {1: 1, 2: 2, 4: 4, 8: 8}[module.width], "symmetric": module.symmetric,
+                "bits": module.width, "symmetric": module.symmetric,  # (3 bits are stored as 4)
                 "bias": module.bias is not None, "act": _act(module)}
     if isinstance(module, nn.Linear):
         return {"kind": "Linear", "in": module.in_features, "out": module.out_features,
