@@ -4,6 +4,9 @@
 others are stopped and `DistributedTestError` carries that rank's own traceback into pytest. If the
 job outlives `timeout`, every rank's Python stack is dumped (faulthandler) and shown in the error,
 so a hang says where each rank was stuck.
+
+Ranks start from a fork server that has already imported torch and zerospeed's engine (Note [fork
+server]); `ZEROSPEED_TEST_START_METHOD=spawn` gives every rank a fresh interpreter instead.
 """
 from __future__ import annotations
 
@@ -30,7 +33,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world_size, port, args, kwargs, results, stack_file, timeout, env, backend):
+# Note [fork server]
+# Most of a small multi-process test is starting its ranks: a fresh interpreter spends ~2 s of CPU
+# importing torch and zerospeed, and on 2 cores four ranks do that two at a time. The "forkserver"
+# start method execs one clean server process (it inherits nothing from pytest), which imports the
+# modules in _PRELOAD once; every rank is then a fork of it, with those imports already done. The
+# server has run no torch op and started no thread, so forking it is safe; each rank still makes its
+# own process group, thread pool and accelerator choice after the fork. Two differences from
+# "spawn" are handled here: the server's environment is the one it started with, so each rank
+# replaces its environment with the caller's of the moment (a test's monkeypatched variables reach
+# the ranks); and the preloaded modules are imported once per pytest run, so they must not read the
+# environment at import time (they read it when called).
+_PRELOAD = ["torch", "torch.distributed", "zerospeed", "zerospeed.runtime.engine", "zerospeed.testing"]
+
+
+def _context():
+    method = os.environ.get("ZEROSPEED_TEST_START_METHOD", "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"ZEROSPEED_TEST_START_METHOD={method!r}: use 'forkserver' or 'spawn'")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _child(fn, rank, world_size, port, args, kwargs, results, stack_file, timeout, env, backend, caller_env):
+    os.environ.clear()
+    os.environ.update(caller_env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "ZEROSPEED_ACCELERATOR": "cuda" if backend == "nccl" else "cpu", **env})
@@ -69,14 +98,14 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
             raise ValueError(f"run_distributed(backend='nccl', world_size={world_size}): this machine has "
                              f"{torch.cuda.device_count()} GPU(s) and NCCL needs one per rank; skip the test "
                              "below that many GPUs or use backend='gloo'")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="zs-spawn-") as tmp:
         stack_files = [Path(tmp) / f"rank{r}.stack" for r in range(world_size)]
         procs = [ctx.Process(target=_child, daemon=True,
                              args=(fn, r, world_size, port, args, kwargs, results, str(stack_files[r]),
-                                   timeout, env or {}, backend))
+                                   timeout, env or {}, backend, dict(os.environ)))
                  for r in range(world_size)]
         for p in procs:
             p.start()
