@@ -2,8 +2,9 @@
 
 - The compressed all-reduce of 2 and 4 gloo ranks equals `simulate_compressed_allreduce` (plain floats,
   no packing) over a sequence of calls, errors included, and moves exactly the documented wire bytes.
-- 1-bit Adam through the engine (ZeRO-0, 2 ranks) and a 2-stage x 2-data-parallel pipeline equals
-  `OneBitAdamReference` (W virtual ranks in one process), warm-up and compressed stage, |dloss| <= 1e-5.
+- 1-bit Adam through the engine (ZeRO-0, 1 and 2; 2 ranks) and a 2-stage x 2-data-parallel pipeline
+  equals `OneBitAdamReference` (W virtual ranks in one process), warm-up and compressed stage,
+  |dloss| <= 1e-5; at ZeRO-1/2 the sharded states and the wire bytes of the compressed stage are checked.
 - Convergence on the demo GPT: 300 steps of each 1-bit optimizer end within 2% of uncompressed Adam /
   LAMB (warm-up included), never NaN.
 """
@@ -95,7 +96,7 @@ def onebit_config() -> dict:
             "zero_optimization": {"stage": 0}}
 
 
-def train_engine(cfg: dict) -> dict:
+def train_engine(cfg: dict, after=None) -> dict:
     """STEPS global batches through a ZeRO-0 engine on every rank: rank-mean losses, per-step gateway bytes."""
     model = build_gpt()
     engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -113,7 +114,23 @@ def train_engine(cfg: dict) -> dict:
         comm.all_reduce(t, op="avg")
         losses.append(t.item())
         bytes_per_step.append(comm.STATS.snapshot())
-    return {"losses": losses, "stats": bytes_per_step, "allreduce_flag": engine.enable_backward_allreduce}
+    return {"losses": losses, "stats": bytes_per_step, "allreduce_flag": engine.enable_backward_allreduce,
+            **(after(engine) if after is not None else {})}
+
+
+def sharded_states(engine) -> dict:
+    """What this rank's optimizer holds at ZeRO-1/2: state element counts by key."""
+    counts: dict[str, int] = {}
+    for state in engine.optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                counts[key] = counts.get(key, 0) + value.numel()
+    return {"state_numel": counts, "masters": sum(p.numel() for g in engine.optimizer.param_groups
+                                                  for p in g["params"])}
+
+
+def train_zero(stage: int) -> dict:
+    return train_engine(dict(onebit_config(), zero_optimization={"stage": stage}), after=sharded_states)
 
 
 def train_data_parallel() -> dict:
@@ -121,11 +138,17 @@ def train_data_parallel() -> dict:
 
 
 def train_pipeline() -> dict:
-    module = PipelineModule(gpt_layer_specs(MODEL, build_gpt()), num_stages=2, loss_fn=lm_loss)
-    engine, *_ = zerospeed.initialize(model=module, model_parameters=module.parameters(), config=onebit_config())
-    dp, dp_rank = comm.get_world_size(engine.dp_group), comm.get_rank(engine.dp_group)
-    losses = [engine.train_batch(iter(split_global_batch(b, dp, GAS, dp_rank))).item() for b in batches(dp, STEPS)]
-    return {"losses": losses, "flag": engine.pipeline_enable_backward_allreduce}
+    """The 2-stage pipeline at ZeRO stages 0 and 1 (one spawn)."""
+    out = {}
+    for stage in (0, 1):
+        module = PipelineModule(gpt_layer_specs(MODEL, build_gpt()), num_stages=2, loss_fn=lm_loss)
+        cfg = dict(onebit_config(), zero_optimization={"stage": stage})
+        engine, *_ = zerospeed.initialize(model=module, model_parameters=module.parameters(), config=cfg)
+        dp, dp_rank = comm.get_world_size(engine.dp_group), comm.get_rank(engine.dp_group)
+        losses = [engine.train_batch(iter(split_global_batch(b, dp, GAS, dp_rank))).item()
+                  for b in batches(dp, STEPS)]
+        out[stage] = {"losses": losses, "flag": engine.pipeline_enable_backward_allreduce}
+    return out
 
 
 VARIANTS = {  # the other two optimizers, with every stage inside STEPS: (config params, reference class, its kwargs)
@@ -180,7 +203,8 @@ def reference_variant(name: str, dp: int) -> list[float]:
 def _two_rank_work() -> dict:
     """The 2-rank runs of the parity and refusal tests below, in one spawn (starting processes is the
     slow part on two cores)."""
-    return {"variants": train_variants_dp(), "engine": train_data_parallel(), "refusal": refuse_zero1()}
+    return {"variants": train_variants_dp(), "engine": train_data_parallel(), "zero1": train_zero(1),
+            "zero2": train_zero(2), "refusals": refusals()}
 
 
 @pytest.fixture(scope="module")
@@ -233,27 +257,65 @@ def test_onebit_adam_engine_equals_its_single_process_simulation(two_ranks):
 
 @pytest.mark.timeout(150)
 def test_onebit_adam_in_a_pipeline_equals_its_single_process_simulation():
-    per_rank = run_distributed(train_pipeline, 4, timeout=130)  # 2 stages x 2 data-parallel
+    per_rank = run_distributed(train_pipeline, 4, timeout=130)  # 2 stages x 2 data-parallel, ZeRO 0 and 1
     ref = reference(2)
     for r in per_rank:
-        assert max(abs(a - b) for a, b in zip(r["losses"], ref)) <= 1e-5, (r["losses"], ref)
-        assert r["flag"] is False
-
-
-def refuse_zero1() -> str:
-    model = build_gpt()
-    cfg = dict(onebit_config(), zero_optimization={"stage": 1})
-    try:
-        zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    except ConfigError as err:
-        return str(err)
-    return "no error"
+        for stage, run in r.items():
+            assert max(abs(a - b) for a, b in zip(run["losses"], ref)) <= 1e-5, (stage, run["losses"], ref)
+            assert run["flag"] is False
 
 
 @pytest.mark.timeout(270)
-def test_onebit_with_sharded_optimizer_states_is_a_clear_error(two_ranks):
-    message = two_ranks[0]["refusal"]
-    assert "ZeRO stage 1" in message and "zero_optimization.stage 0" in message
+@pytest.mark.parametrize("stage", [1, 2])
+def test_onebit_adam_at_zero_1_and_2_equals_its_single_process_simulation(two_ranks, stage):
+    """Sharded masters and variance, the whole momentum from the first compressed step on (Note [1-bit
+    Adam under ZeRO-1/2]): the same parameters as the simulation, and the compressed stage moves the
+    1-bit momentum plus the stage's parameter all-gather, no gradient reduction."""
+    per_rank = [rank[f"zero{stage}"] for rank in two_ranks]
+    ref = reference(2)
+    n = sum(p.numel() for p in build_gpt().parameters())
+    for r in per_rank:
+        assert max(abs(a - b) for a, b in zip(r["losses"], ref)) <= 1e-5, (stage, r["losses"], ref)
+        assert r["allreduce_flag"] is False
+        # v is this rank's chunk; exp_avg is a view of the whole momentum's chunk; the masters are half
+        assert r["masters"] <= n / 2 + 64 and r["state_numel"]["exp_avg_sq"] == r["masters"]
+    warm, compressed = per_rank[0]["stats"][0], per_rank[0]["stats"][-1]
+    reductions = 1 if stage == 1 else GAS  # stage 2 reduce-scatters every micro-step
+    assert warm["reduce_scatter"]["wire_bytes"] == pytest.approx(reductions * 0.5 * 4 * n, rel=0.01)  # fp32
+    assert "reduce_scatter" not in compressed
+    gathered = warm["all_gather"]["wire_bytes"]  # the warm-up's only all-gather: the fp32 parameters
+    assert gathered == pytest.approx(0.5 * 4 * n, rel=0.01)
+    one_bit = compressed["all_to_all"]["wire_bytes"] + compressed["all_gather"]["wire_bytes"] - gathered
+    # against an fp32 ring all-reduce of the momentum (2 (W-1)/W 4n), as at stage 0
+    assert 1 / 32 <= one_bit / (2 * gathered) < 1 / 32 * 1.6, (one_bit, gathered)
+    total = sum(v["wire_bytes"] for v in compressed.values())
+    uncompressed = sum(v["wire_bytes"] for v in warm.values())
+    print(f"ZeRO-{stage} 1-bit Adam: compressed-stage / warm-up wire bytes {total / uncompressed:.3f}")
+    assert total / uncompressed < 0.6
+
+
+def refusals() -> dict:
+    out = {}
+    for name, stage in (("ZeroOneAdam", 1), ("OneBitLamb", 2), ("OneBitAdam", 3)):
+        model = build_gpt()
+        params = {"lr": LR, **VARIANTS.get(name, {"freeze_step": FREEZE})}
+        cfg = dict(onebit_config(), optimizer={"type": name, "params": params}, zero_optimization={"stage": stage})
+        try:
+            zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+            out[name] = "no error"
+        except ConfigError as err:
+            out[name] = str(err)
+    return out
+
+
+@pytest.mark.timeout(270)
+def test_onebit_combinations_that_cannot_be_right_are_clear_errors(two_ranks):
+    messages = two_ranks[0]["refusals"]
+    assert "0/1 Adam with zero_optimization.stage 1" in messages["ZeroOneAdam"], messages
+    assert "local steps" in messages["ZeroOneAdam"] and "OneBitAdam" in messages["ZeroOneAdam"]
+    assert "1-bit LAMB with zero_optimization.stage 2" in messages["OneBitLamb"], messages
+    assert "trust ratio" in messages["OneBitLamb"]
+    assert "stage 3" in messages["OneBitAdam"] and "zero_quantized_weights" in messages["OneBitAdam"], messages
 
 
 # -- convergence -----------------------------------------------------------------------------------

@@ -213,6 +213,9 @@ class GradientReducer:
         self.on_unit_ready = on_unit_ready
         self._slot = {id(u.params[s.param]): (u, s) for u in units for s in u.reporting}
         self.reducing = False
+        # Note [local gradients]: no reduction at all, only local accumulation (a 1-bit optimizer's
+        # compressed stage at ZeRO-2, which reduces the momentum itself)
+        self.hold_local = False
         self.reduced = False  # the buffers hold a completed reduction (since the last zero())
         self.holds_grads = False  # a gradient arrived since the last zero()
         self._next = 0
@@ -224,7 +227,7 @@ class GradientReducer:
     # -- backward -------------------------------------------------------------------------------
     def begin(self, sync: bool) -> None:
         """Before each backward; `sync` is true on the micro-step that ends the accumulation window."""
-        self.reducing = sync or self.policy.every_micro_step
+        self.reducing = not self.hold_local and (sync or self.policy.every_micro_step)
         self._next = 0
         for u in self.units:
             u.pending = len(u.reporting)

@@ -12,6 +12,15 @@ reduce-scatter on *every* micro-step: a layout's gradients are staged in a trans
 reduce-scattered, and added to this rank's persistent fp32 gradient chunk — full gradients never
 outlive their bucket. Either way each layout's updated chunk is then all-gathered back into the
 model's parameter buffer. The reduction itself is `zero/reducer.py`.
+
+Note [local gradients]: a step can also come with gradients nobody reduced — a boundary inside
+`no_sync()`, or the compressed stage of 1-bit Adam, which turns the engine's backward all-reduce off
+and exchanges the momentum itself (runtime/fp16/onebit/). Each rank then holds its whole *local*
+gradient in the units' full buffers: stage 1's persistent ones, or at stage 2 full buffers that
+`hold_local_gradients(True)` allocates while the optimizer asks for it (ZeRO-2's gradient saving
+is suspended for that stage: a 1-bit momentum needs every rank's whole gradient). The norm is then
+taken over the full buffers, each rank's copy counting 1/world as stage 0 counts an unreduced one,
+and the step's coefficient scales the whole buffer, which is what the optimizer reads.
 """
 from __future__ import annotations
 
@@ -81,15 +90,37 @@ class ShardedOptimizerBase(ReducingStrategy):
     # -- reduction (the rest is ReducingStrategy's) ----------------------------------------------
     def global_grad_norm(self) -> float:
         """L2 norm of the full reduced gradient: each chunk once (Note [reduction groups]), each parameter
-        by its weight (Note [norm weights])."""
+        by its weight (Note [norm weights]); of unreduced ones by Note [local gradients]."""
+        local = self.local_gradients()
         if self.norm_weights is not None:
-            return weighted_global_norm(self._weighted_parts(full=False), self.norm_group)
+            return weighted_global_norm(self._weighted_parts(full=local), self.norm_group)
+        if local:
+            return weighted_global_norm([(u.accum, 1.0 / u.world_size) for u in self.units], self.norm_group)
         return weighted_global_norm([(u.result, 1.0) for u in self.units], self.norm_group)
+
+    def local_gradients(self) -> bool:
+        """Note [local gradients]: this step's gradients are every rank's own, whole, in `u.accum`."""
+        return (not self.reducer.reduced and bool(self.units)
+                and all(u.accum is not None for u in self.units))
+
+    def local_gradient_units(self) -> list[tuple[torch.Tensor, GradUnit]]:
+        """(master, its unit) pairs: where an optimizer that reduces for itself finds, for each master
+        chunk, the whole layout's local gradient (`unit.accum`) and the chunk's place in it."""
+        return list(zip(self.masters, self.units))
+
+    def hold_local_gradients(self, on: bool) -> None:
+        """Note [local gradients]: from the next backward, accumulate without any reduction."""
+        self.reducer.hold_local = on
 
     # -- step ------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
         """Scale gradients by `coef`, step the optimizer over each sub-group, refresh parameters."""
+        if self.local_gradients():  # Note [local gradients]: the whole buffers (stage 1's chunks are views)
+            if coef != 1.0:
+                for u in self.units:
+                    u.accum.mul_(coef)
+            coef = 1.0
         pairs = [(m, u.result) for m, u in zip(self.masters, self.units)]
         self.stepper.step(optimizer, pairs, coef, self.sub_groups, on_stepped=self._publish)
         self._after_step()
@@ -256,3 +287,13 @@ class Stage2Strategy(ShardedStrategy):
                   else torch.zeros(layout.chunk, dtype=self.grad_dtype, device=self.device))
         return GradUnit(fg.params, layout, rg, result=result, staging_dtype=self.comm_dtype or self.grad_dtype,
                         device=self.device)
+
+    def hold_local_gradients(self, on: bool) -> None:
+        """Note [local gradients]: full local buffers while `on` (freed when off)."""
+        super().hold_local_gradients(on)
+        for u in self.units:
+            if on and u.accum is None:
+                u.accum = torch.zeros(u.layout.padded, dtype=self.grad_dtype, device=self.device)
+                u.result.zero_()
+            elif not on:
+                u.accum = None

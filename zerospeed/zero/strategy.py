@@ -201,7 +201,10 @@ def state_placement(plan, *, params: list[torch.Tensor], grads: list[torch.Tenso
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of the optimizer's tensors: its states, plus any it keeps outside them (a 1-bit optimizer's
+    compression errors and, under ZeRO, its whole momentum: `unsaved_state_bytes`)."""
     if optimizer is None:
         return 0
+    extra = getattr(optimizer, "unsaved_state_bytes", None)
     return sum(v.nbytes for state in optimizer.state.values() for v in state.values()
-               if isinstance(v, torch.Tensor) and v.dim() > 0)
+               if isinstance(v, torch.Tensor) and v.dim() > 0) + (extra() if extra is not None else 0)

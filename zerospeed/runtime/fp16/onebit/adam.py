@@ -8,7 +8,8 @@ is averaged by the 1-bit compressed all-reduce (comm/compressed.py) and replaces
     m = compressed_mean(b1 m + (1 - b1) g_local),   p -= lr (m / D + wd p).
 Every rank ends a step with the same m (the compressed result is identical everywhere) and the same
 p. All tensors are compressed in one set of collectives, each with its own scales and errors, as
-DeepSpeed compresses each alone. See Note [the engine's backward all-reduce] in base.py.
+DeepSpeed compresses each alone. See Note [the engine's backward all-reduce] in base.py; at ZeRO-1/2,
+Note [1-bit Adam under ZeRO-1/2] there.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class OnebitAdam(OneBitOptimizer):
     """DeepSpeed's `OnebitAdam` (config `"type": "OneBitAdam"`), same arguments and defaults."""
 
     name = "1-bit Adam"
+    sharded_refusal = None  # Note [1-bit Adam under ZeRO-1/2]
 
     def __init__(self, params, deepspeed=None, lr: float = 1e-3, freeze_step: int = 100000,
                  bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False,
@@ -43,7 +45,7 @@ class OnebitAdam(OneBitOptimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         self._check_bound()
-        work, compressed = [], []
+        work, compressed, segments = [], [], []
         for group in self.param_groups:
             b1, b2 = group["betas"]
             for p in group["params"]:
@@ -54,6 +56,14 @@ class OnebitAdam(OneBitOptimizer):
                     state.update(step=0, v_updates=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
                 state["step"] += 1
                 m, v = state["exp_avg"], state["exp_avg_sq"]
+                unit = self.shards.get(id(p))
+                if self.adam_freeze_key and unit is not None:  # ZeRO-1/2: the whole local momentum
+                    full = self._full_momentum(p, unit, m)
+                    full.mul_(b1).add_(unit.accum, alpha=1 - b1)
+                    segments.extend(self._segments(p, unit, full))
+                    state["exp_avg"] = self._chunk_of(unit, full)
+                    work.append((p, state, group))
+                    continue
                 if self.adam_freeze_key and group.get("non_freeze"):  # DeepSpeed's per-group opt-out
                     g = g.clone()
                     backend.all_reduce(g, op="avg", group=self.group)
@@ -64,15 +74,19 @@ class OnebitAdam(OneBitOptimizer):
                 else:
                     compressed.append((m, state, group))
                 work.append((p, state, group))
-        for (m, _, group), mean in zip(compressed, self._allreduce_many([(m, s) for m, s, _ in compressed])):
+        pairs = [(m, s) for m, s, _ in compressed] + segments
+        means = self._allreduce_many(pairs)
+        for (m, _, group), mean in zip(compressed, means):
             m.copy_(self._masked(mean, group))
+        for (piece, _), mean in zip(segments, means[len(compressed):]):
+            piece.copy_(mean)
         for p, state, group in work:
             d = denominator(state["exp_avg_sq"], group, state["step"], state["v_updates"], self.eps_inside_sqrt)
             p.add_(decay(state["exp_avg"] / d, p, group), alpha=-group["lr"])
-        if not self.adam_freeze_key and self._first_step() >= self.freeze_step:
+        if not self.adam_freeze_key and self._steps_done() >= self.freeze_step:
             self.adam_freeze_key = True
             self._set_backward_allreduce(False)
         return loss
 
     def _after_load(self) -> None:
-        self.adam_freeze_key = self._first_step() >= self.freeze_step
+        self.adam_freeze_key = self._steps_done() >= self.freeze_step

@@ -16,6 +16,20 @@ growing once v is frozen), so the warm-up is exactly Adam / LAMB, and every form
 stages keeps its shape with that denominator. `"bias_correction": false` (as DeepSpeed's tutorials
 set it) gives DeepSpeed's updates exactly.
 
+Note [1-bit Adam under ZeRO-1/2]: DeepSpeed refuses ZeRO with its 1-bit optimizers; zerospeed runs
+1-bit Adam at stages 1 and 2. The optimizer then steps this rank's flat master chunks. In the warm-up
+the engine reduce-scatters as usual and the moments of a chunk are Adam's. From the first compressed
+step on, every rank also keeps the whole layout's momentum (all-gathered once from the chunks): the
+strategy leaves each rank its whole local gradient (Note [local gradients] in zero/sharded.py), the
+momentum takes it in, each parameter's segment of it is averaged by the 1-bit all-reduce alone (with
+its own errors, exactly as at stage 0), and the chunk's update reads its slice of the result: the
+parameters are the same as stage 0's up to float rounding. What stays sharded is v and the fp32
+masters; the per-step parameter all-gather of stage 1 stays too, so the compressed stage moves about
+half of uncompressed ZeRO-1's bytes rather than 1/32 (docs/comm_compression.md). 0/1 Adam (its
+local steps give every rank its own weights, which one owner per chunk cannot hold) and 1-bit LAMB
+(a trust ratio per whole parameter, which a flat chunk cuts) are refused there, as are offloaded
+optimizers and `exp_avg_mask` / `non_freeze` groups (their keys name model parameters, not chunks).
+
 Other differences from DeepSpeed, on purpose: DeepSpeed's first `step()` only allocates buffers and
 leaves the parameters alone; here the first step is a real step. The compression errors are not saved
 in checkpoints and restart at zero after a load, as DeepSpeed does.
@@ -24,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from zerospeed import comm
 from zerospeed.comm import backend
 from zerospeed.comm.compressed import compressed_allreduce_many, error_buffers
 from zerospeed.config.errors import ConfigError
@@ -36,6 +51,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
     """Base: engine binding, the backward all-reduce switch, and per-tensor compression errors."""
 
     name = "1-bit optimizer"
+    # Note [1-bit Adam under ZeRO-1/2]: why not, for an optimizer that cannot run on flat chunks
+    sharded_refusal: str | None = "it does not run on ZeRO's flat chunks"
 
     def __init__(self, params, defaults: dict, *, deepspeed=None, cuda_aware: bool = False,
                  comm_backend_name: str = "nccl", amsgrad: bool = False):
@@ -47,6 +64,9 @@ class OneBitOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.cuda_aware, self.comm_backend_name = cuda_aware, comm_backend_name
         self.deepspeed = None
+        self.shards: dict = {}  # id(master chunk) -> its zero.reducer.GradUnit (ZeRO-1/2)
+        self._full_m: dict = {}  # id(master chunk) -> the whole layout's momentum (ZeRO-1/2, compressed)
+        self._segment_states: dict = {}  # (id(master chunk), parameter index) -> its compression errors
         self.group = None
         self.size = 1
         self.using_pipeline = False
@@ -58,21 +78,45 @@ class OneBitOptimizer(torch.optim.Optimizer):
         """Steer `engine` (Note [the engine's backward all-reduce]); its data-parallel group is the one
         compressed over."""
         zero = getattr(engine, "zero", None)
-        if zero is not None and not zero.replicated_state:
-            raise ConfigError(f"{self.name} with ZeRO stage {zero.stage}: the compressed stage exchanges each rank's "
-                              "whole momentum, which ZeRO stages 1-3 shard (and their per-step parameter all-gather "
-                              "would cost more than the compression saves); use zero_optimization.stage 0 (DeepSpeed "
-                              "supports 1-bit optimizers without ZeRO only, too), or ZeRO++ at stage 3 "
-                              "(docs/comm_compression.md)")
-        self.deepspeed = engine
         self.group = engine.dp_group
         self.size = backend.get_world_size(self.group)
+        if zero is not None and not zero.replicated_state:
+            self._check_sharded(zero)
+            self.shards = {id(m): u for m, u in zero.local_gradient_units()}
+        self.deepspeed = engine
         self.using_pipeline = hasattr(engine, "pipeline_enable_backward_allreduce")
         self._set_backward_allreduce(not self.compressing())
+
+    def _check_sharded(self, zero) -> None:
+        """Note [1-bit Adam under ZeRO-1/2]: what a sharded engine must be for this optimizer."""
+        where = f"{self.name} with zero_optimization.stage {zero.stage}"
+        if zero.stage >= 3:
+            raise ConfigError(f"{where}: stage 3 gathers every parameter from its shards in each forward, which "
+                              "costs more than the compression saves; use stage 0-2, or ZeRO++'s compressed "
+                              "collectives at stage 3 (zero_quantized_weights / zero_quantized_gradients, "
+                              "docs/comm_compression.md)")
+        if self.sharded_refusal is not None:
+            raise ConfigError(f"{where}: not supported, {self.sharded_refusal}; use zero_optimization.stage 0, "
+                              "or OneBitAdam, which runs at stages 1 and 2")
+        plan = getattr(zero, "plan", None)
+        if plan is not None and plan.optimizer != "none":
+            raise ConfigError(f"{where}: zero_optimization.offload_optimizer is not supported (the compressed stage "
+                              "updates the momentum of the whole model on every rank); remove offload_optimizer")
+        for key in ("exp_avg_mask", "non_freeze"):
+            if any(key in g for g in self.param_groups):
+                raise ConfigError(f"{where}: the param-group key {key!r} names model parameters, which ZeRO "
+                                  "flattens into chunks; use zero_optimization.stage 0 with it")
+        sizes = {u.world_size for _, u in zero.local_gradient_units()}
+        if sizes - {self.size}:
+            raise ConfigError(f"{where}: some parameters reduce over groups other than the data-parallel one "
+                              f"(sizes {sorted(sizes)} vs {self.size}: expert or tensor-parallel groups); use "
+                              "zero_optimization.stage 0")
 
     def _set_backward_allreduce(self, enabled: bool) -> None:
         if self.deepspeed is None:
             return
+        if self.shards:  # Note [local gradients] in zero/sharded.py
+            self.deepspeed.zero.hold_local_gradients(not enabled)
         if self.using_pipeline:
             self.deepspeed.pipeline_enable_backward_allreduce = enabled
         else:
@@ -111,8 +155,36 @@ class OneBitOptimizer(torch.optim.Optimizer):
         mask = group.get("exp_avg_mask")
         return t if mask is None else t.mul_(mask.to(t.device))
 
+    # -- ZeRO-1/2 (Note [1-bit Adam under ZeRO-1/2]) -------------------------------------------
+    def _full_momentum(self, p: torch.Tensor, unit, chunk_m: torch.Tensor) -> torch.Tensor:
+        """The whole layout's momentum of master chunk `p`, all-gathered from the chunks the first time."""
+        full = self._full_m.get(id(p))
+        if full is None:
+            full = torch.empty(unit.layout.padded, dtype=chunk_m.dtype, device=chunk_m.device)
+            comm.all_gather_into_tensor(full, chunk_m.reshape(-1).clone(), group=unit.group)
+            self._full_m[id(p)] = full
+        return full
+
+    def _segments(self, p: torch.Tensor, unit, full: torch.Tensor) -> list[tuple[torch.Tensor, dict]]:
+        """Each parameter's piece of a whole momentum, with the state holding its compression errors."""
+        return [(full[s.offset:s.offset + s.numel], self._segment_states.setdefault((id(p), s.param), {}))
+                for s in unit.layout.segments]
+
+    def unsaved_state_bytes(self) -> int:
+        """Bytes held outside `self.state`: whole momenta (ZeRO-1/2) and per-segment errors. (The
+        chunk's `exp_avg` is a view of its whole momentum: counted once, here.)"""
+        full = sum(t.nbytes for t in self._full_m.values())
+        views = sum(s["exp_avg"].nbytes for p, s in self.state.items() if id(p) in self._full_m)
+        errors = sum(t.nbytes for s in self._segment_states.values() for t in s.values())
+        return full - views + errors
+
+    @staticmethod
+    def _chunk_of(unit, full: torch.Tensor) -> torch.Tensor:
+        lo, hi = unit.layout.chunk_range(unit.rank)
+        return full[lo:hi]
+
     def reset_errors(self) -> None:
-        for state in self.state.values():
+        for state in list(self.state.values()) + list(self._segment_states.values()):
             for key in _ERROR_KEYS:
                 if key in state:
                     state[key].zero_()
@@ -131,6 +203,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
             else:
                 saved.pop("exp_avg_mask", None)
         super().load_state_dict(state_dict)
+        self._full_m.clear()  # rebuilt from the loaded chunks; the errors restart at zero
+        self._segment_states.clear()
         self._after_load()
         self._set_backward_allreduce(not self.compressing())
 
@@ -140,6 +214,11 @@ class OneBitOptimizer(torch.optim.Optimizer):
     def _first_step(self) -> int:
         first = self.param_groups[0]["params"][0]
         return int(self.state[first].get("step", 0)) if first in self.state else 0
+
+    def _steps_done(self) -> int:
+        """Steps every stepped parameter has taken (the engine may step a sharded model in sub-groups,
+        one optimizer.step() each: the stage switches only once the whole step is done)."""
+        return min((int(s["step"]) for s in self.state.values() if "step" in s), default=0)
 
 
 def denominator(v: torch.Tensor, group: dict, step: int, v_updates: int, eps_inside_sqrt: bool = False) -> torch.Tensor:

@@ -26,6 +26,9 @@ class OnebitLamb(OneBitOptimizer):
     """DeepSpeed's `OnebitLamb` (config `"type": "OneBitLamb"`), same arguments and defaults."""
 
     name = "1-bit LAMB"
+    # Note [1-bit Adam under ZeRO-1/2]
+    sharded_refusal = ("its trust ratio is a norm of each whole parameter, which ZeRO's flat chunks cut "
+                       "apart")
 
     def __init__(self, params, deepspeed=None, lr: float = 1e-3, freeze_step: int = 100000,
                  bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False,

@@ -24,6 +24,9 @@ class ZeroOneAdam(OneBitOptimizer):
     """DeepSpeed's `ZeroOneAdam` (config `"type": "ZeroOneAdam"`), same arguments and defaults."""
 
     name = "0/1 Adam"
+    # Note [1-bit Adam under ZeRO-1/2]
+    sharded_refusal = ("its local steps give every rank weights of its own, and ZeRO keeps one owner per "
+                       "weight chunk")
 
     def __init__(self, params, deepspeed=None, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
                  eps: float = 1e-8, eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
