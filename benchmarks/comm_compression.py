@@ -6,7 +6,8 @@ each compression, side by side with PyTorch DDP, in one invocation.
 Model: the demo GPT (`zerospeed.testing.models.GPT`, fp32), the same micro-batch per rank and step for
 every variant. The 1-bit optimizers are measured in their compressed stage (freeze / var_freeze step =
 `--warmup`: the measured steps come after it); 0/1 Adam twice, synchronising every step and with local
-steps (every 4th step synchronises). ZeRO++ variants (stage 3, and each of qwZ / qgZ / hpZ) run with
+steps (every 4th step synchronises); 1-bit Adam also at ZeRO-1 and ZeRO-2, where the compressed stage
+still all-gathers the updated parameters every step. ZeRO++ variants (stage 3, and each of qwZ / qgZ / hpZ) run with
 `--zeropp` when the stage-3 switches are available.
 
 - step s: the median over the measured steps of the slowest rank's forward + backward + step time.
@@ -37,6 +38,10 @@ VARIANTS = {  # name: (optimizer type, params, zero stage, uncompressed counterp
                                       "Adam (ZeRO-0)"),
     "ZeroOneAdam (local steps, sync 1 in 4)": ("ZeroOneAdam", {"var_freeze_step": None, "local_step_clipper": 4,
                                                                "local_step_scaler": 1}, 0, "Adam (ZeRO-0)"),
+    "Adam (ZeRO-1)": ("Adam", {}, 1, None),
+    "OneBitAdam (ZeRO-1)": ("OneBitAdam", {"freeze_step": None}, 1, "Adam (ZeRO-1)"),
+    "Adam (ZeRO-2)": ("Adam", {}, 2, None),
+    "OneBitAdam (ZeRO-2)": ("OneBitAdam", {"freeze_step": None}, 2, "Adam (ZeRO-2)"),
     "Lamb (ZeRO-0)": ("Lamb", {}, 0, None),
     "OneBitLamb": ("OneBitLamb", {"freeze_step": None}, 0, "Lamb (ZeRO-0)"),
 }
