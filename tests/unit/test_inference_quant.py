@@ -71,8 +71,8 @@ def test_quantization_settings_errors_name_the_key():
     with pytest.raises(ConfigError, match="quant.weight: .*num_bits = 3"):
         zerospeed.init_inference(_llama(), dtype=torch.float32, quant={"weight": {"quantized_initialization": {
             "num_bits": 3, "group_size": 64}}})
-    with pytest.raises(ConfigError, match="quant.weight with tensor_parallel.tp_size > 1"):
-        zerospeed.init_inference(_llama(), tensor_parallel={"tp_size": 2}, quant={"weight": {
+    with pytest.raises(ConfigError, match="quant.weight with zero.stage 3"):
+        zerospeed.init_inference(_llama(), zero={"stage": 3}, quant={"weight": {
             "quantized_initialization": {"num_bits": 8}}})
 
 

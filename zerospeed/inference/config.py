@@ -206,9 +206,9 @@ class DeepSpeedInferenceConfig(StrictModel):
                             "checkpoint is not implemented; consolidate it first (zerospeed.checkpoint)")
         if self.replace_with_kernel_inject and self.injection_policy:
             problems.append("replace_with_kernel_inject and injection_policy: give one (DeepSpeed refuses both too)")
-        if self.weight_quantization() and (self.tensor_parallel.tp_size > 1 or self.zero.stage == 3):
-            problems.append("quant.weight with tensor_parallel.tp_size > 1 or zero.stage 3: weight-only quantization "
-                            "of sharded models is not implemented; use it at tp_size 1 without ZeRO")
+        if self.weight_quantization() and self.zero.stage == 3:
+            problems.append("quant.weight with zero.stage 3: weight-only quantization of ZeRO-Inference's sharded "
+                            "parameters is not implemented; use it without ZeRO (at any tensor_parallel.tp_size)")
         if self.zero.stage not in (0, 3):
             problems.append(f"zero.stage: {self.zero.stage}: ZeRO-Inference is stage 3 (with offload_param); "
                             "use 3 or leave zero out")

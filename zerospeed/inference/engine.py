@@ -3,7 +3,7 @@
 It sequences, once, at construction: refuse what is not implemented (naming the key) -> load the
 checkpoint into the whole model and shard it over the tp group with AutoTP (full logits, one seed:
 tp.py) — or, for a model built on the meta device, shard first and read only this rank's slices
-(shard_load.py) -> quantize linear weights to int8 / int4 (weight-only, tp 1: quantize/) -> convert
+(shard_load.py) -> quantize linear weights to int8 / int4 (weight-only, each rank its own slice: quantize/) -> convert
 to `dtype` -> move to the device (unless `keep_module_on_host`), or hand the model to a ZeRO stage-3
 engine (ZeRO-Inference: zero.py). After that, `engine(...)` is the model's forward and
 `engine.generate(...)` the model's own `generate` — the transformers generation loop, with its KV

@@ -42,6 +42,41 @@ class QuantizedLinear(nn.Module):
                 f"group {self.group_size}")
 
 
+class QuantizedTensorParallel:
+    """Mixed into a tensor-parallel linear's class (Note [quantized tensor-parallel layers])."""
+
+    def quantized(self) -> QuantizedWeight:
+        return QuantizedWeight(self.qdata, self.scale, self.minimum, self.local_shape, self.bits, self.group_size)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return dequantize(self.quantized(), self.scale.dtype)
+
+
+_TP_CLASSES: dict[type, type] = {}
+
+
+def _quantize_tensor_parallel(module: nn.Module, bits: int, group_size: int, symmetric: bool) -> nn.Module:
+    """`module` (a tensor-parallel linear) with its local weight quantized, in place."""
+    qw = quantize(module.weight.detach(), bits, group_size, symmetric)
+    del module._parameters["weight"]
+    module.register_buffer("qdata", qw.data)
+    module.register_buffer("scale", qw.scale)
+    module.register_buffer("minimum", qw.minimum)
+    module.local_shape, module.bits, module.group_size = qw.shape, bits, group_size
+    cls = type(module)
+    if cls not in _TP_CLASSES:
+        _TP_CLASSES[cls] = type(f"Quantized{cls.__name__}", (QuantizedTensorParallel, cls), {})
+    module.__class__ = _TP_CLASSES[cls]
+    return module
+
+
+def _is_tensor_parallel_linear(module: nn.Module) -> bool:
+    from zerospeed.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+    return isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and not isinstance(
+        module, QuantizedTensorParallel) and isinstance(module._parameters.get("weight"), torch.Tensor)
+
+
 def _as_linear(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     if isinstance(module, nn.Linear):
         return module.weight, module.bias
@@ -73,7 +108,8 @@ def quantize_model(model: nn.Module, settings_for: Callable[[str], dict | None])
             tied = head
     done = {}
     for name, module in list(model.named_modules()):
-        found = _as_linear(module)
+        parallel = _is_tensor_parallel_linear(module)
+        found = _as_linear(module) if not parallel else (module.weight, module.bias)
         settings = settings_for(name) if found is not None and module is not tied else None
         if not settings:
             continue
@@ -83,6 +119,14 @@ def quantize_model(model: nn.Module, settings_for: Callable[[str], dict | None])
                              "known keys: num_bits, group_size, group_dim (1: groups along the input features), "
                              "symmetric")
         weight, bias = found
+        if parallel:  # Note [quantized tensor-parallel layers]
+            try:
+                _quantize_tensor_parallel(module, int(settings.get("num_bits", 8)), int(settings.get("group_size", 64)),
+                                          bool(settings.get("symmetric", False)))
+            except ValueError as exc:
+                raise ValueError(f"layer {name!r} (this rank's tensor-parallel slice): {exc}") from None
+            done[name] = module.bits
+            continue
         new = QuantizedLinear(weight, bias, bits=int(settings.get("num_bits", 8)),
                               group_size=int(settings.get("group_size", 64)),
                               symmetric=bool(settings.get("symmetric", False)))
