@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from zerospeed.testing import run_distributed
+from zerospeed.testing.data import left_padded_prompts
 
 V, NEW, PAD = 37, 6, 0
 LENGTHS = (3, 5, 7)
@@ -46,14 +47,7 @@ def make(arch: str):
 
 def batch():
     """Left-padded prompts of different lengths: (input_ids [3, 7], attention_mask)."""
-    g = torch.Generator().manual_seed(3)
-    width = max(LENGTHS)
-    ids = torch.full((len(LENGTHS), width), PAD)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(LENGTHS):
-        ids[row, width - n:] = torch.randint(2, V, (n,), generator=g)
-        mask[row, width - n:] = 1
-    return ids, mask
+    return left_padded_prompts(LENGTHS, V, PAD, seed=3)
 
 
 def run(model, ids, mask):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from zerospeed.testing import run_distributed
+from zerospeed.testing.data import left_padded_prompts
 
 V, NEW, PAD, GROUP = 37, 5, 0, 8
 LENGTHS = (3, 6)
@@ -39,14 +40,7 @@ def make(arch: str):
 
 
 def batch():
-    g = torch.Generator().manual_seed(5)
-    width = max(LENGTHS)
-    ids = torch.full((len(LENGTHS), width), PAD)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(LENGTHS):
-        ids[row, width - n:] = torch.randint(2, V, (n,), generator=g)
-        mask[row, width - n:] = 1
-    return ids, mask
+    return left_padded_prompts(LENGTHS, V, PAD, seed=5)
 
 
 def run(model):

@@ -97,3 +97,16 @@ def text_batches(steps: int, batch: int, seq_len: int) -> list[tuple[torch.Tenso
     xs = windows[:-1].view(steps, batch, seq_len)
     ys = windows[1:].view(steps, batch, seq_len)
     return [(xs[s].clone(), ys[s].clone()) for s in range(steps)]
+
+
+def left_padded_prompts(lengths: tuple[int, ...], vocab: int, pad: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of the given lengths, left-padded with `pad` to the longest: (input_ids, attention_mask).
+    Tokens are drawn from [2, vocab) (0 and 1 stay free for pad / bos / eos)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), pad)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:] = torch.randint(2, vocab, (n,), generator=g)
+        mask[row, width - n:] = 1
+    return ids, mask
