@@ -37,8 +37,6 @@ TRIGGERS: dict[str, tuple[dict, str]] = {
     "zero_optimization.offload_optimizer.super_offload": (
         {"zero_optimization": {"offload_optimizer": {"device": "cpu", "super_offload": True}}},
         "zero_optimization.offload_optimizer.super_offload=true: SuperOffload"),
-    "zero_optimization.zero_quantized_nontrainable_weights": (
-        {"zero_optimization": {"zero_quantized_nontrainable_weights": True}}, "ZeRO++ quantized non-trainable"),
     "zero_optimization.zeropp_loco_param": ({"zero_optimization": {"zeropp_loco_param": {"err_beta": 0.8}}},
                                             ": LoCo-ZeRO++ is not implemented"),
     "zero_optimization.mics_shard_size": ({"zero_optimization": {"mics_shard_size": 2}}, "mics_shard_size=2: MiCS"),

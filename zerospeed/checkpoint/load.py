@@ -125,6 +125,7 @@ def _load_module(engine, states: dict, manifest: dict, strict: bool, where: Path
                                       tp_rank=place.tp_rank, tp=place.tp, tied=tied_aliases(engine.module),
                                       skip=sharded)
     result = engine.module.load_state_dict(module_state, strict=False)
+    _load_frozen(engine, SavedModule(where, manifest, states), place, sharded)
     if spans:  # Note [global expert names]: this rank's experts come from their own files
         load_expert_files(engine.module, spans, where, skip=sharded)
     excluded = set(manifest.get("excluded_frozen", ())) | sharded
@@ -135,6 +136,19 @@ def _load_module(engine, states: dict, manifest: dict, strict: bool, where: Path
     if strict and (missing or result.unexpected_keys):
         raise CheckpointError(f"checkpoint {where}: module state does not match the model — missing {missing}, "
                               f"unexpected {list(result.unexpected_keys)} (load_module_strict=False to allow)")
+
+
+def _load_frozen(engine, saved: SavedModule, place: Placement, sharded: set[str]) -> None:
+    """Stage 3's partitioned frozen parameters: each rank cuts its chunk out of the whole values the
+    model states hold (Note [partitioned frozen parameters], zero/stage3/strategy.py)."""
+    frozen = {n for n, p in engine.module.named_parameters(remove_duplicate=False)
+              if n in sharded and not p.requires_grad and n in saved}
+    if not frozen:
+        return
+    values = local_module_state(saved, layouts=place.layouts, tp_rank=place.tp_rank, tp=place.tp,
+                                tied=tied_aliases(engine.module), skip=set(saved.keys()) - frozen)
+    params = dict(engine.module.named_parameters(remove_duplicate=False))
+    engine.zero.load_frozen({id(params[n]): v for n, v in values.items()})
 
 
 def _scalar(value, master: torch.Tensor, group: dict):

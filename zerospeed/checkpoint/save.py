@@ -146,11 +146,15 @@ def sharded_param_names(module: torch.nn.Module) -> set[str]:
 
 
 def _model_states(engine, client_state: dict, exclude_frozen: bool, spans=(),
-                  place: Placement | None = None) -> dict:
+                  place: Placement | None = None, frozen: dict | None = None) -> dict:
+    """`frozen`: id(parameter) -> full value of stage 3's partitioned frozen parameters, which the model
+    states hold whole (`engine.zero.frozen_values`, gathered by every rank beforehand)."""
     module = engine.module
-    sd = module.state_dict()
-    for name in sharded_param_names(module):  # stage 3: empty placeholders, the shards hold the values
-        sd.pop(name, None)
+    sharded = sharded_param_names(module)  # stage 3: empty placeholders, the shards hold the values
+    params = dict(module.named_parameters(remove_duplicate=False))
+    frozen = frozen or {}
+    sd = {k: (frozen[id(params[k])] if k in sharded else v) for k, v in module.state_dict().items()
+          if k not in sharded or id(params[k]) in frozen}
     if place is not None and place.tp > 1:  # each distinct piece once: replicated tensors from tp rank 0
         tied = tied_aliases(module)
         sd = {k: v for k, v in sd.items() if place.writes(tied.get(k, k))}
@@ -283,9 +287,12 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     raise_if_any_rank_failed(error)
 
     files, layouts = {}, []
+    # stage 3's partitioned frozen parameters, whole in the model states (collective)
+    frozen = engine.zero.frozen_values(keep=place.dp_rank == 0) if not exclude_frozen_parameters else {}
     try:
         if place.dp_rank == 0:
-            model_states = _model_states(engine, client_state, exclude_frozen_parameters, names.spans, place)
+            model_states = _model_states(engine, client_state, exclude_frozen_parameters, names.spans, place,
+                                         frozen)
             name = model_states_name(place.tp_rank)
             atomic_torch_save(model_states, paths.staging / name)
             del model_states

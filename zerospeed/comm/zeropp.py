@@ -7,7 +7,7 @@ kind (and so per group):
 
 | kind                      | collective                              | payload bytes                    |
 |---------------------------|-----------------------------------------|----------------------------------|
-| `all_gather_int8`         | qwZ all-gather over the whole group     | N x wire_bytes(chunk, 8)          |
+| `all_gather_int8`         | qwZ all-gather over the whole group (also of int8-stored frozen shards) | N x wire_bytes(chunk, 8) |
 | `all_gather_hpz`          | hpZ secondary all-gather (sub-group)    | the full tensor, param dtype     |
 | `reduce_scatter_int4`     | qgZ all-to-all (single level)           | N x wire_bytes(chunk, 4)          |
 | `reduce_scatter_int4_intra` / `_inter` | qgZ hierarchical: within / across sub-groups | the send buffer   |
@@ -94,20 +94,31 @@ def all_gather_quantized(output: torch.Tensor, input: torch.Tensor, group=None, 
     """`all_gather_into_tensor` of block-quantized shards: rank r's `input` (equal sizes on every rank),
     quantized symmetric to `bits` per element, lands dequantized in slice r of `output`. One group
     gathers exactly (no quantization) — nothing crosses a wire."""
-    world, n = get_world_size(group), input.numel()
-    if world == 1:
+    if get_world_size(group) == 1:
         return _done(lambda: output.view(-1).copy_(input.reshape(-1)), async_op)
-    send = to_bytes(quantize_blocks(input, bits, block_size))
-    recv = torch.empty(world * send.numel(), dtype=torch.uint8, device=send.device)
-    _check_tensors("all_gather_quantized", group, output, send)
+    return all_gather_packed(output, to_bytes(quantize_blocks(input, bits, block_size)), input.numel(), group,
+                             async_op, bits, block_size)
+
+
+def all_gather_packed(output: torch.Tensor, packed: torch.Tensor, numel: int, group=None, async_op: bool = False,
+                      bits: int = WEIGHT_BITS, block_size: int = WEIGHT_BLOCK):
+    """`all_gather_into_tensor` of shards already block-quantized (`to_bytes` buffers of `numel`
+    elements, equal on every rank): exchanged as they are, rank r's dequantized into slice r of `output`.
+    qwZ quantizes before calling it; `zero_quantized_nontrainable_weights` stores its shards so."""
+    world = get_world_size(group)
+    if world == 1:
+        return _done(lambda: output.view(-1).copy_(
+            dequantize_blocks(from_bytes(packed, numel, bits, block_size), output.dtype)), async_op)
+    recv = torch.empty(world * packed.numel(), dtype=torch.uint8, device=packed.device)
+    _check_tensors("all_gather_packed", group, output, packed)
 
     def finish():
-        rows, out = recv.view(world, -1), output.view(world, n)
+        rows, out = recv.view(world, -1), output.view(world, numel)
         for r in range(world):
-            out[r].copy_(dequantize_blocks(from_bytes(rows[r], n, bits, block_size), output.dtype))
+            out[r].copy_(dequantize_blocks(from_bytes(rows[r], numel, bits, block_size), output.dtype))
 
-    return _launch("all_gather_int8", recv.numel(), (world - 1) * send.numel(), group,
-                   lambda a: _gather_bytes(recv, send, group, a), finish, async_op)
+    return _launch("all_gather_int8", recv.numel(), (world - 1) * packed.numel(), group,
+                   lambda a: _gather_bytes(recv, packed, group, a), finish, async_op)
 
 
 # -- hpZ ---------------------------------------------------------------------------------------------

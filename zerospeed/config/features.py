@@ -50,11 +50,8 @@ ROWS: list[Row] = [
     _switch("zero_optimization.offload_optimizer.super_offload", "SuperOffload"),
     Row("aio.use_gds", lambda c: c.aio.use_gds and _uses_nvme(c), "GPUDirect Storage", "false"),
     _present("zero_optimization.zenflow", "ZenFlow"),
-    # (zero_quantized_weights, zero_quantized_gradients and zero_hpz_partition_size work at stage 3:
-    # zero/stage3/zeropp.py, which refuses them at other stages)
-    _switch("zero_optimization.zero_quantized_nontrainable_weights",
-            "ZeRO++ quantized non-trainable weights (zerospeed's stage 3 keeps frozen parameters whole on every "
-            "rank, never gathered, so there is nothing to quantize)"),
+    # (zero_quantized_weights, zero_quantized_gradients, zero_quantized_nontrainable_weights and
+    # zero_hpz_partition_size work at stage 3: zero/stage3/zeropp.py, which refuses them at other stages)
     _present("zero_optimization.zeropp_loco_param", "LoCo-ZeRO++"),
     Row("zero_optimization.mics_shard_size", lambda c: c.zero_optimization.mics_shard_size > 0, "MiCS sharding", "-1"),
     _switch("zero_optimization.mics_hierarchical_params_gather", "MiCS hierarchical gather"),

@@ -46,7 +46,7 @@ def zero3_numel(model: torch.nn.Module) -> tuple[int, int]:
             local += p.numel()
         else:
             full += registry.full_numel(p)
-    local += sum(o.shard.numel() for o in _owners(model).values())
+    local += sum(o.layout.chunk for o in _owners(model).values())
     return full, local
 
 

@@ -42,7 +42,8 @@ def build_strategy(cfg, groups: list[dict], reduction: list[ReductionGroup], *, 
     budgets = bounded_budgets(sum(full_numel(p) for g in groups for p in g["params"]),
                               reduce_bucket_size=int(zero.reduce_bucket_size),
                               prefetch_bucket_size=int(zero.stage3_prefetch_bucket_size),
-                              max_reuse_distance=int(zero.stage3_max_reuse_distance))
+                              max_reuse_distance=int(zero.stage3_max_reuse_distance),
+                              gathered_elements=sum(full_numel(p) for p in module.parameters()))
     if zero.stage == 0:
         return DataParallelStrategy(groups, reduction, mixed=param_dtype != torch.float32, module=module,
                                     bucket_size=int(zero.reduce_bucket_size), accum_dtype=grad_dtype, **common)

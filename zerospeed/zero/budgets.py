@@ -34,7 +34,10 @@ class Budgets:
 
 
 def bounded_budgets(trainable_elements: int, *, reduce_bucket_size: int, prefetch_bucket_size: int = 0,
-                    max_reuse_distance: int = 0) -> Budgets:
-    """The sizes used: the configured ones, capped by `model_bound` (Note [buckets bounded by the model])."""
+                    max_reuse_distance: int = 0, gathered_elements: int | None = None) -> Budgets:
+    """The sizes used: the configured ones, capped by `model_bound` (Note [buckets bounded by the model]) —
+    gradient buckets by the trainable elements, stage 3's gathers by `gathered_elements` (every parameter
+    stage 3 partitions, frozen ones included; default: the trainable ones)."""
     cap = model_bound(trainable_elements)
-    return Budgets(min(reduce_bucket_size, cap), min(prefetch_bucket_size, cap), min(max_reuse_distance, cap))
+    gathers = model_bound(trainable_elements if gathered_elements is None else gathered_elements)
+    return Budgets(min(reduce_bucket_size, cap), min(prefetch_bucket_size, gathers), min(max_reuse_distance, gathers))

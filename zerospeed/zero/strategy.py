@@ -60,6 +60,8 @@ class ZeroStrategy(Protocol):
     def optimizer_for_accessors(self) -> torch.optim.Optimizer | None: ...
     def param_fragment(self, param: torch.Tensor): ...  # -> zero.fragment.ParamFragment | None
     def refresh_weights(self, param: torch.Tensor, value: torch.Tensor) -> None: ...
+    def frozen_values(self, keep: bool) -> dict[int, torch.Tensor]: ...
+    def load_frozen(self, values: dict[int, torch.Tensor]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,13 @@ class ReducingStrategy:
 
     def remove_hooks(self) -> None:
         self.reducer.remove_hooks()
+
+    def frozen_values(self, keep: bool) -> dict[int, torch.Tensor]:
+        """Full values of frozen parameters the module does not hold whole (stage 3): none here."""
+        return {}
+
+    def load_frozen(self, values: dict[int, torch.Tensor]) -> None:
+        """Frozen parameters the module holds whole load through its state dict: nothing to do."""
 
 
 def full_module_state(module: torch.nn.Module | None, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zerospeed.comm.zeropp import WEIGHT_BITS, WEIGHT_BLOCK
+from zerospeed.ops.quantizer import quantize_blocks, to_bytes
 from zerospeed.zero.flat_group import flatten_fp32
 from zerospeed.zero.partition import build_layouts
 from zerospeed.zero.stage3.gather import GatherBatch, Route
@@ -118,6 +120,7 @@ class FlatParam:
         # ZeRO++ (set by the strategy): qwZ for training fetches; hpZ's sub-group and secondary shard
         # (Note [ZeRO++ gather routes])
         self.quantize_gathers = False
+        self.stored_int8 = False  # the shard is kept block-quantized (store_int8)
         self.hpz = None  # comm AxisGroup of the hpZ sub-group
         self.secondary: torch.Tensor | None = None
         self._point_params_at_nothing()
@@ -137,6 +140,8 @@ class FlatParam:
 
     def route(self, training: bool) -> Route:
         """How a gather of this flat parameter travels (Note [ZeRO++ gather routes])."""
+        if self.stored_int8 and not (training and self.secondary is not None):
+            return Route.STORED
         if not training:
             return Route.EXACT
         if self.secondary is not None:
@@ -212,9 +217,21 @@ class FlatParam:
         if self.shard is None or self.master.data_ptr() != self.shard.data_ptr():
             self._set_shard(self.master)
 
+    @torch.no_grad()
+    def store_int8(self) -> None:
+        """Keep the shard block-quantized to int8 from now on (`zero_quantized_nontrainable_weights`, for
+        a frozen flat parameter: Note [int8-stored frozen shards] in zeropp.py); its gathers then travel
+        the shards as stored (Route.STORED)."""
+        if self.master is not None or self.swap is not None:
+            raise ValueError("only a frozen flat parameter held in memory can be stored quantized")
+        self.shard = to_bytes(quantize_blocks(self.shard, WEIGHT_BITS, WEIGHT_BLOCK))
+        self.stored_int8 = True
+
     def _set_shard(self, values: torch.Tensor) -> None:
         self.secondary = None
-        if self.swap is not None:
+        if self.stored_int8:
+            self.shard.copy_(to_bytes(quantize_blocks(values, WEIGHT_BITS, WEIGHT_BLOCK)))
+        elif self.swap is not None:
             self.swap.write_shard(self, values)
         else:
             self.shard.copy_(values)
@@ -242,7 +259,10 @@ def start_gathers(fps: list[FlatParam], training: bool = False) -> None:
         swap.launch_through()  # the batches read ahead since the last gathers go first (Note [NVMe reads ...])
     for run in _by_route(todo, training):
         route = run[0].route(training)
-        parts = swap.split(run) if swap is not None and route is not Route.SECONDARY else _direct_split(run)
+        if route is Route.STORED:  # each stored shard is exchanged as one buffer of its own
+            parts = [[fp] for fp in run]
+        else:
+            parts = swap.split(run) if swap is not None and route is not Route.SECONDARY else _direct_split(run)
         for part in parts:
             _start_batch(part, route)
 

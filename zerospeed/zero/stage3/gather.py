@@ -29,11 +29,14 @@ block-quantized to int8 on the wire, dequantized into the full buffer. SECONDARY
 fetches of a unit that holds a secondary shard, i.e. gathered once since the weights last changed):
 the secondary shards (1/H of the unit each) all-gathered over the hpZ sub-group of H ranks only, in
 the parameter dtype. The secondary shard is cut from the first primary gather's result, so forward
-and backward see the same (possibly quantized) weights.
+and backward see the same (possibly quantized) weights. STORED (every gather of a frozen flat
+parameter stored int8, `zero_quantized_nontrainable_weights`, except hpZ's training fetches from a
+secondary shard): the stored int8 shard exchanged as it is, one flat parameter per collective.
 """
 from __future__ import annotations
 
 import enum
+import functools
 
 import torch
 
@@ -45,6 +48,7 @@ class Route(enum.Enum):
     EXACT = "exact"
     QUANTIZED = "quantized"
     SECONDARY = "secondary"
+    STORED = "stored"
 
 
 def _code(indices: list[int]) -> float:
@@ -117,7 +121,8 @@ class GatherBatch:
         else:
             self.recv = torch.empty(world * send.numel(), dtype=first.dtype, device=device)
         gather = {Route.EXACT: comm.all_gather_into_tensor, Route.QUANTIZED: zeropp.all_gather_quantized,
-                  Route.SECONDARY: zeropp.all_gather_secondary}[self.route]
+                  Route.SECONDARY: zeropp.all_gather_secondary,
+                  Route.STORED: functools.partial(zeropp.all_gather_packed, numel=first.layout.chunk)}[self.route]
         self.handle = gather(self.recv, send, group=self.group, async_op=True)
         self.tags = torch.empty(world, dtype=torch.float64, device=device)
         mine = torch.tensor([_code([fp.index for fp in self.fps])], dtype=torch.float64, device=device)

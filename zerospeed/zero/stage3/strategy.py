@@ -1,9 +1,10 @@
 """ZeRO stage 3 = stage 2 + the parameter lifecycle: parameters sharded too, gathered one unit at a
 time around its forward and backward.
 
-Units: every module that directly owns trainable parameters. A parameter belongs to the first module
-(in `named_modules()` order) that registers it; any other module that registers it too (a tied output
-head) or was told so by `register_external_parameter` gathers the owner's unit when it runs.
+Units: every module that directly owns parameters (Note [partitioned frozen parameters]). A
+parameter belongs to the first module (in `named_modules()` order) that registers it; any other
+module that registers it too (a tied output head) or was told so by `register_external_parameter`
+gathers the owner's unit when it runs.
 
 Forward: a module's pre-hook gathers the units it uses (waiting on any prefetch), its post-hook
 releases them unless kept for reuse. Backward: a backward pre-hook re-gathers them; once every
@@ -26,6 +27,20 @@ An `nn.Embedding`'s backward never reads its weight (it adds output-gradient row
 gradient), so its backward does not gather it again. For GPT-2 (the embedding is 31% of the model)
 this takes the gathered embedding and its full gradient, 2 x V x h elements, off stage 3's backward
 peak; the price is one more reduce-scatter of V x h elements per micro-step.
+
+Note [partitioned frozen parameters]: parameters no param group trains (requires_grad=False: the base
+model under LoRA) are partitioned too, as DeepSpeed's stage 3 does — kept whole they would sit on
+every rank, and for LoRA they are nearly the whole model. Each module's own frozen parameters form
+one trainable=False FlatParam (no master, no gradient chunk, no reduction unit), sharded over the
+dense data-parallel group, indexed after the trainable ones (so `self.trained` stays aligned with
+the units and masters), gathered by the same hooks, prefetch and reuse policy. Their release after
+backward cannot wait for a gradient: a full backward hook on the module frees them once its input
+gradients exist, i.e. after its backward. When none of a module's inputs needs a gradient torch
+fires that hook on the output gradients instead — before the backward — so then the release is
+left to the end of the micro-step. A checkpoint keeps them whole in the model states, gathered at
+save time; a load cuts each rank's chunk out of them (checkpoint/save.py, load.py), so the format
+is the one whole frozen parameters always had and reshards freely. Frozen expert parameters stay
+whole (they would shard over their expert group; not built).
 """
 from __future__ import annotations
 
@@ -37,6 +52,7 @@ from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
 from zerospeed.comm import zeropp as zcomm
 from zerospeed.offload.plan import HOST, make_param_swapper
+from zerospeed.zero.flat_group import flatten_fp32
 from zerospeed.zero.partition import padded_size
 from zerospeed.zero.reducer import GradUnit, reduce_scatter_every_micro_step
 from zerospeed.zero.sharded import ShardedOptimizerBase
@@ -86,15 +102,18 @@ class Stage3Strategy(ShardedOptimizerBase):
         self.flat: list[FlatParam] = []
         self.uses: dict[int, list[FlatParam]] = {}  # id(module) -> flat params its forward needs
         owner_unit, owned = self._build_flat_params(groups, reduction, param_dtype, device)
+        self.trained = list(self.flat)  # indices 0..n-1, aligned with the units and masters
+        frozen_rg = ReductionGroup.of(norm_group)  # the dense data-parallel group
+        self.frozen = self._build_frozen(owner_unit, frozen_rg, param_dtype, device)
         self.zeropp = zeropp or ZeroPPPolicy()
         hierarchies = self._apply_zeropp(reduction)
         self._map_uses(owner_unit)
         self._mark_persistent(param_persistence_threshold, model_persistence_threshold)
         staging = comm_dtype or torch.float32
         self.units = [GradUnit(fp.params, fp.layout, reduction[fp.group_index], result=fp.grad_shard,
-                               staging_dtype=staging, device=fp.device) for fp in self.flat]
-        self.masters = [fp.master for fp in self.flat]
-        self._flat_of = {id(u): fp for u, fp in zip(self.units, self.flat)}
+                               staging_dtype=staging, device=fp.device) for fp in self.trained]
+        self.masters = [fp.master for fp in self.trained]
+        self._flat_of = {id(u): fp for u, fp in zip(self.units, self.trained)}
         # Note [tied uses]: id(module) -> [(name, parameter, proxy)], and the proxies' reduction units
         self._tied: dict[int, list[tuple[str, torch.nn.Parameter, torch.nn.Parameter]]] = {}
         self._tied_modules: list[torch.nn.Module] = []
@@ -117,6 +136,8 @@ class Stage3Strategy(ShardedOptimizerBase):
                 self._hooks += [m.register_forward_pre_hook(self._pre_forward),
                                 m.register_forward_hook(self._post_forward),
                                 m.register_full_backward_pre_hook(self._pre_backward)]
+                if any(fp.master is None for fp in self.uses[id(m)]):  # Note [partitioned frozen parameters]
+                    self._hooks.append(m.register_full_backward_hook(self._post_backward))
 
     def _build_flat_params(self, groups, reduction, param_dtype, device):
         """One FlatParam per (module, param group); returns id(param) -> the unit owning it, and
@@ -136,19 +157,38 @@ class Stage3Strategy(ShardedOptimizerBase):
                 owner_unit[id(p)] = unit
             if unit:
                 owned[id(m)] = unit
-        for p in self.module.parameters():
-            if id(p) not in owner_unit and registry.owner_of(p) is not None:
-                p.data = _full_value(p)  # frozen under zero.Init: stage 3 keeps frozen parameters whole
-                registry.unregister(p)
         return owner_unit, owned
 
-    def _flat_param(self, ps, gi, rg: ReductionGroup, param_dtype, device, master_device) -> FlatParam:
+    def _build_frozen(self, owner_unit, rg: ReductionGroup, param_dtype, device) -> list[FlatParam]:
+        """Note [partitioned frozen parameters]: one trainable=False FlatParam per module for the
+        parameters it owns that no param group trains, sharded over the dense data-parallel group
+        (frozen expert weights stay whole: they would shard over their expert group)."""
+        from zerospeed.moe.utils import is_moe_param
+        frozen = []
+        for m in self.module.modules():
+            ps = [p for p in m.parameters(recurse=False) if id(p) not in owner_unit]
+            whole = [p for p in ps if is_moe_param(p)]
+            for p in whole:
+                if registry.owner_of(p) is not None:  # sharded by zero.Init: made whole again
+                    p.data = _full_value(p)
+                    registry.unregister(p)
+                owner_unit[id(p)] = []
+            ps = [p for p in ps if not is_moe_param(p)]
+            if ps:
+                unit = [self._flat_param(ps, -1, rg, param_dtype, device, device, trainable=False)]
+                frozen += unit
+                for p in ps:
+                    owner_unit[id(p)] = unit
+        return frozen
+
+    def _flat_param(self, ps, gi, rg: ReductionGroup, param_dtype, device, master_device,
+                    trainable: bool = True) -> FlatParam:
         plan = self.plan
         # Note [re-partitioning zero.Init in place]: the values of zero.Init's parameters are views of
         # their owner's gathered buffer, not copies; a single parameter's buffer is the flat one
         full = _reusable_full(ps, padded_size(sum(registry.full_numel(p) for p in ps), rg.world_size), device)
         fp = FlatParam(len(self.flat), ps, [_full_value(p, copy=False) for p in ps], full=full,
-                       group_index=gi, world_size=rg.world_size,
+                       group_index=gi, world_size=rg.world_size, trainable=trainable,
                        rank=rg.rank, dtype=param_dtype, device=device, dp_group=rg.group, residency=self.residency,
                        shard_device=plan.shard_device if plan is not None else device, master_device=master_device,
                        pin=plan, alias_master=plan is None or plan.param != "nvme")
@@ -169,6 +209,9 @@ class Stage3Strategy(ShardedOptimizerBase):
         for fp in self.flat:
             fp.quantize_gathers = self.zeropp.quantized_weights
             fp.hpz = next((h[0] for g, h in hierarchies if g is fp.dp_group), None)
+        if self.zeropp.quantized_nontrainable:  # MixZ++: Note [int8-stored frozen shards] (zeropp.py)
+            for fp in self.frozen:
+                fp.store_int8()
         return hierarchies
 
     def _map_uses(self, owner_unit: dict[int, list[FlatParam]]) -> None:
@@ -249,11 +292,23 @@ class Stage3Strategy(ShardedOptimizerBase):
     def _pre_backward(self, module, grad_output):
         if _weight_free_backward(module):  # Note [tied uses]
             for fp in self.uses[id(module)]:
-                fp.point_params_at_shapes()
+                if fp.master is not None:  # (frozen weights get no gradient to check)
+                    fp.point_params_at_shapes()
             return
         self._fetch(self.uses[id(module)])
         for _, p, proxy in self._tied.get(id(module), ()):
             proxy.data = p.data  # the re-gathered weights its saved tensors read
+
+    def _post_backward(self, module, grad_input, grad_output):
+        """Note [partitioned frozen parameters]: the module's backward has run; its frozen units
+        have no gradient to signal that, so they are released here. A module none of whose inputs
+        needs a gradient gets this call before its backward (torch fires it on the output gradients,
+        every grad_input None): its frozen units then wait for the end of the micro-step."""
+        if all(g is None for g in grad_input):
+            return
+        for fp in self.uses[id(module)]:
+            if fp.master is None and fp.state is not State.SHARDED:
+                self._release_unless_reused(fp)
 
     def _on_unit_ready(self, unit: GradUnit) -> None:
         """Every use in backward is done: the unit's gradient is complete, its full weights can go."""
@@ -278,20 +333,20 @@ class Stage3Strategy(ShardedOptimizerBase):
 
     # -- optimizer ---------------------------------------------------------------------------------
     def optimizer_param_groups(self) -> list[dict]:
-        return [{**h, "params": [fp.master for fp in self.flat if fp.group_index == gi]}
+        return [{**h, "params": [fp.master for fp in self.trained if fp.group_index == gi]}
                 for gi, h in enumerate(self.hparams)]
 
     def retarget(self, optimizer: torch.optim.Optimizer) -> None:
         if len(optimizer.param_groups) != len(self.hparams):
             raise ValueError("client optimizer param groups do not match the groups zerospeed partitioned")
         for gi, group in enumerate(optimizer.param_groups):
-            group["params"] = [fp.master for fp in self.flat if fp.group_index == gi]
+            group["params"] = [fp.master for fp in self.trained if fp.group_index == gi]
 
     def _after_step(self) -> None:
         self._refresh_resident()
 
     def _refresh_resident(self) -> None:
-        for fp in self.flat:
+        for fp in self.trained:  # (frozen weights do not change at a step)
             if fp.state is not State.SHARDED:  # any resident copy is stale now
                 fp.release()
                 if fp.persistent:
@@ -324,10 +379,10 @@ class Stage3Strategy(ShardedOptimizerBase):
     def placement(self) -> dict[str, str]:
         """Where each kind of model state lives: read off the tensors, the stepper and the swapper."""
         out = state_placement(self.plan, params=[fp.shard for fp in self.flat if fp.shard is not None],
-                              grads=[fp.grad_shard for fp in self.flat], stepper=self.stepper)
+                              grads=[fp.grad_shard for fp in self.trained], stepper=self.stepper)
         if self.param_swapper is not None:
             out["parameters"] = f"nvme:{self.plan.param_nvme}"
-        masters = sorted({str(fp.master.device) for fp in self.flat}) if self.stepper.kind != "nvme" else []
+        masters = sorted({str(fp.master.device) for fp in self.trained}) if self.stepper.kind != "nvme" else []
         if len(masters) > 1:  # a partial offload (ratio < 1)
             out["master_weights"] = out["optimizer_states"] = ",".join(masters)
         return out
@@ -339,30 +394,60 @@ class Stage3Strategy(ShardedOptimizerBase):
     # -- checkpoints and introspection -------------------------------------------------------------
     def shard_entries(self, names: dict[int, str]) -> list[ShardEntry]:
         return [ShardEntry(fp.master, [Piece(names[id(fp.params[s.param])], s.param_offset, s.offset, s.numel)
-                                       for s in fp.layout.rank_segments(fp.rank)]) for fp in self.flat]
+                                       for s in fp.layout.rank_segments(fp.rank)]) for fp in self.trained]
 
     def sync_params_from_masters(self) -> None:
-        self._publish(list(range(len(self.flat))))
+        self._publish(list(range(len(self.trained))))
         self._refresh_resident()
 
     def load_masters_from_params(self) -> None:
         """Nothing to do: at stage 3 the module holds no values for sharded parameters (a checkpoint
         load fills the masters from its shards, then `sync_params_from_masters`)."""
 
+    @staticmethod
+    @torch.no_grad()
+    def _gathered(fps: list[FlatParam], keep: bool, dtype: torch.dtype | None = None) -> dict[int, torch.Tensor]:
+        """Collective: id(parameter) -> its full value on the host where `keep` (empty elsewhere),
+        gathering one flat parameter at a time (each released again unless it was resident)."""
+        out = {}
+        for fp in fps:
+            was = fp.state
+            fp.wait()
+            if keep:
+                for p in fp.params:
+                    out[id(p)] = p.detach().to(dtype or p.dtype).cpu().clone()
+            if was is State.SHARDED:
+                fp.release()
+        return out
+
+    def frozen_values(self, keep: bool) -> dict[int, torch.Tensor]:
+        """Collective: the full values of the partitioned frozen parameters (Note [partitioned frozen
+        parameters]), on the ranks passing `keep` — a checkpoint's model states hold them whole."""
+        return self._gathered(self.frozen, keep)
+
+    @torch.no_grad()
+    def load_frozen(self, values: dict[int, torch.Tensor]) -> None:
+        """Each frozen flat parameter whose every parameter has a value in `values` (id(parameter) ->
+        full tensor) takes its chunk of them; resident copies are gathered again (collective: every
+        rank passes values for the same parameters)."""
+        for fp in self.frozen:
+            if not all(id(p) in values for p in fp.params):
+                continue
+            lo, hi = fp.layout.chunk_range(fp.rank)
+            flat = flatten_fp32(fp.layout, [values[id(p)].reshape(shape) for p, shape in zip(fp.params, fp.shapes)],
+                                fp.shard.device if fp.shard is not None else torch.device("cpu"))
+            was = fp.state
+            fp.release()
+            fp._set_shard(flat[lo:hi])
+            if was is not State.SHARDED:
+                fp.wait()
+
     @torch.no_grad()
     def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The full module state dict on rank 0 (others get {}), gathered one flat parameter at a time."""
         rank0 = comm.get_rank() == 0
-        out = {}
         names = {id(p): n for n, p in self.module.named_parameters()}
-        for fp in self.flat:
-            was = fp.state
-            fp.wait()
-            if rank0:
-                for p in fp.params:
-                    out[names[id(p)]] = p.detach().to(dtype or p.dtype).cpu().clone()
-            if was is State.SHARDED:
-                fp.release()
+        out = {names[k]: v for k, v in self._gathered(self.flat, rank0, dtype).items()}
         if not rank0:
             return {}
         sharded = {id(p) for fp in self.flat for p in fp.params}
@@ -376,9 +461,9 @@ class Stage3Strategy(ShardedOptimizerBase):
     def memory_breakdown(self, optimizer) -> dict[str, int]:
         params = sum((fp.shard.nbytes if fp.shard is not None else 0) + (fp.full.nbytes if fp.full is not None else 0)
                      + (fp.secondary.nbytes if fp.secondary is not None else 0) for fp in self.flat)
-        masters = sum(fp.master.nbytes for fp in self.flat
+        masters = sum(fp.master.nbytes for fp in self.trained
                       if fp.shard is None or fp.master.data_ptr() != fp.shard.data_ptr())
-        return {"parameters": params, "gradients": sum(fp.grad_shard.nbytes for fp in self.flat),
+        return {"parameters": params, "gradients": sum(fp.grad_shard.nbytes for fp in self.trained),
                 "master_weights": masters, "optimizer_states": optimizer_state_bytes(optimizer)}
 
     def remove_hooks(self) -> None:

@@ -11,8 +11,21 @@
   block-quantized chunks (`comm.zeropp.reduce_scatter_quantized`), two-level (within the hpZ
   sub-group, then across) when hpZ is on.
 
-`zero_quantized_nontrainable_weights` is refused by the config (zerospeed's stage 3 keeps frozen
-parameters whole on every rank: there is no gather of them to quantize).
+- MixZ++ (`zero_quantized_nontrainable_weights`): the frozen parameters' shards are stored int8
+  (Note [int8-stored frozen shards]).
+
+Note [int8-stored frozen shards]: stage 3 partitions frozen parameters like trainable ones (Note
+[partitioned frozen parameters], strategy.py). They never change, so with this switch each frozen
+flat parameter's shard is block-quantized once, when the engine partitions it (int8, one fp32 scale
+per WEIGHT_BLOCK elements, symmetric, round to nearest: the qwZ format), and kept only so — the
+parameter-dtype shard is dropped. Memory per rank for them: about 1 byte per element plus
+4 / WEIGHT_BLOCK, instead of 2 (bf16) or 4 (fp32); every gather (forward, backward, state dicts,
+GatheredParameters) exchanges the stored bytes as they are and dequantizes them into the full
+buffer: the model computes with the dequantized frozen weights, each rank's chunk quantized on its
+own (the quantization error is fixed at partition time, not redrawn per gather as qwZ's). A checkpoint
+saves the dequantized values; loading re-quantizes them, which reproduces the same codes. A
+modification through GatheredParameters is re-quantized. With `offload_param.device: nvme` it is
+refused (the swap files hold parameter-dtype shards).
 """
 from __future__ import annotations
 
@@ -21,7 +34,7 @@ from dataclasses import dataclass
 from zerospeed.comm import zeropp as zcomm
 from zerospeed.config.errors import ConfigError
 
-_SWITCHES = ("zero_quantized_weights", "zero_quantized_gradients")
+_SWITCHES = ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights")
 
 
 @dataclass(frozen=True)
@@ -29,6 +42,7 @@ class ZeroPPPolicy:
     quantized_weights: bool = False
     hpz_size: int = 1
     quantized_gradients: bool = False
+    quantized_nontrainable: bool = False
 
     @classmethod
     def from_config(cls, zero, offload_param: str = "none") -> "ZeroPPPolicy":
@@ -46,7 +60,13 @@ class ZeroPPPolicy:
                               f"{offload_param!r}: hpZ's secondary shards live in device memory, which offloading the "
                               "parameters is meant to free; use one of them (set zero_hpz_partition_size to 1 or "
                               "offload_param.device to none)")
-        return cls(bool(zero.zero_quantized_weights), hpz, bool(zero.zero_quantized_gradients))
+        if zero.zero_quantized_nontrainable_weights and offload_param == "nvme":
+            raise ConfigError("zero_optimization.zero_quantized_nontrainable_weights=true with offload_param.device="
+                              "'nvme': the parameter swap files hold parameter-dtype shards, not int8 ones; use one of "
+                              "them (set zero_quantized_nontrainable_weights to false or offload_param.device to cpu "
+                              "or none)")
+        return cls(bool(zero.zero_quantized_weights), hpz, bool(zero.zero_quantized_gradients),
+                   bool(zero.zero_quantized_nontrainable_weights))
 
 
 class QuantizedReduceScatter:
