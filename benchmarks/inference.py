@@ -15,7 +15,9 @@ greedy decoding, KV cache on everywhere, prompts of `--prompt` random tokens (no
   runtime; the process starts fresh for each variant).
 - ZeRO-Inference: the model's parameters live in CPU memory, sharded (over one rank here), and every
   module is gathered for each forward (persistence threshold 0): per-token time vs the time to copy the
-  model's bytes once on this machine (a plain tensor copy of that size) — the ratio the issue asks for.
+  stored parameter bytes once on this machine (a plain tensor copy of that size) — the ratio the issue
+  asks for. int8 / int4: every linear layer's shard stored block-quantized (group 64, asymmetric), so
+  fewer bytes to read and a dequantization per gather (Note [quantized ZeRO-Inference shards]).
 - paged server: all requests added at once; per-token ms = mean step time after the first step.
 - the last table times transformers `generate` and `init_inference` at tp = 1 alternately in one process
   (separate processes differ by several % from run to run on this machine).
@@ -79,18 +81,23 @@ def _plain(args, batch):
     return {**res, "rss": _peak_rss_mib()}
 
 
-def _engine(args, batch, tp, zero):
+def _engine(args, batch, tp, zero, bits=None):
     import zerospeed
     _threads(tp)
     config = {"dtype": torch.float32, "tensor_parallel": {"tp_size": tp}}
     if zero:
         config["zero"] = {"stage": 3, "offload_param": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}
+    if bits:  # Note [quantized ZeRO-Inference shards]: every linear layer's stored shard
+        config["quant"] = {"weight": {"quantized_initialization": {"num_bits": bits, "group_size": 64}}}
     model = _model(args)
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     engine = zerospeed.init_inference(model, config)
+    # what one token reads: every shard as stored (quantized ones as codes + scales)
+    model_bytes = (engine.zero_engine.zero.memory_breakdown(None)["parameters"] if zero
+                   else sum(p.numel() * p.element_size() for p in model.parameters()))
     res = _timed_generate(lambda ids, n: engine.generate(ids, max_new_tokens=n, do_sample=False),
                           _prompts(args, batch), args)
     res["rss"] = _peak_rss_mib()
+    res["param_mib"] = model_bytes / 2**20
     if zero:  # Note: the time to move the model's bytes once, by a plain copy of that many bytes
         src = torch.empty(model_bytes // 4)
         dst = torch.empty_like(src)
@@ -153,27 +160,41 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--only", nargs="*", default=[],
+                        help="run only the variants whose names contain one of these (transformers always runs)")
+    parser.add_argument("--no-interleaved", action="store_true", help="skip the same-process comparison")
     args = parser.parse_args()
     from zerospeed.testing import run_distributed
 
     rows, interleaved = [], []
     for batch in args.batches:
-        variants = {"transformers generate": run_distributed(_plain, 1, args, batch, timeout=3600),
-                    "zerospeed init_inference, tp = 1": run_distributed(_engine, 1, args, batch, 1, False, timeout=3600),
-                    "zerospeed init_inference, tp = 2": run_distributed(_engine, 2, args, batch, 2, False, timeout=3600),
-                    "zerospeed paged server": run_distributed(_paged, 1, args, batch, timeout=3600),
-                    "ZeRO-Inference, offload_param cpu": run_distributed(_engine, 1, args, batch, 1, True, timeout=3600)}
+        runs = {"transformers generate": lambda: run_distributed(_plain, 1, args, batch, timeout=3600),
+                "zerospeed init_inference, tp = 1": lambda: run_distributed(_engine, 1, args, batch, 1, False,
+                                                                            timeout=3600),
+                "zerospeed init_inference, tp = 2": lambda: run_distributed(_engine, 2, args, batch, 2, False,
+                                                                            timeout=3600),
+                "zerospeed paged server": lambda: run_distributed(_paged, 1, args, batch, timeout=3600),
+                "ZeRO-Inference, offload_param cpu": lambda: run_distributed(_engine, 1, args, batch, 1, True,
+                                                                             timeout=3600),
+                "ZeRO-Inference int8, offload_param cpu": lambda: run_distributed(_engine, 1, args, batch, 1, True, 8,
+                                                                                  timeout=3600),
+                "ZeRO-Inference int4, offload_param cpu": lambda: run_distributed(_engine, 1, args, batch, 1, True, 4,
+                                                                                  timeout=3600)}
+        variants = {name: run() for name, run in runs.items()
+                    if name == "transformers generate" or not args.only or any(o in name for o in args.only)}
         base = variants["transformers generate"][0]["tok_s"]
         for name, results in variants.items():
             r = min(results, key=lambda x: x["tok_s"])  # the slowest rank
             note = ""
             if "read_model_ms" in r:
-                note = f"per token / read model once = {r['per_token_ms'] / r['read_model_ms']:.1f}"
+                note = (f"parameters {r['param_mib']:.1f} MiB; per token / read them once = "
+                        f"{r['per_token_ms'] / r['read_model_ms']:.1f}")
             if "waste" in r:
                 note = f"KV block waste {r['waste']:.1%}"
             rows.append((batch, name, r, r["tok_s"] / base, max(x["rss"] for x in results), note))
-        same = run_distributed(_interleaved, 1, args, batch, timeout=3600)[0]
-        interleaved.append((batch, same["plain"], same["engine"]))
+        if not args.no_interleaved:
+            same = run_distributed(_interleaved, 1, args, batch, timeout=3600)[0]
+            interleaved.append((batch, same["plain"], same["engine"]))
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; Llama {args.layers} "
           f"layers x {args.width}, {args.heads} heads ({args.kv_heads} kv), vocab {args.vocab}, fp32, greedy, "
           f"prompt {args.prompt}, new {args.new}\n")

@@ -7,6 +7,7 @@ import torch
 import zerospeed
 from zerospeed import comm
 from zerospeed.testing import reference_train, run_distributed, split_global_batch
+from zerospeed.testing.reference import fake_quantize_stage3_units
 
 VOCAB, D, RANK, LAYERS, SEQ = 128, 384, 4, 4, 8
 MICRO, GAS, STEPS, WORLD = 2, 2, 4, 2
@@ -142,37 +143,15 @@ def run(tmp_path_factory):
     return {name: [r[name] for r in runs] for name in VARIANTS}
 
 
-def _chunks(model, world):
-    """Each frozen unit (a module's own frozen parameters, flattened in order, zero-padded to a multiple of
-    4 x world) as (its parameters, the padded flat tensor) — the flat-layout partition's formula."""
-    seen, out = set(), []
-    for m in model.modules():
-        ps = [p for p in m.parameters(recurse=False) if not p.requires_grad and id(p) not in seen]
-        seen |= {id(p) for p in ps}
-        if ps:
-            flat = torch.cat([p.detach().reshape(-1) for p in ps])
-            padded = -(-flat.numel() // (4 * world)) * 4 * world
-            out.append((ps, torch.cat([flat, flat.new_zeros(padded - flat.numel())])))
-    return out
-
-
-@torch.no_grad()
-def _fake_quantize_frozen(model, world):
-    """The frozen weights as every rank stores its chunk of them: int8 blocks of 512, one scale each."""
-    from zerospeed.ops.quantizer import dequantize_blocks, quantize_blocks
-    for ps, flat in _chunks(model, world):
-        deq = torch.cat([dequantize_blocks(quantize_blocks(c, 8, 512)) for c in flat.chunk(world)])
-        offset = 0
-        for p in ps:
-            p.copy_(deq[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+def _int8(name, module):
+    return 8, 512, True
 
 
 def _reference(quantized=False):
     torch.manual_seed(0)
     ref = LoraNet()
     if quantized:
-        _fake_quantize_frozen(ref, WORLD)
+        fake_quantize_stage3_units(ref, WORLD, _int8)
     opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
     losses = reference_train(ref, opt, batches(WORLD), world_size=WORLD, grad_accum=GAS)
     return ref, losses
@@ -182,7 +161,7 @@ def _stored_bytes(world):
     """Bytes of one rank's int8-stored frozen shards: codes + one fp32 scale per 512 (per unit)."""
     from zerospeed.ops.quantizer import wire_bytes
     torch.manual_seed(0)
-    return [wire_bytes(flat.numel() // world, 8, 512) for _, flat in _chunks(LoraNet(), world)]
+    return [wire_bytes(chunk, 8, 512) for _, chunk, _ in fake_quantize_stage3_units(LoraNet(), world, _int8)]
 
 
 @pytest.mark.timeout(240)

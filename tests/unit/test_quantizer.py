@@ -134,3 +134,21 @@ def test_ds_quantizer_fake_quantizes_by_groups():
     assert torch.equal(y, ds_quantizer(y, groups=4, bit_num=8))  # already on the grid
     with pytest.raises(ValueError, match="groups=3"):
         ds_quantizer(x, groups=3)
+
+
+@pytest.mark.parametrize("bits,symmetric", [(8, True), (8, False), (4, True), (4, False)])
+@pytest.mark.parametrize("n", [24, 29])  # whole blocks of 8, and a short last block
+def test_dequantize_into_a_buffer_is_the_block_formula(bits, symmetric, n):
+    from zerospeed.ops.quantizer import dequantize_blocks_into
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    q = quantize_blocks(x, bits, 8, symmetric)
+    codes = (unpack_int4(q.codes, n) if bits == 4 else q.codes).float()
+    want = torch.empty(n)
+    for b in range(math.ceil(n / 8)):  # per block: x' = (code - 2^(bits-1)) s, or code s + min
+        c = codes[8 * b:8 * b + 8]
+        want[8 * b:8 * b + 8] = (c - 2 ** (bits - 1)) * q.scale[b] if symmetric else c * q.scale[b] + q.minimum[b]
+    out = torch.full((n,), float("nan"))
+    dequantize_blocks_into(q, out)
+    assert torch.equal(out, want)
+    half = torch.empty(n, dtype=torch.bfloat16)
+    assert torch.equal(dequantize_blocks_into(q, half), want.to(torch.bfloat16))

@@ -8,6 +8,7 @@ kind (and so per group):
 | kind                      | collective                              | payload bytes                    |
 |---------------------------|-----------------------------------------|----------------------------------|
 | `all_gather_int8`         | qwZ all-gather over the whole group (also of int8-stored frozen shards) | N x wire_bytes(chunk, 8) |
+| `all_gather_int4`         | all-gather of int4-stored frozen shards (ZeRO-Inference) | N x wire_bytes(chunk, 4) |
 | `all_gather_hpz`          | hpZ secondary all-gather (sub-group)    | the full tensor, param dtype     |
 | `reduce_scatter_int4`     | qgZ all-to-all (single level)           | N x wire_bytes(chunk, 4)          |
 | `reduce_scatter_int4_intra` / `_inter` | qgZ hierarchical: within / across sub-groups | the send buffer   |
@@ -31,7 +32,8 @@ import torch.distributed as dist
 
 from zerospeed.comm import backend
 from zerospeed.comm.backend import STATS, _check_tensors, _is_gloo, get_rank, get_world_size
-from zerospeed.ops.quantizer import dequantize_blocks, from_bytes, quantize_blocks, to_bytes, wire_bytes
+from zerospeed.ops.quantizer import (dequantize_blocks, dequantize_blocks_into, from_bytes, quantize_blocks, to_bytes,
+                                     wire_bytes)
 
 WEIGHT_BITS, WEIGHT_BLOCK = 8, 512  # qwZ: int8, one fp32 scale per 512 elements
 GRAD_BITS, GRAD_BLOCK = 4, 256  # qgZ: int4, one fp32 scale per 256 elements
@@ -101,23 +103,23 @@ def all_gather_quantized(output: torch.Tensor, input: torch.Tensor, group=None, 
 
 
 def all_gather_packed(output: torch.Tensor, packed: torch.Tensor, numel: int, group=None, async_op: bool = False,
-                      bits: int = WEIGHT_BITS, block_size: int = WEIGHT_BLOCK):
+                      bits: int = WEIGHT_BITS, block_size: int = WEIGHT_BLOCK, symmetric: bool = True):
     """`all_gather_into_tensor` of shards already block-quantized (`to_bytes` buffers of `numel`
     elements, equal on every rank): exchanged as they are, rank r's dequantized into slice r of `output`.
     qwZ quantizes before calling it; `zero_quantized_nontrainable_weights` stores its shards so."""
     world = get_world_size(group)
     if world == 1:
-        return _done(lambda: output.view(-1).copy_(
-            dequantize_blocks(from_bytes(packed, numel, bits, block_size), output.dtype)), async_op)
+        return _done(lambda: dequantize_blocks_into(from_bytes(packed, numel, bits, block_size, symmetric), output),
+                     async_op)
     recv = torch.empty(world * packed.numel(), dtype=torch.uint8, device=packed.device)
     _check_tensors("all_gather_packed", group, output, packed)
 
     def finish():
         rows, out = recv.view(world, -1), output.view(world, numel)
         for r in range(world):
-            out[r].copy_(dequantize_blocks(from_bytes(rows[r], numel, bits, block_size), output.dtype))
+            dequantize_blocks_into(from_bytes(rows[r], numel, bits, block_size, symmetric), out[r])
 
-    return _launch("all_gather_int8", recv.numel(), (world - 1) * packed.numel(), group,
+    return _launch(f"all_gather_int{bits}", recv.numel(), (world - 1) * packed.numel(), group,
                    lambda a: _gather_bytes(recv, packed, group, a), finish, async_op)
 
 

@@ -48,7 +48,7 @@ class InferenceEngine(nn.Module):
                      ranks=[0], level=logging.INFO)
         self._load_and_shard(model, config)
         self.quantized: dict[str, int] = {}
-        if config.weight_quantization():
+        if config.weight_quantization() and config.zero.stage != 3:  # (ZeRO-Inference: its shards, zero.py)
             from zerospeed.inference.quantize import quantize_model, settings_from_config
             try:
                 self.quantized = quantize_model(model, settings_from_config(config.quant.weight))
@@ -56,7 +56,7 @@ class InferenceEngine(nn.Module):
                 raise ConfigError(f"quant.weight: {exc}") from None
         if config.zero.stage == 3:
             from zerospeed.inference.zero import zero_inference_engine
-            self.zero_engine = zero_inference_engine(model, config)
+            self.zero_engine, self.quantized = zero_inference_engine(model, config)
         else:
             model.to(config.dtype)
             if not config.keep_module_on_host:

@@ -54,3 +54,34 @@ def reference_train(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             scheduler.step()
         losses.append(total / n_micro)
     return losses
+
+
+@torch.no_grad()
+def fake_quantize_stage3_units(model: torch.nn.Module, world: int,
+                               settings: Callable[[str, torch.nn.Module], tuple | None]) -> list[tuple[str, int, tuple | None]]:
+    """Write into a plain model's frozen weights the values stage 3 computes with when it stores their
+    shards block-quantized: each module's own frozen parameters (the first module registering a tied
+    one owns it) flattened in order and zero-padded to a multiple of 4 x `world` (the flat-layout
+    formula), each of the `world` equal chunks quantized on its own by `settings(name, module)` =
+    (bits, block, symmetric) and dequantized. Returns (module name, chunk elements, settings or None)
+    per frozen unit, in module order."""
+    from zerospeed.ops.quantizer import dequantize_blocks, quantize_blocks
+    seen, units = set(), []
+    for name, m in model.named_modules():
+        ps = [p for p in m.parameters(recurse=False) if not p.requires_grad and id(p) not in seen]
+        seen |= {id(p) for p in ps}
+        if not ps:
+            continue
+        flat = torch.cat([p.detach().reshape(-1).float() for p in ps])
+        padded = -(-flat.numel() // (4 * world)) * 4 * world
+        chosen = settings(name, m)
+        units.append((name, padded // world, chosen))
+        if not chosen:
+            continue
+        flat = torch.cat([flat, flat.new_zeros(padded - flat.numel())])
+        deq = torch.cat([dequantize_blocks(quantize_blocks(c, *chosen)) for c in flat.chunk(world)])
+        offset = 0
+        for p in ps:
+            p.copy_(deq[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+    return units

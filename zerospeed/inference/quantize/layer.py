@@ -99,6 +99,30 @@ def settings_from_config(weight_config) -> Callable[[str], dict | None]:
     return settings_for
 
 
+def _checked(name: str, settings: dict) -> tuple[int, int, bool]:
+    """(num_bits, group_size, symmetric) of one layer's settings; unknown keys are an error."""
+    unknown = set(settings) - {"num_bits", "group_size", "group_dim", "symmetric"}
+    if unknown or settings.get("group_dim", 1) != 1:
+        raise ValueError(f"quantization settings for {name!r}: {sorted(unknown) or 'group_dim must be 1'}; "
+                         "known keys: num_bits, group_size, group_dim (1: groups along the input features), "
+                         "symmetric")
+    bits, group_size = int(settings.get("num_bits", 8)), int(settings.get("group_size", 64))
+    if bits not in (4, 8) or group_size < 1:
+        raise ValueError(f"quantization settings for {name!r}: num_bits = {bits}, group_size = {group_size}; "
+                         "weight-only quantization supports num_bits 4 and 8 and a positive group_size")
+    return bits, group_size, bool(settings.get("symmetric", False))
+
+
+def stage3_settings(settings_for: Callable[[str], dict | None]) -> Callable[[str, nn.Module], tuple | None]:
+    """ZeRO-Inference (Note [quantized ZeRO-Inference shards], inference/zero.py): for a linear layer the
+    (bits, block, symmetric) its stored shard is block-quantized with — `group_size` consecutive elements
+    per scale — or None."""
+    def settings(name: str, module: nn.Module) -> tuple | None:
+        found = settings_for(name) if _as_linear(module) is not None else None
+        return _checked(name, found) if found else None
+    return settings
+
+
 def quantize_model(model: nn.Module, settings_for: Callable[[str], dict | None]) -> dict[str, int]:
     """Replace matching linear layers in place; returns {layer name: bits}."""
     tied = None
@@ -113,23 +137,16 @@ def quantize_model(model: nn.Module, settings_for: Callable[[str], dict | None])
         settings = settings_for(name) if found is not None and module is not tied else None
         if not settings:
             continue
-        unknown = set(settings) - {"num_bits", "group_size", "group_dim", "symmetric"}
-        if unknown or settings.get("group_dim", 1) != 1:
-            raise ValueError(f"quantization settings for {name!r}: {sorted(unknown) or 'group_dim must be 1'}; "
-                             "known keys: num_bits, group_size, group_dim (1: groups along the input features), "
-                             "symmetric")
+        bits, group_size, symmetric = _checked(name, settings)
         weight, bias = found
         if parallel:  # Note [quantized tensor-parallel layers]
             try:
-                _quantize_tensor_parallel(module, int(settings.get("num_bits", 8)), int(settings.get("group_size", 64)),
-                                          bool(settings.get("symmetric", False)))
+                _quantize_tensor_parallel(module, bits, group_size, symmetric)
             except ValueError as exc:
                 raise ValueError(f"layer {name!r} (this rank's tensor-parallel slice): {exc}") from None
             done[name] = module.bits
             continue
-        new = QuantizedLinear(weight, bias, bits=int(settings.get("num_bits", 8)),
-                              group_size=int(settings.get("group_size", 64)),
-                              symmetric=bool(settings.get("symmetric", False)))
+        new = QuantizedLinear(weight, bias, bits=bits, group_size=group_size, symmetric=symmetric)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
         done[name] = new.bits

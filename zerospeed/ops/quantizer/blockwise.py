@@ -128,6 +128,29 @@ def dequantize_blocks(q: BlockQuantized, dtype: torch.dtype = torch.float32) -> 
     return out.reshape(-1)[:q.numel].to(dtype)
 
 
+def dequantize_blocks_into(q: BlockQuantized, out: torch.Tensor) -> torch.Tensor:
+    """`out.view(-1).copy_(dequantize_blocks(q, out.dtype))` without the temporaries: an fp32 `out` takes
+    the codes, then the scale (and minimum) in place, block by block — the same operations in the same
+    order, so the result is bit-identical — in three passes over `out` instead of six and no
+    allocation of its size (what a gather of stored shards pays per token in ZeRO-Inference). Other
+    dtypes round once at the end, as `dequantize_blocks` does, through it."""
+    flat = out.view(-1)
+    if out.dtype != torch.float32 or q.numel == 0:
+        return flat.copy_(dequantize_blocks(q, out.dtype))
+    flat.copy_(unpack_int4(q.codes, q.numel) if q.bits == 4 else q.codes)
+    whole = q.numel // q.block_size
+    tail = q.numel - whole * q.block_size
+    parts = [(flat[:whole * q.block_size].view(whole, q.block_size), slice(0, whole))]
+    if tail:
+        parts.append((flat[whole * q.block_size:].view(1, tail), slice(whole, whole + 1)))
+    for v, rows in parts:
+        if q.symmetric:
+            v.sub_(2 ** (q.bits - 1)).mul_(q.scale[rows, None])
+        else:
+            v.mul_(q.scale[rows, None]).add_(q.minimum[rows, None])
+    return flat
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """Codes in [0, 15] (uint8, flat) two per byte: element 2i in the low nibble of byte i, 2i + 1 in
     the high one (an odd count leaves the last high nibble 0)."""

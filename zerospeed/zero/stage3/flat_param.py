@@ -120,7 +120,7 @@ class FlatParam:
         # ZeRO++ (set by the strategy): qwZ for training fetches; hpZ's sub-group and secondary shard
         # (Note [ZeRO++ gather routes])
         self.quantize_gathers = False
-        self.stored_int8 = False  # the shard is kept block-quantized (store_int8)
+        self.stored: tuple[int, int, bool] | None = None  # (bits, block, symmetric) of a block-quantized shard
         self.hpz = None  # comm AxisGroup of the hpZ sub-group
         self.secondary: torch.Tensor | None = None
         self._point_params_at_nothing()
@@ -140,7 +140,7 @@ class FlatParam:
 
     def route(self, training: bool) -> Route:
         """How a gather of this flat parameter travels (Note [ZeRO++ gather routes])."""
-        if self.stored_int8 and not (training and self.secondary is not None):
+        if self.stored is not None and not (training and self.secondary is not None):
             return Route.STORED
         if not training:
             return Route.EXACT
@@ -218,19 +218,22 @@ class FlatParam:
             self._set_shard(self.master)
 
     @torch.no_grad()
-    def store_int8(self) -> None:
-        """Keep the shard block-quantized to int8 from now on (`zero_quantized_nontrainable_weights`, for
-        a frozen flat parameter: Note [int8-stored frozen shards] in zeropp.py); its gathers then travel
-        the shards as stored (Route.STORED)."""
+    def store_quantized(self, bits: int = WEIGHT_BITS, block: int = WEIGHT_BLOCK, symmetric: bool = True) -> None:
+        """Keep the shard block-quantized from now on (`ops.quantizer`'s wire format: `bits` per element,
+        one scale per `block` elements, and a minimum when asymmetric), for a frozen flat parameter
+        (Note [int8-stored frozen shards] in zeropp.py; ZeRO-Inference's quantized weights); its
+        gathers then exchange the shards as stored (Route.STORED)."""
         if self.master is not None or self.swap is not None:
             raise ValueError("only a frozen flat parameter held in memory can be stored quantized")
-        self.shard = to_bytes(quantize_blocks(self.shard, WEIGHT_BITS, WEIGHT_BLOCK))
-        self.stored_int8 = True
+        if self.stored is not None:
+            raise ValueError(f"flat parameter {self.index} is stored quantized already")
+        self.shard = to_bytes(quantize_blocks(self.shard, bits, block, symmetric))
+        self.stored = (bits, block, symmetric)
 
     def _set_shard(self, values: torch.Tensor) -> None:
         self.secondary = None
-        if self.stored_int8:
-            self.shard.copy_(to_bytes(quantize_blocks(values, WEIGHT_BITS, WEIGHT_BLOCK)))
+        if self.stored is not None:
+            self.shard.copy_(to_bytes(quantize_blocks(values, *self.stored)))
         elif self.swap is not None:
             self.swap.write_shard(self, values)
         else:

@@ -122,7 +122,9 @@ class GatherBatch:
             self.recv = torch.empty(world * send.numel(), dtype=first.dtype, device=device)
         gather = {Route.EXACT: comm.all_gather_into_tensor, Route.QUANTIZED: zeropp.all_gather_quantized,
                   Route.SECONDARY: zeropp.all_gather_secondary,
-                  Route.STORED: functools.partial(zeropp.all_gather_packed, numel=first.layout.chunk)}[self.route]
+                  Route.STORED: functools.partial(zeropp.all_gather_packed, numel=first.layout.chunk,
+                                                  bits=first.stored[0], block_size=first.stored[1],
+                                                  symmetric=first.stored[2]) if first.stored else None}[self.route]
         self.handle = gather(self.recv, send, group=self.group, async_op=True)
         self.tags = torch.empty(world, dtype=torch.float64, device=device)
         mine = torch.tensor([_code([fp.index for fp in self.fps])], dtype=torch.float64, device=device)

@@ -210,9 +210,26 @@ class Stage3Strategy(ShardedOptimizerBase):
             fp.quantize_gathers = self.zeropp.quantized_weights
             fp.hpz = next((h[0] for g, h in hierarchies if g is fp.dp_group), None)
         if self.zeropp.quantized_nontrainable:  # MixZ++: Note [int8-stored frozen shards] (zeropp.py)
-            for fp in self.frozen:
-                fp.store_int8()
+            self.quantize_frozen(lambda name, module: (zcomm.WEIGHT_BITS, zcomm.WEIGHT_BLOCK, True))
         return hierarchies
+
+    def quantize_frozen(self, settings) -> dict[str, tuple[int, int, bool]]:
+        """Store the shards of frozen units block-quantized: `settings(module name, module)` gives (bits,
+        block, symmetric) for the module whose own frozen parameters form the unit, or None to leave it.
+        Returns {module name: settings} of the units quantized (local: every rank decides alike)."""
+        frozen = {id(fp) for fp in self.frozen}
+        seen, done = set(), {}
+        for name, m in self.module.named_modules():  # the owner (first registrant) decides, not a tied user
+            for p in m.parameters(recurse=False):
+                fp = registry.owner_of(p)
+                if fp is None or id(fp) not in frozen or id(fp) in seen:
+                    continue
+                seen.add(id(fp))
+                chosen = settings(name, m) if fp.stored is None else None
+                if chosen:
+                    fp.store_quantized(*chosen)
+                    done[name] = tuple(chosen)
+        return done
 
     def _map_uses(self, owner_unit: dict[int, list[FlatParam]]) -> None:
         for m in self.module.modules():
