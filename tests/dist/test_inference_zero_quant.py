@@ -1,5 +1,5 @@
 """ZeRO-Inference with weight-only int8 / int4 quantization of the stored shards (Note [quantized
-ZeRO-Inference shards]): two ranks, parameters offloaded to CPU memory, against plain transformers with
+ZeRO-Inference shards]): two ranks, parameters offloaded to CPU memory (int8 also to NVMe files), against plain transformers with
 each linear layer's rank chunks fake-quantized by the block formula — logits, greedy tokens, the bytes a
 census finds per rank and the bytes one forward gathers."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ from zerospeed.testing.reference import fake_quantize_stage3_units
 WORLD, NEW = 2, 5
 QUANT = {"int8": {"num_bits": 8, "group_size": 64},  # DeepSpeed's default: asymmetric
          "int4": {"num_bits": 4, "group_size": 32, "symmetric": True}}
+SERVED = {"int8": ("int8", "cpu"), "int4": ("int4", "cpu"), "int8, nvme": ("int8", "nvme")}
 
 
 def make():
@@ -37,29 +38,33 @@ def ids():
     return torch.randint(2, 96, (2, 7), generator=torch.Generator().manual_seed(3))
 
 
-def _served():
+def _served(nvme_dir):
     import zerospeed
     from zerospeed import comm
     from zerospeed.testing import census
     out = {}
-    for name, settings in QUANT.items():
+    for name, (quant, device) in SERVED.items():
         model = make()
+        offload = {"device": device, **({"nvme_path": nvme_dir} if device == "nvme" else {})}
         engine = zerospeed.init_inference(model, dtype=torch.float32, quant={"weight": {
-            "quantized_initialization": settings}}, zero={"stage": 3, "offload_param": {"device": "cpu"},
-                                                          "stage3_param_persistence_threshold": 0})
+            "quantized_initialization": QUANT[quant]}}, zero={"stage": 3, "offload_param": offload,
+                                                              "stage3_param_persistence_threshold": 0})
         held = census.live_tensor_bytes()
         comm.STATS.reset()
+        swap = engine.zero_engine.zero.param_swapper
+        before = swap.file.bytes_read if swap else 0
         logits = engine(ids()).logits
         traffic = comm.STATS.snapshot()
+        read = swap.file.bytes_read - before if swap else 0
         out[name] = {"logits": logits, "tokens": engine.generate(input_ids=ids(), max_new_tokens=NEW, do_sample=False),
-                     "census": held, "traffic": traffic, "quantized": engine.quantized}
+                     "census": held, "traffic": traffic, "quantized": engine.quantized, "read": read}
         del engine, model, logits
     return out
 
 
 @pytest.fixture(scope="module")
-def served():
-    return run_distributed(_served, WORLD, timeout=150)
+def served(tmp_path_factory):
+    return run_distributed(_served, WORLD, str(tmp_path_factory.mktemp("nvme")), timeout=150)
 
 
 def _reference(name):
@@ -75,20 +80,25 @@ def _reference(name):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("name", list(QUANT))
+@pytest.mark.parametrize("name", list(SERVED))
 def test_quantized_zero_inference_matches_fake_quantized_transformers(served, name):
-    logits, tokens, stored, plain = _reference(name)
+    quant, device = SERVED[name]
+    logits, tokens, stored, plain = _reference(quant)
     assert make()(ids()).logits.sub(logits).abs().max() > 1e-3  # the quantization does change the model
-    bits = QUANT[name]["num_bits"]
+    bits = QUANT[quant]["num_bits"]
     for rank, res in enumerate(served):
         r = res[name]
         assert sorted(r["quantized"]) == sorted(stored) and set(r["quantized"].values()) == {bits}
         assert (r["logits"] - logits).abs().max() <= 1e-5, rank
         assert torch.equal(r["tokens"], tokens), f"rank {rank}:\n{r['tokens']}\n!=\n{tokens}"
         # what this rank holds: the quantized linear shards (codes + scales [+ minimums]) and the other
-        # shards in fp32; 64 KiB for the inputs and what torch keeps
+        # shards in fp32; 64 KiB for the inputs and what torch keeps (NVMe: the shards are in the file)
         held = sum(stored.values()) + sum(plain.values())
-        assert held <= r["census"] <= held + (64 << 10), (rank, r["census"], held)
+        if device == "cpu":
+            assert held <= r["census"] <= held + (64 << 10), (rank, r["census"], held)
+        else:  # one forward reads every shard from the file once, as stored (slots padded to 4 KiB)
+            pages = sum(-(-n // 4096) * 4096 for n in [*stored.values(), *plain.values()])
+            assert held <= r["read"] <= pages, (rank, r["read"], held, pages)
         # one forward gathers every quantized unit once, as stored
         assert r["traffic"][f"all_gather_int{bits}"]["payload_bytes"] == WORLD * sum(stored.values())
 

@@ -27,12 +27,12 @@ def test_hpz_refused_with_parameter_offload():
         ZeroPPPolicy.from_config(_zero(stage=3, zero_hpz_partition_size=2), offload_param="cpu")
 
 
-def test_nontrainable_weights_at_stage3_only_and_not_with_nvme_parameters():
+def test_nontrainable_weights_at_stage3_only():
     assert ZeroPPPolicy.from_config(_zero(stage=3, zero_quantized_nontrainable_weights=True)) == \
         ZeroPPPolicy(quantized_nontrainable=True)
     assert ZeroPPPolicy.from_config(_zero(stage=3, zero_quantized_nontrainable_weights=True),
                                     offload_param="cpu").quantized_nontrainable
     with pytest.raises(ConfigError, match="zero_quantized_nontrainable_weights=true: .*stage is 2; set stage to 3"):
         ZeroPPPolicy.from_config(_zero(stage=2, zero_quantized_nontrainable_weights=True))
-    with pytest.raises(ConfigError, match="zero_quantized_nontrainable_weights=true with offload_param.device='nvme'"):
-        ZeroPPPolicy.from_config(_zero(stage=3, zero_quantized_nontrainable_weights=True), offload_param="nvme")
+    assert ZeroPPPolicy.from_config(_zero(stage=3, zero_quantized_nontrainable_weights=True),
+                                    offload_param="nvme").quantized_nontrainable

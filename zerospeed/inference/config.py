@@ -206,11 +206,6 @@ class DeepSpeedInferenceConfig(StrictModel):
                             "checkpoint is not implemented; consolidate it first (zerospeed.checkpoint)")
         if self.replace_with_kernel_inject and self.injection_policy:
             problems.append("replace_with_kernel_inject and injection_policy: give one (DeepSpeed refuses both too)")
-        if self.weight_quantization() and self.zero.stage == 3 and self.zero.offload_param is not None \
-                and self.zero.offload_param.device == "nvme":
-            problems.append("quant.weight with zero.offload_param.device nvme: the parameter swap files hold "
-                            "parameter-dtype shards, not quantized ones; offload to cpu (the quantized shards then "
-                            "live in host memory) or leave quant.weight out")
         if self.zero.stage not in (0, 3):
             problems.append(f"zero.stage: {self.zero.stage}: ZeRO-Inference is stage 3 (with offload_param); "
                             "use 3 or leave zero out")

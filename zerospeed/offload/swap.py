@@ -106,6 +106,7 @@ class SwapFile:
         token = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._path = pathlib.Path(directory) / f"zerospeed-{name}-{token}.swp"
         self._slots: dict[Hashable, _Slot] = {}
+        self.bytes_read = 0  # requested by read / read_run since creation (for benchmarks and tests)
         self._nbytes = 0
         self._file_size: int | None = None  # None until allocate() created the file
         self._pending: list[IORequest] = []
@@ -192,7 +193,9 @@ class SwapFile:
 
     def read_run(self, keys: list, out: torch.Tensor) -> IORequest:
         """Read consecutive slots as ONE request into ``out`` (the layout of `write_run`)."""
-        return self._track(self._aio.read(out, self._path, self._run(keys, out, "read_run")))
+        offset = self._run(keys, out, "read_run")
+        self.bytes_read += out.nbytes
+        return self._track(self._aio.read(out, self._path, offset))
 
     def _run(self, keys: list, tensor: torch.Tensor, op: str) -> int:
         self._check_open()
@@ -207,6 +210,7 @@ class SwapFile:
     def read(self, key: Hashable, out: torch.Tensor) -> IORequest:
         """Start reading ``key``'s slot into ``out`` (numel and dtype of the slot); returns the request."""
         slot = self._checked(key, out, "read")
+        self.bytes_read += out.nbytes
         return self._track(self._aio.read(out, self._path, slot.offset))
 
     def close(self) -> None:

@@ -121,6 +121,7 @@ class FlatParam:
         # (Note [ZeRO++ gather routes])
         self.quantize_gathers = False
         self.stored: tuple[int, int, bool] | None = None  # (bits, block, symmetric) of a block-quantized shard
+        self.stored_nbytes = 0  # its bytes (codes, scales, minimums)
         self.hpz = None  # comm AxisGroup of the hpZ sub-group
         self.secondary: torch.Tensor | None = None
         self._point_params_at_nothing()
@@ -223,17 +224,27 @@ class FlatParam:
         one scale per `block` elements, and a minimum when asymmetric), for a frozen flat parameter
         (Note [int8-stored frozen shards] in zeropp.py; ZeRO-Inference's quantized weights); its
         gathers then exchange the shards as stored (Route.STORED)."""
-        if self.master is not None or self.swap is not None:
-            raise ValueError("only a frozen flat parameter held in memory can be stored quantized")
+        if self.master is not None:
+            raise ValueError("only a frozen flat parameter (no master) can be stored quantized")
         if self.stored is not None:
             raise ValueError(f"flat parameter {self.index} is stored quantized already")
-        self.shard = to_bytes(quantize_blocks(self.shard, bits, block, symmetric))
+        packed = to_bytes(quantize_blocks(self.shard if self.swap is None else self.swap.read_shard(self),
+                                          bits, block, symmetric))
+        self.stored_nbytes = packed.numel()
+        if self.swap is not None:  # (offload_param nvme: a slot of its own, Note in offload/param_swap.py)
+            self.swap.write_packed(self, packed)
+        else:
+            self.shard = packed
         self.stored = (bits, block, symmetric)
 
     def _set_shard(self, values: torch.Tensor) -> None:
         self.secondary = None
         if self.stored is not None:
-            self.shard.copy_(to_bytes(quantize_blocks(values, *self.stored)))
+            packed = to_bytes(quantize_blocks(values, *self.stored))
+            if self.swap is not None:
+                self.swap.write_packed(self, packed)
+            else:
+                self.shard.copy_(packed)
         elif self.swap is not None:
             self.swap.write_shard(self, values)
         else:

@@ -24,8 +24,8 @@ GatheredParameters) exchanges the stored bytes as they are and dequantizes them 
 buffer: the model computes with the dequantized frozen weights, each rank's chunk quantized on its
 own (the quantization error is fixed at partition time, not redrawn per gather as qwZ's). A checkpoint
 saves the dequantized values; loading re-quantizes them, which reproduces the same codes. A
-modification through GatheredParameters is re-quantized. With `offload_param.device: nvme` it is
-refused (the swap files hold parameter-dtype shards).
+modification through GatheredParameters is re-quantized. With `offload_param.device: nvme` the swap
+file holds the stored bytes (offload/param_swap.py).
 """
 from __future__ import annotations
 
@@ -60,11 +60,6 @@ class ZeroPPPolicy:
                               f"{offload_param!r}: hpZ's secondary shards live in device memory, which offloading the "
                               "parameters is meant to free; use one of them (set zero_hpz_partition_size to 1 or "
                               "offload_param.device to none)")
-        if zero.zero_quantized_nontrainable_weights and offload_param == "nvme":
-            raise ConfigError("zero_optimization.zero_quantized_nontrainable_weights=true with offload_param.device="
-                              "'nvme': the parameter swap files hold parameter-dtype shards, not int8 ones; use one of "
-                              "them (set zero_quantized_nontrainable_weights to false or offload_param.device to cpu "
-                              "or none)")
         return cls(bool(zero.zero_quantized_weights), hpz, bool(zero.zero_quantized_gradients),
                    bool(zero.zero_quantized_nontrainable_weights))
 
