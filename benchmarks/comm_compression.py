@@ -8,7 +8,10 @@ every variant. The 1-bit optimizers are measured in their compressed stage (free
 `--warmup`: the measured steps come after it); 0/1 Adam twice, synchronising every step and with local
 steps (every 4th step synchronises); 1-bit Adam also at ZeRO-1 and ZeRO-2, where the compressed stage
 still all-gathers the updated parameters every step. ZeRO++ variants (stage 3, and each of qwZ / qgZ / hpZ) run with
-`--zeropp` when the stage-3 switches are available.
+`--zeropp` when the stage-3 switches are available. `--lora`: the same GPT with LoRA adapters (peft, rank 8,
+on every linear layer) over a frozen base at stage 3, whose frozen weights are partitioned, with and without
+`zero_quantized_nontrainable_weights` (int8-stored frozen shards); "param MiB / rank" is what the engine
+holds of the parameters (`memory_breakdown()["parameters"]`).
 
 - step s: the median over the measured steps of the slowest rank's forward + backward + step time.
 - wire MiB / rank / step: what the zerospeed gateway counted leaving one rank (`comm.STATS` wire bytes;
@@ -55,6 +58,12 @@ ZEROPP = {  # name: (zero_optimization extras, counterpart)
 }
 
 
+LORA = {  # name: (zero_optimization extras, counterpart)
+    "ZeRO-3 LoRA (frozen base partitioned)": ({}, None),
+    "ZeRO-3 LoRA + zero_quantized_nontrainable_weights": ({"zero_quantized_nontrainable_weights": True},
+                                                          "ZeRO-3 LoRA (frozen base partitioned)"),
+}
+
 INTRA_KINDS = ("all_gather_hpz", "reduce_scatter_int4_intra")  # collectives inside an hpZ sub-group ("node")
 
 
@@ -90,12 +99,18 @@ def _measure(step, args, rank) -> dict:
             "inter_mib": (wire - intra) / args.steps / 2**20}
 
 
-def _zerospeed(args, opt_type: str, params: dict, stage: int, zero_extra: dict) -> dict:
+def _lora(model):
+    from peft import LoraConfig, inject_adapter_in_model
+    model.requires_grad_(False)
+    return inject_adapter_in_model(LoraConfig(r=8, lora_alpha=16, target_modules=["qkv", "proj", "fc"]), model)
+
+
+def _zerospeed(args, opt_type: str, params: dict, stage: int, zero_extra: dict, lora: bool = False) -> dict:
     import zerospeed
     from zerospeed import comm
     params = {k: (args.warmup - 1 if v is None else v) for k, v in params.items()}
     params.setdefault("lr", 1e-3 if "Lamb" not in opt_type else 1e-2)
-    model = _model(args)
+    model = _lora(_model(args)) if lora else _model(args)
     cfg = {"train_micro_batch_size_per_gpu": args.micro, "optimizer": {"type": opt_type, "params": params},
            "zero_optimization": {"stage": stage, **zero_extra}}
     engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -105,7 +120,9 @@ def _zerospeed(args, opt_type: str, params: dict, stage: int, zero_extra: dict) 
         engine.backward(loss)
         engine.step()
 
-    return _measure(step, args, comm.get_rank())
+    out = _measure(step, args, comm.get_rank())
+    out["param_mib"] = engine.zero.memory_breakdown(None)["parameters"] / 2**20
+    return out
 
 
 def _ddp(args) -> dict:
@@ -129,13 +146,17 @@ def _ddp(args) -> dict:
 
 def _all(args) -> dict:
     rows = {"PyTorch DDP + Adam": _ddp(args)}
-    for name, (opt_type, params, stage, _) in VARIANTS.items():
+    for name, (opt_type, params, stage, _) in ({} if args.only_extras else VARIANTS).items():
         rows[name] = _zerospeed(args, opt_type, dict(params), stage, {})
     if args.zeropp:
         for name, (extra, _) in ZEROPP.items():
             # every unit released after its use, so backward re-gathers it (what large models do; hpZ's case)
             rows[name] = _zerospeed(args, "Adam", {}, 3, {"stage3_param_persistence_threshold": 0,
                                                          "stage3_max_reuse_distance": 0, **extra})
+    if args.lora:
+        for name, (extra, _) in LORA.items():
+            rows[name] = _zerospeed(args, "Adam", {}, 3, {"stage3_param_persistence_threshold": 0,
+                                                         "stage3_max_reuse_distance": 0, **extra}, lora=True)
     return rows
 
 
@@ -149,24 +170,27 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--zeropp", action="store_true", help="also ZeRO-3 with the ZeRO++ switches")
+    p.add_argument("--lora", action="store_true", help="also LoRA at ZeRO-3, with and without int8 frozen shards")
+    p.add_argument("--only-extras", action="store_true", help="skip the optimizer rows (DDP still runs)")
     args = p.parse_args()
     from zerospeed.testing import run_distributed
     rows = run_distributed(_all, args.world, args, timeout=3600)[0]
     counterpart = {**{k: v[3] for k, v in VARIANTS.items()}, **{k: v[1] for k, v in ZEROPP.items()},
-                   "PyTorch DDP + Adam": None}
+                   **{k: v[1] for k, v in LORA.items()}, "PyTorch DDP + Adam": None}
     n = sum(p.numel() for p in _model(args).parameters())
     print(f"# comm compression — {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, gloo, {args.world} ranks; GPT {args.layers}x{args.width} ({n / 1e6:.2f} M params), "
           f"micro {args.micro} x {args.seq}, {args.steps} measured steps\n")
     print("| variant | step s | wire MiB / rank / step | of it outside the hpZ sub-group | bytes ratio | "
-          "outside-sub-group ratio | time ratio |")
-    print("|---|---|---|---|---|---|---|")
+          "outside-sub-group ratio | time ratio | param MiB / rank |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         base = rows.get(counterpart.get(name) or "")
         br = f"{r['wire_mib'] / base['wire_mib']:.3f}" if base else "—"
         ir = f"{r['inter_mib'] / base['inter_mib']:.3f}" if base else "—"
         tr = f"{r['step_s'] / base['step_s']:.2f}" if base else "—"
-        print(f"| {name} | {r['step_s']:.3f} | {r['wire_mib']:.3f} | {r['inter_mib']:.3f} | {br} | {ir} | {tr} |")
+        pm = f"{r['param_mib']:.2f}" if "param_mib" in r else "—"
+        print(f"| {name} | {r['step_s']:.3f} | {r['wire_mib']:.3f} | {r['inter_mib']:.3f} | {br} | {ir} | {tr} | {pm} |")
 
 
 if __name__ == "__main__":
