@@ -216,8 +216,13 @@ class OneBitOptimizer(torch.optim.Optimizer):
         return int(self.state[first].get("step", 0)) if first in self.state else 0
 
     def _steps_done(self) -> int:
-        """Steps every stepped parameter has taken (the engine may step a sharded model in sub-groups,
-        one optimizer.step() each: the stage switches only once the whole step is done)."""
+        """Steps every parameter has taken. A sharded engine steps its chunks in sub-groups, one
+        optimizer.step() each, and steps every chunk every step: a chunk with no state yet counts 0,
+        so the stage switches only once the whole step is done. Unsharded, a parameter that never got
+        a gradient (never stepped) does not hold the switch back."""
+        if self.shards:
+            return min((int(self.state[p].get("step", 0)) if p in self.state else 0
+                        for g in self.param_groups for p in g["params"]), default=0)
         return min((int(s["step"]) for s in self.state.values() if "step" in s), default=0)
 
 
