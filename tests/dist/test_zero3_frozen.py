@@ -101,6 +101,7 @@ def _train_save_load(root, cfg):
             h.remove()
         if step == 0:
             out["census"] = census.live_tensor_bytes()
+            out["breakdown"] = engine.memory_breakdown()
             out["unit_storages_between_steps"] = _unit_storages()
     comm.STATS.reset()  # one forward without gradients: every frozen unit gathered once, the embedding twice
     with torch.no_grad():
@@ -203,6 +204,14 @@ def test_int8_stored_frozen_shards_cut_memory_and_gather_bytes(run):
         expected = WORLD * (sum(units) + units[0])
         assert r["eval_traffic"]["all_gather_int8"]["payload_bytes"] == expected
     assert "all_gather_int8" not in run["plain"][0]["eval_traffic"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("variant", ["plain", "mixz"])  # (with NVMe the shards are in files: 0 in memory)
+def test_memory_breakdown_predicts_the_frozen_shards(run, variant):
+    for r in run[variant]:
+        measured, predicted = r["breakdown"]["measured"]["parameters"], r["breakdown"]["predicted"]["parameters"]
+        assert measured == pytest.approx(predicted, rel=0.01), (measured, predicted)
 
 
 @pytest.mark.timeout(240)

@@ -55,6 +55,8 @@ class EngineCore(torch.nn.Module):
         # data x sequence ranks, experts over expert-dp), for memory_breakdown
         self._group_sizes = [(sum(full_numel(p) for p in g["params"]), rg.world_size)
                              for g, rg in zip(param_groups, reduction)]
+        trained = {id(p) for g in param_groups for p in g["params"]}
+        self._frozen_numel = sum(full_numel(p) for p in self.module.parameters() if id(p) not in trained)
         self._broadcast_model(param_groups, reduction)
         # The strategy snapshots fp32 masters before the model is cast to 16-bit.
         self.zero = build_strategy(config, param_groups, reduction, module=self.module,
@@ -227,6 +229,10 @@ class EngineCore(torch.nn.Module):
             grad_bytes=torch.tensor([], dtype=self.precision.grad_accum_dtype).element_size(),
             master_bytes=4 if self.precision.mixed else 0,
             optim_bytes=OPTIMIZER_STATE_BYTES[optimizer_kind(self.optimizer)] if self.optimizer else 0)
+        if self.zero_optimization_stage() == 3 and self._frozen_numel:  # partitioned frozen parameters, as stored
+            stored = 1 + 4 / 512 if self.config.zero_optimization.zero_quantized_nontrainable_weights else pb
+            predicted["parameters"] = predicted.get("parameters", 0.0) + self._frozen_numel * stored / self.mesh.size(
+                "dp_sp")
         return {"measured": measured, "predicted": predicted}
 
     # -- checkpoints (zerospeed.checkpoint does the work) ----------------------------------------
