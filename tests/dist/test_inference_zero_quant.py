@@ -59,6 +59,14 @@ def _served(nvme_dir):
         out[name] = {"logits": logits, "tokens": engine.generate(input_ids=ids(), max_new_tokens=NEW, do_sample=False),
                      "census": held, "traffic": traffic, "quantized": engine.quantized, "read": read}
         del engine, model, logits
+    # DeepSpeed's ZeRO-Inference script: the training engine with a top-level weight_quantization section
+    model = make().requires_grad_(True)
+    engine, *_ = zerospeed.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "weight_quantization": {"quantized_initialization": QUANT["int8"]},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}})
+    with torch.no_grad():
+        out["initialize"] = {"logits": engine(ids()).logits,
+                             "tokens": engine.module.generate(input_ids=ids(), max_new_tokens=NEW, do_sample=False)}
     return out
 
 
@@ -110,3 +118,11 @@ def test_quantized_shards_are_a_fraction_of_fp32():
     fp32 = sum(chunk * 4 for _, chunk, s in fake_quantize_stage3_units(make(), WORLD, _linear(QUANT["int8"])) if s)
     assert 0.25 < sum(s8.values()) / fp32 < 0.25 * (1 + 8 / 64) + 1e-9  # codes + scale and minimum per 64
     assert 0.125 < sum(s4.values()) / fp32 < 0.125 * (1 + 8 / 32) + 1e-9  # half-byte codes + scale per 32
+
+
+@pytest.mark.timeout(200)
+def test_training_config_weight_quantization_at_stage3_quantizes_the_stored_shards(served):
+    logits, tokens, _, _ = _reference("int8")
+    for rank, res in enumerate(served):
+        assert (res["initialize"]["logits"] - logits).abs().max() <= 1e-5, rank
+        assert torch.equal(res["initialize"]["tokens"], tokens), rank

@@ -65,7 +65,6 @@ TRIGGERS: dict[str, tuple[dict, str]] = {
     "graph_harvesting": ({"graph_harvesting": True}, "graph_harvesting=true"),
     "managed_gradient_accumulation": ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation=false"),
     "disable_python_gc": ({"disable_python_gc": True}, "disable_python_gc=true"),
-    "weight_quantization": ({"weight_quantization": {}}, "weight_quantization={...}"),
     "curriculum_learning.enabled": ({"curriculum_learning": {"enabled": True}}, "curriculum_learning.enabled=true"),
     "data_efficiency.enabled": ({"data_efficiency": {"enabled": True}}, "data_efficiency.enabled=true"),
     "progressive_layer_drop.enabled": ({"progressive_layer_drop": {"enabled": True}}, "progressive_layer_drop"),

@@ -127,3 +127,26 @@ def test_int8_logits_close_on_a_trained_model():
     diff = (got.logits - want.logits).abs().max()
     assert diff <= 0.03, f"int8: max |logit diff| {diff:.4f}"
     assert abs(math.exp(got.loss) / math.exp(want.loss) - 1) < 1e-3  # held-out perplexity within 0.1%
+
+
+def test_training_config_weight_quantization_below_stage3_quantizes_the_linear_layers():
+    """DeepSpeed's top-level `weight_quantization` through `initialize` (stage 0 here; stage 3 quantizes the
+    stored shards: tests/dist/test_inference_zero_quant.py): each matching linear layer computes with its
+    group-wise fake-quantized weight."""
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
+    ref = _llama()
+    with torch.no_grad():
+        for name, m in ref.named_modules():
+            if isinstance(m, torch.nn.Linear) and "layers." in name:
+                m.weight.copy_(dequantize(quantize(m.weight, 8, 64, False)))
+        want = ref(ids).logits
+    model = _llama()
+    engine, *_ = zerospeed.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "weight_quantization": {"post_init_quant": {
+            "layers.": {"num_bits": 8, "group_size": 64}}}})
+    assert sum(isinstance(m, QuantizedLinear) for m in model.modules()) == 14
+    with torch.no_grad():
+        torch.testing.assert_close(engine(ids).logits, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="weight_quantization: quantization settings for .*num_bits = 3"):
+        zerospeed.initialize(model=_llama(), config={"train_micro_batch_size_per_gpu": 1, "weight_quantization": {
+            "quantized_initialization": {"num_bits": 3}}})

@@ -75,7 +75,7 @@ ROWS: list[Row] = [
         "caller-managed gradient accumulation", "true"),
     _switch("disable_python_gc", "disabling Python's garbage collector"),
     # (compression_training: every technique is built, zerospeed/compression; it validates the block)
-    _present("weight_quantization", "weight quantization"),
+    # (weight_quantization: weight-only int8 / int4 of linear layers, inference/quantize/layer.py)
     _switch("curriculum_learning.enabled", "legacy curriculum learning"),
     _switch("data_efficiency.enabled", "the data efficiency library"),
     _switch("progressive_layer_drop.enabled", "progressive layer drop"),

@@ -41,6 +41,10 @@ NO_EFFECT_STATUS = "accepted, no effect"
 # Keys that *request* a missing feature belong in ``features.ROWS`` instead (an error, never
 # silence). Dotted keys; a section's key covers every key under it.
 NO_EFFECT: dict[str, str] = {
+    "weight_quantization.num_bits": "each layer's bits come from quantized_initialization / post_init_quant, as in "
+                                    "DeepSpeed's group-wise weight quantization",
+    "weight_quantization.q_type": "symmetry comes from quantized_initialization / post_init_quant (symmetric)",
+    "weight_quantization.q_groups": "groups come from quantized_initialization / post_init_quant (group_size)",
     "compression_training.weight_quantization.shared_parameters.quantizer_kernel":
         "there is no CUDA quantizer kernel; the PyTorch quantizer computes the same thing",
     "compression_training.weight_quantization.shared_parameters.quantize_weight_in_forward":

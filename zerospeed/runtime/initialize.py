@@ -161,6 +161,8 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     cfg = parse_config(raw, world_size=dp_world, known=known)
     model_parameters = apply_autotp_config(model, mesh, cfg, optimizer, model_parameters)  # parallel/tensor/config.py
     model_parameters = apply_autoep_config(model, mesh, cfg, optimizer, model_parameters)  # AutoEP (moe/autoep.py)
+    from zerospeed.inference.quantize.layer import apply_weight_quantization_config
+    quantize_shards = apply_weight_quantization_config(model, cfg)  # top-level weight_quantization
     if "activation_checkpointing" in cfg.model_fields_set:  # ZeRO-R: zerospeed.checkpointing follows the config
         from zerospeed import checkpointing
         checkpointing.configure(mpu_=mpu, deepspeed_config=cfg)
@@ -202,4 +204,6 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                                                                 client_optimizer=isinstance(optimizer, torch.optim.Optimizer)),
                         optimizer_factory=optimizer_factory, scheduler_factory=scheduler_factory,
                         mesh=mesh, training_dataloader=loader)
+    if quantize_shards is not None:  # stage 3: the selected layers' stored shards (inference/zero.py)
+        engine.zero.quantize_frozen(quantize_shards)
     return engine, engine.optimizer, loader, engine.lr_scheduler

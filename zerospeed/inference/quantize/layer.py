@@ -151,3 +151,28 @@ def quantize_model(model: nn.Module, settings_for: Callable[[str], dict | None])
         setattr(model.get_submodule(parent) if parent else model, child, new)
         done[name] = new.bits
     return done
+
+
+def apply_weight_quantization_config(model: nn.Module, cfg) -> Callable | None:
+    """The training config's top-level `weight_quantization` (DeepSpeed's ZeRO-Inference route:
+    `initialize(model, config={..., "weight_quantization": {"quantized_initialization": {...}}})`), before
+    the engine partitions the model. Below stage 3 the selected linear layers become `QuantizedLinear`
+    (frozen, as in init_inference). At stage 3 they are frozen, so that the engine partitions them as
+    frozen units, and the returned settings quantize their stored shards once it has (Note [quantized
+    ZeRO-Inference shards], inference/zero.py); None when there is nothing more to do."""
+    from zerospeed.config.errors import ConfigError
+    wq = cfg.weight_quantization
+    if wq is None or not wq.enabled or not (wq.post_init_quant or wq.quantized_initialization):
+        return None
+    settings_for = settings_from_config(wq)
+    try:
+        if cfg.zero_optimization.stage != 3:
+            quantize_model(model, settings_for)
+            return None
+        settings = stage3_settings(settings_for)
+        for name, module in model.named_modules():
+            if settings(name, module):
+                module.requires_grad_(False)
+    except ValueError as exc:
+        raise ConfigError(f"weight_quantization: {exc}") from None
+    return settings
