@@ -11,7 +11,7 @@ from zerospeed.testing import per_world, reference_train, split_global_batch
 from zerospeed.testing.data import text_batches
 from zerospeed.testing.models import GPT, GPTConfig
 
-MICRO, GAS, STEPS, SEQ = 2, 2, 12, 16
+MICRO, GAS, STEPS, SEQ = 2, 2, 8, 16
 # n_embd 31 with one head: the trainable parameter count is odd, so no world size divides it.
 MODEL = GPTConfig(vocab_size=256, block_size=SEQ, n_layer=2, n_head=1, n_embd=31, bias=False)
 SCHED = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3, "warmup_num_steps": 5}}
