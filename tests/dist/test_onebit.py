@@ -23,6 +23,7 @@ from zerospeed.parallel.pipeline.gpt_layers import gpt_layer_specs, lm_loss
 from zerospeed.pipe import PipelineModule
 from zerospeed.testing import run_distributed, split_global_batch
 from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus, text_batches
+from zerospeed.testing.reference import engine_global_step
 from zerospeed.testing.models import GPT, GPTConfig
 from zerospeed.testing.onebit_reference import (OneBitAdamReference, OneBitLambReference, ZeroOneAdamReference,
                                                 simulate_compressed_allreduce)
@@ -104,15 +105,7 @@ def train_engine(cfg: dict, after=None) -> dict:
     losses, bytes_per_step = [], []
     for batch in batches(dp, STEPS):
         comm.STATS.reset()
-        total = 0.0
-        for x, y in split_global_batch(batch, dp, GAS, rank):
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        t = torch.tensor([total / GAS])
-        comm.all_reduce(t, op="avg")
-        losses.append(t.item())
+        losses.append(engine_global_step(engine, batch, dp, GAS, rank))
         bytes_per_step.append(comm.STATS.snapshot())
     return {"losses": losses, "stats": bytes_per_step, "allreduce_flag": engine.enable_backward_allreduce,
             **(after(engine) if after is not None else {})}

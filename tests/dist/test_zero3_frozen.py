@@ -7,7 +7,7 @@ import torch
 import zerospeed
 from zerospeed import comm
 from zerospeed.testing import reference_train, run_distributed, split_global_batch
-from zerospeed.testing.reference import fake_quantize_stage3_units
+from zerospeed.testing.reference import engine_global_step, fake_quantize_stage3_units
 
 VOCAB, D, RANK, LAYERS, SEQ = 128, 384, 4, 4, 8
 MICRO, GAS, STEPS, WORLD = 2, 2, 4, 2
@@ -79,7 +79,6 @@ def _train_save_load(root, cfg):
     in_backward = []
     losses = []
     for step, batch in enumerate(batches(world)):
-        total = 0.0
         hooks = []
         if step == 1:  # count the whole base-layer buffers alive as each layer's backward starts (layer 0's
             # base has no backward: its input and weights need no gradient; its output's gradient instead)
@@ -89,14 +88,7 @@ def _train_save_load(root, cfg):
             hooks.append(engine.module.layers[0].register_forward_hook(on_output))
             hooks += [layer.base.register_full_backward_pre_hook(lambda m, g: in_backward.append(_unit_storages()))
                       for layer in engine.module.layers[1:]]
-        for ids, labels in split_global_batch(batch, world, GAS, rank):
-            loss = engine(ids, labels)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        t = torch.tensor([total / GAS])
-        comm.all_reduce(t, op="avg")
-        losses.append(t.item())
+        losses.append(engine_global_step(engine, batch, world, GAS, rank))
         for h in hooks:
             h.remove()
         if step == 0:

@@ -5,7 +5,8 @@ import torch
 
 import zerospeed
 from zerospeed import comm
-from zerospeed.testing import reference_train, run_distributed, split_global_batch
+from zerospeed.testing import reference_train, run_distributed
+from zerospeed.testing.reference import engine_global_step
 
 MICRO, GAS, STEPS = 2, 2, 10
 
@@ -43,15 +44,7 @@ def _train(stage):
     rank, world = comm.get_rank(), comm.get_world_size()
     losses = []
     for step, batch in enumerate(batches(world)):
-        total = 0.0
-        for x, y in split_global_batch(batch, world, GAS, rank):
-            loss = engine(x, y, step % 2 == 0)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        t = torch.tensor([total / GAS])
-        comm.all_reduce(t, op="avg")
-        losses.append(t.item())
+        losses.append(engine_global_step(engine, batch, world, GAS, rank, step % 2 == 0))
     state = engine.zero.full_state_dict() if stage == 3 else engine.module.state_dict()
     return losses, {k: v.float().clone() for k, v in state.items()}
 

@@ -85,3 +85,20 @@ def fake_quantize_stage3_units(model: torch.nn.Module, world: int,
             p.copy_(deq[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
     return units
+
+
+def engine_global_step(engine, batch: Sequence[torch.Tensor], world_size: int, grad_accum: int, rank: int,
+                       *extra) -> float:
+    """One optimizer step of a zerospeed engine over this rank's micro-batches of a global batch (the
+    `split_global_batch` convention; `extra` follows each micro-batch into the forward); returns the
+    micro-batch loss averaged over the accumulation steps and the ranks (collective)."""
+    from zerospeed import comm
+    total = 0.0
+    for micro in split_global_batch(batch, world_size, grad_accum, rank):
+        loss = engine(*micro, *extra)
+        engine.backward(loss)
+        engine.step()
+        total += loss.item()
+    t = torch.tensor([total / grad_accum])
+    comm.all_reduce(t, op="avg")
+    return t.item()
