@@ -22,8 +22,8 @@ those layers drops to about 1/2 (int8) or 1/4 (int4) of fp16's, and every gather
 bytes, so the per-token transfer shrinks alike; the forward computes with the dequantized weights.
 Groups follow the flat chunk, not the weight's rows (a group may span two rows when a row is not a
 multiple of group_size). With NVMe offload the swap file holds the stored bytes, read as they are
-(offload/param_swap.py). The tied output head is the embedding's unit, and the embedding is not a linear layer: it
-stays unquantized, as without ZeRO.
+(offload/param_swap.py). The tied output head is the embedding's unit, and the embedding is not a
+linear layer: it stays unquantized, as without ZeRO.
 """
 from __future__ import annotations
 

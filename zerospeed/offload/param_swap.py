@@ -34,7 +34,8 @@ class NvmeParamSwapper:
         if buffer_count < 1:
             raise ConfigError("zero_optimization.offload_param.buffer_count=0: parameter offload to NVMe needs at "
                               "least one buffer; set it to 1 or more (default 5)")
-        self._align = max(1, DIRECT_ALIGN // torch.tensor([], dtype=dtype).element_size())
+        self._itemsize = torch.tensor([], dtype=dtype).element_size()
+        self._align = max(1, DIRECT_ALIGN // self._itemsize)
         self.dtype = dtype
         worst = max(fps, key=self._elems) if fps else None
         needed = self._padded(self._elems(worst)) if worst is not None else 0
@@ -88,7 +89,7 @@ class NvmeParamSwapper:
     def _elems(self, fp) -> int:
         """Pool elements `fp`'s stored shard takes."""
         if fp.stored is not None:
-            return -(-fp.stored_nbytes // torch.tensor([], dtype=self.dtype).element_size())
+            return -(-fp.stored_nbytes // self._itemsize)
         return fp.shard_numel
 
     def _view(self, fp, elems: torch.Tensor) -> torch.Tensor:
