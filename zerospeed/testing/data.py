@@ -6,7 +6,9 @@ installed has the same-shaped corpus. Its exact content depends on the Python ve
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import sysconfig
 from pathlib import Path
 
@@ -25,9 +27,22 @@ _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 def stdlib_source_files(root: Path | None = None) -> list[Path]:
     """The standard library's ``.py`` files under ``root``, sorted by relative path."""
     root = Path(sysconfig.get_paths()["stdlib"]) if root is None else Path(root)
-    files = [p for p in root.rglob("*.py")
-             if p.is_file() and not _EXCLUDED_DIRS.intersection(p.relative_to(root).parts)]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    return [root / rel for rel in _source_files(str(root))]
+
+
+@functools.lru_cache(maxsize=4)
+def _source_files(root: str) -> tuple[str, ...]:
+    """Relative posix paths of the ``.py`` files under ``root``, sorted. Listed once per process: every
+    training test builds its batches from the corpus, and the walk (13k files, excluded directories
+    pruned rather than walked and filtered) is the costly part. Directory links are followed, as a
+    recursive glob does."""
+    found = []
+    for parent, dirs, names in os.walk(root, followlinks=True):
+        dirs[:] = [d for d in dirs if d not in _EXCLUDED_DIRS]
+        rel = Path(parent).relative_to(root).as_posix()
+        found += [n if rel == "." else f"{rel}/{n}" for n in names
+                  if n.endswith(".py") and os.path.isfile(os.path.join(parent, n))]
+    return tuple(sorted(found))
 
 
 def stdlib_corpus(max_bytes: int = 4_000_000, root: Path | None = None) -> torch.Tensor:

@@ -43,8 +43,14 @@ def free_port() -> int:
 # "spawn" are handled here: the server's environment is the one it started with, so each rank
 # replaces its environment with the caller's of the moment (a test's monkeypatched variables reach
 # the ranks); and the preloaded modules are imported once per pytest run, so they must not read the
-# environment at import time (they read it when called).
-_PRELOAD = ["torch", "torch.distributed", "zerospeed", "zerospeed.runtime.engine", "zerospeed.testing"]
+# environment at import time (they read it when called). Two imports every rank would otherwise pay
+# on its own, measured on 2 cores: torch._dynamo (~2.2 s), which torch imports the first time any
+# optimizer is built (its constructor is wrapped by torch._compile's dynamo-disable decorator), and
+# transformers' modeling_utils (~2.1 s), which every test on a transformers model imports. Neither
+# starts a thread; transformers is skipped where it is not installed (the server ignores ImportError).
+# Their import-time settings (TORCHDYNAMO_*, HF_* / TRANSFORMERS_*) are the pytest run's, not a test's.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zerospeed", "zerospeed.runtime.engine",
+            "zerospeed.testing", "transformers.modeling_utils"]
 
 
 def _context():
