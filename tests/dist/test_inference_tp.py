@@ -8,8 +8,10 @@ unsharded model's `generate`; the full logits of the padded batch (and the loss 
 agree within 1e-5. GPT-2 is also
 sharded by a DeepSpeed `injection_policy` (manual TP) over a given `tp_group`. The Llama run sets
 `replace_with_kernel_inject` (accepted, no kernels), runs beam search (3 beams, must equal
-transformers') and samples (top-k, temperature 2: the tp ranks must draw the same tokens). Every rank
-returns its own result: the tp ranks must agree too.
+transformers') and samples (top-k, temperature 2: the tp ranks must draw the same tokens). The sharded
+Llama and Qwen2 also serve four requests through the paged-KV-cache server, one joining every two steps
+(continuous batching): each request's tokens must equal the unsharded model's `generate` on that prompt
+alone. Every rank returns its own result: the tp ranks must agree too.
 """
 from __future__ import annotations
 
@@ -62,6 +64,35 @@ def beams(model):
     return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, num_beams=3, do_sample=False)
 
 
+PAGED_PROMPTS, PAGED_NEW = (6, 2, 9, 4), (7, 10, 5, 8)
+
+
+def paged_prompts():
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(2, V, (n,), generator=g).tolist() for n in PAGED_PROMPTS]
+
+
+def paged_reference(model):
+    out = []
+    for prompt, new in zip(paged_prompts(), PAGED_NEW, strict=True):
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
+        out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
+def paged(engine):
+    """The paged server over `engine`: two requests at first, then one more every two steps."""
+    from zerospeed.inference.paged import PagedServer
+    server = PagedServer(engine, block_size=4, num_blocks=16)
+    waiting = list(zip(paged_prompts(), PAGED_NEW, strict=True))
+    ids = [server.add_request(*waiting.pop(0)) for _ in range(2)]
+    while server.has_unfinished():
+        server.step()
+        if waiting and server.steps % 2 == 0:
+            ids.append(server.add_request(*waiting.pop(0)))
+    return [server.output(rid) for rid in ids], server.cache.keys[0].shape[1]
+
+
 def _served(archs):
     import zerospeed
     from zerospeed import comm
@@ -82,6 +113,8 @@ def _served(archs):
         layers = engine.shard_report.layers if engine.shard_report else {}
         layouts = [layers.get(f"transformer.h.0.{n}") for n in ("attn.c_attn", "attn.c_proj")]
         out[arch] = (*run(engine, *batch()), layouts)
+        if arch in ("llama", "qwen2"):
+            out[f"paged {arch}"] = paged(engine)
         if arch == "llama":  # beam search reorders the (head-sharded) cache; Note [tp sampling]: same draws
             out["beams"] = beams(engine)
             out["sampled"] = engine.generate(*batch()[:1], attention_mask=batch()[1], max_new_tokens=NEW,
@@ -94,7 +127,8 @@ ARCHS = ("gpt2", "llama", "qwen2", "gpt2-policy")
 
 @pytest.fixture(scope="module")
 def reference():
-    return {**{arch: run(make(arch.split("-")[0]), *batch()) for arch in ARCHS}, "beams": beams(make("llama"))}
+    return {**{arch: run(make(arch.split("-")[0]), *batch()) for arch in ARCHS}, "beams": beams(make("llama")),
+            **{f"paged {arch}": paged_reference(make(arch)) for arch in ("llama", "qwen2")}}
 
 
 @pytest.mark.timeout(150)
@@ -111,5 +145,9 @@ def test_tp_generation_matches_transformers(reference, tp):
             gap = (logits - want_logits).abs().max().item()
             assert gap <= 1e-5, f"{arch} tp={tp} rank {rank}: max |dlogit| {gap:.2e}"
             assert torch.equal(tokens, want_tokens), f"{arch} tp={tp} rank {rank}:\n{tokens}\n!=\n{want_tokens}"
+        for arch, kv_heads in (("llama", 2), ("qwen2", 1)):  # the rank's own kv heads (replicated past kv_heads)
+            served, cached_heads = res[f"paged {arch}"]
+            assert served == reference[f"paged {arch}"], f"paged {arch} tp={tp} rank {rank}"
+            assert cached_heads == max(1, kv_heads // tp), f"paged {arch} tp={tp}: caches {cached_heads} kv heads"
         assert torch.equal(res["sampled"], results[0]["sampled"]), f"tp={tp}: rank {rank} sampled other tokens"
         assert torch.equal(res["beams"], reference["beams"]), f"tp={tp} rank {rank}: beam search differs"

@@ -13,6 +13,15 @@ from its slots (one indexing of the layer's cache for the whole step), the step'
 the longest new-token count and context, and attention runs as one batched matmul with a mask that
 hides the other positions and the padding (masked scores are exactly 0 after the softmax, so padding
 does not change the result). A fused kernel would read the blocks in place instead of gathering them.
+
+Note [paged attention under tp]: a model sharded by AutoTP (`init_inference(tensor_parallel=...)`)
+runs this same forward. q/k/v_proj are column-parallel, so each rank computes only its own query and kv
+heads (a kv head shared by several ranks' query heads is replicated on them), and the `.view(..., -1,
+head_dim)` below takes the local head count; each rank's cache holds its own kv heads only, 1/tp of
+the cache when kv heads divide by tp. o_proj and the MLP's down projection all-reduce, the embedding is
+vocabulary-parallel (all-reduced) and the head gathers full logits (Note [full logits at inference] in
+inference/tp.py), so every rank samples from the same logits and the schedulers, which see only
+token ids, stay in step without exchanging anything.
 """
 from __future__ import annotations
 
@@ -38,12 +47,21 @@ def check_supported(model: nn.Module) -> None:
         raise TypeError(f"sliding-window attention (sliding_window={window}) is not implemented in the paged server")
 
 
+@torch.inference_mode()
+def local_kv_heads(model: nn.Module) -> int:
+    """The kv heads this rank computes (Note [paged attention under tp]): the config's count unsharded;
+    under AutoTP the column-parallel k_proj's own heads. Read from one probe token through k_proj, so
+    any layout of its weight (sharded, quantized) answers the same way."""
+    attn = model.model.layers[0].self_attn
+    weight = next(model.parameters())
+    probe = torch.zeros(1, model.config.hidden_size, dtype=weight.dtype, device=weight.device)
+    return attn.k_proj(probe).shape[-1] // attn.head_dim
+
+
 def cache_for(model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype) -> PagedKVCache:
     attn = model.model.layers[0].self_attn
-    cfg = model.config
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     return PagedKVCache(num_layers=len(model.model.layers), num_blocks=num_blocks, block_size=block_size,
-                        kv_heads=kv_heads, head_dim=attn.head_dim, dtype=dtype,
+                        kv_heads=local_kv_heads(model), head_dim=attn.head_dim, dtype=dtype,
                         device=next(model.parameters()).device)
 
 

@@ -9,6 +9,8 @@ Requests can be added at any time; each `step()` admits waiting requests whose b
 forward over every running sequence (prefills and decodes together: scheduler.py, Note [one step]),
 samples one token per sequence and returns them; finished sequences free their blocks at once.
 `kv_waste()` is the fraction of allocated KV memory not holding a cached token, averaged over steps.
+`model` may be a tensor-parallel `InferenceEngine` (llama.py, Note [paged attention under tp]): every tp
+rank builds the server, adds the same requests and steps it; each gets the same tokens.
 """
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ class PagedServer:
     def __init__(self, model: nn.Module, *, block_size: int = 16, num_blocks: int = 256,
                  max_batch_tokens: int = 4096, max_running: int = 256, dtype: torch.dtype | None = None,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, seed: int = 0):
+        from zerospeed.inference.engine import InferenceEngine
+        if isinstance(model, InferenceEngine):  # init_inference's engine, e.g. AutoTP-sharded
+            model = model.module
         check_supported(model)
         self.model = model.eval()
         self.block_size = block_size
