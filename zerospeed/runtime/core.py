@@ -23,7 +23,8 @@ from zerospeed.profiling.observer import EngineObserver
 from zerospeed.utils.logging import get_logger
 from zerospeed.zero import build_strategy, full_numel, reduction_groups
 from zerospeed.zero.grad_math import clip_coefficient
-from zerospeed.zero.memory import OPTIMIZER_STATE_BYTES, grouped_model_state_bytes, optimizer_kind
+from zerospeed.zero.memory import (ONEBIT_STATE_WORDS, OPTIMIZER_STATE_BYTES, grouped_model_state_bytes,
+                                    onebit_state_bytes, optimizer_kind)
 
 logger = get_logger(__name__)  # Note [rank-0 logging]
 
@@ -229,6 +230,10 @@ class EngineCore(torch.nn.Module):
             grad_bytes=torch.tensor([], dtype=self.precision.grad_accum_dtype).element_size(),
             master_bytes=4 if self.precision.mixed else 0,
             optim_bytes=OPTIMIZER_STATE_BYTES[optimizer_kind(self.optimizer)] if self.optimizer else 0)
+        kind = type(self.optimizer).__name__.lower()
+        if kind in ONEBIT_STATE_WORDS:  # Note [1-bit optimizer states]: its compressed stage
+            predicted["optimizer_states"] = sum(onebit_state_bytes(kind, numel, world, self.zero_optimization_stage())
+                                                for numel, world in self._group_sizes)
         if self.zero_optimization_stage() == 3 and self._frozen_numel:  # partitioned frozen parameters, as stored
             stored = 1 + 4 / 512 if self.config.zero_optimization.zero_quantized_nontrainable_weights else pb
             predicted["parameters"] = predicted.get("parameters", 0.0) + self._frozen_numel * stored / self.mesh.size(

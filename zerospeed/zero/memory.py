@@ -40,6 +40,23 @@ def grouped_model_state_bytes(groups: list[tuple[int, int]], stage: int, **bytes
     return total
 
 
+# Note [1-bit optimizer states]: in their compressed stage the 1-bit optimizers hold, per trainable
+# element and in fp32, their moments (1-bit Adam: m, v; 0/1 Adam: m, v and the momentum accumulator of
+# its local steps; 1-bit LAMB: m, v and the variance frozen at freeze_step), plus the two error-feedback
+# buffers of the compressed all-reduce over N ranks: the worker error (the whole tensor) and the server
+# error (this rank's 1/N of it); none at N = 1, where nothing is compressed. 1-bit Adam at ZeRO-1/2
+# keeps v as this rank's chunk (1/N) but the whole momentum (docs/comm_compression.md). Padding of the
+# compressed tensors to whole bytes per rank is not counted (under 8N elements per parameter).
+ONEBIT_STATE_WORDS = {"onebitadam": 2, "zerooneadam": 3, "onebitlamb": 3}
+
+
+def onebit_state_bytes(kind: str, numel: int, world: int, stage: int) -> float:
+    """Note [1-bit optimizer states]: the compressed stage's state bytes on one of `world` ranks."""
+    errors = 1 + 1 / world if world > 1 else 0.0
+    words = 1 / world + 1 if stage >= 1 else ONEBIT_STATE_WORDS[kind]
+    return 4 * numel * (words + errors)
+
+
 def optimizer_kind(optimizer) -> str:
     """The OPTIMIZER_STATE_BYTES key for a torch optimizer instance."""
     name = type(optimizer).__name__.lower()

@@ -97,6 +97,10 @@ class OnebitLamb(OneBitOptimizer):
         self.lamb_coeffs.append(coeff)
         p.add_(update, alpha=-group["lr"] * coeff)
 
+    def unsaved_state_bytes(self) -> int:
+        """Also the flat momentum's compression errors, kept outside `self.state`."""
+        return super().unsaved_state_bytes() + sum(t.nbytes for t in self._flat_state.values())
+
     def _compressed_step(self) -> None:
         pairs = self._params()
         states = [self.state[p] for p, _ in pairs]
