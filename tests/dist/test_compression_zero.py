@@ -12,7 +12,8 @@ import zerospeed
 from zerospeed import comm
 from zerospeed.compression.compress import init_compression
 from zerospeed.compression.scheduler import scheduler_for
-from zerospeed.testing import reference_train, run_distributed, split_global_batch
+from zerospeed.testing import reference_train, run_distributed
+from zerospeed.testing.reference import engine_global_step
 from zerospeed.testing.data import text_batches
 from zerospeed.testing.models import GPT, GPTConfig
 
@@ -55,13 +56,7 @@ def train(stage: int) -> dict:
     world, rank = comm.get_world_size(), comm.get_rank()
     losses = []
     for batch in batches(world):
-        (x, y), = split_global_batch(batch, world, 1, rank)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        t = loss.detach().reshape(1).clone()
-        comm.all_reduce(t, op="avg")
-        losses.append(t.item())
+        losses.append(engine_global_step(engine, batch, world, 1, rank))
     probe = batches(world)[0][0][:2]
     with torch.no_grad():
         logits = engine.module(probe)

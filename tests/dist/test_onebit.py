@@ -366,15 +366,10 @@ def converge(name: str) -> list[float]:
     ds = ByteSequenceDataset(stdlib_corpus(max_bytes=200_000), DEMO.block_size)
     rank, world = comm.get_rank(), comm.get_world_size()
     losses = []
-    for step in range(CONVERGENCE_STEPS):
-        idx = [(step * world * 4 + rank * 4 + i) % len(ds) for i in range(4)]
-        x, y = torch.stack([ds[i][0] for i in idx]), torch.stack([ds[i][1] for i in idx])
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        t = loss.detach().reshape(1).clone()
-        comm.all_reduce(t, op="avg")
-        losses.append(t.item())
+    for step in range(CONVERGENCE_STEPS):  # rank r takes windows r*4 .. r*4+3 of the step's global batch
+        windows = [ds[(step * world * 4 + i) % len(ds)] for i in range(world * 4)]
+        batch = torch.stack([x for x, _ in windows]), torch.stack([y for _, y in windows])
+        losses.append(engine_global_step(engine, batch, world, 1, rank))
     return losses
 
 
