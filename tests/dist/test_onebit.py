@@ -388,6 +388,7 @@ def test_onebit_optimizers_converge_like_uncompressed_ones():
     # Note [0/1 Adam's margin]: #18 asks for 2%. OneBitAdam and OneBitLamb meet it on every machine
     # seen; ZeroOneAdam met it on an Intel Xeon (2026-12-01) but reads 2.2% on an AMD EPYC (2026-12-02:
     # Adam 2.755, ZeroOneAdam 2.817; var_freeze_step 120 / 150 gave 2.812 / 2.874): the CPU's kernels
-    # change the 300-step trajectory by that much. Held to 3% until 0/1 Adam's gap is understood.
+    # change the 300-step trajectory by that much. Over 4 seeds (benchmarks/compression_convergence.py)
+    # the gap averages +0.9% and one seed's spreads by 1.4 points: held to 3% on this one seed.
     for name, base, bound in (("OneBitAdam", "Adam", 1.02), ("ZeroOneAdam", "Adam", 1.03), ("OneBitLamb", "Lamb", 1.02)):
         assert final[name] <= final[base] * bound, (name, final)
