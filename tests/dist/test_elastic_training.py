@@ -33,7 +33,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +40,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from zerospeed.testing import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "elastic_train.py"
 _spec = importlib.util.spec_from_file_location("elastic_train", SCRIPT)
@@ -54,10 +55,6 @@ def _zerospeed() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "zerospeed.launcher"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # A node silent for 3 heartbeats of 1 s is dropped; once one node is in, the round waits 2 s for more.
@@ -69,7 +66,7 @@ class Job:
     """The node launchers of one elastic job, their output, and the log rank 0 writes."""
 
     def __init__(self, out: Path):
-        self.out, self.port, self.launchers = out, _free_port(), {}
+        self.out, self.port, self.launchers = out, free_port(), {}
         self.log = out / "log.jsonl"
 
     def command(self, node_rank: int) -> list[str]:

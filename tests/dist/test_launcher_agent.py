@@ -3,7 +3,6 @@ arrives, restarts. Each fault's time bound is measured here and printed (pytest 
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,6 +10,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from zerospeed.testing import free_port
 
 SCRIPTS = Path(__file__).parent / "scripts"
 LAUNCH = [sys.executable, "-m", "zerospeed.launcher"]
@@ -24,10 +25,6 @@ def _env(out: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _popen(args: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -79,7 +76,7 @@ def _kill_and_time(victim: int, launcher: subprocess.Popen) -> tuple[float, str,
 def test_killed_node_ends_the_job_naming_the_node_and_its_ranks(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
-    job = _popen(["--hostfile", str(hostfile), "--launcher", "local", "--master_port", str(_free_port()),
+    job = _popen(["--hostfile", str(hostfile), "--launcher", "local", "--master_port", str(free_port()),
                   str(SCRIPTS / "launcher_steps.py")], _env(tmp_path))
     try:
         _wait_for_steps(tmp_path, [0, 1], [job])
@@ -101,7 +98,7 @@ def test_node_killed_without_a_supervisor_takes_its_ranks_and_the_job_down(tmp_p
     # die with its launcher (Note [ranks die with their node launcher]); node 0's rank then loses
     # its peer mid-all-reduce, and node 0's agent ends node 0 with that rank's traceback.
     # Node 1 starts first: torch's rendezvous alone would rank it first (Note [node order]).
-    port, outs = str(_free_port()), [tmp_path / "node0", tmp_path / "node1"]
+    port, outs = str(free_port()), [tmp_path / "node0", tmp_path / "node1"]
     nodes = {}
     for r in (1, 0):
         outs[r].mkdir()
@@ -139,7 +136,7 @@ def test_node_that_never_arrives_is_named_by_the_rendezvous_timeout(tmp_path, ca
     env = _env(tmp_path, ZEROSPEED_RDZV_TIMEOUT=str(RDZV_TIMEOUT_S))
     results, ends = [], []
     for r in range(2):
-        port = _free_port()
+        port = free_port()
         start = time.monotonic()
         results.append((port, _run_here(["--num_nodes", "2", "--node_rank", str(r), "--num_gpus", "1", "--master_addr",
                                          "127.0.0.1", "--master_port", str(port), str(SCRIPTS / "launcher_dump.py")],
@@ -165,7 +162,7 @@ def test_node_that_never_arrives_is_named_by_the_rendezvous_timeout(tmp_path, ca
 def test_max_restarts_restarts_every_rank_after_a_failure(tmp_path, capfd):
     from test_launcher_procs import _run_here  # the launcher in this process: no torch import to wait for
 
-    result = _run_here(["--num_gpus", "2", "--max_restarts", "1", "--master_port", str(_free_port()),
+    result = _run_here(["--num_gpus", "2", "--max_restarts", "1", "--master_port", str(free_port()),
                         str(SCRIPTS / "launcher_steps.py")], _env(tmp_path, FAIL_ATTEMPT="0", STEPS_MAX="4"), capfd)
     assert result.returncode == 0, result.stderr
     assert "RuntimeError: rank 1 fails in attempt 0" in result.stderr  # attempt 0 did fail, with its traceback

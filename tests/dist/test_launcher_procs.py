@@ -4,7 +4,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import pytest
 
 from zerospeed.launcher import cli
 from zerospeed.launcher.runners import remote_shell_command
+from zerospeed.testing import free_port
 
 SCRIPTS = Path(__file__).parent / "scripts"
 LAUNCH = [sys.executable, "-m", "zerospeed.launcher"]
@@ -56,15 +56,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _port() -> list[str]:
     """Every launch hosts its rendezvous store on --master_port: a free one, not 29500 (shared machine)."""
-    return ["--master_port", str(_free_port())]
+    return ["--master_port", str(free_port())]
 
 
 def _seconds_since_failure(out: Path) -> float:
@@ -92,7 +88,7 @@ def test_failing_rank_stops_the_others_and_sets_the_exit_code(tmp_path, capfd):
 
 @pytest.mark.timeout(60)
 def test_each_rank_gets_its_environment_and_verbatim_args(tmp_path, capfd):
-    port = _free_port()
+    port = free_port()
     result = _run_here(["--num_gpus", "2", "--master_port", str(port), str(SCRIPTS / "launcher_dump.py"), *USER_ARGS],
                        _env(tmp_path), capfd)
     assert result.returncode == 0, result.stderr
@@ -150,7 +146,7 @@ def _assert_sums(out: Path) -> None:
 def test_local_runner_with_a_hostfile_of_two_aliases(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
-    result = _run(["--hostfile", str(hostfile), "--launcher", "local", "--master_port", str(_free_port()),
+    result = _run(["--hostfile", str(hostfile), "--launcher", "local", "--master_port", str(free_port()),
                    str(SCRIPTS / "launcher_allreduce.py")], _env(tmp_path))
     assert result.returncode == 0, result.stderr
     _assert_sums(tmp_path)
@@ -160,7 +156,7 @@ def test_local_runner_with_a_hostfile_of_two_aliases(tmp_path):
 def test_local_runner_failure_stops_the_other_node(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
-    result = _run(["--hostfile", str(hostfile), "--launcher", "local", "--master_port", str(_free_port()),
+    result = _run(["--hostfile", str(hostfile), "--launcher", "local", "--master_port", str(free_port()),
                    str(SCRIPTS / "launcher_fail.py")], _env(tmp_path, FAIL_RANK="1", FAIL_RAISE="1"))
     assert result.returncode == 1
     assert _seconds_since_failure(tmp_path) < 10

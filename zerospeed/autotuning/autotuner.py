@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from zerospeed.autotuning.tuner import drive, make_search
 from zerospeed.config.loader import load_raw
 from zerospeed.config.validation import validate_config
 from zerospeed.estimate.formulas import Precision
+from zerospeed.launcher.ports import free_port
 from zerospeed.zero.memory import OPTIMIZER_STATE_BYTES
 
 logger = logging.getLogger(__name__)
@@ -84,12 +84,6 @@ def _timeout_rule(given: float | None, env: str | None) -> tuple[float | None, f
     except ValueError:
         raise AutotuningError(f"{ENV_TRIAL_TIMEOUT}={env!r}: give seconds (600) or a multiple of the slowest "
                               "successful trial (3x)") from None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Autotuner:
@@ -316,7 +310,7 @@ class Autotuner:
     def _argv(self, config_path: Path, cfg: dict[str, Any], *, trial: bool) -> list[str]:
         flags = list(self.flags)
         if trial and self._single_local_node():
-            flags.append(f"--master_port={_free_port()}")  # trials follow each other; no stale port between them
+            flags.append(f"--master_port={free_port()}")  # trials follow each other; no stale port between them
         args = cmdline.replace_config(self.command.args, self.config_arg, str(config_path))
         args = cmdline.apply_mappings(args, self.at.arg_mappings, cfg)
         return [self.python, "-m", "zerospeed.launcher", *flags, self.command.script, *args]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Iterator
 
 from torch.distributed import Store
@@ -19,6 +18,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 
 from zerospeed.launcher.agent import RendezvousPlan, arrival_key, missing_nodes
 from zerospeed.launcher.errors import LauncherError
+from zerospeed.launcher.ports import free_port
 
 
 class NodeRendezvous(RendezvousHandler):
@@ -72,7 +72,7 @@ class NodeRendezvous(RendezvousHandler):
         # per round), so every node decides alike even when elastic membership changes restart only some.
         if group_rank == 0:
             first = self._store.add(f"zerospeed/{self._plan.run_id}/rounds", 1) == 1
-            port = self._plan.master_port if first else _free_port()
+            port = self._plan.master_port if first else free_port()
             info.store.set("zerospeed/ranks_store", f"{int(first)} {port}")
         first, port = info.store.get("zerospeed/ranks_store").decode().split()
         self._shared = first == "1"
@@ -146,7 +146,3 @@ def _torch_store_sharing_off() -> Iterator[None]:
             os.environ[_NO_SHARING_VAR] = previous
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]

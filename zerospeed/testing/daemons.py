@@ -29,6 +29,8 @@ from pathlib import Path
 
 import psutil
 
+from zerospeed.launcher.ports import free_port
+
 NODE_ADDRS = ("127.0.0.1", "127.0.0.2")
 SLURM_NODES = ("n1", "n2")
 SBIN_PATH = "/usr/sbin:/usr/local/sbin"
@@ -103,7 +105,7 @@ def start_sshd(directory: Path, hosts: Sequence[str] = NODE_ADDRS, *, attempts: 
     _write_keys(directory)
     _ensure_dir(PRIVSEP_DIR, "sshd")
     for _ in range(attempts):
-        sshd = _try_start_sshd(directory, tuple(hosts), _free_port(hosts))
+        sshd = _try_start_sshd(directory, tuple(hosts), free_port(hosts))
         if sshd is not None:
             _check_login(sshd)
             return sshd
@@ -250,7 +252,7 @@ def _start_munged(slurm: LocalSlurm) -> None:
 
 def _slurm_conf(directory: Path, nodes: tuple[str, ...]) -> Path:
     host = socket.gethostname()
-    ctld_port, *node_ports = _free_ports(1 + len(nodes))
+    ctld_port, *node_ports = [free_port() for _ in range(1 + len(nodes))]  # distinct: free_port never repeats one
     node_lines = "".join(f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.{i + 1} Port={p} CPUs=1 State=UNKNOWN\n"
                          for i, (n, p) in enumerate(zip(nodes, node_ports)))
     # Note [Slurm without cgroups]: proctrack/linuxproc and task/none need no cgroup hierarchy (a
@@ -364,32 +366,6 @@ def _ensure_dir(path: str, who: str) -> None:
         os.makedirs(path, mode=0o755, exist_ok=True)
     except OSError as err:
         raise DaemonError(f"{who} needs {path}, which cannot be made: {err}") from err
-
-
-def _free_port(hosts: Sequence[str]) -> int:
-    """A port free on every one of ``hosts`` (sshd binds the same port on each)."""
-    while True:
-        with socket.socket() as s:
-            s.bind((hosts[0], 0))
-            port = s.getsockname()[1]
-        if all(_bindable(h, port) for h in hosts[1:]):
-            return port
-
-
-def _free_ports(n: int) -> list[int]:
-    ports: set[int] = set()
-    while len(ports) < n:
-        ports.add(_free_port(("0.0.0.0",)))
-    return sorted(ports)
-
-
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
 
 
 def _accepts(host: str, port: int) -> bool:

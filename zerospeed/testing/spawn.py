@@ -15,22 +15,17 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from zerospeed.launcher.ports import free_port
+
 
 class DistributedTestError(AssertionError):
     """A rank failed or the job timed out; the message holds the rank's traceback."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Note [fork server]
