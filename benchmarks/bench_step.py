@@ -24,7 +24,6 @@ import importlib.util
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from zerospeed.launcher.ports import free_port
 
 WORKER = Path(__file__).resolve().parent / "workers.py"
 # Offload variants (ZeRO-Offload / ZeRO-Infinity), for zerospeed and DeepSpeed alike: *_cpu offloads the
@@ -113,12 +114,6 @@ def parse_args() -> argparse.Namespace:
     if args.steps < 1 or args.warmup < 0 or args.nproc < 1 or args.repeats < 1:
         p.error("need --steps >= 1, --warmup >= 0, --nproc >= 1 and --repeats >= 1")
     return args
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(variant: str, args: argparse.Namespace, workdir: Path, threads: int) -> list[dict]:
