@@ -67,6 +67,13 @@ def _served(nvme_dir):
     with torch.no_grad():
         out["initialize"] = {"logits": engine(ids()).logits,
                              "tokens": engine.module.generate(input_ids=ids(), max_new_tokens=NEW, do_sample=False)}
+    # a ZeRO-3 leaf holds its norms in the same flat shard as its linear layers: quantizing it is refused
+    try:
+        zerospeed.init_inference(make(), dtype=torch.float32, quant={"weight": {"quantized_initialization": QUANT["int8"]}},
+                                 zero={"stage": 3, "stage3_module_granularity_threshold": 10**6})
+        out["leaf"] = "built"
+    except Exception as e:  # noqa: BLE001 (the message is the result)
+        out["leaf"] = f"{type(e).__name__}: {e}"
     return out
 
 
@@ -126,3 +133,9 @@ def test_training_config_weight_quantization_at_stage3_quantizes_the_stored_shar
     for rank, res in enumerate(served):
         assert (res["initialize"]["logits"] - logits).abs().max() <= 1e-5, rank
         assert torch.equal(res["initialize"]["tokens"], tokens), rank
+
+
+def test_quantizing_a_layer_inside_a_zero3_leaf_is_refused_naming_it(served):
+    for rank in served:
+        assert rank["leaf"].startswith("ConfigError: quant.weight: ") and "inside the ZeRO-3 leaf module" in rank["leaf"]
+        assert "self_attn.q_proj is to be stored quantized" in rank["leaf"], rank["leaf"]

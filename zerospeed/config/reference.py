@@ -67,8 +67,6 @@ NO_EFFECT: dict[str, str] = {
     "zero_optimization.elastic_checkpoint": "checkpoints always load at any world size (resharded on load)",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save":
         "save_16bit_model always gathers stage-3 weights unit by unit onto rank 0",
-    "zero_optimization.stage3_module_granularity_threshold":
-        "stage-3 units are fixed, one per module holding parameters; not configurable yet",
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": "stage-3 parameters are always fetched by all-gather",
     "zero_optimization.stage3_allgather_sequential": "stage-3 all-gathers are always coalesced per fetch",
     "zero_optimization.legacy_stage1": "there is one stage-1 implementation",
@@ -92,7 +90,6 @@ NO_EFFECT: dict[str, str] = {
     "zero_optimization.offload_optimizer.fast_init": "initialisation has no slow path to skip (docs/offload.md)",
     "zero_optimization.offload_optimizer.buffer_count": "the NVMe optimizer swapper sizes its buffer pool from "
                                                         "pipeline_read / pipeline_write (docs/offload.md)",
-    "zero_optimization.leaf_module": "stage-3 units are fixed, one per module holding parameters; not configurable yet",
     "pipeline.pipe_partitioned": "with tensor parallelism inside stages every tp rank sends its whole activation; they are not split over tp ranks",
     "pipeline.grad_partitioned": "with tensor parallelism inside stages every tp rank sends its whole gradient; they are not split over tp ranks",
     "seq_parallel_communication_data_type": "gradients of a sequence-parallel model reduce over "

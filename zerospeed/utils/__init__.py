@@ -11,6 +11,9 @@ _LAZY = {
         "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "safe_get_local_fp32_param",
         "safe_get_local_grad", "safe_get_local_optimizer_state", "safe_set_local_fp32_param",
         "safe_set_local_optimizer_state", "safe_set_full_grad", "safe_set_local_grad")},
+    **{name: "zerospeed.utils.z3_leaf_module" for name in (
+        "get_z3_leaf_modules", "set_z3_leaf_module", "set_z3_leaf_modules", "unset_z3_leaf_modules",
+        "z3_leaf_parameter")},
 }
 
 __all__ = ["log_dist", "logger", *sorted(_LAZY)]

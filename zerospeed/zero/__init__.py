@@ -47,7 +47,10 @@ def build_strategy(cfg, groups: list[dict], reduction: list[ReductionGroup], *, 
     if zero.stage == 0:
         return DataParallelStrategy(groups, reduction, mixed=param_dtype != torch.float32, module=module,
                                     bucket_size=int(zero.reduce_bucket_size), accum_dtype=grad_dtype, **common)
-    if zero.stage == 3:
+    if zero.stage == 3:  # Note [leaf modules] (zero/stage3/strategy.py): the config's leaves, then the threshold's
+        from zerospeed.utils.z3_leaf_module import apply_leaf_module_config, set_z3_leaf_modules_by_threshold
+        apply_leaf_module_config(module, zero.leaf_module)
+        set_z3_leaf_modules_by_threshold(module, int(zero.stage3_module_granularity_threshold))
         return Stage3Strategy(module, groups, reduction, param_dtype=param_dtype, device=device,
                               reduce_bucket_size=budgets.reduce_bucket, sub_group_size=int(zero.sub_group_size),
                               overlap_comm=bool(zero.overlap_comm), prefetch_bucket_size=budgets.prefetch_bucket,

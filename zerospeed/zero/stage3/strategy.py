@@ -41,6 +41,16 @@ left to the end of the micro-step. A checkpoint keeps them whole in the model st
 save time; a load cuts each rank's chunk out of them (checkpoint/save.py, load.py), so the format
 is the one whole frozen parameters always had and reshards freely. Frozen expert parameters stay
 whole (they would shard over their expert group; not built).
+
+Note [leaf modules]: a module flagged as a ZeRO-3 leaf (`zerospeed.utils.set_z3_leaf_modules`, the
+`zero_optimization.leaf_module` keys, `stage3_module_granularity_threshold`; utils/z3_leaf_module.py)
+is one unit for the parameters of its whole subtree: its hooks gather them all before its forward and
+backward, and the modules inside it get no units and no hooks. Only the outermost flagged module counts
+(a leaf inside a leaf is covered by it). Its uses are every parameter below it and every external
+parameter declared on it or a module below it. Inside a leaf, a module that registers a parameter owned
+outside it (a tied weight) is refused: the proxy of Note [tied uses] lives on the module whose forward
+swaps it in, and no hook runs on modules inside a leaf. A leaf's own parameters carry
+`ds_z3_leaf_module` (DeepSpeed's `z3_leaf_parameter` reads it).
 """
 from __future__ import annotations
 
@@ -101,6 +111,9 @@ class Stage3Strategy(ShardedOptimizerBase):
         self._freed_since_trim = 0  # bytes of full buffers released since the host allocator was last trimmed
         self.flat: list[FlatParam] = []
         self.uses: dict[int, list[FlatParam]] = {}  # id(module) -> flat params its forward needs
+        self.leaves, self._covered = _outermost_leaves(module)  # Note [leaf modules]
+        self._leaf_ids = {id(m) for m in self.leaves}
+        self._built_by: dict[int, torch.nn.Module] = {}  # id(flat parameter) -> the module whose unit it is
         owner_unit, owned = self._build_flat_params(groups, reduction, param_dtype, device)
         self.trained = list(self.flat)  # indices 0..n-1, aligned with the units and masters
         frozen_rg = ReductionGroup.of(norm_group)  # the dense data-parallel group
@@ -108,6 +121,7 @@ class Stage3Strategy(ShardedOptimizerBase):
         self.zeropp = zeropp or ZeroPPPolicy()
         hierarchies = self._apply_zeropp(reduction)
         self._map_uses(owner_unit)
+        self._check_leaves(owner_unit)
         self._mark_persistent(param_persistence_threshold, model_persistence_threshold)
         staging = comm_dtype or torch.float32
         self.units = [GradUnit(fp.params, fp.layout, reduction[fp.group_index], result=fp.grad_shard,
@@ -118,7 +132,7 @@ class Stage3Strategy(ShardedOptimizerBase):
         self._tied: dict[int, list[tuple[str, torch.nn.Parameter, torch.nn.Parameter]]] = {}
         self._tied_modules: list[torch.nn.Module] = []
         order = []  # reduction units in module order; launched in reverse (roughly backward order)
-        for m in module.modules():
+        for m in self._unit_modules():
             order += [self.units[fp.index] for fp in owned.get(id(m), [])]
             order += self._tied_units(m, owner_unit, owned, reduction, staging)
         # reduce-scatters launch in reverse creation order (roughly backward order), strictly in turn
@@ -131,7 +145,7 @@ class Stage3Strategy(ShardedOptimizerBase):
         self.fetches = FetchSchedule([fp.padded for fp in self.flat], prefetch_budget=prefetch_bucket_size,
                                      max_live=max_live_parameters, max_reuse_distance=max_reuse_distance)
         self._hooks = []
-        for m in module.modules():
+        for m in self._unit_modules():
             if id(m) in self.uses:
                 self._hooks += [m.register_forward_pre_hook(self._pre_forward),
                                 m.register_forward_hook(self._post_forward),
@@ -146,13 +160,14 @@ class Stage3Strategy(ShardedOptimizerBase):
         master_device = _master_devices(self.plan, groups, device)
         owner_unit: dict[int, list[FlatParam]] = {}
         owned: dict[int, list[FlatParam]] = {}
-        for m in self.module.modules():
-            own = [p for p in m.parameters(recurse=False) if id(p) in group_of and id(p) not in owner_unit]
+        for m in self._unit_modules():
+            own = [p for p in self._unit_params(m) if id(p) in group_of and id(p) not in owner_unit]
             by_group: dict[int, list[torch.nn.Parameter]] = {}
             for p in own:
                 by_group.setdefault(group_of[id(p)], []).append(p)
             unit = [self._flat_param(ps, gi, reduction[gi], param_dtype, device, master_device(ps))
                     for gi, ps in by_group.items()]
+            self._built_by.update((id(fp), m) for fp in unit)
             for p in own:
                 owner_unit[id(p)] = unit
             if unit:
@@ -165,8 +180,8 @@ class Stage3Strategy(ShardedOptimizerBase):
         (frozen expert weights stay whole: they would shard over their expert group)."""
         from zerospeed.moe.utils import is_moe_param
         frozen = []
-        for m in self.module.modules():
-            ps = [p for p in m.parameters(recurse=False) if id(p) not in owner_unit]
+        for m in self._unit_modules():
+            ps = [p for p in self._unit_params(m) if id(p) not in owner_unit]
             whole = [p for p in ps if is_moe_param(p)]
             for p in whole:
                 if registry.owner_of(p) is not None:  # sharded by zero.Init: made whole again
@@ -176,6 +191,7 @@ class Stage3Strategy(ShardedOptimizerBase):
             ps = [p for p in ps if not is_moe_param(p)]
             if ps:
                 unit = [self._flat_param(ps, -1, rg, param_dtype, device, device, trainable=False)]
+                self._built_by[id(unit[0])] = m
                 frozen += unit
                 for p in ps:
                     owner_unit[id(p)] = unit
@@ -220,6 +236,11 @@ class Stage3Strategy(ShardedOptimizerBase):
         frozen = {id(fp) for fp in self.frozen}
         seen, done = set(), {}
         for name, m in self.module.named_modules():  # the owner (first registrant) decides, not a tied user
+            if id(m) in self._covered:
+                continue
+            if id(m) in self._leaf_ids:
+                self._refuse_quantized_leaf(name, m, settings)
+                continue
             for p in m.parameters(recurse=False):
                 fp = registry.owner_of(p)
                 if fp is None or id(fp) not in frozen or id(fp) in seen:
@@ -232,11 +253,48 @@ class Stage3Strategy(ShardedOptimizerBase):
         return done
 
     def _map_uses(self, owner_unit: dict[int, list[FlatParam]]) -> None:
-        for m in self.module.modules():
-            used = list(m.parameters(recurse=False)) + registry.externals(m)
+        for m in self._unit_modules():
+            used = list(self._unit_params(m))
+            used += [q for d in (m.modules() if id(m) in self._leaf_ids else (m,)) for q in registry.externals(d)]
             needed = {fp.index: fp for p in used if id(p) in owner_unit for fp in owner_unit[id(p)]}
             if needed:
                 self.uses[id(m)] = list(needed.values())
+
+    def _check_leaves(self, owner_unit: dict[int, list[FlatParam]]) -> None:
+        """Note [leaf modules]: refuse a tie from inside a leaf to a parameter owned outside it; mark the
+        leaves' parameters."""
+        names = {id(m): n for n, m in self.module.named_modules()}
+        for leaf in self.leaves:
+            for d in leaf.modules():
+                for pname, p in d._parameters.items():
+                    if p is None:
+                        continue
+                    fps = owner_unit.get(id(p), [])
+                    if fps and d is not leaf and self._built_by[id(fps[0])] is not leaf:  # (a leaf's own: a proxy)
+                        raise ValueError(
+                            f"{names[id(d)]}.{pname} lies inside the ZeRO-3 leaf module {names[id(leaf)]!r} but is "
+                            "owned (first registered) by a module outside it (a tied weight). Flag a leaf that "
+                            "contains both modules, or none that contains only one of them")
+                    p.ds_z3_leaf_module = leaf
+
+    def _unit_modules(self):
+        """The modules that get units and hooks: all but those inside a leaf (Note [leaf modules])."""
+        return (m for m in self.module.modules() if id(m) not in self._covered)
+
+    def _unit_params(self, m: torch.nn.Module):
+        """The parameters a unit module's unit is built from: a leaf's whole subtree, else its own."""
+        return m.parameters(recurse=id(m) in self._leaf_ids)
+
+    def _refuse_quantized_leaf(self, name: str, leaf: torch.nn.Module, settings) -> None:
+        """A leaf unit holds its norms and biases with its linear weights in one flat shard, which would be
+        stored quantized as a whole: refused where any layer inside asks for quantization."""
+        asked = [f"{name}.{n}".strip(".") for n, d in leaf.named_modules()
+                 if next(d.parameters(recurse=False), None) is not None and settings(f"{name}.{n}".strip("."), d)]
+        if asked:
+            raise ValueError(f"{asked[0]} is to be stored quantized, but it lies inside the ZeRO-3 leaf module "
+                             f"{name or type(leaf).__name__!r}, whose unit is its whole subtree (norms included). "
+                             "Quantized shards are per linear layer: drop stage3_module_granularity_threshold / "
+                             "zero_optimization.leaf_module for this model, or the quantization")
 
     def _tied_units(self, m: torch.nn.Module, owner_unit, owned, reduction, staging) -> list[GradUnit]:
         """Proxies for the parameters `m` registers but another module owns, and one reduction unit
@@ -494,6 +552,19 @@ class Stage3Strategy(ShardedOptimizerBase):
         super().close()
         if self.param_swapper is not None:
             self.param_swapper.close()
+
+
+def _outermost_leaves(module: torch.nn.Module) -> tuple[list[torch.nn.Module], set[int]]:
+    """Note [leaf modules]: the flagged modules not inside another flagged one, and the ids of every
+    module below them."""
+    from zerospeed.utils.z3_leaf_module import z3_leaf_module
+    leaves, covered = [], set()
+    for m in module.modules():
+        if id(m) in covered or not z3_leaf_module(m):
+            continue
+        leaves.append(m)
+        covered.update(id(d) for d in m.modules() if d is not m)
+    return leaves, covered
 
 
 def _weight_free_backward(module: torch.nn.Module) -> bool:
