@@ -81,12 +81,14 @@ def _plain(args, batch):
     return {**res, "rss": _peak_rss_mib()}
 
 
-def _engine(args, batch, tp, zero, bits=None):
+def _engine(args, batch, tp, zero, bits=None, leaves=False):
     import zerospeed
     _threads(tp)
     config = {"dtype": torch.float32, "tensor_parallel": {"tp_size": tp}}
     if zero:
         config["zero"] = {"stage": 3, "offload_param": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}
+    if leaves:  # Note [leaf modules]: each decoder layer one unit, gathered by one hook and one collective
+        config["zero"]["leaf_module"] = {"classes": ["LlamaDecoderLayer"]}
     if bits:  # Note [quantized ZeRO-Inference shards]: every linear layer's stored shard
         config["quant"] = {"weight": {"quantized_initialization": {"num_bits": bits, "group_size": 64}}}
     model = _model(args)
@@ -176,6 +178,8 @@ def main() -> None:
                 "zerospeed paged server": lambda: run_distributed(_paged, 1, args, batch, timeout=3600),
                 "ZeRO-Inference, offload_param cpu": lambda: run_distributed(_engine, 1, args, batch, 1, True,
                                                                              timeout=3600),
+                "ZeRO-Inference, leaf decoder layers, offload_param cpu": lambda: run_distributed(
+                    _engine, 1, args, batch, 1, True, None, True, timeout=3600),
                 "ZeRO-Inference int8, offload_param cpu": lambda: run_distributed(_engine, 1, args, batch, 1, True, 8,
                                                                                   timeout=3600),
                 "ZeRO-Inference int4, offload_param cpu": lambda: run_distributed(_engine, 1, args, batch, 1, True, 4,
