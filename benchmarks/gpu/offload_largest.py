@@ -4,12 +4,14 @@
     python benchmarks/gpu/offload_largest.py --smoke                     # tiny sizes on the CPU: checks the script
 
 For each mode — no offload, optimizer + parameters offloaded to CPU, optimizer + parameters offloaded
-to NVMe — it walks up a ladder of GPT sizes (bf16, ZeRO stage 3, 1 process) and trains each for a
-few steps; the largest size whose steps complete is that mode's answer. A size is skipped, not
-tried, when the host memory or the disk it needs (from the ZeRO formulas) exceeds what is free,
-and a mode stops at its first out-of-memory. TFLOPs are model FLOPs: 6 x parameters x tokens plus
-attention 12 x layers x seq^2 x width per token (forward + backward, no recompute), over the
-median step time. Writes a markdown table to stdout (and --out).
+to NVMe — it takes a ladder of GPT sizes (bf16, ZeRO stage 3, 1 process) from the largest down and
+trains each for a few steps; the first size whose steps complete is that mode's answer. A size is
+skipped, not tried, when the device memory, host memory or disk it needs (the ZeRO formulas, plus
+34 x seq x batch x width x layers bytes of bf16 activations on the device with no offload) exceeds
+90% of what is free, or it is above the mode's `--cap`; a size that runs out of device memory hands
+over to the next smaller one. TFLOPs are model FLOPs: 6 x parameters x tokens plus attention
+12 x layers x seq^2 x width per token (forward + backward, no recompute), over the median step time.
+Writes a markdown table to stdout (and --out).
 """
 from __future__ import annotations
 
@@ -44,6 +46,14 @@ def needs(mode: str, n: int) -> tuple[int, int]:
     if mode == "cpu":
         return 18 * n, 0  # bf16 shard 2 + fp32 grad 4 + master 4 + Adam 8
     return 4 * n, 14 * n  # host: fp32 grads; disk: bf16 shard 2 + master 4 + Adam 8
+
+
+def device_needs(mode: str, shape, micro: int, seq: int = SEQ) -> int:
+    """Device bytes with no offload: the 18 bytes of model states per parameter and the block
+    activations kept for backward (~34 x seq x batch x width bytes per layer in bf16, no attention
+    matrix with sdpa); offloaded modes keep a few units and the activations only (not counted)."""
+    layers, width, _ = shape
+    return 18 * n_params(layers, width) + 34 * seq * micro * width * layers if mode == "none" else 0
 
 
 def config(mode: str, micro: int, nvme: str) -> dict:
@@ -116,6 +126,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--modes", default="none,cpu,nvme")
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting new sizes after this")
+    p.add_argument("--cap", nargs="*", default=[], metavar="MODE=BILLIONS",
+                   help="largest size to try in a mode, e.g. nvme=1.4 (the NVMe mode moves every state each step)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--smoke", action="store_true", help="two tiny sizes on whatever device there is (a check)")
     args = p.parse_args()
@@ -124,19 +136,26 @@ def main() -> None:
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": os.environ.get("MASTER_PORT", "29533")})
     Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
+    caps = dict((m, float(b) * 1e9) for m, b in (c.split("=") for c in args.cap))
+    gpu_total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else float("inf")
     start = time.monotonic()
     rows = _ProgressRows()
     for mode in args.modes.split(","):
         best = None
-        for shape in SMOKE_LADDER if args.smoke else LADDER:
+        for shape in reversed(SMOKE_LADDER if args.smoke else LADDER):
             n = n_params(shape[0], shape[1])
             host, disk = needs(mode, n)
+            dev = 0 if args.smoke else device_needs(mode, shape, args.micro_batch)
             free_host = psutil.virtual_memory().available
             free_disk = shutil.disk_usage(args.nvme_path).free
-            if host > 0.9 * free_host or disk > 0.9 * free_disk:
-                rows.append((mode, shape, n, f"skipped: needs {host / 2**30:.0f} GiB host / {disk / 2**30:.0f} GiB "
-                             f"disk, {free_host / 2**30:.0f} / {free_disk / 2**30:.0f} free"))
-                break
+            if n > caps.get(mode, float("inf")):
+                rows.append((mode, shape, n, f"skipped: above --cap {mode}={caps[mode] / 1e9:g}B"))
+                continue
+            if host > 0.9 * free_host or disk > 0.9 * free_disk or dev > 0.9 * gpu_total:
+                rows.append((mode, shape, n, f"skipped: needs {dev / 2**30:.0f} GiB device / {host / 2**30:.0f} GiB "
+                             f"host / {disk / 2**30:.0f} GiB disk, {gpu_total / 2**30:.0f} / {free_host / 2**30:.0f} / "
+                             f"{free_disk / 2**30:.0f} free"))
+                continue
             if time.monotonic() - start > args.budget_s:
                 rows.append((mode, shape, n, "not tried: time budget spent"))
                 break
@@ -145,7 +164,7 @@ def main() -> None:
                 r = try_size(mode, shape, args)
             except torch.OutOfMemoryError:
                 rows.append((mode, shape, n, "CUDA out of memory"))
-                break
+                continue
             finally:
                 gc.collect()
                 if torch.cuda.is_available():
@@ -153,6 +172,7 @@ def main() -> None:
             best = r
             rows.append((mode, shape, n, f"ok: {r['step_s'] * 1e3:.0f} ms/step, {r['tflops']:.2f} TFLOPs, "
                          f"device peak {r['gpu_peak_gib']:.1f} GiB, state: {r['placement']}"))
+            break
         rows.append((mode, None, best["params"] if best else 0, "largest that trained"))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (--smoke on the CPU)"
     lines = [f"GPU: {device}, host RAM {psutil.virtual_memory().total / 2**30:.0f} GiB, "

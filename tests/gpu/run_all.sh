@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one command: tests/gpu, then benchmarks/gpu/offload_largest.py.
+# Everything that needs a GPU, in one command: tests/gpu, benchmarks/gpu/offload_largest.py and
+# benchmarks/gpu/inference.py.
 #
-#     bash tests/gpu/run_all.sh          # from anywhere; about 10 minutes on one H200 (hard caps below)
+#     bash tests/gpu/run_all.sh          # from anywhere; under 9 minutes on one H200 (hard caps below)
 #
 # Logs (and the benchmark's table) go to $OUT if set (the device tool's result folder), else
 # /tmp/zerospeed-gpu. A folder .whl/ at the repo root holding wheels (pydantic & co., see
@@ -21,16 +22,20 @@ nvidia-smi -L || true
 "$PY" -c "import torch, zerospeed; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())" \
   || exit 1
 
-# tests: ~4 minutes on one GPU (each test spawns its ranks; a hung rank dumps its stack before its timeout)
-timeout 360 "$PY" -m pytest -v -rs --durations=0 -p no:cacheprovider tests/gpu 2>&1 | tee "$LOGS/tests_gpu.log"
-tests=${PIPESTATUS[0]}
-
-# benchmark: stops starting new model sizes after --budget-s; the timeout caps a size still running
+# tests/gpu and the training benchmark run side by side (one GPU, 16 host cores: the tests are small;
+# the benchmark's step times carry that caveat), then the inference benchmark alone (its per-token
+# times are the measurement). Each has a hard cap; a hung rank dumps its stack before its timeout.
 NVME=/tmp/zerospeed_nvme
-timeout 240 "$PY" benchmarks/gpu/offload_largest.py --nvme-path "$NVME" --steps 2 --budget-s 150 \
-  --out "$LOGS/offload_largest.md" 2>&1 | tee "$LOGS/offload_largest.log"
-bench=${PIPESTATUS[0]}
+timeout 300 "$PY" -m pytest -v -rs --durations=0 -p no:cacheprovider tests/gpu > "$LOGS/tests_gpu.log" 2>&1 &
+tests_pid=$!
+timeout 260 "$PY" benchmarks/gpu/offload_largest.py --nvme-path "$NVME" --steps 2 --budget-s 180 --cap nvme=0.4 \
+  --out "$LOGS/offload_largest.md" > "$LOGS/offload_largest.log" 2>&1
+bench=$?
 rm -rf "$NVME"
-
-echo "tests/gpu: exit $tests (124 = hit the 360 s cap); offload_largest.py: exit $bench (124 = hit the 240 s cap); logs in $LOGS"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
+wait $tests_pid
+tests=$?
+timeout 220 "$PY" benchmarks/gpu/inference.py --repeats 2 --zero-new 16 > "$LOGS/inference.log" 2>&1
+infer=$?
+tail -n 40 "$LOGS/tests_gpu.log"; tail -n 14 "$LOGS/offload_largest.log"; tail -n 30 "$LOGS/inference.log"
+echo "tests/gpu: exit $tests (124 = hit the 300 s cap); offload_largest.py: exit $bench; inference.py: exit $infer (124 = cap); logs in $LOGS"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$infer" -eq 0 ]

@@ -17,6 +17,16 @@ NVMe) a batch copies each shard straight into its parameter's own full buffer: o
 The general path would concatenate the shards, "all-gather" them (another copy) and clone each
 parameter out of the receive buffer (a third), and the divergence check has nobody to compare with.
 
+Note [asynchronous host-to-device gathers]: on one rank with `offload_param: cpu` (ZeRO-Inference) a
+gather is a host-to-device copy. A blocking copy would keep the host from queueing the next modules'
+kernels and copies until it lands, so the device would idle for the host's hook and launch overhead
+on every unit. A frozen shard in pinned memory is copied with `non_blocking`: the copy is queued on the
+current stream, ahead of the kernels that read the full buffer, so stream order alone makes it safe;
+its source never changes (no optimizer writes a frozen shard) and stays allocated (it is the shard
+itself); the full buffer is device memory from the caching allocator, which reuses it only in the
+stream's order. A trainable shard is copied blocking (the CPU optimizer writes it in place), and so is
+a view into a swap pool buffer (released, and refilled by the next read, right after the copy).
+
 Note [stage-3 divergence check]: with every gather each rank also all-gathers a code of *which* flat
 parameters it is gathering (8 bytes). Ranks whose forward took different branches would otherwise
 exchange chunks of different parameters without noticing when the sizes happen to agree; now they
@@ -91,9 +101,15 @@ class GatherBatch:
     def _copy_local(self, shards: list[torch.Tensor]) -> None:
         for fp, shard in zip(self.fps, shards):
             fp.full = fp.full_buffer()
-            fp.full.copy_(shard)
+            fp.full.copy_(shard, non_blocking=self._async_copy(fp, shard))
         self._release_swap_buffer()
         self.launched = self.done = True
+
+    def _async_copy(self, fp, shard: torch.Tensor) -> bool:
+        """Note [asynchronous host-to-device gathers]: a frozen shard in pinned host memory (not a swap
+        pool buffer, which is reused as soon as it is released) is copied without blocking the host."""
+        return (self.device.type != "cpu" and fp.master is None and self.swap_buffer is None
+                and shard.device.type == "cpu" and shard.is_pinned())
 
     def launch(self) -> None:
         """NVMe-backed batches: wait for the shard reads, then issue the collectives."""
