@@ -26,16 +26,16 @@ nvidia-smi -L || true
 # the benchmark's step times carry that caveat), then the inference benchmark alone (its per-token
 # times are the measurement). Each has a hard cap; a hung rank dumps its stack before its timeout.
 NVME=/tmp/zerospeed_nvme
-timeout 300 "$PY" -m pytest -v -rs --durations=0 -p no:cacheprovider tests/gpu > "$LOGS/tests_gpu.log" 2>&1 &
+timeout 270 "$PY" -m pytest -v -rs --durations=0 -p no:cacheprovider tests/gpu > "$LOGS/tests_gpu.log" 2>&1 &
 tests_pid=$!
-timeout 260 "$PY" benchmarks/gpu/offload_largest.py --nvme-path "$NVME" --steps 2 --budget-s 180 --cap nvme=0.4 \
+timeout 240 "$PY" benchmarks/gpu/offload_largest.py --nvme-path "$NVME" --steps 2 --budget-s 150 --cap nvme=0.4 \
   --out "$LOGS/offload_largest.md" > "$LOGS/offload_largest.log" 2>&1
 bench=$?
 rm -rf "$NVME"
 wait $tests_pid
 tests=$?
-timeout 220 "$PY" benchmarks/gpu/inference.py --repeats 2 --zero-new 16 > "$LOGS/inference.log" 2>&1
+timeout 200 "$PY" benchmarks/gpu/inference.py --repeats 2 --zero-new 16 > "$LOGS/inference.log" 2>&1
 infer=$?
 tail -n 40 "$LOGS/tests_gpu.log"; tail -n 14 "$LOGS/offload_largest.log"; tail -n 30 "$LOGS/inference.log"
-echo "tests/gpu: exit $tests (124 = hit the 300 s cap); offload_largest.py: exit $bench; inference.py: exit $infer (124 = cap); logs in $LOGS"
+echo "tests/gpu: exit $tests (124 = hit the 270 s cap); offload_largest.py: exit $bench; inference.py: exit $infer (124 = cap); logs in $LOGS"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$infer" -eq 0 ]
