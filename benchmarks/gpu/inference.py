@@ -8,7 +8,8 @@ One process, one GPU. Model: a transformers Llama built from a config (GQA, unti
 random weights, prompts of `--prompt` random tokens, greedy, KV cache on, exactly `--new` tokens (no EOS).
 
 - transformers vs init_inference: the same weights on the GPU, timed alternately in this process
-  (`--repeats` each, median); per-token ms = (total - first token) / (new - 1).
+  (`--repeats` each, median, after one full-length warm-up run each); per-token ms =
+  (total - first token) / (new - 1).
 - ZeRO-Inference: stage 3 with `offload_param: cpu` (pinned) and persistence threshold 0, so every
   weight crosses PCIe for every token; variants: each Linear its own unit (the default), each decoder
   layer one unit (`leaf_module`), and the Linears' stored shards int8 / int4 (group 64). "read once" is
@@ -68,8 +69,8 @@ def _per_token(models: dict, ids, new: int, repeats: int) -> dict:
     first = {k: [] for k in models}
     total = {k: [] for k in models}
     tokens = {}
-    for m in models.values():
-        _gen(m, ids, 2)  # warm-up
+    for m in models.values():  # warm-up over every length the timed runs reach: kernels and their
+        _gen(m, ids, new)        # heuristics are picked per shape (one such run made transformers 3x slower)
     for _ in range(repeats):
         for name, m in models.items():
             first[name].append(_time(lambda: _gen(m, ids, 1)))

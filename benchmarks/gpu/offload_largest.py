@@ -8,7 +8,7 @@ to NVMe — it takes a ladder of GPT sizes (bf16, ZeRO stage 3, 1 process) from 
 trains each for a few steps; the first size whose steps complete is that mode's answer. A size is
 skipped, not tried, when the device memory, host memory or disk it needs (the ZeRO formulas, plus
 34 x seq x batch x width x layers bytes of bf16 activations on the device with no offload) exceeds
-90% of what is free, or it is above the mode's `--cap`; a size that runs out of device memory hands
+the device's memory or 90% of the free host memory or disk, or it is above the mode's `--cap`; a size that runs out of device memory hands
 over to the next smaller one. TFLOPs are model FLOPs: 6 x parameters x tokens plus attention
 12 x layers x seq^2 x width per token (forward + backward, no recompute), over the median step time.
 Writes a markdown table to stdout (and --out).
@@ -151,7 +151,7 @@ def main() -> None:
             if n > caps.get(mode, float("inf")):
                 rows.append((mode, shape, n, f"skipped: above --cap {mode}={caps[mode] / 1e9:g}B"))
                 continue
-            if host > 0.9 * free_host or disk > 0.9 * free_disk or dev > 0.9 * gpu_total:
+            if host > 0.9 * free_host or disk > 0.9 * free_disk or dev > gpu_total:  # (an OOM hands down)
                 rows.append((mode, shape, n, f"skipped: needs {dev / 2**30:.0f} GiB device / {host / 2**30:.0f} GiB "
                              f"host / {disk / 2**30:.0f} GiB disk, {gpu_total / 2**30:.0f} / {free_host / 2**30:.0f} / "
                              f"{free_disk / 2**30:.0f} free"))

@@ -153,7 +153,8 @@ def offload_ranks(stage: int, opt: dict | None, param: dict | None, steps: int =
     flat = getattr(engine.zero, "flat", None) if engine.zero_optimization_stage() == 3 else None
     if flat:  # stage 3: the parameter shards and the fp32 gradient shards of every flat parameter
         out["shards"] = [(fp.shard.device.type, fp.shard.is_pinned()) for fp in flat if fp.shard is not None]
-        out["grad_shards"] = [(fp.grad_shard.device.type, fp.grad_shard.is_pinned()) for fp in flat]
+        out["grad_shards"] = [(fp.grad_shard.device.type, fp.grad_shard.is_pinned()) for fp in flat
+                             if fp.grad_shard is not None]  # (frozen flat parameters have none)
     engine.destroy()
     out["left"] = [f for f in out["swap_files"] if os.path.exists(f)]
     return _cpu(out)

@@ -61,7 +61,7 @@ def test_stage3_nvme_optimizer_and_parameter_offload_on_gpu(tmp_path):
     world = min(2, gc.gpus())
     nvme = {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True}
     results = run_distributed(gc.offload_ranks, world, 3, nvme | {"pipeline_read": True, "pipeline_write": True},
-                              nvme | {"buffer_size": 4096}, timeout=170, backend="nccl")
+                              nvme | {"buffer_size": 16384}, timeout=170, backend="nccl")
     for r in results:
         _common(r)
         where = f"nvme:{tmp_path.resolve()}"

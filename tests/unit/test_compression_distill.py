@@ -20,7 +20,9 @@ def test_distillation_loss_hand_values():
     # T = 2: the teacher's softmax of log(3)/2 = log(sqrt 3): sqrt3 / (1 + sqrt3); times T**2
     p = math.sqrt(3) / (1 + math.sqrt(3))
     want2 = 4 * (p * math.log(p / 0.5) + (1 - p) * math.log((1 - p) / 0.5))
-    assert distillation_loss(s, t, temperature=2.0).item() == pytest.approx(want2, rel=1e-6)
+    # (the loss is computed in float32: the two KL terms partly cancel, so their rounding reached 1.2e-6
+    # relative on one CPU; 5e-6 is ~80 float32 ulps)
+    assert distillation_loss(s, t, temperature=2.0).item() == pytest.approx(want2, rel=5e-6)
     distillation_loss(s, t).backward()
     assert s.grad is not None  # the teacher is a constant: only the student gets a gradient
     assert distillation_loss(t, t).item() == pytest.approx(0.0, abs=1e-7)

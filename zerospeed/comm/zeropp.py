@@ -109,6 +109,12 @@ def all_gather_quantized(output: torch.Tensor, input: torch.Tensor, group=None, 
                              async_op, bits, block_size)
 
 
+def decode_packed(packed: torch.Tensor, output: torch.Tensor, numel: int, bits: int = WEIGHT_BITS,
+                  block_size: int = WEIGHT_BLOCK, symmetric: bool = True) -> None:
+    """One rank's block-quantized `to_bytes` buffer of `numel` elements, dequantized into `output`."""
+    dequantize_blocks_into(from_bytes(packed, numel, bits, block_size, symmetric), output)
+
+
 def all_gather_packed(output: torch.Tensor, packed: torch.Tensor, numel: int, group=None, async_op: bool = False,
                       bits: int = WEIGHT_BITS, block_size: int = WEIGHT_BLOCK, symmetric: bool = True):
     """`all_gather_into_tensor` of shards already block-quantized (`to_bytes` buffers of `numel`
@@ -116,8 +122,7 @@ def all_gather_packed(output: torch.Tensor, packed: torch.Tensor, numel: int, gr
     qwZ quantizes before calling it; `zero_quantized_nontrainable_weights` stores its shards so."""
     world = get_world_size(group)
     if world == 1:
-        return _done(lambda: dequantize_blocks_into(from_bytes(packed, numel, bits, block_size, symmetric), output),
-                     async_op)
+        return _done(lambda: decode_packed(packed, output, numel, bits, block_size, symmetric), async_op)
     recv = torch.empty(world * packed.numel(), dtype=torch.uint8, device=packed.device)
     _check_tensors("all_gather_packed", group, output, packed)
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zerospeed.accelerator import get_accelerator
 from zerospeed.comm.zeropp import WEIGHT_BITS, WEIGHT_BLOCK
 from zerospeed.ops.quantizer import quantize_blocks, to_bytes
 from zerospeed.zero.flat_group import flatten_fp32
@@ -233,8 +234,8 @@ class FlatParam:
         self.stored_nbytes = packed.numel()
         if self.swap is not None:  # (offload_param nvme: a slot of its own, Note in offload/param_swap.py)
             self.swap.write_packed(self, packed)
-        else:
-            self.shard = packed
+        else:  # pinned like the shard it replaces (Note [asynchronous host-to-device gathers], gather.py)
+            self.shard = get_accelerator().pin_memory(packed) if self.shard.is_pinned() else packed
         self.stored = (bits, block, symmetric)
 
     def _set_shard(self, values: torch.Tensor) -> None:
