@@ -133,10 +133,13 @@ def dequantize_blocks_into(q: BlockQuantized, out: torch.Tensor) -> torch.Tensor
     the codes, then the scale (and minimum) in place, block by block — the same operations in the same
     order, so the result is bit-identical — in three passes over `out` instead of six and no
     allocation of its size (what a gather of stored shards pays per token in ZeRO-Inference). Other
-    dtypes round once at the end, as `dequantize_blocks` does, through it."""
+    dtypes go through one fp32 buffer decoded so, rounded once at the end as `dequantize_blocks`
+    does (four passes instead of six)."""
     flat = out.view(-1)
-    if out.dtype != torch.float32 or q.numel == 0:
-        return flat.copy_(dequantize_blocks(q, out.dtype))
+    if q.numel == 0:
+        return flat
+    if out.dtype != torch.float32:
+        return flat.copy_(dequantize_blocks_into(q, torch.empty(q.numel, dtype=torch.float32, device=out.device)))
     flat.copy_(unpack_int4(q.codes, q.numel) if q.bits == 4 else q.codes)
     whole = q.numel // q.block_size
     tail = q.numel - whole * q.block_size
