@@ -245,11 +245,20 @@ class FlatParam:
             if self.swap is not None:
                 self.swap.write_packed(self, packed)
             else:
+                self._write_pinned_guard(packed)
                 self.shard.copy_(packed)
         elif self.swap is not None:
             self.swap.write_shard(self, values)
         else:
+            self._write_pinned_guard(values)
             self.shard.copy_(values)
+
+    def _write_pinned_guard(self, values: torch.Tensor) -> None:
+        """Note [asynchronous host-to-device gathers] (gather.py): a gather may still be reading this
+        pinned shard on the device; a host-side write (a checkpoint's frozen values) waits for it. A
+        write from the device is ordered after it by the stream already."""
+        if values.device.type == "cpu" and self.device.type != "cpu" and self.shard.is_pinned():
+            get_accelerator().synchronize()
 
     @property
     def shard_numel(self) -> int:
