@@ -44,8 +44,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _tensor_parallel(manifest: dict) -> str:
     layout = manifest.get("parallel_layout", {})
-    tp = layout.get("tensor_parallel", 1)
-    return f"tensor parallel {tp} ({len(layout.get('shard_specs', {}))} sharded parameters), " if tp > 1 else ""
+    tp, sp = layout.get("tensor_parallel", 1), layout.get("sequence_parallel", 1)
+    out = f"tensor parallel {tp} ({len(layout.get('shard_specs', {}))} sharded parameters), " if tp > 1 else ""
+    return out + (f"sequence parallel {sp} (counted in data parallel), " if sp > 1 else "")
 
 
 def summary(tag_dir, manifest: dict) -> str:

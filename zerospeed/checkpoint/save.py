@@ -81,10 +81,10 @@ def _check_supported(engine, experts_ok: bool = False) -> None:
     if mesh.size("pp") > 1:
         raise NotImplementedError("this engine has pipeline stages: its checkpoints are the pipeline engine's "
                                   "(zerospeed.parallel.pipeline.checkpoint), not these")
-    if engine.world_size != engine.dp_world_size * tp:
-        raise NotImplementedError("checkpoints with sequence parallelism are not supported yet: world size "
-                                  f"{engine.world_size} != data-parallel size {engine.dp_world_size} x tensor-parallel "
-                                  f"size {tp}")
+    if engine.world_size != zero_dp_size(engine) * tp:
+        raise NotImplementedError(f"checkpoints of this engine's layout are not supported: world size "
+                                  f"{engine.world_size} != sequence-data-parallel size {zero_dp_size(engine)} x "
+                                  f"tensor-parallel size {tp}")
     if tp > 1:
         _check_tensor_parallel(engine, tp)
         return
@@ -121,9 +121,20 @@ class Placement:
         return writes(self.layouts.get(name), self.tp_rank)
 
 
+def zero_dp_size(engine) -> int:
+    """Note [sequence-parallel checkpoints]: the checkpoint's data-parallel size is that of the group the
+    ZeRO state is partitioned over, data x sequence ranks (`dp_sp`; just `dp` without sequence
+    parallelism). Ulysses shards activations, never weights: the sp ranks of a replica hold the same
+    model and each holds its own slice of the dp x sp-way partitioned optimizer state, so a checkpoint
+    saved at sp = P is the checkpoint of a dp x P-way data-parallel run — one rank file per dp x sp rank,
+    named by its rank in that group (as DeepSpeed names them by the sequence-data-parallel rank) — and
+    loads, resharded, at any other dp / sp / tp split and ZeRO stage."""
+    return engine.mesh.size("dp_sp")
+
+
 def placement(engine) -> Placement:
     mesh = engine.mesh
-    return Placement(mesh.rank_in("dp"), mesh.rank_in("tp"), mesh.size("tp"), model_layouts(engine.module))
+    return Placement(mesh.rank_in("dp_sp"), mesh.rank_in("tp"), mesh.size("tp"), model_layouts(engine.module))
 
 
 def engine_names(engine, place: Placement) -> CheckpointNames:
@@ -180,7 +191,7 @@ def _model_states(engine, client_state: dict, exclude_frozen: bool, spans=(),
         "global_steps": engine.global_steps, "global_samples": engine.global_samples,
         "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
         "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
-        "dp_world_size": engine.dp_world_size, "mp_world_size": engine.mesh.size("tp"),
+        "dp_world_size": zero_dp_size(engine), "mp_world_size": engine.mesh.size("tp"),
         "zero_stage": engine.zero.stage,
         "ds_config": engine.config.model_dump(mode="json"), "ds_version": zerospeed.__version__,
     }
@@ -211,7 +222,7 @@ def _rank_states(engine, place: Placement, names: CheckpointNames) -> tuple[dict
                                      for k in elementwise},
                                   **{k: state[k] for k in scalars}}})
         layouts.append(EntryLayout(group, master.numel(), tuple(pieces), tuple(elementwise), tuple(scalars)))
-    return {"rank": place.dp_rank, "tp_rank": place.tp_rank, "dp_world_size": engine.dp_world_size,
+    return {"rank": place.dp_rank, "tp_rank": place.tp_rank, "dp_world_size": zero_dp_size(engine),
             "zero_stage": engine.zero.stage, "entries": records, "rng": capture_rng_state(),
             "ds_version": zerospeed.__version__}, layouts
 
@@ -224,7 +235,9 @@ def _writes_replicated(entry, rank: int, spans) -> bool:
 
 
 def _parallel_layout(engine, place: Placement) -> dict:
-    layout = {"data_parallel": engine.dp_world_size, "tensor_parallel": place.tp, "pipeline_parallel": 1}
+    layout = {"data_parallel": zero_dp_size(engine), "tensor_parallel": place.tp, "pipeline_parallel": 1}
+    if engine.mesh.size("sp") > 1:  # (Note [sequence-parallel checkpoints]: data_parallel counts dp x sp)
+        layout["sequence_parallel"] = engine.mesh.size("sp")
     if place.layouts:  # Note [canonical tensors]: how each sharded parameter's pieces make its full tensor
         layout["shard_specs"] = layouts_to_json(place.layouts)
     return layout
@@ -237,7 +250,7 @@ def _manifest(engine, tag: str, files: dict, partition: list[RankFile], excluded
         "format": FORMAT, "format_version": FORMAT_VERSION if place.layouts else PLAIN_FORMAT_VERSION,
         "zerospeed_version": zerospeed.__version__,
         "torch_version": torch.__version__, "tag": tag, "created_unix": time.time(),
-        "world_size": engine.world_size, "dp_world_size": engine.dp_world_size, "zero_stage": engine.zero.stage,
+        "world_size": engine.world_size, "dp_world_size": zero_dp_size(engine), "zero_stage": engine.zero.stage,
         "parallel_layout": _parallel_layout(engine, place),
         "param_dtype": dtype_name(engine.precision.param_dtype), "master_dtype": "float32",
         "global_steps": engine.global_steps, "global_samples": engine.global_samples,
