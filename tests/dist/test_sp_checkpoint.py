@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import zerospeed
-from test_ulysses_parity import SPLoss
-from zerospeed.sequence.data import shard_sequence_batch, shift_labels_of
+from test_ulysses_parity import SPLoss, reference_step
+from zerospeed.sequence.data import shard_sequence_batch
 from zerospeed.sequence.layer import DistributedAttention
 from zerospeed.testing import run_distributed
 from zerospeed.testing.sequence_models import GPT, VOCAB, local_sdpa
@@ -98,18 +97,7 @@ def reference(dps: list[int]):
     torch.manual_seed(0)
     gpt = GPT(WIDTH, HEADS, KV, local_sdpa)
     opt = torch.optim.Adam(gpt.parameters(), lr=LR)
-    losses = []
-    for (ids, labels), dp in zip(batches(), dps):
-        micro, per_replica = G // dp, []
-        for d in range(dp):
-            rows = slice(d * micro, (d + 1) * micro)
-            logits = gpt.logits(ids[rows], torch.arange(SEQ).expand(micro, SEQ))
-            target = shift_labels_of(labels[rows])
-            per_replica.append(F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1), ignore_index=-100))
-        opt.zero_grad()
-        torch.stack(per_replica).mean().backward()
-        opt.step()
-        losses.append([loss.item() for loss in per_replica])
+    losses = [reference_step(gpt, opt, ids, labels, dp) for (ids, labels), dp in zip(batches(), dps)]
     return losses, gpt.state_dict()
 
 

@@ -97,23 +97,27 @@ def _train_many(names):
     return {name: _train(name) for name in names}
 
 
+def reference_step(gpt, opt, ids, labels, dp: int) -> list[float]:
+    """One plain-PyTorch step on a global batch split into `dp` equal replicas: the mean of the replicas'
+    token-mean losses (DDP's semantics); returns each replica's loss."""
+    micro, seq, per_replica = ids.shape[0] // dp, ids.shape[1], []
+    for d in range(dp):
+        rows = slice(d * micro, (d + 1) * micro)
+        logits = gpt.logits(ids[rows], torch.arange(seq).expand(micro, seq))
+        target = shift_labels_of(labels[rows])
+        per_replica.append(F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1), ignore_index=-100))
+    opt.zero_grad()
+    torch.stack(per_replica).mean().backward()
+    opt.step()
+    return [loss.item() for loss in per_replica]
+
+
 def reference(name):
     world, sp, stage, width, heads, kv, _ = CASES[name]
     dp = world // sp
     gpt = build(width, heads, kv, local_sdpa)
     opt = torch.optim.Adam(gpt.parameters(), lr=LR)
-    losses = []
-    for ids, labels in batches(dp):
-        per_replica = []
-        for d in range(dp):
-            rows = slice(d * MICRO, (d + 1) * MICRO)
-            logits = gpt.logits(ids[rows], torch.arange(SEQ).expand(MICRO, SEQ))
-            target = shift_labels_of(labels[rows])
-            per_replica.append(F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1), ignore_index=-100))
-        opt.zero_grad()
-        torch.stack(per_replica).mean().backward()
-        opt.step()
-        losses.append([l.item() for l in per_replica])
+    losses = [reference_step(gpt, opt, ids, labels, dp) for ids, labels in batches(dp)]
     return losses, gpt.state_dict()
 
 
