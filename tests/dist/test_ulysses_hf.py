@@ -43,10 +43,12 @@ def batches(dp: int):
     return out
 
 
-def _train(sp: int, stage: int):
+def _train(sp: int, stage: int, tiles: int = 1):
     from zerospeed.sequence.data import shard_sequence_batch
-    from zerospeed.sequence.hf import UlyssesSPAttentionHF, install_sequence_parallel_loss
+    from zerospeed.sequence.hf import UlyssesSPAttentionHF, enable_tiled_mlp, install_sequence_parallel_loss
     model = llama()
+    if tiles > 1:  # ALST's tiled MLP (at ZeRO-3: Note [tiled compute under ZeRO-3])
+        enable_tiled_mlp(model, tiles)
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, MICRO)
     try:
         install_sequence_parallel_loss(model, mpu.get_sequence_parallel_group())
@@ -75,6 +77,20 @@ def _runs(cases):
     return {case: _train(*case) for case in cases}
 
 
+def _check(results, cases):
+    for case in cases:
+        sp, stage = case[:2]
+        ref_losses, ref_weights = reference(4 // sp)
+        for rank, res in enumerate(results):
+            got = res[case]
+            expect = [step[got["dp_rank"]] for step in ref_losses]
+            diff = max(abs(a - b) for a, b in zip(got["losses"], expect))
+            assert diff <= TOL, (case, rank, got["losses"], expect)
+            for key, value in ref_weights.items():
+                torch.testing.assert_close(got["weights"][key], value, atol=TOL, rtol=0,
+                                           msg=lambda m, key=key: f"{case} rank {rank} {key}: {m}")
+
+
 def reference(dp: int):
     model = llama()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
@@ -90,15 +106,6 @@ def reference(dp: int):
 
 @pytest.mark.timeout(400)
 def test_llama_gqa_by_registration_matches_transformers():
-    cases = [(4, 0), (2, 1), (2, 3)]  # (sp, ZeRO stage) on 4 ranks: sp 4; sp 2 x dp 2
-    results = run_distributed(_runs, 4, cases, timeout=360)
-    for sp, stage in cases:
-        ref_losses, ref_weights = reference(4 // sp)
-        for rank, res in enumerate(results):
-            got = res[(sp, stage)]
-            expect = [step[got["dp_rank"]] for step in ref_losses]
-            diff = max(abs(a - b) for a, b in zip(got["losses"], expect))
-            assert diff <= TOL, (sp, stage, rank, got["losses"], expect)
-            for key, value in ref_weights.items():
-                torch.testing.assert_close(got["weights"][key], value, atol=TOL, rtol=0,
-                                           msg=lambda m, key=key: f"sp {sp} stage {stage} rank {rank} {key}: {m}")
+    # (sp, ZeRO stage[, MLP tiles]) on 4 ranks: sp 4; sp 2 x dp 2; the last with ALST's tiled MLP at ZeRO-3
+    cases = [(4, 0), (2, 1), (2, 3), (2, 3, 3)]
+    _check(run_distributed(_runs, 4, cases, timeout=360), cases)

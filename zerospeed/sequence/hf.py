@@ -210,8 +210,11 @@ def enable_tiled_mlp(model: torch.nn.Module, shards: int) -> int:
     """ALST's tiled MLP for a transformers model: every MLP block (a module whose class name ends in
     "MLP" and holds parameters) computes over `shards` tiles of its tokens (`zerospeed.sequence.tiled`),
     so its [tokens, intermediate] activations exist one tile at a time. The module's own forward is kept
-    and called per tile (names and weights are untouched); returns the number of blocks tiled. ZeRO 0-2."""
+    and called per tile (names and weights are untouched); returns the number of blocks tiled. Each
+    tiled block is also flagged a ZeRO-3 leaf module (Note [tiled compute under ZeRO-3] in
+    sequence/tiled.py): call it before `zerospeed.initialize`."""
     from zerospeed.sequence.tiled import tiled_mlp
+    from zerospeed.utils.z3_leaf_module import set_z3_leaf_module
     count = 0
     for module in model.modules():
         if not type(module).__name__.endswith("MLP") or not any(True for _ in module.parameters()):
@@ -219,6 +222,7 @@ def enable_tiled_mlp(model: torch.nn.Module, shards: int) -> int:
         own = module.forward
         inner = _OwnForward(own, module)
         module.forward = lambda x, inner=inner, shards=shards: tiled_mlp(inner, x, shards)  # instance attribute
+        set_z3_leaf_module(module, True)
         count += 1
     if count == 0:
         raise ValueError(f"enable_tiled_mlp: {type(model).__name__} has no module whose class name ends in 'MLP'")

@@ -7,7 +7,17 @@ the parameters with `torch.autograd.grad` (which accumulates nothing into `.grad
 gradients over the tiles, and returns them as the gradients of the parameters — passed as inputs of the
 autograd function — so each parameter's `.grad` is written once per backward, as the ZeRO gradient
 hooks expect (DeepSpeed instead lets every tile accumulate and marks parameters ready by hand).
-ZeRO-3 is not supported here yet: its parameters are empty shards outside their module's forward.
+
+Note [tiled compute under ZeRO-3]: stage 3 gathers a unit's parameters in its module's forward and
+backward pre-hooks and empties them after. A tiled block is made one ZeRO-3 leaf unit
+(`enable_tiled_mlp` flags it; Note [leaf modules] in zero/stage3/strategy.py), so its hooks sit on the
+block itself: the forward pre-hook gathers every parameter of the block before the tiles run, the
+modules inside run no hooks of their own (so the per-tile calls gather nothing more), and the backward
+pre-hook gathers the block again before the recomputing backward above runs — the parameters it
+saved are the module's own, which then point at the gathered values again. Their gradients come out
+once, summed over the tiles, into the reduction as any unit's. A parameter still empty when the tiles
+run (a block not flagged before `initialize`, or the tiled loss's head weight, which lives in another
+module) is refused with an error.
 """
 from __future__ import annotations
 
@@ -20,8 +30,10 @@ import torch.nn.functional as F
 def _check_full(params) -> None:
     for p in params:
         if p.numel() == 0:
-            raise NotImplementedError("tiled compute got a parameter with no elements — a ZeRO-3 shard; tiled MLP / "
-                                      "tiled loss run with ZeRO stages 0-2 (use stage 2, or turn tiling off)")
+            raise NotImplementedError("tiled compute got a parameter with no elements — a ZeRO-3 shard outside its "
+                                      "module's forward: at ZeRO-3 call enable_tiled_mlp before zerospeed.initialize "
+                                      "(it makes each tiled block one ZeRO-3 leaf unit); the tiled loss "
+                                      "(tiled_cross_entropy_sum) runs with ZeRO stages 0-2 only")
 
 
 class _Tiled(torch.autograd.Function):
