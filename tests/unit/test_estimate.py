@@ -89,8 +89,11 @@ def test_parse_count():
 def test_offload_placement():
     prec = Precision.of("bf16")
     placed = placed_model_states(1000, 4, Option(2, True), prec)
-    assert placed["device"] == {"parameters": 2000, "gradients": 500.0, "master_weights": 0.0,
+    # stage 2: gradients reduce straight into the host's fp32 partition (zero/sharded.py `_host_grads`)
+    assert placed["device"] == {"parameters": 2000, "gradients": 0.0, "master_weights": 0.0,
                                 "optimizer_states": 0.0}
+    # stage 1 keeps its whole gradient buffer on the device until the step (bf16: 2 bytes x 1000)
+    assert placed_model_states(1000, 4, Option(1, True), prec)["device"]["gradients"] == 2000.0
     assert placed["host"] == {"parameters": 0.0, "gradients": 1000.0, "master_weights": 1000.0,
                               "optimizer_states": 2000.0}
     p3 = placed_model_states(1000, 4, Option(3, True, True), prec, largest_layer_params=100)
@@ -102,12 +105,16 @@ def test_offload_placement():
 
 
 def test_activation_formula():
-    # s=2048, b=1, h=4096, a=32: per layer s*b*h*(34 + 5*a*s/h) = 2048*4096*(34+80)
+    # s=2048, b=1, h=4096, a=32, eager attention: per layer s*b*h*(34 + 5*a*s/h) = 2048*4096*(34+80)
     per_layer = 2048 * 4096 * 114
-    assert transformer_activation_bytes(layers=2, hidden=4096, heads=32, seq_len=2048, micro_batch=1,
-                                        checkpointing=False) == 2 * per_layer
-    assert transformer_activation_bytes(layers=2, hidden=4096, heads=32, seq_len=2048, micro_batch=1,
-                                        checkpointing=True) == 2 * 2 * 2048 * 4096 + per_layer
+    shape = dict(layers=2, hidden=4096, heads=32, seq_len=2048, micro_batch=1)
+    assert transformer_activation_bytes(**shape, checkpointing=False, attention="eager") == 2 * per_layer
+    assert transformer_activation_bytes(**shape, checkpointing=True, attention="eager") == \
+        2 * 2 * 2048 * 4096 + per_layer
+    # fused attention (the default) keeps no scores: s*b*h*34
+    assert transformer_activation_bytes(**shape, checkpointing=False) == 2 * 2048 * 4096 * 34
+    with pytest.raises(ValueError, match="attention must be 'sdpa' or 'eager'"):
+        transformer_activation_bytes(**shape, checkpointing=False, attention="flash")
 
 
 def test_recommend_picks_fastest_that_fits():
@@ -118,13 +125,16 @@ def test_recommend_picks_fastest_that_fits():
     assert recommend(rows, 32e9).label() == "stage 1"
     assert recommend(rows, 20e9).label() == "stage 2"
     assert recommend(rows, 5e9).label() == "stage 3"
-    assert recommend(rows, 0.3e9).label() == "stage 3, offload_optimizer=cpu, offload_param=cpu"
-    assert recommend(rows, 0.1e9) is None
+    # optimizer offload: the device keeps the 16-bit parameter shard, 2 x 7.5e9 / 64 = 0.234e9 bytes
+    assert recommend(rows, 0.3e9).label() == "stage 3, offload_optimizer=cpu"
+    assert recommend(rows, 0.2e9).label() == "stage 3, offload_optimizer=cpu, offload_param=cpu"
+    big_layer = plan_rows(ModelCensus(7_500_000_000, 100_000_000), Setup(devices_per_node=8, nodes=8))
+    assert recommend(big_layer, 0.1e9) is None  # even parameter offload gathers a 0.2e9-byte layer
 
 
 def test_recommend_uses_checkpointing_before_stage_3():
     census = ModelCensus(100_000_000, 0, layers=24, hidden=1024, heads=16)
-    rows = plan_rows(census, Setup(devices_per_node=4, micro_batch=8, seq_len=2048))
+    rows = plan_rows(census, Setup(devices_per_node=4, micro_batch=8, seq_len=2048, attention="eager"))
     by_label = {r.label(): r for r in rows}
     s2_ckpt = by_label["stage 2, activation checkpointing"]
     # model states 2 + 14/4 bytes/param; activations: 24 layers' inputs + one layer recomputed

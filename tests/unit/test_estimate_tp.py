@@ -68,8 +68,10 @@ def test_census_of_config_carries_the_shape():
 def test_activation_formulas_by_hand():
     s, b, h, a = 2048, 1, 4096, 32
     sbh = s * b * h
-    one = dict(seq_len=s, micro_batch=b, hidden=h, heads=a)
+    one = dict(seq_len=s, micro_batch=b, hidden=h, heads=a, attention="eager")  # Korthikanti's scores term
     assert layer_activation_bytes(**one) == sbh * (34 + 80)
+    fused = {**one, "attention": "sdpa"}  # fused attention keeps no scores
+    assert layer_activation_bytes(**fused) == sbh * 34 and layer_activation_bytes(**fused, tp=4) == 16 * sbh
     assert layer_activation_bytes(**one, tp=4) == sbh * (10 + 24 / 4 + 80 / 4) == 36 * sbh
     assert layer_activation_bytes(**one, tp=4, sequence_parallel=True) == sbh * 114 / 4
     assert layer_activation_bytes(**one, tp=4, act_bytes=4) == 72 * sbh
@@ -83,7 +85,7 @@ def test_activation_formulas_by_hand():
     assert stage_activation_bytes(layers=8, **one, checkpointing=True, tp=4, sequence_parallel=True,
                                   micro_batches_in_flight=4) == 8 * 4 * 2 * sbh / 4 + sbh * 114 / 4
     assert transformer_activation_bytes(layers=2, hidden=h, heads=a, seq_len=s, micro_batch=b, checkpointing=False,
-                                        tp=4) == 2 * 36 * sbh
+                                        tp=4, attention="eager") == 2 * 36 * sbh
 
 
 def test_plan_rows_per_rank_with_tp_and_pp():

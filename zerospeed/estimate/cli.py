@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="micro-batches per step (gradient accumulation); with --pp, 1F1B holds min(pp, this)")
     p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
                    help="collectives' backend for the peak's staging terms (gloo on CPU-only machines)")
+    p.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
+                   help="sdpa (fused attention, PyTorch's and transformers' default: no s x s scores kept for "
+                        "backward) or eager (the scores, softmax and dropout mask are kept: + 5*a*s/h per token "
+                        "and hidden unit)")
     p.add_argument("--layouts", action="store_true",
                    help="with --device-memory: every valid dp x tp x pp and its fastest option that fits")
     p.add_argument("--device-memory", type=float, help="GB (1e9 bytes) per device, for the recommendation")
@@ -76,7 +80,7 @@ def run(args) -> str:
     census = _census(args)
     setup = Setup(args.devices_per_node, args.nodes, args.precision, args.optimizer, args.grad_dtype,
                   args.micro_batch, args.seq_len, tp=args.tp, pp=args.pp, sequence_parallel=args.sequence_parallel,
-                  micro_batches=args.micro_batches, backend=args.backend)
+                  micro_batches=args.micro_batches, backend=args.backend, attention=args.attention)
     if args.layouts:
         if not args.device_memory:
             raise ValueError("--layouts needs --device-memory (GB per device) to pick an option per layout")

@@ -72,10 +72,15 @@ def placed_model_states(num_params: int, world_size: int, option: Option, prec: 
                         largest_layer_params: int = 0) -> dict[str, dict[str, float]]:
     """Per-rank model-state bytes split into {"device": {...}, "host": {...}} for `option`.
 
-    Optimizer offload (ZeRO-Offload) keeps the rank's shard of fp32 masters, optimizer states and an
-    fp32 gradient copy on the host; the device keeps parameters and its gradient partition. Parameter
-    offload (stage 3) moves the parameter shard to the host too; the device then holds only the
-    largest layer's gathered parameters while it runs.
+    Optimizer offload (ZeRO-Offload) keeps the rank's shard of fp32 masters, optimizer states and its
+    fp32 gradient partition on the host. At stages 2 and 3 gradients are reduced straight into that
+    host partition (the device holds only the in-flight reduce buckets, a term of the peak, not a model
+    state), as in DeepSpeed's own estimator; at stage 1 the device keeps its whole gradient buffer until
+    the step reduces it. Parameter offload (stage 3) moves the parameter shard to the host too; the
+    device then holds only the largest layer's gathered parameters while it runs. Measured on one H200
+    (2.65 B GPT, stage 3, optimizer and parameters offloaded, docs/benchmarks.md): 12.5 GB device
+    peak, what the activations and logits alone take — before, the device's gradient partition (10.6 GB
+    here) was counted too.
     """
     if option.offload_param and (option.stage != 3 or not option.offload_optimizer):
         raise ValueError("offload_param needs stage 3 with offload_optimizer (as in DeepSpeed's estimator)")
@@ -89,6 +94,8 @@ def placed_model_states(num_params: int, world_size: int, option: Option, prec: 
         host["optimizer_states"] = dev["optimizer_states"]
         host["gradients"] = num_params * 4 / world_size
         dev["master_weights"] = dev["optimizer_states"] = 0.0
+        if option.stage >= 2:
+            dev["gradients"] = 0.0
     if option.offload_param:
         host["parameters"] = dev["parameters"]
         dev["parameters"] = float(largest_layer_params * prec.param)
@@ -97,12 +104,14 @@ def placed_model_states(num_params: int, world_size: int, option: Option, prec: 
 
 def transformer_activation_bytes(*, layers: int, hidden: int, heads: int, seq_len: int, micro_batch: int,
                                  checkpointing: bool, act_bytes: int = 2, tp: int = 1,
-                                 sequence_parallel: bool = False, micro_batches_in_flight: int = 1) -> float:
+                                 sequence_parallel: bool = False, micro_batches_in_flight: int = 1,
+                                 attention: str = "sdpa") -> float:
     """Activation memory of one rank's micro-batch(es) through `layers` GPT-style layers.
 
     Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models") count
     s*b*h*(34 + 5*a*s/h) bytes per layer with 16-bit activations, s*b*h*(10 + 24/t + 5*a*s/(h*t)) at
-    tensor-parallel size t, and all of it / t with sequence parallelism (`layout.layer_activation_bytes`).
+    tensor-parallel size t, and all of it / t with sequence parallelism (`layout.layer_activation_bytes`);
+    the 5*a*s/h term (the attention scores) only with `attention="eager"`: fused attention keeps none.
     With full activation checkpointing each layer keeps only its 16-bit input (2*s*b*h) and one layer's
     activations are live again while it is recomputed. `act_bytes` 4 doubles everything (fp32
     activations); a pipeline stage multiplies by the micro-batches it holds (`layout.in_flight`).
@@ -110,7 +119,8 @@ def transformer_activation_bytes(*, layers: int, hidden: int, heads: int, seq_le
     return stage_activation_bytes(layers=layers, seq_len=seq_len, micro_batch=micro_batch, hidden=hidden,
                                   heads=heads, checkpointing=checkpointing, tp=tp,
                                   sequence_parallel=sequence_parallel,
-                                  micro_batches_in_flight=micro_batches_in_flight, act_bytes=act_bytes)
+                                  micro_batches_in_flight=micro_batches_in_flight, act_bytes=act_bytes,
+                                  attention=attention)
 
 
 def deepspeed_zero2_bytes(total_params: int, num_gpus_per_node: int, num_nodes: int,

@@ -125,19 +125,28 @@ def total_params(shape: TransformerShape) -> int:
 
 # -- activations ---------------------------------------------------------------------------------------
 def layer_activation_bytes(*, seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
-                           sequence_parallel: bool = False, act_bytes: int = 2) -> float:
+                           sequence_parallel: bool = False, act_bytes: int = 2, attention: str = "sdpa") -> float:
     """Bytes one transformer layer keeps for backward (Korthikanti et al. 2022, 16-bit activations):
 
         no tp                   s*b*h*(34 + 5*a*s/h)
         tp = t                  s*b*h*(10 + 24/t + 5*a*s/(h*t))   (LayerNorm/dropout regions replicated)
         tp = t, sequence par.   s*b*h*(34 + 5*a*s/h) / t
 
-    `act_bytes` 4 doubles everything (fp32 activations)."""
+    The 5*a*s/h term is the [a, s, s] attention scores, softmax and dropout mask that `attention="eager"`
+    keeps; fused attention (`"sdpa"`, the default of PyTorch and transformers: FlashAttention or the
+    memory-efficient kernel) keeps none of them, only its output and a log-sum-exp per row. Measured on
+    one H200 (bf16 GPT, seq 1024, micro batch 4, sdpa; docs/benchmarks.md): device peak minus model
+    states 12.5 GB at 2.65 B and 20.0 GB at 6.65 B parameters, against 11.4 / 18.3 GB for 34*s*b*h per
+    layer (the rest is the logits) and 32.9 / 39.7 GB with the scores term. `act_bytes` 4 doubles
+    everything (fp32 activations)."""
+    if attention not in ("sdpa", "eager"):
+        raise ValueError(f"attention must be 'sdpa' or 'eager', got {attention!r}")
     s, b, h, a, t = seq_len, micro_batch, hidden, heads, tp
+    scores = 5 * a * s / h if attention == "eager" else 0.0
     if sequence_parallel:
-        per = s * b * h * (34 + 5 * a * s / h) / t
+        per = s * b * h * (34 + scores) / t
     else:
-        per = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        per = s * b * h * (10 + 24 / t + scores / t)
     return per * act_bytes / 2
 
 
@@ -150,14 +159,15 @@ def in_flight(stage: int, pp: int, micro_batches: int | None = None) -> int:
 
 def stage_activation_bytes(*, layers: int, seq_len: int, micro_batch: int, hidden: int, heads: int,
                            checkpointing: bool, tp: int = 1, sequence_parallel: bool = False,
-                           micro_batches_in_flight: int = 1, act_bytes: int = 2) -> float:
+                           micro_batches_in_flight: int = 1, act_bytes: int = 2, attention: str = "sdpa") -> float:
     """Activations of a stage of `layers` layers holding `micro_batches_in_flight` micro-batches.
 
     With full activation checkpointing each layer keeps only its 16-bit input, 2*s*b*h (split by tp
     under sequence parallelism), per micro-batch in flight, and one layer's activations are live again
     while it is recomputed."""
     per_layer = layer_activation_bytes(seq_len=seq_len, micro_batch=micro_batch, hidden=hidden, heads=heads,
-                                       tp=tp, sequence_parallel=sequence_parallel, act_bytes=act_bytes)
+                                       tp=tp, sequence_parallel=sequence_parallel, act_bytes=act_bytes,
+                                       attention=attention)
     if not checkpointing:
         return layers * per_layer * micro_batches_in_flight
     kept = 2 * seq_len * micro_batch * hidden * act_bytes / 2 / (tp if sequence_parallel else 1)

@@ -37,6 +37,7 @@ class Setup:
     sequence_parallel: bool = False
     micro_batches: int | None = None  # per step (gradient accumulation); bounds 1F1B's in-flight count
     backend: str = "nccl"  # the collectives' backend, for the peak's staging terms ("gloo" on CPUs)
+    attention: str = "sdpa"  # "sdpa" (fused: no s x s scores kept) or "eager" (Korthikanti's 5*a*s/h term)
 
     @property
     def world_size(self) -> int:
@@ -93,7 +94,7 @@ def activation_bytes(census: ModelCensus, setup: Setup, checkpointing: bool, sta
     return transformer_activation_bytes(layers=layers, hidden=census.hidden, heads=census.heads,
                                         seq_len=seq, micro_batch=setup.micro_batch, checkpointing=checkpointing,
                                         act_bytes=4 if setup.precision == "fp32" else 2, tp=setup.tp,
-                                        sequence_parallel=setup.sequence_parallel,
+                                        sequence_parallel=setup.sequence_parallel, attention=setup.attention,
                                         micro_batches_in_flight=in_flight(stage, setup.pp, setup.micro_batches))
 
 
@@ -107,7 +108,8 @@ def row_peak(census: ModelCensus, setup: Setup, option: Option, checkpointing: b
     prec = Precision.of(setup.precision, setup.optimizer, setup.grad_dtype or "fp32")
     act = 4 if setup.precision == "fp32" else 2
     # a model config is a transformers model's: its loss (ForCausalLMLoss) upcasts the logits to fp32
-    return peak_terms(census.shape, dp, option, prec, Workload(setup.micro_batch, seq, checkpointing, act_bytes=act,
+    return peak_terms(census.shape, dp, option, prec, Workload(setup.micro_batch, seq, checkpointing,
+                                                               attention=setup.attention, act_bytes=act,
                                                                loss_upcast=True),
                       EngineKnobs(collective_copies=1 if setup.backend == "gloo" else 0, host_is_device=setup.backend == "gloo",
                                   foreach_step=setup.backend != "gloo"))
