@@ -109,6 +109,47 @@ def try_size(mode: str, shape, args) -> dict:
             "gpu_peak_gib": acc.max_memory_allocated() / 2**30, "loss": loss.item()}
 
 
+def try_fsdp2(mode: str, shape, args) -> dict:
+    """PyTorch's FSDP2 at the same size, on one GPU: `fully_shard` on every block and the root, bf16
+    compute with fp32 sharded parameters and gradient reduction (MixedPrecisionPolicy), AdamW (fused),
+    gradient clipping; `mode` "cpu": CPUOffloadPolicy (pinned), the parameters, gradients and the
+    optimizer step on the host. The same model, batch and step count as `try_size`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    from zerospeed.testing.models import GPT, GPTConfig
+    layers, width, heads = shape
+    vocab, seq = (256, 64) if args.smoke else (VOCAB, SEQ)
+    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    acc = get_accelerator()
+    mesh = init_device_mesh(dev.type, (1,))
+    policy = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+                  offload_policy=CPUOffloadPolicy(pin_memory=dev.type == "cuda") if mode == "cpu" else OffloadPolicy())
+    with dev:
+        model = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=width, bias=False))
+    for block in model.blocks:
+        fully_shard(block, **policy)
+    fully_shard(model, **policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    x = torch.randint(0, vocab, (args.micro_batch, seq), device=dev)
+    times = []
+    try:
+        for _ in range(args.steps + 1):
+            acc.synchronize()
+            t0 = time.perf_counter()
+            loss = model(x, x)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            acc.synchronize()
+            times.append(time.perf_counter() - t0)
+    finally:
+        del model, opt
+    return {"step_s": statistics.median(times[1:]), "gpu_peak_gib": acc.max_memory_allocated() / 2**30,
+            "loss": loss.item()}
+
+
 class _ProgressRows(list):
     """The table's rows; each is also printed to stderr as it comes, so a run cut short (a time cap)
     still shows what it measured."""
@@ -117,6 +158,20 @@ class _ProgressRows(list):
         mode, shape, n, what = row
         print(f"[offload_largest] {mode} {shape or ''} {n / 1e9:.2f}B: {what}", file=sys.stderr, flush=True)
         super().append(row)
+
+
+def _fsdp2_row(mode: str, shape, args, ours: dict) -> str:
+    get_accelerator().reset_peak_memory_stats()
+    try:
+        f = try_fsdp2(mode, shape, args)
+    except torch.OutOfMemoryError:
+        return "FSDP2: CUDA out of memory at this size"
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return (f"FSDP2: {f['step_s'] * 1e3:.0f} ms/step, device peak {f['gpu_peak_gib']:.1f} GiB; zerospeed step time "
+            f"/ FSDP2 = {ours['step_s'] / f['step_s']:.2f}")
 
 
 def main() -> None:
@@ -128,6 +183,8 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting new sizes after this")
     p.add_argument("--cap", nargs="*", default=[], metavar="MODE=BILLIONS",
                    help="largest size to try in a mode, e.g. nvme=1.4 (the NVMe mode moves every state each step)")
+    p.add_argument("--fsdp2", action="store_true",
+                   help="also train PyTorch FSDP2 (no offload / CPUOffloadPolicy) at each mode's answer, for the ratio")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--smoke", action="store_true", help="two tiny sizes on whatever device there is (a check)")
     args = p.parse_args()
@@ -172,6 +229,8 @@ def main() -> None:
             best = r
             rows.append((mode, shape, n, f"ok: {r['step_s'] * 1e3:.0f} ms/step, {r['tflops']:.2f} TFLOPs, "
                          f"device peak {r['gpu_peak_gib']:.1f} GiB, state: {r['placement']}"))
+            if args.fsdp2 and mode in ("none", "cpu"):
+                rows.append((f"{mode}: FSDP2", shape, n, _fsdp2_row(mode, shape, args, r)))
             break
         rows.append((mode, None, best["params"] if best else 0, "largest that trained"))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (--smoke on the CPU)"

@@ -28,7 +28,7 @@ nvidia-smi -L || true
 NVME=/tmp/zerospeed_nvme
 timeout 270 "$PY" -m pytest -v -rs --durations=0 -p no:cacheprovider tests/gpu > "$LOGS/tests_gpu.log" 2>&1 &
 tests_pid=$!
-timeout 240 "$PY" benchmarks/gpu/offload_largest.py --nvme-path "$NVME" --steps 2 --budget-s 150 --cap nvme=0.4 \
+timeout 300 "$PY" benchmarks/gpu/offload_largest.py --nvme-path "$NVME" --steps 2 --budget-s 150 --cap nvme=0.4 --fsdp2 \
   --out "$LOGS/offload_largest.md" > "$LOGS/offload_largest.log" 2>&1
 bench=$?
 rm -rf "$NVME"
