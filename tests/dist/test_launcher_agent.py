@@ -116,10 +116,13 @@ def test_node_killed_without_a_supervisor_takes_its_ranks_and_the_job_down(tmp_p
         for n in nodes:
             n.kill()
     print(f"\nkilled node 1 launcher -> node 0 exit: {elapsed:.2f} s")
-    assert nodes[0].returncode == 1, err
+    # The rank raises "Connection closed by peer" and exits 1 — or, when gloo's transport thread is still
+    # running as the interpreter tears down, C++ calls std::terminate and the rank dies of SIGABRT (seen
+    # in one clean-clone CI run here, 2026-12-04); either way node 0 ends at once with its traceback.
+    assert nodes[0].returncode in (1, 128 + signal.SIGABRT), err
     assert elapsed < KILL_TO_EXIT_S, err
-    assert re.search(r"^zerospeed: rank 0 \(pid \d+\) exited with code 1; stopped the other 0 process\(es\)$", err,
-                     re.MULTILINE), err
+    assert re.search(r"^zerospeed: rank 0 \(pid \d+\) (exited with code 1|was killed by signal SIGABRT); "
+                     r"stopped the other 0 process\(es\)$", err, re.MULTILINE), err
     assert "zerospeed: rank 0's traceback:" in err and "Traceback (most recent call last):" in err, err
     assert not psutil.pid_exists(rank1) or psutil.Process(rank1).status() == psutil.STATUS_ZOMBIE
     _assert_no_orphans(tmp_path)
