@@ -10,8 +10,10 @@ skipped, not tried, when the device memory, host memory or disk it needs (the Ze
 34 x seq x batch x width x layers bytes of bf16 activations on the device with no offload) exceeds
 the device's memory or 90% of the free host memory or disk, or it is above the mode's `--cap`; a size that runs out of device memory hands
 over to the next smaller one. TFLOPs are model FLOPs: 6 x parameters x tokens plus attention
-12 x layers x seq^2 x width per token (forward + backward, no recompute), over the median step time.
-Writes a markdown table to stdout (and --out).
+12 x layers x seq^2 x width per token (forward + backward, no recompute), over the median step time;
+each row also shows the engine's forward / backward / step times (`wall_clock_breakdown`, mean of
+the timed steps), which say where an offloaded step spends its time. Writes a markdown table to
+stdout (and --out).
 """
 from __future__ import annotations
 
@@ -70,7 +72,7 @@ def config(mode: str, micro: int, nvme: str) -> dict:
                                    "buffer_count": 6, "buffer_size": 300_000_000}}
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "gradient_clipping": 1.0,
-            "zero_optimization": zero, "steps_per_print": 10**9}
+            "zero_optimization": zero, "steps_per_print": 10**9, "wall_clock_breakdown": True}
 
 
 def try_size(mode: str, shape, args) -> dict:
@@ -90,7 +92,7 @@ def try_size(mode: str, shape, args) -> dict:
     x = torch.randint(0, vocab, (args.micro_batch, seq), device=engine.device)
     times = []
     try:
-        for _ in range(args.steps + 1):
+        for i in range(args.steps + 1):
             acc.synchronize()
             t0 = time.perf_counter()
             loss = engine(x, x)
@@ -98,7 +100,10 @@ def try_size(mode: str, shape, args) -> dict:
             engine.step()
             acc.synchronize()
             times.append(time.perf_counter() - t0)
+            if i == 0:  # the phase timers (wall_clock_breakdown) count the timed steps only
+                engine.observer.timers.reset()
         placement = engine.placement()
+        phases = engine.observer.timers.breakdown(args.steps)
     finally:
         engine.destroy()
     step = statistics.median(times[1:])
@@ -106,7 +111,7 @@ def try_size(mode: str, shape, args) -> dict:
     tokens = args.micro_batch * seq
     flops = (6 * n + 12 * layers * seq * width) * tokens
     return {"params": n, "step_s": step, "tflops": flops / step / 1e12, "placement": placement,
-            "gpu_peak_gib": acc.max_memory_allocated() / 2**30, "loss": loss.item()}
+            "gpu_peak_gib": acc.max_memory_allocated() / 2**30, "loss": loss.item(), "phases_ms": phases}
 
 
 def try_fsdp2(mode: str, shape, args) -> dict:
@@ -227,8 +232,9 @@ def main() -> None:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
             best = r
-            rows.append((mode, shape, n, f"ok: {r['step_s'] * 1e3:.0f} ms/step, {r['tflops']:.2f} TFLOPs, "
-                         f"device peak {r['gpu_peak_gib']:.1f} GiB, state: {r['placement']}"))
+            phases = " / ".join(f"{k} {v:.0f}" for k, v in r["phases_ms"].items())
+            rows.append((mode, shape, n, f"ok: {r['step_s'] * 1e3:.0f} ms/step ({phases} ms), {r['tflops']:.2f} "
+                         f"TFLOPs, device peak {r['gpu_peak_gib']:.1f} GiB, state: {r['placement']}"))
             if args.fsdp2 and mode in ("none", "cpu"):
                 rows.append((f"{mode}: FSDP2", shape, n, _fsdp2_row(mode, shape, args, r)))
             break
