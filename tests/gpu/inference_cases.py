@@ -81,3 +81,20 @@ def sparse_attention_ranks(seq_len: int = 1024, block: int = 64) -> dict:
             got = [got.detach(), *torch.autograd.grad((got * weight.to(dev)).sum(), (q, k, v))]
             out[(name, kernel)] = [float((g.double().cpu() - w).norm() / w.norm()) for g, w in zip(got, want)]
     return out
+
+
+def paged_ranks() -> dict:
+    """The paged-KV-cache server on this rank's device (tests/unit/test_inference_paged.py's model, prompts
+    and schedule: requests joining every 6 steps) and transformers' `generate` on each prompt alone there."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    from test_inference_paged import build_model, generate_each, make_prompts, serve
+    gc.exact_fp32()
+    model = build_model().to(gc.device())
+    prompts = make_prompts()
+    want = generate_each(model, prompts)
+    server, ids, streamed = serve(model, prompts, num_blocks=256)
+    return {"want": want, "got": [server.output(rid) for rid in ids], "streamed": [streamed[rid] for rid in ids],
+            "waste": server.kv_waste(), "cache_device": server.cache.keys[0].device.type}

@@ -31,3 +31,13 @@ def test_sparse_attention_flex_and_gather_kernels_on_the_gpu_equal_dense_attenti
     for (name, kernel), errors in r.items():
         # fp32 with TF32 off: rounding of 1024-long sums, far under TF32's ~3e-4 (errors: out, dq, dk, dv)
         assert max(errors) <= 2e-5, (name, kernel, errors)
+
+
+@pytest.mark.timeout(200)
+def test_paged_server_on_the_gpu_equals_transformers_per_request():
+    """Continuous batching with the KV cache in device memory: each request's tokens are `generate`'s."""
+    (r,) = run_distributed(ic.paged_ranks, 1, timeout=170, backend="nccl")
+    assert r["cache_device"] == "cuda"
+    for i, (got, streamed, want) in enumerate(zip(r["got"], r["streamed"], r["want"])):
+        assert got == want and streamed == want, f"request {i}"
+    assert r["waste"] < 0.04, f"KV block waste {r['waste']:.2%}"

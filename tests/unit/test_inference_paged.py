@@ -17,8 +17,7 @@ PROMPTS = (5, 40, 9, 70, 3, 25, 57, 14)
 NEW = (60, 30, 81, 20, 48, 50, 33, 70)
 
 
-@pytest.fixture(scope="module")
-def model():
+def build_model():
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -26,19 +25,34 @@ def model():
     return LlamaForCausalLM(cfg).eval()
 
 
-@pytest.fixture(scope="module")
-def prompts():
+def make_prompts():
     g = torch.Generator().manual_seed(5)
     return [torch.randint(2, V, (n,), generator=g).tolist() for n in PROMPTS]
 
 
-@pytest.fixture(scope="module")
-def reference(model, prompts):
+def generate_each(model, prompts):
+    """transformers' greedy `generate` on each prompt alone (on the model's device)."""
     out = []
     for p, n in zip(prompts, NEW):
-        ids = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        ids = model.generate(torch.tensor([p], device=model.device), max_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
         out.append(ids[0, len(p):].tolist())
     return out
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts()
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts):
+    return generate_each(model, prompts)
 
 
 def serve(model, prompts, num_blocks):
