@@ -138,6 +138,21 @@ def test_progress_line_timers_profiler_and_comms(tmp_path, caplog, capsys):
     assert "forward FLOPs:                 7.73 MFLOPs" in profile
 
 
+def test_wall_clock_breakdown_splits_the_boundary_step():
+    # the engine's own observer: the step at an accumulation boundary is timed in its parts too
+    torch.manual_seed(0)
+    engine, *_ = zerospeed.initialize(model=GPT(GPTConfig()), config=dict(BASE, wall_clock_breakdown=True,
+                                                                          steps_per_print=10**6))
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(4):  # 2 boundaries (gradient accumulation 2)
+        engine.backward(engine(x, x))
+        engine.step()
+    timers = engine.observer.timers
+    parts = ("step.reduce", "step.grad_norm", "step.optimizer")
+    assert all(timers.count(p) == 2 for p in parts) and timers.count("step") == 4, timers.names()
+    assert sum(timers.elapsed(p) for p in parts) <= timers.elapsed("step")
+
+
 def test_everything_off_is_inactive_and_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _, obs, _, _ = run_steps(tmp_path, steps=1)

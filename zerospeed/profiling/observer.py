@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -138,6 +139,21 @@ class EngineObserver:
             self.memory_phases.leave()
 
     # -- optimizer step -------------------------------------------------------------------------------
+    @contextmanager
+    def phase(self, name: str):
+        """A timed part of a phase (`wall_clock_breakdown`): "step.reduce", "step.grad_norm" and
+        "step.optimizer" split an accumulation boundary's step — the last reduction, the global norm,
+        and the optimizer over the shards with the parameters' refresh (for offload: the host step and
+        the copies). A no-op when timing is off."""
+        if not (self.active and self.timing):
+            yield
+            return
+        self.timers.start(name)
+        try:
+            yield
+        finally:
+            self.timers.stop(name)
+
     def on_step_start(self, engine) -> None:
         if not self.active:
             return

@@ -177,9 +177,11 @@ class EngineCore(torch.nn.Module):
         if self.optimizer is None:
             raise RuntimeError("engine.step(): no optimizer — give initialize() an optimizer or an "
                                "`optimizer` section in the config")
-        self.zero.finish_reduction()
+        with self.observer.phase("step.reduce"):
+            self.zero.finish_reduction()
         scale = self.loss_scale
-        norm = self.grad_norm()
+        with self.observer.phase("step.grad_norm"):
+            norm = self.grad_norm()
         # the norm is all-reduced: an inf or nan on any rank is on every rank, so all skip together
         overflow = self.loss_scaler is not None and not math.isfinite(norm)
         self._step_applied = not overflow
@@ -187,7 +189,8 @@ class EngineCore(torch.nn.Module):
             self.skipped_steps += 1
         else:
             self._global_grad_norm = norm
-            self.zero.step(self.optimizer, clip_coefficient(norm, self.gradient_clipping()) / scale)
+            with self.observer.phase("step.optimizer"):
+                self.zero.step(self.optimizer, clip_coefficient(norm, self.gradient_clipping()) / scale)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         if self.loss_scaler is not None:
