@@ -76,9 +76,7 @@ ROWS: list[Row] = [
     _switch("disable_python_gc", "disabling Python's garbage collector"),
     # (compression_training: every technique is built, zerospeed/compression; it validates the block)
     # (weight_quantization: weight-only int8 / int4 of linear layers, inference/quantize/layer.py)
-    _switch("curriculum_learning.enabled", "legacy curriculum learning"),
     _switch("data_efficiency.enabled", "the data efficiency library"),
-    _switch("progressive_layer_drop.enabled", "progressive layer drop"),
     _switch("eigenvalue.enabled", "eigenvalue computation"),
     _switch("quantize_training.enabled", "MoQ quantize_training"),
     Row("pipeline.stages", lambda c: c.pipeline.stages != "auto", "pipeline parallelism", '"auto"'),

@@ -17,6 +17,7 @@ from zerospeed import checkpoint, comm
 from zerospeed.accelerator import get_accelerator
 from zerospeed.autotuning.probe import trial_probe_for
 from zerospeed.optim.sub_group_step import use_fused_cpu_step
+from zerospeed.runtime.forward_schedules import build_forward_schedules
 from zerospeed.precision.loss_scaler import loss_scaler_from_config
 from zerospeed.precision.policy import PrecisionPolicy
 from zerospeed.profiling.observer import EngineObserver
@@ -83,6 +84,8 @@ class EngineCore(torch.nn.Module):
         self.micro_steps = 0
         self._global_grad_norm: float | None = None
         self._step_applied = False
+        # DeepSpeed's names: the legacy curriculum and progressive layer drop (runtime/forward_schedules.py)
+        self.curriculum_scheduler_legacy, self.progressive_layer_drop = build_forward_schedules(config)
         # timers, flops profiler, monitors, comm report, the steps_per_print line (all off by default)
         self.observer = EngineObserver.for_engine(self)
         self.trial_probe = trial_probe_for(self)  # None unless `zerospeed --autotuning` started this process
@@ -140,6 +143,15 @@ class EngineCore(torch.nn.Module):
 
     def steps_per_print(self) -> int:
         return self.config.steps_per_print
+
+    def curriculum_enabled_legacy(self) -> bool:
+        return self.curriculum_scheduler_legacy is not None
+
+    def curriculum_params_legacy(self) -> dict:
+        return self.config.curriculum_learning.model_dump()
+
+    def get_pld_theta(self) -> float | None:
+        return self.progressive_layer_drop.get_theta() if self.progressive_layer_drop is not None else None
 
     @property
     def loss_scale(self) -> float:

@@ -13,6 +13,7 @@ import torch
 
 from zerospeed.compression.scheduler import scheduler_for
 from zerospeed.runtime.core import EngineCore
+from zerospeed.runtime.forward_schedules import forward_kwargs
 
 
 class Engine(EngineCore):
@@ -51,6 +52,7 @@ class Engine(EngineCore):
     def forward(self, *inputs, **kwargs):
         self.zero.start_micro_step()
         self.observer.on_forward_start(self, *inputs)
+        kwargs.update(forward_kwargs(self))  # Note [forward schedules]: curriculum seqlen, layer-drop theta
         out = self.module(*inputs, **kwargs)
         self.observer.on_forward_end(self)
         return out
@@ -76,6 +78,8 @@ class Engine(EngineCore):
         """At an accumulation boundary: reduce, unscale, check overflow, clip, step; else count."""
         self.observer.on_step_start(self)
         if self.is_gradient_accumulation_boundary():
+            if self.progressive_layer_drop is not None:  # Note [forward schedules]
+                self.progressive_layer_drop.update_state(self.global_steps)
             self.take_model_step(lr_kwargs)
             if self.compression_scheduler is not None:
                 self.compression_scheduler.step()

@@ -45,7 +45,7 @@ class CurriculumLegacyConfig(StrictModel):
     curriculum_type: OptStr = ds_field(None, "Difficulty metric, e.g. seqlen.")
     min_difficulty: OptInt = ds_field(None, "Starting difficulty.")
     max_difficulty: OptInt = ds_field(None, "Final difficulty.")
-    schedule_type: OptStr = ds_field(None, "fixed_linear, fixed_root or fixed_discrete.")
+    schedule_type: OptStr = ds_field(None, "fixed_linear, fixed_root, fixed_discrete or custom.")
     schedule_config: Dict = Field(default_factory=dict, description="Schedule parameters. Default {}.")
 
 
