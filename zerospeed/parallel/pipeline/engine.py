@@ -90,6 +90,10 @@ class PipelineEngine(EngineCore):
         ties.broadcast_weights()
         kwargs.setdefault("mesh", module.groups.mesh)
         super().__init__(module, config, **kwargs)
+        if (self.curriculum_scheduler_legacy or self.progressive_layer_drop) and self.global_rank == 0:
+            logger.warning("pipeline engine: curriculum_learning / progressive_layer_drop are not passed to the "
+                           "stages (Note [forward schedules]); read engine.curriculum_scheduler_legacy / "
+                           "engine.get_pld_theta() in the training loop, as Megatron-DeepSpeed does")
         self.ties = ties
         self.pp_group = module.groups.group("pp")
         self.transport = Transport(self.device)
