@@ -90,10 +90,13 @@ class PipelineEngine(EngineCore):
         ties.broadcast_weights()
         kwargs.setdefault("mesh", module.groups.mesh)
         super().__init__(module, config, **kwargs)
-        if (self.curriculum_scheduler_legacy or self.progressive_layer_drop) and self.global_rank == 0:
-            logger.warning("pipeline engine: curriculum_learning / progressive_layer_drop are not passed to the "
-                           "stages (Note [forward schedules]); read engine.curriculum_scheduler_legacy / "
-                           "engine.get_pld_theta() in the training loop, as Megatron-DeepSpeed does")
+        if self.progressive_layer_drop is not None:  # (DeepSpeed's pipeline engine never updates it either)
+            raise ConfigError("progressive_layer_drop.enabled=true with a PipelineModule: the pipeline engine runs "
+                              "its stages itself and passes no pld_theta to them; use the plain engine or turn it off")
+        if self.curriculum_scheduler_legacy is not None and self.global_rank == 0:
+            logger.warning("pipeline engine: curriculum_learning is not passed to the stages (Note [forward "
+                           "schedules]); read engine.curriculum_scheduler_legacy in the training loop, as "
+                           "Megatron-DeepSpeed does")
         self.ties = ties
         self.pp_group = module.groups.group("pp")
         self.transport = Transport(self.device)
