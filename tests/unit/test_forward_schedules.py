@@ -129,3 +129,11 @@ def test_engine_passes_the_schedules_to_training_forwards_like_a_plain_loop():
             ref_losses.append(loss.item())
         opt.step()
     assert losses == pytest.approx(ref_losses, abs=1e-6)
+
+
+def test_the_pipeline_engine_refuses_layer_drop_by_name():
+    from zerospeed.parallel.pipeline import PipelineModule
+    module = PipelineModule([nn.Linear(2, 2)], num_stages=1, loss_fn=nn.MSELoss())
+    with pytest.raises(ConfigError, match="progressive_layer_drop.enabled=true with a PipelineModule"):
+        zerospeed.initialize(model=module, config={"train_micro_batch_size_per_gpu": 1,
+                                                   "progressive_layer_drop": {"enabled": True}})
