@@ -17,7 +17,7 @@ from zerospeed.parallel.pipeline.topology import (PipeDataParallelTopology, Pipe
 def _shapes(max_world=16):
     for pp, dp, sp, tp in product(range(1, max_world + 1), repeat=4):
         if pp * dp * sp * tp <= max_world:
-            for ep in (e for e in range(1, dp + 1) if dp % e == 0):
+            for ep in (e for e in range(1, dp * sp + 1) if dp * sp % e == 0):  # ep splits dp x sp
                 yield pp, dp, sp, tp, ep
 
 
@@ -31,11 +31,13 @@ def _rows(array, axes):
 
 
 def _expected_groups(pp, dp, sp, tp, ep):
-    """Each axis' groups from a numpy reshape: dp split C-order into (edp, ep), so d = edp * ep + e."""
-    ranks = np.arange(pp * dp * sp * tp).reshape(pp, dp // ep, ep, sp, tp)  # axes: pp edp ep sp tp
-    return {"pp": _rows(ranks, [0]), "dp": _rows(ranks, [1, 2]), "sp": _rows(ranks, [3]), "tp": _rows(ranks, [4]),
-            "ep": _rows(ranks, [2]), "edp": _rows(ranks, [1]), "dp_sp": _rows(ranks, [1, 2, 3]),
-            "mp": _rows(ranks, [4]), "world": [list(range(ranks.size))]}
+    """Each axis' groups from numpy reshapes: the grid (pp, dp, sp, tp), and dp x sp (adjacent in C order)
+    split into (edp, ep), so the index d * sp + s = edp * ep + e."""
+    ranks = np.arange(pp * dp * sp * tp).reshape(pp, dp, sp, tp)
+    experts = ranks.reshape(pp, dp * sp // ep, ep, tp)  # axes: pp edp ep tp
+    return {"pp": _rows(ranks, [0]), "dp": _rows(ranks, [1]), "sp": _rows(ranks, [2]), "tp": _rows(ranks, [3]),
+            "ep": _rows(experts, [2]), "edp": _rows(experts, [1]), "dp_sp": _rows(ranks, [1, 2]),
+            "mp": _rows(ranks, [3]), "world": [list(range(ranks.size))]}
 
 
 def test_shapes_cover_many_layouts():
@@ -58,8 +60,9 @@ def test_coordinates_match_an_independent_layout():
     for pp, dp, sp, tp, ep in SHAPES:
         grid = RankGrid(pp=pp, dp=dp, sp=sp, tp=tp, ep=ep)
         for rank in range(grid.world_size):
-            p, edp, e, s, t = np.unravel_index(rank, (pp, dp // ep, ep, sp, tp))
-            assert grid.coords(rank) == {"pp": p, "dp": edp * ep + e, "sp": s, "tp": t}, (grid, rank)
+            p, d, s, t = np.unravel_index(rank, (pp, dp, sp, tp))
+            _, edp, e, _ = np.unravel_index(rank, (pp, dp * sp // ep, ep, tp))
+            assert grid.coords(rank) == {"pp": p, "dp": d, "sp": s, "tp": t}, (grid, rank)
             assert grid.expert_coords(rank) == {"ep": e, "edp": edp}, (grid, rank)
             assert grid.rank(**grid.coords(rank)) == rank
             assert grid.group_of(rank, "ep").index(rank) == e and grid.group_of(rank, "edp").index(rank) == edp

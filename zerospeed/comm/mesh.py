@@ -184,14 +184,15 @@ class ParallelMesh:
         rank); a rank asking for another size gets an error instead of a hang.
         """
         if ep_size not in self._experts:
-            raise_problems(layout_problems(dp=self.size("dp"), ep=ep_size))
+            raise_problems(layout_problems(dp=self.size("dp"), sp=self.size("sp"), ep=ep_size))
             ep_groups, edp_groups = expert_layout(self._all_dp_groups(ep_size), ep_size)
             self._experts[ep_size] = (self._maker.axis(ep_groups), self._maker.axis(edp_groups))
         return self._experts[ep_size]
 
     def _all_dp_groups(self, ep_size: int) -> list[list[int]]:
-        """Every rank's data-parallel group, learnt from the ranks themselves (one all-gather)."""
-        asked = backend.all_gather_object((ep_size, self.members("dp")))
+        """Every rank's sequence-data-parallel group (its data-parallel group without sequence parallelism;
+        Note [expert layout]), learnt from the ranks themselves (one all-gather)."""
+        asked = backend.all_gather_object((ep_size, self.members("dp_sp")))
         if len({size for size, _ in asked}) > 1:
             raise ValueError(f"ranks asked for expert groups of different sizes at the same point: "
                              f"{[size for size, _ in asked]} (by rank); every rank must request the same "

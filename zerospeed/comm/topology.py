@@ -3,7 +3,8 @@
 Ranks are laid out as a C-order array of shape (pp, dp, sp, tp): tensor-parallel ranks are adjacent
 (they talk the most), pipeline stages the farthest apart — Megatron's default order (tp fastest, then
 context/sequence, then data, then pipeline) and DeepSpeed's `PipeModelDataParallelTopology`
-('pipe', 'data', 'model'). The expert axis `ep` splits each data-parallel group (Note [expert layout]).
+('pipe', 'data', 'model'). The expert axis `ep` splits each sequence-data-parallel group (dp x sp;
+just the data-parallel group without sequence parallelism: Note [expert layout]).
 Every query is integer arithmetic, so the layout is tested without processes; `comm.mesh` turns it
 into process groups.
 
@@ -14,6 +15,13 @@ ranks holding the same position in every block form an expert-data-parallel grou
 replicas; its gradients are reduced over it). So a data-parallel index d is (edp, ep) with
 d = edp * ep_size + ep. World 8, ep 2 -> expert-parallel [0,1] [2,3] [4,5] [6,7], expert-data-parallel
 [0,2,4,6] [1,3,5,7]. Dense weights still reduce over the whole data-parallel group.
+
+With sequence parallelism (sp > 1) the groups split are the sequence-data-parallel ones (dp x sp,
+`dp_sp`), the groups dense weights reduce over: an expert then sees the tokens of its expert-parallel
+ranks' sequence slices, and its gradient is averaged over its replicas exactly as a dense weight's is
+over dp x sp (Note [sequence-parallel loss]: every sequence rank's gradient is a full contribution to
+its replica's mean, so averaging over dp x sp gives the mean over replicas). The index split is then
+i = edp * ep_size + ep with i = d * sp + s. Without sequence parallelism nothing changes.
 """
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ from itertools import product
 AXES = ("pp", "dp", "sp", "tp")
 """The grid's own axes, slowest to fastest."""
 DERIVED_AXES = ("ep", "edp", "dp_sp", "mp", "world")
-"""Axes made from the grid's: expert / expert-data parallel (split dp), sequence-data parallel
+"""Axes made from the grid's: expert / expert-data parallel (split dp x sp), sequence-data parallel
 (dp x sp), model parallel (= tp, Megatron's get_model_parallel_group), the whole world."""
 MESH_AXES = AXES + DERIVED_AXES
 
@@ -56,9 +64,11 @@ def layout_problems(*, world_size: int | None = None, pp=1, dp=None, sp=1, tp=1,
         problems += _world_problems(world_size, pp, dp, sp, tp)
         if dp is None and not problems and world_size is not None:
             dp = world_size // (pp * sp * tp)
-    if dp is not None and _is_size(dp) and _is_size(ep) and dp % ep:
-        problems.append(f"ep={ep} does not divide the data-parallel size dp={dp}: expert-parallel groups "
-                        f"split each data-parallel group, so choose ep among {_divisors(dp)}")
+    if dp is not None and _is_size(dp) and _is_size(ep) and _is_size(sp) and (dp * sp) % ep:
+        what, group = (("data-parallel size dp", "data-parallel") if sp == 1 else
+                       (f"sequence-data-parallel size dp x sp = {dp}*{sp}", "sequence-data-parallel"))
+        problems.append(f"ep={ep} does not divide the {what}={dp * sp}: expert-parallel groups "
+                        f"split each {group} group, so choose ep among {_divisors(dp * sp)}")
     return problems
 
 
@@ -148,8 +158,9 @@ class RankGrid:
 
     def expert_coords(self, rank: int) -> dict[str, int]:
         """Rank -> its index in its expert-parallel ("ep") and expert-data-parallel ("edp") groups."""
-        dp = self.coords(rank)["dp"]
-        return {"ep": dp % self.ep, "edp": dp // self.ep}
+        c = self.coords(rank)
+        i = c["dp"] * self.sp + c["sp"]  # its index in its sequence-data-parallel group (Note [expert layout])
+        return {"ep": i % self.ep, "edp": i // self.ep}
 
     def rank(self, **coords: int) -> int:
         """Coordinates (missing axes = 0) -> rank."""
@@ -166,7 +177,7 @@ class RankGrid:
         if axis in AXES:
             return self._span((axis,))
         if axis in ("ep", "edp"):
-            return expert_layout(self._span(("dp",)), self.ep)[axis == "edp"]
+            return expert_layout(self._span(("dp", "sp")), self.ep)[axis == "edp"]
         if axis == "dp_sp":
             return self._span(("dp", "sp"))
         if axis == "mp":

@@ -62,9 +62,6 @@ class MoE(nn.Module):
         if mesh.size("tp") > 1:
             raise NotImplementedError(f"MoE with tensor parallelism (tp={mesh.size('tp')}) is not supported yet: "
                                       "tokens are replicated over tensor-parallel ranks; use tp=1")
-        if mesh.size("sp") > 1:
-            raise NotImplementedError(f"MoE with sequence parallelism (sp={mesh.size('sp')}) is not supported yet: "
-                                      "expert gradients would need to reduce over the sequence ranks too; use sp=1")
         ep_axis, edp_axis = mesh.expert_axes(self.ep_size)  # Note [expert parallel layout] (sharded_moe.py)
         self.deepspeed_moe._set_ep_group(ep_axis.handle)
         self.expert_data_parallel_group = edp_axis.handle  # which replica writes an expert's checkpoint file
