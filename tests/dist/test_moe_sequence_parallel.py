@@ -12,7 +12,8 @@ moe_reference.ref_moe_forward: softmax gate, the top expert's output times its g
 sequence in one process, each step's loss the mean over the 2 replicas (test_ulysses_parity.
 reference_step). The router's auxiliary loss is left out of the objective (it is a per-rank statistic
 of the tokens a rank holds, which a sequence split changes by design). Every rank's loss and every
-weight — dense, gate and each rank's experts by their global index — within 1e-5.
+weight — dense, gate and each rank's experts by their global index — within 1e-5. At ZeRO-2 a checkpoint
+saved 2 steps before the end and loaded by a fresh engine takes those 2 steps to the same losses.
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ class DenseMoEMLP(nn.Module):
         return out.reshape(x.shape)
 
 
-def _train(ep: int, stage: int) -> dict:
+def _build(ep: int, stage: int):
     box = {}
     torch.manual_seed(0)
     gpt = GPT(WIDTH, HEADS, KV, lambda q, k, v: box["attn"](q, k, v, batch_dim_idx=0))
@@ -96,9 +97,13 @@ def _train(ep: int, stage: int) -> dict:
            "optimizer": {"type": "Adam", "params": {"lr": LR}},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 256}}
     engine, *_ = zerospeed.initialize(model=model, model_parameters=groups, config=cfg, mesh=mesh)
-    dp_rank, sp_rank, dp = mesh.rank_in("dp"), mesh.rank_in("sp"), mesh.size("dp")
+    return engine, gpt, mesh, ep_rank
+
+
+def _steps(engine, mesh, data) -> list[float]:
+    dp_rank, sp_rank = mesh.rank_in("dp"), mesh.rank_in("sp")
     losses = []
-    for ids, labels in batches(dp):
+    for ids, labels in data:
         mine = {"input_ids": ids[dp_rank * MICRO:(dp_rank + 1) * MICRO],
                 "labels": labels[dp_rank * MICRO:(dp_rank + 1) * MICRO]}
         shard = shard_sequence_batch(mine, sp_rank, SP)
@@ -106,6 +111,21 @@ def _train(ep: int, stage: int) -> dict:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    return losses
+
+
+def _train(ep: int, stage: int, save_dir: str) -> dict:
+    engine, gpt, mesh, ep_rank = _build(ep, stage)
+    data = batches(mesh.size("dp"))
+    losses = _steps(engine, mesh, data[:-2])
+    if stage > 0:  # a checkpoint taken 2 steps before the end, resumed by a fresh engine, takes the same 2 steps
+        engine.save_checkpoint(save_dir, tag="moe_sp")
+        resumed, _, resumed_mesh, _ = _build(ep, stage)
+        resumed.load_checkpoint(save_dir, tag="moe_sp")
+        resumed_last = _steps(resumed, resumed_mesh, data[-2:])  # (the 2nd loss needs Adam's state back)
+        resumed.destroy()
+    losses += _steps(engine, mesh, data[-2:])
+    dp_rank = mesh.rank_in("dp")
     with zerospeed.zero.GatheredParameters(list(gpt.parameters())):
         dense = {k: v.detach().clone() for k, v in gpt.state_dict().items() if ".deepspeed_experts." not in k}
         experts = {(i, ep_rank * (E // ep) + j): [p.detach().clone() for p in ex.parameters()]
@@ -113,11 +133,11 @@ def _train(ep: int, stage: int) -> dict:
                    for j, ex in enumerate(b.mlp.moe.deepspeed_moe.experts.deepspeed_experts)}
     engine.destroy()
     return {"losses": losses, "dense": dense, "experts": experts, "dp_rank": dp_rank,
-            "ep_group": list(mesh.expert_axes(ep)[0].members)}
+            "ep_group": list(mesh.expert_axes(ep)[0].members), "resumed_last": resumed_last if stage > 0 else None}
 
 
-def _runs() -> dict:
-    return {case: _train(*case) for case in CASES}
+def _runs(save_dir: str) -> dict:
+    return {case: _train(*case, f"{save_dir}/{case[0]}_{case[1]}") for case in CASES}
 
 
 def reference():
@@ -132,8 +152,8 @@ def reference():
 
 
 @pytest.mark.timeout(300)
-def test_moe_under_sequence_parallelism_matches_one_process():
-    results = run_distributed(_runs, WORLD, timeout=270)
+def test_moe_under_sequence_parallelism_matches_one_process(tmp_path):
+    results = run_distributed(_runs, WORLD, str(tmp_path), timeout=270)
     ref_losses, ref = reference()
     ref_state = ref.state_dict()
     for ep, stage in CASES:
@@ -143,6 +163,8 @@ def test_moe_under_sequence_parallelism_matches_one_process():
             got = res[(ep, stage)]
             want = [step[got["dp_rank"]] for step in ref_losses]
             assert max(abs(a - b) for a, b in zip(got["losses"], want)) <= TOL, (ep, stage, rank, got["losses"], want)
+            if got["resumed_last"] is not None:  # checkpoint (experts named globally, files per dp x sp rank)
+                assert got["resumed_last"] == pytest.approx(got["losses"][-2:], abs=TOL), (ep, stage, rank)
             for key, value in got["dense"].items():
                 ref_key = key.replace("mlp.moe.deepspeed_moe.gate.wg.weight", "mlp.gate")
                 torch.testing.assert_close(value, ref_state[ref_key], atol=TOL, rtol=0,
