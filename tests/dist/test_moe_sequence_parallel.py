@@ -22,10 +22,9 @@ import torch
 from torch import nn
 
 import zerospeed
-from test_ulysses_parity import MICRO, SEQ, SPLoss, batches, reference_step
+from test_ulysses_parity import MICRO, SPLoss, batches, reference_step, sp_steps
 from zerospeed.moe.layer import MoE
 from zerospeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-from zerospeed.sequence.data import shard_sequence_batch
 from zerospeed.sequence.layer import DistributedAttention
 from zerospeed.testing import run_distributed
 from zerospeed.testing.moe_reference import ref_moe_forward
@@ -100,31 +99,17 @@ def _build(ep: int, stage: int):
     return engine, gpt, mesh, ep_rank
 
 
-def _steps(engine, mesh, data) -> list[float]:
-    dp_rank, sp_rank = mesh.rank_in("dp"), mesh.rank_in("sp")
-    losses = []
-    for ids, labels in data:
-        mine = {"input_ids": ids[dp_rank * MICRO:(dp_rank + 1) * MICRO],
-                "labels": labels[dp_rank * MICRO:(dp_rank + 1) * MICRO]}
-        shard = shard_sequence_batch(mine, sp_rank, SP)
-        loss = engine(shard["input_ids"], shard["position_ids"], shard["shift_labels"])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
-
-
 def _train(ep: int, stage: int, save_dir: str) -> dict:
     engine, gpt, mesh, ep_rank = _build(ep, stage)
     data = batches(mesh.size("dp"))
-    losses = _steps(engine, mesh, data[:-2])
+    losses = sp_steps(engine, mesh, data[:-2], MICRO)
     if stage > 0:  # a checkpoint taken 2 steps before the end, resumed by a fresh engine, takes the same 2 steps
         engine.save_checkpoint(save_dir, tag="moe_sp")
         resumed, _, resumed_mesh, _ = _build(ep, stage)
         resumed.load_checkpoint(save_dir, tag="moe_sp")
-        resumed_last = _steps(resumed, resumed_mesh, data[-2:])  # (the 2nd loss needs Adam's state back)
+        resumed_last = sp_steps(resumed, resumed_mesh, data[-2:], MICRO)  # (the 2nd loss needs Adam's state back)
         resumed.destroy()
-    losses += _steps(engine, mesh, data[-2:])
+    losses += sp_steps(engine, mesh, data[-2:], MICRO)
     dp_rank = mesh.rank_in("dp")
     with zerospeed.zero.GatheredParameters(list(gpt.parameters())):
         dense = {k: v.detach().clone() for k, v in gpt.state_dict().items() if ".deepspeed_experts." not in k}

@@ -19,8 +19,7 @@ import pytest
 import torch
 
 import zerospeed
-from test_ulysses_parity import SPLoss, reference_step
-from zerospeed.sequence.data import shard_sequence_batch
+from test_ulysses_parity import SPLoss, reference_step, sp_steps
 from zerospeed.sequence.layer import DistributedAttention
 from zerospeed.testing import run_distributed
 from zerospeed.testing.sequence_models import GPT, VOCAB, local_sdpa
@@ -62,17 +61,7 @@ def _engine(sp: int, stage: int):
 
 
 def _steps(engine, mesh, steps) -> list[float]:
-    dp_rank, sp_rank, sp, micro = mesh.rank_in("dp"), mesh.rank_in("sp"), mesh.size("sp"), G // mesh.size("dp")
-    losses = []
-    for ids, labels in steps:
-        mine = {"input_ids": ids[dp_rank * micro:(dp_rank + 1) * micro],
-                "labels": labels[dp_rank * micro:(dp_rank + 1) * micro]}
-        shard = shard_sequence_batch(mine, sp_rank, sp)
-        loss = engine(shard["input_ids"], shard["position_ids"], shard["shift_labels"])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    return sp_steps(engine, mesh, steps, G // mesh.size("dp"))  # the global batch stays G at every dp
 
 
 def _ranks(save_dir: str) -> dict:

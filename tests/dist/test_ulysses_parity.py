@@ -78,19 +78,26 @@ def _train(name):
     mesh = zerospeed.comm.ParallelMesh.build(sp=sp)
     box["attn"] = DistributedAttention(local_sdpa, mesh.group("sp"))
     engine, *_ = zerospeed.initialize(model=SPLoss(gpt, mesh.group("sp")), config=cfg, mesh=mesh)
-    dp_rank, sp_rank, dp = mesh.rank_in("dp"), mesh.rank_in("sp"), mesh.size("dp")
+    losses = sp_steps(engine, mesh, batches(mesh.size("dp")), MICRO)
+    with zerospeed.zero.GatheredParameters(list(gpt.parameters())):
+        weights = {k: v.detach().clone() for k, v in gpt.state_dict().items()}
+    return {"losses": losses, "weights": weights, "dp_rank": mesh.rank_in("dp")}
+
+
+def sp_steps(engine, mesh, data, micro: int) -> list[float]:
+    """One engine step per global batch of `data` ((ids, labels) pairs): this rank takes its replica's
+    `micro` rows and its slice of their sequence; the losses (each its replica's, Note [sequence-parallel
+    loss])."""
+    dp_rank, sp_rank, sp = mesh.rank_in("dp"), mesh.rank_in("sp"), mesh.size("sp")
     losses = []
-    for ids, labels in batches(dp):
-        mine = {"input_ids": ids[dp_rank * MICRO:(dp_rank + 1) * MICRO],
-                "labels": labels[dp_rank * MICRO:(dp_rank + 1) * MICRO]}
-        shard = shard_sequence_batch(mine, sp_rank, sp)
+    for ids, labels in data:
+        rows = slice(dp_rank * micro, (dp_rank + 1) * micro)
+        shard = shard_sequence_batch({"input_ids": ids[rows], "labels": labels[rows]}, sp_rank, sp)
         loss = engine(shard["input_ids"], shard["position_ids"], shard["shift_labels"])
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    with zerospeed.zero.GatheredParameters(list(gpt.parameters())):
-        weights = {k: v.detach().clone() for k, v in gpt.state_dict().items()}
-    return {"losses": losses, "weights": weights, "dp_rank": dp_rank}
+    return losses
 
 
 def _train_many(names):
