@@ -52,13 +52,13 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def _time(fn) -> float:
+def _time(fn) -> tuple[float, object]:
+    """(seconds, result) of `fn()`, the device synchronised on both sides."""
     _sync()
     start = time.perf_counter()
     out = fn()
     _sync()
-    _time.last = out
-    return time.perf_counter() - start
+    return time.perf_counter() - start, out
 
 
 def _gen(model, ids, n):
@@ -75,9 +75,10 @@ def _per_token(models: dict, ids, new: int, repeats: int) -> dict:
         _gen(m, ids, new)        # heuristics are picked per shape (one such run made transformers 3x slower)
     for _ in range(repeats):
         for name, m in models.items():
-            first[name].append(_time(lambda: _gen(m, ids, 1)))
-            total[name].append(_time(lambda: _gen(m, ids, new)))
-            tokens[name] = _time.last.cpu()
+            first[name].append(_time(lambda: _gen(m, ids, 1))[0])
+            seconds, out = _time(lambda: _gen(m, ids, new))
+            total[name].append(seconds)
+            tokens[name] = out.cpu()
     out = {}
     for name in models:
         f, t = statistics.median(first[name]), statistics.median(total[name])
@@ -91,7 +92,7 @@ def read_once_ms(nbytes: int, pinned: bool = True) -> float:
     if not torch.cuda.is_available():
         src = torch.empty(nbytes, dtype=torch.uint8)
         dst = torch.empty_like(src)
-        return 1e3 * statistics.median(_time(lambda: dst.copy_(src)) for _ in range(5))
+        return 1e3 * statistics.median(_time(lambda: dst.copy_(src))[0] for _ in range(5))
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
     src.fill_(1)
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -202,8 +203,8 @@ def main() -> None:
     print(f"\nGPU: {name}; torch {torch.__version__}; Llama {args.layers} x {args.width} (ffn {args.ffn}, "
           f"{args.heads} heads, {args.kv_heads} kv), vocab {args.vocab}, {model_bytes / 2**30:.2f} GiB bf16; prompt "
           f"{args.prompt}, greedy, median of {args.repeats}\n")
-    print(f"| batch | transformers ms/token | init_inference ms/token | init_inference / transformers tokens/s | "
-          f"same tokens | first token s (tf / ours) |")
+    print("| batch | transformers ms/token | init_inference ms/token | init_inference / transformers tokens/s | "
+          "same tokens | first token s (tf / ours) |")
     print("|---|---|---|---|---|---|")
     for batch, res, same in rows:
         t, o = res["transformers"], res["init_inference"]

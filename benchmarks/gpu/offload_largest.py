@@ -75,6 +75,21 @@ def config(mode: str, micro: int, nvme: str) -> dict:
             "zero_optimization": zero, "steps_per_print": 10**9, "wall_clock_breakdown": True}
 
 
+def _timed_steps(step, steps: int, after_warmup=lambda: None) -> tuple[list[float], torch.Tensor]:
+    """Wall times of `steps` + 1 calls of `step` (the first a warm-up), the device synchronised around
+    each; `after_warmup` runs after the first; returns the times and the last loss."""
+    acc, times = get_accelerator(), []
+    for i in range(steps + 1):
+        acc.synchronize()
+        t0 = time.perf_counter()
+        loss = step()
+        acc.synchronize()
+        times.append(time.perf_counter() - t0)
+        if i == 0:
+            after_warmup()
+    return times, loss
+
+
 def try_size(mode: str, shape, args) -> dict:
     import zerospeed
     from zerospeed.testing.models import GPT, GPTConfig
@@ -90,18 +105,15 @@ def try_size(mode: str, shape, args) -> dict:
                               bias=False))
     engine, *_ = zerospeed.initialize(model=model, config=cfg)
     x = torch.randint(0, vocab, (args.micro_batch, seq), device=engine.device)
-    times = []
+    def step():
+        loss = engine(x, x)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
     try:
-        for i in range(args.steps + 1):
-            acc.synchronize()
-            t0 = time.perf_counter()
-            loss = engine(x, x)
-            engine.backward(loss)
-            engine.step()
-            acc.synchronize()
-            times.append(time.perf_counter() - t0)
-            if i == 0:  # the phase timers (wall_clock_breakdown) count the timed steps only
-                engine.observer.timers.reset()
+        # (the phase timers, wall_clock_breakdown, count the timed steps only)
+        times, loss = _timed_steps(step, args.steps, after_warmup=engine.observer.timers.reset)
         placement = engine.placement()
         phases = engine.observer.timers.breakdown(args.steps)
     finally:
@@ -137,20 +149,16 @@ def try_fsdp2(mode: str, shape, args) -> dict:
     fully_shard(model, **policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     x = torch.randint(0, vocab, (args.micro_batch, seq), device=dev)
-    times = []
-    try:
-        for _ in range(args.steps + 1):
-            acc.synchronize()
-            t0 = time.perf_counter()
-            loss = model(x, x)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            acc.synchronize()
-            times.append(time.perf_counter() - t0)
-    finally:
-        del model, opt
+
+    def step():
+        loss = model(x, x)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    times, loss = _timed_steps(step, args.steps)  # (the model is freed on return; the caller empties the cache)
     return {"step_s": statistics.median(times[1:]), "gpu_peak_gib": acc.max_memory_allocated() / 2**30,
             "loss": loss.item()}
 
