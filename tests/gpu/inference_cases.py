@@ -4,10 +4,18 @@ transformers' own `generate` on the whole model on the same device (fp32, TF32 o
 like gpu_cases.py: on the CPU under gloo it is the CPU check of the same functions."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
 import gpu_cases as gc
-from test_inference_zero import PAD, V, batch, make
+from test_inference_zero import batch, make
+
+# the unit tests' references (dense attention, the paged server's model and prompts) are imported from there
+UNIT_TESTS = str(Path(__file__).resolve().parents[1] / "unit")
+if UNIT_TESTS not in sys.path:
+    sys.path.insert(0, UNIT_TESTS)
 
 NEW = 8
 
@@ -54,10 +62,7 @@ def sparse_attention_ranks(seq_len: int = 1024, block: int = 64) -> dict:
     and `kernel="gather"` on this device, and the dense masked reference in float64 on the same inputs:
     the relative error of each output and of the q / k / v gradients."""
     import random
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the unit tests' dense reference
     from test_sparse_attention_kernel import dense_reference
 
     from zerospeed.ops.sparse_attention import BigBirdSparsityConfig, FixedSparsityConfig, block_sparse_attention
@@ -86,10 +91,6 @@ def sparse_attention_ranks(seq_len: int = 1024, block: int = 64) -> dict:
 def paged_ranks() -> dict:
     """The paged-KV-cache server on this rank's device (tests/unit/test_inference_paged.py's model, prompts
     and schedule: requests joining every 6 steps) and transformers' `generate` on each prompt alone there."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
     from test_inference_paged import build_model, generate_each, make_prompts, serve
     gc.exact_fp32()
     model = build_model().to(gc.device())

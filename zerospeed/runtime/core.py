@@ -17,10 +17,10 @@ from zerospeed import checkpoint, comm
 from zerospeed.accelerator import get_accelerator
 from zerospeed.autotuning.probe import trial_probe_for
 from zerospeed.optim.sub_group_step import use_fused_cpu_step
-from zerospeed.runtime.forward_schedules import build_forward_schedules
 from zerospeed.precision.loss_scaler import loss_scaler_from_config
 from zerospeed.precision.policy import PrecisionPolicy
 from zerospeed.profiling.observer import EngineObserver
+from zerospeed.runtime.forward_schedules import build_forward_schedules
 from zerospeed.utils.logging import get_logger
 from zerospeed.zero import build_strategy, full_numel, reduction_groups
 from zerospeed.zero.grad_math import clip_coefficient
