@@ -31,6 +31,9 @@ def test_a_port_in_use_or_handed_out_is_skipped(monkeypatch):
         pytest.skip(f"port {spare} is in use on this host")
     monkeypatch.setattr(ports, "_windows", lambda: [(min(busy, spare), max(busy, spare))])
     ports._ISSUED.discard(busy)  # from here on it is in use by a listener, not in this process's record
+    # (earlier tests of this process may have drawn `spare` too; it binds, so it counts as free here —
+    # a whole-suite CI run once failed on that: the window then held no port free_port would give)
+    ports._ISSUED.discard(spare)
     with _listener(busy):
         assert ports.free_port() == spare
     assert ports.free_port() == busy  # free again, and not yet handed out
