@@ -23,12 +23,12 @@ SIZES = {  # name: (GPTConfig kwargs, micro batch, sequence length)
     "head": (dict(vocab_size=2048, block_size=128, n_layer=2, n_head=3, n_embd=192), 4, 128),
 }
 TOLERANCE = 0.10
-# The measured peak is not repeatable to 10% on every rank: a rank sometimes holds one to three more
-# layout- or bucket-sized buffers than the model counts (+2.5-10 MiB here, up to 17%; about one run in
-# three on a quiet machine, more under load). The cause is not identified; most likely buffers of
-# finished collectives that gloo's worker threads free on their own schedule, or cyclic garbage. Each configuration is therefore held to 10% on its
-# quietest rank and to 20% on every rank.
-EVERY_RANK = 0.20
+# The measured peak is not repeatable to the byte on every rank: whether a finished collective's buffers
+# (gloo's copy of a reduce-scatter's input, the bucket it sent) are freed by this thread after the wait or
+# by gloo's worker thread (unrecorded, taken as freed when the call returned: Note [frees on other
+# threads] in zerospeed.testing.alloc_peak) is a race, worth a bucket or two (1.5-3.5 MiB here, up to 10%
+# on one rank). Each configuration is therefore held to 10% on its quietest rank and to 15% on every rank.
+EVERY_RANK = 0.15
 
 
 def _gpt(kw, ckpt):
@@ -57,14 +57,14 @@ def _measure(kw, micro_batch, seq, stage, ckpt, offload=False):
     import zerospeed
     from zerospeed.testing.alloc_peak import AllocationTrace
     g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
-    with AllocationTrace() as trace:
+    with AllocationTrace(released=True) as trace:
         model = _gpt(kw, ckpt)
         cfg = {"train_micro_batch_size_per_gpu": micro_batch, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
                "zero_optimization": {"stage": stage, "overlap_comm": False}}
         if offload:
             cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-        engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-        del model
+        engine, *rest = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        del model, rest
         for step in range(3):
             x = torch.randint(0, kw["vocab_size"], (micro_batch, seq), generator=g)
             with trace.window(f"step{step}"):
@@ -160,8 +160,8 @@ def test_memory_budget_stage3_fits_stage0_does_not(measured):
     """A budget just above the predicted stage-3 peak (blocks model, 2 ranks) — by the estimator's own
     tolerance, as a user sizing a device by it would leave: stage 3 trains within it; the estimator says
     stage 0 would not fit, and its run indeed exceeds the budget. Held like every configuration above
-    (EVERY_RANK): the quietest rank within the budget, every rank within the 20% that late-freed buffers
-    can add (2026-12-03: rank 0 measured 10.25% over the prediction, rank 1 7.9%)."""
+    (EVERY_RANK): the quietest rank within the budget, every rank within the 15% that the race of
+    Note [frees on other threads] leaves."""
     rows = {r["stage"]: r for r in measured(2) if r["size"] == "blocks" and not r["ckpt"]}
     budget = (1 + TOLERANCE) * rows[3]["predicted"]
     assert min(rows[3]["measured"]) <= budget, (budget, rows[3])  # stage 3 trains within the budget
@@ -186,7 +186,7 @@ def _measure_hf_bf16():
     for stage in HF_STAGES:
         gc.collect()  # the previous stage's engine and model: freed before this trace, not inside it
         g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
-        with AllocationTrace() as trace:
+        with AllocationTrace(released=True) as trace:
             torch.manual_seed(0)
             model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
                 **HF_GPT2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))

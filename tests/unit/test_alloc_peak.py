@@ -27,3 +27,22 @@ def test_a_free_of_memory_allocated_before_the_trace_does_not_lower_the_peak():
             x = torch.empty(MIB // 4)
         del x
     assert trace.peak("w") == MIB
+
+
+def test_a_block_freed_on_another_thread_counts_until_its_allocating_operation_ended():
+    """Note [frees on other threads]: the profiler records no free made on an unprofiled thread; with
+    `released=True` such a block is taken as freed when its allocating operation ended."""
+    import threading
+
+    from torch.profiler import record_function
+    box = {}
+    with AllocationTrace(released=True) as trace:
+        with trace.window("w"):
+            with record_function("hand_off"):
+                box["a"] = torch.empty(MIB // 4)  # 1 MiB, freed unrecorded by the thread below
+            worker = threading.Thread(target=box.clear)
+            worker.start()
+            worker.join()
+            b = torch.empty(MIB // 2)  # 2 MiB: counting `a` for ever would make the peak 3 MiB
+            del b
+    assert trace.peak("w") == 2 * MIB
