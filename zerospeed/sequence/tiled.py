@@ -15,9 +15,12 @@ block itself: the forward pre-hook gathers every parameter of the block before t
 modules inside run no hooks of their own (so the per-tile calls gather nothing more), and the backward
 pre-hook gathers the block again before the recomputing backward above runs — the parameters it
 saved are the module's own, which then point at the gathered values again. Their gradients come out
-once, summed over the tiles, into the reduction as any unit's. A parameter still empty when the tiles
-run (a block not flagged before `initialize`, or the tiled loss's head weight, which lives in another
-module) is refused with an error.
+once, summed over the tiles, into the reduction as any unit's. The tiled loss uses the output head's
+weight outside the head's forward (in the model's own); the model declares that use with
+`zero.register_external_parameter(model, head.weight)`, as DeepSpeed asks of any parameter used outside
+its module, and then the model's forward and backward pre-hooks gather the head's unit around the tiles
+and their recomputation. A parameter still empty when the tiles run (a block not flagged before
+`initialize`, an undeclared head weight) is refused with an error naming both fixes.
 """
 from __future__ import annotations
 
@@ -30,10 +33,12 @@ import torch.nn.functional as F
 def _check_full(params) -> None:
     for p in params:
         if p.numel() == 0:
-            raise NotImplementedError("tiled compute got a parameter with no elements — a ZeRO-3 shard outside its "
-                                      "module's forward: at ZeRO-3 call enable_tiled_mlp before zerospeed.initialize "
-                                      "(it makes each tiled block one ZeRO-3 leaf unit); the tiled loss "
-                                      "(tiled_cross_entropy_sum) runs with ZeRO stages 0-2 only")
+            raise NotImplementedError("tiled compute got a parameter with no elements — a ZeRO-3 shard used outside "
+                                      "its module's forward: for a tiled MLP call enable_tiled_mlp before "
+                                      "zerospeed.initialize (it makes each tiled block one ZeRO-3 leaf unit); for "
+                                      "tiled_cross_entropy_sum's head weight declare the use with "
+                                      "zerospeed.zero.register_external_parameter(model, head.weight) on the module "
+                                      "whose forward calls the loss")
 
 
 class _Tiled(torch.autograd.Function):
