@@ -34,3 +34,24 @@ def test_names_of_a_one_rank_moe_model():
     assert names.module_keys == list(model.state_dict())
     assert names.specs["1.deepspeed_moe.experts.deepspeed_experts.1.weight"]["shape"] == [4, 4]
     assert not checkpoint_names(nn.Linear(2, 2)).has_experts
+
+
+def test_stacked_expert_pieces_are_addressed_in_the_whole_tensor():
+    """Note [stacked expert checkpoints]: AutoEP's [E/ep, ...] parameter keeps its name; a piece at local
+    element k of ep rank 2 of ep 4 (experts 4-5 of 8, 6 x 3 elements each) is element 4 x 18 + k of the
+    whole [8, 6, 3] tensor, so the ranks' pieces tile it."""
+    import torch
+
+    from zerospeed.checkpoint.experts import CheckpointNames
+    from zerospeed.zero.shards import Piece, ShardEntry
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    span = ExpertSpan(layer=0, prefix="model.layers.0.mlp.experts", first=4, local=2, writer=False, stacked=(key,),
+                      total=8)
+    assert span.globalize(key) == key and span.localize(key) == key and is_expert_key(key, [span])
+    assert span.globalize("model.layers.0.mlp.gate.weight") is None
+    names = CheckpointNames([span], {}, {key: {"shape": [8, 6, 3]}}, [key], {key: 4 * 18})
+    master = torch.zeros(30)
+    entry = ShardEntry(master, [Piece(key, 10, 0, 26), Piece("model.norm.weight", 0, 26, 4)])
+    (moved,) = names.global_entries([entry])
+    assert moved.master is master
+    assert moved.pieces == [Piece(key, 4 * 18 + 10, 0, 26), Piece("model.norm.weight", 0, 26, 4)]

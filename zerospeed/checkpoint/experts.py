@@ -13,10 +13,21 @@ Expert files: `layer_{i}_expert_{e}_mp_rank_00_model_states.pt` (DeepSpeed's nam
 layers in module order) holds expert e's state dict in the training dtype under global keys,
 written by rank 0 of the expert's expert-data-parallel group. The main model-states file leaves the
 experts out, as DeepSpeed's does.
+
+Note [stacked expert checkpoints]: AutoEP keeps a block's experts stacked in one tensor per weight
+(`experts.gate_up_proj [E/ep, 2I, H]`: rows first .. first + E/ep - 1 of the model's `[E, 2I, H]`),
+under the model's own name on every rank. Inside a checkpoint such a parameter is the whole `[E, ...]`
+tensor: its spec records the full shape, and each piece of it a rank's shard holds is addressed by its
+element offset in that whole tensor (the local offset + first x the elements of one expert), so the
+shards of all ep ranks together describe every expert once, consolidate to transformers' own tensor,
+and a loading rank cuts its own rows out at any ep size. The expert files hold one row (expert e's
+matrix) under the parameter's name; blocks count in module order with `MoE` layers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from math import prod
 from pathlib import Path
 
 import torch
@@ -24,6 +35,7 @@ import torch
 from zerospeed import comm
 from zerospeed.checkpoint.atomic import atomic_torch_save
 from zerospeed.checkpoint.manifest import file_record, param_specs
+from zerospeed.zero.shards import ShardEntry
 
 _EXPERTS = "deepspeed_moe.experts.deepspeed_experts"
 
@@ -37,9 +49,13 @@ class ExpertSpan:
     first: int  # global index of local expert 0
     local: int  # experts on this rank
     writer: bool  # rank 0 of the experts' expert-data-parallel group: writes their files
+    stacked: tuple[str, ...] = ()  # AutoEP: the [E/ep, ...] parameters (Note [stacked expert checkpoints])
+    total: int = 0  # the layer's experts (AutoEP)
 
     def globalize(self, key: str) -> str | None:
         """The global name of a local key under this layer's experts; None for any other key."""
+        if self.stacked:
+            return key if key in self.stacked else None
         if not key.startswith(self.prefix + "."):
             return None
         j, _, rest = key[len(self.prefix) + 1:].partition(".")
@@ -47,6 +63,8 @@ class ExpertSpan:
 
     def localize(self, key: str) -> str | None:
         """The local name of a global key of one of this rank's experts; None otherwise."""
+        if self.stacked:
+            return key if key in self.stacked else None
         if not key.startswith(self.prefix + "."):
             return None
         e, _, rest = key[len(self.prefix) + 1:].partition(".")
@@ -62,9 +80,8 @@ def expert_file_name(layer: int, expert: int) -> str:
 
 
 def expert_spans(module: torch.nn.Module) -> list[ExpertSpan]:
-    from zerospeed.moe.layer import (
-        MoE,  # zerospeed.moe imports the runtime's neighbours; keep this lazy
-    )
+    from zerospeed.moe.autoep import ExpertParallelExperts  # zerospeed.moe imports the runtime's neighbours
+    from zerospeed.moe.layer import MoE
     spans = []
     for name, m in module.named_modules():
         if isinstance(m, MoE):
@@ -72,6 +89,10 @@ def expert_spans(module: torch.nn.Module) -> list[ExpertSpan]:
             prefix = f"{name}.{_EXPERTS}" if name else _EXPERTS
             spans.append(ExpertSpan(len(spans), prefix, ep_rank * m.num_local_experts, m.num_local_experts,
                                     comm.get_rank(m.expert_data_parallel_group) == 0))
+        elif isinstance(m, ExpertParallelExperts):  # Note [stacked expert checkpoints]
+            spans.append(ExpertSpan(len(spans), name, m.first_expert, m.num_local_experts,
+                                    comm.get_rank(m.expert_data_parallel_group) == 0,
+                                    tuple(f"{name}.{p}" for p in m.param_names), m.num_experts))
     return spans
 
 
@@ -94,10 +115,19 @@ class CheckpointNames:
     params: dict[int, str]  # id(parameter) -> checkpoint name
     specs: dict[str, dict]  # checkpoint name -> {shape, dtype, trainable}, every rank's experts included
     module_keys: list[str]  # the full model's state-dict keys, every rank's experts included
+    offsets: dict[str, int] = field(default_factory=dict)  # stacked experts: local element 0's in the whole
 
     @property
     def has_experts(self) -> bool:
         return bool(self.spans)
+
+    def global_entries(self, entries: list[ShardEntry]) -> list[ShardEntry]:
+        """`entries` with each piece of a stacked expert parameter addressed in the whole tensor (Note
+        [stacked expert checkpoints]); the others as they are."""
+        if not self.offsets:
+            return entries
+        return [ShardEntry(e.master, [dataclasses.replace(p, param_offset=p.param_offset + self.offsets[p.name])
+                                      if p.name in self.offsets else p for p in e.pieces]) for e in entries]
 
 
 def checkpoint_names(module: torch.nn.Module) -> CheckpointNames:
@@ -105,10 +135,16 @@ def checkpoint_names(module: torch.nn.Module) -> CheckpointNames:
     spans = expert_spans(module)
     params = {id(p): globalize(n, spans) for n, p in module.named_parameters()}
     specs = {globalize(n, spans): s for n, s in param_specs(module).items()}
+    offsets = {}
+    for span in spans:  # Note [stacked expert checkpoints]: the whole [E, ...] tensor
+        for name in span.stacked:
+            shape = list(specs[name]["shape"])
+            offsets[name] = span.first * prod(shape[1:])
+            specs[name] = {**specs[name], "shape": [span.total, *shape[1:]]}
     keys = [globalize(k, spans) for k in module.state_dict()]
     if spans:
         specs, keys = _merge(comm.all_gather_object((specs, keys)))
-    return CheckpointNames(spans, params, specs, keys)
+    return CheckpointNames(spans, params, specs, keys, offsets)
 
 
 def _merge(per_rank: list[tuple[dict, list]]) -> tuple[dict, list]:
@@ -132,6 +168,9 @@ def write_expert_files(module: torch.nn.Module, spans: list[ExpertSpan], directo
     state.update(module.named_buffers())
     files, error = {}, None
     for span in spans:
+        if span.stacked:
+            files, error = _write_stacked(span, state, directory, files, error)
+            continue
         for j in range(span.local):
             local_prefix = f"{span.prefix}.{j}."
             keys = [k for k in state if k.startswith(local_prefix)]
@@ -145,6 +184,24 @@ def write_expert_files(module: torch.nn.Module, spans: list[ExpertSpan], directo
                     files[name] = file_record(directory / name)
                 except OSError as exc:
                     error = f"rank {comm.get_rank()} could not write expert file {directory / name}: {exc}"
+    return files, error
+
+
+def _write_stacked(span: ExpertSpan, state: dict, directory: Path, files: dict, error: str | None
+                   ) -> tuple[dict, str | None]:
+    """One file per expert of an AutoEP block: row j of each stacked parameter (Note [stacked expert
+    checkpoints]); collective at stage 3 like `write_expert_files`."""
+    from zerospeed.zero import GatheredParameters
+    with GatheredParameters([state[k] for k in span.stacked]):
+        if not span.writer or error is not None:
+            return files, error
+        for j in range(span.local):
+            name = expert_file_name(span.layer, span.first + j)
+            try:
+                atomic_torch_save({k: state[k][j].detach().cpu().clone() for k in span.stacked}, directory / name)
+                files[name] = file_record(directory / name)
+            except OSError as exc:
+                return files, f"rank {comm.get_rank()} could not write expert file {directory / name}: {exc}"
     return files, error
 
 
@@ -164,5 +221,6 @@ def load_expert_files(module: torch.nn.Module, spans: list[ExpertSpan], tag_dir:
                                mmap=True, weights_only=True)
             for key, value in saved.items():
                 local = span.localize(key)
-                if local is not None and local in state and local not in skip:
-                    state[local].copy_(value)
+                if local is None or local not in state or local in skip:
+                    continue
+                (state[local][j] if span.stacked else state[local]).copy_(value)

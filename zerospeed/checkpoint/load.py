@@ -88,7 +88,7 @@ def _read_list(engine, tag_dir: Path, manifest: dict, *, strict: bool, with_opti
                names: CheckpointNames, place: Placement) -> _ReadList:
     check_model_compat(manifest, engine.module, strict=strict, where=tag_dir, specs=names.specs)
     _check_layouts(manifest, place, tag_dir)
-    entries = engine.zero.shard_entries(names.params)
+    entries = names.global_entries(engine.zero.shard_entries(names.params))
     expert_files = local_expert_files(names.spans)
     model_files = _model_files(manifest)
     if module_only and not _weights_in_shards(engine, manifest):

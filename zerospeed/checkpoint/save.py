@@ -203,7 +203,7 @@ def _rank_states(engine, place: Placement, names: CheckpointNames) -> tuple[dict
     """This rank's shard (its entries; when every rank holds the same state, only data-parallel rank 0's —
     and, with MoE layers, each expert's from rank 0 of its expert-data-parallel group; under tensor
     parallelism only the pieces this tp rank writes) and RNG."""
-    entries = engine.zero.shard_entries(names.params)
+    entries = names.global_entries(engine.zero.shard_entries(names.params))
     opt = engine.optimizer
     groups = entry_groups(opt, [e.master for e in entries])
     if engine.zero.replicated_state:
@@ -344,6 +344,12 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     return True
 
 
+def _autoep_only(engine) -> bool:
+    """The model's experts are all AutoEP's stacked ones (Note [stacked expert checkpoints])."""
+    spans = expert_spans(engine.module)
+    return bool(spans) and all(span.stacked for span in spans)
+
+
 def without_frozen(engine, state: dict, exclude: bool = True) -> dict:
     """`state` without the entries of parameters that do not require grad (when `exclude`)."""
     if not exclude:
@@ -356,6 +362,12 @@ def _full_16bit_state(engine) -> dict:
     """Collective: the whole model's state dict in its training dtype on rank 0 — stage-3 weights gathered
     unit by unit; tensor-parallel ones gathered over the tp group into the layout of the model before
     sharding (`parallel.tensor.full_state_dict`), so the file loads into the plain model."""
+    if _autoep_only(engine):  # every expert gathered over its expert-parallel group, transformers' layout
+        from zerospeed.moe.autoep import consolidated_state_dict
+        from zerospeed.zero import GatheredParameters
+        with GatheredParameters(list(engine.module.parameters())):
+            state = consolidated_state_dict(engine.module)
+            return {k: v.detach().cpu().clone() for k, v in state.items()} if comm.get_rank() == 0 else {}
     if engine.mesh.size("tp") == 1:
         return engine.zero.full_state_dict()
     from zerospeed.parallel.tensor.state import full_state_dict
@@ -369,7 +381,7 @@ def save_16bit_model(engine, save_dir, save_filename: str = "pytorch_model.bin",
                      exclude_frozen_parameters: bool = False) -> bool:
     """Collective: rank 0 writes the module's state dict, in its training dtype, to save_dir/save_filename
     (without parameters that do not require grad, with `exclude_frozen_parameters`)."""
-    _check_supported(engine)
+    _check_supported(engine, experts_ok=_autoep_only(engine))
     error = None
     state = without_frozen(engine, _full_16bit_state(engine), exclude_frozen_parameters)
     if comm.get_rank() == 0:

@@ -136,13 +136,17 @@ class ExpertParallelExperts(nn.Module):
     forward(hidden_states [S, H], top_k_index [S, k], top_k_weights [S, k]) -> [S, H]."""
 
     def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act_fn, num_experts: int,
-                 ep_size: int, ep_rank: int, ep_group, names: tuple[str, str] = ("gate_up_proj", "down_proj")):
+                 ep_size: int, ep_rank: int, ep_group, names: tuple[str, str] = ("gate_up_proj", "down_proj"),
+                 expert_data_parallel_group=None):
         super().__init__()
         self.param_names = names
         span = local_expert_range(num_experts, ep_size, ep_rank)
         self.num_experts, self.ep_size, self.ep_rank = num_experts, ep_size, ep_rank
         self.first_expert, self.num_local_experts = span.start, len(span)
         self.ep_group = ep_group
+        # the replicas of these experts: which one writes their checkpoint files (checkpoint/experts.py)
+        self.expert_data_parallel_group = expert_data_parallel_group if expert_data_parallel_group is not None \
+            else comm.SELF
         self.expert_group_name = f"ep_size_{ep_size}"
         self.act_fn = act_fn
         for name, full in zip(names, (gate_up_proj, down_proj)):  # copies: the full tensors go with the old container
@@ -275,12 +279,12 @@ def apply_autoep(model: nn.Module, mesh, ep_size: int, spec: AutoEPSpec = AutoEP
         _check_routing(name, routing_facts(router, w1.shape[0]), expect or {})
         local_expert_range(w1.shape[0], ep_size, 0)
         checked.append((block, experts, w1, w2))
-    ep_axis, _ = mesh.expert_axes(ep_size)  # Note [expert parallel layout]
+    ep_axis, edp_axis = mesh.expert_axes(ep_size)  # Note [expert parallel layout]
     ep_rank = comm.get_rank(ep_axis.handle)
     replaced: dict[int, nn.Parameter] = {}
     for block, experts, w1, w2 in checked:
         new = ExpertParallelExperts(w1, w2, experts.act_fn, w1.shape[0], ep_size, ep_rank, ep_axis.handle,
-                                    (spec.w1, spec.w2))
+                                    (spec.w1, spec.w2), edp_axis.handle)
         replaced[id(w1)], replaced[id(w2)] = new.w_in, new.w_out
         setattr(block, spec.experts, new)
     log_dist(f"AutoEP: {len(blocks)} MoE blocks, {blocks[0][1].get_submodule(spec.experts).num_local_experts} "
