@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import gc
 
-import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 
