@@ -27,6 +27,22 @@ def llama():
     return LlamaForCausalLM(cfg)
 
 
+def mixtral():
+    """A Mixtral (4 experts, top-2) with the same attention as `llama`; no router aux loss, a per-rank
+    statistic of the rank's tokens that no sequence split leaves unchanged."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                        num_local_experts=4, num_experts_per_tok=2, output_router_logits=False,
+                        attn_implementation="sdpa", use_cache=False)
+    return MixtralForCausalLM(cfg)
+
+
+def build(ep: int):
+    return mixtral() if ep else llama()
+
+
 def batches(dp: int):
     g = torch.Generator().manual_seed(5)
     out = []
@@ -43,10 +59,13 @@ def batches(dp: int):
     return out
 
 
-def _train(sp: int, stage: int, tiles: int = 1):
+def _train(sp: int, stage: int, tiles: int = 1, ep: int = 0):
+    """`ep`: a Mixtral with AutoEP over `ep` ranks of the sequence-data-parallel group (Note [expert
+    layout]); 0: the Llama."""
+    from zerospeed.moe.autoep import consolidated_state_dict
     from zerospeed.sequence.data import shard_sequence_batch
     from zerospeed.sequence.hf import UlyssesSPAttentionHF, enable_tiled_mlp, install_sequence_parallel_loss
-    model = llama()
+    model = build(ep)
     if tiles > 1:  # ALST's tiled MLP (at ZeRO-3: Note [tiled compute under ZeRO-3])
         enable_tiled_mlp(model, tiles)
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, MICRO)
@@ -55,6 +74,8 @@ def _train(sp: int, stage: int, tiles: int = 1):
         cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
                "sequence_parallel_size": sp, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+        if ep:
+            cfg["expert_parallel"] = {"enabled": True, "autoep_size": ep}
         engine, *_ = zerospeed.initialize(model=model, config=cfg, mpu=mpu)
         dp_rank, dp = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
         sp_rank = mpu.get_sequence_parallel_rank()
@@ -66,8 +87,8 @@ def _train(sp: int, stage: int, tiles: int = 1):
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-        with zerospeed.zero.GatheredParameters(list(model.parameters())):
-            weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        with zerospeed.zero.GatheredParameters(list(model.parameters())):  # every expert (AutoEP)
+            weights = {k: v.detach().clone() for k, v in consolidated_state_dict(model).items()}
         return {"losses": losses, "weights": weights, "dp_rank": dp_rank}
     finally:
         UlyssesSPAttentionHF.unregister_from_transformers()
@@ -80,7 +101,7 @@ def _runs(cases):
 def _check(results, cases):
     for case in cases:
         sp, stage = case[:2]
-        ref_losses, ref_weights = reference(4 // sp)
+        ref_losses, ref_weights = reference(4 // sp, case[3] if len(case) > 3 else 0)
         for rank, res in enumerate(results):
             got = res[case]
             expect = [step[got["dp_rank"]] for step in ref_losses]
@@ -91,8 +112,8 @@ def _check(results, cases):
                                            msg=lambda m, key=key: f"{case} rank {rank} {key}: {m}")
 
 
-def reference(dp: int):
-    model = llama()
+def reference(dp: int, ep: int = 0):
+    model = build(ep)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     losses = []
     for batch in batches(dp):
@@ -109,3 +130,11 @@ def test_llama_gqa_by_registration_matches_transformers():
     # (sp, ZeRO stage[, MLP tiles]) on 4 ranks: sp 4; sp 2 x dp 2; the last with ALST's tiled MLP at ZeRO-3
     cases = [(4, 0), (2, 1), (2, 3), (2, 3, 3)]
     _check(run_distributed(_runs, 4, cases, timeout=360), cases)
+
+
+@pytest.mark.timeout(300)
+def test_mixtral_with_autoep_under_ulysses_matches_transformers():
+    # (sp, ZeRO stage, MLP tiles, AutoEP size) on 4 ranks, sp 2 x dp 2: expert groups of 2 and of 4 ranks
+    # split the 4 sequence-data-parallel ranks, so an expert serves tokens of both halves of a sequence
+    cases = [(2, 2, 1, 2), (2, 3, 1, 4)]
+    _check(run_distributed(_runs, 4, cases, timeout=270), cases)

@@ -183,7 +183,7 @@ class _Mesh:
         self.dp = dp
 
     def size(self, axis: str) -> int:
-        return self.dp if axis == "dp" else 1
+        return self.dp if axis in ("dp", "dp_sp") else 1
 
 
 @pytest.mark.parametrize("dp, ep, match", [(4, 3, "autoep_size=3 does not divide the data-parallel size 4"),

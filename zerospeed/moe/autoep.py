@@ -259,9 +259,9 @@ def apply_autoep(model: nn.Module, mesh, ep_size: int, spec: AutoEPSpec = AutoEP
     (collective: asks the mesh for the expert groups). Returns {id(replaced full parameter): this
     rank's new local parameter}. `expect` holds routing values the config asserted (checked against
     each block's router, Note [AutoEP keeps the model's router])."""
-    if mesh.size("tp") > 1 or mesh.size("sp") > 1 or mesh.size("pp") > 1:
-        raise ConfigError(f"expert_parallel with tensor, sequence or pipeline parallelism (tp={mesh.size('tp')}, "
-                          f"sp={mesh.size('sp')}, pp={mesh.size('pp')}) is not supported yet; use tp = sp = pp = 1")
+    if mesh.size("tp") > 1 or mesh.size("pp") > 1:
+        raise ConfigError(f"expert_parallel with tensor or pipeline parallelism (tp={mesh.size('tp')}, "
+                          f"pp={mesh.size('pp')}) is not supported yet; use tp = pp = 1")
     blocks = find_moe_blocks(model, spec)
     if not blocks:
         raise ConfigError("expert_parallel.enabled=true but the model has no sparse-MoE block (a module with a "
@@ -269,9 +269,10 @@ def apply_autoep(model: nn.Module, mesh, ep_size: int, spec: AutoEPSpec = AutoEP
                           + (f" named like {spec.moe_layer_pattern!r}" if spec.moe_layer_pattern else "")
                           + "); check expert_parallel.preset_model / moe_layer_pattern / router_pattern / "
                             "expert_pattern")
-    if ep_size < 1 or mesh.size("dp") % ep_size:
+    if ep_size < 1 or mesh.size("dp_sp") % ep_size:  # Note [expert layout] (comm/topology.py)
         raise ConfigError(f"expert_parallel.autoep_size={ep_size} does not divide the data-parallel size "
-                          f"{mesh.size('dp')}; expert-parallel groups split each data-parallel group")
+                          f"{mesh.size('dp')} x sequence-parallel size {mesh.size('sp')}; expert-parallel groups "
+                          "split each sequence-data-parallel group")
     checked = []
     for name, block in blocks:  # every block is checked before any is replaced
         experts, router = getattr(block, spec.experts), getattr(block, spec.router)
