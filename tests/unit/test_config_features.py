@@ -75,7 +75,6 @@ TRIGGERS: dict[str, tuple[dict, str]] = {
                                                 "pipeline.activation_checkpoint_interval=1"),
     "hybrid_engine.enabled": ({"hybrid_engine": {"enabled": True}}, "hybrid_engine.enabled=true"),
     "compile.deepcompile": ({"compile": {"deepcompile": True}}, "compile.deepcompile=true: DeepCompile"),
-    "compile.enabled": ({"compile": {"enabled": True}}, "compile.enabled=true"),
     "nebula.enabled": ({"nebula": {"enabled": True}}, "nebula.enabled=true"),
     "datastates_ckpt": ({"datastates_ckpt": {}}, "datastates_ckpt={}: DataStates"),
     "casync_ckpt": ({"casync_ckpt": {"x": 1}}, 'casync_ckpt={"x": 1}: CAsync'),

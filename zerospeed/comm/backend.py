@@ -205,6 +205,12 @@ class Handle:
                 self._record = None
 
 
+def _eager(collective):
+    """A collective run outside any torch.compile graph: dynamo breaks the graph around the call instead
+    of tracing its bookkeeping (Note [compiled modules at stage 3] in zero/stage3/strategy.py)."""
+    return torch.compiler.disable(collective, recursive=True)
+
+
 def _issue(kind: str, nbytes: int, group, async_op: bool, launch):
     """Run one collective, counting its bytes and the time until its result is usable."""
     start = time.perf_counter()
@@ -227,6 +233,7 @@ def _op(op: str):
         raise ValueError(f"unknown reduce op {op!r}; expected one of {sorted(_OPS) + ['avg']}") from None
 
 
+@_eager
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool = False):
     """Reduce `tensor` in place across the group. op: sum | avg | max | min."""
     _check_tensors("all_reduce", group, tensor)
@@ -240,6 +247,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
                   lambda: dist.all_reduce(tensor, op=_op(op), group=group, async_op=async_op))
 
 
+@_eager
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False):
     """Copy `tensor` from global rank `src` to every rank of the group, in place."""
     _check_tensors("broadcast", group, tensor)
@@ -253,6 +261,7 @@ def _is_gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
+@_eager
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """Concatenate each rank's `input` (equal sizes) into `output`, rank order."""
     world = get_world_size(group)
@@ -270,6 +279,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
                   lambda: _all_gather_tensor(output, input, group=group, async_op=async_op))
 
 
+@_eager
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "sum", group=None,
                           async_op: bool = False):
     """Reduce `input` across ranks and leave rank r's equal slice r in `output`."""
@@ -290,6 +300,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "
                   lambda: _reduce_scatter_tensor(output, input, op=_op(op), group=group, async_op=async_op))
 
 
+@_eager
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
                       input_split_sizes: list[int] | None = None, group=None, async_op: bool = False):
     """Send slice j of `input` (along dim 0) to rank j and receive rank j's slice for this rank into slice j of
@@ -324,6 +335,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     return None
 
 
+@_eager
 def all_gather_object(obj: Any, group=None) -> list[Any]:
     """Every rank's picklable `obj`, in rank order (NCCL: the pickles travel through tensors on the
     current GPU, which must be this rank's)."""
@@ -335,6 +347,7 @@ def all_gather_object(obj: Any, group=None) -> list[Any]:
     return out
 
 
+@_eager
 def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
     """Rank `src`'s picklable `obj` on every rank."""
     if get_world_size(group) == 1:
@@ -345,6 +358,7 @@ def broadcast_object(obj: Any, src: int = 0, group=None) -> Any:
     return box[0]
 
 
+@_eager
 def barrier(group=None) -> None:
     if get_world_size(group) <= 1:
         return

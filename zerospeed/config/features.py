@@ -86,7 +86,6 @@ ROWS: list[Row] = [
         "pipeline activation checkpointing", "0"),
     _switch("hybrid_engine.enabled", "the hybrid engine"),
     _switch("compile.deepcompile", "DeepCompile"),
-    _switch("compile.enabled", "torch.compile through the config"),
     _switch("nebula.enabled", "Nebula checkpointing"),
     _present("datastates_ckpt", "DataStates checkpointing"),
     _present("casync_ckpt", "CAsync checkpointing"),

@@ -132,8 +132,6 @@ GATES: dict[str, str] = {
         "offload_activation_pin_memory", "offload_opt_states", "double_buffer", "symmetric_memory", "debug_log",
         "offload_parameters", "sync_before_reduce", "sync_after_reduce", "sync_before_allgather",
         "sync_after_allgather", "keep_int_input_tensors", "keep_all_input_tensors", "passes")},
-    **{f"compile.{name}": "compile.enabled" for name in (
-        "backend", "kwargs", "fullgraph", "dynamic", "mode", "options", "disable")},
     "nebula": "nebula.enabled",
     "curriculum_learning": "curriculum_learning.enabled",
     "data_efficiency": "data_efficiency.enabled",

@@ -14,6 +14,9 @@ import torch
 from zerospeed.compression.scheduler import scheduler_for
 from zerospeed.runtime.core import EngineCore
 from zerospeed.runtime.forward_schedules import forward_kwargs
+from zerospeed.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 
 class Engine(EngineCore):
@@ -47,6 +50,38 @@ class Engine(EngineCore):
             yield
         finally:
             self._inside_no_sync = previous
+
+    # -- torch.compile ---------------------------------------------------------------------------------
+    def compile(self, backend: str | None = None, compile_kwargs: dict | None = None, schedule=None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's `engine.compile`: `torch.compile` the model in place (`nn.Module.compile`), once.
+
+        `backend` defaults to the accelerator's (`get_accelerator().get_compile_backend()`: inductor);
+        `compile_kwargs` go to torch.compile (a `backend` among them is overridden by the argument, with a
+        warning, as DeepSpeed does). ZeRO-3's gather / release hooks and zerospeed's collectives run
+        outside the compiled graphs (Note [compiled modules at stage 3] in zero/stage3/strategy.py).
+        `schedule` (DeepCompile's compiler passes) and `compiled_autograd_enabled` are refused: neither
+        DeepCompile nor compiled autograd is built."""
+        if schedule is not None:
+            raise NotImplementedError("engine.compile(schedule=...) schedules DeepCompile's passes; DeepCompile is "
+                                      "not built in zerospeed: call compile() without a schedule (plain torch.compile)")
+        if compiled_autograd_enabled:
+            raise NotImplementedError("engine.compile(compiled_autograd_enabled=True): compiled autograd is not "
+                                      "built in zerospeed; the backward runs eagerly (leave it False)")
+        if self.is_compiled:
+            return
+        kwargs = dict(compile_kwargs or {})
+        if "backend" in kwargs:
+            logger.warning("engine.compile: the `backend` in compile_kwargs is overridden; use the `backend` "
+                           "argument instead")
+        kwargs["backend"] = backend if backend is not None else self.accelerator.get_compile_backend()
+        self.module.compile(**kwargs)
+        self._is_compiled = True
+        self._compile_kwargs = compile_kwargs or {}
+
+    @property
+    def is_compiled(self) -> bool:
+        return getattr(self, "_is_compiled", False)
 
     # -- the training step -------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):

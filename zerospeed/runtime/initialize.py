@@ -206,4 +206,19 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                         mesh=mesh, training_dataloader=loader)
     if quantize_shards is not None:  # stage 3: the selected layers' stored shards (inference/zero.py)
         engine.zero.quantize_frozen(quantize_shards)
+    _compile_by_config(engine, cfg.compile)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _compile_by_config(engine, compile_cfg) -> None:
+    """The older `compile` keys (`enabled`, `backend`, `kwargs`, ...): `engine.compile` at initialize."""
+    if not compile_cfg.enabled or compile_cfg.disable:
+        return
+    if isinstance(engine, PipelineEngine):
+        raise ConfigError("compile.enabled=true with a PipelineModule: the pipeline engine does not compile its "
+                          "stages; remove compile.enabled (or call torch.compile on the layers yourself)")
+    kwargs = dict(compile_cfg.kwargs)
+    kwargs.update({k: v for k, v in (("fullgraph", compile_cfg.fullgraph), ("dynamic", compile_cfg.dynamic),
+                                     ("mode", compile_cfg.mode), ("options", compile_cfg.options))
+                   if v not in (None, False)})
+    engine.compile(backend=compile_cfg.backend, compile_kwargs=kwargs)

@@ -42,6 +42,13 @@ save time; a load cuts each rank's chunk out of them (checkpoint/save.py, load.p
 is the one whole frozen parameters always had and reshards freely. Frozen expert parameters stay
 whole (they would shard over their expert group; not built).
 
+Note [compiled modules at stage 3]: `engine.compile()` (torch.compile of the model, as DeepSpeed's
+without DeepCompile) would trace the hooks above, which swap parameter storage and run collectives.
+Each hook is wrapped in `torch.compiler.disable`, so dynamo breaks the graph around it and runs it
+eagerly, and the computation between hooks (a unit's forward) is compiled; the collectives of
+zerospeed.comm are excluded the same way wherever they are called. One graph per unit rather than one
+for the model: stage 3 compiles for correctness, not fusion across layers.
+
 Note [leaf modules]: a module flagged as a ZeRO-3 leaf (`zerospeed.utils.set_z3_leaf_modules`, the
 `zero_optimization.leaf_module` keys, `stage3_module_granularity_threshold`; utils/z3_leaf_module.py)
 is one unit for the parameters of its whole subtree: its hooks gather them all before its forward and
@@ -147,11 +154,11 @@ class Stage3Strategy(ShardedOptimizerBase):
         self._hooks = []
         for m in self._unit_modules():
             if id(m) in self.uses:
-                self._hooks += [m.register_forward_pre_hook(self._pre_forward),
-                                m.register_forward_hook(self._post_forward),
-                                m.register_full_backward_pre_hook(self._pre_backward)]
+                self._hooks += [m.register_forward_pre_hook(_eager(self._pre_forward)),
+                                m.register_forward_hook(_eager(self._post_forward)),
+                                m.register_full_backward_pre_hook(_eager(self._pre_backward))]
                 if any(fp.master is None for fp in self.uses[id(m)]):  # Note [partitioned frozen parameters]
-                    self._hooks.append(m.register_full_backward_hook(self._post_backward))
+                    self._hooks.append(m.register_full_backward_hook(_eager(self._post_backward)))
 
     def _build_flat_params(self, groups, reduction, param_dtype, device):
         """One FlatParam per (module, param group); returns id(param) -> the unit owning it, and
@@ -620,3 +627,9 @@ def _master_devices(plan, groups: list[dict], device: torch.device):
         if seen <= budget:
             offloaded.add(id(p))
     return lambda params: HOST if id(params[0]) in offloaded else device
+
+
+def _eager(hook):
+    """`hook` run outside any torch.compile graph (Note [compiled modules at stage 3]): it gathers and
+    releases weights with collectives, which dynamo neither traces nor should."""
+    return torch.compiler.disable(hook, recursive=True)
