@@ -1,7 +1,7 @@
 """`engine.compile()` (DeepSpeed's: torch.compile of the model in place) against plain PyTorch.
 
-Two ranks train a small GPT after `engine.compile()`, 3 AdamW steps; every rank's loss and the final
-weights must equal one eager single-process run over the same global batches (within 1e-5: compiled
+Two ranks train a small GPT after `engine.compile()`, 3 AdamW steps; the ranks' mean loss per step and
+the final weights must equal one eager single-process run over the same global batches (within 1e-5: compiled
 kernels may round differently). The default backend (the accelerator's, inductor) runs at ZeRO-1; a
 counting backend (it records each graph dynamo hands it and runs it as captured) at ZeRO 0, 2 and 3
 shows that graphs were compiled — at stage 3 with the gather / release hooks and the collectives kept
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from zerospeed.testing import run_distributed
+from zerospeed.testing.reference import reference_train
 from zerospeed.testing.models import GPT, GPTConfig
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -68,16 +69,11 @@ def _runs(cases):
 
 
 def _reference():
+    """Mean loss over the ranks per step, and the final weights, of one eager process."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    losses = []
-    for ids in _batches():
-        per = [model(ids[r * MICRO:(r + 1) * MICRO], ids[r * MICRO:(r + 1) * MICRO]) for r in range(WORLD)]
-        opt.zero_grad()
-        torch.stack(per).mean().backward()
-        opt.step()
-        losses.append([p.item() for p in per])
+    losses = reference_train(model, torch.optim.AdamW(model.parameters(), **ADAMW), [(b,) for b in _batches()],
+                             world_size=WORLD, grad_accum=1, loss_fn=lambda m, ids: m(ids, ids))
     return losses, model.state_dict()
 
 
@@ -90,8 +86,9 @@ def test_compiled_engine_trains_like_eager_pytorch():
         for rank, res in enumerate(results):
             got = res[case]
             assert got["compiled"] and "DeepCompile" in (got["refused"] or ""), case
-            diff = max(abs(a - b[rank]) for a, b in zip(got["losses"], ref_losses))
-            assert diff <= TOL, (case, rank, got["losses"])
+            if rank == 0:
+                mean = [sum(r[case]["losses"][i] for r in results) / WORLD for i in range(STEPS)]
+                assert max(abs(a - b) for a, b in zip(mean, ref_losses)) <= TOL, (case, mean, ref_losses)
             for key, value in ref_weights.items():
                 torch.testing.assert_close(got["weights"][key], value, atol=TOL, rtol=0,
                                            msg=lambda m, key=key: f"{case} rank {rank} {key}: {m}")
