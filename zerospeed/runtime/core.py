@@ -20,6 +20,7 @@ from zerospeed.optim.sub_group_step import use_fused_cpu_step
 from zerospeed.precision.loss_scaler import loss_scaler_from_config
 from zerospeed.precision.policy import PrecisionPolicy
 from zerospeed.profiling.observer import EngineObserver
+from zerospeed.runtime.config_accessors import ConfigAccessors
 from zerospeed.runtime.forward_schedules import build_forward_schedules
 from zerospeed.utils.logging import get_logger
 from zerospeed.zero import build_strategy, full_numel, reduction_groups
@@ -30,7 +31,7 @@ from zerospeed.zero.memory import (ONEBIT_STATE_WORDS, OPTIMIZER_STATE_BYTES, gr
 logger = get_logger(__name__)  # Note [rank-0 logging]
 
 
-class EngineCore(torch.nn.Module):
+class EngineCore(ConfigAccessors, torch.nn.Module):
     """Precision, ZeRO strategy, optimizer, scheduler, loss scaler and counters around `module`."""
 
     enable_backward_allreduce = True
@@ -268,6 +269,22 @@ class EngineCore(torch.nn.Module):
         return checkpoint.load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+
+    def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin"):
+        """DeepSpeed's older name of `save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
+
+    def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict:
+        """DeepSpeed's: the module's own `state_dict` (at stage 3 its weights are this rank's empty
+        placeholders, as in DeepSpeed; `_zero3_consolidated_16bit_state_dict` gathers them), without
+        frozen parameters when `exclude_frozen_parameters`."""
+        sd = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, p in self.module.named_parameters():
+                if not p.requires_grad:
+                    sd.pop(prefix + name, None)
+        return sd
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False):
