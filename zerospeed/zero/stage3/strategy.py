@@ -409,7 +409,11 @@ class Stage3Strategy(ShardedOptimizerBase):
 
     def end_micro_step(self) -> None:
         super().end_micro_step()
-        for fp in self.flat:  # anything gathered for backward but unused (frozen paths, branches)
+        self.release_gathered()  # anything gathered for backward but unused (frozen paths, branches)
+
+    def release_gathered(self) -> None:
+        """Every non-persistent unit back to its shard (`engine.empty_partition_cache`)."""
+        for fp in self.flat:
             if not fp.persistent and fp.state is not State.SHARDED:
                 fp.release()
 
