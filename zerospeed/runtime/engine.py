@@ -94,20 +94,46 @@ class Engine(EngineCore):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backpropagate `loss` / gradient_accumulation_steps (times the fp16 loss scale)."""
+        scaled = self._begin_backward(loss, scale_wrt_gas, "engine.backward")
+        scaled.backward(retain_graph=retain_graph)
+        self._end_backward()
+        return loss
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's, for a backward the caller runs itself: `engine.scale(loss).backward()` then
+        `engine.step()`. Returns `loss` / gradient_accumulation_steps (times the fp16 loss scale) and
+        arms the micro-step's reduction, which runs when that backward pass finishes (an autograd
+        callback queued as the pass reaches the loss), exactly as in `engine.backward`."""
+        if self.optimizer is None:
+            raise RuntimeError("engine.scale needs an optimizer: give one to initialize (config or client)")
+        if loss.numel() != 1 or loss.grad_fn is None:
+            raise ValueError("engine.scale: the loss must be a one-element tensor with a grad_fn (got shape "
+                             f"{tuple(loss.shape)}); reduce it to a scalar first")
+        scaled = self._begin_backward(loss, True, "engine.scale")
+
+        def arm(grad):
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            return grad
+
+        scaled.register_hook(arm)
+        return scaled
+
+    def _begin_backward(self, loss: torch.Tensor, scale_wrt_gas: bool, caller: str) -> torch.Tensor:
         if not loss.requires_grad:
-            raise RuntimeError("engine.backward: the loss does not require grad (was it computed under "
+            raise RuntimeError(f"{caller}: the loss does not require grad (was it computed under "
                                "torch.no_grad() or engine.eval()?)")
         scaled = self.scale_loss(loss, scale_wrt_gas)
         self.zero.begin_backward(sync=self.is_gradient_accumulation_boundary() and not self._inside_no_sync
                                  and self.enable_backward_allreduce)
         self.observer.on_backward_start(self, loss)
-        scaled.backward(retain_graph=retain_graph)
+        return scaled
+
+    def _end_backward(self) -> None:
         self.observer.on_reduce_start(self)
         # the micro-step's reduction settles here, not in step(): accelerate (and so the stock
         # Trainer) calls engine.step() only at accumulation boundaries, as DeepSpeed allows
         self.zero.end_micro_step()
         self.observer.on_backward_end(self)
-        return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """At an accumulation boundary: reduce, unscale, check overflow, clip, step; else count."""
