@@ -65,7 +65,14 @@ TRIGGERS: dict[str, tuple[dict, str]] = {
     "graph_harvesting": ({"graph_harvesting": True}, "graph_harvesting=true"),
     "managed_gradient_accumulation": ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation=false"),
     "disable_python_gc": ({"disable_python_gc": True}, "disable_python_gc=true"),
-    "data_efficiency.enabled": ({"data_efficiency": {"enabled": True}}, "data_efficiency.enabled=true"),
+    "data_efficiency.data_sampling.enabled": ({"data_efficiency": {"data_sampling": {"enabled": True}}},
+                                              "data_efficiency.data_sampling.enabled=true: curriculum data sampling"),
+    "data_efficiency.data_sampling.curriculum_learning.enabled": (
+        {"data_efficiency": {"data_sampling": {"curriculum_learning": {"enabled": True}}}},
+        "data_efficiency.data_sampling.curriculum_learning.enabled=true: curriculum data sampling"),
+    "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled": (
+        {"data_efficiency": {"data_routing": {"random_ltd": {"layer_token_lr_schedule": {"enabled": True}}}}},
+        "random_ltd.layer_token_lr_schedule.enabled=true: random-LTD's layer-token learning-rate schedule"),
     "eigenvalue.enabled": ({"eigenvalue": {"enabled": True}}, "eigenvalue.enabled=true"),
     "quantize_training.enabled": ({"quantize_training": {"enabled": True}}, "quantize_training.enabled=true"),
     "pipeline.stages": ({"pipeline": {"stages": 2}}, "pipeline.stages=2: pipeline parallelism"),

@@ -198,7 +198,14 @@ def every_key_config() -> dict:
         "data_efficiency": {"enabled": True, "seed": 7, "data_sampling": {
             "enabled": True, "num_epochs": 2, "num_workers": 3,
             "curriculum_learning": {"enabled": True, "data_cluster_path": "/c", "curriculum_metrics": {"m": {}}}},
-            "data_routing": {"enabled": True, "random_ltd": {"enabled": True}}},
+            "data_routing": {"enabled": True, "random_ltd": {
+                "enabled": True, "total_layer_num": 24, "random_ltd_layer_num": 2, "random_ltd_layer_id": [1, 22],
+                "model_mask_name": "attention_mask", "model_type": "encoder", "hidden_state_order": "seq_batch_dim",
+                "micro_batch_size": 4, "global_batch_size": 64,
+                "random_ltd_schedule": {"min_value": 128, "max_value": 2048, "schedule_type": "fixed_linear",
+                                        "schedule_config": {"require_steps": 200000, "seq_per_step": 16}},
+                "layer_token_lr_schedule": {"enabled": True, "total_layer_tokens": 10**9, "warmup_type": "linear",
+                                            "warmup_layer_tokens": 10**6}}}},
         "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.01},
         "eigenvalue": {"enabled": True, "verbose": True, "max_iter": 50, "tol": 0.1, "layer_num": 12},
         "quantize_training": {"enabled": True, "quantize_bits": {"start_bits": 12, "target_bits": 4},
@@ -241,6 +248,8 @@ def test_every_documented_key_round_trips():
     assert cfg.autotuning.model_info.num_params == 1000 and cfg.autotuning.tuner_type == "model_based"
     assert cfg.sparse_attention.mode == "bigbird" and cfg.sparse_attention.local_window_blocks == [2, 4]
     assert cfg.data_efficiency.data_sampling.curriculum_learning.curriculum_metrics == {"m": {}}
+    ltd = cfg.data_efficiency.data_routing.random_ltd
+    assert ltd.model_type == "encoder" and ltd.random_ltd_schedule.schedule_config.seq_per_step == 16
     assert cfg.quantize_training.quantize_algo.rounding == "stochastic"
     assert cfg.compression_training.layer_reduction.keep_number_layer == 5
     assert cfg.compression_training.weight_quantization.different_groups["wq1"].params.target_bits == 4

@@ -76,7 +76,14 @@ ROWS: list[Row] = [
     _switch("disable_python_gc", "disabling Python's garbage collector"),
     # (compression_training: every technique is built, zerospeed/compression; it validates the block)
     # (weight_quantization: weight-only int8 / int4 of linear layers, inference/quantize/layer.py)
-    _switch("data_efficiency.enabled", "the data efficiency library"),
+    # (data_efficiency.data_routing.random_ltd works: runtime/data_pipeline/data_routing; DeepSpeed's switches of
+    # the curriculum data sampler are its two below)
+    _switch("data_efficiency.data_sampling.enabled",
+            "curriculum data sampling (the data efficiency library's data sampler and offline data analyzer)"),
+    _switch("data_efficiency.data_sampling.curriculum_learning.enabled",
+            "curriculum data sampling (the data efficiency library's data sampler and offline data analyzer)"),
+    _switch("data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled",
+            "random-LTD's layer-token learning-rate schedule (DeepSpeed refuses it too)"),
     _switch("eigenvalue.enabled", "eigenvalue computation"),
     _switch("quantize_training.enabled", "MoQ quantize_training"),
     Row("pipeline.stages", lambda c: c.pipeline.stages != "auto", "pipeline parallelism", '"auto"'),

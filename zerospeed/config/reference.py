@@ -114,6 +114,12 @@ NO_EFFECT: dict[str, str] = {
        "gateway's all-to-all (docs/moe.md); there is no grouped-GEMM kernel, DeepEP buffer or split-plan stream to tune"
        for name in ("use_grouped_mm", "disable_triton_grouped_mm", "async_split_plan", "combine_impl", "comm_num_sm",
                     "comm_qp_margin", "comm_max_tokens_per_rank")},
+    **{key: "DeepSpeed switches random-LTD by data_efficiency.data_routing.random_ltd.enabled alone (and the "
+       "curriculum data sampler, not built, by its own switches); zerospeed too, warning when random-LTD is on and "
+       "this is false" for key in ("data_efficiency.enabled", "data_efficiency.data_routing.enabled")},
+    **{f"data_efficiency.data_routing.random_ltd.{key}": f"the engine sets it to {value}, as DeepSpeed's does"
+       for key, value in (("micro_batch_size", "train_micro_batch_size_per_gpu"),
+                          ("global_batch_size", "train_batch_size"))},
     "expert_parallel.validate_folding_routing": "expert groups always split the data-parallel ranks (no folding onto "
                                                 "tensor-parallel ranks), so there is no folded routing to validate",
 }
@@ -134,7 +140,10 @@ GATES: dict[str, str] = {
         "sync_after_allgather", "keep_int_input_tensors", "keep_all_input_tensors", "passes")},
     "nebula": "nebula.enabled",
     "curriculum_learning": "curriculum_learning.enabled",
-    "data_efficiency": "data_efficiency.enabled",
+    "data_efficiency.seed": "data_efficiency.data_sampling.enabled",
+    "data_efficiency.data_sampling": "data_efficiency.data_sampling.enabled",
+    "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule":
+        "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled",
     "progressive_layer_drop": "progressive_layer_drop.enabled",
     "eigenvalue": "eigenvalue.enabled",
     "quantize_training": "quantize_training.enabled",

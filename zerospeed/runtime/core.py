@@ -22,7 +22,8 @@ from zerospeed.precision.loss_scaler import loss_scaler_from_config
 from zerospeed.precision.policy import PrecisionPolicy
 from zerospeed.profiling.observer import EngineObserver
 from zerospeed.runtime.config_accessors import ConfigAccessors
-from zerospeed.runtime.forward_schedules import build_forward_schedules
+from zerospeed.runtime.forward_schedules import (bind_random_ltd, build_forward_schedules, build_random_ltd_scheduler,
+                                                 random_ltd_config)
 from zerospeed.utils.logging import get_logger
 from zerospeed.zero import build_strategy, full_numel, reduction_groups
 from zerospeed.zero.grad_math import clip_coefficient
@@ -88,6 +89,7 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
         self._step_applied = False
         # DeepSpeed's names: the legacy curriculum and progressive layer drop (runtime/forward_schedules.py)
         self.curriculum_scheduler_legacy, self.progressive_layer_drop = build_forward_schedules(config)
+        self.random_ltd_scheduler = build_random_ltd_scheduler(config)  # None unless random_ltd.enabled
         # timers, flops profiler, monitors, comm report, the steps_per_print line (all off by default)
         self.observer = EngineObserver.for_engine(self)
         self.trial_probe = trial_probe_for(self)  # None unless `zerospeed --autotuning` started this process
@@ -151,6 +153,16 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
 
     def curriculum_params_legacy(self) -> dict:
         return self.config.curriculum_learning.model_dump()
+
+    def random_ltd_enabled(self) -> bool:
+        return self.random_ltd_scheduler is not None
+
+    def random_ltd_config(self) -> dict:
+        return random_ltd_config(self.config)
+
+    def random_ltd_initialize(self) -> None:
+        """Bind the model's random-LTD wrappers to `random_ltd_scheduler` (convert_to_random_ltd calls it)."""
+        bind_random_ltd(self)
 
     def get_pld_theta(self) -> float | None:
         return self.progressive_layer_drop.get_theta() if self.progressive_layer_drop is not None else None

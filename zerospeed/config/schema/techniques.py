@@ -2,18 +2,21 @@
 eigenvalue, MoQ (``quantize_training``) and ``weight_quantization`` (the compression library's
 ``compression_training`` has its own module, ``compression.py``).
 
-Blocks whose contents DeepSpeed passes through to a sub-library unchecked (curriculum metrics,
-random-LTD) are typed as free-form objects one level down; the level that DeepSpeed itself reads
-is strict.
+Blocks whose contents DeepSpeed passes through to a sub-library unchecked (curriculum metrics) are
+typed as free-form objects one level down; the level that DeepSpeed itself reads is strict.
+Random-LTD's block is typed in full (zerospeed builds it: ``runtime/data_pipeline/data_routing``).
 """
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Any
+
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from zerospeed.config.schema.base import (
-    Bool, Dict, Int, IntList, NonNegInt, OptInt, OptIntList, OptStr, PosInt, PosNum,
-    StrictModel, Str, choice_type, ds_field, ds_section, float_type,
+    ERROR_KIND, Bool, Dict, Int, IntList, NonNegInt, OptInt, OptIntList, OptNonNegInt, OptPosInt, OptStr, PosInt,
+    PosNum, StrictModel, Str, choice_type, ds_field, ds_section, float_type,
 )
 
 
@@ -67,15 +70,102 @@ class DataSamplingConfig(StrictModel):
     curriculum_learning: CurriculumSamplingConfig = ds_section(CurriculumSamplingConfig, "Curriculum sampling.")
 
 
+def _needed(meaning: str) -> Any:
+    """A key DeepSpeed reads without a default once random-LTD is on (a KeyError there)."""
+    return Field(None, description=f"{meaning} Default null; set it when random_ltd.enabled is true (DeepSpeed "
+                                   "has no default).")
+
+
+class RandomLTDLinearConfig(StrictModel):
+    """``data_efficiency.data_routing.random_ltd.random_ltd_schedule.schedule_config``: the fixed_linear ramp."""
+
+    require_steps: OptPosInt = _needed("Steps from min_value to max_value.")
+    seq_per_step: OptPosInt = _needed("Reserved lengths are rounded down to a multiple of this.")
+
+
+class RandomLTDScheduleConfig(StrictModel):
+    """``data_efficiency.data_routing.random_ltd.random_ltd_schedule``: the reserved (kept) sequence length."""
+
+    min_value: OptPosInt = _needed("Tokens each random-LTD layer keeps at step 0.")
+    max_value: OptPosInt = _needed("Tokens kept at the end of the ramp (usually the full sequence length).")
+    schedule_type: choice_type("fixed_linear", nullable=True) = _needed("The ramp; DeepSpeed has only fixed_linear.")
+    schedule_config: RandomLTDLinearConfig = ds_section(RandomLTDLinearConfig, "The ramp's parameters.")
+
+
+class LayerTokenLRScheduleConfig(StrictModel):
+    """``data_efficiency.data_routing.random_ltd.layer_token_lr_schedule`` (DeepSpeed raises
+    NotImplementedError when it is enabled)."""
+
+    enabled: Bool = ds_field(False, "Schedule the learning rate by consumed layer-tokens.")
+    total_layer_tokens: OptPosInt = ds_field(None, "Layer-tokens of the whole run.")
+    warmup_type: OptStr = ds_field(None, "Warm-up shape.")
+    warmup_layer_tokens: OptNonNegInt = ds_field(None, "Layer-tokens of the warm-up.")
+
+
+_RANDOM_LTD_NEEDS = ("total_layer_num", "random_ltd_layer_num", "random_ltd_layer_id", "model_type",
+                     "hidden_state_order", "random_ltd_schedule.min_value", "random_ltd_schedule.max_value",
+                     "random_ltd_schedule.schedule_type", "random_ltd_schedule.schedule_config.require_steps",
+                     "random_ltd_schedule.schedule_config.seq_per_step")
+
+
+class RandomLTDConfig(StrictModel):
+    """``data_efficiency.data_routing.random_ltd``: random layerwise token dropping (arXiv 2211.11586),
+    switched on by its own ``enabled`` as in DeepSpeed."""
+
+    enabled: Bool = ds_field(False, "Enable random-LTD.")
+    total_layer_num: OptPosInt = _needed("Layers of the model (for the consumed layer-token count).")
+    random_ltd_layer_num: OptPosInt = _needed("Layers that drop tokens (the length of random_ltd_layer_id).")
+    random_ltd_layer_id: OptIntList = _needed("Indices of the layers that drop tokens, as in their module names.")
+    model_mask_name: OptStr = ds_field(None, "Keyword under which the layers get the attention mask (null: none).")
+    model_type: choice_type("decoder", "encoder", nullable=True) = _needed(
+        "decoder: the kept tokens get the mask's leading block; encoder: the mask's rows and columns of the kept "
+        "tokens.")
+    hidden_state_order: choice_type("batch_seq_dim", "seq_batch_dim", nullable=True) = _needed(
+        "Layout of the hidden states: [batch, seq, hidden] or [seq, batch, hidden].")
+    micro_batch_size: OptPosInt = ds_field(None, "Set by the engine to train_micro_batch_size_per_gpu.")
+    global_batch_size: OptPosInt = ds_field(None, "Set by the engine to train_batch_size.")
+    random_ltd_schedule: RandomLTDScheduleConfig = ds_section(RandomLTDScheduleConfig, "Reserved-length ramp.")
+    layer_token_lr_schedule: LayerTokenLRScheduleConfig = ds_section(LayerTokenLRScheduleConfig,
+                                                                     "Layer-token learning-rate schedule.")
+
+    @model_validator(mode="after")
+    def _complete_when_enabled(self) -> "RandomLTDConfig":
+        if not self.enabled:
+            return self
+        missing = [key for key in _RANDOM_LTD_NEEDS if _lookup(self, key) is None]
+        if missing:
+            raise PydanticCustomError(ERROR_KIND, "enabled is true but {keys} {verb} not set (DeepSpeed has no "
+                                      "defaults for them)", {"keys": ", ".join(missing),
+                                                             "verb": "is" if len(missing) == 1 else "are"})
+        schedule, ids = self.random_ltd_schedule, self.random_ltd_layer_id
+        problems = [f"random_ltd_layer_num ({self.random_ltd_layer_num}) must equal the length of "
+                    f"random_ltd_layer_id ({len(ids)})" if len(ids) != self.random_ltd_layer_num else "",
+                    f"random_ltd_layer_num ({self.random_ltd_layer_num}) must be at most total_layer_num "
+                    f"({self.total_layer_num})" if self.random_ltd_layer_num > self.total_layer_num else "",
+                    "random_ltd_layer_id must list distinct non-negative layer indices"
+                    if len(set(ids)) != len(ids) or min(ids) < 0 else "",
+                    f"random_ltd_schedule.min_value ({schedule.min_value}) must be at most max_value "
+                    f"({schedule.max_value})" if schedule.min_value > schedule.max_value else ""]
+        if any(problems):
+            raise PydanticCustomError(ERROR_KIND, "{text}", {"text": "; ".join(p for p in problems if p)})
+        return self
+
+
+def _lookup(model, dotted: str):
+    for part in dotted.split("."):
+        model = getattr(model, part)
+    return model
+
+
 class DataRoutingConfig(StrictModel):
     """``data_efficiency.data_routing``."""
 
-    enabled: Bool = ds_field(False, "Enable data routing techniques.")
-    random_ltd: Dict = Field(default_factory=dict, description="Random-LTD settings. Default {}.")
+    enabled: Bool = ds_field(False, "Enable data routing techniques (DeepSpeed reads random_ltd.enabled only).")
+    random_ltd: RandomLTDConfig = ds_section(RandomLTDConfig, "Random-LTD.")
 
 
 class DataEfficiencyConfig(StrictModel):
-    """``data_efficiency``: the data efficiency library (curriculum sampling, random-LTD)."""
+    """``data_efficiency``: the data efficiency library (curriculum sampling: not built; random-LTD)."""
 
     enabled: Bool = ds_field(False, "Enable data efficiency.")
     seed: Int = ds_field(1234, "Random seed for data sampling.")

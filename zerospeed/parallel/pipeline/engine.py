@@ -93,6 +93,9 @@ class PipelineEngine(EngineCore):
         if self.progressive_layer_drop is not None:  # (DeepSpeed's pipeline engine never updates it either)
             raise ConfigError("progressive_layer_drop.enabled=true with a PipelineModule: the pipeline engine runs "
                               "its stages itself and passes no pld_theta to them; use the plain engine or turn it off")
+        if self.random_ltd_scheduler is not None:  # (DeepSpeed's pipeline stages never bind random-LTD layers)
+            raise ConfigError("data_efficiency.data_routing.random_ltd.enabled=true with a PipelineModule: the "
+                              "pipeline engine does not drive random-LTD layers; use the plain engine or turn it off")
         if self.curriculum_scheduler_legacy is not None and self.global_rank == 0:
             logger.warning("pipeline engine: curriculum_learning is not passed to the stages (Note [forward "
                            "schedules]); read engine.curriculum_scheduler_legacy in the training loop, as "
