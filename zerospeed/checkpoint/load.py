@@ -229,6 +229,8 @@ def _restore_training_state(engine, states: dict, reads: _ReadList, with_optimiz
     engine.micro_steps = int(states["micro_steps"]) if same_gas else engine.global_steps * gas
     if engine.training_dataloader is not None and states.get("data_sampler") is not None:
         engine.training_dataloader.load_state_dict(states["data_sampler"])
+    if engine.random_ltd_scheduler is not None and states.get("random_ltd") is not None:
+        engine.random_ltd_scheduler.load_state_dict(states["random_ltd"])
     if reads.rng_file is not None:
         rng = torch.load(reads.tag_dir / reads.rng_file, map_location="cpu", mmap=True, weights_only=True)["rng"]
         restore_rng_state(rng)

@@ -44,7 +44,7 @@ RESERVED_KEYS = frozenset({
     "module", "buffer_names", "param_shapes", "frozen_param_shapes", "shared_params", "optimizer_type",
     "optimizer_param_groups", "lr_scheduler", "loss_scaler", "data_sampler", "global_steps", "global_samples",
     "skipped_steps", "micro_steps", "gradient_accumulation_steps", "dp_world_size", "mp_world_size",
-    "zero_stage", "ds_config", "ds_version"})
+    "zero_stage", "ds_config", "ds_version", "random_ltd"})
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:
@@ -188,6 +188,7 @@ def _model_states(engine, client_state: dict, exclude_frozen: bool, spans=(),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "data_sampler": engine.training_dataloader.state_dict() if engine.training_dataloader is not None else None,
+        "random_ltd": engine.random_ltd_scheduler.state_dict() if engine.random_ltd_scheduler is not None else None,
         "global_steps": engine.global_steps, "global_samples": engine.global_samples,
         "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
         "gradient_accumulation_steps": engine.gradient_accumulation_steps(),

@@ -301,12 +301,16 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
                           exclude_frozen_parameters: bool = False) -> dict:
         """DeepSpeed's: the module's own `state_dict` (at stage 3 its weights are this rank's empty
         placeholders, as in DeepSpeed; `_zero3_consolidated_16bit_state_dict` gathers them), without
-        frozen parameters when `exclude_frozen_parameters`."""
+        frozen parameters when `exclude_frozen_parameters`, and under the plain model's names when
+        random-LTD wraps layers."""
         sd = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         if exclude_frozen_parameters:
             for name, p in self.module.named_parameters():
                 if not p.requires_grad:
                     sd.pop(prefix + name, None)
+        if self.random_ltd_scheduler is not None:  # the plain model's names, as DeepSpeed gives them
+            from zerospeed.runtime.data_pipeline.data_routing.helper import remove_random_ltd_state_dict
+            sd = remove_random_ltd_state_dict(sd)
         return sd
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
