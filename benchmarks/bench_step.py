@@ -95,6 +95,9 @@ def parse_args() -> argparse.Namespace:
                    help="run every variant this many times, alternating the order; steps are pooled")
     p.add_argument("--nvme-path", type=Path, default=None,
                    help="directory for the *_nvme variants' swap files (default: the run's scratch directory)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each model: engine.compile() for zerospeed / DeepSpeed, model.compile() "
+                        "for DDP / FSDP2 (compilation happens in the warm-up steps, which are not timed)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per variant")
     p.add_argument("--plot", type=Path, default=None, help="also write a bar chart of the step times (PNG)")
     p.add_argument("--out", type=Path, default=None, help="append the table and machine description here")
@@ -123,7 +126,7 @@ def launch(variant: str, args: argparse.Namespace, workdir: Path, threads: int) 
         k: getattr(args, k) for k in ("steps", "warmup", "model_size", "seq_len", "micro_batch",
                                       "grad_accum", "seed", "corpus_bytes", "reduce_bucket_size",
                                       "allgather_bucket_size", "overlap_comm", "param_persistence_threshold",
-                                      "max_live_parameters")}
+                                      "max_live_parameters", "compile")}
     spec["prefetch_bucket_size"] = 0 if kind.endswith("_noprefetch") else args.prefetch_bucket_size
     spec["offload"] = kind.split("_", 1)[1] if kind[2:] in OFFLOAD else "none"
     spec["nvme_path"] = str(args.nvme_path or workdir)

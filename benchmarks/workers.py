@@ -145,6 +145,8 @@ def run_engine(spec: dict, rank: int, world: int, lib) -> dict:
     sizes = param_sizes(model)  # before the engine: at stage 3 it leaves the parameters empty
     engine, *_ = lib.initialize(model=model, model_parameters=model.parameters(),
                                 config=ds_config(spec, torch_adam=use_torch_adam))
+    if spec.get("compile"):
+        engine.compile()
     device = engine.device
 
     def micro_step(x, y, boundary):
@@ -203,6 +205,8 @@ def run_ddp(spec: dict, rank: int, world: int, zero: bool) -> dict:
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     model = DDP(build_model(spec).to(device), device_ids=[device.index] if cuda else None)
+    if spec.get("compile"):
+        model.compile()
     hparams = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     if zero:
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **hparams)
@@ -265,6 +269,8 @@ def run_fsdp2(spec: dict, rank: int, world: int, prefetch: bool) -> dict:
     sizes = param_sizes(model)
     sharded = [fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh) for unit in shard_units(model)]
     fully_shard(model, mesh=mesh)
+    if spec.get("compile"):
+        model.compile()
     if not prefetch:
         for unit in sharded:
             for m in unit if isinstance(unit, list) else [unit]:
