@@ -278,6 +278,13 @@ class ConfigAccessors:
     def curriculum_learning_config(self) -> dict:
         return self.config.data_efficiency.data_sampling.curriculum_learning.model_dump()
 
+    def random_ltd_enabled(self) -> bool:
+        return self.random_ltd_scheduler is not None
+
+    def random_ltd_config(self) -> dict:
+        from zerospeed.runtime.forward_schedules import random_ltd_config
+        return random_ltd_config(self.config)
+
     def curriculum_learning_enabled(self) -> bool:
         return bool(self.config.data_efficiency.data_sampling.curriculum_learning.enabled)
 

@@ -22,8 +22,7 @@ from zerospeed.precision.loss_scaler import loss_scaler_from_config
 from zerospeed.precision.policy import PrecisionPolicy
 from zerospeed.profiling.observer import EngineObserver
 from zerospeed.runtime.config_accessors import ConfigAccessors
-from zerospeed.runtime.forward_schedules import (bind_random_ltd, build_forward_schedules, build_random_ltd_scheduler,
-                                                 random_ltd_config)
+from zerospeed.runtime.forward_schedules import bind_random_ltd, build_forward_schedules, build_random_ltd_scheduler
 from zerospeed.utils.logging import get_logger
 from zerospeed.zero import build_strategy, full_numel, reduction_groups
 from zerospeed.zero.grad_math import clip_coefficient
@@ -154,12 +153,6 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
     def curriculum_params_legacy(self) -> dict:
         return self.config.curriculum_learning.model_dump()
 
-    def random_ltd_enabled(self) -> bool:
-        return self.random_ltd_scheduler is not None
-
-    def random_ltd_config(self) -> dict:
-        return random_ltd_config(self.config)
-
     def random_ltd_initialize(self) -> None:
         """Bind the model's random-LTD wrappers to `random_ltd_scheduler` (convert_to_random_ltd calls it)."""
         bind_random_ltd(self)
@@ -287,9 +280,7 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
         """DeepSpeed's: free what stage 3 keeps of gathered weights between uses. zerospeed releases every
         non-persistent unit when its forward (or a micro-step) ends, so there is no such cache; this
         releases any unit still gathered and returns the allocator's cached blocks to the device."""
-        release = getattr(self.zero, "release_gathered", None)
-        if release is not None:
-            release()
+        self.zero.release_gathered()
         gc.collect()
         self.accelerator.empty_cache()
 
