@@ -36,6 +36,12 @@ CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
           "zero_optimization": {"stage": 1, "reduce_bucket_size": 100000}}
 
 
+def say(msg):
+    # one write(2) per line: a kill between print's text and its newline would glue the zygote's next
+    # line onto this one (lines under PIPE_BUF reach the pipe whole or not at all)
+    os.write(1, (json.dumps(msg) + "\n").encode())
+
+
 def saver(ckpt):
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -44,8 +50,7 @@ def saver(ckpt):
     _, client = engine.load_checkpoint(ckpt)
     i = client["i"] + 1 if client else 0
     total = sum(float(p.detach().double().sum()) for p in engine.module.parameters())
-    print(json.dumps({"loaded": client["i"] if client else None, "steps": engine.global_steps, "sum": total}),
-          flush=True)
+    say({"loaded": client["i"] if client else None, "steps": engine.global_steps, "sum": total})
     gen = torch.Generator().manual_seed(i)
     while True:
         engine.backward(engine(torch.randn(4, 16, generator=gen), torch.randn(4, 8, generator=gen)))
@@ -53,7 +58,7 @@ def saver(ckpt):
         total = sum(float(p.detach().double().sum()) for p in engine.module.parameters())
         # reuse three tags, so re-saving an existing tag (the directory swap) is killed too
         engine.save_checkpoint(ckpt, tag=f"t{i % 3}", client_state={"i": i, "sum": total})
-        print(json.dumps({"saved": i}), flush=True)
+        say({"saved": i})
         i += 1
 
 
