@@ -1,6 +1,6 @@
 """Inference on this machine: tokens/s and per-token latency of generation, memory per rank, for plain
 transformers `generate`, `zerospeed.init_inference` at tp = 1 and 2, the paged-KV-cache server and
-ZeRO-Inference (stage 3, parameters offloaded to CPU).
+ZeRO-Inference (stage 3, parameters offloaded to CPU or to NVMe swap files).
 
     python benchmarks/inference.py [--layers 4 --width 256 --heads 8 --kv-heads 4 --vocab 8192
                                     --prompt 128 --new 128 --batches 1 8 --repeats 2]
@@ -16,7 +16,8 @@ greedy decoding, KV cache on everywhere, prompts of `--prompt` random tokens (no
 - ZeRO-Inference: the model's parameters live in CPU memory, sharded (over one rank here), and every
   module is gathered for each forward (persistence threshold 0): per-token time vs the time to copy the
   stored parameter bytes once on this machine (a plain tensor copy of that size) — the ratio the issue
-  asks for. int8 / int4: every linear layer's shard stored block-quantized (group 64, asymmetric), so
+  asks for. nvme: the shards in swap files under `--nvme-path`, read with O_DIRECT for every token; its
+  "read once" is one O_DIRECT read of those files with the engine's own reader. int8 / int4: every linear layer's shard stored block-quantized (group 64, asymmetric), so
   fewer bytes to read and a dequantization per gather (Note [quantized ZeRO-Inference shards]).
 - paged server: all requests added at once; per-token ms = mean step time after the first step.
 - the last table times transformers `generate` and `init_inference` at tp = 1 alternately in one process
@@ -81,12 +82,13 @@ def _plain(args, batch):
     return {**res, "rss": _peak_rss_mib()}
 
 
-def _engine(args, batch, tp, zero, bits=None, leaves=False):
+def _engine(args, batch, tp, zero, bits=None, leaves=False, nvme=False):
     import zerospeed
     _threads(tp)
     config = {"dtype": torch.float32, "tensor_parallel": {"tp_size": tp}}
     if zero:
-        config["zero"] = {"stage": 3, "offload_param": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}
+        offload = {"device": "nvme", "nvme_path": args.nvme_path} if nvme else {"device": "cpu"}
+        config["zero"] = {"stage": 3, "offload_param": offload, "stage3_param_persistence_threshold": 0}
     if leaves:  # Note [leaf modules]: each decoder layer one unit, gathered by one hook and one collective
         config["zero"]["leaf_module"] = {"classes": ["LlamaDecoderLayer"]}
     if bits:  # Note [quantized ZeRO-Inference shards]: every linear layer's stored shard
@@ -100,7 +102,12 @@ def _engine(args, batch, tp, zero, bits=None, leaves=False):
                           _prompts(args, batch), args)
     res["rss"] = _peak_rss_mib()
     res["param_mib"] = model_bytes / 2**20
-    if zero:  # Note: the time to move the model's bytes once, by a plain copy of that many bytes
+    if nvme:  # one O_DIRECT read of the swap files with the engine's own reader
+        from workers import nvme_read_once_ms
+        files = engine.zero_engine.swap_files()
+        res["read_model_ms"] = nvme_read_once_ms(files)
+        res["param_mib"] = sum(nbytes for _, _, nbytes in files) / 2**20  # on the disk, not in memory
+    elif zero:  # Note: the time to move the model's bytes once, by a plain copy of that many bytes
         src = torch.empty(model_bytes // 4)
         dst = torch.empty_like(src)
         res["read_model_ms"] = 1e3 * statistics.median(_time(lambda: dst.copy_(src)) for _ in range(5))
@@ -164,8 +171,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--only", nargs="*", default=[],
                         help="run only the variants whose names contain one of these (transformers always runs)")
+    parser.add_argument("--nvme-path", default="/tmp/zerospeed_nvme_inference",
+                        help="swap files of the offload_param nvme variant (a disk that supports O_DIRECT)")
     parser.add_argument("--no-interleaved", action="store_true", help="skip the same-process comparison")
     args = parser.parse_args()
+    os.makedirs(args.nvme_path, exist_ok=True)
     from zerospeed.testing import run_distributed
 
     rows, interleaved = [], []
@@ -180,6 +190,8 @@ def main() -> None:
                                                                              timeout=3600),
                 "ZeRO-Inference, leaf decoder layers, offload_param cpu": lambda: run_distributed(
                     _engine, 1, args, batch, 1, True, None, True, timeout=3600),
+                "ZeRO-Inference, offload_param nvme": lambda: run_distributed(
+                    _engine, 1, args, batch, 1, True, None, False, True, timeout=3600),
                 "ZeRO-Inference int8, offload_param cpu": lambda: run_distributed(_engine, 1, args, batch, 1, True, 8,
                                                                                   timeout=3600),
                 "ZeRO-Inference int4, offload_param cpu": lambda: run_distributed(_engine, 1, args, batch, 1, True, 4,
@@ -208,6 +220,8 @@ def main() -> None:
     for batch, name, r, ratio, rss, note in rows:
         print(f"| {batch} | {name} | {r['first']:.3f} | {r['total']:.3f} | {r['tok_s']:.1f} | {ratio:.2f} | "
               f"{r['per_token_ms']:.2f} | {rss:.0f} | {note} |")
+    if args.no_interleaved:
+        return
     print("\nSame process, alternating runs (tp = 1):\n")
     print("| batch | transformers generate s | init_inference generate s | zerospeed tokens/s vs transformers |")
     print("|---|---|---|---|")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -307,6 +308,27 @@ def main() -> None:
         raise ValueError(f"unknown variant {variant!r}")
     out = Path(spec["out_dir"]) / f"{spec['variant']}.rank{rank}.json"
     out.write_text(json.dumps(result | {"rank": rank, "threads": torch.get_num_threads()}))
+
+
+def nvme_read_once_ms(files: list) -> float:
+    """Median time to read the swap files once with O_DIRECT (the engine's own reader, 1 MiB blocks,
+    queue depth 8) into pinned memory: the floor for a token whose weights all come from the disk."""
+    from zerospeed.offload.aio import AsyncIO, aligned_empty
+    total = sum(nbytes for _, _, nbytes in files)
+    buf = aligned_empty(total, torch.uint8, pin=torch.cuda.is_available())
+    times = []
+    with AsyncIO() as aio:
+        for _ in range(3):
+            start = time.perf_counter()
+            offset = 0
+            reqs = []
+            for _, path, nbytes in files:
+                reqs.append(aio.read(buf[offset:offset + nbytes], path))
+                offset += nbytes
+            for r in reqs:
+                r.wait()
+            times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
 
 
 if __name__ == "__main__":

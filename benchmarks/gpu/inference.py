@@ -32,6 +32,9 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from workers import nvme_read_once_ms  # noqa: E402  (benchmarks/workers.py)
+
 
 def _model(args, device):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -105,27 +108,6 @@ def read_once_ms(nbytes: int, pinned: bool = True) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times[1:])
-
-
-def nvme_read_once_ms(files: list) -> float:
-    """Median time to read the swap files once with O_DIRECT (the engine's own reader, 1 MiB blocks,
-    queue depth 8) into pinned memory: the floor for a token whose weights all come from the disk."""
-    from zerospeed.offload.aio import AsyncIO, aligned_empty
-    total = sum(nbytes for _, _, nbytes in files)
-    buf = aligned_empty(total, torch.uint8, pin=torch.cuda.is_available())
-    times = []
-    with AsyncIO() as aio:
-        for _ in range(3):
-            start = time.perf_counter()
-            offset = 0
-            reqs = []
-            for _, path, nbytes in files:
-                reqs.append(aio.read(buf[offset:offset + nbytes], path))
-                offset += nbytes
-            for r in reqs:
-                r.wait()
-            times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def _zero_engine(args, base, variant: str, device):
