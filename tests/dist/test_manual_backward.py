@@ -58,14 +58,20 @@ def _runs(stages):
     return {stage: _train(stage) for stage in stages}
 
 
-@pytest.mark.timeout(240)
-def test_scale_then_manual_backward_trains_like_plain_pytorch():
-    stages = (0, 2, 3)
-    results = run_distributed(_runs, WORLD, stages, timeout=200)
+def reference():
+    """One plain process over the same global batches: (the trained model, its loss per step)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
     ref = reference_train(model, torch.optim.AdamW(model.parameters(), **ADAMW), _batches(), world_size=WORLD,
                           grad_accum=GAS, loss_fn=lambda m, ids: m(ids, ids))
+    return model, ref
+
+
+@pytest.mark.timeout(240)
+def test_scale_then_manual_backward_trains_like_plain_pytorch():
+    stages = (0, 2, 3)
+    results = run_distributed(_runs, WORLD, stages, timeout=200)
+    model, ref = reference()
     for stage in stages:
         got = [r[stage] for r in results]
         mean = [sum(g["losses"][i] for g in got) / WORLD for i in range(STEPS)]

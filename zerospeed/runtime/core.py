@@ -193,6 +193,7 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
 
     def take_model_step(self, lr_kwargs: dict | None = None) -> None:
         """Reduce, unscale, check overflow, clip, step, schedule, update the loss scale, zero gradients."""
+        self._check_states_resident("engine.step")
         if self.optimizer is None:
             raise RuntimeError("engine.step(): no optimizer — give initialize() an optimizer or an "
                                "`optimizer` section in the config")
@@ -265,6 +266,7 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
     # -- checkpoints (zerospeed.checkpoint does the work) ----------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False):
+        self._check_states_resident("engine.save_checkpoint")
         return checkpoint.save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
                                exclude_frozen_parameters=exclude_frozen_parameters)
 
@@ -272,6 +274,7 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
         """Restore a checkpoint (any world size, ZeRO stage 0-3); returns (load_path, client_state)."""
+        self._check_states_resident("engine.load_checkpoint")
         return checkpoint.load_checkpoint(self, load_dir, tag=tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
@@ -283,6 +286,56 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
         self.zero.release_gathered()
         gc.collect()
         self.accelerator.empty_cache()
+
+    # -- offload_states / reload_states (Note [offloaded states] in runtime/zero/offload_states.py) --------
+    @property
+    def state_offloader(self):
+        if getattr(self, "_state_offloader", None) is None:
+            from zerospeed.runtime.zero.offload_states import StateOffloader
+            self._state_offloader = StateOffloader()
+        return self._state_offloader
+
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
+        """DeepSpeed's: move this rank's training states (`include`: OffloadStateTypeEnum kinds; all by
+        default) to host memory until `reload_states()`, freeing their device memory. States already on
+        the host (an offloaded optimizer's masters and moments) are left out, as in DeepSpeed."""
+        from zerospeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+        from zerospeed.runtime.zero.offload_states import ALL_STATES, state_tensors
+        device = OffloadDeviceEnum(device.value if isinstance(device, OffloadDeviceEnum) else device)
+        if self.zero_offload_param() is not None and self.zero_offload_param().device != "none":
+            raise ValueError("engine.offload_states: the parameters are already offloaded "
+                             "(zero_optimization.offload_param); moving states is for engines that keep them "
+                             "on the device")
+        if self.optimizer is None:
+            raise ValueError("engine.offload_states needs an optimizer: an engine without one has no training "
+                             "states to move")
+        if device is OffloadDeviceEnum.nvme:
+            raise ValueError("engine.offload_states: device='nvme' is not supported (DeepSpeed's neither); "
+                             "use device='cpu'")
+        if device is OffloadDeviceEnum.none:
+            logger.warning("engine.offload_states: device 'none' given, nothing offloaded")
+            return
+        kinds = [OffloadStateTypeEnum(k) for k in (ALL_STATES if include is None else include)]
+        if self.zero_use_cpu_optimizer():  # already on the host
+            skip = {OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.optim_states}
+            if self.zero_optimization_partition_weights():
+                skip.add(OffloadStateTypeEnum.lp_grads)
+            kinds = [k for k in kinds if k not in skip]
+        self.empty_partition_cache()
+        self.state_offloader.offload(state_tensors(self), kinds, "cpu", pin_memory, non_blocking)
+        gc.collect()
+        self.accelerator.empty_cache()
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """DeepSpeed's: bring back what `offload_states` moved, onto the devices it came from."""
+        self.state_offloader.reload(non_blocking)
+
+    def _check_states_resident(self, what: str) -> None:
+        offloader = getattr(self, "_state_offloader", None)
+        if offloader is not None and offloader.active:
+            names = ", ".join(sorted(k.value for k in offloader.kinds))
+            raise RuntimeError(f"{what}: the engine's states ({names}) are offloaded by engine.offload_states(); "
+                               "call engine.reload_states() first")
 
     def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin"):
         """DeepSpeed's older name of `save_16bit_model`."""

@@ -85,6 +85,7 @@ class Engine(EngineCore):
 
     # -- the training step -------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
+        self._check_states_resident("engine forward")
         self.zero.start_micro_step()
         self.observer.on_forward_start(self, *inputs)
         kwargs.update(forward_kwargs(self))  # Note [forward schedules]: curriculum seqlen, layer-drop theta
@@ -122,6 +123,7 @@ class Engine(EngineCore):
         if not loss.requires_grad:
             raise RuntimeError(f"{caller}: the loss does not require grad (was it computed under "
                                "torch.no_grad() or engine.eval()?)")
+        self._check_states_resident(caller)
         scaled = self.scale_loss(loss, scale_wrt_gas)
         self.zero.begin_backward(sync=self.is_gradient_accumulation_boundary() and not self._inside_no_sync
                                  and self.enable_backward_allreduce)
@@ -137,6 +139,7 @@ class Engine(EngineCore):
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """At an accumulation boundary: reduce, unscale, check overflow, clip, step; else count."""
+        self._check_states_resident("engine.step")
         self.observer.on_step_start(self)
         if self.is_gradient_accumulation_boundary():
             if self.progressive_layer_drop is not None:  # Note [forward schedules]

@@ -261,6 +261,13 @@ class ShardedStrategy(ShardedOptimizerBase):
         return full_module_state(self.module, dtype)
 
     # -- introspection -----------------------------------------------------------------------------
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Note [offloaded states] (runtime/zero/offload_states.py): this rank's tensors of each kind."""
+        return {"hp_params": [m for fg in self.flat for m in fg.masters],
+                "lp_params": [b for fg in self.flat for b in fg.param_buffers],
+                "lp_grads": [t for u in self.units for t in (u.accum, u.result) if t is not None],
+                "contiguous_grad_buffer": [u.staging for u in self.units if u.staging is not None]}
+
     def memory_breakdown(self, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
         params = sum(b.nbytes for fg in self.flat for b in fg.param_buffers)
         grads = sum((u.accum if u.accum is not None else u.result).nbytes for u in self.units)

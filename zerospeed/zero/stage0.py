@@ -143,6 +143,12 @@ class DataParallelStrategy(ReducingStrategy):
     def close(self) -> None:
         pass
 
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Note [offloaded states] (runtime/zero/offload_states.py): this rank's tensors of each kind."""
+        return {"hp_params": list(self.master.masters), "lp_params": list(self.master.model_params),
+                "lp_grads": [u.accum for u in self.units],
+                "contiguous_grad_buffer": [u.staging for u in self.units if u.staging is not None]}
+
     def memory_breakdown(self, optimizer) -> dict[str, int]:
         params = sum(p.nbytes for p in self.master.model_params)
         masters = sum(m.nbytes for m in self.master.masters) if self.master.mixed else 0

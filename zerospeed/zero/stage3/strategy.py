@@ -544,6 +544,15 @@ class Stage3Strategy(ShardedOptimizerBase):
             out.setdefault(n, out[names[id(p)]])
         return out
 
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Note [offloaded states] (runtime/zero/offload_states.py): this rank's tensors of each kind; the
+        16-bit weights are the shards plus what persistent units keep gathered (and hpZ's copies)."""
+        lp = [t for fp in self.flat for t in (fp.shard, fp.full if fp.persistent else None, fp.secondary)
+              if t is not None]
+        return {"hp_params": [fp.master for fp in self.trained], "lp_params": lp,
+                "lp_grads": [fp.grad_shard for fp in self.trained],
+                "contiguous_grad_buffer": [u.staging for u in self.units if u.staging is not None]}
+
     def memory_breakdown(self, optimizer) -> dict[str, int]:
         params = sum((fp.shard.nbytes if fp.shard is not None else 0) + (fp.full.nbytes if fp.full is not None else 0)
                      + (fp.secondary.nbytes if fp.secondary is not None else 0) for fp in self.flat)
