@@ -162,6 +162,34 @@ def offload_ranks(stage: int, opt: dict | None, param: dict | None, steps: int =
 
 # -- zero.Init ---------------------------------------------------------------------------------------
 
+def offload_states_ranks(stages: list[int]) -> dict:
+    """engine.offload_states() after training (fp32, one rank): device memory before, offloaded and
+    reloaded (torch.cuda's own count), the host copies' pinning, and the weights after the round trip;
+    rank 0 adds the plain PyTorch reference."""
+    from zerospeed.runtime.zero.offload_config import OffloadStateTypeEnum
+    from zerospeed.runtime.zero.offload_states import get_state_devices
+    exact_fp32()
+    out = {}
+    for stage in stages:
+        engine, _ = train(zp.zero_config(stage))
+        numel = sum(p.numel() for p in zp.build_model().parameters() if p.requires_grad)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        engine.offload_states(non_blocking=True)
+        torch.cuda.synchronize()
+        after = torch.cuda.memory_allocated()
+        devices = {k.value: sorted(str(d) for d in get_state_devices(engine, k)) for k in OffloadStateTypeEnum}
+        pinned = [b.is_pinned() for _, b, _ in engine.state_offloader.held.values() if b is not None]
+        engine.reload_states(non_blocking=True)
+        torch.cuda.synchronize()
+        out[stage] = {"before": before, "after": after, "reloaded": torch.cuda.memory_allocated(), "numel": numel,
+                      "devices": devices, "pinned": pinned, "state": final_state(engine)}
+        engine.destroy()
+    if comm.get_rank() == 0:
+        out["reference"] = reference(comm.get_world_size())
+    return _cpu(out)
+
+
 def zero_init_ranks() -> dict:
     """zero.Init of a CPU-built model: where the shards live, exactness, the modifier broadcast, training."""
     from test_zero3_api import BIG, CFG3
