@@ -47,8 +47,6 @@ TRIGGERS: dict[str, tuple[dict, str]] = {
     "zero_optimization.zenflow": ({"zero_optimization": {"zenflow": {}}}, "zero_optimization.zenflow={...}: ZenFlow"),
     "dump_state": ({"dump_state": True}, "dump_state=true"),
     "amp.enabled": ({"amp": {"enabled": True}}, "amp.enabled=true: apex AMP"),
-    "torch_autocast.enabled": ({"torch_autocast": {"enabled": True}}, "torch_autocast.enabled=true"),
-    "fp16.auto_cast": ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast=true"),
     "fp16.fp16_master_weights_and_grads": ({"fp16": {"fp16_master_weights_and_grads": True}},
                                            "fp16.fp16_master_weights_and_grads=true"),
     "bf16.bf16_master_weights_and_grads": ({"bf16": {"bf16_master_weights_and_grads": True}},

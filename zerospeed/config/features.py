@@ -57,8 +57,6 @@ ROWS: list[Row] = [
     _switch("zero_optimization.mics_hierarchical_params_gather", "MiCS hierarchical gather"),
     _switch("dump_state", "dumping the engine state"),
     _switch("amp.enabled", "apex AMP"),
-    _switch("torch_autocast.enabled", "torch_autocast"),
-    _switch("fp16.auto_cast", "fp16 input auto-casting"),
     _switch("fp16.fp16_master_weights_and_grads", "fp16 master weights and gradients"),
     _switch("bf16.bf16_master_weights_and_grads", "bf16 master weights and gradients"),
     _switch("bf16.bf16_optimizer_states", "bf16 optimizer states"),

@@ -12,6 +12,8 @@ class PrecisionPolicy:
 
     param_dtype: torch.dtype = torch.float32
     grad_accum_dtype: torch.dtype = torch.float32
+    autocast_dtype: torch.dtype | None = None
+    """`torch_autocast`: fp32 parameters, the forward under torch.autocast in this dtype."""
 
     @property
     def mixed(self) -> bool:
@@ -20,7 +22,7 @@ class PrecisionPolicy:
 
     @property
     def needs_loss_scaling(self) -> bool:
-        return self.param_dtype == torch.float16
+        return torch.float16 in (self.param_dtype, self.autocast_dtype)
 
     @classmethod
     def from_config(cls, cfg) -> "PrecisionPolicy":
@@ -28,4 +30,6 @@ class PrecisionPolicy:
             return cls(param_dtype=torch.float16)
         if cfg.bf16_enabled:
             return cls(param_dtype=torch.bfloat16)
+        if cfg.torch_autocast.enabled:
+            return cls(autocast_dtype={"fp16": torch.float16, "bf16": torch.bfloat16}[cfg.torch_autocast.dtype])
         return cls()

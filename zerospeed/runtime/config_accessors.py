@@ -160,8 +160,8 @@ class ConfigAccessors:
     def torch_autocast_enabled(self) -> bool:
         return self.config.torch_autocast.enabled
 
-    def torch_autocast_dtype(self):
-        return self.config.torch_autocast.dtype
+    def torch_autocast_dtype(self) -> torch.dtype:
+        return _DTYPES[self.config.torch_autocast.dtype]
 
     def torch_autocast_lower_precision_safe_modules(self):
         return self.config.torch_autocast.lower_precision_safe_modules

@@ -23,6 +23,7 @@ from zerospeed.precision.policy import PrecisionPolicy
 from zerospeed.profiling.observer import EngineObserver
 from zerospeed.runtime.config_accessors import ConfigAccessors
 from zerospeed.runtime.forward_schedules import bind_random_ltd, build_forward_schedules, build_random_ltd_scheduler
+from zerospeed.runtime.torch_autocast import autocast_loss_scaler, check_autocast_settings
 from zerospeed.utils.logging import get_logger
 from zerospeed.zero import build_strategy, full_numel, reduction_groups
 from zerospeed.zero.grad_math import clip_coefficient
@@ -51,6 +52,7 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
         self.world_size = comm.get_world_size()
         self.dp_world_size = mesh.size("dp")
         self.device = self.accelerator.torch_device(self.local_rank)
+        check_autocast_settings(config, module)
         self.precision = PrecisionPolicy.from_config(config)
 
         self.module = module.to(self.device)
@@ -77,7 +79,8 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
         if getattr(self.zero, "plan", None) is not None and self.zero.plan.optimizer != "none":
             use_fused_cpu_step(self.optimizer)  # the offloaded step: torch's fused CPU Adam on flat shards
         self.lr_scheduler = scheduler_factory(self.optimizer)
-        self.loss_scaler = loss_scaler_from_config(config.fp16) if self.precision.needs_loss_scaling else None
+        self.loss_scaler = (None if not self.precision.needs_loss_scaling else autocast_loss_scaler()
+                            if self.precision.autocast_dtype is not None else loss_scaler_from_config(config.fp16))
         self.training_dataloader = training_dataloader
 
         self.global_steps = 0

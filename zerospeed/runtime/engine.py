@@ -12,8 +12,10 @@ import contextlib
 import torch
 
 from zerospeed.compression.scheduler import scheduler_for
+from zerospeed.precision.casting import cast_floating
 from zerospeed.runtime.core import EngineCore
 from zerospeed.runtime.forward_schedules import forward_kwargs
+from zerospeed.runtime.torch_autocast import autocast_if_enabled
 from zerospeed.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -88,8 +90,11 @@ class Engine(EngineCore):
         self._check_states_resident("engine forward")
         self.zero.start_micro_step()
         self.observer.on_forward_start(self, *inputs)
+        if self.config.fp16.auto_cast and self.fp16_enabled():  # DeepSpeed's: positional inputs only
+            inputs = cast_floating(inputs, torch.float16)
         kwargs.update(forward_kwargs(self))  # Note [forward schedules]: curriculum seqlen, layer-drop theta
-        out = self.module(*inputs, **kwargs)
+        with autocast_if_enabled(self):  # `torch_autocast` (runtime/torch_autocast.py)
+            out = self.module(*inputs, **kwargs)
         self.observer.on_forward_end(self)
         return out
 

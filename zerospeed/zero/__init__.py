@@ -12,6 +12,7 @@ import functools
 import torch
 
 from zerospeed.offload.plan import OffloadPlan
+from zerospeed.runtime.torch_autocast import param_comm_dtypes
 from zerospeed.zero.budgets import bounded_budgets
 from zerospeed.zero.grad_math import reduction_factors
 from zerospeed.zero.sharded import ShardedStrategy, Stage2Strategy
@@ -35,7 +36,8 @@ def build_strategy(cfg, groups: list[dict], reduction: list[ReductionGroup], *, 
     # the ranks that group reduces over)
     scaling = functools.partial(reduction_factors, op="sum" if cfg.gradient_allreduce_op == "sum" else "avg",
                                 prescale=cfg.prescale_gradients, predivide_factor=cfg.gradient_predivide_factor)
-    common = dict(comm_dtype=comm_dtype, scaling=scaling, norm_group=norm_group)
+    common = dict(comm_dtype=comm_dtype, scaling=scaling, norm_group=norm_group,
+                  param_comm_dtypes=param_comm_dtypes(module, cfg) or None)  # `torch_autocast`'s safe modules
     plan = OffloadPlan.from_config(cfg, device)  # also refuses offload keys the stage cannot honour
     zeropp = ZeroPPPolicy.from_config(zero, getattr(plan, "param", "none"))  # refuses ZeRO++ below stage 3
     # Note [buckets bounded by the model] (zero/budgets.py): DeepSpeed's sizes as upper bounds

@@ -21,13 +21,17 @@ def flatten_fp32(layout: FlatLayout, values: list[torch.Tensor], device: torch.d
 
 class FlatParamGroup:
     def __init__(self, params: list[torch.nn.Parameter], hparams: dict, *, bucket_size: int, world_size: int,
-                 rank: int, param_dtype: torch.dtype, device: torch.device, plan=None):
+                 rank: int, param_dtype: torch.dtype, device: torch.device, plan=None,
+                 comm_dtypes: dict[int, torch.dtype] | None = None):
         # Backward produces gradients roughly in reverse registration order: lay parameters out in
         # that order so the first layouts complete (and launch their reduction) first.
         self.params = list(reversed(params))
         self.hparams = hparams
         self.rank = rank
-        self.layouts: list[FlatLayout] = build_layouts([p.numel() for p in self.params], bucket_size, world_size)
+        # one gradient dtype per layout (Note [autocast gradient communication] in runtime/torch_autocast.py)
+        kinds = [comm_dtypes.get(id(p)) for p in self.params] if comm_dtypes else None
+        self.layouts: list[FlatLayout] = build_layouts([p.numel() for p in self.params], bucket_size, world_size,
+                                                       kinds=kinds)
         self.param_buffers: list[torch.Tensor] = []
         self.masters: list[torch.nn.Parameter] = []
         # fp32 masters alias the parameter buffer when they live in the same memory; offloaded

@@ -65,8 +65,14 @@ def padded_size(numel: int, world_size: int, align: int = ALIGN) -> int:
     return max(unit, -(-numel // unit) * unit)
 
 
-def build_layouts(numels: list[int], bucket_size: int, world_size: int, align: int = ALIGN) -> list[FlatLayout]:
-    """Lay parameters (in the given order) into padded flat layouts of about `bucket_size` elements."""
+def build_layouts(numels: list[int], bucket_size: int, world_size: int, align: int = ALIGN,
+                  kinds: list | None = None) -> list[FlatLayout]:
+    """Lay parameters (in the given order) into padded flat layouts of about `bucket_size` elements.
+
+    With `kinds` (one hashable per parameter), a layout also ends where the kind changes, so each holds
+    one kind (the dtype its gradients travel in: Note [autocast gradient communication])."""
+    if kinds is not None and len(kinds) != len(numels):
+        raise ValueError(f"kinds has {len(kinds)} entries for {len(numels)} parameters")
     if bucket_size <= 0:
         raise ValueError(f"bucket_size must be positive, got {bucket_size}")
     if world_size <= 0:
@@ -82,7 +88,7 @@ def build_layouts(numels: list[int], bucket_size: int, world_size: int, align: i
         current, filled = [], 0
 
     for i, numel in enumerate(numels):
-        if current and filled + numel > bucket_size:
+        if current and (filled + numel > bucket_size or (kinds is not None and kinds[i] != kinds[i - 1])):
             close()
         current.append(Segment(i, 0, filled, numel))
         filled += numel

@@ -206,9 +206,13 @@ class GradientReducer:
 
     def __init__(self, units: list[GradUnit], policy: ReductionPolicy, *, scaling: Scaling | None = None,
                  comm_dtype: torch.dtype | None = None, ignore_unused: bool = True,
-                 on_unit_ready: Callable[[GradUnit], None] | None = None):
+                 on_unit_ready: Callable[[GradUnit], None] | None = None,
+                 param_comm_dtypes: dict[int, torch.dtype] | None = None):
         self.units, self.policy = units, policy
         self.scaling, self.comm_dtype = scaling or _no_scaling, comm_dtype
+        # id(parameter) -> the dtype its gradient travels in, where not `comm_dtype` (Note [autocast
+        # gradient communication] in runtime/torch_autocast.py)
+        self.param_comm_dtypes = param_comm_dtypes or {}
         self.ignore_unused = ignore_unused
         self.on_unit_ready = on_unit_ready
         self._slot = {id(u.params[s.param]): (u, s) for u in units for s in u.reporting}
@@ -253,7 +257,8 @@ class GradientReducer:
     def _launch(self, unit: GradUnit) -> None:
         """Add `unit` to the current reduction bucket; send the bucket once it is full enough."""
         self._land_finished()
-        if self._bucket and self._bucket[0].group is not unit.group:
+        if self._bucket and (self._bucket[0].group is not unit.group
+                             or self.unit_comm_dtype(self._bucket[0]) != self.unit_comm_dtype(unit)):
             self._flush()
         self._bucket.append(unit)
         self._bucket_elems += unit.layout.padded
@@ -299,12 +304,21 @@ class GradientReducer:
         elif self.policy.max_in_flight is not None and len(self._in_flight) > self.policy.max_in_flight:
             self._complete(self._in_flight.pop(0))
 
+    def unit_comm_dtype(self, unit: GradUnit) -> torch.dtype | None:
+        """The dtype `unit` is reduced in: its parameters' own where they all share one, else `comm_dtype`
+        (None: the buffer's dtype)."""
+        if not self.param_comm_dtypes:
+            return self.comm_dtype
+        kinds = {self.param_comm_dtypes.get(id(p), self.comm_dtype) for p in unit.members}
+        return kinds.pop() if len(kinds) == 1 else self.comm_dtype
+
     def _scaled_source(self, unit: GradUnit, pre: float) -> torch.Tensor:
         src = unit.source()
         if pre != 1.0:
             src.mul_(pre)
-        if self.comm_dtype is not None and self.comm_dtype != src.dtype:
-            src = src.to(self.comm_dtype)
+        dtype = self.unit_comm_dtype(unit)
+        if dtype is not None and dtype != src.dtype:
+            src = src.to(dtype)
         return src
 
     @torch.no_grad()

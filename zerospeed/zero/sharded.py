@@ -51,13 +51,15 @@ class ShardedOptimizerBase(ReducingStrategy):
     replicated_state = False
 
     def _finish_setup(self, policy: ReductionPolicy, *, sub_group_size: int, scaling,
-                      comm_dtype, ignore_unused: bool = True, on_unit_ready=None, launch_order=None) -> None:
+                      comm_dtype, ignore_unused: bool = True, on_unit_ready=None, launch_order=None,
+                      param_comm_dtypes: dict | None = None) -> None:
         self.uniform_reduction = all(u.group is self.norm_group for u in self.units)
         self.sub_groups = group_sub_groups([u.layout.chunk for u in self.units], sub_group_size)
         # swap files are named by the global rank: group ranks repeat across groups
         self.stepper = make_stepper(self.plan, self.masters, self.sub_groups, comm.get_rank())
         self.reducer = GradientReducer(launch_order or self.units, policy, scaling=scaling, comm_dtype=comm_dtype,
-                                       ignore_unused=ignore_unused, on_unit_ready=on_unit_ready)
+                                       ignore_unused=ignore_unused, on_unit_ready=on_unit_ready,
+                                       param_comm_dtypes=param_comm_dtypes)
         # id(parameter) -> (index of its unit, its segment there): Note [parameter fragments]
         self._where = {id(u.params[s.param]): (k, s) for k, u in enumerate(self.units) for s in u.layout.segments}
         fragment.claim([u.params[s.param] for u in self.units for s in u.layout.segments], self)
@@ -148,7 +150,7 @@ class ShardedStrategy(ShardedOptimizerBase):
                  device: torch.device, reduce_bucket_size: int, allgather_bucket_size: int, sub_group_size: int,
                  overlap_comm: bool, comm_dtype: torch.dtype | None, grad_dtype: torch.dtype = torch.float32,
                  scaling=None, ignore_unused_parameters: bool = True, norm_group=None,
-                 plan=None, module: torch.nn.Module | None = None):
+                 plan=None, module: torch.nn.Module | None = None, param_comm_dtypes: dict | None = None):
         self.module = module
         self.plan = plan
         self.norm_group = norm_group
@@ -158,13 +160,14 @@ class ShardedStrategy(ShardedOptimizerBase):
         self.reduction = reduction
         self.flat = [FlatParamGroup(list(g["params"]), {k: v for k, v in g.items() if k != "params"},
                                     bucket_size=reduce_bucket_size, world_size=rg.world_size, rank=rg.rank,
-                                    param_dtype=param_dtype, device=device, plan=plan)
+                                    param_dtype=param_dtype, device=device, plan=plan, comm_dtypes=param_comm_dtypes)
                      for g, rg in zip(groups, reduction)]
         self._entries = [(fg, i) for fg in self.flat for i in range(len(fg.layouts))]  # one per unit
         self.units = [self._unit(fg, i, rg) for fg, rg in zip(self.flat, reduction) for i in range(len(fg.layouts))]
         self.masters = [fg.masters[i] for fg, i in self._entries]
         self._finish_setup(self._policy(overlap_comm), sub_group_size=sub_group_size, scaling=scaling,
-                           comm_dtype=comm_dtype, ignore_unused=ignore_unused_parameters)
+                           comm_dtype=comm_dtype, ignore_unused=ignore_unused_parameters,
+                           param_comm_dtypes=param_comm_dtypes)
 
     def _policy(self, overlap: bool) -> ReductionPolicy:
         return reduce_scatter_at_boundary(overlap)

@@ -32,16 +32,16 @@ class DataParallelStrategy(ReducingStrategy):
 
     def __init__(self, groups: list[dict], reduction: list[ReductionGroup], *, mixed: bool, bucket_size: int,
                  accum_dtype: torch.dtype, comm_dtype: torch.dtype | None, scaling, norm_group=None,
-                 module: torch.nn.Module | None = None):
+                 module: torch.nn.Module | None = None, param_comm_dtypes: dict | None = None):
         self.groups = groups
         self.module = module
         self.norm_group = norm_group
         params = [p for g in groups for p in g["params"]]
         self.master = MasterWeights(params, mixed=mixed)
-        self.units = [unit for g, rg in zip(groups, reduction) for unit in _units(g["params"], rg, bucket_size,
-                                                                                  accum_dtype)]
+        self.units = [unit for g, rg in zip(groups, reduction)
+                      for unit in _units(g["params"], rg, bucket_size, accum_dtype, param_comm_dtypes or {})]
         self.reducer = GradientReducer(self.units, all_reduce_at_boundary(), scaling=scaling,
-                                       comm_dtype=comm_dtype)
+                                       comm_dtype=comm_dtype, param_comm_dtypes=param_comm_dtypes)
         self.uniform_reduction = all(rg.group is norm_group for rg in reduction)
         self._grads = self.grads()  # the buffers are persistent: their views are too
         self._grad_of = {id(p): g for p, g in self._grads}
@@ -156,13 +156,15 @@ class DataParallelStrategy(ReducingStrategy):
                 "master_weights": masters, "optimizer_states": optimizer_state_bytes(optimizer)}
 
 
-def _units(params: list[torch.nn.Parameter], rg: ReductionGroup, bucket_size: int, dtype: torch.dtype):
+def _units(params: list[torch.nn.Parameter], rg: ReductionGroup, bucket_size: int, dtype: torch.dtype,
+           comm_dtypes: dict[int, torch.dtype]):
     # Backward visits layers roughly in reverse registration order: lay out in that order so the
     # first units fill (and launch) first.
     ordered = list(reversed(params))
     device = ordered[0].device if ordered else torch.device("cpu")
     units = []
-    for layout in build_layouts([p.numel() for p in ordered], bucket_size, world_size=1):
+    kinds = [comm_dtypes.get(id(p)) for p in ordered] if comm_dtypes else None
+    for layout in build_layouts([p.numel() for p in ordered], bucket_size, world_size=1, kinds=kinds):
         accum = torch.zeros(layout.padded, dtype=dtype, device=device)
         units.append(GradUnit(ordered, layout, rg, result=accum, accum=accum))
     return units

@@ -84,6 +84,10 @@ class PipelineEngine(EngineCore):
                               "parameters would be gathered and released once per micro-batch and per direction "
                               "across the schedule; use stage 0, 1 or 2 (stage 2 shards gradients and optimizer "
                               "states over the stage's data-parallel ranks)")
+        if config.torch_autocast.enabled:
+            raise ConfigError("torch_autocast.enabled=true with a PipelineModule: the pipeline engine runs its "
+                              "stages itself, outside the engine's autocast forward; use bf16 / fp16 instead, or "
+                              "the plain engine")
         # Tied-gradient hooks must be registered before the strategy's (Engine.__init__ builds it).
         module.to(get_accelerator().torch_device(comm.get_local_rank()))
         ties = TiedGradients(module)

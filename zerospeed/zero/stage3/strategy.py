@@ -107,7 +107,8 @@ class Stage3Strategy(ShardedOptimizerBase):
                  overlap_comm: bool, prefetch_bucket_size: int, max_live_parameters: int,
                  param_persistence_threshold: int, model_persistence_threshold: int,
                  max_reuse_distance: int = 1_000_000_000, comm_dtype: torch.dtype | None = None,
-                 scaling=None, norm_group=None, plan=None, zeropp: ZeroPPPolicy | None = None):
+                 scaling=None, norm_group=None, plan=None, zeropp: ZeroPPPolicy | None = None,
+                 param_comm_dtypes: dict | None = None):
         self.module = module
         self.plan = plan
         self.norm_group = norm_group
@@ -147,7 +148,8 @@ class Stage3Strategy(ShardedOptimizerBase):
         self._finish_setup(reduce_scatter_every_micro_step(overlap_comm, fuse_up_to=reduce_bucket_size,
                                                            reduce_scatter=scatter),
                            sub_group_size=sub_group_size, scaling=scaling, comm_dtype=comm_dtype,
-                           launch_order=list(reversed(order)), on_unit_ready=self._on_unit_ready)
+                           launch_order=list(reversed(order)), on_unit_ready=self._on_unit_ready,
+                           param_comm_dtypes=param_comm_dtypes)
         self.param_swapper = make_param_swapper(plan, self.flat, comm.get_rank(), param_dtype)
         self.fetches = FetchSchedule([fp.padded for fp in self.flat], prefetch_budget=prefetch_bucket_size,
                                      max_live=max_live_parameters, max_reuse_distance=max_reuse_distance)
