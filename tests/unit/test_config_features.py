@@ -39,7 +39,6 @@ TRIGGERS: dict[str, tuple[dict, str]] = {
         "zero_optimization.offload_optimizer.super_offload=true: SuperOffload"),
     "zero_optimization.zeropp_loco_param": ({"zero_optimization": {"zeropp_loco_param": {"err_beta": 0.8}}},
                                             ": LoCo-ZeRO++ is not implemented"),
-    "zero_optimization.mics_shard_size": ({"zero_optimization": {"mics_shard_size": 2}}, "mics_shard_size=2: MiCS"),
     "zero_optimization.mics_hierarchical_params_gather": (
         {"zero_optimization": {"mics_hierarchical_params_gather": True}}, "MiCS hierarchical gather"),
     "aio.use_gds": ({"aio": {"use_gds": True}, "zero_optimization": {"offload_param": {"device": "nvme"}}},

@@ -88,7 +88,9 @@ def _check_supported(engine, experts_ok: bool = False) -> None:
     if tp > 1:
         _check_tensor_parallel(engine, tp)
         return
-    if not engine.zero.uniform_reduction and not (experts_ok and expert_spans(engine.module)):
+    # Note [MiCS]: shard-group partitions are whole dense partitions, each written by every replica alike
+    mics = any(u.replicas > 1 for u in engine.zero.units)
+    if not engine.zero.uniform_reduction and not mics and not (experts_ok and expert_spans(engine.module)):
         raise NotImplementedError("checkpoints of models whose param groups reduce over different groups (expert "
                                   "param groups, 'moe': True) are not supported yet: expert weights differ across "
                                   "expert-parallel ranks and would be saved under one name")

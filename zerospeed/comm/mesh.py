@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerospeed.comm import backend
+from zerospeed.config.errors import ConfigError
 from zerospeed.comm.topology import MESH_AXES, RankGrid, expert_layout, layout_problems, raise_problems
 
 
@@ -86,6 +87,7 @@ class ParallelMesh:
         self._axes = axes
         self._maker = maker or _GroupMaker(self.rank, self.world_size)
         self._experts: dict[int, tuple[AxisGroup, AxisGroup]] = {axes["ep"].size: (axes["ep"], axes["edp"])}
+        self._mics: dict[int, tuple[AxisGroup, AxisGroup]] = {}
         self._mpu = None  # the mpu this mesh wraps (from_mpu), handed back by as_mpu
 
     # -- constructors (collective) -----------------------------------------------------------------
@@ -188,6 +190,24 @@ class ParallelMesh:
             ep_groups, edp_groups = expert_layout(self._all_dp_groups(ep_size), ep_size)
             self._experts[ep_size] = (self._maker.axis(ep_groups), self._maker.axis(edp_groups))
         return self._experts[ep_size]
+
+    def mics_axes(self, shard_size: int) -> tuple[AxisGroup, AxisGroup]:
+        """(shard, replica) groups of MiCS (`zero_optimization.mics_shard_size`; Note [MiCS] in
+        zero/strategy.py): this rank's data-parallel group cut into consecutive groups of `shard_size`
+        ranks, which partition the states, and the ranks holding the same partition in the other shard
+        groups, over which gradients are all-reduced. Made on first request (collective, like
+        `expert_axes`)."""
+        if shard_size not in self._mics:
+            dp = self.size("dp_sp")
+            if shard_size > dp or dp % shard_size:
+                raise ConfigError(f"zero_optimization.mics_shard_size={shard_size} must divide the data-parallel "
+                                  f"size {dp} (the ranks of a shard group partition the model; choose a divisor "
+                                  "of it, usually the GPUs per node)")
+            groups = self._all_dp_groups(shard_size)
+            shards = [g[i:i + shard_size] for g in groups for i in range(0, len(g), shard_size)]
+            replicas = [g[j::shard_size] for g in groups for j in range(shard_size)]
+            self._mics[shard_size] = (self._maker.axis(shards), self._maker.axis(replicas))
+        return self._mics[shard_size]
 
     def _all_dp_groups(self, ep_size: int) -> list[list[int]]:
         """Every rank's sequence-data-parallel group (its data-parallel group without sequence parallelism;

@@ -53,7 +53,6 @@ ROWS: list[Row] = [
     # (zero_quantized_weights, zero_quantized_gradients, zero_quantized_nontrainable_weights and
     # zero_hpz_partition_size work at stage 3: zero/stage3/zeropp.py, which refuses them at other stages)
     _present("zero_optimization.zeropp_loco_param", "LoCo-ZeRO++"),
-    Row("zero_optimization.mics_shard_size", lambda c: c.zero_optimization.mics_shard_size > 0, "MiCS sharding", "-1"),
     _switch("zero_optimization.mics_hierarchical_params_gather", "MiCS hierarchical gather"),
     _switch("dump_state", "dumping the engine state"),
     _switch("amp.enabled", "apex AMP"),

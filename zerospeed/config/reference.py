@@ -73,8 +73,6 @@ NO_EFFECT: dict[str, str] = {
     "zero_optimization.round_robin_gradients":
         "it orders gradient copies for CPU offload; the partitioned layout already splits them evenly",
     "zero_optimization.zeropp_loco_param": "LoCo-ZeRO++ is not built; the value is ignored",
-    "zero_optimization.mics_shard_size": "MiCS is not built; the value is ignored",
-    "zero_optimization.mics_hierarchical_params_gather": "MiCS is not built; the value is ignored",
     "zero_optimization.memory_efficient_linear": "zerospeed never replaces torch.nn.functional.linear",
     "zero_optimization.pipeline_loading_checkpoint": "pipeline parallelism runs with ZeRO 0-2 (stage 3 is refused)",
     "zero_optimization.override_module_apply": "zerospeed never overrides nn.Module.apply",

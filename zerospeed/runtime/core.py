@@ -26,6 +26,7 @@ from zerospeed.runtime.forward_schedules import bind_random_ltd, build_forward_s
 from zerospeed.runtime.torch_autocast import autocast_loss_scaler, check_autocast_settings
 from zerospeed.utils.logging import get_logger
 from zerospeed.zero import build_strategy, full_numel, reduction_groups
+from zerospeed.zero.strategy import mics_shard_size
 from zerospeed.zero.grad_math import clip_coefficient
 from zerospeed.zero.memory import (ONEBIT_STATE_WORDS, OPTIMIZER_STATE_BYTES, grouped_model_state_bytes,
                                     onebit_state_bytes, optimizer_kind)
@@ -56,7 +57,7 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
         self.precision = PrecisionPolicy.from_config(config)
 
         self.module = module.to(self.device)
-        reduction = reduction_groups(param_groups, mesh)
+        reduction = reduction_groups(param_groups, mesh, mics_shard_size(config, mesh))
         # per group: (its parameters, the ranks it shards over: its reduction group — dense weights over
         # data x sequence ranks, experts over expert-dp), for memory_breakdown
         self._group_sizes = [(sum(full_numel(p) for p in g["params"]), rg.world_size)
@@ -103,8 +104,8 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
         parameter from rank 0 of the group it reduces over (experts differ across expert groups)."""
         done = set()
         for g, rg in zip(param_groups, reduction):
-            for p in g["params"]:
-                _broadcast_from_first(p.data, rg.group)
+            for p in g["params"]:  # (MiCS: a shard group's replicas start from rank 0 too)
+                _broadcast_from_first(p.data, rg.group if rg.replicas == 1 else self.dp_group)
                 done.add(id(p))
         rest = [p for p in self.module.parameters() if id(p) not in done] + list(self.module.buffers())
         for t in rest:

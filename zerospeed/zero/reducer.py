@@ -105,6 +105,8 @@ class GradUnit:
         self.reporting = [s for s in layout.segments if only is None or s.param in only]
         # the ranks it reduces over (a zero.strategy.ReductionGroup)
         self.group, self.world_size, self.rank = reduction.group, reduction.world_size, reduction.rank
+        # Note [MiCS] (zero/strategy.py): after the reduce-scatter, the chunk is all-reduced over the replicas
+        self.replica_group, self.replicas = reduction.replica_group, reduction.replicas
         self.accum, self.result = accum, result
         self.staging_dtype = staging_dtype
         self.device = device if device is not None else result.device
@@ -270,11 +272,11 @@ class GradientReducer:
         if not units:
             return
         world = units[0].world_size
-        if world == 1:  # nothing to exchange: no scaling (pre x post is 1) and no cast to comm_dtype
+        if world == 1 and units[0].replicas == 1:  # nothing to exchange: no scaling, no cast to comm_dtype
             for u in units:
                 u.deliver(u.source()[:u.layout.chunk])
             return
-        pre, _ = self.scaling(world)
+        pre, _ = self.scaling(world * units[0].replicas)  # the average is over every contributing rank
         sends = [self._scaled_source(u, pre) for u in units]
         scatter = self.policy.collective is Collective.REDUCE_SCATTER
         if len(sends) == 1:
@@ -327,8 +329,13 @@ class GradientReducer:
         an all-reduced gradient in its (fp32) accumulation buffer, a reduce-scattered chunk in the
         collective's output, as each stage did before there was one reducer."""
         flight.handle.wait()
-        _, post = self.scaling(flight.units[0].world_size)
+        first = flight.units[0]
+        _, post = self.scaling(first.world_size * first.replicas)
         scatter = self.policy.collective is Collective.REDUCE_SCATTER
+        if first.replicas > 1:  # Note [MiCS]: this chunk's sum over the other shard groups too
+            if not scatter:
+                raise RuntimeError("MiCS replica groups reduce after a reduce-scatter only (stage 3)")
+            comm.all_reduce(flight.out, op="sum", group=first.replica_group)
         if scatter and post != 1.0:
             flight.out.mul_(post)
         offset = 0

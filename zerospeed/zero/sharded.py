@@ -98,7 +98,8 @@ class ShardedOptimizerBase(ReducingStrategy):
             return weighted_global_norm(self._weighted_parts(full=local), self.norm_group)
         if local:
             return weighted_global_norm([(u.accum, 1.0 / u.world_size) for u in self.units], self.norm_group)
-        return weighted_global_norm([(u.result, 1.0) for u in self.units], self.norm_group)
+        # Note [MiCS]: a chunk held by R replicas counts 1/R on each
+        return weighted_global_norm([(u.result, 1.0 / u.replicas) for u in self.units], self.norm_group)
 
     def local_gradients(self) -> bool:
         """Note [local gradients]: this step's gradients are every rank's own, whole, in `u.accum`."""

@@ -73,6 +73,9 @@ class ReductionGroup:
     group: object  # process group handle; None = the world
     world_size: int
     rank: int
+    replica_group: object = None
+    """Note [MiCS]: the ranks holding the same partition in the other shard groups (None: there are none)."""
+    replicas: int = 1
 
     @classmethod
     def of(cls, group) -> "ReductionGroup":
@@ -82,10 +85,47 @@ class ReductionGroup:
 _EP_NAME = re.compile(r"ep_size_(\d+)")
 
 
-def reduction_groups(param_groups: list[dict], mesh) -> list[ReductionGroup]:
-    """Note [reduction groups]: the group of each param group, in order."""
+def reduction_groups(param_groups: list[dict], mesh, mics_shard_size: int = 0) -> list[ReductionGroup]:
+    """Note [reduction groups]: the group of each param group, in order (dense ones over MiCS shard groups
+    when `mics_shard_size` > 0: Note [MiCS])."""
     dense = ReductionGroup.of(mesh.group("dp_sp"))
+    if mics_shard_size > 0:
+        shard, replica = mesh.mics_axes(mics_shard_size)
+        dense = ReductionGroup(shard.handle, shard.size, shard.rank, replica.handle if replica.size > 1 else None,
+                               replica.size)
+    if dense.replicas > 1 and any(g.get("moe") for g in param_groups):
+        raise ConfigError(f"zero_optimization.mics_shard_size={mics_shard_size} with MoE expert param groups: MiCS "
+                          "shard groups are not built for expert parallelism; remove one")
     return [_expert_group(g, i, mesh) if g.get("moe") else dense for i, g in enumerate(param_groups)]
+
+
+def mics_shard_size(cfg, mesh) -> int:
+    """`zero_optimization.mics_shard_size` when MiCS is on (else 0), refusing what it is not built with.
+
+    Note [MiCS]: MiCS (DeepSpeed's `MiCS_Init` / `MiCS_Optimizer`) is ZeRO-3 whose partitions span a
+    shard group of `mics_shard_size` consecutive data-parallel ranks (a node, typically) instead of all
+    of them: parameters, gradients and optimizer states are split S ways, parameter all-gathers stay
+    inside the shard group, and the model is replicated across the R = dp / S shard groups. A gradient is
+    reduce-scattered inside the shard group, then each chunk is all-reduced over its replica group (the
+    ranks holding the same chunk) and averaged over all S x R ranks; the norm counts each chunk once
+    (1/R on every replica). Memory per rank is 1/S of the model states instead of 1/dp, traded for
+    gathers that never cross a shard group."""
+    zero = cfg.zero_optimization
+    size = int(zero.mics_shard_size)
+    if size <= 0:
+        return 0
+    refused = [(zero.stage != 3, f"zero_optimization.stage={zero.stage} (MiCS partitions at stage 3 only; set "
+                                 "stage 3)"),
+               (mesh.size("tp") > 1 or mesh.size("sp") > 1 or mesh.size("pp") > 1,
+                "tensor, sequence or pipeline parallelism (MiCS is built over plain data parallelism)"),
+               (int(zero.zero_hpz_partition_size) > 1, "zero_hpz_partition_size > 1 (hpZ's secondary partition "
+                                                       "is another way to keep gathers inside a node; use one)"),
+               (bool(zero.zero_quantized_gradients), "zero_quantized_gradients (qgZ's all-to-all is not built "
+                                                      "over shard groups)")]
+    problems = [why for bad, why in refused if bad]
+    if problems:
+        raise ConfigError(f"zero_optimization.mics_shard_size={size} cannot be combined with " + "; ".join(problems))
+    return size
 
 
 def _expert_group(g: dict, index: int, mesh) -> ReductionGroup:
@@ -143,7 +183,7 @@ class ReducingStrategy:
         for u in self.units:
             buf = u.accum if full else u.result
             pieces = u.layout.segments if full else u.layout.rank_segments(u.rank)
-            scale = 1.0 / u.world_size if full else 1.0
+            scale = 1.0 / u.world_size if full else 1.0 / u.replicas  # Note [MiCS]: each chunk once
             for s in pieces:
                 weight = self.norm_weights.get(id(u.params[s.param]), 1.0)
                 parts.append((buf[s.offset:s.offset + s.numel], scale * weight))

@@ -124,7 +124,8 @@ class Stage3Strategy(ShardedOptimizerBase):
         self._built_by: dict[int, torch.nn.Module] = {}  # id(flat parameter) -> the module whose unit it is
         owner_unit, owned = self._build_flat_params(groups, reduction, param_dtype, device)
         self.trained = list(self.flat)  # indices 0..n-1, aligned with the units and masters
-        frozen_rg = ReductionGroup.of(norm_group)  # the dense data-parallel group
+        # the dense data-parallel group (Note [MiCS]: the shard group, so frozen gathers stay inside it too)
+        frozen_rg = next((rg for rg in reduction if rg.replicas > 1), None) or ReductionGroup.of(norm_group)
         self.frozen = self._build_frozen(owner_unit, frozen_rg, param_dtype, device)
         self.zeropp = zeropp or ZeroPPPolicy()
         hierarchies = self._apply_zeropp(reduction)
