@@ -172,8 +172,9 @@ class TrialProbe:
             "num_params": census.total_params, "largest_layer_params": census.largest_layer_params,
             "trainable_num_params": sum({id(p): p.numel() for p in e.module.parameters() if p.requires_grad}.values()),
             "param_bytes": size(e.precision.param_dtype), "grad_bytes": size(e.precision.grad_accum_dtype),
-            "master_bytes": 4 if e.precision.mixed else 0,
-            "optim_bytes": OPTIMIZER_STATE_BYTES[optimizer_kind(e.optimizer)] if e.optimizer else 0,
+            "master_bytes": e.precision.master_bytes,
+            "optim_bytes": (OPTIMIZER_STATE_BYTES[optimizer_kind(e.optimizer)] * e.precision.master_dtype.itemsize // 4
+                            if e.optimizer else 0),
             "activation_bytes": activation_bytes, "micro_batch": e.train_micro_batch_size_per_gpu(),
             "dp_world_size": e.dp_world_size, "world_size": e.world_size, "local_size": local,
             "device": e.accelerator.name, "device_memory": e.accelerator.total_memory(),

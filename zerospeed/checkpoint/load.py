@@ -160,6 +160,12 @@ def _scalar(value, master: torch.Tensor, group: dict):
     return value
 
 
+def _state_dtype(saved: torch.dtype, master: torch.Tensor) -> torch.dtype:
+    """An elementwise optimizer state loads in its master's dtype (Note [bf16 masters]: bf16 states next to
+    bf16 masters, fp32 next to fp32 ones, whichever the checkpoint was saved with); others as saved."""
+    return master.dtype if saved.is_floating_point and master.is_floating_point() else saved
+
+
 @torch.no_grad()
 def _load_direct(reads: _ReadList, optimizer, with_optimizer: bool) -> None:
     data = torch.load(reads.tag_dir / reads.direct.file, map_location="cpu", mmap=True, weights_only=True)
@@ -169,8 +175,8 @@ def _load_direct(reads: _ReadList, optimizer, with_optimizer: bool) -> None:
         if with_optimizer and optimizer is not None:
             group = optimizer.param_groups[gi] if gi >= 0 else {}
             optimizer.state[entry.master] = {
-                k: (v.to(entry.master.device).view(entry.master.shape).clone() if k in layout.elementwise
-                    else _scalar(v, entry.master, group)) for k, v in record["state"].items()}
+                k: (v.to(entry.master.device, _state_dtype(v.dtype, entry.master)).view(entry.master.shape).clone()
+                    if k in layout.elementwise else _scalar(v, entry.master, group)) for k, v in record["state"].items()}
 
 
 @torch.no_grad()
@@ -197,7 +203,7 @@ def _load_resharded(reads: _ReadList, optimizer, with_optimizer: bool) -> None:
         scalars = uni.scalars[pieces[0].name] if pieces else any_scalars
         state = {k: _scalar(v, entry.master, group) for k, v in scalars.items()}
         for key in sorted(keys):
-            dtype = (uni.tensors[pieces[0].name] if pieces else any_tensors)[key].dtype
+            dtype = _state_dtype((uni.tensors[pieces[0].name] if pieces else any_tensors)[key].dtype, entry.master)
             t = torch.zeros(entry.master.shape, dtype=dtype, device=entry.master.device)
             fill_entry(t, pieces, {p.name: uni.tensors[p.name][key] for p in pieces})
             state[key] = t

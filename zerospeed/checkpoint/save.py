@@ -255,7 +255,7 @@ def _manifest(engine, tag: str, files: dict, partition: list[RankFile], excluded
         "torch_version": torch.__version__, "tag": tag, "created_unix": time.time(),
         "world_size": engine.world_size, "dp_world_size": zero_dp_size(engine), "zero_stage": engine.zero.stage,
         "parallel_layout": _parallel_layout(engine, place),
-        "param_dtype": dtype_name(engine.precision.param_dtype), "master_dtype": "float32",
+        "param_dtype": dtype_name(engine.precision.param_dtype), "master_dtype": dtype_name(engine.precision.master_dtype),
         "global_steps": engine.global_steps, "global_samples": engine.global_samples,
         "optimizer": {"type": type(engine.optimizer).__name__ if engine.optimizer is not None else None,
                       "param_groups": len(engine.optimizer.param_groups) if engine.optimizer is not None else 0},

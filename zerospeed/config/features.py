@@ -57,8 +57,6 @@ ROWS: list[Row] = [
     _switch("dump_state", "dumping the engine state"),
     _switch("amp.enabled", "apex AMP"),
     _switch("fp16.fp16_master_weights_and_grads", "fp16 master weights and gradients"),
-    _switch("bf16.bf16_master_weights_and_grads", "bf16 master weights and gradients"),
-    _switch("bf16.bf16_optimizer_states", "bf16 optimizer states"),
     _switch("bf16.check_grad_overflow", "bf16 gradient overflow checks"),
     Row("data_types.grad_accum_dtype", lambda c: c.data_types.grad_accum_dtype not in (None, "fp32"),
         "gradient accumulation in 16-bit", 'null or "fp32"'),

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zerospeed.config.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
@@ -14,6 +16,14 @@ class PrecisionPolicy:
     grad_accum_dtype: torch.dtype = torch.float32
     autocast_dtype: torch.dtype | None = None
     """`torch_autocast`: fp32 parameters, the forward under torch.autocast in this dtype."""
+    master_dtype: torch.dtype = torch.float32
+    """Of the optimizer's master weights, their gradients and its states: bf16 with
+    `bf16.bf16_master_weights_and_grads` (Note [bf16 masters])."""
+
+    @property
+    def master_bytes(self) -> int:
+        """Bytes per element a master copy adds beside the model's own weights (none when it is them)."""
+        return 4 if self.mixed and self.master_dtype == torch.float32 else 0
 
     @property
     def mixed(self) -> bool:
@@ -29,7 +39,42 @@ class PrecisionPolicy:
         if cfg.fp16_enabled:
             return cls(param_dtype=torch.float16)
         if cfg.bf16_enabled:
+            if _bf16_masters(cfg):
+                return cls(param_dtype=torch.bfloat16, grad_accum_dtype=torch.bfloat16, master_dtype=torch.bfloat16)
             return cls(param_dtype=torch.bfloat16)
+        _bf16_masters(cfg)  # (refuses the switches without bf16)
         if cfg.torch_autocast.enabled:
             return cls(autocast_dtype={"fp16": torch.float16, "bf16": torch.bfloat16}[cfg.torch_autocast.dtype])
         return cls()
+
+
+def _bf16_masters(cfg) -> bool:
+    """Note [bf16 masters]: `bf16.bf16_master_weights_and_grads` (with `bf16_optimizer_states`), DeepSpeed's
+    low-precision optimizer: the ZeRO partitions of the master weights, their gradients and the optimizer
+    states are bf16, and the masters are the bf16 weights' own partitions (no copy). Per trained element
+    Adam then holds 2 (weight) + 2 (gradient) + 4 (two moments) bytes instead of 2 + 4 + 4 + 8, at bf16's
+    precision for the update itself: an update below half a bf16 ulp of its weight is lost. DeepSpeed's
+    rules: bf16 on, ZeRO stage 1-3; bf16 states need bf16 masters; fp32 states over bf16 masters exist
+    only through its CPU-Adam kernel (offload), which is not built here."""
+    bf16 = cfg.bf16
+    masters, states = bf16.bf16_master_weights_and_grads, bf16.bf16_optimizer_states
+    if not masters and not states:
+        return False
+    key = "bf16.bf16_master_weights_and_grads" if masters else "bf16.bf16_optimizer_states"
+    if not bf16.enabled:
+        raise ConfigError(f"{key}=true needs bf16.enabled=true (it keeps the bf16 training's masters in bf16)")
+    if states and not masters:
+        raise ConfigError("bf16.bf16_optimizer_states=true needs bf16.bf16_master_weights_and_grads=true (the "
+                          "optimizer states follow the masters' dtype); set both")
+    if not states:
+        raise ConfigError("bf16.bf16_master_weights_and_grads=true with bf16_optimizer_states=false keeps fp32 "
+                          "optimizer states over bf16 masters, which DeepSpeed does only in its CPU-Adam kernel "
+                          "(offload); not built here: set bf16_optimizer_states=true too")
+    zero = cfg.zero_optimization
+    if zero.stage == 0:
+        raise ConfigError(f"{key}=true needs ZeRO stage 1, 2 or 3 (zero_optimization.stage=0): the masters it "
+                          "keeps in bf16 are ZeRO's partitions")
+    if zero.offload_optimizer is not None and zero.offload_optimizer.device != "none":
+        raise ConfigError(f"{key}=true with zero_optimization.offload_optimizer.device="
+                          f"{zero.offload_optimizer.device!r}: offloaded bf16 masters are not built; drop one")
+    return True

@@ -68,6 +68,7 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
         # The strategy snapshots fp32 masters before the model is cast to 16-bit.
         self.zero = build_strategy(config, param_groups, reduction, module=self.module,
                                    param_dtype=self.precision.param_dtype, device=self.device,
+                                   master_dtype=self.precision.master_dtype,
                                    norm_group=mesh.group("dp_sp"))
         if mesh.size("tp") > 1 and _has_tensor_parallel_layers(self.module):
             self._count_tensor_parallel_params_once(mesh)
@@ -255,8 +256,10 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
         predicted = grouped_model_state_bytes(
             self._group_sizes, self.zero_optimization_stage(), param_bytes=pb,
             grad_bytes=torch.tensor([], dtype=self.precision.grad_accum_dtype).element_size(),
-            master_bytes=4 if self.precision.mixed else 0,
-            optim_bytes=OPTIMIZER_STATE_BYTES[optimizer_kind(self.optimizer)] if self.optimizer else 0)
+            master_bytes=self.precision.master_bytes,
+            # (fp32 states; Note [bf16 masters]: in the masters' dtype)
+            optim_bytes=OPTIMIZER_STATE_BYTES[optimizer_kind(self.optimizer)] * self.precision.master_dtype.itemsize // 4
+            if self.optimizer else 0)
         kind = type(self.optimizer).__name__.lower()
         if kind in ONEBIT_STATE_WORDS:  # Note [1-bit optimizer states]: its compressed stage
             predicted["optimizer_states"] = sum(onebit_state_bytes(kind, numel, world, self.zero_optimization_stage())

@@ -22,7 +22,7 @@ def flatten_fp32(layout: FlatLayout, values: list[torch.Tensor], device: torch.d
 class FlatParamGroup:
     def __init__(self, params: list[torch.nn.Parameter], hparams: dict, *, bucket_size: int, world_size: int,
                  rank: int, param_dtype: torch.dtype, device: torch.device, plan=None,
-                 comm_dtypes: dict[int, torch.dtype] | None = None):
+                 comm_dtypes: dict[int, torch.dtype] | None = None, master_dtype: torch.dtype = torch.float32):
         # Backward produces gradients roughly in reverse registration order: lay parameters out in
         # that order so the first layouts complete (and launch their reduction) first.
         self.params = list(reversed(params))
@@ -37,7 +37,7 @@ class FlatParamGroup:
         # fp32 masters alias the parameter buffer when they live in the same memory; offloaded
         # masters are host copies (see zerospeed/offload/plan.py).
         master_device = plan.master_device if plan is not None else device
-        alias = param_dtype == torch.float32 and master_device == device
+        alias = param_dtype == master_dtype and master_device == device  # (fp32, or Note [bf16 masters])
         for layout in self.layouts:
             full = flatten_fp32(layout, self.params, device)
             buffer = full if param_dtype == torch.float32 else full.to(param_dtype)
@@ -45,9 +45,9 @@ class FlatParamGroup:
             if alias:
                 master_src = buffer[lo:hi]
             elif master_device != device:
-                master_src = plan.host_copy(full[lo:hi])
+                master_src = plan.host_copy(full[lo:hi].to(master_dtype))
             else:
-                master_src = full[lo:hi].clone()
+                master_src = full[lo:hi].to(master_dtype, copy=True)
             self.masters.append(torch.nn.Parameter(master_src))
             self.param_buffers.append(buffer)
             del full

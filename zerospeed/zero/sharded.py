@@ -151,7 +151,8 @@ class ShardedStrategy(ShardedOptimizerBase):
                  device: torch.device, reduce_bucket_size: int, allgather_bucket_size: int, sub_group_size: int,
                  overlap_comm: bool, comm_dtype: torch.dtype | None, grad_dtype: torch.dtype = torch.float32,
                  scaling=None, ignore_unused_parameters: bool = True, norm_group=None,
-                 plan=None, module: torch.nn.Module | None = None, param_comm_dtypes: dict | None = None):
+                 plan=None, module: torch.nn.Module | None = None, param_comm_dtypes: dict | None = None,
+                 master_dtype: torch.dtype = torch.float32):
         self.module = module
         self.plan = plan
         self.norm_group = norm_group
@@ -161,7 +162,8 @@ class ShardedStrategy(ShardedOptimizerBase):
         self.reduction = reduction
         self.flat = [FlatParamGroup(list(g["params"]), {k: v for k, v in g.items() if k != "params"},
                                     bucket_size=reduce_bucket_size, world_size=rg.world_size, rank=rg.rank,
-                                    param_dtype=param_dtype, device=device, plan=plan, comm_dtypes=param_comm_dtypes)
+                                    param_dtype=param_dtype, device=device, plan=plan, comm_dtypes=param_comm_dtypes,
+                                    master_dtype=master_dtype)
                      for g, rg in zip(groups, reduction)]
         self._entries = [(fg, i) for fg in self.flat for i in range(len(fg.layouts))]  # one per unit
         self.units = [self._unit(fg, i, rg) for fg, rg in zip(self.flat, reduction) for i in range(len(fg.layouts))]

@@ -85,7 +85,8 @@ class FlatParam:
                  group_index: int, world_size: int, rank: int, dtype: torch.dtype, device: torch.device,
                  dp_group=None, trainable: bool = True, residency: Residency | None = None,
                  shard_device: torch.device | None = None, master_device: torch.device | None = None,
-                 pin=None, alias_master: bool = True, full: torch.Tensor | None = None):
+                 pin=None, alias_master: bool = True, full: torch.Tensor | None = None,
+                 master_dtype: torch.dtype = torch.float32):
         self.index = index
         self.params = params
         self.shapes = [v.shape for v in values]
@@ -103,15 +104,16 @@ class FlatParam:
         full = flatten_fp32(self.layout, values, device) if full is None else full
         lo, hi = self.layout.chunk_range(rank)
         self.shard = _placed(full[lo:hi], shard_device, dtype, pin)
-        # fp32 training: the master is the shard itself when both live in the same memory; otherwise
-        # (16-bit, or offloaded elsewhere) a separate fp32 chunk. zero.Init's flat parameters
+        # fp32 training (or bf16 masters, Note [bf16 masters] in precision/policy.py): the master is the
+        # shard itself when both live in the same memory; otherwise (16-bit, or offloaded elsewhere) a
+        # separate chunk in the master dtype. zero.Init's flat parameters
         # (trainable=False) hold only the shard until the engine re-partitions them.
         self.master = self.grad_shard = None
         if trainable:
-            alias = alias_master and dtype == torch.float32 and shard_device == master_device
+            alias = alias_master and dtype == master_dtype and shard_device == master_device
             self.master = torch.nn.Parameter(self.shard if alias else _placed(full[lo:hi], master_device,
-                                                                              torch.float32, pin))
-            self.grad_shard = _placed(torch.zeros(self.layout.chunk), master_device, torch.float32, pin)
+                                                                              master_dtype, pin))
+            self.grad_shard = _placed(torch.zeros(self.layout.chunk), master_device, master_dtype, pin)
         self.full: torch.Tensor | None = None
         self._freed: torch.Tensor | None = None  # Note [freed in place]: the released full buffer, storage size 0
         self.batch = None  # the GatherBatch in flight while GATHERING
