@@ -74,7 +74,6 @@ TRIGGERS: dict[str, tuple[dict, str]] = {
     "pipeline.seed_layers": ({"pipeline": {"seed_layers": True}}, "pipeline.seed_layers=true"),
     "pipeline.activation_checkpoint_interval": ({"pipeline": {"activation_checkpoint_interval": 1}},
                                                 "pipeline.activation_checkpoint_interval=1"),
-    "hybrid_engine.enabled": ({"hybrid_engine": {"enabled": True}}, "hybrid_engine.enabled=true"),
     "compile.deepcompile": ({"compile": {"deepcompile": True}}, "compile.deepcompile=true: DeepCompile"),
     "nebula.enabled": ({"nebula": {"enabled": True}}, "nebula.enabled=true"),
     "datastates_ckpt": ({"datastates_ckpt": {}}, "datastates_ckpt={}: DataStates"),

@@ -86,7 +86,6 @@ ROWS: list[Row] = [
     _switch("pipeline.seed_layers", "pipeline layer seeding"),
     Row("pipeline.activation_checkpoint_interval", lambda c: c.pipeline.activation_checkpoint_interval != 0,
         "pipeline activation checkpointing", "0"),
-    _switch("hybrid_engine.enabled", "the hybrid engine"),
     _switch("compile.deepcompile", "DeepCompile"),
     _switch("nebula.enabled", "Nebula checkpointing"),
     _present("datastates_ckpt", "DataStates checkpointing"),

@@ -56,6 +56,9 @@ NO_EFFECT: dict[str, str] = {
        for name in ("schedule_offset_end", "schedule_offset_stride", "block_pattern", "dense_ratio",
                     "excluded_modules")},
     "zero_force_ds_cpu_optimizer": "there is no DeepSpeed CPU optimizer (a compiled op) to require",
+    **{f"hybrid_engine.{name}": "it configures DeepSpeed's inference-kernel workspace; the hybrid engine generates "
+                                "with the model's own forward" for name in ("max_out_tokens", "release_inference_cache",
+                                                                              "tp_gather_partition_size", "enable_cuda_graph")},
     "log_level": "zerospeed logs through Python's logging module; set levels there",
     "vocabulary_size": "DeepSpeed only warns when it is not a multiple of 8; zerospeed does not check it",
     "bf16.immediate_grad_update": "bf16 gradients are accumulated in fp32 and applied at the step either way",
@@ -168,6 +171,10 @@ REFUSED_ELSEWHERE: dict[str, tuple[str, str]] = {
                                    "AutoEP keeps the model's router: a value that differs from what it does is a "
                                    "ConfigError from zerospeed/moe/autoep.py")
        for name in ("route_norm", "score_func", "score_apply", "top_k")},
+    "torch_autocast.dtype": ("autocast to fp32", '"fp32" is a ConfigError from zerospeed/runtime/torch_autocast.py; '
+                             '"bf16" and "fp16" work'),
+    "hybrid_engine.inference_tp_size": ("tensor-sliced generation in the hybrid engine",
+                                        "a value above 1 is a ConfigError from zerospeed/runtime/hybrid_engine.py"),
     "comms_logger.debug": ("naming the calling function of each collective",
                            "true with comms_logger.enabled is a ConfigError from zerospeed/profiling/observer.py"),
 }

@@ -200,6 +200,12 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
                                        rank=comm.get_rank(dp_group), world_size=dp_world, collate_fn=collate_fn,
                                        drop_last=cfg.dataloader_drop_last, pipeline=isinstance(model, PipelineModule))
     engine_cls = PipelineEngine if isinstance(model, PipelineModule) else Engine
+    if cfg.hybrid_engine.enabled:
+        if engine_cls is PipelineEngine:
+            raise ConfigError("hybrid_engine.enabled=true with a PipelineModule: the hybrid engine generates with "
+                              "the model's own generate; use a plain model")
+        from zerospeed.runtime.hybrid_engine import DeepSpeedHybridEngine
+        engine_cls = DeepSpeedHybridEngine
     engine = engine_cls(model, cfg, param_groups=moe_param_groups(_param_groups(model, optimizer, model_parameters),
                                                                 client_optimizer=isinstance(optimizer, torch.optim.Optimizer)),
                         optimizer_factory=optimizer_factory, scheduler_factory=scheduler_factory,

@@ -61,6 +61,8 @@ swaps it in, and no hook runs on modules inside a leaf. A leaf's own parameters 
 """
 from __future__ import annotations
 
+import contextlib
+
 import warnings
 
 import torch
@@ -111,6 +113,7 @@ class Stage3Strategy(ShardedOptimizerBase):
                  param_comm_dtypes: dict | None = None, master_dtype: torch.dtype = torch.float32):
         self.module = module
         self.master_dtype = master_dtype  # Note [bf16 masters] (precision/policy.py)
+        self._pinned = False  # inside pinned_gathered()
         self.plan = plan
         self.norm_group = norm_group
         self.device = device
@@ -351,7 +354,23 @@ class Stage3Strategy(ShardedOptimizerBase):
         for fp in fps:
             fp.wait()
 
+    @contextlib.contextmanager
+    def pinned_gathered(self):
+        """Every unit gathered once (collective) and kept gathered inside the block, released after it
+        (Note [pinned generation] in runtime/hybrid_engine.py): forwards inside gather nothing."""
+        start_gathers([fp for fp in self.flat if fp.state is State.SHARDED])
+        for fp in self.flat:
+            fp.wait()
+        self._pinned = True
+        try:
+            yield
+        finally:
+            self._pinned = False
+            self.release_gathered()
+
     def _release_unless_reused(self, fp: FlatParam) -> None:
+        if self._pinned:
+            return
         if not fp.persistent and not self.fetches.keep_after_use(fp.index, self.residency.live):
             fp.release()
             self._freed_since_trim += fp.padded * fp.dtype.itemsize
