@@ -54,10 +54,8 @@ ROWS: list[Row] = [
     # zero_hpz_partition_size work at stage 3: zero/stage3/zeropp.py, which refuses them at other stages)
     _present("zero_optimization.zeropp_loco_param", "LoCo-ZeRO++"),
     _switch("zero_optimization.mics_hierarchical_params_gather", "MiCS hierarchical gather"),
-    _switch("dump_state", "dumping the engine state"),
     _switch("amp.enabled", "apex AMP"),
     _switch("fp16.fp16_master_weights_and_grads", "fp16 master weights and gradients"),
-    _switch("bf16.check_grad_overflow", "bf16 gradient overflow checks"),
     Row("data_types.grad_accum_dtype", lambda c: c.data_types.grad_accum_dtype not in (None, "fp32"),
         "gradient accumulation in 16-bit", 'null or "fp32"'),
     _present("data_types.param_dtype", "casting parameters with data_types.param_dtype"),

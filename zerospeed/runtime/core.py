@@ -97,6 +97,27 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
         # timers, flops profiler, monitors, comm report, the steps_per_print line (all off by default)
         self.observer = EngineObserver.for_engine(self)
         self.trial_probe = trial_probe_for(self)  # None unless `zerospeed --autotuning` started this process
+        # `bf16.check_grad_overflow`: an inf/nan gradient skips a bf16 step too (fp16's loss scaler always does)
+        self._skip_nonfinite = self.loss_scaler is not None or (self.bf16_enabled() and config.bf16.check_grad_overflow)
+        if config.dump_state:
+            self.dump_state()
+
+    def dump_state(self) -> None:
+        """`dump_state`: log what this engine was built from and into (rank 0), as DeepSpeed prints its
+        engine's attributes after initialisation."""
+        zero = self.zero
+        lines = [f"  {k}: {v}" for k, v in (
+            ("mesh", self.mesh), ("world_size", self.world_size), ("dp_world_size", self.dp_world_size),
+            ("device", self.device), ("precision", self.precision), ("zero_stage", self.zero_optimization_stage()),
+            ("zero_strategy", type(zero).__name__), ("placement", self.placement()),
+            ("optimizer", type(self.optimizer).__name__ if self.optimizer is not None else None),
+            ("lr_scheduler", type(self.lr_scheduler).__name__ if self.lr_scheduler is not None else None),
+            ("loss_scaler", self.loss_scaler), ("train_batch_size", self.train_batch_size()),
+            ("train_micro_batch_size_per_gpu", self.train_micro_batch_size_per_gpu()),
+            ("gradient_accumulation_steps", self.gradient_accumulation_steps()),
+            ("memory_breakdown", self.memory_breakdown()["measured"]))]
+        config = self.config.model_dump(mode="json", exclude_defaults=True)
+        logger.info("engine state (dump_state):\n%s\n  config (non-default keys): %s", "\n".join(lines), config)
 
     # -- set-up -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -208,7 +229,7 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
         with self.observer.phase("step.grad_norm"):
             norm = self.grad_norm()
         # the norm is all-reduced: an inf or nan on any rank is on every rank, so all skip together
-        overflow = self.loss_scaler is not None and not math.isfinite(norm)
+        overflow = self._skip_nonfinite and not math.isfinite(norm)
         self._step_applied = not overflow
         if overflow:
             self.skipped_steps += 1
@@ -223,6 +244,9 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
             if overflow:
                 logger.info("step %d: fp16 gradient overflow on some rank; step skipped, loss scale %g -> %g",
                             self.global_steps, scale, self.loss_scaler.scale)
+        elif overflow:
+            logger.info("step %d: inf/nan bf16 gradient on some rank (bf16.check_grad_overflow); step skipped",
+                        self.global_steps)
         self.zero.zero_grads()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
