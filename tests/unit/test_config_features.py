@@ -47,8 +47,6 @@ TRIGGERS: dict[str, tuple[dict, str]] = {
     "amp.enabled": ({"amp": {"enabled": True}}, "amp.enabled=true: apex AMP"),
     "fp16.fp16_master_weights_and_grads": ({"fp16": {"fp16_master_weights_and_grads": True}},
                                            "fp16.fp16_master_weights_and_grads=true"),
-    "data_types.grad_accum_dtype": ({"data_types": {"grad_accum_dtype": "bf16"}},
-                                    "data_types.grad_accum_dtype='bf16': gradient accumulation in 16-bit"),
     "data_types.param_dtype": ({"data_types": {"param_dtype": "fp32"}}, "data_types.param_dtype='fp32'"),
     "data_types.buffer_dtype": ({"data_types": {"buffer_dtype": "fp16"}}, "data_types.buffer_dtype='fp16'"),
     "optimizer.legacy_fusion": ({"optimizer": {"type": "Adam", "legacy_fusion": True}}, "optimizer.legacy_fusion"),

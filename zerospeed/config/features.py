@@ -56,8 +56,6 @@ ROWS: list[Row] = [
     _switch("zero_optimization.mics_hierarchical_params_gather", "MiCS hierarchical gather"),
     _switch("amp.enabled", "apex AMP"),
     _switch("fp16.fp16_master_weights_and_grads", "fp16 master weights and gradients"),
-    Row("data_types.grad_accum_dtype", lambda c: c.data_types.grad_accum_dtype not in (None, "fp32"),
-        "gradient accumulation in 16-bit", 'null or "fp32"'),
     _present("data_types.param_dtype", "casting parameters with data_types.param_dtype"),
     _present("data_types.buffer_dtype", "casting buffers with data_types.buffer_dtype"),
     _switch("optimizer.legacy_fusion", "the legacy fused optimizer"),

@@ -37,15 +37,38 @@ class PrecisionPolicy:
     @classmethod
     def from_config(cls, cfg) -> "PrecisionPolicy":
         if cfg.fp16_enabled:
-            return cls(param_dtype=torch.float16)
+            return cls(param_dtype=torch.float16, grad_accum_dtype=_grad_accum(cfg, torch.float16))
         if cfg.bf16_enabled:
             if _bf16_masters(cfg):
-                return cls(param_dtype=torch.bfloat16, grad_accum_dtype=torch.bfloat16, master_dtype=torch.bfloat16)
-            return cls(param_dtype=torch.bfloat16)
+                return cls(param_dtype=torch.bfloat16, grad_accum_dtype=_grad_accum(cfg, torch.bfloat16, forced=True),
+                           master_dtype=torch.bfloat16)
+            return cls(param_dtype=torch.bfloat16, grad_accum_dtype=_grad_accum(cfg, torch.bfloat16))
         _bf16_masters(cfg)  # (refuses the switches without bf16)
+        _grad_accum(cfg, torch.float32)
         if cfg.torch_autocast.enabled:
             return cls(autocast_dtype={"fp16": torch.float16, "bf16": torch.bfloat16}[cfg.torch_autocast.dtype])
         return cls()
+
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _grad_accum(cfg, model_dtype: torch.dtype, forced: bool = False) -> torch.dtype:
+    """`data_types.grad_accum_dtype`: the dtype gradients accumulate (and their ZeRO partitions live) in:
+    fp32 by default, or the model's own 16-bit dtype (half the gradient memory, each accumulation
+    rounded to it); `forced`: bf16 masters take bf16 gradients (Note [bf16 masters])."""
+    asked = cfg.data_types.grad_accum_dtype
+    if forced:
+        if asked not in (None, "bf16"):
+            raise ConfigError(f"data_types.grad_accum_dtype={asked!r} with bf16.bf16_master_weights_and_grads=true: "
+                              "bf16 masters accumulate their gradients in bf16; drop the key or set \"bf16\"")
+        return torch.bfloat16
+    dtype = _DTYPES[asked or "fp32"]
+    if dtype not in (torch.float32, model_dtype):
+        model = {torch.float32: "fp32 (no fp16 / bf16 section)", torch.float16: "fp16", torch.bfloat16: "bf16"}
+        raise ConfigError(f"data_types.grad_accum_dtype={asked!r} with a model trained in {model[model_dtype]}: "
+                          "gradients accumulate in fp32 or in the model's own dtype; set one of those")
+    return dtype
 
 
 def _bf16_masters(cfg) -> bool:

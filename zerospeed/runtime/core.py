@@ -69,6 +69,7 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
         self.zero = build_strategy(config, param_groups, reduction, module=self.module,
                                    param_dtype=self.precision.param_dtype, device=self.device,
                                    master_dtype=self.precision.master_dtype,
+                                   grad_dtype=self.precision.grad_accum_dtype,
                                    norm_group=mesh.group("dp_sp"))
         if mesh.size("tp") > 1 and _has_tensor_parallel_layers(self.module):
             self._count_tensor_parallel_params_once(mesh)

@@ -5,6 +5,7 @@ ranks, once here, and compare losses and final weights.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Sequence
 
 import torch
@@ -102,3 +103,17 @@ def engine_global_step(engine, batch: Sequence[torch.Tensor], world_size: int, g
     t = torch.tensor([total / grad_accum])
     comm.all_reduce(t, op="avg")
     return t.item()
+
+
+@contextlib.contextmanager
+def single_threaded():
+    """Inside, torch computes with one thread, as every rank of `run_distributed` does. A reference that
+    must match the ranks bit for bit (16-bit training) needs it: a reduction split over threads (a
+    LayerNorm weight's gradient, a matmul) sums its fp32 partials in another order, and after rounding
+    to bf16 an element can land one ulp apart."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -27,13 +27,12 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 def build_strategy(cfg, groups: list[dict], reduction: list[ReductionGroup], *, module: torch.nn.Module,
                    param_dtype: torch.dtype, device: torch.device, norm_group=None,
-                   master_dtype: torch.dtype = torch.float32) -> ZeroStrategy:
+                   master_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype = torch.float32) -> ZeroStrategy:
     """The gradient / optimizer strategy for the configured ZeRO stage (resolved once, here), with
-    each param group reducing over its `ReductionGroup` and the gradient norm over `norm_group`."""
+    each param group reducing over its `ReductionGroup` and the gradient norm over `norm_group`;
+    `grad_dtype` (the precision policy's `grad_accum_dtype`) is where gradients accumulate."""
     zero = cfg.zero_optimization
     comm_dtype = _DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None
-    # Note [bf16 masters] (precision/policy.py): the masters' dtype is their gradients' too
-    grad_dtype = master_dtype if master_dtype != torch.float32 else _DTYPES[cfg.data_types.grad_accum_dtype or "fp32"]
     # DeepSpeed's scaling rule around the sum, applied with each group's own size (an average over
     # the ranks that group reduces over)
     scaling = functools.partial(reduction_factors, op="sum" if cfg.gradient_allreduce_op == "sum" else "avg",
@@ -62,7 +61,7 @@ def build_strategy(cfg, groups: list[dict], reduction: list[ReductionGroup], *, 
                               max_reuse_distance=budgets.reuse_distance,
                               param_persistence_threshold=int(zero.stage3_param_persistence_threshold),
                               model_persistence_threshold=int(zero.stage3_model_persistence_threshold),
-                              plan=plan, zeropp=zeropp, master_dtype=master_dtype, **common)
+                              plan=plan, zeropp=zeropp, master_dtype=master_dtype, grad_dtype=grad_dtype, **common)
     cls = ShardedStrategy if zero.stage == 1 else Stage2Strategy
     return cls(groups, reduction, param_dtype=param_dtype, device=device, module=module,
                reduce_bucket_size=budgets.reduce_bucket, allgather_bucket_size=int(zero.allgather_bucket_size),

@@ -86,7 +86,7 @@ class FlatParam:
                  dp_group=None, trainable: bool = True, residency: Residency | None = None,
                  shard_device: torch.device | None = None, master_device: torch.device | None = None,
                  pin=None, alias_master: bool = True, full: torch.Tensor | None = None,
-                 master_dtype: torch.dtype = torch.float32):
+                 master_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype = torch.float32):
         self.index = index
         self.params = params
         self.shapes = [v.shape for v in values]
@@ -113,7 +113,7 @@ class FlatParam:
             alias = alias_master and dtype == master_dtype and shard_device == master_device
             self.master = torch.nn.Parameter(self.shard if alias else _placed(full[lo:hi], master_device,
                                                                               master_dtype, pin))
-            self.grad_shard = _placed(torch.zeros(self.layout.chunk), master_device, master_dtype, pin)
+            self.grad_shard = _placed(torch.zeros(self.layout.chunk), master_device, grad_dtype, pin)
         self.full: torch.Tensor | None = None
         self._freed: torch.Tensor | None = None  # Note [freed in place]: the released full buffer, storage size 0
         self.batch = None  # the GatherBatch in flight while GATHERING

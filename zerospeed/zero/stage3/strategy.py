@@ -110,9 +110,11 @@ class Stage3Strategy(ShardedOptimizerBase):
                  param_persistence_threshold: int, model_persistence_threshold: int,
                  max_reuse_distance: int = 1_000_000_000, comm_dtype: torch.dtype | None = None,
                  scaling=None, norm_group=None, plan=None, zeropp: ZeroPPPolicy | None = None,
-                 param_comm_dtypes: dict | None = None, master_dtype: torch.dtype = torch.float32):
+                 param_comm_dtypes: dict | None = None, master_dtype: torch.dtype = torch.float32,
+                 grad_dtype: torch.dtype = torch.float32):
         self.module = module
         self.master_dtype = master_dtype  # Note [bf16 masters] (precision/policy.py)
+        self.grad_dtype = grad_dtype  # the gradient shards' (data_types.grad_accum_dtype)
         self._pinned = False  # inside pinned_gathered()
         self.plan = plan
         self.norm_group = norm_group
@@ -221,7 +223,8 @@ class Stage3Strategy(ShardedOptimizerBase):
                        group_index=gi, world_size=rg.world_size, trainable=trainable,
                        rank=rg.rank, dtype=param_dtype, device=device, dp_group=rg.group, residency=self.residency,
                        shard_device=plan.shard_device if plan is not None else device, master_device=master_device,
-                       pin=plan, alias_master=plan is None or plan.param != "nvme", master_dtype=self.master_dtype)
+                       pin=plan, alias_master=plan is None or plan.param != "nvme", master_dtype=self.master_dtype,
+                       grad_dtype=self.grad_dtype)
         self.flat.append(fp)
         for p in ps:
             registry.register(p, fp, held_elsewhere=True)  # self.flat holds it
