@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from zerospeed import comm
+from zerospeed.checkpoint.deepspeed_import import is_deepspeed_tag
 from zerospeed.checkpoint.errors import CheckpointError, raise_if_any_rank_failed
 from zerospeed.checkpoint.experts import CheckpointNames, is_expert_key, load_expert_files, local_expert_files
 from zerospeed.checkpoint.layout import RankFile, entry_groups, partition_from_manifest
@@ -186,11 +187,18 @@ def _load_resharded(reads: _ReadList, optimizer, with_optimizer: bool) -> None:
     place = reads.place
     for name, full in uni.tensors.items():  # this rank's tensor-parallel piece of each full tensor
         uni.tensors[name] = {k: reslice(t, place.layouts.get(name), place.tp_rank) for k, t in full.items()}
-    groups = entry_groups(optimizer, [e.master for e in reads.entries])
+    fill_from_universal(reads.entries, uni, optimizer, with_optimizer)
+
+
+@torch.no_grad()
+def fill_from_universal(entries: list[ShardEntry], uni, optimizer, with_optimizer: bool) -> None:
+    """This rank's masters (and, `with_optimizer`, their elementwise and scalar optimizer states) cut out of
+    the universal form's full tensors (a resharded zerospeed checkpoint, or DeepSpeed's)."""
+    groups = entry_groups(optimizer, [e.master for e in entries])
     any_scalars = next(iter(uni.scalars.values()), {})
     # an entry of padding only (a small group's last chunks) still gets zero-filled elementwise states
     any_tensors = next(iter(uni.tensors.values()), {})
-    for entry, gi in zip(reads.entries, groups):
+    for entry, gi in zip(entries, groups):
         pieces = [p for p in entry.pieces if p.name in uni.tensors]
         fill_entry(entry.master, pieces, {p.name: uni.tensors[p.name][FP32] for p in pieces})
         if not with_optimizer or optimizer is None:
@@ -267,6 +275,13 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     tag = _resolve(engine, root, tag)
     if tag is None:
         return None, None
+    paths = CheckpointPaths(root, tag)
+    if paths.dir.is_dir() and is_deepspeed_tag(paths.dir):  # Note [DeepSpeed checkpoints]
+        from zerospeed.checkpoint.deepspeed_load import load_deepspeed_checkpoint
+        return load_deepspeed_checkpoint(engine, paths.dir, strict=load_module_strict,
+                                         with_optimizer=load_optimizer_states and not load_module_only,
+                                         with_scheduler=load_lr_scheduler_states and not load_module_only,
+                                         module_only=load_module_only)
     place = placement(engine)
     names = engine_names(engine, place)  # collective with MoE layers (Note [global expert names])
     start = time.perf_counter()

@@ -63,6 +63,10 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
         self._group_sizes = [(sum(full_numel(p) for p in g["params"]), rg.world_size)
                              for g, rg in zip(param_groups, reduction)]
         trained = {id(p) for g in param_groups for p in g["params"]}
+        names = {id(p): n for n, p in module.named_parameters()}
+        # the trained parameters' names per param group, in order (a DeepSpeed ZeRO-0 checkpoint's optimizer
+        # states are indexed by that position: Note [DeepSpeed checkpoints] in checkpoint/deepspeed_import.py)
+        self.param_group_names = [[names.get(id(p), "") for p in g["params"]] for g in param_groups]
         self._frozen_numel = sum(full_numel(p) for p in self.module.parameters() if id(p) not in trained)
         self._broadcast_model(param_groups, reduction)
         # The strategy snapshots fp32 masters before the model is cast to 16-bit.

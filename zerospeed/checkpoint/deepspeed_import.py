@@ -1,0 +1,276 @@
+"""Reading a checkpoint DeepSpeed itself saved: resume a DeepSpeed run in zerospeed.
+
+`engine.load_checkpoint(dir, tag)` on a tag directory holding DeepSpeed's files instead of a zerospeed
+manifest comes here (load.py). Note [DeepSpeed checkpoints]: DeepSpeed (0.9 to 0.19) writes, without
+tensor or pipeline parallelism,
+- ZeRO 0: `mp_rank_00_model_states.pt` holds the module state dict and the torch optimizer's own
+  `state_dict()` (states indexed by position in its param groups);
+- ZeRO 1/2: the module states as above (weights whole), and per data-parallel rank r
+  `zero_pp_rank_{r}_mp_rank_00_optim_states.pt` with that rank's flat fp32 partition of each param
+  group (`single_partition_of_fp32_groups`), the optimizer's states over the same flat partition
+  (`base_optimizer_state`), and `param_slice_mappings`: for each group, each parameter fragment the
+  partition holds as (numel, start in the partition). A parameter's fragments across ranks, in rank
+  order, make its flat value;
+- ZeRO 3: per rank r `zero_pp_rank_{r}_mp_rank_00_model_states.pt` (buffers; parameters are empty
+  placeholders; frozen parameters' fragments) and `..._optim_states.pt` with its flat fp32 sub-groups
+  (`fp32_flat_groups`) and their optimizer states. Each parameter, in `param_shapes` order, holds
+  ceil(numel / dp) elements of every rank's flat buffer (the last rank's padded); rank order makes
+  its value, cut to numel (the rule of DeepSpeed's `zero_to_fp32.py`).
+This module turns those into the universal form (`universal.UniversalState`: each parameter's full fp32
+tensor and its elementwise optimizer states), from which the engine fills its own partitions at any
+stage and world size, as for a resharded zerospeed checkpoint; plus the module's buffers and frozen
+weights, the optimizer's hyperparameters, LR-scheduler state, counters and loss scale.
+
+DeepSpeed pickles a few of its own classes into these files (its loss scaler, `ZeroStageEnum`,
+`fragment_address`); they are read here as plain records, without importing DeepSpeed. Refused with an
+error naming the file: tensor / pipeline-parallel checkpoints, MoE, bf16 checkpoints of DeepSpeed's
+stage-0/1 `BF16_Optimizer` (`bf16_zero_pp_rank_*` files), universal-checkpoint folders.
+"""
+from __future__ import annotations
+
+import math
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from zerospeed.checkpoint.errors import CheckpointError
+from zerospeed.checkpoint.universal import FP32, UniversalState
+
+MODEL = "mp_rank_00_model_states.pt"
+# DeepSpeed's top-level model-states keys; any other key is the user's client_state
+RESERVED = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
+    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
+    "ds_version", "checkpoint_parallel_dimensions", "mp_rank", "iteration"})
+
+
+class _Record:
+    """A DeepSpeed object read back as its constructor arguments and attributes."""
+
+    def __new__(cls, *args, **kwargs):  # (pickle rebuilds a namedtuple, fragment_address, through __new__)
+        obj = super().__new__(cls)
+        obj.args, obj.kwargs = args, kwargs
+        return obj
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        self.__dict__.update(state if isinstance(state, dict) else {"state": state})
+
+    def __int__(self):  # ZeroStageEnum(3)
+        return int(self.args[0])
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module == "deepspeed" or module.startswith("deepspeed."):
+            return _Record
+        return super().find_class(module, name)
+
+
+class _PickleModule:
+    """`torch.load(pickle_module=...)`: DeepSpeed's classes as `_Record`s, everything else as usual."""
+
+    Unpickler = _Unpickler
+    __name__ = "zerospeed_deepspeed_unpickle"
+
+    @staticmethod
+    def load(f, **kwargs):
+        return _Unpickler(f, **kwargs).load()
+
+
+def _load(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PickleModule, mmap=True)
+    except Exception as exc:  # noqa: BLE001 — name the file whatever went wrong
+        raise CheckpointError(f"{path}: cannot read it as a DeepSpeed checkpoint file ({type(exc).__name__}: "
+                              f"{exc})") from exc
+
+
+def is_deepspeed_tag(tag_dir: Path) -> bool:
+    """DeepSpeed's files and no zerospeed manifest."""
+    return not (tag_dir / "zerospeed_manifest.json").exists() and (
+        (tag_dir / MODEL).exists() or (tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt").exists())
+
+
+@dataclass
+class DeepSpeedCheckpoint:
+    tag_dir: Path
+    stage: int
+    dp: int
+    universal: UniversalState
+    module: dict[str, torch.Tensor]  # buffers and frozen weights (and, below stage 3, every weight)
+    param_groups: list[dict]  # the optimizer's hyperparameters per group
+    meta: dict = field(default_factory=dict)  # counters, lr_scheduler, loss scale, ds_config
+    client_state: dict = field(default_factory=dict)
+
+
+def read_deepspeed_checkpoint(tag_dir: Path, names: set[str] | None = None,
+                              group_names: list[list[str]] | None = None) -> DeepSpeedCheckpoint:
+    """The universal form of a DeepSpeed checkpoint (the named trainable parameters only, all when None).
+    `group_names`: the trainable parameters' names per optimizer param group, in order; a ZeRO-0
+    checkpoint records no names for its optimizer's states (they are indexed by position), which
+    follow the order the parameters were given to `initialize` in."""
+    tag_dir = Path(tag_dir)
+    stage3 = not (tag_dir / MODEL).exists()
+    model = _load(tag_dir / ("zero_pp_rank_0_mp_rank_00_model_states.pt" if stage3 else MODEL))
+    _refuse(tag_dir, model)
+    dp = int(model.get("dp_world_size") or 1)
+    if model.get("param_shapes") is not None:
+        shapes = [dict(g) for g in model["param_shapes"]]
+    elif group_names is not None:
+        shapes = [{n: tuple(model["module"][n].shape) for n in g} for g in group_names]
+    else:
+        raise CheckpointError(f"{tag_dir}: a ZeRO-0 DeepSpeed checkpoint names no parameters for its optimizer "
+                              "states; load it through engine.load_checkpoint (which knows the model's order)")
+    if stage3:
+        ckpt = _read_stage3(tag_dir, model, dp, shapes, names)
+    elif model.get("optimizer") is not None or not (tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt").exists():
+        ckpt = _read_stage0(tag_dir, model, shapes, names)
+    else:
+        ckpt = _read_stage12(tag_dir, model, dp, shapes, names)
+    ckpt.meta = {k: model.get(k) for k in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler",
+                                           "ds_config", "ds_version")} | ckpt.meta
+    ckpt.client_state = {k: v for k, v in model.items() if k not in RESERVED}
+    return ckpt
+
+
+def _refuse(tag_dir: Path, model: dict) -> None:
+    if int(model.get("mp_world_size") or 1) > 1 or any(tag_dir.glob("*mp_rank_01*")):
+        raise CheckpointError(f"{tag_dir}: a tensor-parallel DeepSpeed checkpoint (mp_world_size "
+                              f"{model.get('mp_world_size')}); only data-parallel DeepSpeed checkpoints are read: "
+                              "convert it with DeepSpeed's zero_to_fp32.py and load the weights")
+    if any(tag_dir.glob("layer_*")) or any(tag_dir.glob("bf16_zero_pp_rank_*")) or any(tag_dir.glob("*expp_rank*")):
+        raise CheckpointError(f"{tag_dir}: a pipeline, BF16_Optimizer or MoE DeepSpeed checkpoint is not read here; "
+                              "convert it with DeepSpeed's zero_to_fp32.py and load the weights")
+
+
+def _optim_files(tag_dir: Path, dp: int) -> list[dict]:
+    out = []
+    for r in range(dp):
+        path = tag_dir / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        if not path.exists():
+            raise CheckpointError(f"{tag_dir}: {path.name} is missing (the checkpoint was saved by {dp} ranks)")
+        out.append(_load(path)["optimizer_state_dict"])
+    return out
+
+
+def _hyperparameters(groups: list[dict]) -> list[dict]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+
+def _elementwise(state: dict, numel: int) -> dict[str, torch.Tensor]:
+    return {k: v.reshape(-1) for k, v in state.items() if torch.is_tensor(v) and v.numel() == numel and v.dim() > 0}
+
+
+def _scalars(state: dict) -> dict:
+    return {k: v for k, v in state.items() if not (torch.is_tensor(v) and v.dim() > 0)}
+
+
+def _fragment(frag) -> tuple[int, int]:
+    """(numel, start) of DeepSpeed's `fragment_address` (a dataclass; a namedtuple in older versions)."""
+    if hasattr(frag, "numel") and hasattr(frag, "start"):
+        return int(frag.numel), int(frag.start)
+    return int(frag.args[0]), int(frag.args[1])
+
+
+def _loss_scale(record) -> dict:
+    """DeepSpeed's loss scaler as zerospeed's `DynamicLossScaler.state_dict()` (None when static)."""
+    if record is None or not getattr(record, "dynamic", False):
+        return {}
+    return {"loss_scaler": {"dynamic": True, "scale": float(record.cur_scale), "cur_iter": int(record.cur_iter),
+                            "last_overflow_iter": int(record.last_overflow_iter),
+                            "cur_hysteresis": int(getattr(record, "cur_hysteresis", 1))}}
+
+
+def _read_stage0(tag_dir: Path, model: dict, shapes: list[dict], names) -> DeepSpeedCheckpoint:
+    module = dict(model["module"])
+    opt = model.get("optimizer") or {"state": {}, "param_groups": []}
+    uni = UniversalState()
+    index = 0
+    for gi, group in enumerate(shapes):
+        saved_group = opt["param_groups"][gi]["params"] if gi < len(opt["param_groups"]) else []
+        for pos, name in enumerate(group):
+            key = saved_group[pos] if pos < len(saved_group) else index
+            index += 1
+            if names is not None and name not in names:
+                continue
+            value = module[name].float().reshape(-1)
+            state = opt["state"].get(key, {})
+            uni.tensors[name] = {FP32: value, **_elementwise(state, value.numel())}
+            uni.scalars[name], uni.groups[name] = _scalars(state), gi
+    return DeepSpeedCheckpoint(tag_dir, 0, int(model.get("dp_world_size") or 1), uni, module,
+                               _hyperparameters(opt["param_groups"]))
+
+
+def _read_stage12(tag_dir: Path, model: dict, dp: int, shapes: list[dict], names) -> DeepSpeedCheckpoint:
+    ranks = _optim_files(tag_dir, dp)
+    first = ranks[0]
+    base = first["base_optimizer_state"]
+    uni = UniversalState()
+    for gi, group in enumerate(shapes):
+        pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
+        for r, osd in enumerate(ranks):
+            fp32 = osd["single_partition_of_fp32_groups"][gi]
+            state = osd["base_optimizer_state"]["state"].get(gi, {})
+            states = {k: v.reshape(-1) for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0}
+            for name, frag in osd["param_slice_mappings"][gi].items():
+                numel, start = _fragment(frag)
+                slot = pieces.setdefault(name, {FP32: []})
+                slot[FP32].append(fp32[start:start + numel])
+                for k, v in states.items():
+                    slot.setdefault(k, []).append(v[start:start + numel])
+        for name, shape in group.items():
+            if names is not None and name not in names:
+                continue
+            if name not in pieces:
+                raise CheckpointError(f"{tag_dir}: no rank's param_slice_mappings holds {name}")
+            full = {k: torch.cat(v) for k, v in pieces[name].items()}
+            if full[FP32].numel() != math.prod(shape):
+                raise CheckpointError(f"{tag_dir}: the fragments of {name} hold {full[FP32].numel()} elements, its "
+                                      f"shape {tuple(shape)} needs {math.prod(shape)}")
+            uni.tensors[name] = full
+            uni.scalars[name] = _scalars(first["base_optimizer_state"]["state"].get(gi, {}))
+            uni.groups[name] = gi
+    return DeepSpeedCheckpoint(tag_dir, int(first.get("zero_stage", 2)), dp, uni, dict(model["module"]),
+                               _hyperparameters(base["param_groups"]),
+                               meta=_loss_scale(first.get("loss_scaler")))
+
+
+def _read_stage3(tag_dir: Path, model: dict, dp: int, shapes: list[dict], names) -> DeepSpeedCheckpoint:
+    ranks = _optim_files(tag_dir, dp)
+    flats, states = [], []
+    for osd in ranks:
+        flats.append(torch.cat([g.reshape(-1) for g in osd["fp32_flat_groups"]]))
+        subs = osd["optimizer_state_dict"]["state"]
+        keys = [k for k, v in subs.get(0, {}).items() if torch.is_tensor(v) and v.dim() > 0]
+        states.append({k: torch.cat([subs[i][k].reshape(-1) for i in sorted(subs)]) for k in keys})
+    scalars = _scalars(ranks[0]["optimizer_state_dict"]["state"].get(0, {}))
+    uni, offset = UniversalState(), 0
+    for gi, group in enumerate(shapes):
+        for name, shape in group.items():
+            numel = math.prod(shape)
+            part = math.ceil(numel / dp)
+            if names is None or name in names:
+                uni.tensors[name] = {FP32: torch.cat([f[offset:offset + part] for f in flats])[:numel]}
+                for k in states[0]:
+                    uni.tensors[name][k] = torch.cat([s[k][offset:offset + part] for s in states])[:numel]
+                uni.scalars[name], uni.groups[name] = dict(scalars), gi
+            offset += part
+    if offset > flats[0].numel():
+        raise CheckpointError(f"{tag_dir}: its parameters need {offset} elements per rank, the flat groups hold "
+                              f"{flats[0].numel()}")
+    module = {n: t for n, t in model["module"].items() if n in set(model.get("buffer_names") or [])}
+    frozen = model.get("frozen_param_shapes") or {}
+    if frozen:
+        frags = [_load(tag_dir / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")["frozen_param_fragments"]
+                 for r in range(dp)]
+        for name, shape in frozen.items():
+            module[name] = torch.cat([f[name].reshape(-1) for f in frags])[:math.prod(shape)].view(shape)
+    hyper = _hyperparameters(ranks[0]["optimizer_state_dict"]["param_groups"])
+    return DeepSpeedCheckpoint(tag_dir, 3, dp, uni, module, hyper[:len(shapes)],
+                               meta=_loss_scale(ranks[0].get("loss_scaler")))
