@@ -37,7 +37,8 @@ def _engine(ep: int, stage: int, seed: int):
             torch.nn.init.normal_(p, std=0.5)
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", SP, MICRO)
     install_sequence_parallel_loss(model, mpu.get_sequence_parallel_group())
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "sequence_parallel_size": SP,
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": 1,
+           "sequence_parallel_size": SP,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
            "expert_parallel": {"enabled": True, "autoep_size": ep}}

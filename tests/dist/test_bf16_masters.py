@@ -51,7 +51,7 @@ def _engine(stage: int, masters: bool):
     import zerospeed
     model = _model(tied=stage < 3)
     bf16 = {"enabled": True, "bf16_master_weights_and_grads": masters, "bf16_optimizer_states": masters}
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": ADAMW},
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": ADAMW},
            "bf16": bf16, "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
     engine, *_ = zerospeed.initialize(model=model, config=cfg)
     return engine, model

@@ -49,7 +49,7 @@ def batches(world: int):
 
 def train(stage: int) -> dict:
     model = compressed_gpt()
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR,
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": {"lr": LR,
                                                                                            "weight_decay": 0.0}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, **COMPRESSION}
     engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)

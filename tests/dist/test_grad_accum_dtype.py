@@ -54,7 +54,7 @@ def _train(stage: int, accum: str):
     import zerospeed
     from zerospeed import comm
     model = _model()
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": GAS,
            "optimizer": {"type": "AdamW", "params": ADAMW}, "bf16": {"enabled": True},
            "data_types": {"grad_accum_dtype": accum},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}

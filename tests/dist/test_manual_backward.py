@@ -29,7 +29,7 @@ def _train(stage: int):
     from zerospeed import comm
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": GAS,
            "optimizer": {"type": "AdamW", "params": ADAMW}, "zero_optimization": {"stage": stage}}
     engine, *_ = zerospeed.initialize(model=model, config=cfg)
     losses, grads_seen = [], True

@@ -66,7 +66,7 @@ def _train(stage, tmp: str):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
     bf16 = stage == "2-bf16"
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": GAS,
            "optimizer": {"type": "AdamW", "params": ADAMW}, "bf16": {"enabled": bf16},
            "zero_optimization": {"stage": 2 if bf16 else stage, "stage3_param_persistence_threshold": 64}}
     engine, *_ = zerospeed.initialize(model=model, config=cfg)

@@ -92,7 +92,7 @@ def batches(dp: int, steps: int):
 
 
 def onebit_config(freeze: int = FREEZE, lr: float = LR) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": GAS,
             "optimizer": {"type": "OneBitAdam", "params": {"lr": lr, "freeze_step": freeze}},
             "zero_optimization": {"stage": 0}}
 
@@ -361,7 +361,7 @@ def converge(name: str) -> list[float]:
     opt_type, params = RUNS[name]
     torch.manual_seed(0)
     model = GPT(DEMO)
-    cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": opt_type, "params": params}}
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "optimizer": {"type": opt_type, "params": params}}
     engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     ds = ByteSequenceDataset(stdlib_corpus(max_bytes=200_000), DEMO.block_size)
     rank, world = comm.get_rank(), comm.get_world_size()

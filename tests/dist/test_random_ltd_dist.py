@@ -26,7 +26,7 @@ WORLD, MICRO, GAS, STEPS, SEQ = 2, 2, 2, 6, 16
 MODEL = GPTConfig(vocab_size=256, block_size=SEQ, n_layer=3, n_head=2, n_embd=16)
 MIN, MAX, REQUIRE, PER_STEP = 8, SEQ, 4, 4
 CONFIG = {
-    "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+    "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": GAS,
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
     "zero_optimization": {"stage": 2, "reduce_bucket_size": 3000},
     "data_efficiency": {"enabled": True, "data_routing": {"enabled": True, "random_ltd": {

@@ -53,7 +53,7 @@ def _train(stage: int, dtype: str, safe):
     autocast = {"enabled": True, "dtype": dtype}
     if safe is not None:
         autocast["lower_precision_safe_modules"] = safe
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "AdamW", "params": ADAMW}, "torch_autocast": autocast,
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
     engine, *_ = zerospeed.initialize(model=model, config=cfg)

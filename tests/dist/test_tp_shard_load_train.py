@@ -58,7 +58,7 @@ def _meta_model(path: str):
 
 
 def _train_config() -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": 1,
             "tensor_parallel": {"autotp_size": TP},
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": 0.0}}}
 

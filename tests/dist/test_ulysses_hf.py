@@ -71,7 +71,7 @@ def _train(sp: int, stage: int, tiles: int = 1, ep: int = 0):
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, MICRO)
     try:
         install_sequence_parallel_loss(model, mpu.get_sequence_parallel_group())
-        cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+        cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": 1,
                "sequence_parallel_size": sp, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
                "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
         if ep:

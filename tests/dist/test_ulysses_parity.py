@@ -68,7 +68,7 @@ CASES = {  # name: world, sp, zero stage, width, heads, kv heads, activation che
 
 def _train(name):
     world, sp, stage, width, heads, kv, ckpt = CASES[name]
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "sequence_parallel_size": sp,
+    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": 1, "sequence_parallel_size": sp,
            "optimizer": {"type": "Adam", "params": {"lr": LR}}, "zero_optimization": {"stage": stage}}
     if stage == 3:
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0

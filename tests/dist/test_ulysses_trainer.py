@@ -53,7 +53,7 @@ class Samples(torch.utils.data.Dataset):
 
 def _config(sp: int, stage: int) -> dict:
     return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "train_batch_size": "auto", "sequence_parallel_size": sp,
+            "train_batch_size": "auto", "gradient_clipping": "auto", "sequence_parallel_size": sp,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
 

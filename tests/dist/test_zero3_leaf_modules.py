@@ -77,7 +77,7 @@ def batches():
 
 
 def _config(**zero):
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": GAS,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}
 

@@ -280,7 +280,8 @@ def test_defaults_match_deepspeed():
     assert cfg.fp16.hysteresis == 2 and cfg.fp16.consecutive_hysteresis is False and cfg.fp16.min_loss_scale == 1.0
     assert cfg.fp16_enabled is False and cfg.bf16_enabled is False and cfg.dynamic_loss_scale is False
     assert cfg.optimizer is None and cfg.scheduler is None
-    assert cfg.gradient_clipping == 0.0 and cfg.prescale_gradients is False and cfg.gradient_predivide_factor == 1.0
+    # (DeepSpeed 0.19.8 clips at 1.0 unless told otherwise: deepspeedai/DeepSpeed#8068 changed the default from 0)
+    assert cfg.gradient_clipping == 1.0 and cfg.prescale_gradients is False and cfg.gradient_predivide_factor == 1.0
     assert cfg.communication_data_type is None and cfg.gradient_allreduce_op == "mean"
     assert cfg.steps_per_print is None and cfg.zero_allow_untested_optimizer is False
     zero = cfg.zero_optimization

@@ -98,7 +98,7 @@ def test_engine_passes_the_schedules_to_training_forwards_like_a_plain_loop():
     model = TruncatingLM()
     reference = TruncatingLM()
     reference.load_state_dict(model.state_dict())
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.0,
               "optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "curriculum_learning": CURRICULUM,
               "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.1}}
     engine, *_ = zerospeed.initialize(model=model, config=config)

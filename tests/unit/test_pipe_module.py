@@ -14,7 +14,7 @@ from zerospeed.testing import reference_train
 from zerospeed.testing.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=1, n_embd=8)
-TRAIN = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+TRAIN = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}}
 
 

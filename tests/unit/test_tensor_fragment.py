@@ -26,7 +26,7 @@ def _net():
 
 
 def _engine(stage, opt=("SGD", {"lr": 0.1}), gas=2, **over):
-    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas,
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
            "optimizer": {"type": opt[0], "params": opt[1]},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, **over}
     net = _net()

@@ -52,7 +52,7 @@ class _BatchAndOptim(StrictModel):
     scheduler: SchedulerConfig | None = ds_field(None, "LR scheduler built by the engine; null = none.")
     zero_allow_untested_optimizer: Bool = ds_field(False, "Allow ZeRO with a client optimizer.")
     zero_force_ds_cpu_optimizer: Bool = ds_field(True, "Require DeepSpeed's CPU optimizer with offload.")
-    gradient_clipping: NonNegNum = ds_field(0.0, "Clip the global gradient norm to this; 0 = off.")
+    gradient_clipping: NonNegNum = ds_field(1.0, "Clip the global gradient norm to this; 0 = off (DeepSpeed 0.19.8's default is 1.0).")
     prescale_gradients: Bool = ds_field(False, "Scale gradients before the all-reduce, not after.")
     gradient_predivide_factor: PosNum = ds_field(1.0, "Divide gradients by this before the all-reduce.")
     gradient_allreduce_op: choice_type("mean", "sum") = ds_field(
