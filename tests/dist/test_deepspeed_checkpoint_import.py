@@ -42,7 +42,8 @@ def _resume(ds_stage: int, stage: int, with_optimizer: bool = True):
     world, rank = comm.get_world_size(), comm.get_rank()
     gas = 4 // world
     m = model()
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
+    # (no gradient_clipping key, as in DeepSpeed's run: both clip at the default, 1.0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
