@@ -45,6 +45,8 @@ CASES = {
  "bf16_grad_accum_bf16_z1": {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
                              "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"},
                              "zero_optimization": {"stage": 1}},
+ "mics_z3_4ranks": {"world": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+                    "zero_optimization": {"stage": 3, "mics_shard_size": 2}},
  "warmuplr_lin": {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
                   "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2, "warmup_type": "linear"}}, "zero_optimization": {"stage": 0}},
  "lrrange": {"optimizer": {"type": "SGD", "params": {"lr": 1e-2}}, "zero_allow_untested_optimizer": True,
@@ -63,24 +65,27 @@ def run(rank, world, name, out, port):
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     m = model()
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, **CASES[name]}
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4 // world,
+           **{k: v for k, v in CASES[name].items() if k != "world"}}
     eng, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
     losses, lrs = [], []
     for x, y in batches():
         tot = 0.0
-        for micro in range(2):
+        gas = 4 // world
+        for micro in range(gas):
             lo = (micro * world + rank) * 2
             xx = x[lo:lo+2]
             if cfg.get("bf16", {}).get("enabled"): xx = xx.bfloat16()
             loss = ((eng(xx).float() - y[lo:lo+2]) ** 2).mean()
             eng.backward(loss); eng.step(); tot += loss.item()
-        t = torch.tensor([tot / 2]); torch.distributed.all_reduce(t); losses.append(t.item() / world); lrs.append(eng.get_lr()[0])
+        t = torch.tensor([tot / gas]); torch.distributed.all_reduce(t); losses.append(t.item() / world); lrs.append(eng.get_lr()[0])
     if rank == 0:
         json.dump({"losses": losses, "lrs": lrs}, open(out, "w"))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 def _case_main(name: str, out: str, port: int) -> None:
-    mp.spawn(run, args=(2, name, out, port), nprocs=2)
+    world = CASES[name].get("world", 2)
+    mp.spawn(run, args=(world, name, out, port), nprocs=world)
 
 
 def _run_case(python: str, name: str, out: str, port: int) -> str | None:

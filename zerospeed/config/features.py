@@ -46,22 +46,26 @@ def _present(key: str, feature: str) -> Row:
     return Row(key, lambda cfg: _get(cfg, key) is not None, feature, "null (remove it)")
 
 
+# DeepSpeed 0.19.8 removed these features (its config refuses the keys too)
+_GONE = " (DeepSpeed 0.19.8 removed it as well: deepspeedai/DeepSpeed#8489)"
+
 ROWS: list[Row] = [
     _switch("zero_optimization.offload_optimizer.super_offload", "SuperOffload"),
     Row("aio.use_gds", lambda c: c.aio.use_gds and _uses_nvme(c), "GPUDirect Storage", "false"),
     _present("zero_optimization.zenflow", "ZenFlow"),
     # (zero_quantized_weights, zero_quantized_gradients, zero_quantized_nontrainable_weights and
     # zero_hpz_partition_size work at stage 3: zero/stage3/zeropp.py, which refuses them at other stages)
-    _present("zero_optimization.zeropp_loco_param", "LoCo-ZeRO++"),
-    _switch("zero_optimization.mics_hierarchical_params_gather", "MiCS hierarchical gather"),
-    _switch("amp.enabled", "apex AMP"),
+    _present("zero_optimization.zeropp_loco_param", "LoCo-ZeRO++" + _GONE),
+    _switch("zero_optimization.mics_hierarchical_params_gather", "MiCS hierarchical gather" + _GONE),
+    _switch("amp.enabled", "apex AMP" + _GONE),
     _switch("fp16.fp16_master_weights_and_grads", "fp16 master weights and gradients"),
     _present("data_types.param_dtype", "casting parameters with data_types.param_dtype"),
     _present("data_types.buffer_dtype", "casting buffers with data_types.buffer_dtype"),
     _switch("optimizer.legacy_fusion", "the legacy fused optimizer"),
-    _switch("sparse_gradients", "sparse embedding gradients"),
+    # (nn.Embedding(sparse=True) gradients need no flag: Note [sparse gradients] in zero/reducer.py)
+    _switch("sparse_gradients", "sparse compression of dense embedding gradients" + _GONE),
     _switch("disable_allgather", "disabling the parameter all-gather"),
-    _switch("graph_harvesting", "graph harvesting"),
+    _switch("graph_harvesting", "graph harvesting" + _GONE),
     Row("managed_gradient_accumulation", lambda c: not c.managed_gradient_accumulation,
         "caller-managed gradient accumulation", "true"),
     _switch("disable_python_gc", "disabling Python's garbage collector"),
@@ -75,15 +79,15 @@ ROWS: list[Row] = [
             "curriculum data sampling (the data efficiency library's data sampler and offline data analyzer)"),
     _switch("data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled",
             "random-LTD's layer-token learning-rate schedule (DeepSpeed refuses it too)"),
-    _switch("eigenvalue.enabled", "eigenvalue computation"),
-    _switch("quantize_training.enabled", "MoQ quantize_training"),
+    _switch("eigenvalue.enabled", "eigenvalue computation" + _GONE),
+    _switch("quantize_training.enabled", "MoQ quantize_training" + _GONE),
     Row("pipeline.stages", lambda c: c.pipeline.stages != "auto", "pipeline parallelism", '"auto"'),
     Row("pipeline.partition", lambda c: c.pipeline.partition != "best", "pipeline partitioning", '"best"'),
     _switch("pipeline.seed_layers", "pipeline layer seeding"),
     Row("pipeline.activation_checkpoint_interval", lambda c: c.pipeline.activation_checkpoint_interval != 0,
         "pipeline activation checkpointing", "0"),
     _switch("compile.deepcompile", "DeepCompile"),
-    _switch("nebula.enabled", "Nebula checkpointing"),
+    _switch("nebula.enabled", "Nebula checkpointing" + _GONE),
     _present("datastates_ckpt", "DataStates checkpointing"),
     _present("casync_ckpt", "CAsync checkpointing"),
     _switch("async_load", "asynchronous checkpoint loading"),

@@ -242,8 +242,14 @@ class GradientReducer:
     @torch.no_grad()
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         unit, seg = self._slot[id(param)]
-        if not unit.is_slot(seg, param.grad):  # else autograd already added into the slot in place
-            unit.add(seg, param.grad)
+        grad = param.grad
+        if grad.layout != torch.strided:
+            # Note [sparse gradients]: an nn.Embedding(sparse=True) gives a sparse COO gradient; it is added
+            # into the flat (dense) buffer like any other and reduced dense (DeepSpeed reduces it sparse, an
+            # all-gather of indices and values: fewer bytes when few rows are touched, the same sums)
+            unit.add(seg, grad.to_dense())
+        elif not unit.is_slot(seg, grad):  # else autograd already added into the slot in place
+            unit.add(seg, grad)
         param.grad = None
         self.holds_grads = True
         unit.seen.add(seg.param)
