@@ -55,13 +55,9 @@ def load_deepspeed_checkpoint(engine, tag_dir: Path, *, strict: bool, with_optim
     comm.barrier()
     logger.info("loaded DeepSpeed %s checkpoint %s (ZeRO-%d, %d ranks) into ZeRO-%d on %d ranks",
                 ckpt.meta.get("ds_version"), tag_dir, ckpt.stage, ckpt.dp, engine.zero_optimization_stage(),
-                place_size(engine))
+                engine.mesh.size("dp_sp"))
     files = sorted(tag_dir.glob("*model_states.pt"))
     return str(tag_dir / MODEL if (tag_dir / MODEL).exists() else files[0]), ckpt.client_state
-
-
-def place_size(engine) -> int:
-    return engine.mesh.size("dp_sp")
 
 
 def _check_matches(engine, ckpt, specs: dict, wanted: set[str], with_optimizer: bool) -> None:

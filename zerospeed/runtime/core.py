@@ -26,10 +26,10 @@ from zerospeed.runtime.forward_schedules import bind_random_ltd, build_forward_s
 from zerospeed.runtime.torch_autocast import autocast_loss_scaler, check_autocast_settings
 from zerospeed.utils.logging import get_logger
 from zerospeed.zero import build_strategy, full_numel, reduction_groups
-from zerospeed.zero.strategy import mics_shard_size
 from zerospeed.zero.grad_math import clip_coefficient
 from zerospeed.zero.memory import (ONEBIT_STATE_WORDS, OPTIMIZER_STATE_BYTES, grouped_model_state_bytes,
                                     onebit_state_bytes, optimizer_kind)
+from zerospeed.zero.strategy import mics_shard_size
 
 logger = get_logger(__name__)  # Note [rank-0 logging]
 
