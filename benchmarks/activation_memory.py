@@ -1,4 +1,4 @@
-"""Activation memory and step time of a deep GPT block stack, with and without zerospeed.checkpointing.
+"""Activation memory and step time of a deep GPT block stack, with and without zerospeed.activation.
 
     python benchmarks/activation_memory.py [--blocks 16 --hidden 128 --seq 256 --batch 8 --steps 3]
 
@@ -7,7 +7,7 @@ Rows: no checkpointing; every block checkpointed; + cpu_checkpointing; + contigu
 each rank running the same replicated stack, as tensor-parallel ranks hold the same block inputs;
 rank 0's numbers). Columns:
 
-- end of forward: the independent census (zerospeed.testing.census: live tensor storages, deduplicated)
+- end of forward: the independent census (harness.census: live tensor storages, deduplicated)
   after the loss is computed, before backward, minus the census before the forward. On an accelerator
   it is split into device and host bytes.
 - sampled peak: the largest census seen at sample points - after every block's forward (also each
@@ -29,10 +29,10 @@ from torch import nn
 
 from zerospeed import checkpointing, comm
 from zerospeed.accelerator import get_accelerator
-from zerospeed.testing import run_distributed
-from zerospeed.testing.mpu import GroupMpu
-from zerospeed.testing.census import live_tensor_bytes
-from zerospeed.testing.models import Block, GPTConfig
+from harness import run_distributed
+from harness.mpu import GroupMpu
+from harness.census import live_tensor_bytes
+from zoo.models import Block, GPTConfig
 
 VARIANTS: dict[str, dict | None] = {
     "no checkpointing": None,

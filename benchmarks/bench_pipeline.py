@@ -25,7 +25,7 @@ from torch import nn
 import zerospeed
 from zerospeed import comm
 from zerospeed.pipe import LayerSpec, PipelineModule
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 WIDTH, MICRO = 256, 16
 TIMEOUT = 300

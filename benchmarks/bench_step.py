@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from zerospeed.launcher.ports import free_port
+from zerospeed.utils.ports import free_port
 
 WORKER = Path(__file__).resolve().parent / "workers.py"
 # Offload variants (ZeRO-Offload / ZeRO-Infinity), for zerospeed and DeepSpeed alike: *_cpu offloads the
@@ -383,7 +383,7 @@ def main() -> None:
         text += "\n" + before_after(results, args.baseline)
     print(text)
     if args.plot and results:
-        from zerospeed.utils.plot import save_bar_chart
+        from zerospeed.monitor.plot import save_bar_chart
         names = list(results)
         save_bar_chart(args.plot, names, [results[v]["median_step_s"] * 1e3 for v in names],
                        title=f"median step time, {args.model_size} GPT, {args.nproc} ranks", unit=" ms",

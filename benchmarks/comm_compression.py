@@ -3,7 +3,7 @@ each compression, side by side with PyTorch DDP, in one invocation.
 
     python benchmarks/comm_compression.py [--world 2 --layers 4 --width 256 --steps 12 --warmup 3]
 
-Model: the demo GPT (`zerospeed.testing.models.GPT`, fp32), the same micro-batch per rank and step for
+Model: the demo GPT (`zoo.models.GPT`, fp32), the same micro-batch per rank and step for
 every variant. The 1-bit optimizers are measured in their compressed stage (freeze / var_freeze step =
 `--warmup`: the measured steps come after it); 0/1 Adam twice, synchronising every step and with local
 steps (every 4th step synchronises); 1-bit Adam also at ZeRO-1 and ZeRO-2, where the compressed stage
@@ -68,7 +68,7 @@ INTRA_KINDS = ("all_gather_hpz", "reduce_scatter_int4_intra")  # collectives ins
 
 
 def _model(args):
-    from zerospeed.testing.models import GPT, GPTConfig
+    from zoo.models import GPT, GPTConfig
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=args.width // 64,
                          n_embd=args.width, bias=False))
@@ -173,7 +173,7 @@ def main() -> None:
     p.add_argument("--lora", action="store_true", help="also LoRA at ZeRO-3, with and without int8 frozen shards")
     p.add_argument("--only-extras", action="store_true", help="skip the optimizer rows (DDP still runs)")
     args = p.parse_args()
-    from zerospeed.testing import run_distributed
+    from harness import run_distributed
     rows = run_distributed(_all, args.world, args, timeout=3600)[0]
     counterpart = {**{k: v[3] for k, v in VARIANTS.items()}, **{k: v[1] for k, v in ZEROPP.items()},
                    **{k: v[1] for k, v in LORA.items()}, "PyTorch DDP + Adam": None}

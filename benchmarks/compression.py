@@ -5,7 +5,7 @@ method against the fp32 model it started from.
                                       --teacher-steps 600 --steps 200 --lkd-steps 100]
 
 No pretrained checkpoint is reachable offline, so the script first trains the fp32 teacher: the test
-GPT (`zerospeed.testing.models.GPT`, byte vocabulary 256) on the standard library's sources, the first
+GPT (`zoo.models.GPT`, byte vocabulary 256) on the standard library's sources, the first
 `--train-bytes` bytes; the held-out text is the `--heldout-bytes` after them. Then, each from a copy of
 the teacher (DeepSpeed's `compression_training` blocks, built below):
 
@@ -64,7 +64,7 @@ def _config(*blocks: dict, **extra) -> dict:
 
 class Data:
     def __init__(self, args):
-        from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus
+        from zoo.data import ByteSequenceDataset, stdlib_corpus
         corpus = stdlib_corpus(args.train_bytes + args.heldout_bytes + 1)
         self.train = ByteSequenceDataset(corpus[:args.train_bytes + 1], args.seq)
         held = corpus[args.train_bytes:]
@@ -147,7 +147,7 @@ def _file_bytes(model, compressed: bool, folder: Path, name: str) -> int:
 
 def main() -> None:
     from zerospeed.compression import init_compression, layerwise_distill, redundancy_clean
-    from zerospeed.testing.models import GPT, GPTConfig
+    from zoo.models import GPT, GPTConfig
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=128)

@@ -28,10 +28,10 @@ import torch
 
 import zerospeed
 from zerospeed import comm
-from zerospeed.testing import run_distributed
-from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus
-from zerospeed.testing.models import GPT, GPTConfig
-from zerospeed.testing.reference import engine_global_step
+from harness import run_distributed
+from zoo.data import ByteSequenceDataset, stdlib_corpus
+from zoo.models import GPT, GPTConfig
+from harness.reference import engine_global_step
 
 ONEBIT_MODEL = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
 ZEROPP_MODEL = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=True)

@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=4096)
     args = ap.parse_args()
-    from zerospeed.testing import run_distributed
+    from harness import run_distributed
     model = build(args)
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     torch.set_num_threads(max(1, torch.get_num_threads() // args.world))  # the ranks' share of the cores

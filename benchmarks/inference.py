@@ -176,7 +176,7 @@ def main() -> None:
     parser.add_argument("--no-interleaved", action="store_true", help="skip the same-process comparison")
     args = parser.parse_args()
     os.makedirs(args.nvme_path, exist_ok=True)
-    from zerospeed.testing import run_distributed
+    from harness import run_distributed
 
     rows, interleaved = [], []
     for batch in args.batches:

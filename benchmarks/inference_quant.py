@@ -4,7 +4,7 @@
                                           --batch 16 --seq 128 --group-size 64]
 
 No pretrained checkpoint is reachable offline, so the script first trains one: a transformers Llama
-(byte vocabulary 256, fp32) on the standard library's sources (`zerospeed.testing.data.stdlib_corpus`),
+(byte vocabulary 256, fp32) on the standard library's sources (`zoo.data.stdlib_corpus`),
 the first `--train-bytes` bytes of it, for `--steps` AdamW steps in this process. The held-out text is
 the corpus bytes after those (other files, never trained on). Then the same trained weights are served
 three ways — fp32 `init_inference`, and `init_inference` with `quant.weight.quantized_initialization`
@@ -39,7 +39,7 @@ def _model(args):
 
 
 def _train(model, tokens: torch.Tensor, args) -> float:
-    from zerospeed.testing.data import ByteSequenceDataset
+    from zoo.data import ByteSequenceDataset
     data = ByteSequenceDataset(tokens, args.seq)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     warm = max(1, args.steps // 10)  # linear warm-up, then cosine decay to 0
@@ -73,14 +73,14 @@ def _score(engine, windows_NT: torch.Tensor, targets_NT: torch.Tensor, chunk: in
 
 
 def _quantized_bytes(engine) -> tuple[int, int]:
-    from zerospeed.inference.quantize import QuantizedLinear
+    from zerospeed.compression.weight_quant import QuantizedLinear
     layers = [m for m in engine.module.modules() if isinstance(m, QuantizedLinear)]
     return (sum(m.quantized().nbytes for m in layers), sum(4 * m.in_features * m.out_features for m in layers))
 
 
 def main() -> None:
     import zerospeed
-    from zerospeed.testing.data import stdlib_corpus
+    from zoo.data import stdlib_corpus
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=128)

@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--eps", default="1,2,4")
     args = parser.parse_args()
-    from zerospeed.testing import run_distributed
+    from harness import run_distributed
 
     def slowest(results):
         per_step = [max(r["step"][i] for r in results) for i in range(len(results[0]["step"]))]

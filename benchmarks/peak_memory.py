@@ -7,13 +7,13 @@ transformers GPT-2 (`GPT2Config(n_layer=12, n_embd=768, n_head=12)`, dropout 0, 
 zero.Init), 2 ranks, micro batch 4 x 128 tokens, AdamW, DeepSpeed's defaults for every other key.
 The peaks are the kernel's high-water mark of each rank's resident set per phase of every step
 (`"memory_breakdown": true`, zerospeed/profiling/memory_phases.py); "states" is an independent census
-of live tensor storages after the last step (zerospeed.testing.census), "base" the resident set
+of live tensor storages after the last step (harness.census), "base" the resident set
 before the model was built. With `--offload` the optimizer (stages 1-3) is offloaded to the CPU:
 on a CPU-only machine that memory is the same host memory, so only the machinery's overhead shows.
 
 "predicted" is the estimator's peak (`zerospeed.estimate.peak`, allocated bytes, gloo) and
 "allocated" the measured one it predicts: the torch profiler's allocator record of the steady steps
-(`zerospeed.testing.alloc_peak`, independent of zerospeed); the resident-set columns add the host
+(`harness.alloc_peak`, independent of zerospeed); the resident-set columns add the host
 allocator's share and the process's base on top.
 """
 from __future__ import annotations
@@ -32,8 +32,8 @@ def run(stage: int, dtype: str, steps: int, offload: bool, allocated: bool = Tru
 
     import zerospeed
     from zerospeed.accelerator import get_accelerator
-    from zerospeed.testing import census
-    from zerospeed.testing.alloc_peak import AllocationTrace
+    from harness import census
+    from harness.alloc_peak import AllocationTrace
     # the profiler's allocator record slows the step: --no-allocated for step times
     trace = AllocationTrace().__enter__() if allocated else None
     base = get_accelerator().memory_allocated()
@@ -101,7 +101,7 @@ def main() -> None:
                         help="skip the profiler's allocator record (it slows the step): for step times")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
-    from zerospeed.testing import run_distributed
+    from harness import run_distributed
     print("| dtype | stage | offload | params | peak MiB/rank | forward | backward | reduce | step | states MiB "
           "| base MiB | step s | predicted MiB | allocated MiB |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

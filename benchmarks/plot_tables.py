@@ -12,7 +12,7 @@ import re
 import sys
 from pathlib import Path
 
-from zerospeed.utils.plot import save_bar_chart
+from zerospeed.monitor.plot import save_bar_chart
 
 HEADING = re.compile(r"^#+ bench_step — (\d{4}-\d\d-\d\d) (\d\d):(\d\d) UTC")
 

@@ -4,7 +4,7 @@ fits a memory budget, and step time vs sequence length, for sp = 1, 2, 4 (gloo p
     python benchmarks/sequence_parallel.py [--seqs 1024,2048,4096 --census-seqs 4096,8192,16384
                                             --width 64 --heads 8 --layers 2 --vocab 8192 --budget-mib 1024]
 
-One invocation prints markdown tables. The model is zerospeed.testing.sequence_models.GPT (pre-LN
+One invocation prints markdown tables. The model is zoo.sequence_models.GPT (pre-LN
 blocks, SDPA causal attention), batch 1, fp32; sp = 1 is one plain process (no zerospeed code runs in
 its forward), sp = P is P gloo ranks with DistributedAttention.
 
@@ -50,7 +50,7 @@ def _case(args, sp: int):
     from zerospeed.sequence.layer import DistributedAttention
     from zerospeed.sequence.loss import mean_over_sequence
     from zerospeed.sequence.tiled import tiled_cross_entropy_sum
-    from zerospeed.testing.sequence_models import GPT, local_sdpa
+    from zoo.sequence_models import GPT, local_sdpa
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // sp))
     group, rank = None, 0
@@ -112,7 +112,7 @@ def main() -> None:
     args.census_seqs = [int(s) for s in args.census_seqs.split(",")]
     sps = [int(s) for s in args.sps.split(",")]
 
-    from zerospeed.testing import run_distributed
+    from harness import run_distributed
     results = {}
     for sp in sps:
         results[sp] = run_distributed(_case, sp, args, sp, timeout=1800)[0]  # sp = 1 too: same process setup

@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
-    from zerospeed.testing import run_distributed
+    from harness import run_distributed
 
     def slowest(results):
         per_step = [max(r["step"][i] for r in results) for i in range(len(results[0]["step"]))]

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus
-from zerospeed.testing.models import GPT, GPTConfig
+from zoo.data import ByteSequenceDataset, stdlib_corpus
+from zoo.models import GPT, GPTConfig
 
 MODEL_SIZES = {
     "tiny": dict(n_layer=2, n_head=2, n_embd=64),

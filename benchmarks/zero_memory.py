@@ -2,7 +2,7 @@
 
     python benchmarks/zero_memory.py [--worlds 1 2 4]
 
-Memory is an independent census of live tensor storages (zerospeed.testing.census), taken after two
+Memory is an independent census of live tensor storages (harness.census), taken after two
 optimizer steps of AdamW on a 5.24M-parameter MLP, minus the census before the model was built.
 Traffic is the comm gateway's counters for the second step (2 micro-steps of accumulation).
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from zerospeed.testing import run_distributed
-from zerospeed.testing.zero_probe import probe_all
+from harness import run_distributed
+from harness.zero_probe import probe_all
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, HfArgumentParser
 import zerospeed
 from zerospeed.integrations.hf_auto import load_hf_config
 from zerospeed.integrations.transformers import Trainer, TrainingArguments
-from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus
+from zoo.data import ByteSequenceDataset, stdlib_corpus
 
 
 @dataclass

@@ -27,12 +27,12 @@ import torch
 import zerospeed
 import zerospeed.comm as comm
 from zerospeed.accelerator import get_accelerator
-from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus
-from zerospeed.testing.models import GPT, GPTConfig
+from zoo.data import ByteSequenceDataset, stdlib_corpus
+from zoo.models import GPT, GPTConfig
 from zerospeed.monitor.plot_cli import plot_run
 from zerospeed.utils import log_dist
-from zerospeed.utils.plot import save_line_plot
-from zerospeed.utils.progress import Progress
+from zerospeed.monitor.plot import save_line_plot
+from zerospeed.monitor.progress import Progress
 
 MODEL_SIZES = {
     "tiny": dict(n_layer=2, n_head=2, n_embd=64),

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import zerospeed
 import zerospeed.comm as comm
-from zerospeed.parallel.pipeline.gpt_layers import gpt_layer_specs, lm_loss
+from zoo.gpt_layers import gpt_layer_specs, lm_loss
 from zerospeed.pipe import PipelineModule
-from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus
-from zerospeed.testing.models import GPTConfig
-from zerospeed.utils.progress import Progress
+from zoo.data import ByteSequenceDataset, stdlib_corpus
+from zoo.models import GPTConfig
+from zerospeed.monitor.progress import Progress
 
 logger = logging.getLogger("train_gpt_pipe")
 

@@ -2,4 +2,6 @@
 # The test command: installs what it needs, then runs the whole suite (unit, multi-process, gpu-if-present).
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 cd "$ROOT"
+# sshd, pdsh, mpirun and Slurm for the multi-node launcher tests only (never fails: those tests then skip loudly)
+bash "$ROOT/scripts/install_daemons.sh" || true
 python -m pytest -q -p no:cacheprovider --durations=15 "$@" tests

@@ -4,13 +4,18 @@
     loss = engine(batch); engine.backward(loss); engine.step()
 
 Public names are loaded on first use, so `import zerospeed.launcher` (the `zerospeed` command)
-starts without importing torch.
+starts without importing torch. DeepSpeed's module paths (`zerospeed.runtime.lr_schedules`, ...)
+are served by the alias table in deepspeed_paths.py (Note [the alias layer]).
 """
+
 from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+from zerospeed import deepspeed_paths
+from zerospeed.version import __version__
+
+deepspeed_paths.install()
 
 _EXPORTS = {
     "initialize": "zerospeed.runtime.initialize",
@@ -18,16 +23,14 @@ _EXPORTS = {
     "Engine": "zerospeed.runtime.engine",
     "DeepSpeedEngine": "zerospeed.runtime.engine",
     "init_distributed": "zerospeed.comm",
-    "ConfigError": "zerospeed.config.errors",
-    "RepeatingLoader": "zerospeed.runtime.dataloader",
+    "ConfigError": "zerospeed.utils.errors",
+    "RepeatingLoader": "zerospeed.data.loader",
     "tp_model_init": "zerospeed.parallel.tensor.autotp",
     "init_inference": "zerospeed.inference.api",
 }
-_SUBMODULES = {"comm", "config", "optim", "precision", "runtime", "testing", "launcher", "accelerator", "utils",
-               "zero", "checkpoint", "checkpointing", "offload", "integrations", "inference", "moe", "sequence",
-               "parallel", "elasticity"}
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
+_submodule = deepspeed_paths.package_getattr(__name__)
 
 
 def __getattr__(name: str):
@@ -35,10 +38,8 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value
-    if name in _SUBMODULES:
-        return importlib.import_module(f"zerospeed.{name}")
-    raise AttributeError(f"module 'zerospeed' has no attribute {name!r}")
+    return _submodule(name)  # a package (`zerospeed.comm`) or DeepSpeed path (`zerospeed.pipe`)
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS) | _SUBMODULES)
+    return sorted(set(globals()) | set(_EXPORTS))

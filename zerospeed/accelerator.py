@@ -20,11 +20,13 @@ import ctypes.util
 import functools
 import glob
 import os
+import random
 import resource
 import sys
 from collections.abc import Callable, Mapping
 
 import psutil
+import numpy as np
 import torch
 
 # DeepSpeed's names of the accelerators it can run on; zerospeed provides the first two.
@@ -631,3 +633,11 @@ def _malloc_trim(min_free: int = 0) -> None:
 
 
 _LIBC = None
+
+
+def set_random_seed(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators (every device's), as DeepSpeed does."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    get_accelerator().manual_seed_all(seed)

@@ -92,7 +92,7 @@ def _timed_steps(step, steps: int, after_warmup=lambda: None) -> tuple[list[floa
 
 def try_size(mode: str, shape, args) -> dict:
     import zerospeed
-    from zerospeed.testing.models import GPT, GPTConfig
+    from zoo.models import GPT, GPTConfig
     layers, width, heads = shape
     vocab, seq = (256, 64) if args.smoke else (VOCAB, SEQ)
     cfg = config(mode, args.micro_batch, args.nvme_path)
@@ -134,7 +134,7 @@ def try_fsdp2(mode: str, shape, args) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    from zerospeed.testing.models import GPT, GPTConfig
+    from zoo.models import GPT, GPTConfig
     layers, width, heads = shape
     vocab, seq = (256, 64) if args.smoke else (VOCAB, SEQ)
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

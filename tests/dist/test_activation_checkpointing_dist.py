@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerospeed import checkpointing, comm
-from zerospeed.checkpointing.stash import SavedInput
-from zerospeed.testing import run_distributed
-from zerospeed.testing.mpu import GroupMpu
+from zerospeed.activation.stash import SavedInput
+from harness import run_distributed
+from harness.mpu import GroupMpu
 
 # B*T*D = 465 is odd: the second rank's chunk ends in one padding element.
 B, T, D, N_BLOCKS, STEPS = 3, 5, 31, 4, 2
@@ -122,7 +122,7 @@ def solo_group_worker():
     groups = [comm.new_group([r]) for r in range(comm.get_world_size())]
     mpu = GroupMpu(groups[comm.get_rank()])
     collect = _Collect()
-    logging.getLogger("zerospeed.checkpointing").addHandler(collect)
+    logging.getLogger("zerospeed.activation").addHandler(collect)
     checkpointing.configure(mpu, partition_activations=True)
     checkpointing.configure(mpu, partition_activations=True)
     blocks, x = build()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from zerospeed import comm
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 transformers = pytest.importorskip("transformers")
 from test_moe_autoep_parity import B, TOL, WORLD, batches, build, config, reference  # noqa: E402
@@ -85,7 +85,7 @@ def _worst(got: dict, ref: dict) -> float:
 
 @pytest.mark.timeout(240)
 def test_autoep_checkpoint_resumes_at_any_expert_parallel_size_and_stage(tmp_path):
-    from zerospeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from zerospeed.checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint
     results = run_distributed(_save_then_resume, WORLD, str(tmp_path), timeout=220)
     ref_losses, ref_final = reference("mixtral", STEPS)
     ref_saved = reference("mixtral", SAVED_AT)[1]

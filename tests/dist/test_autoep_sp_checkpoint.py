@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import zerospeed
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 pytest.importorskip("transformers")
 from test_ulysses_hf import MICRO, STEPS, TOL, batches, build, reference  # noqa: E402

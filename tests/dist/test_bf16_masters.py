@@ -22,9 +22,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerospeed.testing import run_distributed
-from zerospeed.testing.models import GPT, GPTConfig
-from zerospeed.testing.reference import single_threaded
+from harness import run_distributed
+from zoo.models import GPT, GPTConfig
+from harness.reference import single_threaded
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
 MICRO, STEPS, WORLD = 2, 6, 2
@@ -69,7 +69,7 @@ def _step(engine, batch) -> float:
 
 def _train(stage: int, masters: bool):
     import zerospeed
-    from zerospeed.testing.census import live_tensor_bytes
+    from harness.census import live_tensor_bytes
     base = live_tensor_bytes()  # (what earlier runs of this process left, their results)
     engine, model = _engine(stage, masters)
     losses, census = [], None

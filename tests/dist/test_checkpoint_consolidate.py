@@ -20,7 +20,7 @@ from zerospeed.checkpoint import (CheckpointError, convert_zero_checkpoint_to_fp
                                   get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint)
 from zerospeed.checkpoint.cli import main as cli_main
 from zerospeed.checkpoint.export import read_exported
-from zerospeed.testing import run_distributed, split_global_batch
+from harness import run_distributed, split_global_batch
 from zerospeed.zero.shards import parameter_names
 from test_checkpoint_resume import GAS, build_model, make_engine, zero_config
 from test_zero_parity import global_batches

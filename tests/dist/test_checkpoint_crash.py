@@ -29,7 +29,7 @@ ZYGOTE = r'''
 import json, os, sys
 import torch
 import zerospeed
-from zerospeed.testing.models import TinyMLP
+from zoo.models import TinyMLP
 
 CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},

@@ -18,7 +18,7 @@ from zerospeed.checkpoint.consolidate import resolve_checkpoint
 from zerospeed.checkpoint.naming import MODEL_STATES
 from zerospeed.checkpoint.universal import load_universal
 from zerospeed.optim import build_lr_scheduler
-from zerospeed.testing import reference_train, run_distributed, split_global_batch
+from harness import reference_train, run_distributed, split_global_batch
 from test_checkpoint_resume import GAS, build_model, make_engine, param_groups, zero_config, module_state
 from test_zero_parity import SCHED, global_batches
 

@@ -13,9 +13,9 @@ import torch
 
 import zerospeed
 from zerospeed import comm
-from zerospeed.testing import run_distributed
-from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus
-from zerospeed.testing.models import GPT
+from harness import run_distributed
+from zoo.data import ByteSequenceDataset, stdlib_corpus
+from zoo.models import GPT
 from zerospeed.zero.shards import parameter_names
 from test_zero_parity import GAS, MICRO, MODEL, SEQ, param_groups, zero_config  # noqa: F401  (re-exported)
 

@@ -7,7 +7,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.comm.functional import all_to_all, seq_all_to_all
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 WORLD = 4
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerospeed.testing import run_distributed
-from zerospeed.testing.reference import reference_train
-from zerospeed.testing.models import GPT, GPTConfig
+from harness import run_distributed
+from harness.reference import reference_train
+from zoo.models import GPT, GPTConfig
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 MICRO, STEPS, WORLD, TOL = 2, 3, 2, 1e-5

@@ -12,10 +12,10 @@ import zerospeed
 from zerospeed import comm
 from zerospeed.compression.compress import init_compression
 from zerospeed.compression.scheduler import scheduler_for
-from zerospeed.testing import reference_train, run_distributed
-from zerospeed.testing.reference import engine_global_step
-from zerospeed.testing.data import text_batches
-from zerospeed.testing.models import GPT, GPTConfig
+from harness import reference_train, run_distributed
+from harness.reference import engine_global_step
+from zoo.data import text_batches
+from zoo.models import GPT, GPTConfig
 
 MICRO, SEQ, STEPS, LR = 2, 8, 6, 3e-3
 MODEL = GPTConfig(vocab_size=256, block_size=SEQ, n_layer=2, n_head=2, n_embd=16, bias=False)

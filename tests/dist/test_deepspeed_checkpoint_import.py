@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed_0.19.8"
 # (DeepSpeed's stage, zerospeed's stage, zerospeed's ranks)

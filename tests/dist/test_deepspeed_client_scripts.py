@@ -55,7 +55,7 @@ from pathlib import Path
 import pytest
 
 from zerospeed.compat import deepspeed_is_shim
-from zerospeed.testing import free_port
+from harness import free_port
 
 SCRIPTS = Path(__file__).parent / "scripts"
 BIN = Path(sys.executable).parent

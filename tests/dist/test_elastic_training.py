@@ -41,7 +41,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from zerospeed.testing import free_port
+from harness import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "elastic_train.py"
 _spec = importlib.util.spec_from_file_location("elastic_train", SCRIPT)

@@ -7,7 +7,7 @@ import torch
 
 import zerospeed
 from zerospeed import comm
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},

@@ -2,7 +2,7 @@
 the stage-3 owner registry, zero/stage3/registry.py).
 
 Measured independently of zerospeed by a census of every live tensor storage the garbage collector
-knows (zerospeed.testing.census) before the model is built and after the last reference to the model,
+knows (harness.census) before the model is built and after the last reference to the model,
 the engine and the optimizer is dropped. (Not the profiler's allocator record: frees that gloo's
 worker threads make land in it late or not at all, at random.) A sweep that
 builds one engine after another in a process (hyperparameter search, tests, notebooks) would otherwise
@@ -13,7 +13,7 @@ import gc
 import pytest
 import torch
 
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 CONFIGS = {  # name: zero_optimization, built under zero.Init
     "stage 0": ({"stage": 0}, False),
@@ -29,8 +29,8 @@ CONFIGS = {  # name: zero_optimization, built under zero.Init
 def _left_after_drop():
     import zerospeed
     from zerospeed import zero
-    from zerospeed.testing import census
-    from zerospeed.testing.models import GPT, GPTConfig
+    from harness import census
+    from zoo.models import GPT, GPTConfig
     cfg = GPTConfig(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_embd=128)
     x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     out = {}

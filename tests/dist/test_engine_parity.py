@@ -9,9 +9,9 @@ import torch
 import zerospeed
 from zerospeed import comm
 from zerospeed.optim import build_lr_scheduler
-from zerospeed.testing import reference_train, run_distributed, split_global_batch
-from zerospeed.testing.data import text_batches
-from zerospeed.testing.models import GPT, GPTConfig
+from harness import reference_train, run_distributed, split_global_batch
+from zoo.data import text_batches
+from zoo.models import GPT, GPTConfig
 
 WORLD, MICRO, GAS, STEPS, SEQ = 2, 4, 2, 20, 16
 MODEL = GPTConfig(vocab_size=256, block_size=SEQ, n_layer=2, n_head=2, n_embd=32, bias=False)

@@ -1,6 +1,6 @@
 """The estimator's predicted peak (`zerospeed.estimate.peak`) against the measured peak of a real run.
 
-Measured independently of zerospeed: the torch profiler's allocator events (`zerospeed.testing.
+Measured independently of zerospeed: the torch profiler's allocator events (`harness.
 alloc_peak`: every allocation and free the CPU allocator makes, their running-sum maximum — what a
 GPU's max_memory_allocated reports) over a steady training step (the first allocates Adam's
 states). Two GPT sizes (one dominated by the blocks, one by the vocabulary head), ZeRO stages 0-3, with
@@ -15,7 +15,7 @@ import gc
 import pytest
 import torch
 
-from zerospeed.testing import per_world, run_distributed
+from harness import per_world, run_distributed
 
 MIB = 1 << 20
 SIZES = {  # name: (GPTConfig kwargs, micro batch, sequence length)
@@ -26,14 +26,14 @@ TOLERANCE = 0.10
 # The measured peak is not repeatable to the byte on every rank: whether a finished collective's buffers
 # (gloo's copy of a reduce-scatter's input, the bucket it sent) are freed by this thread after the wait or
 # by gloo's worker thread (unrecorded, taken as freed when the call returned: Note [frees on other
-# threads] in zerospeed.testing.alloc_peak) is a race, worth a bucket or two (1.5-3.5 MiB here, up to 10%
+# threads] in harness.alloc_peak) is a race, worth a bucket or two (1.5-3.5 MiB here, up to 10%
 # on one rank). Each configuration is therefore held to 10% on its quietest rank and to 15% on every rank.
 EVERY_RANK = 0.15
 
 
 def _gpt(kw, ckpt):
     from zerospeed import checkpointing
-    from zerospeed.testing.models import GPT, GPTConfig
+    from zoo.models import GPT, GPTConfig
 
     class Checkpointed(torch.nn.Module):
         def __init__(self, block):
@@ -55,7 +55,7 @@ def _measure(kw, micro_batch, seq, stage, ckpt, offload=False):
     first allocates Adam's states), so that a buffer gloo's worker thread happens to free late does
     not count as the step's unless it does so in both."""
     import zerospeed
-    from zerospeed.testing.alloc_peak import AllocationTrace
+    from harness.alloc_peak import AllocationTrace
     g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
     with AllocationTrace(released=True) as trace:
         model = _gpt(kw, ckpt)
@@ -181,7 +181,7 @@ def _measure_hf_bf16():
     import transformers
 
     import zerospeed
-    from zerospeed.testing.alloc_peak import AllocationTrace
+    from harness.alloc_peak import AllocationTrace
     out = {}
     for stage in HF_STAGES:
         gc.collect()  # the previous stage's engine and model: freed before this trace, not inside it

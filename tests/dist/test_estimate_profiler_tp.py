@@ -22,7 +22,7 @@ from zerospeed.comm.mesh import ParallelMesh
 from zerospeed.estimate import Precision, census_of_config, stage_bytes
 from zerospeed.estimate.layout import stage_params
 from zerospeed.profiling import FlopsProfiler
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 pytest.importorskip("transformers")
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerospeed.testing import run_distributed
-from zerospeed.testing.models import GPT, GPTConfig
-from zerospeed.testing.reference import single_threaded
+from harness import run_distributed
+from zoo.models import GPT, GPTConfig
+from harness.reference import single_threaded
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
 MICRO, GAS, STEPS, WORLD = 2, 2, 4, 2
@@ -36,7 +36,7 @@ def _batches():
 
 
 def _micro(batch, rank: int, m: int):
-    start = (m * WORLD + rank) * MICRO  # zerospeed.testing.reference.split_global_batch's convention
+    start = (m * WORLD + rank) * MICRO  # harness.reference.split_global_batch's convention
     return batch[start:start + MICRO]
 
 

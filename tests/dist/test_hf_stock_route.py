@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from zerospeed.compat import deepspeed_is_shim
-from zerospeed.testing import free_port
+from harness import free_port
 
 pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 pytest.importorskip("transformers")
 
@@ -39,7 +39,7 @@ class _Causal(torch.utils.data.Dataset):
     """Windows of the stdlib corpus as Trainer examples (labels = inputs; the model shifts)."""
 
     def __init__(self, n: int, offset: int = 0):
-        from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus
+        from zoo.data import ByteSequenceDataset, stdlib_corpus
         self.ds = ByteSequenceDataset(stdlib_corpus(max_bytes=(n + offset) * SEQ + 1), SEQ)
         self.n, self.offset = n, offset
 

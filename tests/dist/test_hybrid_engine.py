@@ -19,8 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerospeed.testing import run_distributed
-from zerospeed.testing.reference import reference_train
+from harness import run_distributed
+from harness.reference import reference_train
 
 V, WORLD, MICRO = 61, 2, 2
 NEW = {0: 3, 1: 7}

@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerospeed.testing import run_distributed
-from zerospeed.testing.data import left_padded_prompts
+from harness import run_distributed
+from zoo.data import left_padded_prompts
 
 V, NEW, PAD = 37, 6, 0
 LENGTHS = (3, 5, 7)

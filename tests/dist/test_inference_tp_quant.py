@@ -3,7 +3,7 @@
 GPT-2 (fused c_attn, Conv1D layers, tied head) and a Llama with grouped-query attention (untied head)
 are sharded by AutoTP at tp = 2 and 4 and quantized by `init_inference(quant=...)`. The reference is
 plain transformers, in one process: the same unsharded model with each linear weight replaced by its
-quantize -> dequantize round trip (the pure functions of `zerospeed.inference.quantize.groupwise`,
+quantize -> dequantize round trip (the pure functions of `zerospeed.compression.weight_quant.groupwise`,
 unit-tested against their error bound). With the local input features a multiple of the group size,
 the sharded model must compute exactly that model: full logits within 1e-5 and greedy generation of a
 left-padded batch token-identical. Every rank also reports its quantized bytes, which must equal the
@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerospeed.testing import run_distributed
-from zerospeed.testing.data import left_padded_prompts
+from harness import run_distributed
+from zoo.data import left_padded_prompts
 
 V, NEW, PAD, GROUP = 37, 5, 0, 8
 LENGTHS = (3, 6)
@@ -53,7 +53,7 @@ def run(model):
 @torch.no_grad()
 def fake_quantized(arch: str, bits: int):
     """The unsharded model, each linear weight (not the tied head) through quantize -> dequantize."""
-    from zerospeed.inference.quantize.groupwise import dequantize, quantize
+    from zerospeed.compression.weight_quant.groupwise import dequantize, quantize
     model = make(arch)
     s = SETTINGS[bits]
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 V, NEW, PAD = 61, 6, 0
 

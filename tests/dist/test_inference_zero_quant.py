@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerospeed.testing import run_distributed
-from zerospeed.testing.reference import fake_quantize_stage3_units
+from harness import run_distributed
+from harness.reference import fake_quantize_stage3_units
 
 WORLD, NEW = 2, 5
 QUANT = {"int8": {"num_bits": 8, "group_size": 64},  # DeepSpeed's default: asymmetric
@@ -41,7 +41,7 @@ def ids():
 def _served(nvme_dir):
     import zerospeed
     from zerospeed import comm
-    from zerospeed.testing import census
+    from harness import census
     out = {}
     for name, (quant, device) in SERVED.items():
         model = make()
@@ -83,7 +83,7 @@ def served(tmp_path_factory):
 
 
 def _reference(name):
-    from zerospeed.ops.quantizer import wire_bytes
+    from zerospeed.precision.quantize import wire_bytes
     model = make()
     units = fake_quantize_stage3_units(model, WORLD, _linear(QUANT[name]))
     with torch.no_grad():

@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from zerospeed.testing import free_port
+from harness import free_port
 
 SCRIPTS = Path(__file__).parent / "scripts"
 LAUNCH = [sys.executable, "-m", "zerospeed.launcher"]

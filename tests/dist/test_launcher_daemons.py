@@ -30,7 +30,7 @@ import torch
 from zerospeed.launcher.environment import UserCommand
 from zerospeed.launcher.runners import NodeCommand, kill_line
 from zerospeed.launcher.world import encode_world_info
-from zerospeed.testing import daemons, free_port, reference_train
+from harness import daemons, free_port, reference_train
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TRAIN = SCRIPTS / "launcher_train.py"

@@ -14,7 +14,7 @@ import pytest
 
 from zerospeed.launcher import cli
 from zerospeed.launcher.runners import remote_shell_command
-from zerospeed.testing import free_port
+from harness import free_port
 
 SCRIPTS = Path(__file__).parent / "scripts"
 LAUNCH = [sys.executable, "-m", "zerospeed.launcher"]

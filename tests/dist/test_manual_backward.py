@@ -1,5 +1,5 @@
 """DeepSpeed's manual backward: `engine.scale(loss).backward()` then `engine.step()`, against one plain
-PyTorch process (zerospeed.testing.reference) over the same global batches: 2 ranks, 2 accumulation
+PyTorch process (harness.reference) over the same global batches: 2 ranks, 2 accumulation
 steps, ZeRO 0 (whose `param.grad` DeepSpeed users read after backward), 2 and 3; the ranks' mean loss per
 step and the final weights within 1e-6. No biases: a key bias has no gradient in exact arithmetic (softmax
 is shift-invariant), so Adam would turn its rounding noise into lr-sized steps that differ between any
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerospeed.testing import run_distributed
-from zerospeed.testing.models import GPT, GPTConfig
-from zerospeed.testing.reference import split_global_batch, reference_train
+from harness import run_distributed
+from zoo.models import GPT, GPTConfig
+from harness.reference import split_global_batch, reference_train
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
 MICRO, GAS, STEPS, WORLD, TOL = 2, 2, 3, 2, 1e-6

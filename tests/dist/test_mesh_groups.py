@@ -7,7 +7,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.comm import MESH_AXES, ParallelMesh, RankGrid
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 WORLD = 4
 LAYOUTS = {"tp2": dict(tp=2), "ep2": dict(ep=2)}

@@ -21,9 +21,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerospeed.testing import run_distributed
-from zerospeed.testing.models import GPT, GPTConfig
-from zerospeed.testing.reference import engine_global_step, reference_train
+from harness import run_distributed
+from zoo.models import GPT, GPTConfig
+from harness.reference import engine_global_step, reference_train
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)  # (an attention
 # key bias has a zero gradient up to rounding, which Adam magnifies: no fp32 parity for it anywhere)

@@ -20,7 +20,7 @@ import torch
 import zerospeed
 from zerospeed import comm
 from zerospeed.moe.autoep import ExpertParallelExperts, save_autoep_model
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 transformers = pytest.importorskip("transformers")
 

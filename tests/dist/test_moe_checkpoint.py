@@ -28,7 +28,7 @@ from zerospeed import comm
 from zerospeed.checkpoint import get_fp32_state_dict_from_zero_checkpoint
 from zerospeed.comm.mesh import ParallelMesh
 from zerospeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 K, DROP, HALF = 1, True, STEPS // 2
 TARGETS = [(2, 4, 2), (2, 1, 3), (0, 4, 0)]  # (ZeRO stage saved at, ep and stage resumed at)

@@ -4,7 +4,7 @@ Four ranks, a tiny model (dense Linear -> MoE of 4 experts -> loss = MSE + 0.1 *
 steps with a gradient clip that acts. Cases: top-1 and top-2, with and without token dropping, at
 ep = 1, 2, 4 (ZeRO-0), and ep 2 x expert-dp 2 at ZeRO-2 and ZeRO-3 — all through
 `zerospeed.initialize` with DeepSpeed-style param groups. The reference
-(zerospeed.testing.moe_reference) routes each virtual rank's own tokens with per-token loops
+(harness.moe_reference) routes each virtual rank's own tokens with per-token loops
 (capacity is per rank, as in DeepSpeed), holds one copy of each of the 4 experts, and descends the
 mean of the 4 ranks' losses. Gating is deterministic here (no RTS, no second-expert sampling, no
 noise); the random parts are tested by their properties in tests/unit/test_moe_gating.py.
@@ -26,8 +26,8 @@ from zerospeed import comm
 from zerospeed.comm.mesh import ParallelMesh
 from zerospeed.moe.layer import MoE
 from zerospeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-from zerospeed.testing import live_tensor_bytes, run_distributed
-from zerospeed.testing.moe_reference import ref_capacity, ref_l_aux, ref_routes
+from harness import live_tensor_bytes, run_distributed
+from harness.moe_reference import ref_capacity, ref_l_aux, ref_routes
 from zerospeed.zero.memory import model_state_bytes
 
 WORLD, E, M, H, B, T, STEPS = 4, 4, 6, 5, 2, 4, 10

@@ -7,7 +7,7 @@ comm/topology.py): at ep 2 the two sequence ranks of a replica hold 2 experts ea
 holds one; the experts' gradients average over their replicas as dense weights do over dp x sp. Trained
 10 Adam steps at ZeRO-2 (ep 2) and ZeRO-0 (ep 4).
 
-The reference runs the same blocks with the experts computed densely per token (zerospeed.testing.
+The reference runs the same blocks with the experts computed densely per token (harness.
 moe_reference.ref_moe_forward: softmax gate, the top expert's output times its gate), the whole
 sequence in one process, each step's loss the mean over the 2 replicas (test_ulysses_parity.
 reference_step). The router's auxiliary loss is left out of the objective (it is a per-rank statistic
@@ -26,9 +26,9 @@ from test_ulysses_parity import MICRO, SPLoss, batches, reference_step, sp_steps
 from zerospeed.moe.layer import MoE
 from zerospeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from zerospeed.sequence.layer import DistributedAttention
-from zerospeed.testing import run_distributed
-from zerospeed.testing.moe_reference import ref_moe_forward
-from zerospeed.testing.sequence_models import GPT, local_sdpa
+from harness import run_distributed
+from harness.moe_reference import ref_moe_forward
+from zoo.sequence_models import GPT, local_sdpa
 
 WORLD, SP, E, WIDTH, HEADS, KV, LR, TOL = 4, 2, 4, 16, 4, 2, 1e-2, 1e-5
 CASES = [(2, 2), (4, 0)]  # (ep, ZeRO stage)

@@ -14,7 +14,7 @@ from torch import nn
 import zerospeed
 from zerospeed import comm
 from zerospeed.comm.mesh import ParallelMesh
-from zerospeed.testing import reference_train, run_distributed, split_global_batch
+from harness import reference_train, run_distributed, split_global_batch
 
 DP, GAS, MICRO, STEPS = 2, 2, 2, 10
 CONFIG = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": 1.0,

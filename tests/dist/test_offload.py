@@ -19,8 +19,8 @@ import zerospeed
 from test_zero_parity import GAS, build_model, global_batches, param_groups, zero_config
 from zerospeed import comm
 from zerospeed.offload.swap import slot_nbytes
-from zerospeed.testing import run_distributed, split_global_batch
-from zerospeed.testing.census import live_tensor_bytes
+from harness import run_distributed, split_global_batch
+from harness.census import live_tensor_bytes
 
 STEPS = 10
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerospeed.testing import run_distributed
-from zerospeed.testing.models import GPT, GPTConfig
-from zerospeed.testing.reference import split_global_batch
+from harness import run_distributed
+from zoo.models import GPT, GPTConfig
+from harness.reference import split_global_batch
 # the model, batches and optimizer of the manual-backward test: GPT without biases, 2 accumulation steps
 from test_manual_backward import ADAMW, CFG, GAS, MICRO, STEPS, TOL, WORLD, _batches, reference  # noqa: E402
 
@@ -61,8 +61,8 @@ def _train(stage, tmp: str):
     """`stage`: a ZeRO stage, or "2-bf16" (bf16 weights, fp32 masters: the two are separate storages)."""
     import zerospeed
     from zerospeed import comm
-    from zerospeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
-    from zerospeed.runtime.zero.offload_states import get_state_devices
+    from zerospeed.offload.states import OffloadStateTypeEnum as S
+    from zerospeed.offload.states import get_state_devices
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
     bf16 = stage == "2-bf16"

@@ -18,14 +18,14 @@ import torch
 import zerospeed
 from zerospeed import comm
 from zerospeed.comm.compressed import compressed_allreduce_many, error_buffers, padded_size
-from zerospeed.config.errors import ConfigError
-from zerospeed.parallel.pipeline.gpt_layers import gpt_layer_specs, lm_loss
+from zerospeed.utils.errors import ConfigError
+from zoo.gpt_layers import gpt_layer_specs, lm_loss
 from zerospeed.pipe import PipelineModule
-from zerospeed.testing import run_distributed, split_global_batch
-from zerospeed.testing.data import ByteSequenceDataset, stdlib_corpus, text_batches
-from zerospeed.testing.reference import engine_global_step
-from zerospeed.testing.models import GPT, GPTConfig
-from zerospeed.testing.onebit_reference import (OneBitAdamReference, OneBitLambReference, ZeroOneAdamReference,
+from harness import run_distributed, split_global_batch
+from zoo.data import ByteSequenceDataset, stdlib_corpus, text_batches
+from harness.reference import engine_global_step
+from zoo.models import GPT, GPTConfig
+from harness.onebit_reference import (OneBitAdamReference, OneBitLambReference, ZeroOneAdamReference,
                                                 simulate_compressed_allreduce)
 
 SIZES = (37, 100)

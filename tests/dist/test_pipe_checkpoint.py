@@ -6,8 +6,8 @@ import os
 import pytest
 
 from zerospeed import comm
-from zerospeed.config.errors import ConfigError
-from zerospeed.testing import run_distributed
+from zerospeed.utils.errors import ConfigError
+from harness import run_distributed
 from test_pipe_parity import MODEL, build_engine, global_batches, micro_batches, reference
 
 STEPS = 6

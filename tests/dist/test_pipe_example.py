@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from zerospeed.testing import free_port
+from harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,11 +6,11 @@ import torch
 
 import zerospeed
 from zerospeed import comm
-from zerospeed.parallel.pipeline.gpt_layers import gpt_layer_specs, lm_loss
+from zoo.gpt_layers import gpt_layer_specs, lm_loss
 from zerospeed.pipe import PipelineModule
-from zerospeed.testing import reference_train, run_distributed, split_global_batch
-from zerospeed.testing.data import text_batches
-from zerospeed.testing.models import GPT, GPTConfig
+from harness import reference_train, run_distributed, split_global_batch
+from zoo.data import text_batches
+from zoo.models import GPT, GPTConfig
 
 MICRO, STEPS, SEQ, LR = 2, 5, 8, 3e-3  # 5 steps: the loss already falls by 0.26
 MODEL = GPTConfig(vocab_size=256, block_size=SEQ, n_layer=4, n_head=1, n_embd=16, bias=True)

@@ -16,14 +16,14 @@ import torch
 import zerospeed
 from zerospeed import comm
 from zerospeed.comm.mesh import ParallelMesh
-from zerospeed.parallel.pipeline.gpt_layers import TensorParallelLoss, gpt_layer_specs, lm_loss
+from zoo.gpt_layers import TensorParallelLoss, gpt_layer_specs, lm_loss
 from zerospeed.parallel.tensor import gather_full, param_layouts
 from zerospeed.pipe import PipelineModule
-from zerospeed.runtime.pipe.topology import PipeModelDataParallelTopology
-from zerospeed.testing import reference_train, run_distributed, split_global_batch
-from zerospeed.testing.census import live_tensor_bytes
-from zerospeed.testing.data import text_batches
-from zerospeed.testing.models import GPT, GPTConfig
+from zerospeed.parallel.pipeline.topology import PipeModelDataParallelTopology
+from harness import reference_train, run_distributed, split_global_batch
+from harness.census import live_tensor_bytes
+from zoo.data import text_batches
+from zoo.models import GPT, GPTConfig
 
 MICRO, GAS, SEQ, LR = 2, 4, 8, 3e-3
 MODEL = GPTConfig(vocab_size=256, block_size=SEQ, n_layer=2, n_head=4, n_embd=16, bias=True)

@@ -9,7 +9,7 @@ import torch
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
 from zerospeed.parallel.pipeline.transport import RecvOp, SendOp, Transport
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 
 def exchange(steps: int = 3) -> list:

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 
 import zerospeed
 from zerospeed import comm
-from zerospeed.runtime.data_pipeline.data_routing import convert_to_random_ltd, save_without_random_ltd
-from zerospeed.testing import reference_train, run_distributed, split_global_batch
-from zerospeed.testing.data import text_batches
-from zerospeed.testing.models import GPT, Block, GPTConfig
+from zerospeed.data.random_ltd import convert_to_random_ltd, save_without_random_ltd
+from harness import reference_train, run_distributed, split_global_batch
+from zoo.data import text_batches
+from zoo.models import GPT, Block, GPTConfig
 
 WORLD, MICRO, GAS, STEPS, SEQ = 2, 2, 2, 6, 16
 MODEL = GPTConfig(vocab_size=256, block_size=SEQ, n_layer=3, n_head=2, n_embd=16)

@@ -18,7 +18,7 @@ from torch import nn
 import zerospeed
 from zerospeed import comm
 from zerospeed.comm.mesh import ParallelMesh
-from zerospeed.testing import run_distributed, split_global_batch
+from harness import run_distributed, split_global_batch
 
 WORLD, EP, GAS, MICRO, STEPS, WIDTH = 4, 2, 2, 2, 10, 8
 LR, CLIP = 3e-2, 0.05  # a small clip so that clipping (and thus the global norm) acts on every step

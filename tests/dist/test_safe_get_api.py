@@ -1,4 +1,4 @@
-"""DeepSpeed's parameter accessors (`zerospeed.utils.tensor_fragment`) at ZeRO stages 0-3 on 2 ranks,
+"""DeepSpeed's parameter accessors (`zerospeed.zero.tensor_access`) at ZeRO stages 0-3 on 2 ranks,
 against the same model trained in one plain PyTorch process on the concatenated batch; and stage 0's
 `param.grad` after backward (local before the accumulation boundary, averaged after it)."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ from torch import nn
 
 import zerospeed
 from zerospeed import comm
-from zerospeed.testing import run_distributed
-from zerospeed.utils.tensor_fragment import (
+from harness import run_distributed
+from zerospeed.zero.tensor_access import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
     safe_get_full_optimizer_state,

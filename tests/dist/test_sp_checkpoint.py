@@ -21,8 +21,8 @@ import torch
 import zerospeed
 from test_ulysses_parity import SPLoss, reference_step, sp_steps
 from zerospeed.sequence.layer import DistributedAttention
-from zerospeed.testing import run_distributed
-from zerospeed.testing.sequence_models import GPT, VOCAB, local_sdpa
+from harness import run_distributed
+from zoo.sequence_models import GPT, VOCAB, local_sdpa
 
 SEQ, G, K, N, LR, TOL, WORLD = 13, 4, 3, 3, 1e-2, 1e-5, 4
 WIDTH, HEADS, KV = 16, 4, 2

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerospeed.testing import run_distributed
-from zerospeed.testing.reference import reference_train
+from harness import run_distributed
+from harness.reference import reference_train
 
 WORLD, MICRO, GAS, STEPS, VOCAB = 2, 2, 2, 6, 20
 OPTIMIZERS = {"SGD": {"lr": 0.5}, "Adagrad": {"lr": 0.1}}
@@ -40,7 +40,7 @@ def _batches():
 def _train(stage: int, opt: str):
     import zerospeed
     from zerospeed import comm
-    from zerospeed.testing.reference import engine_global_step
+    from harness.reference import engine_global_step
     model = _model()
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.0,
            "optimizer": {"type": opt, "params": OPTIMIZERS[opt]}, "zero_allow_untested_optimizer": True,

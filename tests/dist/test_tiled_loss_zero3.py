@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 VOCAB, WIDTH, SEQ, BATCH, STEPS, WORLD = 96, 32, 24, 2, 3, 2
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}

@@ -3,7 +3,7 @@
 import pytest
 
 from zerospeed.estimate.measure import Measurement, _probe_stages, format_measurements, measure, predict
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 # 512^2 = 262,144 > stage3_param_persistence_threshold (1e5): every layer is partitioned at stage 3
 WIDTH, LAYERS = 512, 4
@@ -15,7 +15,7 @@ def _observed_run(out_dir: str) -> None:
     import zerospeed
     from zerospeed.config import parse_config
     from zerospeed.profiling.observer import EngineObserver
-    from zerospeed.testing.models import TinyMLP
+    from zoo.models import TinyMLP
 
     base = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             "zero_optimization": {"stage": 2}}

@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerospeed.testing import run_distributed
-from zerospeed.testing.models import GPT, GPTConfig
-from zerospeed.testing.reference import single_threaded
+from harness import run_distributed
+from zoo.models import GPT, GPTConfig
+from harness.reference import single_threaded
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=True)
 MICRO, STEPS, WORLD, TOL = 2, 4, 2, 1e-6

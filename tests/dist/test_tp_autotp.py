@@ -15,7 +15,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.comm.mesh import ParallelMesh
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 V, B, T, STEPS = 37, 2, 8, 10
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 pytest.importorskip("transformers")
 

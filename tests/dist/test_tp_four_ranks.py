@@ -9,7 +9,7 @@ import pytest
 import test_tp_autotp as autotp
 import test_tp_megatron_gpt as gpt
 
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 
 def _four_rank_cases():

@@ -23,7 +23,7 @@ from zerospeed.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, 
                                        param_layouts, vocab_parallel_cross_entropy)
 from zerospeed.parallel.tensor.partition import fused_spec
 from zerospeed.parallel.tensor.volume import model_step_bytes
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 V, D, H, L, B, T, STEPS = 37, 16, 4, 2, 2, 8, 10
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerospeed.testing import run_distributed
-from zerospeed.testing.rss import PeakSampler
+from harness import run_distributed
+from harness.rss import PeakSampler
 
 pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import zerospeed
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 SEQ, MICRO, STEPS, LR, WD, TOL = 13, 2, 4, 1e-3, 0.01, 1e-5
 

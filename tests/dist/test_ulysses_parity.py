@@ -20,8 +20,8 @@ from zerospeed import comm
 from zerospeed.sequence.data import shard_sequence_batch, shift_labels_of
 from zerospeed.sequence.layer import DistributedAttention
 from zerospeed.sequence.loss import sequence_parallel_cross_entropy
-from zerospeed.testing import run_distributed
-from zerospeed.testing.sequence_models import GPT, VOCAB, local_sdpa
+from harness import run_distributed
+from zoo.sequence_models import GPT, VOCAB, local_sdpa
 
 SEQ, MICRO, STEPS, LR, TOL = 13, 2, 10, 1e-2, 1e-5
 

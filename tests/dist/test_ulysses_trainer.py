@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 pytest.importorskip("transformers")
 

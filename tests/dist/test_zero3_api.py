@@ -5,8 +5,8 @@ from torch.nn.modules import module as module_mod
 
 import zerospeed
 from zerospeed import comm, zero
-from zerospeed.testing import live_tensor_bytes, run_distributed
-from zerospeed.testing.models import GPT, GPTConfig
+from harness import live_tensor_bytes, run_distributed
+from zoo.models import GPT, GPTConfig
 
 BIG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=256, bias=True)
 CFG3 = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -168,8 +168,8 @@ def test_forward_peak_stays_within_max_live_parameters_plus_one_unit():
 
 def _init_to_training_trace(init: bool):
     """Allocator record (torch profiler, independent of zerospeed) of build -> initialize -> 2 steps."""
-    from zerospeed.testing import census
-    from zerospeed.testing.alloc_peak import AllocationTrace
+    from harness import census
+    from harness.alloc_peak import AllocationTrace
     cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=8, n_head=4, n_embd=256, bias=True)
     torch.manual_seed(0)
     eager = GPT(cfg)

@@ -6,8 +6,8 @@ import torch
 
 import zerospeed
 from zerospeed import comm
-from zerospeed.testing import reference_train, run_distributed, split_global_batch
-from zerospeed.testing.reference import engine_global_step, fake_quantize_stage3_units
+from harness import reference_train, run_distributed, split_global_batch
+from harness.reference import engine_global_step, fake_quantize_stage3_units
 
 VOCAB, D, RANK, LAYERS, SEQ = 128, 384, 4, 4, 8
 MICRO, GAS, STEPS, WORLD = 2, 2, 4, 2
@@ -60,7 +60,7 @@ CONFIG = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gr
 
 
 def _unit_storages() -> int:
-    from zerospeed.testing import census
+    from harness import census
     return sum(1 for n in census.live_tensor_storages().values() if n == UNIT_BYTES)
 
 
@@ -69,7 +69,7 @@ def _frozen_bytes(model) -> int:
 
 
 def _train_save_load(root, cfg):
-    from zerospeed.testing import census
+    from harness import census
     rank, world = comm.get_rank(), comm.get_world_size()
     torch.manual_seed(0)
     model = LoraNet()
@@ -155,7 +155,7 @@ def _reference(quantized=False):
 
 def _stored_bytes(world):
     """Bytes of one rank's int8-stored frozen shards: codes + one fp32 scale per 512 (per unit)."""
-    from zerospeed.ops.quantizer import wire_bytes
+    from zerospeed.precision.quantize import wire_bytes
     torch.manual_seed(0)
     return [wire_bytes(chunk, 8, 512) for _, chunk, _ in fake_quantize_stage3_units(LoraNet(), world, _int8)]
 

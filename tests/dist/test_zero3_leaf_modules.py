@@ -9,8 +9,8 @@ from torch import nn
 
 import zerospeed
 from zerospeed import comm
-from zerospeed.testing import reference_train, run_distributed
-from zerospeed.testing.reference import engine_global_step
+from harness import reference_train, run_distributed
+from harness.reference import engine_global_step
 from zerospeed.utils import set_z3_leaf_modules, z3_leaf_parameter
 
 MICRO, GAS, STEPS, T, WORLD = 2, 2, 4, 6, 2

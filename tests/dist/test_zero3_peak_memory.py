@@ -5,7 +5,7 @@ saved during a forward, against the same census of the plain single-process mode
 import pytest
 import torch
 
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 WIDTH, LAYERS, BATCH = 256, 6, 8
 
@@ -67,14 +67,14 @@ VOCAB, EMBD = 4096, 256  # the tied weight is 2^20 elements: at least a reduce b
 
 
 def _tied_gpt():
-    from zerospeed.testing.models import GPT, GPTConfig
+    from zoo.models import GPT, GPTConfig
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=EMBD))
 
 
 def _tied_probe():
     import zerospeed
-    from zerospeed.testing import census
+    from harness import census
     from zerospeed.utils import safe_get_local_grad
     x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))  # the same on both ranks
     # plain PyTorch, the head untied from the embedding: each use's share of the tied gradient

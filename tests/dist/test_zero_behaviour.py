@@ -5,7 +5,7 @@ import torch
 import zerospeed
 from zerospeed import comm
 from zerospeed.config import ConfigError
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 from test_engine_behaviour import Branchy  # noqa: E402  (tests/dist is on sys.path)
 

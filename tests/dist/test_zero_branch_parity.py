@@ -5,8 +5,8 @@ import torch
 
 import zerospeed
 from zerospeed import comm
-from zerospeed.testing import reference_train, run_distributed
-from zerospeed.testing.reference import engine_global_step
+from harness import reference_train, run_distributed
+from harness.reference import engine_global_step
 
 MICRO, GAS, STEPS = 2, 2, 10
 

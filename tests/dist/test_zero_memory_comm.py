@@ -3,8 +3,8 @@ byte counters on a 5.24M-parameter model at 2 and 4 ranks."""
 import pytest
 
 from zerospeed.comm import wire_fraction
-from zerospeed.testing import run_distributed
-from zerospeed.testing.zero_probe import probe_all
+from harness import run_distributed
+from harness.zero_probe import probe_all
 
 PARAM_BYTES = {"fp32": 4, "bf16": 2}
 

@@ -7,9 +7,9 @@ import torch
 import zerospeed
 from zerospeed import comm
 from zerospeed.optim import build_lr_scheduler
-from zerospeed.testing import per_world, reference_train, split_global_batch
-from zerospeed.testing.data import text_batches
-from zerospeed.testing.models import GPT, GPTConfig
+from harness import per_world, reference_train, split_global_batch
+from zoo.data import text_batches
+from zoo.models import GPT, GPTConfig
 
 MICRO, GAS, STEPS, SEQ = 2, 2, 8, 16
 # n_embd 31 with one head: the trainable parameter count is odd, so no world size divides it.

@@ -18,7 +18,7 @@ import zerospeed
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
 from zerospeed.optim import build_lr_scheduler
-from zerospeed.testing import reference_train, split_global_batch
+from harness import reference_train, split_global_batch
 
 STEPS = 10
 
@@ -166,8 +166,8 @@ def offload_states_ranks(stages: list[int]) -> dict:
     """engine.offload_states() after training (fp32, one rank): device memory before, offloaded and
     reloaded (torch.cuda's own count), the host copies' pinning, and the weights after the round trip;
     rank 0 adds the plain PyTorch reference."""
-    from zerospeed.runtime.zero.offload_config import OffloadStateTypeEnum
-    from zerospeed.runtime.zero.offload_states import get_state_devices
+    from zerospeed.offload.states import OffloadStateTypeEnum
+    from zerospeed.offload.states import get_state_devices
     exact_fp32()
     out = {}
     for stage in stages:
@@ -194,7 +194,7 @@ def zero_init_ranks() -> dict:
     """zero.Init of a CPU-built model: where the shards live, exactness, the modifier broadcast, training."""
     from test_zero3_api import BIG, CFG3
     from zerospeed import zero
-    from zerospeed.testing.models import GPT, GPTConfig
+    from zoo.models import GPT, GPTConfig
     from zerospeed.zero.stage3 import registry
     exact_fp32()
     torch.manual_seed(0)
@@ -284,7 +284,7 @@ def _ckpt_step(blocks, x, checkpointed: bool, seed: int):
     """test_activation_checkpointing_dist.step, also reporting where each kept input is and whether it
     is pinned: (gradients on the host, [(device type, pinned, original device, partitioned, numel)])."""
     from zerospeed import checkpointing
-    from zerospeed.checkpointing.stash import SavedInput
+    from zerospeed.activation.stash import SavedInput
     torch.manual_seed(seed)  # the host and every GPU generator: the same dropout masks as the reference
     for p in blocks.parameters():
         p.grad = None
@@ -355,7 +355,7 @@ def partitioned_checkpointing_ranks() -> dict:
     """partition_activations over a 2-rank model-parallel group on NCCL, with and without cpu_checkpointing."""
     import test_activation_checkpointing_dist as ac
     from zerospeed import checkpointing
-    from zerospeed.testing.mpu import GroupMpu
+    from harness.mpu import GroupMpu
     exact_fp32()
     mpu = GroupMpu(comm.new_group([0, 1]))
     blocks, x = _dropout_blocks()

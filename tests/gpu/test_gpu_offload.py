@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import gpu_cases as gc
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

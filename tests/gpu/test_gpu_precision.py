@@ -8,7 +8,7 @@ multi-rank reductions on the CPU.
 import pytest
 import torch
 
-from zerospeed.testing import run_distributed
+from harness import run_distributed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -18,7 +18,7 @@ STEPS, BATCH = 5, 4
 
 
 def _model():
-    from zerospeed.testing.models import GPT, GPTConfig
+    from zoo.models import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
     model.lm_head.weight = torch.nn.Parameter(model.wte.weight.detach().clone())  # (untied: see the dist tests)

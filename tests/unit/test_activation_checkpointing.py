@@ -1,4 +1,4 @@
-"""zerospeed.checkpointing: gradients equal to no checkpointing (dropout included, so the RNG replay
+"""zerospeed.activation: gradients equal to no checkpointing (dropout included, so the RNG replay
 is exercised), each option's observable effect (host copies, one reused buffer, profile counts),
 configuration and its errors, and the activation-memory claim measured by the independent census."""
 from __future__ import annotations
@@ -14,13 +14,13 @@ from torch import nn
 
 from zerospeed import checkpointing
 from zerospeed.accelerator import get_accelerator
-from zerospeed.checkpointing import function as ckpt_function
-from zerospeed.checkpointing.arena import ContiguousArena
-from zerospeed.checkpointing.partition import chunk_bounds, chunk_numel, copy_partition
-from zerospeed.checkpointing.stash import SavedInput
+from zerospeed.activation import function as ckpt_function
+from zerospeed.activation.arena import ContiguousArena
+from zerospeed.activation.partition import chunk_bounds, chunk_numel, copy_partition
+from zerospeed.activation.stash import SavedInput
 from zerospeed.config import ConfigError, parse_config
-from zerospeed.testing.census import live_tensor_bytes
-from zerospeed.testing.models import Block, GPTConfig
+from harness.census import live_tensor_bytes
+from zoo.models import Block, GPTConfig
 
 DEV = get_accelerator().torch_device()
 D, B, T, N_BLOCKS = 32, 4, 8, 4
@@ -335,7 +335,7 @@ def test_profile_counts_forwards_recomputes_and_backwards(caplog):
     blocks, x = make_stack(), make_input()
     for _ in range(2):
         run(blocks, x, checkpointed=True)
-    with caplog.at_level(logging.INFO, logger="zerospeed.checkpointing"):
+    with caplog.at_level(logging.INFO, logger="zerospeed.activation"):
         report = checkpointing.profile_report()
     for phase in ("forward", "recompute", "backward"):
         assert report[phase]["calls"] == 2 * N_BLOCKS
@@ -410,7 +410,7 @@ def test_partition_without_model_parallel_group_warns_once(caplog):
         def get_model_parallel_world_size(self):
             return 1
 
-    with caplog.at_level(logging.WARNING, logger="zerospeed.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="zerospeed.activation"):
         checkpointing.configure(partition_activations=True)
         checkpointing.configure(SoloMpu(), partition_activations=True)
         for _ in range(2):

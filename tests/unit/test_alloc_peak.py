@@ -1,7 +1,7 @@
-"""zerospeed.testing.alloc_peak against sizes known by construction (torch's own element sizes)."""
+"""harness.alloc_peak against sizes known by construction (torch's own element sizes)."""
 import torch
 
-from zerospeed.testing.alloc_peak import AllocationTrace
+from harness.alloc_peak import AllocationTrace
 
 MIB = 1 << 20
 

@@ -7,7 +7,7 @@ import torch
 
 import zerospeed
 from zerospeed.autotuning.probe import ENV_METRIC_PATH, ENV_MODEL_INFO_PATH, step_metrics
-from zerospeed.testing.models import TinyMLP
+from zoo.models import TinyMLP
 
 CFG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},

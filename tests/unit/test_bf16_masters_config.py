@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from zerospeed.config import parse_config
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.precision.policy import PrecisionPolicy
 
 BASE = {"train_micro_batch_size_per_gpu": 2}

@@ -1,7 +1,7 @@
 """The tensor census counts each storage once, whatever views and parameters share it."""
 import torch
 
-from zerospeed.testing import live_tensor_bytes
+from harness import live_tensor_bytes
 
 
 def test_census_counts_new_storage_exactly_once():

@@ -12,7 +12,7 @@ import torch
 import zerospeed
 from zerospeed.checkpoint import CheckpointError
 from zerospeed.checkpoint.manifest import read_manifest
-from zerospeed.testing.models import GPT, GPTConfig
+from zoo.models import GPT, GPTConfig
 from zerospeed.zero.shards import parameter_names
 
 @pytest.fixture(autouse=True)
@@ -274,7 +274,7 @@ def test_save_16bit_model_can_exclude_frozen_parameters(tmp_path, stage):
     # DeepSpeed 0.19.8's signature: save_16bit_model(save_dir, save_filename="pytorch_model.bin",
     # exclude_frozen_parameters=False); excluded = the parameters with requires_grad False
     import zerospeed
-    from zerospeed.testing.models import TinyMLP
+    from zoo.models import TinyMLP
     torch.manual_seed(0)
     model = TinyMLP()
     list(model.parameters())[0].requires_grad_(False)  # the first layer's weight

@@ -17,7 +17,7 @@ from zerospeed.checkpoint.export import clone_overlapping, export_state_dict, re
 from zerospeed.checkpoint.naming import CheckpointPaths
 from zerospeed.checkpoint.safetensors_io import SafetensorsError, read_safetensors, write_safetensors
 from zerospeed.checkpoint.tags import resolve_tag_dir
-from zerospeed.runtime.dataloader import RepeatingLoader, ShardedDataLoader
+from zerospeed.data.loader import RepeatingLoader, ShardedDataLoader
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):

@@ -12,7 +12,7 @@ from zerospeed.checkpoint.naming import CheckpointPaths, check_tag, default_tag,
 from zerospeed.checkpoint.save import compact, compact_state_dict
 from zerospeed.checkpoint.tags import tag_disagreement
 from zerospeed.checkpoint.universal import uncovered
-from zerospeed.runtime.dataloader import resume_position
+from zerospeed.data.loader import resume_position
 from zerospeed.zero.shards import Piece
 
 

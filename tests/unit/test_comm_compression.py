@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from zerospeed.comm.compressed import (compressed_allreduce, error_buffers, pack_signs, padded_size, unpack_signs)
-from zerospeed.testing.onebit_reference import simulate_compressed_allreduce
+from harness.onebit_reference import simulate_compressed_allreduce
 
 
 def test_sign_packing_is_lossless_and_maps_zero_to_plus_one():

@@ -12,8 +12,8 @@ from zerospeed.compression.basic_layer import LinearLayer_Compress, QuantizedLin
 from zerospeed.compression.prune import row_l1_mask, sparse_l1_mask, topk_mask, topk_mask_ste
 from zerospeed.compression.quantize import bits_at_step, fake_quantize, quantize_codes, ste_quantize
 from zerospeed.compression.scheduler import compression_scheduler
-from zerospeed.config.errors import ConfigError
-from zerospeed.testing.models import GPT, GPTConfig, TinyMLP
+from zerospeed.utils.errors import ConfigError
+from zoo.models import GPT, GPTConfig, TinyMLP
 
 
 def wq_cfg(start=8, target=8, period=1, offset=0, groups=1, qtype="symmetric", modules=("net",)):

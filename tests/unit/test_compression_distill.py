@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from zerospeed.compression import init_compression
 from zerospeed.compression.distill import distillation_loss, layerwise_distill
-from zerospeed.testing.models import GPT, GPTConfig
+from zoo.models import GPT, GPTConfig
 
 
 def test_distillation_loss_hand_values():

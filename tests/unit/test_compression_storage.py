@@ -10,7 +10,7 @@ from torch import nn
 from zerospeed.compression import init_compression, redundancy_clean
 from zerospeed.compression.basic_layer import QuantizedLinear
 from zerospeed.compression.storage import load_compressed, save_compressed
-from zerospeed.testing.models import GPT, GPTConfig
+from zoo.models import GPT, GPTConfig
 
 GPT_CFG = GPTConfig(n_layer=2, n_embd=64, n_head=2, block_size=16)
 

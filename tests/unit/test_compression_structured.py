@@ -12,8 +12,8 @@ from zerospeed.compression.basic_layer import Conv2dLayer_Compress, LinearLayer_
 from zerospeed.compression.prune import channel_l1_mask, head_l1_mask
 from zerospeed.compression.quantize import ActivationRange, ste_quantize_activation
 from zerospeed.compression.scheduler import compression_scheduler
-from zerospeed.config.errors import ConfigError
-from zerospeed.testing.models import TinyMLP
+from zerospeed.utils.errors import ConfigError
+from zoo.models import TinyMLP
 
 
 def technique(name, params, modules, related=None, **shared):

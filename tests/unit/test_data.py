@@ -1,9 +1,9 @@
-"""Tests for the byte-level datasets in zerospeed.testing.data."""
+"""Tests for the byte-level datasets in zoo.data."""
 
 import pytest
 import torch
 
-from zerospeed.testing.data import (
+from zoo.data import (
     ByteSequenceDataset,
     random_token_dataset,
     stdlib_corpus,

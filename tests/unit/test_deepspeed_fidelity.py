@@ -27,7 +27,7 @@ from zerospeed.checkpoint.export import plan_shards
 from zerospeed.config import ConfigError, parse_config
 from zerospeed.optim import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 from zerospeed.pipe import PipelineModule
-from zerospeed.runtime.dataloader import RepeatingLoader, build_training_loader
+from zerospeed.data.loader import RepeatingLoader, build_training_loader
 
 
 @pytest.fixture(autouse=True)

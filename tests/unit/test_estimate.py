@@ -10,7 +10,7 @@ from zerospeed.estimate import (ModelCensus, Option, Precision, Setup, census_of
                                 placed_model_states, plan_rows, recommend, stage_bytes,
                                 transformer_activation_bytes, zero2_rows, zero3_rows)
 from zerospeed.estimate.cli import main
-from zerospeed.testing.models import GPT, GPTConfig
+from zoo.models import GPT, GPTConfig
 
 GIB = 2**30
 

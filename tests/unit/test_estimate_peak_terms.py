@@ -12,7 +12,7 @@ from zerospeed.estimate.formulas import Option, Precision
 from zerospeed.estimate.layout import TransformerShape
 from zerospeed.estimate.peak import (EngineKnobs, Workload, block_working_set, module_params, peak_terms,
                                      persistent_units, saved_activations)
-from zerospeed.testing.models import GPT, GPTConfig
+from zoo.models import GPT, GPTConfig
 
 SHAPE = TransformerShape(layers=2, hidden=8, vocab=16, heads=2, positions=4)
 

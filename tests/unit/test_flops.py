@@ -7,7 +7,7 @@ from torch import nn
 
 from zerospeed.profiling import FlopsProfiler, count_flops, get_model_profile, peak_flops_for
 from zerospeed.profiling.report import format_profile, human, top_modules_by_depth
-from zerospeed.testing.models import GPT, GPTConfig, TinyMLP
+from zoo.models import GPT, GPTConfig, TinyMLP
 
 
 def profile(model, *args):
@@ -25,7 +25,7 @@ def test_mlp_exact():
 
 
 def gpt_forward_flops(B, T, D, H, V, L):
-    """Analytic forward FLOPs of zerospeed.testing.models.GPT (logits, no loss)."""
+    """Analytic forward FLOPs of zoo.models.GPT (logits, no loss)."""
     N = B * T
     lin = lambda i, o, bias=True: 2 * N * i * o + (N * o if bias else 0)
     attn = 2 * (B * H * T * T * (D // H)) * 2 + B * H * T * T  # q k^T and p v, then softmax

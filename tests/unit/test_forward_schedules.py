@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerospeed
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.runtime.data_pipeline import CurriculumScheduler
-from zerospeed.runtime.progressive_layer_drop import ProgressiveLayerDrop
+from zerospeed.data.progressive_layer_drop import ProgressiveLayerDrop
 
 
 def scheduler(kind, **schedule):

@@ -4,7 +4,7 @@ import math
 import torch
 
 from zerospeed.zero.grad_math import clip_coefficient, global_norm, reduction_factors
-from zerospeed.testing import split_global_batch
+from harness import split_global_batch
 
 
 def test_global_norm_over_tensors():

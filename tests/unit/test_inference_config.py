@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.inference.api import merge_config
 from zerospeed.inference.config import DeepSpeedInferenceConfig, validate_inference_config
 from zerospeed.inference.injection import policy_partition_config, unmatched_policy_names

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zerospeed
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.inference import InferenceEngine
 
 V = 37

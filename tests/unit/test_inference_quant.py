@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import zerospeed
-from zerospeed.config.errors import ConfigError
-from zerospeed.inference.quantize import QuantizedLinear, dequantize, quantize
-from zerospeed.inference.quantize.groupwise import _pack4, _unpack4
+from zerospeed.utils.errors import ConfigError
+from zerospeed.compression.weight_quant import QuantizedLinear, dequantize, quantize
+from zerospeed.compression.weight_quant.groupwise import _pack4, _unpack4
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -93,7 +93,7 @@ def _trained_llama(steps: int = 50):
     """A 2-layer byte-level Llama trained for `steps` AdamW steps on the stdlib corpus, and held-out windows."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from zerospeed.testing.data import stdlib_corpus
+    from zoo.data import stdlib_corpus
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)

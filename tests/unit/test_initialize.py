@@ -7,7 +7,7 @@ import torch
 
 import zerospeed
 from zerospeed.config import ConfigError
-from zerospeed.testing.models import TinyMLP
+from zoo.models import TinyMLP
 
 CFG = {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
 

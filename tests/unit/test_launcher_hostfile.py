@@ -1,7 +1,7 @@
 """Hostfile parsing: accepted forms and every error with its message."""
 import pytest
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.launcher import hostfile
 from zerospeed.launcher.errors import LauncherError
 from zerospeed.launcher.hostfile import parse_hostfile, read_hostfile

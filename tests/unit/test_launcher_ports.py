@@ -1,9 +1,9 @@
-"""zerospeed.launcher.ports: free ports outside the kernel's ephemeral range (Note in the module)."""
+"""zerospeed.utils.ports: free ports outside the kernel's ephemeral range (Note in the module)."""
 import socket
 
 import pytest
 
-from zerospeed.launcher import ports
+from zerospeed.utils import ports
 
 
 def _listener(port: int) -> socket.socket:

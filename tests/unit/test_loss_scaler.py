@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.precision import (
     DynamicLossScaler,
     LossScaleUnderflowError,

@@ -8,7 +8,7 @@ from torch import nn
 
 from zerospeed.comm import MESH_AXES, ParallelMesh, RankGrid, layout_problems
 from zerospeed.comm.mpu import expert_size
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.parallel.pipeline import LayerSpec, PipelineModule
 from zerospeed.parallel.pipeline.topology import (PipeDataParallelTopology, PipeModelDataParallelTopology,
                                                   ProcessTopology)
@@ -244,7 +244,7 @@ def test_topology_without_grid_equivalent():
 
 def test_deepspeed_paths_export_the_topologies():
     import zerospeed.pipe
-    import zerospeed.runtime.pipe.topology as ds_path
+    import zerospeed.parallel.pipeline.topology as ds_path
     for name in ("ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology"):
         assert getattr(zerospeed.pipe, name) is getattr(ds_path, name)
 

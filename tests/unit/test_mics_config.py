@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import zerospeed
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 
 BASE = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
 

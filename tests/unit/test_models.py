@@ -1,11 +1,11 @@
-"""Tests for the deterministic tiny models in zerospeed.testing.models."""
+"""Tests for the deterministic tiny models in zoo.models."""
 
 import math
 
 import pytest
 import torch
 
-from zerospeed.testing.models import GPT, GPTConfig, TinyMLP
+from zoo.models import GPT, GPTConfig, TinyMLP
 
 
 def _gpt(seed: int = 0, **kw) -> GPT:

@@ -1,5 +1,5 @@
 """MoE gating without processes: capacity, top-1 / top-2 / top-k routing, l_aux, exp_counts and their
-gradients against independent per-token loops (zerospeed.testing.moe_reference); the random parts
+gradients against independent per-token loops (harness.moe_reference); the random parts
 (RTS, RSample, Jitter, second-expert sampling) by their properties."""
 import copy
 
@@ -11,7 +11,7 @@ from zerospeed.moe import utils as moe_utils
 from zerospeed.moe.gating import capacity, top1gating, top2gating, topkgating
 from zerospeed.moe.layer import MoE
 from zerospeed.moe.sharded_moe import TopKGate
-from zerospeed.testing.moe_reference import (
+from harness.moe_reference import (
     ref_capacity,
     ref_counts,
     ref_l_aux,

@@ -13,7 +13,7 @@ from zerospeed.monitor import TensorBoardMonitor, read_scalars
 from zerospeed.monitor.plot_cli import main as plot_main
 from zerospeed.monitor.writers import CsvMonitor, build_monitors
 from zerospeed.profiling.observer import EngineObserver
-from zerospeed.testing.models import GPT, GPTConfig
+from zoo.models import GPT, GPTConfig
 
 BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.optim import Lamb, Lion, build_optimizer, is_zero_tested_optimizer
 
 
@@ -102,7 +102,7 @@ def test_one_bit_optimizers_by_config_name_with_deepspeed_defaults(name, cls, ke
 @pytest.mark.parametrize("bias_correction", [True, False])
 def test_one_bit_adam_warm_up_is_adam(bias_correction):
     """Before freeze_step, on one process: torch's Adam (bias-corrected), or DeepSpeed's m / (sqrt(v) + eps)."""
-    from zerospeed.runtime.fp16.onebit import OnebitAdam
+    from zerospeed.optim.onebit import OnebitAdam
     torch.manual_seed(0)
     w0 = torch.randn(5, 3)
     a, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())

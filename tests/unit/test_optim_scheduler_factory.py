@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.optim import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_lr_scheduler
 
 

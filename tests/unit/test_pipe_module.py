@@ -6,12 +6,12 @@ import torch
 from torch import nn
 
 import zerospeed
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.parallel.pipeline import PipelineError
-from zerospeed.parallel.pipeline.gpt_layers import gpt_layer_specs, lm_loss
+from zoo.gpt_layers import gpt_layer_specs, lm_loss
 from zerospeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-from zerospeed.testing import reference_train
-from zerospeed.testing.models import GPT, GPTConfig
+from harness import reference_train
+from zoo.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=1, n_embd=8)
 TRAIN = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,

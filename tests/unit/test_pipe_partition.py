@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.parallel.pipeline.partition import (partition, partition_balanced, partition_by_type,
                                                    partition_uniform)
 from zerospeed.parallel.pipeline.transport import (META_LEN, MessageMeta, TensorMeta, decode, describe,

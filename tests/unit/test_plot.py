@@ -1,4 +1,4 @@
-"""Tests for the matplotlib plots (zerospeed.utils.plot): the Figure carries the data and labels asked
+"""Tests for the matplotlib plots (zerospeed.monitor.plot): the Figure carries the data and labels asked
 for, and the PNG written is that Figure, at the requested pixel size, written atomically."""
 import math
 import sys
@@ -7,7 +7,7 @@ import matplotlib.image  # the `plots` extra, part of the `test` extra
 import numpy as np
 import pytest
 
-from zerospeed.utils.plot import bar_figure, line_figure, save_bar_chart, save_line_plot
+from zerospeed.monitor.plot import bar_figure, line_figure, save_bar_chart, save_line_plot
 
 
 def rendered(fig) -> np.ndarray:
@@ -138,6 +138,6 @@ def test_missing_matplotlib_names_the_extra(tmp_path, monkeypatch):
 
 def test_import_zerospeed_plot_does_not_import_matplotlib():
     import subprocess
-    code = "import sys, zerospeed.utils.plot; print('matplotlib' in sys.modules)"
+    code = "import sys, zerospeed.monitor.plot; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

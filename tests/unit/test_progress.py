@@ -1,8 +1,8 @@
-"""zerospeed.utils.progress.Progress: a live tqdm bar on a terminal, a few whole lines in a file or log."""
+"""zerospeed.monitor.progress.Progress: a live tqdm bar on a terminal, a few whole lines in a file or log."""
 import io
 import os
 
-from zerospeed.utils.progress import Progress
+from zerospeed.monitor.progress import Progress
 
 
 class Terminal(io.StringIO):

@@ -1,4 +1,4 @@
-"""Block quantizers of ZeRO++ (zerospeed.ops.quantizer): pure tensor math, no processes."""
+"""Block quantizers of ZeRO++ (zerospeed.precision.quantize): pure tensor math, no processes."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from zerospeed.ops.quantizer import (dequantize_blocks, ds_quantizer, from_bytes, pack_int4,
+from zerospeed.precision.quantize import (dequantize_blocks, ds_quantizer, from_bytes, pack_int4,
                                      quantize_blocks, to_bytes, unpack_int4, wire_bytes)
 
 
@@ -139,7 +139,7 @@ def test_ds_quantizer_fake_quantizes_by_groups():
 @pytest.mark.parametrize("bits,symmetric", [(8, True), (8, False), (4, True), (4, False)])
 @pytest.mark.parametrize("n", [24, 29])  # whole blocks of 8, and a short last block
 def test_dequantize_into_a_buffer_is_the_block_formula(bits, symmetric, n):
-    from zerospeed.ops.quantizer import dequantize_blocks_into
+    from zerospeed.precision.quantize import dequantize_blocks_into
     x = torch.randn(n, generator=torch.Generator().manual_seed(n))
     q = quantize_blocks(x, bits, 8, symmetric)
     codes = (unpack_int4(q.codes, n) if bits == 4 else q.codes).float()

@@ -8,12 +8,12 @@ import torch
 from torch import nn
 
 import zerospeed
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.config.parse import parse_config
-from zerospeed.runtime.data_pipeline.data_routing import (RandomLayerTokenDrop, RandomLTDScheduler,
+from zerospeed.data.random_ltd import (RandomLayerTokenDrop, RandomLTDScheduler,
                                                           convert_to_random_ltd, remove_random_ltd_state_dict,
                                                           save_without_random_ltd)
-from zerospeed.runtime.data_pipeline.data_routing.helper import bind_random_ltd_layers
+from zerospeed.data.random_ltd.helper import bind_random_ltd_layers
 
 
 def ltd_config(min_value=6, max_value=20, require_steps=7, seq_per_step=4, ids=(1, 3), total=4, **over):

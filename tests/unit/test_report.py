@@ -1,7 +1,7 @@
 """The environment report: it runs here, has every section, and its probes give the right answers."""
 import pytest
 
-from zerospeed.utils.report import collect, cpu_flags, format_report, main, o_direct_works, vector_extensions
+from zerospeed.env_report import collect, cpu_flags, format_report, main, o_direct_works, vector_extensions
 
 SECTIONS = ["versions", "accelerator", "communication", "cpu", "pinned memory", "async I/O"]
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.optim import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 from zerospeed.optim import lr_formulas as F
 

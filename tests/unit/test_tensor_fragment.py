@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import zerospeed
-from zerospeed.utils.tensor_fragment import (
+from zerospeed.zero.tensor_access import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
     safe_get_full_optimizer_state,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zerospeed
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.precision.casting import cast_floating
 from zerospeed.zero.partition import build_layouts
 
@@ -78,7 +78,7 @@ def test_low_precision_parameters_are_refused_naming_one():
 
 def test_safe_modules_are_exact_classes_from_the_default_list_or_the_config():
     from zerospeed.config import parse_config
-    from zerospeed.runtime.torch_autocast import get_default_autocast_lower_precision_modules, param_comm_dtypes
+    from zerospeed.precision.autocast import get_default_autocast_lower_precision_modules, param_comm_dtypes
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), MyLinear(2, 2), torch.nn.Conv1d(1, 1, 1),
                                 torch.nn.LayerNorm(2), torch.nn.Embedding(3, 2))
     on = parse_config({**BASE, "torch_autocast": {"enabled": True, "dtype": "fp16"}})

@@ -8,7 +8,7 @@ from torch import nn
 
 import zerospeed.utils as zutils
 from zerospeed.config import ZeroSpeedConfig
-from zerospeed.utils.z3_leaf_module import (apply_leaf_module_config, module_granularity,
+from zerospeed.zero.leaf_modules import (apply_leaf_module_config, module_granularity,
                                             set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix,
                                             set_z3_leaf_modules_by_threshold)
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import importlib
 
-from zerospeed._lazy import lazy_submodules
+from zerospeed.deepspeed_paths import package_getattr
 
 __all__ = ["Autotuner", "AutotuningError", "TuneOutcome"]
-_submodule = lazy_submodules(__name__)
+_submodule = package_getattr(__name__)
 
 
 def __getattr__(name: str):

@@ -32,7 +32,7 @@ from zerospeed.autotuning.tuner import drive, make_search
 from zerospeed.config.loader import load_raw
 from zerospeed.config.validation import validate_config
 from zerospeed.estimate.formulas import Precision
-from zerospeed.launcher.ports import free_port
+from zerospeed.utils.ports import free_port
 from zerospeed.zero.memory import OPTIMIZER_STATE_BYTES
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from zerospeed.autotuning.autotuner import Autotuner, AutotuningError
 from zerospeed.autotuning.command import launcher_flags
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 MODES = ("tune", "run")

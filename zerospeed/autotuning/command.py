@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 
 CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed", "--deepscale_config")
 AUTOTUNING_FLAG = "--autotuning"

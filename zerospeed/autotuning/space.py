@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 
 OFFLOAD_KEYS = ("offload_optimizer", "offload_param")
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")

@@ -3,7 +3,7 @@ and consolidation to one fp32 state dict (safetensors or torch) without processe
 
 The engine's `save_checkpoint` / `load_checkpoint` / `save_16bit_model` methods call the functions
 of the same names here. See docs/checkpoints.md for the file layout and guarantees. Not to be
-confused with `zerospeed.checkpointing` (DeepSpeed's `deepspeed.checkpointing`): *activation*
+confused with `zerospeed.activation` (DeepSpeed's `deepspeed.checkpointing`): *activation*
 checkpointing, which recomputes activations in backward instead of storing them.
 """
 from zerospeed.checkpoint.consolidate import (convert_zero_checkpoint_to_fp32_state_dict,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-import zerospeed
+from zerospeed.version import __version__
 from zerospeed import comm
 from zerospeed.checkpoint.atomic import atomic_torch_save, atomic_write_text, fresh_dir, swap_in_dir
 from zerospeed.checkpoint.errors import raise_if_any_rank_failed
@@ -196,7 +196,7 @@ def _model_states(engine, client_state: dict, exclude_frozen: bool, spans=(),
         "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
         "dp_world_size": zero_dp_size(engine), "mp_world_size": engine.mesh.size("tp"),
         "zero_stage": engine.zero.stage,
-        "ds_config": engine.config.model_dump(mode="json"), "ds_version": zerospeed.__version__,
+        "ds_config": engine.config.model_dump(mode="json"), "ds_version": __version__,
     }
     states.update(client_state)
     return states
@@ -227,7 +227,7 @@ def _rank_states(engine, place: Placement, names: CheckpointNames) -> tuple[dict
         layouts.append(EntryLayout(group, master.numel(), tuple(pieces), tuple(elementwise), tuple(scalars)))
     return {"rank": place.dp_rank, "tp_rank": place.tp_rank, "dp_world_size": zero_dp_size(engine),
             "zero_stage": engine.zero.stage, "entries": records, "rng": capture_rng_state(),
-            "ds_version": zerospeed.__version__}, layouts
+            "ds_version": __version__}, layouts
 
 
 def _writes_replicated(entry, rank: int, spans) -> bool:
@@ -251,7 +251,7 @@ def _manifest(engine, tag: str, files: dict, partition: list[RankFile], excluded
     module = engine.module
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION if place.layouts else PLAIN_FORMAT_VERSION,
-        "zerospeed_version": zerospeed.__version__,
+        "zerospeed_version": __version__,
         "torch_version": torch.__version__, "tag": tag, "created_unix": time.time(),
         "world_size": engine.world_size, "dp_world_size": zero_dp_size(engine), "zero_stage": engine.zero.stage,
         "parallel_layout": _parallel_layout(engine, place),

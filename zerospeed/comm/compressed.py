@@ -125,3 +125,38 @@ def error_buffers(numel: int, world: int, device=None) -> tuple[torch.Tensor, to
     padded = padded_size(numel, world)
     return (torch.zeros(padded, dtype=torch.float32, device=device),
             torch.zeros(padded // world, dtype=torch.float32, device=device))
+
+
+class CompressedBackend:
+    """The object DeepSpeed's 1-bit optimizers talk to (DeepSpeed's `NcclBackend` / `MpiBackend` /
+    `CompressedBackend` / `HcclBackend` interface): `compressed_allreduce(buffer, worker_error,
+    server_error, local_rank)` over the data-parallel group (an `mpu`'s, or the world). One
+    implementation whatever the backend's name: the job's own backend runs it."""
+
+    def __init__(self, mpu=None):
+        self.world_group = mpu.get_data_parallel_group() if mpu is not None else None
+        self.rank = backend.get_rank(self.world_group)
+        self.size = backend.get_world_size(self.world_group)
+
+    def compressed_allreduce(self, buffer_m: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
+                             local_rank: int | None = None) -> torch.Tensor:
+        """The 1-bit mean of `buffer_m` over the group, written back into it and returned (DeepSpeed's
+        contract); the errors (padded sizes, as DeepSpeed allocates them) are updated in place."""
+        buffer_m.copy_(compressed_allreduce(buffer_m, worker_error, server_error, self.world_group))
+        return buffer_m
+
+
+class NcclBackend(CompressedBackend):
+    """DeepSpeed's `deepspeed.runtime.comm.nccl.NcclBackend` (argument `mpu`)."""
+
+
+class HcclBackend(CompressedBackend):
+    """DeepSpeed's `deepspeed.runtime.comm.hccl.HcclBackend` (argument `mpu`)."""
+
+
+class MpiBackend(CompressedBackend):
+    """DeepSpeed's `deepspeed.runtime.comm.mpi.MpiBackend` (arguments `cuda_aware`, `mpu`)."""
+
+    def __init__(self, cuda_aware: bool = False, mpu=None):
+        super().__init__(mpu)
+        self.cuda_aware = cuda_aware

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerospeed.comm import backend
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.comm.topology import MESH_AXES, RankGrid, expert_layout, layout_problems, raise_problems
 
 

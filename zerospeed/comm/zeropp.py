@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from zerospeed.comm import backend
 from zerospeed.comm.backend import STATS, _check_tensors, _is_gloo, get_rank, get_world_size
-from zerospeed.ops.quantizer import (dequantize_blocks, dequantize_blocks_into, from_bytes, quantize_blocks, to_bytes,
+from zerospeed.precision.quantize import (dequantize_blocks, dequantize_blocks_into, from_bytes, quantize_blocks, to_bytes,
                                      wire_bytes)
 
 WEIGHT_BITS, WEIGHT_BLOCK = 8, 512  # qwZ: int8, one fp32 scale per 512 elements

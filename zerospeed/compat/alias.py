@@ -2,7 +2,7 @@
 
 Note [a rename, not a translation]: every public DeepSpeed name we provide lives at DeepSpeed's
 path under `zerospeed` (`deepspeed.runtime.zero.partition_parameters` is
-`zerospeed.runtime.zero.partition_parameters`), so the shim needs no table: a meta-path finder maps
+`zerospeed.zero.stage3.api`), so the shim needs no table: a meta-path finder maps
 `deepspeed.<path>` to the module `zerospeed.<path>` — the same module object, not a copy, so
 `isinstance` checks, module globals and monkeypatches agree whichever name was imported. A name we
 do not provide fails as it would on a DeepSpeed without it (ModuleNotFoundError / AttributeError).

@@ -13,7 +13,7 @@ from zerospeed.compression.basic_layer import (ActivationQuantSpec, Conv2dLayer_
 from zerospeed.compression.config import ROOT_KEY, CompressionConfig, parse_compression_config
 from zerospeed.compression.prune import expand_head_mask
 from zerospeed.compression.quantize import quantize_codes
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 
 LINEAR = (nn.Linear, QuantizedLinear)
 CONV = (nn.Conv2d,)

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.config.schema.base import show
 from zerospeed.config.schema.compression import ROOT_KEY, CompressionConfig
 from zerospeed.config.validation import translate

@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.utils.logging import current_rank, get_logger, should_log
 
 logger = get_logger(__name__)  # Note [rank-0 logging]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 
 TRAIN = "train_batch_size"
 MICRO = "train_micro_batch_size_per_gpu"

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 
 _SHOWN_CHARS = 60
 

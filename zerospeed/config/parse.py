@@ -12,7 +12,7 @@ from typing import Any
 from zerospeed.config.aliases import apply_aliases
 from zerospeed.config.auto import resolve_auto, unresolved_batch_keys
 from zerospeed.config.batch import resolve_batch_size
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.config.features import check_implemented
 from zerospeed.config.loader import load_raw
 from zerospeed.config.schema.root import BATCH_KEYS, ZeroSpeedConfig

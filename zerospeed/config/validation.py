@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.config.schema.base import ERROR_KIND, show
 from zerospeed.config.schema.root import ZeroSpeedConfig
 

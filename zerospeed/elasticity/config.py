@@ -17,7 +17,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.config.schema.misc import ElasticityConfig as ElasticityBlock
 from zerospeed.config.validation import validate_config  # the root schema names keys as elasticity.<key>
 from zerospeed.elasticity.constants import ELASTICITY, MAX_ACCEPTABLE_BATCH_SIZE, MICRO_BATCHES

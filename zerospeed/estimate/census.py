@@ -48,7 +48,7 @@ def transformer_params(*, layers: int, hidden: int, vocab: int, positions: int =
 
 def census_of_config(config: dict[str, Any]) -> ModelCensus:
     """A census from a transformers config.json dict or a zerospeed GPTConfig dict (n_embd, n_layer...)."""
-    if "n_embd" in config:  # zerospeed.testing.models.GPTConfig (and GPT-2 style configs)
+    if "n_embd" in config:  # zoo.models.GPTConfig (and GPT-2 style configs)
         c = transformer_params(layers=config["n_layer"], hidden=config["n_embd"], vocab=config["vocab_size"],
                                positions=config.get("block_size", config.get("n_positions", 0)),
                                bias=config.get("bias", True), ffn=config.get("n_inner"), heads=config["n_head"],

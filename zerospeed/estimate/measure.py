@@ -1,7 +1,7 @@
 """`zerospeed-estimate --measure`: predicted vs measured per-rank model-state bytes on a real run.
 
 N spawned gloo processes train a bias-free MLP for two optimizer steps at each ZeRO stage
-(`zerospeed.testing.zero_probe`); the measurement is an independent census of live tensor storages
+(`harness.zero_probe`); the measurement is an independent census of live tensor storages
 (not the engine's counters); the prediction is `stage_bytes` with zerospeed's fp32 gradient
 accumulation. Offload rows are not measured here: on a CPU-only machine host and device are the same
 memory, so a census cannot tell offloaded state apart (tests/dist/test_offload.py checks placement
@@ -38,7 +38,7 @@ def predict(params: int, world: int, stage: int, precision: str) -> float:
 
 
 def _probe_stages(stages: tuple[int, ...], precision: str, width: int, layers: int) -> list[dict]:
-    from zerospeed.testing.zero_probe import probe_model_states
+    from harness.zero_probe import probe_model_states
     return [probe_model_states(s, precision, width=width, layers=layers) for s in stages]
 
 
@@ -48,7 +48,7 @@ def measure(world: int = 2, stages: tuple[int, ...] = (1, 2, 3), precision: str 
     unknown = [s for s in stages if s not in IMPLEMENTED_STAGES]
     if unknown:
         raise ValueError(f"--measure covers ZeRO stages {IMPLEMENTED_STAGES}, got stage {unknown[0]}")
-    from zerospeed.testing import run_distributed
+    from harness import run_distributed
     per_rank = run_distributed(_probe_stages, world, tuple(stages), precision, width, layers, timeout=timeout)
     return [Measurement(rank, r["stage"], world, precision, r["params"],
                         predict(r["params"], world, r["stage"], precision), r["measured"])

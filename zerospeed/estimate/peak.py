@@ -4,7 +4,7 @@ A rank's peak is its model states (`formulas.placed_model_states`) plus what a s
 top, at the moment that sum is largest. The transient terms are the ones the engine really
 allocates, each with its own Note below, for a GPT-style decoder (`layout.TransformerShape`: token
 and position embeddings, pre-norm blocks of fused qkv / attention out / MLP fc / MLP proj, a final
-norm, a language-model head with cross-entropy; `zerospeed.testing.models.GPT`, transformers' GPT-2)
+norm, a language-model head with cross-entropy; `zoo.models.GPT`, transformers' GPT-2)
 trained one micro-batch at a time. Every moment adds to base = model states + persistent units:
 
     forward                   activations + logits                                  + live window

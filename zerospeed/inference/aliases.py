@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 
 # (section or "" for the top level, alias, field)
 ALIASES: tuple[tuple[str, str, str], ...] = (

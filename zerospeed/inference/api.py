@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.config.schema.base import show
 from zerospeed.inference.aliases import apply_inference_aliases
 from zerospeed.inference.config import DeepSpeedInferenceConfig, _DTYPES, validate_inference_config

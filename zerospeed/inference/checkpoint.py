@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 
 
 def checkpoint_files(checkpoint: Any, base_dir: str = "") -> list[str]:

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 import torch
 from pydantic import BeforeValidator, ConfigDict, ValidationError, model_validator
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.config.schema.base import (
     Bool, IntList, OptStr, PosInt, StrictModel, Str, choice_type, ds_field, ds_section, fail, int_type, show,
 )

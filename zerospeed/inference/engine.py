@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from zerospeed.accelerator import get_accelerator
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.inference import tp as tp_mod
 from zerospeed.inference.checkpoint import checkpoint_files, load_checkpoint
 from zerospeed.inference.config import DeepSpeedInferenceConfig
@@ -49,7 +49,7 @@ class InferenceEngine(nn.Module):
         self._load_and_shard(model, config)
         self.quantized: dict[str, int] = {}
         if config.weight_quantization() and config.zero.stage != 3:  # (ZeRO-Inference: its shards, zero.py)
-            from zerospeed.inference.quantize import quantize_model, settings_from_config
+            from zerospeed.compression.weight_quant import quantize_model, settings_from_config
             try:
                 self.quantized = quantize_model(model, settings_from_config(config.quant.weight))
             except ValueError as exc:

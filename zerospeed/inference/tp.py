@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from zerospeed import comm
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.inference.config import DeepSpeedInferenceConfig
 from zerospeed.inference.injection import policy_partition_config, unmatched_policy_names
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.inference.config import DeepSpeedInferenceConfig
 
 _PRECISION = {torch.float16: {"fp16": {"enabled": True}}, torch.bfloat16: {"bf16": {"enabled": True}},
@@ -50,7 +50,7 @@ def zero_inference_engine(model: nn.Module, config: DeepSpeedInferenceConfig):
     engine, *_ = zerospeed.initialize(model=model, config=ds_config)
     quantized = {}
     if config.weight_quantization():  # Note [quantized ZeRO-Inference shards]
-        from zerospeed.inference.quantize.layer import settings_from_config, stage3_settings
+        from zerospeed.compression.weight_quant.layer import settings_from_config, stage3_settings
         try:
             done = engine.zero.quantize_frozen(stage3_settings(settings_from_config(config.quant.weight)))
         except ValueError as exc:

@@ -1,5 +1,5 @@
 """The launcher's error type."""
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 
 
 class LauncherError(ConfigError):

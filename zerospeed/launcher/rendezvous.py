@@ -18,7 +18,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 
 from zerospeed.launcher.agent import RendezvousPlan, arrival_key, missing_nodes
 from zerospeed.launcher.errors import LauncherError
-from zerospeed.launcher.ports import free_port
+from zerospeed.utils.ports import free_port
 
 
 class NodeRendezvous(RendezvousHandler):

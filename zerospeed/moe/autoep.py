@@ -40,12 +40,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from zerospeed import comm
 from zerospeed.comm.functional import all_to_all
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.moe.dropless import exchange_counts
 from zerospeed.moe.experts import _EXPERT_GROUP
 from zerospeed.moe.sharded_moe import _ScaleGrad
 from zerospeed.utils.logging import log_dist
-from zerospeed.utils.param_groups import substitute_parameters
+from zerospeed.optim.param_groups import substitute_parameters
 
 # DeepSpeed's preset names. A preset fixes where the blocks are and which model.config attribute
 # counts the experts. Run against stock transformers (tests/dist/test_moe_autoep_parity.py): mixtral and

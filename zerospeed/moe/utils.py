@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.moe.experts import expert_group_name
 from zerospeed.moe.layer import MoE
 from zerospeed.utils.logging import get_logger

@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-from zerospeed.utils.plot import save_line_plot
+from zerospeed.monitor.plot import save_line_plot
 
 PER_RANK = re.compile(r"^(?P<base>.+)_rank(?P<rank>\d+)$")
 

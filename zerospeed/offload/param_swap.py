@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.offload.aio import DIRECT_ALIGN
 from zerospeed.offload.swap import BufferPool, SwapFile
 

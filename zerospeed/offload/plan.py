@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from zerospeed.accelerator import get_accelerator
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.offload.aio import AsyncIO
 from zerospeed.offload.optimizer_swap import NvmeOptimizerSwapper
 from zerospeed.offload.param_swap import NvmeParamSwapper

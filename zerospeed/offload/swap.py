@@ -22,7 +22,7 @@ from typing import Self
 
 import torch
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.offload.aio import (
     DIRECT_ALIGN,
     AsyncIO,

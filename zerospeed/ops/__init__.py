@@ -1,5 +1,5 @@
-"""DeepSpeed's `deepspeed.ops`, in pure PyTorch (no compiled ops): the optimizers client code
-names directly (adam, adagrad, lion) and sparse attention."""
-from zerospeed._lazy import lazy_submodules
+"""DeepSpeed's `deepspeed.ops` path: sparse attention (and, through the alias table, the optimizers and the
+quantizer, which live in zerospeed.optim and zerospeed.precision: there are no compiled ops)."""
+from zerospeed.deepspeed_paths import package_getattr
 
-__getattr__ = lazy_submodules(__name__)
+__getattr__ = package_getattr(__name__)

@@ -11,7 +11,7 @@ import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 
 
 def constructor_params(cls: Callable[..., Any], skip: int = 1) -> tuple[dict[str, inspect.Parameter], bool]:
@@ -76,3 +76,9 @@ def check_common_hyperparams(name: str, *, lr: float, betas: tuple[float, float]
         raise ValueError(f"{name}: invalid eps {eps} (must be >= 0)")
     if not weight_decay >= 0.0:
         raise ValueError(f"{name}: invalid weight_decay {weight_decay} (must be >= 0)")
+
+
+def refuse_no_bias_correction(name: str, bias_correction: bool) -> None:
+    if not bias_correction:
+        raise ValueError(f"{name}(bias_correction=False) is not supported: torch's Adam always bias-corrects; "
+                         "drop the argument (DeepSpeed's default is True)")

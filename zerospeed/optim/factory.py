@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.optim._kwargs import check_params, closest_names
 from zerospeed.optim.lamb import Lamb
 from zerospeed.optim.lion import Lion

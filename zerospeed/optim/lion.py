@@ -18,7 +18,7 @@ import torch
 
 from zerospeed.optim._kwargs import check_common_hyperparams
 
-__all__ = ["Lion"]
+__all__ = ["DeepSpeedCPULion", "FusedLion", "Lion"]
 
 
 class Lion(torch.optim.Optimizer):
@@ -82,3 +82,14 @@ def _lion_update(params: list, grads: list, exp_avgs: list, group: dict[str, Any
     torch._foreach_add_(params, direction, alpha=-lr)
     torch._foreach_mul_(exp_avgs, beta2)
     torch._foreach_add_(exp_avgs, grads, alpha=1.0 - beta2)
+
+
+class FusedLion(Lion):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, set_grad_none=True):
+        super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay)
+
+
+class DeepSpeedCPULion(Lion):
+    def __init__(self, model_params, lr=1e-3, betas=(0.9, 0.999), weight_decay=0, fp32_optimizer_states=True):
+        super().__init__(model_params, lr=lr, betas=betas, weight_decay=weight_decay)
+        self.fp32_optimizer_states = fp32_optimizer_states

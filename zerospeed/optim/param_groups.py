@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 
-__all__ = ["trainable_param_groups"]
+__all__ = ["substitute_parameters", "trainable_param_groups"]
 
 
 def trainable_param_groups(model_parameters: Iterable[Any]) -> tuple[list[dict[str, Any]], bool]:
@@ -55,4 +55,18 @@ def _trainable(items: list[Any], where: str) -> list[torch.Tensor]:
             raise ConfigError(f"{where}: expected tensors, got {type(tensor).__name__}")
         if tensor.requires_grad:
             out.append(tensor)
+    return out
+
+
+def substitute_parameters(model_parameters, replaced: dict[int, torch.nn.Parameter]):
+    """`model_parameters` (tensors or param-group dicts, as initialize accepts them) with every parameter
+    whose id is in `replaced` swapped for its replacement; None stays None."""
+    if model_parameters is None:
+        return None
+    out = []
+    for item in model_parameters:
+        if isinstance(item, dict):
+            out.append({**item, "params": [replaced.get(id(p), p) for p in item["params"]]})
+        else:
+            out.append(replaced.get(id(item), item))
     return out

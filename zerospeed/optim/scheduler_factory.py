@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.optim import lr_scheduler as torch_schedulers
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.optim._kwargs import check_params, closest_names
 from zerospeed.optim.schedulers import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 from zerospeed.utils.logging import get_logger

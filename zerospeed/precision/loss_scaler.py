@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 
 # Debug level: the engine reports skipped steps itself (once, on rank 0).
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 
 
 @dataclass(frozen=True)

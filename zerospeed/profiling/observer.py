@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from zerospeed import comm
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.moe.layer import moe_monitor_events
 from zerospeed.monitor.writers import build_monitors
 from zerospeed.profiling.comms_report import diff_snapshots, format_comm_report

@@ -1,4 +1,4 @@
 """The training engine (engine.py, core.py), `initialize`, data loading; DeepSpeed's `deepspeed.runtime`."""
-from zerospeed._lazy import lazy_submodules
+from zerospeed.deepspeed_paths import package_getattr
 
-__getattr__ = lazy_submodules(__name__)
+__getattr__ = package_getattr(__name__)

@@ -51,7 +51,7 @@ class ConfigAccessors:
         """DeepSpeed's: a loader of this data-parallel rank's batches of `dataset` (micro batches by
         default). The train route shuffles as `initialize(training_data=...)` does; "eval" / "predict"
         keep the order; a given `data_sampler` is used as it is."""
-        from zerospeed.runtime.dataloader import ShardedDataLoader
+        from zerospeed.data.loader import ShardedDataLoader
         if not (self.is_map_style_dataset(dataset) or self.is_iterable_style_dataset(dataset)):
             raise ValueError("deepspeed_io: the data must be a torch Dataset (map-style or iterable)")
         batch_size = batch_size or self.train_micro_batch_size_per_gpu()

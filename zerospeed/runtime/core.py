@@ -23,7 +23,7 @@ from zerospeed.precision.policy import PrecisionPolicy
 from zerospeed.profiling.observer import EngineObserver
 from zerospeed.runtime.config_accessors import ConfigAccessors
 from zerospeed.runtime.forward_schedules import bind_random_ltd, build_forward_schedules, build_random_ltd_scheduler
-from zerospeed.runtime.torch_autocast import autocast_loss_scaler, check_autocast_settings
+from zerospeed.precision.autocast import autocast_loss_scaler, check_autocast_settings
 from zerospeed.utils.logging import get_logger
 from zerospeed.zero import build_strategy, full_numel, reduction_groups
 from zerospeed.zero.grad_math import clip_coefficient
@@ -327,7 +327,7 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
     @property
     def state_offloader(self):
         if getattr(self, "_state_offloader", None) is None:
-            from zerospeed.runtime.zero.offload_states import StateOffloader
+            from zerospeed.offload.states import StateOffloader
             self._state_offloader = StateOffloader()
         return self._state_offloader
 
@@ -335,8 +335,8 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
         """DeepSpeed's: move this rank's training states (`include`: OffloadStateTypeEnum kinds; all by
         default) to host memory until `reload_states()`, freeing their device memory. States already on
         the host (an offloaded optimizer's masters and moments) are left out, as in DeepSpeed."""
-        from zerospeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
-        from zerospeed.runtime.zero.offload_states import ALL_STATES, state_tensors
+        from zerospeed.offload.states import OffloadDeviceEnum, OffloadStateTypeEnum
+        from zerospeed.offload.states import ALL_STATES, state_tensors
         device = OffloadDeviceEnum(device.value if isinstance(device, OffloadDeviceEnum) else device)
         if self.zero_offload_param() is not None and self.zero_offload_param().device != "none":
             raise ValueError("engine.offload_states: the parameters are already offloaded "
@@ -389,7 +389,7 @@ class EngineCore(ConfigAccessors, torch.nn.Module):
                 if not p.requires_grad:
                     sd.pop(prefix + name, None)
         if self.random_ltd_scheduler is not None:  # the plain model's names, as DeepSpeed gives them
-            from zerospeed.runtime.data_pipeline.data_routing.helper import remove_random_ltd_state_dict
+            from zerospeed.data.random_ltd.helper import remove_random_ltd_state_dict
             sd = remove_random_ltd_state_dict(sd)
         return sd
 

@@ -15,7 +15,7 @@ from zerospeed.compression.scheduler import scheduler_for
 from zerospeed.precision.casting import cast_floating
 from zerospeed.runtime.core import EngineCore
 from zerospeed.runtime.forward_schedules import forward_kwargs
-from zerospeed.runtime.torch_autocast import autocast_if_enabled
+from zerospeed.precision.autocast import autocast_if_enabled
 from zerospeed.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -17,11 +17,11 @@ random-LTD (DeepSpeed's never binds layers in its stages either).
 """
 from __future__ import annotations
 
-from zerospeed.config.errors import ConfigError
-from zerospeed.runtime.data_pipeline.curriculum_scheduler import CurriculumScheduler
-from zerospeed.runtime.data_pipeline.data_routing.helper import bind_random_ltd_layers
-from zerospeed.runtime.data_pipeline.data_routing.scheduler import RandomLTDScheduler
-from zerospeed.runtime.progressive_layer_drop import ProgressiveLayerDrop
+from zerospeed.utils.errors import ConfigError
+from zerospeed.data.curriculum import CurriculumScheduler
+from zerospeed.data.random_ltd.helper import bind_random_ltd_layers
+from zerospeed.data.random_ltd.scheduler import RandomLTDScheduler
+from zerospeed.data.progressive_layer_drop import ProgressiveLayerDrop
 from zerospeed.utils.logging import logger
 
 

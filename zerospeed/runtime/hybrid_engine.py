@@ -28,7 +28,7 @@ import time
 import torch
 
 from zerospeed import comm
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.runtime.engine import Engine
 from zerospeed.utils.logging import get_logger
 

@@ -10,7 +10,7 @@ from zerospeed import comm
 from zerospeed.config import ConfigError, auto_values_from_hidden_size, parse_config
 from zerospeed.optim import build_lr_scheduler, build_optimizer
 from zerospeed.optim.factory import is_zero_tested_optimizer
-from zerospeed.runtime.dataloader import build_training_loader
+from zerospeed.data.loader import build_training_loader
 from zerospeed.comm.mesh import ParallelMesh
 from zerospeed.comm.mpu import MeshMpu
 from zerospeed.config.loader import load_raw
@@ -161,10 +161,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     cfg = parse_config(raw, world_size=dp_world, known=known)
     model_parameters = apply_autotp_config(model, mesh, cfg, optimizer, model_parameters)  # parallel/tensor/config.py
     model_parameters = apply_autoep_config(model, mesh, cfg, optimizer, model_parameters)  # AutoEP (moe/autoep.py)
-    from zerospeed.inference.quantize.layer import apply_weight_quantization_config
+    from zerospeed.compression.weight_quant.layer import apply_weight_quantization_config
     quantize_shards = apply_weight_quantization_config(model, cfg)  # top-level weight_quantization
-    if "activation_checkpointing" in cfg.model_fields_set:  # ZeRO-R: zerospeed.checkpointing follows the config
-        from zerospeed import checkpointing
+    if "activation_checkpointing" in cfg.model_fields_set:  # ZeRO-R: zerospeed.activation follows the config
+        from zerospeed import activation as checkpointing
         checkpointing.configure(mpu_=mpu, deepspeed_config=cfg)
 
     allow_untested = cfg.untested_optimizers_allowed

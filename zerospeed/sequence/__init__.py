@@ -4,6 +4,6 @@
 DeepSpeed's `UlyssesSPDataLoaderAdapter`), `loss` (the exact cross-rank mean), `tiled` (ALST's tiled MLP
 and tiled logits + loss), `hf` (transformers models by config: `UlyssesSPAttentionHF`). docs/sequence_parallel.md.
 """
-from zerospeed._lazy import lazy_submodules
+from zerospeed.deepspeed_paths import package_getattr
 
-__getattr__ = lazy_submodules(__name__)
+__getattr__ = package_getattr(__name__)

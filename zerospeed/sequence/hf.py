@@ -214,7 +214,7 @@ def enable_tiled_mlp(model: torch.nn.Module, shards: int) -> int:
     tiled block is also flagged a ZeRO-3 leaf module (Note [tiled compute under ZeRO-3] in
     sequence/tiled.py): call it before `zerospeed.initialize`."""
     from zerospeed.sequence.tiled import tiled_mlp
-    from zerospeed.utils.z3_leaf_module import set_z3_leaf_module
+    from zerospeed.zero.leaf_modules import set_z3_leaf_module
     count = 0
     for module in model.modules():
         if not type(module).__name__.endswith("MLP") or not any(True for _ in module.parameters()):

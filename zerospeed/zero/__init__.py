@@ -12,7 +12,7 @@ import functools
 import torch
 
 from zerospeed.offload.plan import OffloadPlan
-from zerospeed.runtime.torch_autocast import param_comm_dtypes
+from zerospeed.precision.autocast import param_comm_dtypes
 from zerospeed.zero.budgets import bounded_budgets
 from zerospeed.zero.grad_math import reduction_factors
 from zerospeed.zero.sharded import ShardedStrategy, Stage2Strategy
@@ -51,7 +51,7 @@ def build_strategy(cfg, groups: list[dict], reduction: list[ReductionGroup], *, 
         return DataParallelStrategy(groups, reduction, mixed=param_dtype != torch.float32, module=module,
                                     bucket_size=int(zero.reduce_bucket_size), accum_dtype=grad_dtype, **common)
     if zero.stage == 3:  # Note [leaf modules] (zero/stage3/strategy.py): the config's leaves, then the threshold's
-        from zerospeed.utils.z3_leaf_module import apply_leaf_module_config, set_z3_leaf_modules_by_threshold
+        from zerospeed.zero.leaf_modules import apply_leaf_module_config, set_z3_leaf_modules_by_threshold
         apply_leaf_module_config(module, zero.leaf_module)
         set_z3_leaf_modules_by_threshold(module, int(zero.stage3_module_granularity_threshold))
         return Stage3Strategy(module, groups, reduction, param_dtype=param_dtype, device=device,

@@ -25,7 +25,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 
 
 @runtime_checkable

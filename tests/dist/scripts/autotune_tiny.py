@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 import zerospeed
-from zerospeed.testing.models import TinyMLP
+from zoo.models import TinyMLP
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--local_rank", type=int, default=-1)

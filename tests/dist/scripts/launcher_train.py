@@ -17,7 +17,7 @@ CONFIG = {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": 1,
 
 
 def make_model() -> torch.nn.Module:
-    from zerospeed.testing.models import TinyMLP
+    from zoo.models import TinyMLP
 
     torch.manual_seed(0)
     return TinyMLP()
@@ -31,7 +31,7 @@ def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def main() -> None:
     import zerospeed
-    from zerospeed.testing.reference import split_global_batch
+    from harness.reference import split_global_batch
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, help="directory for train<rank>.json")

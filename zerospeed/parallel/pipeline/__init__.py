@@ -1,5 +1,5 @@
 """Pipeline parallelism: PipelineModule, schedules, simulator, engine, per-layer checkpoints."""
-from zerospeed.parallel.pipeline.engine import PipelineEngine, PipelineError
+from zerospeed.runtime.pipeline import PipelineEngine, PipelineError
 from zerospeed.parallel.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 from zerospeed.parallel.pipeline.partition import (partition, partition_balanced, partition_by_type,
                                                    partition_uniform)

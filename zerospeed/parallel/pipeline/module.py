@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from zerospeed import comm
 from zerospeed.comm.mesh import ParallelMesh
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.parallel.pipeline.partition import partition
 from zerospeed.parallel.pipeline.topology import ProcessTopology
 

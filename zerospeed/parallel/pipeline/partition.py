@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 
 
 def _check(num_items: int, num_parts: int) -> None:

@@ -14,7 +14,7 @@ import torch
 from zerospeed.config import ConfigError
 from zerospeed.parallel.tensor.autotp import shard_model
 from zerospeed.parallel.tensor.layers import TensorParallelModule
-from zerospeed.utils.param_groups import substitute_parameters
+from zerospeed.optim.param_groups import substitute_parameters
 
 
 def tensor_parallel_size(raw: dict) -> int:

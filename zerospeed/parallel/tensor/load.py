@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.parallel.tensor.partition import ShardSpec
 
 _INDEX_SUFFIX = ".safetensors.index.json"

@@ -1,6 +1,7 @@
 """User-facing stage-3 API: `zero.Init`, `zero.GatheredParameters`, `register_external_parameter`."""
 from __future__ import annotations
 
+import enum
 import json
 from pathlib import Path
 
@@ -9,7 +10,7 @@ from torch.nn.modules import module as _module_mod
 
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 from zerospeed.zero.partition import padded_size
 from zerospeed.zero.stage3 import registry
 from zerospeed.zero.stage3.flat_param import FlatParam, State
@@ -238,3 +239,20 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
     parameter's unit around `module`'s forward and backward. (A module that registers the parameter
     itself, like a tied output head, needs no declaration.)"""
     registry.register_external(module, parameter)
+
+
+class ZeroParamStatus(enum.Enum):
+    NOT_AVAILABLE = 1  # sharded: only this rank's slice exists
+    INFLIGHT = 2       # being gathered
+    AVAILABLE = 3      # full
+
+
+# DeepSpeed's Init patches torch's tensor constructors (torch.empty, torch.arange, ...) through this
+# wrapper, and transformers swaps it while building a model (`prevent_arange_dtype_change`).
+# zerospeed's Init builds modules for real and shards each as it is attached (zero/stage3/api.py):
+# it patches no constructor, so the wrapper is the identity and swapping it changes nothing.
+_orig_torch_arange = torch.arange
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype=None, target_device=None):
+    return fn

@@ -35,7 +35,7 @@ import torch
 
 from zerospeed.accelerator import get_accelerator
 from zerospeed.comm.zeropp import WEIGHT_BITS, WEIGHT_BLOCK
-from zerospeed.ops.quantizer import quantize_blocks, to_bytes
+from zerospeed.precision.quantize import quantize_blocks, to_bytes
 from zerospeed.zero.flat_group import flatten_fp32
 from zerospeed.zero.partition import build_layouts
 from zerospeed.zero.stage3.gather import GatherBatch, Route

@@ -603,7 +603,7 @@ class Stage3Strategy(ShardedOptimizerBase):
 def _outermost_leaves(module: torch.nn.Module) -> tuple[list[torch.nn.Module], set[int]]:
     """Note [leaf modules]: the flagged modules not inside another flagged one, and the ids of every
     module below them."""
-    from zerospeed.utils.z3_leaf_module import z3_leaf_module
+    from zerospeed.zero.leaf_modules import z3_leaf_module
     leaves, covered = [], set()
     for m in module.modules():
         if id(m) in covered or not z3_leaf_module(m):

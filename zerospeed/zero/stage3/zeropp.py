@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerospeed.comm import zeropp as zcomm
-from zerospeed.config.errors import ConfigError
+from zerospeed.utils.errors import ConfigError
 
 _SWITCHES = ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights")
 

@@ -1,1 +1,0 @@
-"""DeepSpeed's path `deepspeed.runtime.sequence_parallel` (Ulysses / ALST for transformers models)."""
