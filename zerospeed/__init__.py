@@ -11,6 +11,7 @@ are served by the alias table in deepspeed_paths.py (Note [the alias layer]).
 from __future__ import annotations
 
 import importlib
+import pkgutil
 
 from zerospeed import deepspeed_paths
 from zerospeed.version import __version__
@@ -42,4 +43,6 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_EXPORTS))
+    packages = {m.name for m in pkgutil.iter_modules(__path__)}
+    aliases = {key.partition(".")[0] for key in deepspeed_paths.MODULES}
+    return sorted(set(globals()) | set(_EXPORTS) | packages | aliases)

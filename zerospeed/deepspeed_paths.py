@@ -123,6 +123,11 @@ NAMES: dict[str, dict[str, str]] = {
         **{n: f"zerospeed.zero.tensor_access:{n}" for n in _TENSOR_ACCESS},
         **{n: f"zerospeed.zero.leaf_modules:{n}" for n in _LEAF_MODULES},
     },
+    # the pipeline engine is an engine (runtime, a layer above parallel): served here, not imported there
+    "zerospeed.parallel.pipeline": {
+        "PipelineEngine": "zerospeed.runtime.pipeline:PipelineEngine",
+        "PipelineError": "zerospeed.runtime.pipeline:PipelineError",
+    },
 }
 
 

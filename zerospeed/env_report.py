@@ -20,6 +20,9 @@ from pathlib import Path
 import psutil
 import torch
 
+from zerospeed.accelerator import get_accelerator
+from zerospeed.comm import backend_availability
+
 OPTIONAL = ("numpy", "pydantic", "psutil", "tqdm", "tensorboard", "wandb", "comet_ml", "transformers",
             "safetensors", "deepspeed")
 ALIGN = 4096  # O_DIRECT needs buffers, offsets and sizes aligned to the device's logical block
@@ -40,7 +43,6 @@ def versions() -> dict[str, str]:
 
 
 def accelerator() -> dict[str, str]:
-    from zerospeed.accelerator import get_accelerator
     acc = get_accelerator()
     out = {"accelerator": acc.name, "communication backend": acc.communication_backend_name(),
            "cuda available": str(torch.cuda.is_available()), "device count": str(acc.device_count()),
@@ -52,7 +54,6 @@ def accelerator() -> dict[str, str]:
 
 
 def communication() -> dict[str, str]:
-    from zerospeed.comm import backend_availability
     return backend_availability()
 
 

@@ -1,5 +1,5 @@
 """An engine the user drops frees everything it allocated (Note [weak tensor hooks], zero/reducer.py;
-the stage-3 owner registry, zero/stage3/registry.py).
+the stage-3 owners in the parameter tags, Note [owners held weakly] in zero/tags.py).
 
 Measured independently of zerospeed by a census of every live tensor storage the garbage collector
 knows (harness.census) before the model is built and after the last reference to the model,

@@ -93,7 +93,7 @@ def _scenario(stage: int, out: str) -> dict:
 
     import zerospeed
     from zerospeed.integrations.hf_zero3 import from_pretrained_zero3, zero3_numel
-    from zerospeed.zero.stage3.registry import owner_of
+    from zerospeed.zero.tags import owner_of
 
     result: dict = {}
     model = _model(stage)

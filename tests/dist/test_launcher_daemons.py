@@ -1,7 +1,7 @@
 """The multi-node runners against real daemons: sshd, pdsh, mpirun and Slurm start the nodes of a 2-node job.
 
 The nodes are 127.0.0.1 and 127.0.0.2 behind a throw-away sshd, or two slurmd of a throw-away Slurm
-cluster (zerospeed/testing/daemons.py, Note [two nodes on one machine]). Each job trains TinyMLP for a
+cluster (tests/harness/daemons.py, Note [two nodes on one machine]). Each job trains TinyMLP for a
 few steps; every rank's losses must equal those of the same job on one node (``zerospeed --num_gpus 2``),
 and no process of the job may be left on either node afterwards. The programs come from
 scripts/install_daemons.sh (scripts/setup.sh runs it); where they are missing the tests skip loudly, or

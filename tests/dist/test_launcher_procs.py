@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from zerospeed.launcher import cli
+from zerospeed.launcher import agent, cli, worker
 from zerospeed.launcher.runners import remote_shell_command
 from harness import free_port
 
@@ -129,7 +129,8 @@ def test_user_omp_num_threads_module_and_no_local_rank(tmp_path, capfd):
 @pytest.mark.timeout(60)
 def test_no_python_runs_the_script_as_an_executable(tmp_path, capfd):
     exe = tmp_path / "run dump.sh"
-    exe.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(SCRIPTS / "launcher_dump.py"))} "$@"\n')
+    dump = shlex.quote(str(SCRIPTS / "launcher_dump.py"))
+    exe.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {dump} "$@"\n')
     exe.chmod(0o755)
     result = _run_here(["--num_gpus", "1", *_port(), "--no_python", str(exe), "q"], _env(tmp_path), capfd)
     assert result.returncode == 0, result.stderr
@@ -206,3 +207,93 @@ def test_remote_shell_line_delivers_args_verbatim(tmp_path):
                                 [sys.executable, "-c", printer, *USER_ARGS])
     result = subprocess.run(["sh", "-c", line], capture_output=True, text=True, timeout=30)
     assert json.loads(result.stdout) == [str(tmp_path / "a dir"), "it's \"x\"", *USER_ARGS], shlex.quote(line)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("module", [False, True], ids=["script", "module"])
+def test_ranks_show_the_users_command_in_ps(tmp_path, module):
+    """``ps`` (the kernel's /proc/PID/cmdline) names each rank by the user's command, as torchrun's ranks,
+    and each rank is the node launcher's own child (no wrapper process between them)."""
+    script = "launcher_fail" if module else str(SCRIPTS / "launcher_fail.py")
+    env = _env(tmp_path, PYTHONPATH=str(SCRIPTS)) if module else _env(tmp_path)
+    proc = subprocess.Popen([*LAUNCH, "--num_gpus", "2", *_port(), *(["--module"] if module else []), script, "x y"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for([tmp_path / "pid0", tmp_path / "pid1"], timeout=40)
+        for rank in range(2):
+            pid = int((tmp_path / f"pid{rank}").read_text())
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+            assert args == [sys.executable, "-u", *(["-m"] if module else []), script, f"--local_rank={rank}", "x y"]
+            assert psutil.Process(pid).ppid() == proc.pid
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=15)
+
+
+WORKER = Path(worker.__file__)
+FAILING = "import sys\n{hook}def inner():\n    raise ValueError('bad input 7')\ninner()\n"
+
+
+def _as_rank(tmp_path: Path, mode: str, argv: list[str], pythonpath: str | None = None) -> subprocess.CompletedProcess:
+    """Run worker.py as torch's agent starts a rank (local rank 0 of 1), with an error file to fill."""
+    spec = {"argv": [argv], "mode": mode, "env": {}, "cores": None, "log_dir": None, "log_prefix": "",
+            "stdin_devnull": False}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(ZEROSPEED_RANK_SPEC=json.dumps(spec), LOCAL_RANK="0", RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK="0",
+               GROUP_WORLD_SIZE="1", TORCHELASTIC_ERROR_FILE=str(tmp_path / "error.json"))
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
+    return subprocess.run([sys.executable, "-u", str(WORKER)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=30)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode, own_hook", [("script", False), ("module", False), ("script", True)])
+def test_a_rank_records_its_uncaught_exception_for_the_launcher(tmp_path, mode, own_hook):
+    """The rank's start-up hook (rank_hook/sitecustomize.py) writes the error file the launcher's report
+    reads, with the user's frames only; also under `python -m` and when the script installs its own
+    sys.excepthook. Read back through torch's own ProcessFailure."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    hook = "sys.excepthook = lambda *exc: print('own hook', file=sys.stderr)\n" if own_hook else ""
+    (tmp_path / "user.py").write_text(FAILING.format(hook=hook))
+    before = int(time.time())
+    argv = ["user", "--local_rank=0"] if mode == "module" else [str(tmp_path / "user.py"), "--local_rank=0"]
+    result = _as_rank(tmp_path, mode, argv, pythonpath=str(tmp_path) if mode == "module" else None)
+    assert result.returncode == 1
+    assert ("own hook" if own_hook else "ValueError: bad input 7") in result.stderr  # python's (or its) report
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(tmp_path / "error.json"))
+    assert before <= failure.timestamp <= time.time()
+    tb = agent.failure_traceback(failure.error_file_data)
+    # the user's frames only: no runpy frames before the script's
+    assert tb.splitlines()[:2] == ["Traceback (most recent call last):",
+                                   f'  File "{tmp_path}/user.py", line {4 + bool(own_hook)}, in <module>']
+    assert tb.rstrip().endswith("ValueError: bad input 7")
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_exits_records_nothing(tmp_path):
+    (tmp_path / "user.py").write_text("import sys\nsys.exit(3)\n")
+    result = _as_rank(tmp_path, "script", [str(tmp_path / "user.py")])
+    assert result.returncode == 3 and not (tmp_path / "error.json").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("users_site", [False, True], ids=["no_pythonpath", "users_sitecustomize"])
+def test_a_rank_sees_its_own_pythonpath_and_sitecustomize(tmp_path, users_site):
+    """The hook leaves no trace: PYTHONPATH and sys.path as given, the user's sitecustomize still runs,
+    and the process's command line is the user's."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nos.environ['ZS_USER_SITE'] = 'ran'\n")
+    (tmp_path / "user.py").write_text(
+        "import json, os, sys\n"
+        "print(json.dumps({'PYTHONPATH': os.environ.get('PYTHONPATH'), 'site': os.environ.get('ZS_USER_SITE'),\n"
+        "                  'hook_on_path': [p for p in sys.path if 'rank_hook' in p],\n"
+        "                  'cmdline': open('/proc/self/cmdline').read().split(chr(0))[:-1]}))\n")
+    given = str(site) if users_site else None
+    result = _as_rank(tmp_path, "script", [str(tmp_path / "user.py"), "a"], pythonpath=given)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout)
+    assert seen == {"PYTHONPATH": given, "site": "ran" if users_site else None, "hook_on_path": [],
+                    "cmdline": [sys.executable, "-u", str(tmp_path / "user.py"), "a"]}

@@ -1,5 +1,5 @@
 """DeepSpeed's `engine.offload_states()` / `reload_states()` (Note [offloaded states] in
-runtime/zero/offload_states.py), at ZeRO 0-3 on 2 ranks, against one plain PyTorch process.
+offload/states.py), at ZeRO 0-3 on 2 ranks, against one plain PyTorch process.
 
 Each engine trains one step, offloads the optimizer states alone, then every state, and reloads each
 time; then trains two more steps. Checked:

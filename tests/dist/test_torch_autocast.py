@@ -1,4 +1,4 @@
-"""`torch_autocast` (runtime/torch_autocast.py) on 2 ranks at ZeRO 0-3, against one plain PyTorch process.
+"""`torch_autocast` (precision/autocast.py) on 2 ranks at ZeRO 0-3, against one plain PyTorch process.
 
 The reference runs each rank's micro-batch under `torch.autocast` itself, then combines the two ranks'
 gradients the way Note [autocast gradient communication] says a collective does: the gradients of the

@@ -195,7 +195,7 @@ def zero_init_ranks() -> dict:
     from test_zero3_api import BIG, CFG3
     from zerospeed import zero
     from zoo.models import GPT, GPTConfig
-    from zerospeed.zero.stage3 import registry
+    from zerospeed.zero import tags
     exact_fp32()
     torch.manual_seed(0)
     eager = {k: v.clone() for k, v in GPT(BIG).state_dict().items()}
@@ -204,7 +204,7 @@ def zero_init_ranks() -> dict:
         torch.manual_seed(0)
         with zero.Init(**kwargs):
             model = GPT(BIG)  # built on the host, as most scripts do
-        owners = {id(o): o for p in model.parameters() if (o := registry.owner_of(p)) is not None}.values()
+        owners = {id(o): o for p in model.parameters() if (o := tags.owner_of(p)) is not None}.values()
         with zero.GatheredParameters(list(model.parameters())):
             state = model.state_dict()
             same = all(torch.equal(state[k].cpu(), v) for k, v in eager.items())

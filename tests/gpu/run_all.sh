@@ -17,7 +17,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# tests/harness and examples/zoo are not in the wheel: importable as `harness` and `zoo` from these folders
+export PYTHONPATH=$PWD:$PWD/tests:$PWD/examples${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi -L || true
 "$PY" -c "import torch, zerospeed; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())" \
   || exit 1

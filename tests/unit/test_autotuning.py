@@ -453,3 +453,24 @@ def test_missing_config_argument(tmp_path):
 def test_results_dir_is_relative_to_the_launch_directory(tmp_path, monkeypatch):
     tuner, _ = fake_tuner(tmp_path, monkeypatch, CONFIG, {})
     assert tuner.results_dir == Path(tmp_path) / "res" and tuner.exps_dir == Path(tmp_path) / "exps"
+
+
+@pytest.mark.parametrize("flags, ranks_per_node, hostfile", [
+    ([], (1,), False), (["--num_gpus", "4"], (4,), False), (["--num_gpus=2", "--num_nodes", "3"], (2, 2, 2), False),
+    (["--num_accelerators", "2", "-H", "hosts"], (2,), True), (["--hostfile=hosts"], (1,), True)])
+def test_trial_world_from_the_flags_alone(flags, ranks_per_node, hostfile):
+    world = cmd.TrialWorld.from_flags(flags)
+    assert (world.ranks_per_node, world.hostfile, world.nodes) == (ranks_per_node, hostfile, len(ranks_per_node))
+
+
+def test_the_launchers_world_sets_the_dp_guess_and_the_trial_ports(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps(CONFIG))
+    command = UserCommand("train.py", ("--deepspeed", "ds.json"))
+
+    def fresh_port(tuner):  # consecutive trials on this machine each get a free --master_port
+        return any(a.startswith("--master_port=") for a in tuner._argv(tmp_path / "c.json", {}, trial=True))
+
+    alone = Autotuner(["--num_gpus", "2"], command, cwd=tmp_path)
+    assert alone._dp_guess() == 2 and fresh_port(alone)
+    hosts = Autotuner(["--num_gpus", "2"], command, world=cmd.TrialWorld((2, 2, 1), hostfile=True), cwd=tmp_path)
+    assert hosts._dp_guess() == 5 and not fresh_port(hosts)

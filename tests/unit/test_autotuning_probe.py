@@ -1,12 +1,13 @@
-"""The trial side of the autotuner in one process: the engine's probe writes DeepSpeed's metrics at
-end_profile_step and exits, or the model information after the first forward pass."""
+"""The trial side of the autotuner in one process: the probe (profiling/trial_probe.py, run by the engine's
+observer) writes DeepSpeed's metrics at end_profile_step and exits, or the model information after the
+first forward pass."""
 import json
 
 import pytest
 import torch
 
 import zerospeed
-from zerospeed.autotuning.probe import ENV_METRIC_PATH, ENV_MODEL_INFO_PATH, step_metrics
+from zerospeed.profiling.trial_probe import ENV_METRIC_PATH, ENV_MODEL_INFO_PATH, step_metrics
 from zoo.models import TinyMLP
 
 CFG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,

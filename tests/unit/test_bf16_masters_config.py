@@ -7,15 +7,16 @@ import pytest
 import torch
 
 from zerospeed.config import parse_config
-from zerospeed.utils.errors import ConfigError
 from zerospeed.precision.policy import PrecisionPolicy
+from zerospeed.runtime.plans import precision_policy
+from zerospeed.utils.errors import ConfigError
 
 BASE = {"train_micro_batch_size_per_gpu": 2}
 BOTH = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 
 
 def _policy(bf16: dict, zero: dict | None = None) -> PrecisionPolicy:
-    return PrecisionPolicy.from_config(parse_config({**BASE, "bf16": bf16, "zero_optimization": zero or {"stage": 2}}))
+    return precision_policy(parse_config({**BASE, "bf16": bf16, "zero_optimization": zero or {"stage": 2}}))
 
 
 def test_both_switches_make_every_optimizer_dtype_bf16_and_drop_the_master_copy():

@@ -1,4 +1,4 @@
-"""DeepSpeed's engine accessors (`zerospeed/runtime/config_accessors.py`) against what DeepSpeed's own
+"""DeepSpeed's engine accessors (the facade `zerospeed/runtime/deepspeed_api.py`) against what DeepSpeed's own
 definitions give for the same config: each expected value below is written from the config given and
 DeepSpeed's rule for that method (e.g. `zero_optimization()` is "stage > 0", `postscale_gradients()` is
 "not prescale_gradients", `dynamic_loss_scale()` is "fp16.loss_scale == 0"), not read back from zerospeed.

@@ -1,6 +1,6 @@
 """The legacy curriculum scheduler and progressive layer drop: their formulas by hand, and what the engine
 passes to a training forward, step by step, against a plain PyTorch loop that truncates its batches by
-the same formula (runtime/forward_schedules.py, Note [forward schedules])."""
+the same formula (the step hooks, runtime/hooks.py, Note [forward schedules])."""
 from __future__ import annotations
 
 import math

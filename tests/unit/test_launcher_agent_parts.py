@@ -1,14 +1,17 @@
 """The elastic agent's pure parts: rendezvous plan, failure reports, error files, rank variables."""
+import json
+import os
 import sys
 
 import pytest
 
 from zerospeed.launcher import worker
-from zerospeed.launcher.agent import (RendezvousPlan, elastic_nodes, exit_code, failure_report, failure_traceback,
-                                      missing_nodes, rendezvous_plan, root_failures, timeout_message,
-                                      unreachable_message)
+from zerospeed.launcher.agent import exit_code, failure_report, failure_traceback, root_failures
 from zerospeed.launcher.errors import LauncherError
 from zerospeed.launcher.multinode import node_label
+from zerospeed.launcher.rank_hook import sitecustomize as rank_hook
+from zerospeed.launcher.rendezvous import (RendezvousPlan, elastic_nodes, missing_nodes, rendezvous_plan,
+                                           timeout_message, unreachable_message)
 
 
 def _plan(**kw) -> RendezvousPlan:
@@ -68,37 +71,47 @@ def test_exit_code():
     assert (exit_code(3), exit_code(-9), exit_code(-15)) == (3, 137, 143)
 
 
-def _failing_script(tmp_path):
-    script = tmp_path / "user.py"
-    script.write_text("def inner():\n    raise ValueError('bad input 7')\n\ninner()\n")
-    return str(script)
+def _raise_from_user_code():
+    def inner():
+        raise ValueError("bad input 7")
+
+    try:
+        inner()
+    except ValueError as exc:
+        return exc
 
 
-def test_error_record_is_read_back_by_torch(tmp_path, monkeypatch):
+def test_error_record_is_read_back_by_torch(tmp_path):
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    error_file, printed = tmp_path / "error.json", []
-    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
-    monkeypatch.setattr(sys, "argv", list(sys.argv))
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.setattr(sys, "excepthook", lambda *exc_info: printed.append(exc_info))
-    monkeypatch.setattr(worker.time, "time", lambda: 1700000000.5)
-    with pytest.raises(SystemExit) as info:
-        worker._run("script", [_failing_script(tmp_path), "--local_rank=0"])  # what a rank runs
-    assert info.value.code == 1
-    assert [type(exc) for _, exc, _ in printed] == [ValueError]  # python's own report of the exception
+    # The record a rank's start-up hook writes at exit (tests/dist/test_launcher_procs.py runs it in ranks).
+    error_file = tmp_path / "error.json"
+    error_file.write_text(json.dumps(rank_hook.error_record(_raise_from_user_code(), 1700000000.5)))
     failure = ProcessFailure(local_rank=1, pid=4242, exitcode=1, error_file=str(error_file))
     assert failure.timestamp == 1700000000
     tb = failure_traceback(failure.error_file_data)
-    # The user's frames only: no runpy or test frames before the script's.
-    assert tb.splitlines()[:2] == ["Traceback (most recent call last):",
-                                   f'  File "{tmp_path}/user.py", line 4, in <module>']
+    assert tb.splitlines()[0] == "Traceback (most recent call last):" and "in inner" in tb
     assert tb.rstrip().endswith("ValueError: bad input 7")
     report = failure_report("zerospeed node 1", 3, failure, 1, "/logs/p_rank3.log")
     assert report.splitlines()[0] == ("zerospeed node 1: rank 3 (pid 4242) exited with code 1; stopped the other 1 "
                                       "process(es); its output is in /logs/p_rank3.log")
     assert report.splitlines()[1] == "zerospeed node 1: rank 3's traceback:"
     assert report.endswith("ValueError: bad input 7")
+
+
+@pytest.mark.parametrize("given", [None, "", "/a", f"/a{os.pathsep}/b", f"{os.pathsep}/a"])
+def test_the_rank_hook_gives_back_the_pythonpath_it_was_given(given):
+    with_hook = worker.pythonpath_with(given, worker.HOOK_DIR)
+    assert with_hook.split(os.pathsep)[0] == worker.HOOK_DIR == rank_hook.HERE
+    assert rank_hook.pythonpath_without(with_hook, worker.HOOK_DIR) == given
+
+
+def test_rank_command_lines_are_torchruns():
+    py = "/env/bin/python"
+    assert worker.command_line("script", ["t.py", "--local_rank=0", "a b"], py) == [py, "-u", "t.py",
+                                                                                    "--local_rank=0", "a b"]
+    assert worker.command_line("module", ["pkg.m", "x"], py) == [py, "-u", "-m", "pkg.m", "x"]
+    assert worker.command_line("exec", ["./run.sh", "--local_rank=1"], py) == ["./run.sh", "--local_rank=1"]
 
 
 def test_failure_report_without_error_file(tmp_path):
@@ -116,13 +129,15 @@ def test_zerospeed_variables_from_the_agents():
     assert worker.log_path("/logs", "20240102030405", "5") == "/logs/20240102030405_rank5.log"
 
 
-def test_worker_file_imports_nothing_of_zerospeed_or_torch():
-    # It must start fast: python -X importtime would list them; the source is the cheaper check.
-    with open(worker.__file__) as f:
+@pytest.mark.parametrize("module", [worker, rank_hook])
+def test_worker_file_imports_nothing_of_zerospeed_or_torch(module):
+    # It must start fast: python -X importtime would list them; the source is the cheaper check. The
+    # rank's start-up hook runs before every rank's own code, also in scripts that never import torch.
+    with open(module.__file__) as f:
         source = f.read()
-    imports = [line.split()[1] for line in source.splitlines() if line.startswith(("import ", "from "))]
+    imports = [line.split()[1] for line in source.splitlines() if line.lstrip().startswith(("import ", "from "))]
     assert not [m for m in imports if m.split(".")[0] in ("zerospeed", "torch")], imports
-    assert sys.modules["zerospeed.launcher.worker"] is worker
+    assert sys.modules[module.__name__] is module
 
 
 def test_node_label_names_the_ranks():

@@ -1,7 +1,9 @@
 """The command line: splitting launcher flags from the user command, flag errors, the launch plan."""
 import pytest
 
+from zerospeed.autotuning.command import TrialWorld
 from zerospeed.launcher import cli
+from zerospeed.launcher import hostfile as launcher_hostfile
 from zerospeed.launcher.cli import main, parse_command_line, split_argv
 from zerospeed.launcher.environment import UserCommand
 from zerospeed.launcher.errors import LauncherError
@@ -164,3 +166,20 @@ def test_pid_file_is_deepspeeds():
 
     assert pid_file_path(4242) == "/tmp/4242.deepspeed"
     assert cli.DEFAULT_MASTER_PORT == 29500
+
+
+@pytest.mark.parametrize("flags, world", [
+    (["--hostfile", "{hostfile}", "--include", "w0:0,1@w1"], TrialWorld((2, 2), hostfile=True)),
+    (["--hostfile", "{hostfile}", "--num_nodes", "1"], TrialWorld((4,), hostfile=True)),
+    (["--num_gpus", "3"], TrialWorld((3,), hostfile=False))])
+def test_autotuning_gets_the_launchers_world(tmp_path, monkeypatch, flags, world):
+    """The autotuner reads no hostfile: the launcher resolves hosts and slots and passes them on."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("w0 slots=4\nw1 slots=2\n")
+    seen = {}
+    monkeypatch.setattr(launcher_hostfile, "DEFAULT_HOSTFILE", str(tmp_path / "absent"))  # not this machine's
+    monkeypatch.setattr(cli.autotuning, "autotune", lambda *a: seen.setdefault("call", a) and 0)
+    argv = [f.format(hostfile=hostfile) for f in flags] + ["--autotuning", "tune", "t.py", "--deepspeed", "c.json"]
+    assert main(argv) == 0
+    mode, passed_argv, command, got = seen["call"]
+    assert (mode, passed_argv, command.script, got) == ("tune", argv, "t.py", world)

@@ -28,6 +28,7 @@ from zerospeed.offload import (
     slot_nbytes,
 )
 from zerospeed.offload import aio as aio_mod
+from zerospeed.runtime.plans import aio_plan
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int64]
 ODD_SIZES = [1, 7, 1023, 4097, 65_537, 300_001]
@@ -109,7 +110,7 @@ def test_slot_nbytes_rounds_to_pages():
 def test_from_config_takes_the_larger_thread_knob():
     cfg = AioConfig(block_size=262_144, queue_depth=4, thread_count=2, intra_op_parallelism=3,
                     single_submit=True, overlap_events=False)
-    with AsyncIO.from_config(cfg) as aio:
+    with AsyncIO.from_plan(aio_plan(cfg)) as aio:
         assert (aio.block_size, aio.queue_depth, aio.thread_count) == (262_144, 4, 3)
         assert aio.single_submit and not aio.overlap_events
         assert aio._pool._max_workers == 12

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from zerospeed.config import ConfigError, parse_config
-from zerospeed.offload.plan import HOST, OffloadPlan
+from zerospeed.offload.plan import HOST
+from zerospeed.runtime.plans import offload_plan
 
 
 def plan(zero, **extra):
-    return OffloadPlan.from_config(parse_config({"train_batch_size": 1, "zero_optimization": zero, **extra}),
-                                   torch.device("cpu"))
+    return offload_plan(parse_config({"train_batch_size": 1, "zero_optimization": zero, **extra}), torch.device("cpu"))
 
 
 def test_no_offload_keeps_everything_on_the_device():

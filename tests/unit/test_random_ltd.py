@@ -1,4 +1,4 @@
-"""Random-LTD (runtime/data_pipeline/data_routing): the fixed_linear schedule and the layer-token count by
+"""Random-LTD (data/random_ltd): the fixed_linear schedule and the layer-token count by
 hand; the layer wrapper against the plain layer run on the kept tokens by indexing (outputs, gradients,
 both hidden-state layouts, the decoder / encoder mask cuts); the helpers; the config's refusals."""
 from __future__ import annotations

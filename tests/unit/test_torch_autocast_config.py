@@ -1,4 +1,4 @@
-"""`torch_autocast` and `fp16.auto_cast` (runtime/torch_autocast.py, precision/casting.py) in one process:
+"""`torch_autocast` and `fp16.auto_cast` (precision/autocast.py, precision/casting.py) in one process:
 layouts split by gradient dtype (exact), the refusals DeepSpeed makes (naming the keys), which parameters
 travel in the low dtype, the forward's dtype under the engine, the loss scaler's rule, input casting.
 The 2-rank training parity is tests/dist/test_torch_autocast.py."""
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import zerospeed
-from zerospeed.utils.errors import ConfigError
 from zerospeed.precision.casting import cast_floating
+from zerospeed.utils.errors import ConfigError
 from zerospeed.zero.partition import build_layouts
 
 BASE = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
@@ -78,17 +78,26 @@ def test_low_precision_parameters_are_refused_naming_one():
 
 def test_safe_modules_are_exact_classes_from_the_default_list_or_the_config():
     from zerospeed.config import parse_config
-    from zerospeed.precision.autocast import get_default_autocast_lower_precision_modules, param_comm_dtypes
+    from zerospeed.precision.autocast import (
+        get_default_autocast_lower_precision_modules,
+        param_comm_dtypes,
+    )
+    from zerospeed.runtime.plans import precision_policy
+
+    def param_comm_dtypes_of(model, cfg):  # the config's dtype and safe-module list, as the engine's plans read them
+        return param_comm_dtypes(model, precision_policy(cfg).autocast_dtype,
+                                 cfg.torch_autocast.lower_precision_safe_modules)
+
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), MyLinear(2, 2), torch.nn.Conv1d(1, 1, 1),
                                 torch.nn.LayerNorm(2), torch.nn.Embedding(3, 2))
     on = parse_config({**BASE, "torch_autocast": {"enabled": True, "dtype": "fp16"}})
-    got = param_comm_dtypes(model, on)
+    got = param_comm_dtypes_of(model, on)
     want = {id(p) for i in (0, 2) for p in model[i].parameters()}  # DeepSpeed compares classes exactly
     assert set(got) == want and set(got.values()) == {torch.float16}
     custom = parse_config({**BASE, "torch_autocast": {
         "enabled": True, "lower_precision_safe_modules": [f"{__name__}.MyLinear", "torch.nn.LayerNorm"]}})
-    assert set(param_comm_dtypes(model, custom)) == {id(p) for i in (1, 3) for p in model[i].parameters()}
-    assert param_comm_dtypes(model, parse_config(BASE)) == {}
+    assert set(param_comm_dtypes_of(model, custom)) == {id(p) for i in (1, 3) for p in model[i].parameters()}
+    assert param_comm_dtypes_of(model, parse_config(BASE)) == {}
     assert get_default_autocast_lower_precision_modules() == [
         "torch.nn.modules.linear.Linear", "torch.nn.modules.conv.Conv1d", "torch.nn.modules.conv.Conv2d",
         "torch.nn.modules.conv.Conv3d"]

@@ -29,6 +29,7 @@ from zerospeed.activation.policy import (
     resolve_policy,
 )
 from zerospeed.activation.rng import MODEL_PARALLEL_RNG, TRACKER, RngStatesTracker, model_parallel_manual_seed
+from zerospeed.config.schema.misc import ActivationCheckpointingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +171,6 @@ def set_num_layers(nlayers: int) -> None:
 
 
 def _policy_as_section():
-    from zerospeed.config.schema.misc import ActivationCheckpointingConfig
     return ActivationCheckpointingConfig(**vars(current_policy()))
 
 

@@ -5,9 +5,9 @@
     tuner.run_after_tuning()        # train with the best config
 
 `tune` reads the script's config, splits its tuning lists off (`space`), learns the model's size from
-``autotuning.model_info`` or a model-information run (`probe`), lets the planner prune what cannot
-fit (`planner`), and then lets the search (`tuner`) pick trials, each a short profiled run of the
-script through the launcher in a process group of its own with a time limit (`trial`).
+``autotuning.model_info`` or a model-information run (profiling/trial_probe.py), lets the planner
+prune what cannot fit (`planner`), and then lets the search (`tuner`) pick trials, each a short profiled
+run of the script through the launcher in a process group of its own with a time limit (`trial`).
 """
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zerospeed.accelerator import get_accelerator
 from zerospeed.autotuning import command as cmdline
+from zerospeed.autotuning.command import TrialWorld
 from zerospeed.autotuning.planner import DOMINATED, MEMORY_HEADROOM, OK, ModelInfo, Planned, min_memory, plan
-from zerospeed.autotuning.probe import ENV_METRIC_PATH, ENV_MODEL_INFO_PATH, write_json_atomic
 from zerospeed.autotuning.results import NOT_RUN, Record, UNITS, best_record, write_optimal, write_results
 from zerospeed.autotuning.space import Candidate, split_space, trial_config
 from zerospeed.autotuning.trial import CRASHED, OK as TRIAL_OK, TrialResult, run_trial, trial_timeout
@@ -32,6 +33,7 @@ from zerospeed.autotuning.tuner import drive, make_search
 from zerospeed.config.loader import load_raw
 from zerospeed.config.validation import validate_config
 from zerospeed.estimate.formulas import Precision
+from zerospeed.profiling.trial_probe import ENV_METRIC_PATH, ENV_MODEL_INFO_PATH, write_json_atomic
 from zerospeed.utils.ports import free_port
 from zerospeed.zero.memory import OPTIMIZER_STATE_BYTES
 
@@ -89,10 +91,12 @@ def _timeout_rule(given: float | None, env: str | None) -> tuple[float | None, f
 class Autotuner:
     """Tune ZeRO stage, micro batch (and offload) for one script; see the module docstring."""
 
-    def __init__(self, launcher_flags: list[str], command, *, device_memory: float | None = None,
-                 trial_timeout: float | None = None, exhaustive: bool = False, cwd: str | Path | None = None,
-                 python: str = sys.executable) -> None:
+    def __init__(self, launcher_flags: list[str], command, *, world: TrialWorld | None = None,
+                 device_memory: float | None = None, trial_timeout: float | None = None, exhaustive: bool = False,
+                 cwd: str | Path | None = None, python: str = sys.executable) -> None:
         self.flags = list(launcher_flags)
+        # the nodes and ranks of the trials: the launcher's resolution (`zerospeed --autotuning` passes it)
+        self.world = world if world is not None else TrialWorld.from_flags(self.flags)
         self.command = command
         self.exhaustive = exhaustive  # every candidate, no model-information run, no pruning, no early stop
         self.cwd = Path(cwd or os.getcwd())
@@ -214,28 +218,12 @@ class Autotuner:
         return Precision.of(dtype, kind if kind in OPTIMIZER_STATE_BYTES else "adam")
 
     def _local_memory(self) -> float:
-        from zerospeed.accelerator import get_accelerator
-        acc = get_accelerator()
-        return acc.total_memory() / (self._per_node() if acc.name == "cpu" else 1)
-
-    def _per_node(self) -> int:
-        for i, f in enumerate(self.flags):
-            for name in ("--num_gpus", "--num_accelerators"):
-                if f.startswith(name + "="):
-                    return int(f.split("=", 1)[1])
-                if f == name and i + 1 < len(self.flags):
-                    return int(self.flags[i + 1])
-        return 1
+        acc = get_accelerator()  # on a CPU the node's ranks share its memory
+        return acc.total_memory() / (max(self.world.ranks_per_node) if acc.name == "cpu" else 1)
 
     def _dp_guess(self) -> int:
-        """Data-parallel size from the launcher flags (the model-information run measures it instead)."""
-        nodes = 1
-        for i, f in enumerate(self.flags):
-            if f == "--num_nodes" and i + 1 < len(self.flags):
-                nodes = int(self.flags[i + 1])
-            elif f.startswith("--num_nodes="):
-                nodes = int(f.split("=", 1)[1])
-        return max(1, self._per_node() * nodes // self.at.mp_size)
+        """Data-parallel size of the trials' world (the model-information run measures it instead)."""
+        return max(1, self.world.ranks // self.at.mp_size)
 
     # -- trials ----------------------------------------------------------------------------------------
     def _search(self, cands: list[Candidate]) -> None:
@@ -316,9 +304,8 @@ class Autotuner:
         return [self.python, "-m", "zerospeed.launcher", *flags, self.command.script, *args]
 
     def _single_local_node(self) -> bool:
-        from zerospeed.launcher.hostfile import DEFAULT_HOSTFILE
         multi = ("--master_port", "--master_addr", "--hostfile", "-H", "--num_nodes", "--node_rank", "--include")
-        return not any(cmdline.has_flag(self.flags, f) for f in multi) and not Path(DEFAULT_HOSTFILE).exists()
+        return not any(cmdline.has_flag(self.flags, f) for f in multi) and not self.world.hostfile
 
     # -- files ------------------------------------------------------------------------------------------
     def _path(self, p: str | Path) -> Path:

@@ -11,16 +11,17 @@ import sys
 from collections.abc import Sequence
 
 from zerospeed.autotuning.autotuner import Autotuner, AutotuningError
-from zerospeed.autotuning.command import launcher_flags
+from zerospeed.autotuning.command import TrialWorld, launcher_flags
 from zerospeed.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 MODES = ("tune", "run")
 
 
-def autotune(mode: str, argv: Sequence[str], command) -> int:
+def autotune(mode: str, argv: Sequence[str], command, world: TrialWorld | None = None) -> int:
     """Run the autotuner for the launcher's ``argv`` (its flags, then the script and its arguments in
-    ``command``); the exit code: 0 when a best config was found (and, for run, training succeeded)."""
+    ``command``) on ``world`` (the launcher's nodes and ranks; read from the flags when None); the exit
+    code: 0 when a best config was found (and, for run, training succeeded)."""
     if mode not in MODES:
         print(f"zerospeed: error: --autotuning must be one of {', '.join(MODES)}, got {mode!r}", file=sys.stderr)
         return 2
@@ -28,7 +29,7 @@ def autotune(mode: str, argv: Sequence[str], command) -> int:
     # SIGTERM (a scheduler, `kill`) unwinds like Ctrl-C, so the running trial's process group is killed too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        tuner = Autotuner(flags, command)
+        tuner = Autotuner(flags, command, world=world)
         outcome = tuner.tune()
     except ConfigError as err:
         print(f"zerospeed: error: {err}", file=sys.stderr)

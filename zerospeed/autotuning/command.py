@@ -1,8 +1,10 @@
-"""Command lines of trials (pure): the launcher's flags without ``--autotuning``, and the script's
-arguments with the trial's config path and the ``arg_mappings`` values in place."""
+"""Command lines of trials (pure): the launcher's flags without ``--autotuning``, the script's
+arguments with the trial's config path and the ``arg_mappings`` values in place, and the world the
+trials run on (`TrialWorld`)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from zerospeed.utils.errors import ConfigError
@@ -99,3 +101,43 @@ def launcher_flags(argv: Sequence[str], user_words: int) -> list[str]:
 
 def has_flag(flags: Sequence[str], name: str) -> bool:
     return any(f == name or f.startswith(name + "=") for f in flags)
+
+
+def _flag_value(flags: Sequence[str], *names: str) -> str | None:
+    for i in range(len(flags)):
+        for name in names:
+            value = _flag_at(flags, i, name)
+            if value is not None:
+                return value
+    return None
+
+
+@dataclass(frozen=True)
+class TrialWorld:
+    """The nodes and ranks the trials run on, as the launcher resolved its flags, hostfile and devices.
+
+    The ``zerospeed`` command passes its own resolution (the autotuner never reads a hostfile itself:
+    the launcher is the layer above). `from_flags` is what the Python API assumes without one.
+    """
+
+    ranks_per_node: tuple[int, ...] = (1,)  # processes of each node, in node order
+    hostfile: bool = False                  # the hosts come from a hostfile (the launcher's runners apply)
+
+    @property
+    def nodes(self) -> int:
+        """Number of nodes."""
+        return len(self.ranks_per_node)
+
+    @property
+    def ranks(self) -> int:
+        """Processes over all nodes (the world size)."""
+        return sum(self.ranks_per_node)
+
+    @classmethod
+    def from_flags(cls, flags: Sequence[str]) -> TrialWorld:
+        """``--num_nodes`` nodes of ``--num_gpus`` ranks each (1 when a flag is absent; ``-H`` counts as a
+        hostfile)."""
+        nodes = _flag_value(flags, "--num_nodes")
+        per_node = _flag_value(flags, "--num_gpus", "--num_accelerators")
+        hostfile = any(has_flag(flags, f) for f in ("--hostfile", "-H"))
+        return cls((int(per_node or 1),) * int(nodes or 1), hostfile=hostfile)

@@ -15,56 +15,12 @@ import hashlib
 import os
 import shutil
 from pathlib import Path
-from typing import BinaryIO, Callable
 
 import torch
 
-
-def fsync_dir(path: Path) -> None:
-    """Make renames inside `path` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Call `write(file)` on a temporary file, then fsync it and rename it to `path`."""
-    def write_named(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
-            write(f)
-
-    atomic_write_named(path, write_named)
-
-
-def atomic_write_named(path: Path, write: Callable[[Path], None]) -> None:
-    """Call `write(temporary path)` (for a writer that opens the file itself, such as a library's
-    `save_file`), then fsync that file and rename it to `path`."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    atomic_write(path, lambda f: f.write(data))
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
+from zerospeed.utils.files import (  # noqa: F401 (the standard-library part, where torch-free tools reach it)
+    atomic_write, atomic_write_bytes, atomic_write_named, atomic_write_text, fsync_dir,
+)
 
 
 def atomic_torch_save(obj, path: Path) -> None:

@@ -7,7 +7,8 @@ checkpoint every expert tensor is named by its *global* index instead — in the
 the manifest's parameter specs and module keys, and the expert files. The checkpoint then describes
 one model with all E experts, whatever ep it was saved at; loading maps the global names back onto
 the loading rank's own experts, so a checkpoint loads at any ep and data-parallel size, and
-consolidates to the state dict of the same model at ep = 1.
+consolidates to the state dict of the same model at ep = 1. A layer says which experts it holds
+through the `HoldsExperts` protocol (protocols.py; DeepSpeed's `MoE` and AutoEP's containers implement it).
 
 Expert files: `layer_{i}_expert_{e}_mp_rank_00_model_states.pt` (DeepSpeed's name; i counts MoE
 layers in module order) holds expert e's state dict in the training dtype under global keys,
@@ -35,9 +36,9 @@ import torch
 from zerospeed import comm
 from zerospeed.checkpoint.atomic import atomic_torch_save
 from zerospeed.checkpoint.manifest import file_record, param_specs
+from zerospeed.checkpoint.protocols import HoldsExperts
+from zerospeed.zero import GatheredParameters
 from zerospeed.zero.shards import ShardEntry
-
-_EXPERTS = "deepspeed_moe.experts.deepspeed_experts"
 
 
 @dataclass(frozen=True)
@@ -79,20 +80,18 @@ def expert_file_name(layer: int, expert: int) -> str:
     return f"layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt"
 
 
+def _qualified(module_name: str, name: str) -> str:
+    return ".".join(part for part in (module_name, name) if part)
+
+
 def expert_spans(module: torch.nn.Module) -> list[ExpertSpan]:
-    from zerospeed.moe.autoep import ExpertParallelExperts  # zerospeed.moe imports the runtime's neighbours
-    from zerospeed.moe.layer import MoE
+    """This rank's experts of every layer holding experts (the `HoldsExperts` protocol), in module order."""
     spans = []
     for name, m in module.named_modules():
-        if isinstance(m, MoE):
-            ep_rank = comm.get_rank(m.deepspeed_moe.ep_group)
-            prefix = f"{name}.{_EXPERTS}" if name else _EXPERTS
-            spans.append(ExpertSpan(len(spans), prefix, ep_rank * m.num_local_experts, m.num_local_experts,
-                                    comm.get_rank(m.expert_data_parallel_group) == 0))
-        elif isinstance(m, ExpertParallelExperts):  # Note [stacked expert checkpoints]
-            spans.append(ExpertSpan(len(spans), name, m.first_expert, m.num_local_experts,
-                                    comm.get_rank(m.expert_data_parallel_group) == 0,
-                                    tuple(f"{name}.{p}" for p in m.param_names), m.num_experts))
+        if isinstance(m, HoldsExperts):
+            share = m.checkpoint_experts()
+            spans.append(ExpertSpan(len(spans), _qualified(name, share.experts), share.first, share.local,
+                                    share.writer, tuple(_qualified(name, p) for p in share.stacked), share.total))
     return spans
 
 
@@ -163,7 +162,6 @@ def write_expert_files(module: torch.nn.Module, spans: list[ExpertSpan], directo
                        ) -> tuple[dict[str, dict], str | None]:
     """Collective (stage 3 gathers each expert over its expert-dp group, so every rank goes through
     every expert even after a failed write): (the files this rank wrote, name -> record; an error)."""
-    from zerospeed.zero import GatheredParameters
     state = dict(module.named_parameters())
     state.update(module.named_buffers())
     files, error = {}, None
@@ -191,7 +189,6 @@ def _write_stacked(span: ExpertSpan, state: dict, directory: Path, files: dict, 
                    ) -> tuple[dict, str | None]:
     """One file per expert of an AutoEP block: row j of each stacked parameter (Note [stacked expert
     checkpoints]); collective at stage 3 like `write_expert_files`."""
-    from zerospeed.zero import GatheredParameters
     with GatheredParameters([state[k] for k in span.stacked]):
         if not span.writer or error is not None:
             return files, error

@@ -19,6 +19,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.checkpoint.deepspeed_import import is_deepspeed_tag
+from zerospeed.checkpoint.deepspeed_load import load_deepspeed_checkpoint
 from zerospeed.checkpoint.errors import CheckpointError, raise_if_any_rank_failed
 from zerospeed.checkpoint.experts import CheckpointNames, is_expert_key, load_expert_files, local_expert_files
 from zerospeed.checkpoint.layout import RankFile, entry_groups, partition_from_manifest
@@ -27,13 +28,16 @@ from zerospeed.checkpoint.manifest import (check_model_compat, read_manifest, sa
 from zerospeed.checkpoint.module_state import SavedModule, local_module_state
 from zerospeed.checkpoint.naming import (MODEL_STATES, CheckpointPaths, check_load_dir, is_model_states_name,
                                          optim_states_name)
+from zerospeed.checkpoint.placement import (Placement, check_supported, checkpoint_names, placement,
+                                            sharded_param_names)
 from zerospeed.checkpoint.rng import restore_rng_state
-from zerospeed.checkpoint.save import (RESERVED_KEYS, Placement, _check_supported, engine_names, placement,
-                                       sharded_param_names)
+from zerospeed.checkpoint.save import RESERVED_KEYS
+from zerospeed.checkpoint.state import TrainingState, restore_training_state
 from zerospeed.checkpoint.tensor_parallel import layout_problem, reslice
 from zerospeed.checkpoint.tags import agree_on_tag, read_latest, resolve_tag_dir
-from zerospeed.checkpoint.universal import FP32, files_holding, load_universal
-from zerospeed.zero.shards import ShardEntry, fill_entry
+from zerospeed.checkpoint.universal import (FP32, fill_from_universal, files_holding, load_universal,
+                                            scalar_state, state_dtype)
+from zerospeed.zero.shards import ShardEntry
 
 logger = logging.getLogger(__name__)
 
@@ -80,22 +84,22 @@ def _check_layouts(manifest: dict, place: Placement, tag_dir: Path) -> None:
                                   "and tensor_parallel.partition_config)")
 
 
-def _weights_in_shards(engine, manifest: dict) -> bool:
+def _weights_in_shards(state: TrainingState, manifest: dict) -> bool:
     """Trainable weights live only in the shards, not the module state (when saving or loading)."""
-    return engine.zero.weights_in_shards or manifest["weights_in_shards"]
+    return state.zero.weights_in_shards or manifest["weights_in_shards"]
 
 
-def _read_list(engine, tag_dir: Path, manifest: dict, *, strict: bool, with_optimizer: bool, module_only: bool,
-               names: CheckpointNames, place: Placement) -> _ReadList:
-    check_model_compat(manifest, engine.module, strict=strict, where=tag_dir, specs=names.specs)
+def _read_list(state: TrainingState, tag_dir: Path, manifest: dict, *, strict: bool, with_optimizer: bool,
+               module_only: bool, names: CheckpointNames, place: Placement) -> _ReadList:
+    check_model_compat(manifest, state.module, strict=strict, where=tag_dir, specs=names.specs)
     _check_layouts(manifest, place, tag_dir)
-    entries = names.global_entries(engine.zero.shard_entries(names.params))
+    entries = names.global_entries(state.zero.shard_entries(names.params))
     expert_files = local_expert_files(names.spans)
     model_files = _model_files(manifest)
-    if module_only and not _weights_in_shards(engine, manifest):
+    if module_only and not _weights_in_shards(state, manifest):
         return _ReadList(tag_dir, manifest, place, entries, None, set(), None, model_files + expert_files)
     if with_optimizer:
-        _check_optimizer(engine.optimizer, manifest, tag_dir)
+        _check_optimizer(state.optimizer, manifest, tag_dir)
     saved_trainable = {n for n, s in manifest["parameters"].items() if s["trainable"]}
     names = {p.name for e in entries for p in e.pieces} & saved_trainable
     direct = _matching_file(manifest, entries, place)
@@ -120,51 +124,38 @@ def _check_optimizer(optimizer, manifest: dict, tag_dir: Path) -> None:
                               "the weights only")
 
 
-def _load_module(engine, states: dict, manifest: dict, strict: bool, where: Path, spans, place: Placement) -> None:
-    sharded = sharded_param_names(engine.module)  # stage 3: filled from the shards, not the module state
+def _load_module(state: TrainingState, states: dict, manifest: dict, strict: bool, where: Path, spans,
+                 place: Placement) -> None:
+    module = state.module
+    sharded = sharded_param_names(module)  # stage 3: filled from the shards, not the module state
     module_state = local_module_state(SavedModule(where, manifest, states), layouts=place.layouts,
-                                      tp_rank=place.tp_rank, tp=place.tp, tied=tied_aliases(engine.module),
-                                      skip=sharded)
-    result = engine.module.load_state_dict(module_state, strict=False)
-    _load_frozen(engine, SavedModule(where, manifest, states), place, sharded)
+                                      tp_rank=place.tp_rank, tp=place.tp, tied=tied_aliases(module), skip=sharded)
+    result = module.load_state_dict(module_state, strict=False)
+    _load_frozen(state, SavedModule(where, manifest, states), place, sharded)
     if spans:  # Note [global expert names]: this rank's experts come from their own files
-        load_expert_files(engine.module, spans, where, skip=sharded)
+        load_expert_files(module, spans, where, skip=sharded)
     excluded = set(manifest.get("excluded_frozen", ())) | sharded
     excluded |= {k for k in result.missing_keys if is_expert_key(k, spans)}
     if manifest["weights_in_shards"]:  # such a checkpoint keeps trainable parameters in its shards only
-        excluded |= {n for n, p in engine.module.named_parameters(remove_duplicate=False) if p.requires_grad}
+        excluded |= {n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
     missing = [k for k in result.missing_keys if k not in excluded]
     if strict and (missing or result.unexpected_keys):
         raise CheckpointError(f"checkpoint {where}: module state does not match the model — missing {missing}, "
                               f"unexpected {list(result.unexpected_keys)} (load_module_strict=False to allow)")
 
 
-def _load_frozen(engine, saved: SavedModule, place: Placement, sharded: set[str]) -> None:
+def _load_frozen(state: TrainingState, saved: SavedModule, place: Placement, sharded: set[str]) -> None:
     """Stage 3's partitioned frozen parameters: each rank cuts its chunk out of the whole values the
     model states hold (Note [partitioned frozen parameters], zero/stage3/strategy.py)."""
-    frozen = {n for n, p in engine.module.named_parameters(remove_duplicate=False)
+    module = state.module
+    frozen = {n for n, p in module.named_parameters(remove_duplicate=False)
               if n in sharded and not p.requires_grad and n in saved}
     if not frozen:
         return
     values = local_module_state(saved, layouts=place.layouts, tp_rank=place.tp_rank, tp=place.tp,
-                                tied=tied_aliases(engine.module), skip=set(saved.keys()) - frozen)
-    params = dict(engine.module.named_parameters(remove_duplicate=False))
-    engine.zero.load_frozen({id(params[n]): v for n, v in values.items()})
-
-
-def _scalar(value, master: torch.Tensor, group: dict):
-    # capturable / fused optimizers keep `step` on the parameter's device; others on the CPU.
-    if isinstance(value, torch.Tensor):
-        value = value.clone()
-        if group.get("capturable") or group.get("fused"):
-            value = value.to(master.device)
-    return value
-
-
-def _state_dtype(saved: torch.dtype, master: torch.Tensor) -> torch.dtype:
-    """An elementwise optimizer state loads in its master's dtype (Note [bf16 masters]: bf16 states next to
-    bf16 masters, fp32 next to fp32 ones, whichever the checkpoint was saved with); others as saved."""
-    return master.dtype if saved.is_floating_point and master.is_floating_point() else saved
+                                tied=tied_aliases(module), skip=set(saved.keys()) - frozen)
+    params = dict(module.named_parameters(remove_duplicate=False))
+    state.zero.load_frozen({id(params[n]): v for n, v in values.items()})
 
 
 @torch.no_grad()
@@ -176,8 +167,9 @@ def _load_direct(reads: _ReadList, optimizer, with_optimizer: bool) -> None:
         if with_optimizer and optimizer is not None:
             group = optimizer.param_groups[gi] if gi >= 0 else {}
             optimizer.state[entry.master] = {
-                k: (v.to(entry.master.device, _state_dtype(v.dtype, entry.master)).view(entry.master.shape).clone()
-                    if k in layout.elementwise else _scalar(v, entry.master, group)) for k, v in record["state"].items()}
+                k: (v.to(entry.master.device, state_dtype(v.dtype, entry.master)).view(entry.master.shape).clone()
+                    if k in layout.elementwise else scalar_state(v, entry.master, group))
+                for k, v in record["state"].items()}
 
 
 @torch.no_grad()
@@ -190,61 +182,7 @@ def _load_resharded(reads: _ReadList, optimizer, with_optimizer: bool) -> None:
     fill_from_universal(reads.entries, uni, optimizer, with_optimizer)
 
 
-@torch.no_grad()
-def fill_from_universal(entries: list[ShardEntry], uni, optimizer, with_optimizer: bool) -> None:
-    """This rank's masters (and, `with_optimizer`, their elementwise and scalar optimizer states) cut out of
-    the universal form's full tensors (a resharded zerospeed checkpoint, or DeepSpeed's)."""
-    groups = entry_groups(optimizer, [e.master for e in entries])
-    any_scalars = next(iter(uni.scalars.values()), {})
-    # an entry of padding only (a small group's last chunks) still gets zero-filled elementwise states
-    any_tensors = next(iter(uni.tensors.values()), {})
-    for entry, gi in zip(entries, groups):
-        pieces = [p for p in entry.pieces if p.name in uni.tensors]
-        fill_entry(entry.master, pieces, {p.name: uni.tensors[p.name][FP32] for p in pieces})
-        if not with_optimizer or optimizer is None:
-            continue
-        if pieces:
-            keys = set.intersection(*(set(uni.tensors[p.name]) for p in pieces)) - {FP32}
-        else:
-            keys = set(any_tensors) - {FP32}
-        group = optimizer.param_groups[gi] if gi >= 0 else {}
-        scalars = uni.scalars[pieces[0].name] if pieces else any_scalars
-        state = {k: _scalar(v, entry.master, group) for k, v in scalars.items()}
-        for key in sorted(keys):
-            dtype = _state_dtype((uni.tensors[pieces[0].name] if pieces else any_tensors)[key].dtype, entry.master)
-            t = torch.zeros(entry.master.shape, dtype=dtype, device=entry.master.device)
-            fill_entry(t, pieces, {p.name: uni.tensors[p.name][key] for p in pieces})
-            state[key] = t
-        optimizer.state[entry.master] = state
-
-
-def _restore_training_state(engine, states: dict, reads: _ReadList, with_optimizer: bool, with_scheduler: bool) -> None:
-    opt = engine.optimizer
-    if opt is not None and (with_optimizer or with_scheduler):
-        for group, saved in zip(opt.param_groups, states["optimizer_param_groups"]):
-            for k, v in saved.items():
-                if not with_optimizer and k != "lr":
-                    continue  # a scheduler-only load restores just the lr it set
-                if k in ("name", "moe"):
-                    continue  # the group's identity is this engine's ("ep_size_4" loading "ep_size_2")
-                if isinstance(group.get(k), torch.Tensor) and isinstance(v, torch.Tensor):
-                    group[k].copy_(v)
-                else:
-                    group[k] = v
-    if with_scheduler and engine.lr_scheduler is not None and states.get("lr_scheduler") is not None:
-        engine.lr_scheduler.load_state_dict(states["lr_scheduler"])
-    if engine.loss_scaler is not None and states.get("loss_scaler") is not None:
-        engine.loss_scaler.load_state_dict(states["loss_scaler"])
-    engine.global_steps = int(states["global_steps"])
-    engine.global_samples = int(states["global_samples"])
-    engine.skipped_steps = int(states["skipped_steps"])
-    gas = engine.gradient_accumulation_steps()
-    same_gas = states.get("gradient_accumulation_steps") == gas
-    engine.micro_steps = int(states["micro_steps"]) if same_gas else engine.global_steps * gas
-    if engine.training_dataloader is not None and states.get("data_sampler") is not None:
-        engine.training_dataloader.load_state_dict(states["data_sampler"])
-    if engine.random_ltd_scheduler is not None and states.get("random_ltd") is not None:
-        engine.random_ltd_scheduler.load_state_dict(states["random_ltd"])
+def _restore_rng(reads: _ReadList) -> None:
     if reads.rng_file is not None:
         rng = torch.load(reads.tag_dir / reads.rng_file, map_location="cpu", mmap=True, weights_only=True)["rng"]
         restore_rng_state(rng)
@@ -253,44 +191,45 @@ def _restore_training_state(engine, states: dict, reads: _ReadList, with_optimiz
                        reads.tag_dir, reads.manifest["world_size"], comm.get_rank())
 
 
-def _resolve(engine, root: Path, tag) -> str | None:
+def _resolve(state: TrainingState, root: Path, tag) -> str | None:
     if tag is None:
         tag = read_latest(root)
         if not all(t is not None for t in comm.all_gather_object(tag)):
             logger.warning("load_checkpoint: there is no %s file naming a tag; nothing loaded (pass tag= to "
                            "load a specific checkpoint)", root / "latest")
             return None
-    return agree_on_tag(str(tag), engine.config.checkpoint.tag_validation)
+    return agree_on_tag(str(tag), state.tag_validation)
 
 
-def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True, load_module_only: bool = False):
-    """Collective: restore a checkpoint saved at any world size, tensor-parallel degree and ZeRO stage 0-3.
+def load_checkpoint(state: TrainingState, load_dir, tag=None, load_module_strict: bool = True,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                    load_module_only: bool = False):
+    """Collective: restore a checkpoint saved at any world size, tensor-parallel degree and ZeRO stage 0-3
+    into `state` (the engine's `TrainingState`).
 
     Returns (path of the model states file, client_state), or (None, None) with a warning when
     `tag` is None and `load_dir` has no `latest` file.
     """
     root = check_load_dir(load_dir)
-    _check_supported(engine, experts_ok=True)
-    tag = _resolve(engine, root, tag)
+    check_supported(state, experts_ok=True)
+    tag = _resolve(state, root, tag)
     if tag is None:
         return None, None
     paths = CheckpointPaths(root, tag)
     if paths.dir.is_dir() and is_deepspeed_tag(paths.dir):  # Note [DeepSpeed checkpoints]
-        from zerospeed.checkpoint.deepspeed_load import load_deepspeed_checkpoint
-        return load_deepspeed_checkpoint(engine, paths.dir, strict=load_module_strict,
+        return load_deepspeed_checkpoint(state, paths.dir, strict=load_module_strict,
                                          with_optimizer=load_optimizer_states and not load_module_only,
                                          with_scheduler=load_lr_scheduler_states and not load_module_only,
                                          module_only=load_module_only)
-    place = placement(engine)
-    names = engine_names(engine, place)  # collective with MoE layers (Note [global expert names])
+    place = placement(state)
+    names = checkpoint_names(state, place)  # collective with MoE layers (Note [global expert names])
     start = time.perf_counter()
     with_optimizer = load_optimizer_states and not load_module_only
     reads, error = None, None
     try:
         tag_dir = resolve_tag_dir(CheckpointPaths(root, tag))
         manifest = read_manifest(tag_dir)
-        reads = _read_list(engine, tag_dir, manifest, strict=load_module_strict, with_optimizer=with_optimizer,
+        reads = _read_list(state, tag_dir, manifest, strict=load_module_strict, with_optimizer=with_optimizer,
                            module_only=load_module_only, names=names, place=place)
         if (problem := verify_files(tag_dir, manifest, reads.files)) is not None:
             raise CheckpointError(problem)
@@ -299,10 +238,11 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     raise_if_any_rank_failed(error)
 
     states = None
-    with engine.zero.resident(engine.optimizer):  # NVMe-offloaded masters and states: in memory for the load
-        states = _load_states(engine, reads, with_optimizer, load_module_only, load_module_strict, names.spans)
+    with state.zero.resident(state.optimizer):  # NVMe-offloaded masters and states: in memory for the load
+        states = _load_states(state, reads, with_optimizer, load_module_only, load_module_strict, names.spans)
     if not load_module_only:
-        _restore_training_state(engine, states, reads, with_optimizer, load_lr_scheduler_states)
+        restore_training_state(state, states, with_optimizer=with_optimizer, with_scheduler=load_lr_scheduler_states)
+        _restore_rng(reads)
     comm.barrier()
     logger.info("loaded checkpoint %s (%s) in %.2fs", reads.tag_dir,
                 "same layout" if reads.direct is not None else "resharded", time.perf_counter() - start)
@@ -310,21 +250,21 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     return str(reads.tag_dir / MODEL_STATES), client_state
 
 
-def _load_states(engine, reads: _ReadList, with_optimizer: bool, load_module_only: bool, load_module_strict: bool,
-                 spans=()):
+def _load_states(state: TrainingState, reads: _ReadList, with_optimizer: bool, load_module_only: bool,
+                 load_module_strict: bool, spans=()):
     states, error = None, None
     try:
         states = torch.load(reads.tag_dir / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False)
-        _load_module(engine, states, reads.manifest, load_module_strict, reads.tag_dir, spans, reads.place)
-        engine.zero.load_masters_from_params()
+        _load_module(state, states, reads.manifest, load_module_strict, reads.tag_dir, spans, reads.place)
+        state.zero.load_masters_from_params()
         # weights kept only in the shards: a module-only load reads their masters too
-        if not load_module_only or _weights_in_shards(engine, reads.manifest):
-            (_load_direct if reads.direct is not None else _load_resharded)(reads, engine.optimizer, with_optimizer)
+        if not load_module_only or _weights_in_shards(state, reads.manifest):
+            (_load_direct if reads.direct is not None else _load_resharded)(reads, state.optimizer, with_optimizer)
     except CheckpointError as exc:
         error = str(exc)
     except Exception as exc:  # noqa: BLE001 — every rank must learn of it before the collective below
         error = f"rank {comm.get_rank()}: loading {reads.tag_dir} failed: {type(exc).__name__}: {exc}"
     raise_if_any_rank_failed(error)
-    if not load_module_only or _weights_in_shards(engine, reads.manifest):
-        engine.zero.sync_params_from_masters()
+    if not load_module_only or _weights_in_shards(state, reads.manifest):
+        state.zero.sync_params_from_masters()
     return states

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from zerospeed.zero.stage3.registry import full_shape
+from zerospeed.zero.tags import full_shape
 
 from zerospeed.checkpoint.atomic import atomic_write_text, sha256_file
 from zerospeed.checkpoint.errors import CheckpointError

@@ -6,7 +6,8 @@ transformers Conv1D weight as [in, out], although AutoTP's Linear replacement ho
 transpose, [out, in]). The manifest's `parameters` record canonical shapes, so a checkpoint describes
 the same model at every tp degree and the model check compares like with like; a sharded parameter's
 `TPLayout` (its per-rank ShardSpecs, in the layer's own [out, in] layout, and whether the canonical
-form is that layout's transpose) says how each rank's local tensor sits in it.
+form is that layout's transpose) says how each rank's local tensor sits in it. The layers give their
+layouts through the `TensorParallelLayer` protocol (protocols.py).
 
     canonical C  --(transpose when `transposed`)-->  layer layout M  --take(M, spec_r)-->  rank r's local
 
@@ -24,7 +25,7 @@ from math import prod
 
 import torch
 
-from zerospeed.parallel.tensor.partition import ShardSpec, assemble, take
+from zerospeed.checkpoint.slices import ShardSpec, assemble, take
 from zerospeed.zero.shards import Piece
 
 
@@ -168,12 +169,3 @@ def layout_problem(name: str, canonical: list[int], layout: TPLayout | None, tp:
     except ValueError as exc:
         return f"parameter {name!r}: {exc}"
     return None
-
-
-def model_layouts(module: torch.nn.Module) -> Layouts:
-    """The layouts of `module`'s sharded parameters (zerospeed's tensor-parallel layers), identity ones left out."""
-    from zerospeed.parallel.tensor.state import param_layouts, transposed_params
-    transposed = transposed_params(module)
-    layouts = {name: TPLayout(tuple(specs), name in transposed)
-               for name, specs in param_layouts(module).items() if specs is not None}
-    return {name: layout for name, layout in layouts.items() if not is_identity(layout)}

@@ -3,10 +3,11 @@
 Rank files hold pieces of parameters in whatever layout the saving run used. `load_universal`
 streams the files one at a time (memory-mapped, so only the pieces it copies are read) and lays each
 piece into a full tensor per parameter: its fp32 master ("fp32") and each elementwise optimizer state
-(e.g. "exp_avg"). Resharding fills a new layout's entries from this form (`zero.shards.fill_entry`);
-consolidation returns its "fp32" tensors. Peak memory is the requested full tensors plus the pages of
-one file being copied (and, for a tensor-parallel checkpoint, the tp ranks' local pieces of them until
-each full tensor is assembled: Note [canonical tensors] in tensor_parallel.py).
+(e.g. "exp_avg"). Resharding fills a new layout's entries from this form (`fill_from_universal`, for a
+resharded zerospeed checkpoint and for DeepSpeed's alike); consolidation returns its "fp32" tensors.
+Peak memory is the requested full tensors plus the pages of one file being copied (and, for a
+tensor-parallel checkpoint, the tp ranks' local pieces of them until each full tensor is assembled:
+Note [canonical tensors] in tensor_parallel.py).
 """
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from pathlib import Path
 import torch
 
 from zerospeed.checkpoint.errors import CheckpointError
-from zerospeed.checkpoint.layout import partition_from_manifest
+from zerospeed.checkpoint.layout import entry_groups, partition_from_manifest
 from zerospeed.checkpoint.manifest import saved_layouts
 from zerospeed.checkpoint.tensor_parallel import assemble_full, local_shape, writer_ranks
+from zerospeed.zero.shards import ShardEntry, fill_entry
 
 logger = logging.getLogger(__name__)
 
@@ -127,3 +129,47 @@ def _check_coverage(local, spans, specs, layouts, names, keys, tag_dir) -> None:
                     logger.warning("checkpoint %s: optimizer state %r of %s misses elements %s; dropping it",
                                    tag_dir, key, where, gaps)
                     del flat[key]
+
+
+def scalar_state(value, master: torch.Tensor, group: dict):
+    """A scalar optimizer state (e.g. `step`) for `master`: capturable / fused optimizers keep it on the
+    parameter's device, others on the CPU."""
+    if isinstance(value, torch.Tensor):
+        value = value.clone()
+        if group.get("capturable") or group.get("fused"):
+            value = value.to(master.device)
+    return value
+
+
+def state_dtype(saved: torch.dtype, master: torch.Tensor) -> torch.dtype:
+    """An elementwise optimizer state loads in its master's dtype (Note [bf16 masters]: bf16 states next to
+    bf16 masters, fp32 next to fp32 ones, whichever the checkpoint was saved with); others as saved."""
+    return master.dtype if saved.is_floating_point and master.is_floating_point() else saved
+
+
+@torch.no_grad()
+def fill_from_universal(entries: list[ShardEntry], uni: UniversalState, optimizer, with_optimizer: bool) -> None:
+    """This rank's masters (and, `with_optimizer`, their elementwise and scalar optimizer states) cut out of
+    the universal form's full tensors (a resharded zerospeed checkpoint, or DeepSpeed's)."""
+    groups = entry_groups(optimizer, [e.master for e in entries])
+    any_scalars = next(iter(uni.scalars.values()), {})
+    # an entry of padding only (a small group's last chunks) still gets zero-filled elementwise states
+    any_tensors = next(iter(uni.tensors.values()), {})
+    for entry, gi in zip(entries, groups):
+        pieces = [p for p in entry.pieces if p.name in uni.tensors]
+        fill_entry(entry.master, pieces, {p.name: uni.tensors[p.name][FP32] for p in pieces})
+        if not with_optimizer or optimizer is None:
+            continue
+        if pieces:
+            keys = set.intersection(*(set(uni.tensors[p.name]) for p in pieces)) - {FP32}
+        else:
+            keys = set(any_tensors) - {FP32}
+        group = optimizer.param_groups[gi] if gi >= 0 else {}
+        scalars = uni.scalars[pieces[0].name] if pieces else any_scalars
+        state = {k: scalar_state(v, entry.master, group) for k, v in scalars.items()}
+        for key in sorted(keys):
+            dtype = state_dtype((uni.tensors[pieces[0].name] if pieces else any_tensors)[key].dtype, entry.master)
+            t = torch.zeros(entry.master.shape, dtype=dtype, device=entry.master.device)
+            fill_entry(t, pieces, {p.name: uni.tensors[p.name][key] for p in pieces})
+            state[key] = t
+        optimizer.state[entry.master] = state

@@ -20,72 +20,28 @@ Note [size-1 axes]: an axis whose groups are single ranks gets `comm.SELF`, the 
 alone: `comm.get_rank(SELF)` is 0, `get_world_size(SELF)` 1, and every collective on it is the
 identity, so no torch process group is made. (None cannot stand for it — None is the world group —
 and a real one-rank group is a collective `new_group` per rank: W of them for every plain
-data-parallel engine.) Groups of two or more ranks are made once per mesh (`_GroupMaker` reuses a
+data-parallel engine.) Groups of two or more ranks are made once per mesh (`GroupMaker` reuses a
 group already made for the same ranks), every rank asking for every group in the same order.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 from zerospeed.comm import backend
-from zerospeed.utils.errors import ConfigError
+from zerospeed.comm.axis_groups import AxisGroup, GroupMaker
+from zerospeed.comm.mpu import MeshMpu, mesh_axes_from_mpu
 from zerospeed.comm.topology import MESH_AXES, RankGrid, expert_layout, layout_problems, raise_problems
-
-
-@dataclass(frozen=True)
-class AxisGroup:
-    """This rank's group along one axis."""
-
-    handle: Any
-    """The process group; None means the world group."""
-    size: int
-    rank: int
-    """This rank's index in the group."""
-    members: tuple[int, ...]
-    """The group's global ranks, in group-rank order."""
-
-    @classmethod
-    def of(cls, handle) -> "AxisGroup":
-        """This rank's view of a process group made elsewhere."""
-        size = backend.get_world_size(handle)
-        return cls(handle, size, backend.get_rank(handle), tuple(backend.global_rank(handle, i) for i in range(size)))
-
-
-class _GroupMaker:
-    """Makes process groups collectively (every rank asks for every group, in the same order) and
-    hands out this rank's. A group already made for the same ranks is reused, on every rank alike."""
-
-    def __init__(self, rank: int, world: int):
-        self.rank, self.world = rank, world
-        self._made: dict[tuple[int, ...], Any] = {}
-
-    def axis(self, groups: list[list[int]]) -> AxisGroup:
-        """This rank's group of `groups` (which partition the world), making all of them."""
-        mine = tuple(next(g for g in groups if self.rank in g))
-        if len(mine) == self.world:
-            return AxisGroup(None, self.world, mine.index(self.rank), mine)
-        if all(len(g) == 1 for g in groups):  # Note [size-1 axes]
-            return AxisGroup(backend.SELF, 1, 0, mine)
-        for ranks in groups:
-            if tuple(ranks) not in self._made:
-                self._made[tuple(ranks)] = backend.new_group(list(ranks))
-        return AxisGroup(self._made[mine], len(mine), mine.index(self.rank), mine)
-
-    def singletons(self) -> AxisGroup:
-        return self.axis([[r] for r in range(self.world)])
+from zerospeed.utils.errors import ConfigError
 
 
 class ParallelMesh:
     """The parallel layout of the job and this rank's process group along each axis (module docstring)."""
 
     def __init__(self, axes: dict[str, AxisGroup | None], *, grid: RankGrid | None = None,
-                 maker: _GroupMaker | None = None):
+                 maker: GroupMaker | None = None):
         self.rank, self.world_size = backend.get_rank(), backend.get_world_size()
         self.grid = grid
         """The RankGrid, or None when the mesh wraps groups made elsewhere (`from_mpu`)."""
         self._axes = axes
-        self._maker = maker or _GroupMaker(self.rank, self.world_size)
+        self._maker = maker or GroupMaker(self.rank, self.world_size)
         self._experts: dict[int, tuple[AxisGroup, AxisGroup]] = {axes["ep"].size: (axes["ep"], axes["edp"])}
         self._mics: dict[int, tuple[AxisGroup, AxisGroup]] = {}
         self._mpu = None  # the mpu this mesh wraps (from_mpu), handed back by as_mpu
@@ -113,7 +69,7 @@ class ParallelMesh:
         rank, world = backend.get_rank(), backend.get_world_size()
         if grid.world_size != world:
             raise ValueError(f"rank grid {grid.shape} has {grid.world_size} ranks but the job has {world}")
-        maker = _GroupMaker(rank, world)
+        maker = GroupMaker(rank, world)
         return cls({axis: maker.axis(grid.groups(axis)) for axis in MESH_AXES}, grid=grid, maker=maker)
 
     @classmethod
@@ -121,7 +77,7 @@ class ParallelMesh:
         """Plain data parallelism over `group` (None = the world); every other axis has size 1."""
         if group is None:
             return cls.from_grid(RankGrid(dp=backend.get_world_size()))
-        maker = _GroupMaker(backend.get_rank(), backend.get_world_size())
+        maker = GroupMaker(backend.get_rank(), backend.get_world_size())
         dp, one = AxisGroup.of(group), maker.singletons()
         return cls({"pp": one, "dp": dp, "sp": one, "tp": one, "ep": one, "edp": dp, "dp_sp": dp, "mp": one,
                     "world": maker.axis([list(range(maker.world))])}, maker=maker)
@@ -129,8 +85,7 @@ class ParallelMesh:
     @classmethod
     def from_mpu(cls, mpu) -> "ParallelMesh":
         """Wrap a Megatron/DeepSpeed-style `mpu` (its groups are used as they are; `grid` is None)."""
-        from zerospeed.comm.mpu import mesh_axes_from_mpu
-        maker = _GroupMaker(backend.get_rank(), backend.get_world_size())
+        maker = GroupMaker(backend.get_rank(), backend.get_world_size())
         mesh = cls(mesh_axes_from_mpu(mpu, maker), maker=maker)
         mesh._mpu = mpu
         return mesh
@@ -229,7 +184,6 @@ class ParallelMesh:
         and `*_world_size()` / `*_rank()`, not a torch.distributed process group."""
         if self._mpu is not None:
             return self._mpu
-        from zerospeed.comm.mpu import MeshMpu
         return MeshMpu(self)
 
     def __repr__(self) -> str:

@@ -2,7 +2,7 @@
 `mesh_axes_from_mpu` reads an mpu's groups into mesh axes (for `ParallelMesh.from_mpu`)."""
 from __future__ import annotations
 
-from zerospeed.comm.mesh import AxisGroup, _GroupMaker
+from zerospeed.comm.axis_groups import AxisGroup, GroupMaker
 
 MPU_AXES = {"data": "dp", "model": "mp", "tensor_model": "tp", "pipeline_model": "pp", "pipe": "pp",
             "sequence": "sp", "sequence_data": "dp_sp"}
@@ -41,7 +41,7 @@ def _read_group(mpu, kind: str) -> AxisGroup | None:
     return seen
 
 
-def mesh_axes_from_mpu(mpu, maker: _GroupMaker) -> dict[str, AxisGroup | None]:
+def mesh_axes_from_mpu(mpu, maker: GroupMaker) -> dict[str, AxisGroup | None]:
     """The mesh axes an mpu describes; axes it lacks have size 1 (dp_sp: unknown if sp > 1)."""
     axes = {axis: next(filter(None, (_read_group(mpu, k) for k in kinds)), None)
             for axis, kinds in _READ_ORDER.items()}

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from zerospeed.comm import backend
+from zerospeed.comm.axis_groups import GroupMaker
 from zerospeed.comm.backend import STATS, _check_tensors, _is_gloo, get_rank, get_world_size
 from zerospeed.precision.quantize import (dequantize_blocks, dequantize_blocks_into, from_bytes, quantize_blocks, to_bytes,
                                      wire_bytes)
@@ -149,7 +150,6 @@ def all_gather_secondary(output: torch.Tensor, input: torch.Tensor, group=None, 
 def hpz_groups(group, size: int):
     """(intra, inter) `AxisGroup`s of this rank for hpZ sub-groups of `size` ranks of `group`
     (Note [hpZ sub-groups]); collective over the world."""
-    from zerospeed.comm.mesh import _GroupMaker
     members = [backend.global_rank(group, i) for i in range(get_world_size(group))]
     everyone = sorted({tuple(m) for m in backend.all_gather_object(members)})
     problems = [g for g in everyone if len(g) % size]
@@ -158,7 +158,7 @@ def hpz_groups(group, size: int):
                          f"{len(problems[0])}: choose a divisor of it (the ranks per node, usually)")
     intra = [list(g[i:i + size]) for g in everyone for i in range(0, len(g), size)]
     inter = [list(g[j::size]) for g in everyone for j in range(size)]
-    maker = _GroupMaker(backend.get_rank(), backend.get_world_size())
+    maker = GroupMaker(backend.get_rank(), backend.get_world_size())
     return maker.axis(intra), maker.axis(inter)
 
 

@@ -23,33 +23,11 @@ import importlib.util
 import sys
 import types
 
-DEEPSPEED_API_VERSION = "0.19.8"  # the DeepSpeed release whose API (names, defaults) we mirror
-SHIM_TAG = "zerospeed"            # the shim's version is DEEPSPEED_API_VERSION + "+zerospeed.<our version>"
-
-
-def is_shim(dist: importlib.metadata.Distribution) -> bool:
-    """True for zerospeed's own `deepspeed` distribution."""
-    return f"+{SHIM_TAG}" in (dist.version or "")
-
-
-def deepspeed_is_shim() -> bool:
-    """True when the `deepspeed` distribution found first on sys.path (the one `import deepspeed` gets)
-    is zerospeed's shim; False for a real DeepSpeed or none."""
-    try:
-        return is_shim(importlib.metadata.distribution("deepspeed"))
-    except importlib.metadata.PackageNotFoundError:
-        return False
-
-
-def foreign_deepspeeds(path: list[str] | None = None) -> list[importlib.metadata.Distribution]:
-    """Distributions named `deepspeed` on `path` (default sys.path) that are not zerospeed's shim."""
-    found = importlib.metadata.distributions(name="deepspeed", path=path if path is not None else sys.path)
-    return [d for d in found if not is_shim(d)]
-
-
-def _location(dist: importlib.metadata.Distribution) -> str:
-    return str(dist.locate_file(""))
-
+import zerospeed  # already imported: it is this package's parent (its __init__ imports no torch)
+from zerospeed.compat.distribution import (  # noqa: F401 (this module's names since the shim began)
+    DEEPSPEED_API_VERSION, SHIM_TAG, deepspeed_is_shim, foreign_deepspeeds, is_shim, location,
+)
+from zerospeed.compat.import_hooks import install_hook
 
 class _AliasLoader(importlib.abc.Loader):
     """Loads `deepspeed.<path>` by importing `zerospeed.<path>` and returning that module itself."""
@@ -88,14 +66,11 @@ def activate(name: str = "deepspeed") -> types.ModuleType:
     """Make the module `name` (the shim's `deepspeed` package) a view of `zerospeed`."""
     foreign = foreign_deepspeeds()
     if foreign:
-        places = ", ".join(f"DeepSpeed {d.version} at {_location(d)}" for d in foreign)
+        places = ", ".join(f"DeepSpeed {d.version} at {location(d)}" for d in foreign)
         raise ImportError(f"`import deepspeed` is ambiguous: zerospeed's deepspeed shim is installed and so is "
                           f"{places}. Keep one: `zerospeed-compat uninstall` to use the real DeepSpeed, or "
                           "`pip uninstall deepspeed` in the other location to use zerospeed "
                           "(Note [never shadow a real DeepSpeed] in zerospeed/compat/alias.py)")
-    import zerospeed
-
-    from zerospeed.compat.accelerate_cpu import install_hook
     install_hook()  # Note [accelerate on a CPU-only machine], for an environment without the .pth
 
     module = sys.modules[name]

@@ -17,12 +17,12 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-from zerospeed.compat.alias import DEEPSPEED_API_VERSION, SHIM_TAG, foreign_deepspeeds, is_shim
+from zerospeed.compat.distribution import DEEPSPEED_API_VERSION, SHIM_TAG, foreign_deepspeeds, is_shim
+from zerospeed.version import __version__
 
 
 def shim_version() -> str:
-    import zerospeed
-    return f"{DEEPSPEED_API_VERSION}+{SHIM_TAG}.{zerospeed.__version__}"
+    return f"{DEEPSPEED_API_VERSION}+{SHIM_TAG}.{__version__}"
 
 
 def _search_path(target: Path | None) -> list[str]:

@@ -20,6 +20,7 @@ from zerospeed.compression.prune import (channel_l1_mask, expand_head_mask, head
                                          sparse_l1_mask, topk_mask_ste)
 from zerospeed.compression.quantize import (ActivationRange, activation_codes, bits_at_step, ste_quantize,
                                             ste_quantize_activation)
+from zerospeed.zero import GatheredParameters
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,6 @@ class _Compressible:
             self.activation_range = ActivationRange()
 
     def _refresh_l1(self, kind: str) -> None:
-        from zerospeed.zero import GatheredParameters  # (the engine imports this module)
         spec = self.specs[kind]
         if spec.method != "l1":
             return

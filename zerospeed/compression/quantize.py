@@ -5,7 +5,8 @@ Note [quantizer formula]: DeepSpeed's compression quantizers divide the range by
 largest magnitude is clamped one step short). Here the standard grids are used instead: symmetric
 ``scale = max|w| / (2**(bits-1) - 1)``, codes in ``[-(2**(bits-1) - 1), 2**(bits-1) - 1]``;
 asymmetric ``scale = (max - min) / (2**bits - 1)``, ``zero = round(-min / scale)``, codes in
-``[0, 2**bits - 1]``. Each of ``groups`` contiguous chunks of the flattened weight has its own
+``[0, 2**bits - 1]`` (the zero-point form of Note [block grids] in precision/quantize.py, which
+computes them). Each of ``groups`` contiguous chunks of the flattened weight has its own
 scale. The same codes are what ``redundancy_clean`` stores, so the stored model computes exactly
 what the QAT forward computed.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+from zerospeed.precision.quantize import dequantize_grid, quantize_grid
 
 
 class Codes(NamedTuple):
@@ -24,27 +27,17 @@ class Codes(NamedTuple):
     zero: torch.Tensor  # (groups, 1); all zeros when symmetric
 
 
-def _round(v: torch.Tensor, stochastic: bool, generator: torch.Generator | None) -> torch.Tensor:
-    if not stochastic:
-        return torch.round(v)
-    # floor(v + u), u ~ U[0, 1): rounds up with probability frac(v), so E[result] = v
-    return torch.floor(v + torch.rand(v.shape, generator=generator, device=v.device, dtype=v.dtype))
+_TINY = torch.finfo(torch.float32).tiny  # the scale's floor (Note [zero scale] in precision/quantize.py)
 
 
-def _grid(x_GN: torch.Tensor, bits: int, symmetric: bool, lo_G1: torch.Tensor, hi_G1: torch.Tensor,
-          stochastic: bool, generator: torch.Generator | None) -> Codes:
-    """Codes of ``x_GN`` on the grid that spans ``[lo, hi]`` per row (values outside are clamped)."""
-    tiny = torch.finfo(torch.float32).tiny
-    if symmetric:
-        qmax = 2 ** (bits - 1) - 1
-        scale = (torch.maximum(lo_G1.abs(), hi_G1.abs()) / qmax).clamp_min(tiny)
-        zero = torch.zeros_like(scale)
-        codes = _round(x_GN / scale, stochastic, generator).clamp(-qmax, qmax)
-    else:
-        scale = ((hi_G1 - lo_G1) / (2 ** bits - 1)).clamp_min(tiny)
-        zero = torch.round(-lo_G1 / scale)
-        codes = (_round(x_GN / scale, stochastic, generator) + zero).clamp(0, 2 ** bits - 1)
-    return Codes(codes, scale, zero)
+def _grid(x_GN: torch.Tensor, bits: int, symmetric: bool, lo_G1: torch.Tensor | None = None,
+          hi_G1: torch.Tensor | None = None, stochastic: bool = False,
+          generator: torch.Generator | None = None) -> Codes:
+    """Codes of ``x_GN`` on the grid that spans each row's ``[min, max]``, or ``[lo, hi]`` when given (values
+    outside are clamped): `precision.quantize`'s zero-point grid."""
+    g = quantize_grid(x_GN, bits, symmetric, zero_point=True, lo_B1=lo_G1, hi_B1=hi_G1, min_scale=_TINY,
+                      stochastic=stochastic, generator=generator)
+    return Codes(g.codes, g.scale, torch.zeros_like(g.scale) if symmetric else g.offset)
 
 
 def _ternary(x_GN: torch.Tensor) -> Codes:
@@ -79,13 +72,12 @@ def quantize_codes(w: torch.Tensor, bits: int, groups: int = 1, symmetric: bool 
         if not symmetric:
             raise ValueError(f"{'binary' if bits == 1 else 'ternary'} weights are symmetric only")
         return _ternary(x) if bits == 2 else _binary(x)
-    return _grid(x, bits, symmetric, x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True), stochastic,
-                 generator)
+    return _grid(x, bits, symmetric, stochastic=stochastic, generator=generator)
 
 
 def dequantize_codes(c: Codes, shape: torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The real values of the codes, reshaped to ``shape``."""
-    return ((c.codes - c.zero) * c.scale).reshape(shape).to(dtype)
+    return dequantize_grid(c.codes, c.scale, c.zero, zero_point=True).reshape(shape).to(dtype)
 
 
 def fake_quantize(w: torch.Tensor, bits: int, groups: int = 1, symmetric: bool = True,
@@ -126,10 +118,9 @@ def activation_codes(x: torch.Tensor, bits: int, symmetric: bool = True,
     """The codes of activation ``x`` as rows ``(tokens or samples, n)`` (Note [activation ranges])."""
     flat = x.detach().float().reshape(x.shape[0], -1) if sample_wise else x.detach().float().reshape(-1, x.shape[-1])
     if x_range is None:
-        lo, hi = flat.amin(dim=1, keepdim=True), flat.amax(dim=1, keepdim=True)
-    else:
-        lo, hi = (t.detach().float().reshape(1, 1) for t in x_range)
-    return _grid(flat, bits, symmetric, lo, hi, stochastic=False, generator=None)
+        return _grid(flat, bits, symmetric)
+    lo, hi = (t.detach().float().reshape(1, 1) for t in x_range)
+    return _grid(flat, bits, symmetric, lo, hi)
 
 
 def ste_quantize_activation(x: torch.Tensor, bits: int, symmetric: bool = True,

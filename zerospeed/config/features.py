@@ -70,8 +70,8 @@ ROWS: list[Row] = [
         "caller-managed gradient accumulation", "true"),
     _switch("disable_python_gc", "disabling Python's garbage collector"),
     # (compression_training: every technique is built, zerospeed/compression; it validates the block)
-    # (weight_quantization: weight-only int8 / int4 of linear layers, inference/quantize/layer.py)
-    # (data_efficiency.data_routing.random_ltd works: runtime/data_pipeline/data_routing; DeepSpeed's switches of
+    # (weight_quantization: weight-only int8 / int4 of linear layers, compression/weight_quant/layer.py)
+    # (data_efficiency.data_routing.random_ltd works: data/random_ltd; DeepSpeed's switches of
     # the curriculum data sampler are its two below)
     _switch("data_efficiency.data_sampling.enabled",
             "curriculum data sampling (the data efficiency library's data sampler and offline data analyzer)"),

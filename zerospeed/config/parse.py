@@ -12,6 +12,7 @@ from typing import Any
 from zerospeed.config.aliases import apply_aliases
 from zerospeed.config.auto import resolve_auto, unresolved_batch_keys
 from zerospeed.config.batch import resolve_batch_size
+from zerospeed.config.elastic import resolve_elastic_batch_size
 from zerospeed.utils.errors import ConfigError
 from zerospeed.config.features import check_implemented
 from zerospeed.config.loader import load_raw
@@ -33,9 +34,7 @@ def _check_api_rules(cfg: ZeroSpeedConfig) -> None:
 
 def _with_batch_sizes(cfg: ZeroSpeedConfig, world_size: int, auto_keys: list[str],
                       given_keys: list[str]) -> ZeroSpeedConfig:
-    if cfg.elasticity.enabled:  # elasticity owns the batch sizes (zerospeed/elasticity, docs/elasticity.md)
-        from zerospeed.elasticity.elasticity import resolve_elastic_batch_size  # it builds on zerospeed.config
-
+    if cfg.elasticity.enabled:  # the elasticity block owns the batch sizes (config/elastic.py, docs/elasticity.md)
         train, micro, gas = resolve_elastic_batch_size(cfg.elasticity, world_size, given_keys)
     else:
         train, micro, gas = resolve_batch_size(

@@ -171,7 +171,7 @@ REFUSED_ELSEWHERE: dict[str, tuple[str, str]] = {
                                    "AutoEP keeps the model's router: a value that differs from what it does is a "
                                    "ConfigError from zerospeed/moe/autoep.py")
        for name in ("route_norm", "score_func", "score_apply", "top_k")},
-    "torch_autocast.dtype": ("autocast to fp32", '"fp32" is a ConfigError from zerospeed/runtime/torch_autocast.py; '
+    "torch_autocast.dtype": ("autocast to fp32", '"fp32" is a ConfigError from zerospeed/precision/autocast.py; '
                              '"bf16" and "fp16" work'),
     "hybrid_engine.inference_tp_size": ("tensor-sliced generation in the hybrid engine",
                                         "a value above 1 is a ConfigError from zerospeed/runtime/hybrid_engine.py"),

@@ -5,6 +5,9 @@ place they are written, so the two cannot disagree.
 """
 from __future__ import annotations
 
+from zerospeed.config.elastic import (  # noqa: F401 (re-exported; the plan's own names, written there)
+    DEEPSPEED_ELASTICITY_CONFIG, ELASTICITY, ELASTICITY_VERSIONS, LATEST_ELASTICITY_VERSION,
+)
 from zerospeed.config.schema.misc import ElasticityConfig as _Block
 
 
@@ -12,8 +15,6 @@ def _default(key: str):
     default = _Block.model_fields[key].default
     return list(default) if isinstance(default, list) else default
 
-
-ELASTICITY = "elasticity"
 
 ENABLED = "enabled"
 ENABLED_DEFAULT = _default(ENABLED)
@@ -38,15 +39,7 @@ IGNORE_NON_ELASTIC_BATCH_INFO_DEFAULT = _default(IGNORE_NON_ELASTIC_BATCH_INFO)
 VERSION = "version"
 VERSION_DEFAULT = _default(VERSION)
 
-# The algorithm versions there are; the newest is the default.
-ELASTICITY_VERSIONS = (0.1, 0.2)
-LATEST_ELASTICITY_VERSION = max(ELASTICITY_VERSIONS)
-
 # The oldest DeepSpeed release with elasticity: an older ``target_deepspeed_version`` is refused.
 MINIMUM_DEEPSPEED_VERSION = "0.3.8"
-
-# A resource scheduler puts the elastic config it planned with here (JSON), so the runtime can check
-# that it uses the same one (``ensure_immutable_elastic_config``).
-DEEPSPEED_ELASTICITY_CONFIG = "DEEPSPEED_ELASTICITY_CONFIG"
 
 __all__ = [name for name in dir() if name.isupper()]

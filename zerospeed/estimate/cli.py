@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from zerospeed.estimate.census import ModelCensus, census_of_file, parse_count
 from zerospeed.estimate.formulas import DTYPE_BYTES
+from zerospeed.estimate.measure import format_measurements, measure
 from zerospeed.estimate.plan import Setup, format_layouts, format_plan, layout_rows, plan_rows, recommend
 from zerospeed.zero.memory import OPTIMIZER_STATE_BYTES
 
@@ -75,7 +76,6 @@ def _census(args) -> ModelCensus:
 def run(args) -> str:
     """The report text for parsed arguments."""
     if args.measure:
-        from zerospeed.estimate.measure import format_measurements, measure
         return format_measurements(measure(world=args.ranks, stages=(0, 1, 2, 3)))
     census = _census(args)
     setup = Setup(args.devices_per_node, args.nodes, args.precision, args.optimizer, args.grad_dtype,

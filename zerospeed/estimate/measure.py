@@ -1,17 +1,24 @@
 """`zerospeed-estimate --measure`: predicted vs measured per-rank model-state bytes on a real run.
 
-N spawned gloo processes train a bias-free MLP for two optimizer steps at each ZeRO stage
-(`harness.zero_probe`); the measurement is an independent census of live tensor storages
-(not the engine's counters); the prediction is `stage_bytes` with zerospeed's fp32 gradient
-accumulation. Offload rows are not measured here: on a CPU-only machine host and device are the same
-memory, so a census cannot tell offloaded state apart (tests/dist/test_offload.py checks placement
-and NVMe swap-file bytes instead).
+N spawned gloo processes (`estimate.ranks`) train a bias-free MLP for two optimizer steps at each ZeRO
+stage; the measurement is an independent census of live tensor storages (`estimate.live_tensors`, not
+the engine's counters); the prediction is `stage_bytes` with zerospeed's fp32 gradient accumulation.
+Offload rows are not measured here: on a CPU-only machine host and device are the same memory, so a
+census cannot tell offloaded state apart (tests/dist/test_offload.py checks placement and NVMe
+swap-file bytes instead).
 """
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
+import torch
+
 from zerospeed.estimate.formulas import DTYPE_BYTES, Precision, stage_bytes
+from zerospeed.estimate.live_tensors import live_tensor_bytes
+from zerospeed.estimate.ranks import run_on_ranks
+from zerospeed.runtime.initialize import initialize
+from zerospeed.zero import full_numel
 
 IMPLEMENTED_STAGES = (0, 1, 2, 3)
 
@@ -37,9 +44,46 @@ def predict(params: int, world: int, stage: int, precision: str) -> float:
     return sum(stage_bytes(params, world, stage, prec).values())
 
 
+class BiasFreeMLP(torch.nn.Module):
+    """``layers`` square linear layers without bias: exactly layers * width^2 parameters, all trained."""
+
+    def __init__(self, width: int, layers: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(layers))
+
+    def forward(self, x):
+        x = x.to(self.layers[0].weight.dtype)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.float().pow(2).mean()
+
+
+def _probe(stage: int, precision: str, width: int, layers: int, grad_accum: int = 2) -> dict:
+    """On one rank of a job: the live tensor bytes one engine adds after two optimizer steps."""
+    gc.collect()
+    baseline = live_tensor_bytes()
+    torch.manual_seed(0)
+    zero = {"stage": stage, "overlap_comm": True}
+    if stage == 3:  # every unit freed after each use, so no gathered weights outlive the step
+        zero["stage3_max_reuse_distance"] = 0
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": grad_accum,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": zero}
+    if precision != "fp32":
+        cfg[precision] = {"enabled": True}
+    engine, *_ = initialize(model=BiasFreeMLP(width, layers), config=cfg)
+    x = torch.randn(2, width, generator=torch.Generator().manual_seed(engine.global_rank))
+    for _ in range(2 * grad_accum):
+        engine.backward(engine(x))
+        engine.step()
+    del x
+    measured = live_tensor_bytes() - baseline
+    params = sum(full_numel(p) for p in engine.module.parameters())
+    engine.zero.remove_hooks()  # the next stage's engine must not find this one's hooks on the autograd graph
+    return {"stage": stage, "params": params, "measured": measured}
+
+
 def _probe_stages(stages: tuple[int, ...], precision: str, width: int, layers: int) -> list[dict]:
-    from harness.zero_probe import probe_model_states
-    return [probe_model_states(s, precision, width=width, layers=layers) for s in stages]
+    return [_probe(s, precision, width, layers) for s in stages]
 
 
 def measure(world: int = 2, stages: tuple[int, ...] = (1, 2, 3), precision: str = "bf16", width: int = 512,
@@ -48,8 +92,7 @@ def measure(world: int = 2, stages: tuple[int, ...] = (1, 2, 3), precision: str 
     unknown = [s for s in stages if s not in IMPLEMENTED_STAGES]
     if unknown:
         raise ValueError(f"--measure covers ZeRO stages {IMPLEMENTED_STAGES}, got stage {unknown[0]}")
-    from harness import run_distributed
-    per_rank = run_distributed(_probe_stages, world, tuple(stages), precision, width, layers, timeout=timeout)
+    per_rank = run_on_ranks(_probe_stages, world, tuple(stages), precision, width, layers, timeout=timeout)
     return [Measurement(rank, r["stage"], world, precision, r["params"],
                         predict(r["params"], world, r["stage"], precision), r["measured"])
             for rank, rows in enumerate(per_rank) for r in rows]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from zerospeed.config.aliases import apply_aliases
 from zerospeed.utils.errors import ConfigError
 
 # (section or "" for the top level, alias, field)
@@ -79,6 +80,5 @@ def apply_inference_aliases(raw: dict[str, Any]) -> dict[str, Any]:
         target[field] = out.pop(old)
     zero = _section(out, "zero")
     if zero is not None:  # the training config's ZeRO spellings (stage3_ prefixes, cpu_offload, ...)
-        from zerospeed.config.aliases import apply_aliases
         out["zero"] = apply_aliases({"zero_optimization": zero})["zero_optimization"]
     return out

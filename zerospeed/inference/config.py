@@ -12,6 +12,7 @@ accepted as given: `init_inference` takes them as keyword arguments, not from JS
 """
 from __future__ import annotations
 
+import difflib
 from typing import Annotated, Any
 
 import torch
@@ -22,6 +23,8 @@ from zerospeed.config.schema.base import (
     Bool, IntList, OptStr, PosInt, StrictModel, Str, choice_type, ds_field, ds_section, fail, int_type, show,
 )
 from zerospeed.config.schema.zero import ZeroConfig
+from zerospeed.config.validation import dotted, model_at
+from zerospeed.inference.aliases import apply_inference_aliases
 
 _DTYPES = {
     torch.float16: torch.float16, "torch.float16": torch.float16, "fp16": torch.float16, "float16": torch.float16,
@@ -175,7 +178,6 @@ class DeepSpeedInferenceConfig(StrictModel):
     @classmethod
     def _aliases(cls, raw: Any) -> Any:
         """DeepSpeed's other spellings also for a config built directly: `DeepSpeedInferenceConfig(mp_size=2)`."""
-        from zerospeed.inference.aliases import apply_inference_aliases
         return apply_inference_aliases(raw) if isinstance(raw, dict) else raw
 
     def weight_quantization(self) -> bool:
@@ -213,8 +215,6 @@ class DeepSpeedInferenceConfig(StrictModel):
 
 
 def _unknown_key(loc: tuple[Any, ...]) -> str:
-    from zerospeed.config.validation import model_at
-    import difflib
     model = model_at(loc[:-1], root=DeepSpeedInferenceConfig)
     valid = sorted(model.model_fields) if model else []
     close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
@@ -222,7 +222,6 @@ def _unknown_key(loc: tuple[Any, ...]) -> str:
 
 
 def _line(error: dict[str, Any]) -> str:
-    from zerospeed.config.validation import dotted
     if error["type"] == "extra_forbidden":
         return f"{dotted(error['loc'])}: {_unknown_key(error['loc'])}"
     if error["type"] in ("model_type", "model_attributes_type", "dict_type"):

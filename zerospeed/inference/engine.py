@@ -21,11 +21,13 @@ import torch
 from torch import nn
 
 from zerospeed.accelerator import get_accelerator
+from zerospeed.compression.weight_quant import quantize_model, settings_from_config
 from zerospeed.utils.errors import ConfigError
 from zerospeed.inference import tp as tp_mod
 from zerospeed.inference.checkpoint import checkpoint_files, load_checkpoint
 from zerospeed.inference.config import DeepSpeedInferenceConfig
 from zerospeed.inference.shard_load import is_meta_model, load_shards
+from zerospeed.inference.zero import zero_inference_engine
 from zerospeed.utils.logging import log_dist
 
 
@@ -49,13 +51,11 @@ class InferenceEngine(nn.Module):
         self._load_and_shard(model, config)
         self.quantized: dict[str, int] = {}
         if config.weight_quantization() and config.zero.stage != 3:  # (ZeRO-Inference: its shards, zero.py)
-            from zerospeed.compression.weight_quant import quantize_model, settings_from_config
             try:
                 self.quantized = quantize_model(model, settings_from_config(config.quant.weight))
             except ValueError as exc:
                 raise ConfigError(f"quant.weight: {exc}") from None
         if config.zero.stage == 3:
-            from zerospeed.inference.zero import zero_inference_engine
             self.zero_engine, self.quantized = zero_inference_engine(model, config)
         else:
             model.to(config.dtype)

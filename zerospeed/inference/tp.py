@@ -13,6 +13,8 @@ seed (rank 0's) at start-up, as DeepSpeed broadcasts its RNG state.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -20,6 +22,9 @@ from zerospeed import comm
 from zerospeed.utils.errors import ConfigError
 from zerospeed.inference.config import DeepSpeedInferenceConfig
 from zerospeed.inference.injection import policy_partition_config, unmatched_policy_names
+from zerospeed.parallel.tensor import shard_model
+from zerospeed.parallel.tensor.autotp import is_linear_layer, text_config_of, tp_plans_of
+from zerospeed.parallel.tensor.plan import resolve_rules
 
 
 def resolve_group(config: DeepSpeedInferenceConfig):
@@ -58,8 +63,6 @@ def _policy_layers(model: nn.Module, policy: dict) -> dict[str, tuple[str, ...]]
 
 def injection_partition_config(model: nn.Module, policy: dict) -> dict:
     """DeepSpeed's injection_policy as a partition_config (injection.py)."""
-    from zerospeed.parallel.tensor.autotp import is_linear_layer, text_config_of, tp_plans_of
-    from zerospeed.parallel.tensor.plan import resolve_rules
     layers = _policy_layers(model, policy)
     missing = unmatched_policy_names([n for n, _ in model.named_modules()], layers)
     if missing:
@@ -72,7 +75,6 @@ def injection_partition_config(model: nn.Module, policy: dict) -> dict:
 
 def shard_for_inference(model: nn.Module, group, config: DeepSpeedInferenceConfig):
     """Shard `model` over `group` with AutoTP and make its logits full (Note [full logits at inference])."""
-    from zerospeed.parallel.tensor import shard_model
     partition_config = injection_partition_config(model, config.injection_policy) if config.injection_policy else None
     own_loss = _own_loss_function(model)
     report = shard_model(model, group, partition_config=partition_config)
@@ -89,7 +91,6 @@ def _own_loss_function(model: nn.Module):
     config names no loss type (it then picks the causal-LM loss): quiet here, where nobody asked."""
     if not hasattr(type(model), "loss_function"):
         return None
-    import logging
     log = logging.getLogger("transformers.modeling_utils")
     level = log.level
     log.setLevel(logging.ERROR)

@@ -30,8 +30,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zerospeed.utils.errors import ConfigError
+from zerospeed.compression.weight_quant.layer import settings_from_config, stage3_settings
 from zerospeed.inference.config import DeepSpeedInferenceConfig
+from zerospeed.runtime.initialize import initialize
+from zerospeed.utils.errors import ConfigError
 
 _PRECISION = {torch.float16: {"fp16": {"enabled": True}}, torch.bfloat16: {"bf16": {"enabled": True}},
               torch.float32: {}}
@@ -40,17 +42,15 @@ _PRECISION = {torch.float16: {"fp16": {"enabled": True}}, torch.bfloat16: {"bf16
 def zero_inference_engine(model: nn.Module, config: DeepSpeedInferenceConfig):
     """A stage-3 `Engine` over `model` (parameters sharded / offloaded as `config.zero` says) and the
     {layer name: bits} of the layers whose shards are stored quantized."""
-    import zerospeed
     if config.tensor_parallel.tp_size > 1:
         raise ConfigError("zero.stage: 3 with tensor_parallel.tp_size > 1: ZeRO-Inference and tensor-parallel "
                           "inference together are not implemented; use one of them")
     ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": config.zero.model_dump(exclude_unset=True),
                  **_PRECISION[config.dtype]}
     model.requires_grad_(False)  # frozen units: the shard only
-    engine, *_ = zerospeed.initialize(model=model, config=ds_config)
+    engine, *_ = initialize(model=model, config=ds_config)
     quantized = {}
     if config.weight_quantization():  # Note [quantized ZeRO-Inference shards]
-        from zerospeed.compression.weight_quant.layer import settings_from_config, stage3_settings
         try:
             done = engine.zero.quantize_frozen(stage3_settings(settings_from_config(config.quant.weight)))
         except ValueError as exc:

@@ -34,11 +34,13 @@ from typing import Any
 import torch
 import transformers
 
-import zerospeed
 from zerospeed import comm
 from zerospeed.config import ConfigError
 from zerospeed.integrations.hf_args import TrainingArguments
-from zerospeed.integrations.hf_auto import resolve_hf_config
+from zerospeed.integrations.hf_auto import load_hf_config, resolve_hf_config
+from zerospeed.runtime.initialize import initialize
+from zerospeed.sequence.data import UlyssesSPDataLoaderAdapter
+from zerospeed.sequence.hf import UlyssesSPAttentionHF, install_sequence_parallel_loss
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +147,6 @@ class Trainer(transformers.Trainer):
     def _sequence_parallel_size(self) -> int:
         if not self.zerospeed_enabled:
             return 1
-        from zerospeed.integrations.hf_auto import load_hf_config
         return int(load_hf_config(self.args.deepspeed).get("sequence_parallel_size", 1))
 
     def _sequence_parallel_mpu(self):
@@ -153,7 +154,6 @@ class Trainer(transformers.Trainer):
         sp = self._sequence_parallel_size()
         if sp == 1 or self._sp_mpu is not None:
             return self._sp_mpu
-        from zerospeed.sequence.hf import UlyssesSPAttentionHF, install_sequence_parallel_loss
         implementation = getattr(self.model.config, "_attn_implementation", None) or "sdpa"
         self._sp_mpu = UlyssesSPAttentionHF.register_with_transformers(
             self.model, implementation, sp, self.args.per_device_train_batch_size)
@@ -165,7 +165,6 @@ class Trainer(transformers.Trainer):
         mpu = self._sequence_parallel_mpu()
         if mpu is None:
             return loader
-        from zerospeed.sequence.data import UlyssesSPDataLoaderAdapter
         pad = getattr(self.model.config, "pad_token_id", None)
         return UlyssesSPDataLoaderAdapter(loader, mpu.get_sequence_parallel_rank(), mpu.get_sequence_parallel_group(),
                                           mpu.get_sequence_parallel_world_size(), self.args.device,
@@ -182,8 +181,8 @@ class Trainer(transformers.Trainer):
         cfg = self.zerospeed_config(total_steps)
         optimizer = None if "optimizer" in cfg else self.create_optimizer()
         scheduler = None if "scheduler" in cfg else self._trainer_scheduler(total_steps)
-        engine, opt, _, sched = zerospeed.initialize(model=self.model, config=cfg, optimizer=optimizer,
-                                                     lr_scheduler=scheduler, mpu=self._sequence_parallel_mpu())
+        engine, opt, _, sched = initialize(model=self.model, config=cfg, optimizer=optimizer,
+                                           lr_scheduler=scheduler, mpu=self._sequence_parallel_mpu())
         self.engine = engine
         self.optimizer = EngineOptimizer(opt)
         self.lr_scheduler = EngineScheduler(sched) if sched is not None else None
@@ -297,7 +296,6 @@ class Trainer(transformers.Trainer):
 
 
 def _zero_stage(config: Any) -> int:
-    from zerospeed.integrations.hf_auto import load_hf_config
     stage = load_hf_config(config).get("zero_optimization", {}).get("stage", 0)
     return int(stage) if not isinstance(stage, str) else 0
 

@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-from zerospeed.zero import GatheredParameters, Init
-from zerospeed.zero.stage3 import registry
+from zerospeed.zero import GatheredParameters, Init, tags
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +27,7 @@ __all__ = ["from_pretrained_zero3", "is_zero3_sharded", "load_weights_zero3", "r
 
 
 def _owners(model: torch.nn.Module) -> dict[int, Any]:
-    return {id(o): o for p in model.parameters() if (o := registry.owner_of(p)) is not None}
+    return {id(o): o for p in model.parameters() if (o := tags.owner_of(p)) is not None}
 
 
 def is_zero3_sharded(model: torch.nn.Module) -> bool:
@@ -41,11 +40,11 @@ def zero3_numel(model: torch.nn.Module) -> tuple[int, int]:
     ordinary parameter. Tied parameters count once."""
     full = local = 0
     for p in model.parameters():  # deduplicated by nn.Module
-        if registry.owner_of(p) is None:
+        if tags.owner_of(p) is None:
             full += p.numel()
             local += p.numel()
         else:
-            full += registry.full_numel(p)
+            full += tags.full_numel(p)
     local += sum(o.layout.chunk for o in _owners(model).values())
     return full, local
 

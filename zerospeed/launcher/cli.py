@@ -14,6 +14,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from zerospeed import autotuning
+from zerospeed.autotuning.command import TrialWorld
 from zerospeed.launcher.environment import UserCommand
 from zerospeed.launcher.errors import LauncherError
 from zerospeed.launcher.hostfile import DEFAULT_HOSTFILE, read_hostfile
@@ -145,14 +147,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args, command = parse_command_line(argv)
         if args.autotuning is not None:  # trials and the final run go through this launcher again
-            from zerospeed.autotuning.cli import autotune
-            return autotune(args.autotuning, argv, command)
+            return autotuning.autotune(args.autotuning, argv, command, _trial_world(args))
         return _launch(args, command)
     except _ParseExit as exc:
         return exc.code
     except LauncherError as err:
         print(f"zerospeed: error: {err}", file=sys.stderr)
         return 2
+
+
+def _trial_world(args: argparse.Namespace) -> TrialWorld:
+    """The nodes and ranks the autotuner's trials get: what this launcher makes of the same flags."""
+    hostfile = read_hostfile(args.hostfile)
+    plan = make_plan(args, hostfile, os.environ.get("CUDA_VISIBLE_DEVICES", ""), detect_device_count)
+    return TrialWorld(tuple(len(slots) for slots in plan.world.values()), hostfile=hostfile is not None)
 
 
 def _launch(args: argparse.Namespace, command: UserCommand) -> int:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from zerospeed.launcher.errors import LauncherError
-from zerospeed.launcher.worker import zerospeed_variables
+from zerospeed.launcher.worker import command_line, zerospeed_variables
 from zerospeed.launcher.world import NodeLayout
 
 
@@ -32,15 +32,15 @@ def user_argv(command: UserCommand, local_rank: int) -> list[str]:
     return [command.script, *local, *command.args]
 
 
-def rank_argv(command: UserCommand, local_rank: int, python: str = sys.executable) -> list[str]:
-    """argv of the process with ``local_rank``: ``[python, -u, (-m), script, --local_rank=N, *args]``."""
-    interpreter = [] if command.no_python else [python, "-u", *(["-m"] if command.module else [])]
-    return interpreter + user_argv(command, local_rank)
-
-
 def run_mode(command: UserCommand) -> str:
     """How ``worker.py`` starts the command: ``script``, ``module`` or ``exec`` (``--no_python``)."""
     return "exec" if command.no_python else "module" if command.module else "script"
+
+
+def rank_argv(command: UserCommand, local_rank: int, python: str = sys.executable) -> list[str]:
+    """argv of the process with ``local_rank``: ``[python, -u, (-m), script, --local_rank=N, *args]``
+    (what ``worker.py`` exec's, and ``ps`` shows)."""
+    return command_line(run_mode(command), user_argv(command, local_rank), python)
 
 
 def omp_num_threads(cpu_count: int, local_size: int) -> int:

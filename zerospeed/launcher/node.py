@@ -3,7 +3,7 @@
 Multi-node runners (pdsh, ssh, mpirun, srun, local) start one of these per node as
 ``python -m zerospeed.launcher.node --world_info=... --node_rank=N ... -- script args``; the
 single-node path of ``zerospeed`` calls ``run_node`` in its own process. ``agent.py`` runs the agent,
-``worker.py`` is the first code of each rank.
+``worker.py`` is the first code of each rank (it then exec's the user's command).
 """
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from zerospeed.launcher.agent import AgentJob, elastic_nodes, rendezvous_plan, run_agent
+from zerospeed.launcher.agent import AgentJob, run_agent
 from zerospeed.launcher.cores import cores_for_rank, parse_core_list, physical_cores
 from zerospeed.launcher.environment import UserCommand, available_cpus, node_variables, run_mode, user_argv
 from zerospeed.launcher.errors import LauncherError
 from zerospeed.launcher.pidfile import saved_pid
+from zerospeed.launcher.rendezvous import elastic_nodes, rendezvous_plan
 from zerospeed.launcher.world import decode_world_info, node_layout
 
 logger = logging.getLogger(__name__)

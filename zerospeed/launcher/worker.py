@@ -8,10 +8,10 @@ agent's supervision is unchanged):
    and the node's (``CUDA_VISIBLE_DEVICES``, ``OMP_NUM_THREADS``), from ``ZEROSPEED_RANK_SPEC``;
 2. asks Linux to SIGTERM it when the node launcher dies, binds it to its cores, redirects its output to
    its ``--enable_each_rank_log`` file;
-3. runs the user's script (or module) here, recording an uncaught exception in the agent's error file,
-   so the launcher prints the failing rank's traceback; an executable (``--no_python``) is exec'ed.
+3. becomes the user's command, ``python -u train.py --local_rank=N ...`` (or ``python -u -m module``,
+   or the ``--no_python`` executable), by exec: Note [the rank runs the user's command].
 
-Stdlib only: a rank starts without importing zerospeed or torch (torch only to record a failure).
+Stdlib only: a rank starts without importing zerospeed or torch.
 """
 import sys
 
@@ -21,15 +21,12 @@ if __name__ == "__main__":
 import ctypes
 import json
 import os
-import runpy
 import signal
-import time
-import traceback
 from collections.abc import Mapping
-from types import TracebackType
 
 SPEC_VAR = "ZEROSPEED_RANK_SPEC"
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_hook")  # the ranks' sitecustomize.py
 
 
 def zerospeed_variables(agent_env: Mapping[str, str]) -> dict[str, str]:
@@ -41,17 +38,6 @@ def zerospeed_variables(agent_env: Mapping[str, str]) -> dict[str, str]:
 def log_path(log_dir: str, prefix: str, rank: str) -> str:
     """The ``--enable_each_rank_log`` file of global rank ``rank``."""
     return os.path.join(log_dir, f"{prefix}_rank{rank}.log")
-
-
-def _ours(filename: str) -> bool:
-    return filename in (__file__, runpy.__file__) or filename.startswith("<frozen runpy")
-
-
-def user_frames(tb: TracebackType | None) -> TracebackType | None:
-    """``tb`` without the leading frames of this file and of runpy: the traceback python would print."""
-    while tb is not None and tb.tb_next is not None and _ours(tb.tb_frame.f_code.co_filename):
-        tb = tb.tb_next
-    return tb
 
 
 def _die_with_parent() -> None:
@@ -77,43 +63,36 @@ def _redirect(log_file: str | None, stdin_devnull: bool) -> None:
         os.close(fd)
 
 
-def error_record(exc: BaseException, now: float) -> dict:
-    """``exc`` as torch's ``ErrorHandler.record_exception`` writes it (what the agent's report reads).
-
-    Note [error file without torch]: written here rather than through torch's ErrorHandler, so that a
-    failing rank of a script that never imported torch does not import it (seconds) on its way out.
-    tests/unit/test_launcher_agent_parts.py reads this record back through torch's ``ProcessFailure``.
-    """
-    callstack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return {"message": {"message": f"{type(exc).__name__}: {exc}",
-                        "extraInfo": {"py_callstack": callstack, "timestamp": str(int(now))}}}
+def pythonpath_with(value: str | None, entry: str) -> str:
+    """``PYTHONPATH`` with ``entry`` first (``value``: the one the rank was given; None if none)."""
+    return entry if value is None else entry + os.pathsep + value
 
 
-def _record(exc: BaseException) -> None:
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        with open(path, "w") as f:
-            json.dump(error_record(exc, time.time()), f)
-
-
-def _run(mode: str, argv: list[str]) -> None:
+def command_line(mode: str, argv: list[str], python: str) -> list[str]:
+    """The rank's command line: what ``ps`` shows, as for a rank that torchrun started."""
     if mode == "exec":
-        os.execvp(argv[0], argv)
-    sys.argv = list(argv)
-    try:
-        if mode == "module":
-            sys.path.insert(0, os.getcwd())
-            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-        else:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-            runpy.run_path(argv[0], run_name="__main__")
-    except Exception as exc:  # noqa: BLE001 (SystemExit and KeyboardInterrupt pass through untouched)
-        # What python does with an uncaught exception (print it through sys.excepthook, exit 1), but
-        # with the traceback starting in the user's code, and recorded for the launcher's report.
-        exc.__traceback__ = user_frames(exc.__traceback__)
-        _record(exc)
-        sys.excepthook(type(exc), exc, exc.__traceback__)
-        raise SystemExit(1) from None
+        return list(argv)
+    return [python, "-u", *(["-m"] if mode == "module" else []), *argv]
+
+
+def _become(mode: str, argv: list[str]) -> None:
+    # Note [the rank runs the user's command]: a rank's process shows the user's command line in `ps`
+    # (python -u train.py --local_rank=0 ...), as torchrun's and DeepSpeed's ranks do, because users
+    # find and kill their jobs by script name. So this file sets the rank up and then exec's that
+    # command: execve keeps the pid (the agent still supervises it), the environment, the core
+    # affinity, the parent-death signal and the redirected descriptors, and replaces only the program.
+    # Starting the command from the agent directly would leave nowhere to set the parent-death signal
+    # and the affinity before the user's code runs (torch's agent offers no pre-exec hook) and no way to
+    # do it for a --no_python executable. What the exec loses is this file's code around the script,
+    # which recorded an uncaught exception for the launcher's report; a start-up hook that Python
+    # runs in that process only does that now (rank_hook/sitecustomize.py: it takes its directory off
+    # PYTHONPATH again first). An executable (--no_python) gets no hook: its exit code is its report.
+    if mode != "exec":
+        os.environ["PYTHONPATH"] = pythonpath_with(os.environ.get("PYTHONPATH"), HOOK_DIR)
+    line = command_line(mode, argv, sys.executable)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(line[0], line, os.environ)
 
 
 def main() -> None:
@@ -127,7 +106,7 @@ def main() -> None:
         os.sched_setaffinity(0, spec["cores"][local_rank])
     log = log_path(spec["log_dir"], spec["log_prefix"], os.environ["RANK"]) if spec["log_dir"] else None
     _redirect(log, spec["stdin_devnull"])
-    _run(spec["mode"], spec["argv"][local_rank])
+    _become(spec["mode"], spec["argv"][local_rank])
 
 
 if __name__ == "__main__":

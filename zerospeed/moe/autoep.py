@@ -23,9 +23,9 @@ counts travel first (`dropless.exchange_counts`), then the rows by an uneven all
 experts run on their rows, the outputs come back by the conjugate all-to-all, are scaled by the
 routing weights on the token's own rank and summed per token — the same sum transformers' experts
 forms. Every rank of an expert-parallel group must run the same number of forwards (the exchange
-is collective), as with any expert parallelism. Expert parameters are registered as DeepSpeed-style
-expert parameters of group "ep_size_N" (Note [expert parameter registry], experts.py), so the
-engine reduces them over their expert-data-parallel ranks, and their gradients are scaled by 1/ep
+is collective), as with any expert parallelism. Expert parameters are tagged as expert parameters
+of group "ep_size_N" made by AutoEP (Note [expert parameter tags], experts.py), so the engine
+reduces them over their expert-data-parallel ranks, and their gradients are scaled by 1/ep
 (Note [expert gradient scale]).
 """
 from __future__ import annotations
@@ -36,16 +36,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.weak import WeakIdKeyDictionary
 
 from zerospeed import comm
+from zerospeed.checkpoint.export import export_state_dict
+from zerospeed.checkpoint.protocols import ExpertShare
 from zerospeed.comm.functional import all_to_all
 from zerospeed.utils.errors import ConfigError
 from zerospeed.moe.dropless import exchange_counts
-from zerospeed.moe.experts import _EXPERT_GROUP
 from zerospeed.moe.sharded_moe import _ScaleGrad
 from zerospeed.utils.logging import log_dist
 from zerospeed.optim.param_groups import substitute_parameters
+from zerospeed.zero import GatheredParameters, tags
 
 # DeepSpeed's preset names. A preset fixes where the blocks are and which model.config attribute
 # counts the experts. Run against stock transformers (tests/dist/test_moe_autoep_parity.py): mixtral and
@@ -125,10 +126,6 @@ def routing_facts(router: nn.Module, num_experts: int) -> dict:
 
 # -- the expert-parallel container ---------------------------------------------------------------------
 
-AUTOEP_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> True (identity, not ==)
-"""The expert parameters AutoEP made (`moe.utils.is_autoep_expert_param` answers from it)."""
-
-
 class ExpertParallelExperts(nn.Module):
     """This rank's `E / ep` experts of one sparse-MoE block, with transformers' fused layout and the
     replaced container's parameter names (`gate_up_proj [E/ep, 2I, H]`, `down_proj [E/ep, H, I]` by
@@ -152,7 +149,7 @@ class ExpertParallelExperts(nn.Module):
         for name, full in zip(names, (gate_up_proj, down_proj)):  # copies: the full tensors go with the old container
             self.register_parameter(name, nn.Parameter(full[span.start:span.stop].detach().clone(),
                                                        requires_grad=full.requires_grad))
-        self._register()
+        self._tag()
 
     @property
     def w_in(self) -> nn.Parameter:
@@ -164,18 +161,41 @@ class ExpertParallelExperts(nn.Module):
         """The down projection [E/ep, H, I]."""
         return self._parameters[self.param_names[1]]
 
-    def _register(self) -> None:  # Note [expert parameter registry] (experts.py)
+    def _tag(self) -> None:  # Note [expert parameter tags] (experts.py)
         for p in (self.w_in, self.w_out):
-            _EXPERT_GROUP[p] = self.expert_group_name
-            AUTOEP_PARAMS[p] = True
+            tags.mark_expert(p, self.expert_group_name, autoep=True)
 
     def __setstate__(self, state) -> None:  # deepcopy / unpickle: the copies are expert parameters too
         super().__setstate__(state)
-        self._register()
+        self._tag()
 
     def extra_repr(self) -> str:
         return (f"experts {self.first_expert}..{self.first_expert + self.num_local_experts - 1} of "
                 f"{self.num_experts}, ep_size={self.ep_size}")
+
+    # -- checkpoints (the checkpoint's `HoldsExperts` and `SplitParameters` protocols) -----------------
+    def checkpoint_experts(self) -> ExpertShare:
+        """Note [stacked expert checkpoints] (checkpoint/experts.py): rows first_expert.. of the whole tensors."""
+        return ExpertShare(first=self.first_expert, local=self.num_local_experts,
+                           writer=comm.get_rank(self.expert_data_parallel_group) == 0,
+                           stacked=tuple(self.param_names), total=self.num_experts)
+
+    def full_parameter(self, name: str) -> torch.Tensor | None:
+        """Collective over the expert-parallel group: stacked parameter `name` with every expert's rows (None
+        when this rank holds them all, or for a parameter that is not stacked)."""
+        if name not in self.param_names or self.ep_size == 1:
+            return None
+        return self.all_experts(self._parameters[name])
+
+    def all_experts(self, local: torch.Tensor) -> torch.Tensor:
+        """Collective over the expert-parallel group: the [E, ...] tensor of every rank's [E/ep, ...] `local`
+        (an all-gather; ep rank order is expert order)."""
+        local = local.detach().contiguous()
+        if self.ep_size == 1:
+            return local
+        whole = local.new_empty(self.ep_size * local.numel())
+        comm.all_gather_into_tensor(whole, local.reshape(-1), group=self.ep_group)
+        return whole.reshape(self.ep_size * local.shape[0], *local.shape[1:])
 
     def _expert(self, j: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.w_in[j]).chunk(2, dim=-1)
@@ -419,13 +439,7 @@ def consolidated_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor
     state = dict(model.state_dict() if state_dict is None else state_dict)
     for name, experts in converted_experts(model):
         for pname in experts.param_names:
-            key = f"{name}.{pname}"
-            local = state[key].detach().contiguous()
-            if experts.ep_size > 1:
-                whole = local.new_empty(experts.ep_size * local.numel())
-                comm.all_gather_into_tensor(whole, local.reshape(-1), group=experts.ep_group)  # ep rank = expert order
-                local = whole.reshape(experts.ep_size * local.shape[0], *local.shape[1:])
-            state[key] = local
+            state[f"{name}.{pname}"] = experts.all_experts(state[f"{name}.{pname}"])
     return state
 
 
@@ -436,10 +450,6 @@ def save_autoep_model(model: nn.Module, save_dir, *, safe_serialization: bool = 
     with no zerospeed at all. `model` is the AutoEP model or its engine. Collective (every rank
     calls it); under ZeRO-3 the whole model is gathered at once (one full copy per rank while it
     runs). Returns the files written (on rank 0; [] elsewhere)."""
-    from zerospeed.checkpoint.export import (
-        export_state_dict,  # the checkpoint package imports the runtime
-    )
-    from zerospeed.zero import GatheredParameters
     module = getattr(model, "module", model)
     with GatheredParameters(list(module.parameters())):
         state = consolidated_state_dict(module)

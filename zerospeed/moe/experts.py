@@ -1,11 +1,11 @@
 """`Experts`: this rank's local experts, each a deep copy of the module given (DeepSpeed's semantics:
 all experts of a layer start equal; the gate's routing makes them diverge).
 
-Note [expert parameter registry]: DeepSpeed marks an expert parameter by bolting attributes onto it
-(`allreduce = False`, `group_name = "ep_size_N"`). zerospeed does not add attributes to parameters;
-instead this module keeps one weak map, parameter -> expert group name, filled by `Experts` when it is
-built (and again when it is deep-copied or unpickled: `__setstate__`). It is the only module-level
-state of the MoE package; entries vanish with their parameters. `expert_group_name(p)` also honours
+Note [expert parameter tags]: DeepSpeed marks an expert parameter by bolting two attributes onto it
+(`allreduce = False`, `group_name = "ep_size_N"`). zerospeed writes the expert group into the
+parameter's one typed tag (Note [parameter tags], zero/tags.py), which ZeRO reads without importing
+this package: `Experts` tags its parameters when it is built, and again when it is deep-copied or
+unpickled (`__setstate__`: a parameter's copy has no tag). `expert_group_name(p)` also honours
 DeepSpeed's attributes on parameters someone else tagged, so hand-written experts keep working.
 """
 from __future__ import annotations
@@ -14,19 +14,13 @@ import copy
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
-_EXPERT_GROUP: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Note [expert parameter registry]
+from zerospeed.zero import tags
 
 
 def expert_group_name(param: torch.Tensor) -> str | None:
     """The expert group ("ep_size_N") `param` belongs to, or None for a dense parameter."""
-    name = _EXPERT_GROUP.get(param)
-    if name is not None:
-        return name
-    if getattr(param, "allreduce", True) is False:  # tagged the DeepSpeed way
-        return getattr(param, "group_name", None) or "ep_size_1"
-    return None
+    return tags.expert_group(param)
 
 
 class Experts(nn.Module):
@@ -38,15 +32,15 @@ class Experts(nn.Module):
         self.deepspeed_experts = nn.ModuleList(copy.deepcopy(expert) for _ in range(num_local_experts))
         self.num_local_experts = num_local_experts
         self.expert_group_name = expert_group_name
-        self._register()
+        self._tag()
 
-    def _register(self) -> None:
+    def _tag(self) -> None:  # Note [expert parameter tags]
         for p in self.deepspeed_experts.parameters():
-            _EXPERT_GROUP[p] = self.expert_group_name or "ep_size_1"
+            tags.mark_expert(p, self.expert_group_name or "ep_size_1")
 
     def __setstate__(self, state) -> None:  # deepcopy / unpickle: the copies are expert parameters too
         super().__setstate__(state)
-        self._register()
+        self._tag()
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         outputs = []

@@ -15,6 +15,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from zerospeed import comm
+from zerospeed.checkpoint.protocols import ExpertShare
+from zerospeed.comm.mesh import ParallelMesh
 from zerospeed.moe.experts import Experts
 from zerospeed.moe.sharded_moe import MOELayer, TopKGate
 from zerospeed.utils.logging import log_dist
@@ -72,8 +74,15 @@ class MoE(nn.Module):
         if use_data_before_expert_parallel_:
             raise NotImplementedError("use_data_before_expert_parallel_=True (the data-major expert layout) is not "
                                       "supported; zerospeed uses DeepSpeed's default expert layout")
-        from zerospeed.comm.mesh import ParallelMesh
         self.bind_mesh(ParallelMesh.data_parallel())
+
+    # -- checkpoints (the checkpoint's `HoldsExperts` protocol) ---------------------------------------
+    def checkpoint_experts(self) -> ExpertShare:
+        """This rank's experts as checkpoints name them (Note [global expert names] in checkpoint/experts.py):
+        global expert `ep_rank * num_local_experts + j` is local expert j."""
+        return ExpertShare(first=comm.get_rank(self.deepspeed_moe.ep_group) * self.num_local_experts,
+                           local=self.num_local_experts, writer=comm.get_rank(self.expert_data_parallel_group) == 0,
+                           experts="deepspeed_moe.experts.deepspeed_experts")
 
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None):

@@ -2,8 +2,8 @@
 groups that keep them apart (`"moe": True, "name": "ep_size_N"`: each expert group reduces, and its
 ZeRO state shards, over its expert-data-parallel ranks; Note [reduction groups] in zero/strategy.py).
 
-Every name imports whether or not a model uses MoE. Which parameters are experts' comes from the
-registry of Note [expert parameter registry] (moe/experts.py).
+Every name imports whether or not a model uses MoE. Which parameters are experts' comes from their
+tags (Note [expert parameter tags], moe/experts.py).
 """
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerospeed.utils.errors import ConfigError
 from zerospeed.moe.experts import expert_group_name
 from zerospeed.moe.layer import MoE
+from zerospeed.utils.errors import ConfigError
 from zerospeed.utils.logging import get_logger
+from zerospeed.zero import tags
 
 logger = get_logger(__name__)
 
@@ -37,8 +38,7 @@ def is_moe_param(param: torch.Tensor) -> bool:
 
 def is_autoep_expert_param(param: torch.Tensor) -> bool:
     """DeepSpeed's AutoEP tag: whether `param` is an expert weight AutoEP made (zerospeed.moe.autoep)."""
-    from zerospeed.moe.autoep import AUTOEP_PARAMS
-    return param in AUTOEP_PARAMS
+    return tags.is_autoep(param)
 
 
 def is_moe_param_group(param_group: dict) -> bool:

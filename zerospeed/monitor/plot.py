@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from zerospeed.utils.files import atomic_write
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
@@ -139,7 +141,6 @@ def bar_figure(labels: Sequence[str], values: Series, *, title: str = "", unit: 
 
 def save_figure(fig: Figure, path: str | os.PathLike) -> Path:
     """Write ``fig`` as a PNG at ``path`` through a temporary file and a rename; parents are created."""
-    from zerospeed.checkpoint.atomic import atomic_write
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=DPI))

@@ -1,6 +1,7 @@
 """Offload I/O: asynchronous, O_DIRECT-capable file I/O in pure Python, swap files and host buffer pools."""
 
 from zerospeed.offload.aio import (
+    AioPlan,
     AsyncIO,
     AsyncIOError,
     IORequest,
@@ -10,6 +11,7 @@ from zerospeed.offload.aio import (
 from zerospeed.offload.swap import BufferPool, SwapFile, check_nvme_path, slot_nbytes
 
 __all__ = [
+    "AioPlan",
     "AsyncIO",
     "AsyncIOError",
     "BufferPool",

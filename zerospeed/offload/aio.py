@@ -23,14 +23,11 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Self
+from typing import Self
 
 import torch
 
 from zerospeed.accelerator import get_accelerator
-
-if TYPE_CHECKING:
-    from zerospeed.config.schema.offload import AioConfig
 
 logger = logging.getLogger(__name__)
 
@@ -254,6 +251,18 @@ def _read_piece(fd: int, view: memoryview, piece: _Piece) -> None:
                                  "(the file is shorter than the data asked for)")
 
 
+@dataclass(frozen=True)
+class AioPlan:
+    """The `aio` section, resolved once (the engine's plans): `AsyncIO`'s settings, under its names."""
+
+    block_size: int = 1 << 20
+    queue_depth: int = 8
+    thread_count: int = 1
+    """`aio.thread_count` and `aio.intra_op_parallelism` are two names for this knob: the larger wins."""
+    single_submit: bool = False
+    overlap_events: bool = True
+
+
 class AsyncIO:
     """A pool of I/O threads moving contiguous host tensors to and from files, asynchronously.
 
@@ -293,13 +302,10 @@ class AsyncIO:
         self._direct_paths: dict[str, bool] = {}  # path -> O_DIRECT there (see direct_for)
 
     @classmethod
-    def from_config(cls, aio_cfg: AioConfig, *, use_direct: bool | None = None) -> AsyncIO:
-        """Build from the parsed ``aio`` section; ``thread_count`` and ``intra_op_parallelism`` are two
-        names for the same knob, so the larger wins."""
-        return cls(block_size=aio_cfg.block_size, queue_depth=aio_cfg.queue_depth,
-                   thread_count=max(aio_cfg.thread_count, aio_cfg.intra_op_parallelism),
-                   single_submit=aio_cfg.single_submit, overlap_events=aio_cfg.overlap_events,
-                   use_direct=use_direct)
+    def from_plan(cls, plan: AioPlan, *, use_direct: bool | None = None) -> AsyncIO:
+        """An engine with the settings of `plan` (the resolved `aio` section)."""
+        return cls(block_size=plan.block_size, queue_depth=plan.queue_depth, thread_count=plan.thread_count,
+                   single_submit=plan.single_submit, overlap_events=plan.overlap_events, use_direct=use_direct)
 
     # -- public API ---------------------------------------------------------------------------------
 

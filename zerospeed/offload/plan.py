@@ -1,4 +1,5 @@
-"""Where each kind of ZeRO model state lives: the offload plan, resolved once from the config.
+"""Where each kind of ZeRO model state lives: the offload plan, resolved once (the engine's plans
+translate the config's `offload_optimizer` / `offload_param` / `aio` sections into it).
 
 ZeRO-Offload moves the fp32 master weights, the optimizer states and the fp32 gradient shard to
 host memory, and runs the optimizer step there; ZeRO-Infinity moves masters and optimizer states
@@ -19,8 +20,7 @@ from pathlib import Path
 import torch
 
 from zerospeed.accelerator import get_accelerator
-from zerospeed.utils.errors import ConfigError
-from zerospeed.offload.aio import AsyncIO
+from zerospeed.offload.aio import AioPlan, AsyncIO
 from zerospeed.offload.optimizer_swap import NvmeOptimizerSwapper
 from zerospeed.offload.param_swap import NvmeParamSwapper
 from zerospeed.offload.swap import check_nvme_path
@@ -43,37 +43,7 @@ class OffloadPlan:
     pipeline_write: bool = False
     param_buffer_count: int = 5
     param_buffer_size: int = 100_000_000
-    aio: object | None = None  # the parsed `aio` section
-
-    @classmethod
-    def from_config(cls, cfg, device: torch.device) -> "OffloadPlan":
-        zero = cfg.zero_optimization
-        opt, par = zero.offload_optimizer, zero.offload_param
-        opt_dev = opt.device if opt is not None else "none"
-        par_dev = par.device if par is not None else "none"
-        if opt_dev != "none" and zero.stage == 0:
-            raise ConfigError("zero_optimization.offload_optimizer.device="
-                              f"{opt_dev!r} needs ZeRO stage 1, 2 or 3 (the offloaded optimizer steps this "
-                              "rank's shard); set zero_optimization.stage to 1-3 or the device to \"none\"")
-        if par_dev != "none" and zero.stage != 3:
-            raise ConfigError(f"zero_optimization.offload_param.device={par_dev!r} needs ZeRO stage 3 "
-                              f"(this config has stage {zero.stage}); set zero_optimization.stage to 3 or "
-                              "remove offload_param")
-        ratio = opt.ratio if opt is not None else 1.0
-        if ratio < 1.0 and (zero.stage != 3 or opt_dev != "cpu"):
-            raise ConfigError(f"zero_optimization.offload_optimizer.ratio={ratio}: a partial offload works with "
-                              "ZeRO stage 3 and device \"cpu\" only; set ratio to 1.0")
-        pin = bool((opt is not None and opt_dev != "none" and opt.pin_memory)
-                   or (par is not None and par_dev != "none" and par.pin_memory))
-        return cls(device=device, optimizer=opt_dev, param=par_dev, pin=pin, ratio=ratio,
-                   optimizer_nvme=_nvme_dir(opt, "zero_optimization.offload_optimizer") if opt_dev == "nvme" else None,
-                   param_nvme=_nvme_dir(par, "zero_optimization.offload_param") if par_dev == "nvme" else None,
-                   optimizer_buffer_count=opt.buffer_count if opt is not None else 4,
-                   pipeline_read=bool(opt is not None and opt.pipeline_read),
-                   pipeline_write=bool(opt is not None and opt.pipeline_write),
-                   param_buffer_count=par.buffer_count if par is not None else 5,
-                   param_buffer_size=par.buffer_size if par is not None else 100_000_000,
-                   aio=cfg.aio)
+    aio: AioPlan | None = None  # the resolved `aio` section (NVMe swaps)
 
     # -- where things go ---------------------------------------------------------------------------
     @property
@@ -99,7 +69,7 @@ class OffloadPlan:
     @functools.cached_property
     def io(self):
         """The one asynchronous I/O engine (thread pool) every NVMe swapper of this rank shares."""
-        return AsyncIO.from_config(self.aio) if self.aio is not None else AsyncIO()
+        return AsyncIO.from_plan(self.aio) if self.aio is not None else AsyncIO()
 
     def describe(self) -> dict[str, str]:
         """Human-readable placement of each kind of state (the engine's placement map builds on it)."""
@@ -107,11 +77,6 @@ class OffloadPlan:
         par = f"nvme:{self.param_nvme}" if self.param == "nvme" else str(self.shard_device)
         return {"master_weights": opt, "optimizer_states": opt,
                 "gradients": str(self.master_device), "parameter_shards": par}
-
-
-def _nvme_dir(section, key: str) -> Path:
-    """The nvme_path, checked to exist and be writable now (space is checked once sizes are known)."""
-    return check_nvme_path(section.nvme_path, 0, key=f"{key}.nvme_path")
 
 
 def make_stepper(plan: OffloadPlan | None, masters: list[torch.nn.Parameter], sub_groups: list[list[int]],

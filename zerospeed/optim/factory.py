@@ -24,16 +24,17 @@ from typing import Any
 
 import torch
 
-from zerospeed.utils.errors import ConfigError
+from zerospeed.optim import onebit
 from zerospeed.optim._kwargs import check_params, closest_names
 from zerospeed.optim.lamb import Lamb
 from zerospeed.optim.lion import Lion
+from zerospeed.utils.errors import ConfigError
 from zerospeed.optim.param_groups import trainable_param_groups
 from zerospeed.utils.logging import get_logger
 
 logger = get_logger(__name__)  # Note [rank-0 logging]
 
-__all__ = ["ZERO_TESTED_OPTIMIZERS", "build_optimizer", "is_zero_tested_optimizer"]
+__all__ = ["ZERO_TESTED_OPTIMIZERS", "build_optimizer", "is_zero_tested_optimizer", "optimizer_for_groups"]
 
 # Element-wise optimizers: exact on a ZeRO shard. LAMB is not (its trust ratio needs the whole
 # tensor's norms, see Note [LAMB on ZeRO shards]); exact type match, as DeepSpeed does.
@@ -53,7 +54,7 @@ _NOT_IMPLEMENTED = {
     "muon": "Muon",
 }
 
-# DeepSpeed's compressed-communication optimizers (zerospeed/runtime/fp16/onebit), bound to the engine
+# DeepSpeed's compressed-communication optimizers (zerospeed/optim/onebit), bound to the engine
 # after it is built (Note [the engine's backward all-reduce] in onebit/base.py).
 _ONE_BIT = {"onebitadam": "OnebitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OnebitLamb"}
 
@@ -81,18 +82,38 @@ def build_optimizer(
         allow_untested: when False (ZeRO without ``zero_allow_untested_optimizer``), refuse
             optimizers outside ``ZERO_TESTED_OPTIMIZERS``.
     """
+    if isinstance(client_optimizer, torch.optim.Optimizer) or (client_optimizer is None and opt_type is None):
+        # nothing to normalise: the client's own optimizer, or the error that names optimizer.type
+        return optimizer_for_groups(opt_type, opt_params, [], client_optimizer, allow_untested=allow_untested)
+    groups, was_flat = trainable_param_groups(model_parameters)
+    if was_flat and client_optimizer is not None:  # a callable client gets what it was given: a flat list
+        return _finish(_from_client(client_optimizer, groups[0]["params"]), opt_type, allow_untested)
+    return optimizer_for_groups(opt_type, opt_params, groups, client_optimizer, allow_untested=allow_untested)
+
+
+def optimizer_for_groups(
+    opt_type: str | None,
+    opt_params: dict[str, Any] | None,
+    groups: list[dict[str, Any]],
+    client_optimizer: torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer] | None = None,
+    *,
+    allow_untested: bool = True,
+) -> torch.optim.Optimizer:
+    """`build_optimizer` over param groups already normalised (`optim.param_groups.trainable_param_groups`:
+    what the engine hands over, once); a callable client optimizer receives the groups."""
     if client_optimizer is not None:
-        if opt_type is not None:
-            logger.warning("client optimizer given: ignoring optimizer.type %r from the config", opt_type)
-        optimizer = _from_client(client_optimizer, model_parameters)
-    else:
-        if opt_type is None:
-            raise ConfigError(
-                "optimizer.type: no optimizer configured and no client optimizer passed; set "
-                "optimizer.type (e.g. \"AdamW\") or pass optimizer= to initialize()"
-            )
-        groups, _ = trainable_param_groups(model_parameters)
-        optimizer = _from_config(opt_type, dict(opt_params or {}), groups)
+        return _finish(_from_client(client_optimizer, groups), opt_type, allow_untested)
+    if opt_type is None:
+        raise ConfigError(
+            "optimizer.type: no optimizer configured and no client optimizer passed; set "
+            "optimizer.type (e.g. \"AdamW\") or pass optimizer= to initialize()"
+        )
+    return _finish(_from_config(opt_type, dict(opt_params or {}), groups), None, allow_untested)
+
+
+def _finish(optimizer: torch.optim.Optimizer, ignored_type: str | None, allow_untested: bool) -> torch.optim.Optimizer:
+    if ignored_type is not None:
+        logger.warning("client optimizer given: ignoring optimizer.type %r from the config", ignored_type)
     # Empty groups carry nothing but state and break flattening; DeepSpeed drops them too.
     optimizer.param_groups[:] = [g for g in optimizer.param_groups if len(g["params"]) != 0]
     if not allow_untested:
@@ -117,7 +138,9 @@ def _check_zero_tested(optimizer: Any) -> None:
     )
 
 
-def _from_client(client: Any, model_parameters: Iterable[Any]) -> torch.optim.Optimizer:
+def _from_client(client: Any, params: list) -> torch.optim.Optimizer:
+    """The client's optimizer: itself, or what the callable builds over `params` (normalised groups, or
+    the flat list of trainable tensors a caller gave)."""
     if isinstance(client, torch.optim.Optimizer):
         return client
     if not callable(client):
@@ -125,8 +148,7 @@ def _from_client(client: Any, model_parameters: Iterable[Any]) -> torch.optim.Op
             f"optimizer: the client optimizer must be a torch.optim.Optimizer or a "
             f"callable(params) -> Optimizer, got {type(client).__name__}"
         )
-    groups, was_flat = trainable_param_groups(model_parameters)
-    optimizer = client(groups[0]["params"] if was_flat else groups)
+    optimizer = client(params)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(
             f"optimizer: the client callable returned {type(optimizer).__name__}, expected a torch.optim.Optimizer"
@@ -160,7 +182,6 @@ def _resolve(opt_type: str, params: dict[str, Any]) -> tuple[type, dict[str, Any
     if key in ("adam", "adamw"):
         return (*_adam_params(params, force_decoupled=key == "adamw"), _ADAM_EXTRAS)
     if key in _ONE_BIT:
-        from zerospeed.runtime.fp16 import onebit
         if isinstance(params.get("betas"), list):
             params["betas"] = tuple(params["betas"])
         return getattr(onebit, _ONE_BIT[key]), params, ()

@@ -18,9 +18,11 @@ from zerospeed.utils.errors import ConfigError
 __all__ = ["substitute_parameters", "trainable_param_groups"]
 
 
-def trainable_param_groups(model_parameters: Iterable[Any]) -> tuple[list[dict[str, Any]], bool]:
+def trainable_param_groups(model_parameters: Iterable[Any], *, allow_empty: bool = False
+                           ) -> tuple[list[dict[str, Any]], bool]:
     """Return ``(groups, was_flat)``: non-empty groups of trainable tensors, and whether the input
-    was a flat iterable of tensors rather than of group dicts."""
+    was a flat iterable of tensors rather than of group dicts. Nothing trainable is an error, unless
+    ``allow_empty`` (an engine around a frozen model): then ``groups`` is empty."""
     items = list(model_parameters)
     n_dicts = sum(isinstance(item, dict) for item in items)
     if 0 < n_dicts < len(items):
@@ -31,7 +33,7 @@ def trainable_param_groups(model_parameters: Iterable[Any]) -> tuple[list[dict[s
     else:
         groups = [_group(item, i) for i, item in enumerate(items)]
     kept = [g for g in groups if g["params"]]
-    if not kept:
+    if not kept and not allow_empty:
         raise ConfigError(
             "model_parameters: no parameter requires grad, nothing to optimize "
             "(are all parameters frozen, or was an exhausted generator passed?)"

@@ -23,9 +23,8 @@ import importlib
 
 import torch
 
+from zerospeed.precision.loss_scaler import DynamicLossScaler, LossScalePlan
 from zerospeed.utils.errors import ConfigError
-from zerospeed.precision.loss_scaler import DynamicLossScaler
-from zerospeed.precision.policy import PrecisionPolicy
 from zerospeed.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -41,9 +40,9 @@ def get_default_autocast_lower_precision_modules() -> list[str]:
     return [f"{cls.__module__}.{cls.__name__}" for cls in LOWER_PRECISION_SAFE_MODULES]
 
 
-def autocast_dtype(cfg) -> torch.dtype | None:
-    """The autocast dtype when `torch_autocast` is enabled, else None."""
-    return PrecisionPolicy.from_config(cfg).autocast_dtype if cfg.torch_autocast.enabled else None
+def autocast_dtype(name: str | None) -> torch.dtype | None:
+    """The dtype `torch_autocast.dtype` names ("bf16" / "fp16"); None for None (autocast off)."""
+    return None if name is None else {"fp16": torch.float16, "bf16": torch.bfloat16}[name]
 
 
 def safe_module_classes(names: list[str] | None) -> list[type]:
@@ -65,30 +64,22 @@ def safe_module_classes(names: list[str] | None) -> list[type]:
     return classes
 
 
-def param_comm_dtypes(module: torch.nn.Module, cfg) -> dict[int, torch.dtype]:
-    """id(parameter) -> the autocast dtype, for every parameter a safe module owns directly (Note
-    [autocast gradient communication]); empty when autocast is off. Exact classes, as in DeepSpeed."""
-    dtype = autocast_dtype(cfg)
+def param_comm_dtypes(module: torch.nn.Module, dtype: torch.dtype | None,
+                      safe_modules: list[str] | None = None) -> dict[int, torch.dtype]:
+    """id(parameter) -> `dtype` (the autocast dtype), for every parameter a safe module owns directly (Note
+    [autocast gradient communication]); `safe_modules`: `torch_autocast.lower_precision_safe_modules`
+    (None: DeepSpeed's default list). Empty when `dtype` is None (autocast off). Exact classes, as in
+    DeepSpeed."""
     if dtype is None:
         return {}
-    classes = tuple(safe_module_classes(cfg.torch_autocast.lower_precision_safe_modules))
+    classes = tuple(safe_module_classes(safe_modules))
     return {id(p): dtype for m in module.modules() if type(m) in classes for p in m.parameters(recurse=False)}
 
 
-def check_autocast_settings(cfg, module: torch.nn.Module) -> None:
-    """DeepSpeed's conditions for `torch_autocast`: no fp16/bf16 section, fp32 parameters, no ZeRO++
-    quantized weights."""
-    if not cfg.torch_autocast.enabled:
-        return
-    if cfg.torch_autocast.dtype not in ("bf16", "fp16"):
-        raise ConfigError(f"torch_autocast.dtype={cfg.torch_autocast.dtype!r}: autocast runs the forward in a "
-                          "lower precision; give \"bf16\" or \"fp16\" (or set torch_autocast.enabled=false)")
-    for key in ("fp16", "bf16"):
-        if getattr(cfg, key).enabled:
-            raise ConfigError(f"torch_autocast.enabled=true and {key}.enabled=true: torch autocast keeps fp32 "
-                              f"parameters and casts inside the forward, {key} casts the model; choose one "
-                              f"(set {key}.enabled=false, or torch_autocast.enabled=false)")
-    if cfg.zero_optimization.zero_quantized_weights:
+def check_autocast_settings(module: torch.nn.Module, *, quantized_weights: bool = False) -> None:
+    """DeepSpeed's conditions for `torch_autocast` beyond the precision keys (`PrecisionPolicy.resolve`
+    checks those): no ZeRO++ quantized weights, fp32 parameters."""
+    if quantized_weights:
         raise ConfigError("torch_autocast.enabled=true and zero_optimization.zero_quantized_weights=true cannot "
                           "be combined (as in DeepSpeed); turn one off")
     low = [n for n, p in module.named_parameters() if p.dtype != torch.float32]
@@ -98,22 +89,24 @@ def check_autocast_settings(cfg, module: torch.nn.Module) -> None:
                           "(autocast casts inside the forward)")
 
 
+AUTOCAST_LOSS_SCALE = LossScalePlan(init_scale=2.0**16, scale_factor=2.0, scale_window=2000, min_scale=2.0**-24,
+                                    hysteresis=1, raise_error_at_min_scale=False)
+"""fp16 autocast's loss scale: `torch.amp.GradScaler`'s rule and defaults (no hysteresis, no floor)."""
+
+
 def autocast_loss_scaler() -> DynamicLossScaler:
-    """fp16 autocast's loss scaler: `torch.amp.GradScaler`'s rule and defaults (no hysteresis, no floor)."""
-    return DynamicLossScaler(init_scale=2.0**16, scale_factor=2.0, scale_window=2000, min_scale=2.0**-24,
-                             hysteresis=1, raise_error_at_min_scale=False)
+    """fp16 autocast's loss scaler (`AUTOCAST_LOSS_SCALE`)."""
+    return AUTOCAST_LOSS_SCALE.build()
 
 
 @contextlib.contextmanager
-def autocast_if_enabled(engine):
-    """The engine's forward context: `torch.autocast` in the configured dtype when `torch_autocast` is on.
+def forward_autocast(device_type: str, dtype: torch.dtype | None):
+    """The engine's forward context: `torch.autocast` in `dtype` when `torch_autocast` is on (`dtype` not None).
 
     As in DeepSpeed, the engine's setting wins over an autocast the caller opened around it: with
     `torch_autocast` off, an outer autocast is switched off inside the engine's forward (the engine's
     precision is its fp16 / bf16 section), with a one-time warning."""
     global _warned_outer_autocast
-    device_type = engine.accelerator.device_name()
-    dtype = engine.precision.autocast_dtype
     outer = torch.is_autocast_enabled(device_type)
     if outer and not _warned_outer_autocast:
         _warned_outer_autocast = True
@@ -127,3 +120,8 @@ def autocast_if_enabled(engine):
             yield
     else:
         yield
+
+
+def autocast_if_enabled(engine):
+    """DeepSpeed's name: `forward_autocast` for `engine`'s device and precision policy."""
+    return forward_autocast(engine.accelerator.device_name(), engine.precision.autocast_dtype)

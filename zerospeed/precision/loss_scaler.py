@@ -20,6 +20,7 @@ Semantics follow DeepSpeed's ``DynamicLossScaler.update_scale``:
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from zerospeed.utils.errors import ConfigError
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DynamicLossScaler",
+    "LossScalePlan",
     "LossScaleUnderflowError",
     "LossScaler",
     "StaticLossScaler",
@@ -200,19 +202,41 @@ def _check_dynamic_args(
         raise ConfigError(f"fp16.hysteresis: must be an integer >= 1, got {hysteresis!r}")
 
 
+@dataclass(frozen=True)
+class LossScalePlan:
+    """How the loss is scaled, resolved once (the engine's plans): a static scale, or the dynamic
+    scaler's settings. `build()` makes the scaler (the state machine) it describes."""
+
+    static_scale: float | None = None
+    """`fp16.loss_scale` > 0: that fixed scale; None: dynamic scaling with the settings below."""
+    init_scale: float = 2.0**16
+    scale_factor: float = 2.0
+    scale_window: int = 1000
+    min_scale: float = 1.0
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    raise_error_at_min_scale: bool = True
+
+    def build(self) -> StaticLossScaler | DynamicLossScaler:
+        if self.static_scale is not None:
+            return StaticLossScaler(self.static_scale)
+        return DynamicLossScaler(init_scale=self.init_scale, scale_factor=self.scale_factor,
+                                 scale_window=self.scale_window, min_scale=self.min_scale, hysteresis=self.hysteresis,
+                                 consecutive_hysteresis=self.consecutive_hysteresis,
+                                 raise_error_at_min_scale=self.raise_error_at_min_scale)
+
+
 def loss_scaler_from_config(fp16: Any) -> StaticLossScaler | DynamicLossScaler:
-    """Build the scaler from an object carrying DeepSpeed's fp16 keys as attributes.
+    """Build the scaler from an object carrying DeepSpeed's fp16 keys as attributes (for callers holding
+    such a section; the engine builds its scaler from the `LossScalePlan` its plans resolve).
 
     ``loss_scale`` 0 selects dynamic scaling starting at ``2 ** initial_scale_power``; any other
     value is a static scale. Missing attributes take DeepSpeed's defaults.
     """
     loss_scale = getattr(fp16, "loss_scale", 0)
     if loss_scale != 0:
-        return StaticLossScaler(loss_scale)
-    return DynamicLossScaler(
-        init_scale=2.0 ** getattr(fp16, "initial_scale_power", 16),
-        scale_window=getattr(fp16, "loss_scale_window", 1000),
-        min_scale=getattr(fp16, "min_loss_scale", 1.0),
-        hysteresis=getattr(fp16, "hysteresis", 2),
-        consecutive_hysteresis=getattr(fp16, "consecutive_hysteresis", False),
-    )
+        return LossScalePlan(static_scale=loss_scale).build()
+    return LossScalePlan(init_scale=2.0 ** getattr(fp16, "initial_scale_power", 16),
+                         scale_window=getattr(fp16, "loss_scale_window", 1000),
+                         min_scale=getattr(fp16, "min_loss_scale", 1.0), hysteresis=getattr(fp16, "hysteresis", 2),
+                         consecutive_hysteresis=getattr(fp16, "consecutive_hysteresis", False)).build()

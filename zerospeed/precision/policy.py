@@ -1,4 +1,4 @@
-"""The precision policy: resolved once from the config, read everywhere else."""
+"""The precision policy: resolved once (the engine's plans translate the config into it), read everywhere else."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,29 +35,49 @@ class PrecisionPolicy:
         return torch.float16 in (self.param_dtype, self.autocast_dtype)
 
     @classmethod
-    def from_config(cls, cfg) -> "PrecisionPolicy":
-        if cfg.fp16_enabled:
-            return cls(param_dtype=torch.float16, grad_accum_dtype=_grad_accum(cfg, torch.float16))
-        if cfg.bf16_enabled:
-            if _bf16_masters(cfg):
-                return cls(param_dtype=torch.bfloat16, grad_accum_dtype=_grad_accum(cfg, torch.bfloat16, forced=True),
-                           master_dtype=torch.bfloat16)
-            return cls(param_dtype=torch.bfloat16, grad_accum_dtype=_grad_accum(cfg, torch.bfloat16))
-        _bf16_masters(cfg)  # (refuses the switches without bf16)
-        _grad_accum(cfg, torch.float32)
-        if cfg.torch_autocast.enabled:
-            return cls(autocast_dtype={"fp16": torch.float16, "bf16": torch.bfloat16}[cfg.torch_autocast.dtype])
+    def resolve(cls, *, fp16: bool = False, bf16: bool = False, autocast: str | None = None,
+                grad_accum_dtype: str | None = None, bf16_master_weights_and_grads: bool = False,
+                bf16_optimizer_states: bool = False, zero_stage: int = 0,
+                optimizer_offload: str = "none") -> PrecisionPolicy:
+        """The policy of the precision keys: `fp16.enabled`, `bf16.enabled`, `torch_autocast.dtype` when
+        `torch_autocast.enabled` (else None), `data_types.grad_accum_dtype`, bf16's master switches; the
+        ZeRO stage and `offload_optimizer.device` for bf16 masters' rules. The errors name the keys."""
+        if autocast is not None:
+            _check_autocast(autocast, fp16, bf16)
+        if fp16:
+            return cls(param_dtype=torch.float16, grad_accum_dtype=_grad_accum(grad_accum_dtype, torch.float16))
+        masters = _bf16_masters(bf16, bf16_master_weights_and_grads, bf16_optimizer_states, zero_stage,
+                                optimizer_offload)
+        if bf16:
+            if masters:
+                return cls(param_dtype=torch.bfloat16, master_dtype=torch.bfloat16,
+                           grad_accum_dtype=_grad_accum(grad_accum_dtype, torch.bfloat16, forced=True))
+            return cls(param_dtype=torch.bfloat16, grad_accum_dtype=_grad_accum(grad_accum_dtype, torch.bfloat16))
+        _grad_accum(grad_accum_dtype, torch.float32)
+        if autocast is not None:
+            return cls(autocast_dtype=_DTYPES[autocast])
         return cls()
 
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def _grad_accum(cfg, model_dtype: torch.dtype, forced: bool = False) -> torch.dtype:
+def _check_autocast(dtype: str, fp16: bool, bf16: bool) -> None:
+    """DeepSpeed's conditions for `torch_autocast`: a 16-bit dtype, no fp16/bf16 section."""
+    if dtype not in ("bf16", "fp16"):
+        raise ConfigError(f"torch_autocast.dtype={dtype!r}: autocast runs the forward in a "
+                          "lower precision; give \"bf16\" or \"fp16\" (or set torch_autocast.enabled=false)")
+    for key, on in (("fp16", fp16), ("bf16", bf16)):
+        if on:
+            raise ConfigError(f"torch_autocast.enabled=true and {key}.enabled=true: torch autocast keeps fp32 "
+                              f"parameters and casts inside the forward, {key} casts the model; choose one "
+                              f"(set {key}.enabled=false, or torch_autocast.enabled=false)")
+
+
+def _grad_accum(asked: str | None, model_dtype: torch.dtype, forced: bool = False) -> torch.dtype:
     """`data_types.grad_accum_dtype`: the dtype gradients accumulate (and their ZeRO partitions live) in:
     fp32 by default, or the model's own 16-bit dtype (half the gradient memory, each accumulation
     rounded to it); `forced`: bf16 masters take bf16 gradients (Note [bf16 masters])."""
-    asked = cfg.data_types.grad_accum_dtype
     if forced:
         if asked not in (None, "bf16"):
             raise ConfigError(f"data_types.grad_accum_dtype={asked!r} with bf16.bf16_master_weights_and_grads=true: "
@@ -71,7 +91,7 @@ def _grad_accum(cfg, model_dtype: torch.dtype, forced: bool = False) -> torch.dt
     return dtype
 
 
-def _bf16_masters(cfg) -> bool:
+def _bf16_masters(enabled: bool, masters: bool, states: bool, zero_stage: int, optimizer_offload: str) -> bool:
     """Note [bf16 masters]: `bf16.bf16_master_weights_and_grads` (with `bf16_optimizer_states`), DeepSpeed's
     low-precision optimizer: the ZeRO partitions of the master weights, their gradients and the optimizer
     states are bf16, and the masters are the bf16 weights' own partitions (no copy). Per trained element
@@ -79,12 +99,10 @@ def _bf16_masters(cfg) -> bool:
     precision for the update itself: an update below half a bf16 ulp of its weight is lost. DeepSpeed's
     rules: bf16 on, ZeRO stage 1-3; bf16 states need bf16 masters; fp32 states over bf16 masters exist
     only through its CPU-Adam kernel (offload), which is not built here."""
-    bf16 = cfg.bf16
-    masters, states = bf16.bf16_master_weights_and_grads, bf16.bf16_optimizer_states
     if not masters and not states:
         return False
     key = "bf16.bf16_master_weights_and_grads" if masters else "bf16.bf16_optimizer_states"
-    if not bf16.enabled:
+    if not enabled:
         raise ConfigError(f"{key}=true needs bf16.enabled=true (it keeps the bf16 training's masters in bf16)")
     if states and not masters:
         raise ConfigError("bf16.bf16_optimizer_states=true needs bf16.bf16_master_weights_and_grads=true (the "
@@ -93,11 +111,10 @@ def _bf16_masters(cfg) -> bool:
         raise ConfigError("bf16.bf16_master_weights_and_grads=true with bf16_optimizer_states=false keeps fp32 "
                           "optimizer states over bf16 masters, which DeepSpeed does only in its CPU-Adam kernel "
                           "(offload); not built here: set bf16_optimizer_states=true too")
-    zero = cfg.zero_optimization
-    if zero.stage == 0:
+    if zero_stage == 0:
         raise ConfigError(f"{key}=true needs ZeRO stage 1, 2 or 3 (zero_optimization.stage=0): the masters it "
                           "keeps in bf16 are ZeRO's partitions")
-    if zero.offload_optimizer is not None and zero.offload_optimizer.device != "none":
+    if optimizer_offload != "none":
         raise ConfigError(f"{key}=true with zero_optimization.offload_optimizer.device="
-                          f"{zero.offload_optimizer.device!r}: offloaded bf16 masters are not built; drop one")
+                          f"{optimizer_offload!r}: offloaded bf16 masters are not built; drop one")
     return True

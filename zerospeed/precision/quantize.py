@@ -1,28 +1,49 @@
-"""Block quantization of flat tensors to int8 / int4: pure tensor math, no processes, no modules.
+"""Block quantization to int8 / int4: pure tensor math, no processes, no modules.
 
-A flat tensor of `numel` elements is cut into consecutive blocks of `block_size` elements (the last
-block may be shorter); each block gets its own fp32 scale (and, asymmetric, its own minimum), so an
-outlier costs precision only within its block.
+The one implementation of "cut into blocks, give each block a scale (and an offset), round onto the
+grid, clamp, pack int4". Its users: ZeRO++'s wire format (`quantize_blocks` + `to_bytes`), the stored
+shards of ZeRO-Inference, the weight-only layers of `compression.weight_quant` (a weight [out, in] cut
+into row-wise column groups is the flat weight cut into consecutive blocks) and the QAT fake quantizers
+of `compression.quantize` (`quantize_grid` / `dequantize_grid` on a [groups, n] view).
 
-- symmetric: scale = absmax / (2^(bits-1) - 1), q = round(x / scale) in [-(2^(bits-1) - 1), 2^(bits-1) - 1],
-  stored as the unsigned code q + 2^(bits-1); x' = (code - 2^(bits-1)) * scale.
-- asymmetric: scale = (max - min) / (2^bits - 1), code = round((x - min) / scale) in [0, 2^bits - 1];
-  x' = code * scale + min.
+Note [block grids]: each block, a row of a [blocks, n] view, gets its own affine grid of integer codes,
+so an outlier costs precision only within its block.
 
-Rounding to nearest errs by at most scale / 2 per element (half a step). Stochastic rounding rounds
+- symmetric: scale = absmax / (2^(bits-1) - 1), signed code q = round(x / scale) in
+  [-(2^(bits-1) - 1), 2^(bits-1) - 1]; x' = q * scale. Stored (`quantize_blocks`) as the unsigned
+  q + 2^(bits-1).
+- asymmetric, minimum form (ZeRO++, ZeRO-Inference, weight-only layers): scale = (max - min) /
+  (2^bits - 1), code = round((x - min) / scale) in [0, 2^bits - 1]; x' = code * scale + min.
+- asymmetric, zero-point form (QAT, `zero_point=True`): the same scale and an integer zero point
+  z = round(-min / scale); code = round(x / scale) + z clamped to [0, 2^bits - 1]; x' = (code - z) * scale.
+  It is the minimum form's grid moved by less than half a step so that 0 is a level (an exact zero
+  stays exact); in exchange the block's extremes may clamp one level short, and a block of one
+  repeated non-zero value has no such grid (it does not dequantize to itself).
+
+The range is the block's own [min, max] unless the caller passes one (`lo`, `hi`: QAT's static
+activation ranges), in which case values outside it are clamped.
+
+Rounding to nearest (half to even) errs by at most scale / 2 per element. Stochastic rounding rounds
 v = x / scale down or up with probability 1 - frac(v) / frac(v), so E[x'] = x and |x - x'| < scale.
 
-A block of zeros (or of one repeated value, asymmetric) has scale 0 and dequantizes exactly.
-Non-finite inputs make their block's scale non-finite, so the whole block dequantizes to NaN/inf:
-an fp16 overflow check downstream still sees it.
+Note [zero scale]: a block of zeros (or of one repeated value, asymmetric) has scale 0 and
+dequantizes exactly; the division then uses 1 in the scale's place. `min_scale` floors the scale
+instead (the weight-only and QAT quantizers floor it at the smallest normal fp32): the same codes and
+values for such a block, only the stored scale differs. Non-finite inputs make their block's scale
+non-finite, so the whole block dequantizes to NaN/inf: an fp16 overflow check downstream still sees it.
 
-int4 codes are packed two to a byte (even element in the low nibble). On the wire
-(`to_bytes`) a quantized tensor is one uint8 buffer: the fp32 scales, the fp32 minimums
-(asymmetric only), then the codes — `wire_bytes` gives its length from integers alone.
+The scale (and minimum) are computed in fp32 and stored in `scale_dtype` (fp32 on the wire; the
+weight's dtype in the weight-only layers); dequantization computes in the stored scale's dtype and
+rounds once to the requested one.
+
+int4 codes are packed two to a byte (even element in the low nibble). On the wire (`to_bytes`) a
+quantized tensor is one uint8 buffer: the fp32 scales, the fp32 minimums (asymmetric only), then the
+codes — `wire_bytes` gives its length from integers alone.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -32,8 +53,8 @@ SCALE_BYTES = 4  # scales (and minimums) travel as fp32
 @dataclass(frozen=True)
 class BlockQuantized:
     codes: torch.Tensor  # uint8: numel codes (8-bit) or ceil(numel / 2) bytes of two codes (4-bit)
-    scale: torch.Tensor  # fp32 [blocks]
-    minimum: torch.Tensor | None  # fp32 [blocks], asymmetric only
+    scale: torch.Tensor  # [blocks], fp32 unless quantized with another scale_dtype
+    minimum: torch.Tensor | None  # [blocks] in the scale's dtype, asymmetric only
     numel: int
     bits: int
     block_size: int
@@ -45,6 +66,14 @@ class BlockQuantized:
     @property
     def nbytes(self) -> int:
         return wire_bytes(self.numel, self.bits, self.block_size, self.symmetric)
+
+
+class Grid(NamedTuple):
+    """Codes of a [blocks, n] tensor on per-block grids (Note [block grids])."""
+
+    codes: torch.Tensor  # float [blocks, n] holding integers: signed (symmetric) or in [0, 2^bits - 1]
+    scale: torch.Tensor  # fp32 [blocks, 1]
+    offset: torch.Tensor | None  # [blocks, 1]: the minimum, or the zero point (zero_point=True); None symmetric
 
 
 def num_blocks(numel: int, block_size: int) -> int:
@@ -67,6 +96,62 @@ def _check(bits: int, block_size: int) -> None:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
 
 
+def _round_(v: torch.Tensor, stochastic: bool, generator: torch.Generator | None) -> torch.Tensor:
+    """`v` rounded in place: to nearest, or floor(v + u), u ~ U[0, 1) (rounds up with probability frac(v))."""
+    if not stochastic:
+        return v.round_()
+    noise = torch.rand(v.shape, generator=generator, device=v.device, dtype=v.dtype)
+    return v.add_(noise).floor_()
+
+
+def quantize_grid(x_BN: torch.Tensor, bits: int, symmetric: bool = True, *, zero_point: bool = False,
+                  lo_B1: torch.Tensor | None = None, hi_B1: torch.Tensor | None = None, min_scale: float = 0.0,
+                  stochastic: bool = False, generator: torch.Generator | None = None) -> Grid:
+    """The codes of each row of the float `x_BN` on its `bits`-bit grid (Note [block grids]): spanning
+    the row's own [min, max], or [`lo_B1`, `hi_B1`] when given (broadcast against [blocks, 1]); the
+    scale floored at `min_scale` (Note [zero scale]). `x_BN` itself is never written to."""
+    if lo_B1 is None or hi_B1 is None:
+        lo_B1, hi_B1 = x_BN.amin(1, keepdim=True), x_BN.amax(1, keepdim=True)  # (torch.aminmax is slower on CPU)
+    if symmetric:
+        top = 2 ** (bits - 1) - 1
+        scale = torch.maximum(lo_B1.abs(), hi_B1.abs()) / top
+        low, high = -top, top
+    else:
+        low, high = 0, 2 ** bits - 1
+        scale = (hi_B1 - lo_B1) / high
+    if min_scale > 0:
+        scale = scale.clamp_min(min_scale)
+    step = torch.where(scale == 0, 1.0, scale)
+    offset = None
+    if symmetric or zero_point:
+        v = _round_(x_BN / step, stochastic, generator)
+        if not symmetric:
+            offset = torch.round(-lo_B1 / step)
+            v.add_(offset)
+    else:
+        offset = lo_B1
+        v = _round_((x_BN - lo_B1).div_(step), stochastic, generator)
+    return Grid(v.clamp_(low, high), scale, offset)
+
+
+def decode_(v_BN: torch.Tensor, scale_B1: torch.Tensor, offset_B1: torch.Tensor | None = None, *,
+            zero_point: bool = False, shift: int = 0) -> torch.Tensor:
+    """Codes -> values in place on the float buffer `v_BN` (Note [block grids]): (v - shift) * scale
+    symmetric (`shift` undoes the storage's unsigned offset), v * scale + minimum, or
+    (v - zero) * scale with `zero_point`."""
+    if offset_B1 is None:
+        return (v_BN.sub_(shift) if shift else v_BN).mul_(scale_B1)
+    if zero_point:
+        return v_BN.sub_(offset_B1).mul_(scale_B1)
+    return v_BN.mul_(scale_B1).add_(offset_B1)
+
+
+def dequantize_grid(codes_BN: torch.Tensor, scale_B1: torch.Tensor, offset_B1: torch.Tensor | None = None, *,
+                    zero_point: bool = False) -> torch.Tensor:
+    """The values of `quantize_grid`'s codes (a new tensor in the scale's dtype)."""
+    return decode_(codes_BN.to(scale_B1.dtype, copy=True), scale_B1, offset_B1, zero_point=zero_point)
+
+
 def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """x as [blocks, block_size] fp32, the last block padded by repeating its first element (so the
     padding never widens the block's range)."""
@@ -78,79 +163,52 @@ def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return flat.view(blocks, block_size)
 
 
-def _round(v: torch.Tensor, stochastic: bool, generator: torch.Generator | None) -> torch.Tensor:
-    if not stochastic:
-        return torch.round(v)
-    noise = torch.rand(v.shape, generator=generator, device=v.device, dtype=v.dtype)
-    return torch.floor(v + noise)
-
-
 def quantize_blocks(x: torch.Tensor, bits: int = 8, block_size: int = 512, symmetric: bool = True,
-                    stochastic: bool = False, generator: torch.Generator | None = None) -> BlockQuantized:
-    """Quantize the flattened `x` block by block (module docstring)."""
+                    stochastic: bool = False, generator: torch.Generator | None = None, *, min_scale: float = 0.0,
+                    scale_dtype: torch.dtype = torch.float32) -> BlockQuantized:
+    """Quantize the flattened `x` block by block (Note [block grids], minimum form when asymmetric): uint8
+    codes (int4 packed), the scale and minimum in `scale_dtype` (fp32 for `to_bytes`)."""
     _check(bits, block_size)
     numel = x.numel()
     if numel == 0:
-        empty = torch.empty(0, dtype=torch.float32, device=x.device)
+        empty = torch.empty(0, dtype=scale_dtype, device=x.device)
         return BlockQuantized(torch.empty(0, dtype=torch.uint8, device=x.device), empty,
                               None if symmetric else empty, 0, bits, block_size)
-    w = _blocks(x, block_size)
-    if symmetric:
-        half = 2 ** (bits - 1)
-        scale = w.abs().amax(1) / (half - 1)
-        shifted = w / torch.where(scale == 0, 1.0, scale)[:, None]
-        codes = _round(shifted, stochastic, generator).clamp(1 - half, half - 1) + half
-        minimum = None
-    else:
-        levels = 2 ** bits - 1
-        minimum = w.amin(1)
-        scale = (w.amax(1) - minimum) / levels
-        shifted = (w - minimum[:, None]) / torch.where(scale == 0, 1.0, scale)[:, None]
-        codes = _round(shifted, stochastic, generator).clamp(0, levels)
-    codes = torch.nan_to_num(codes).to(torch.uint8).reshape(-1)[:numel]
-    return BlockQuantized(pack_int4(codes) if bits == 4 else codes, scale, minimum, numel, bits, block_size)
+    g = quantize_grid(_blocks(x, block_size), bits, symmetric, min_scale=min_scale, stochastic=stochastic,
+                      generator=generator)
+    v = g.codes.add_(2 ** (bits - 1)) if symmetric else g.codes
+    codes = v.nan_to_num_().to(torch.uint8).view(-1)[:numel]
+    minimum = None if symmetric else g.offset.view(-1).to(scale_dtype)
+    return BlockQuantized(pack_int4(codes) if bits == 4 else codes, g.scale.view(-1).to(scale_dtype), minimum,
+                          numel, bits, block_size)
 
 
 def dequantize_blocks(q: BlockQuantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The flat tensor (`q.numel` elements) that `q` stands for."""
-    if q.numel == 0:
-        return torch.empty(0, dtype=dtype, device=q.codes.device)
-    codes = unpack_int4(q.codes, q.numel) if q.bits == 4 else q.codes
-    blocks = num_blocks(q.numel, q.block_size)
-    v = torch.empty(blocks * q.block_size, dtype=torch.float32, device=codes.device)
-    v[:q.numel] = codes
-    v[q.numel:] = 0
-    v = v.view(blocks, q.block_size)
-    if q.symmetric:
-        out = (v - 2 ** (q.bits - 1)) * q.scale[:, None]
-    else:
-        out = v * q.scale[:, None] + q.minimum[:, None]
-    return out.reshape(-1)[:q.numel].to(dtype)
+    """The flat tensor (`q.numel` elements) that `q` stands for, computed in the scale's dtype."""
+    out = torch.empty(q.numel, dtype=q.scale.dtype, device=q.codes.device)
+    return dequantize_blocks_into(q, out).to(dtype)
 
 
 def dequantize_blocks_into(q: BlockQuantized, out: torch.Tensor) -> torch.Tensor:
-    """`out.view(-1).copy_(dequantize_blocks(q, out.dtype))` without the temporaries: an fp32 `out` takes
-    the codes, then the scale (and minimum) in place, block by block — the same operations in the same
-    order, so the result is bit-identical — in three passes over `out` instead of six and no
-    allocation of its size (what a gather of stored shards pays per token in ZeRO-Inference). Other
-    dtypes go through one fp32 buffer decoded so, rounded once at the end as `dequantize_blocks`
-    does (four passes instead of six)."""
+    """`out.view(-1).copy_(dequantize_blocks(q, out.dtype))` without the temporaries: an `out` of the
+    scale's dtype takes the codes, then the scale (and minimum) in place, block by block — three passes
+    over `out` and no allocation of its size (what a gather of stored shards pays per token in
+    ZeRO-Inference). Other dtypes go through one buffer of the scale's dtype decoded so, rounded once
+    at the end."""
     flat = out.view(-1)
     if q.numel == 0:
         return flat
-    if out.dtype != torch.float32:
-        return flat.copy_(dequantize_blocks_into(q, torch.empty(q.numel, dtype=torch.float32, device=out.device)))
+    if out.dtype != q.scale.dtype:
+        return flat.copy_(dequantize_blocks_into(q, torch.empty(q.numel, dtype=q.scale.dtype, device=out.device)))
     flat.copy_(unpack_int4(q.codes, q.numel) if q.bits == 4 else q.codes)
     whole = q.numel // q.block_size
     tail = q.numel - whole * q.block_size
     parts = [(flat[:whole * q.block_size].view(whole, q.block_size), slice(0, whole))]
     if tail:
         parts.append((flat[whole * q.block_size:].view(1, tail), slice(whole, whole + 1)))
+    shift = 2 ** (q.bits - 1) if q.symmetric else 0
     for v, rows in parts:
-        if q.symmetric:
-            v.sub_(2 ** (q.bits - 1)).mul_(q.scale[rows, None])
-        else:
-            v.mul_(q.scale[rows, None]).add_(q.minimum[rows, None])
+        decode_(v, q.scale[rows, None], None if q.minimum is None else q.minimum[rows, None], shift=shift)
     return flat
 
 
@@ -160,11 +218,13 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     flat = codes.reshape(-1).to(torch.uint8)
     if flat.numel() % 2:
         flat = torch.cat([flat, flat.new_zeros(1)])
-    return (flat[0::2] & 0xF) | ((flat[1::2] & 0xF) << 4)
+    high = (flat[1::2] & 0xF).bitwise_left_shift_(4)
+    return (flat[0::2] & 0xF).bitwise_or_(high)
 
 
 def unpack_int4(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    """The first `numel` codes of `pack_int4`'s output."""
+    """The first `numel` codes of `pack_int4`'s output (flat; `packed` of any shape, read in order)."""
+    packed = packed.reshape(-1)
     out = torch.empty(packed.numel() * 2, dtype=torch.uint8, device=packed.device)
     out[0::2], out[1::2] = packed & 0xF, packed >> 4
     return out[:numel]
@@ -172,6 +232,9 @@ def unpack_int4(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 def to_bytes(q: BlockQuantized) -> torch.Tensor:
     """One uint8 buffer of `q.nbytes`: scales, minimums (asymmetric), codes."""
+    if q.scale.dtype != torch.float32:
+        raise ValueError(f"to_bytes: the wire format carries fp32 scales, got {q.scale.dtype}; quantize with "
+                         "scale_dtype=torch.float32")
     parts = [q.scale.contiguous().view(torch.uint8)]
     if q.minimum is not None:
         parts.append(q.minimum.contiguous().view(torch.uint8))

@@ -12,7 +12,8 @@ rank 0 at `profile_step`; under tensor parallelism on every rank, for the model 
 rank 0), phase timers (`wall_clock_breakdown`), the comm report
 (`comms_logger`, from `zerospeed.comm.STATS`), the monitors (`tensorboard`, `csv_monitor`, `wandb`,
 `comet`, written by rank 0), the `steps_per_print` progress line and `memory_breakdown`. With every
-tool off, `active` is False and each hook returns at once.
+tool off, `active` is False and each hook returns at once. When `zerospeed --autotuning` started the
+process, the observer also runs the autotuning trial's probe (`trial_probe.py`) after each step.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from zerospeed.profiling.peak import current_device_peak
 from zerospeed.profiling.profiler import FlopsProfiler
 from zerospeed.profiling.report import format_profile
 from zerospeed.profiling.timers import PhaseTimers, format_breakdown
+from zerospeed.profiling.trial_probe import TrialProbe, trial_probe_for
 
 logger = logging.getLogger(__name__)
 MIB = 2**20
@@ -81,6 +83,7 @@ class EngineObserver:
         self._steps_since_print = 0
         self._step_at_start = 0
         self.memory_phases: PhasePeaks | None = None  # per-phase peaks with memory_breakdown (for_engine)
+        self.trial_probe: TrialProbe | None = None  # an autotuning trial's measurement (for_engine)
 
     @classmethod
     def for_engine(cls, engine) -> EngineObserver:
@@ -89,6 +92,7 @@ class EngineObserver:
         obs.timers = PhaseTimers(engine.accelerator.synchronize)
         if engine.config.memory_breakdown:
             obs.memory_phases = PhasePeaks(engine.accelerator)
+        obs.trial_probe = trial_probe_for(engine)  # None unless `zerospeed --autotuning` started this process
         return obs
 
     # -- forward / backward -------------------------------------------------------------------------
@@ -153,6 +157,12 @@ class EngineObserver:
             yield
         finally:
             self.timers.stop(name)
+
+    def on_model_step(self, engine) -> None:
+        """After every optimizer step (both engines run it from `take_model_step`): an autotuning trial's
+        probe times the step and may end the process."""
+        if self.trial_probe is not None:
+            self.trial_probe.on_step(engine)
 
     def on_step_start(self, engine) -> None:
         if not self.active:

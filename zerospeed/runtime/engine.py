@@ -1,9 +1,11 @@
 """The Engine: a DeepSpeed-style training step, one micro-batch at a time.
 
 A step is `engine(batch)` -> `engine.backward(loss)` -> `engine.step()`, called once per
-micro-batch; the optimizer acts at accumulation boundaries. Everything it is made of — precision,
-the ZeRO strategy, optimizer, scheduler, loss scaler, counters, checkpoints — is the shared
-`EngineCore` (runtime/core.py), which the `PipelineEngine` is built on too.
+micro-batch; the optimizer acts at accumulation boundaries, between the step hooks' `before_step` and
+`after_step` (runtime/hooks.py). Everything it is made of — precision, the ZeRO strategy, optimizer,
+scheduler, loss scaler, hooks, counters — is the shared `EngineCore` (runtime/core.py), which the
+`PipelineEngine` is built on too; DeepSpeed's accessor surface is the `DeepSpeedAPI` facade over it
+(runtime/deepspeed_api.py).
 """
 from __future__ import annotations
 
@@ -12,23 +14,27 @@ import contextlib
 import torch
 
 from zerospeed.compression.scheduler import scheduler_for
+from zerospeed.precision.autocast import forward_autocast
 from zerospeed.precision.casting import cast_floating
 from zerospeed.runtime.core import EngineCore
-from zerospeed.runtime.forward_schedules import forward_kwargs
-from zerospeed.precision.autocast import autocast_if_enabled
+from zerospeed.runtime.deepspeed_api import DeepSpeedAPI
+from zerospeed.runtime.hooks import CompressionHook
 from zerospeed.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 
-class Engine(EngineCore):
+class Engine(DeepSpeedAPI, EngineCore):
     """A DeepSpeed-style training engine around `module` (built by `zerospeed.initialize`)."""
 
-    def __init__(self, module: torch.nn.Module, config, **kwargs):
-        super().__init__(module, config, **kwargs)
+    def __init__(self, module: torch.nn.Module, config, plans, **kwargs):
+        super().__init__(module, config, plans, **kwargs)
         self._boundary_override: bool | None = None
         self._inside_no_sync = False
-        self.compression_scheduler = scheduler_for(module)  # None unless init_compression ran on it
+        self._device_type = self.accelerator.device_name()
+        compressed = scheduler_for(module)  # None unless init_compression ran on it
+        if compressed is not None:
+            self.step_hooks.append(CompressionHook(compressed))
 
     # -- accumulation boundaries -------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -90,10 +96,14 @@ class Engine(EngineCore):
         self._check_states_resident("engine forward")
         self.zero.start_micro_step()
         self.observer.on_forward_start(self, *inputs)
-        if self.config.fp16.auto_cast and self.fp16_enabled():  # DeepSpeed's: positional inputs only
-            inputs = cast_floating(inputs, torch.float16)
-        kwargs.update(forward_kwargs(self))  # Note [forward schedules]: curriculum seqlen, layer-drop theta
-        with autocast_if_enabled(self):  # `torch_autocast` (runtime/torch_autocast.py)
+        if self.plans.cast_inputs is not None:  # `fp16.auto_cast` (DeepSpeed's: positional inputs only)
+            inputs = cast_floating(inputs, self.plans.cast_inputs)
+        if self.step_hooks and self.module.training:  # Note [forward schedules]: curriculum seqlen, theta, ...
+            for hook in self.step_hooks:
+                extra = hook.before_forward(self)
+                if extra:
+                    kwargs.update(extra)
+        with forward_autocast(self._device_type, self.precision.autocast_dtype):  # `torch_autocast`
             out = self.module(*inputs, **kwargs)
         self.observer.on_forward_end(self)
         return out
@@ -147,11 +157,11 @@ class Engine(EngineCore):
         self._check_states_resident("engine.step")
         self.observer.on_step_start(self)
         if self.is_gradient_accumulation_boundary():
-            if self.progressive_layer_drop is not None:  # Note [forward schedules]
-                self.progressive_layer_drop.update_state(self.global_steps)
+            for hook in self.step_hooks:  # Note [forward schedules]: layer drop's theta moves here
+                hook.before_step(self)
             self.take_model_step(lr_kwargs)
-            if self.compression_scheduler is not None:
-                self.compression_scheduler.step()
+            for hook in self.step_hooks:  # the compression scheduler counts optimizer steps
+                hook.after_step(self)
         self.micro_steps += 1
         self.observer.on_step_end(self)
 

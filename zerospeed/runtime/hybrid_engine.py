@@ -28,8 +28,8 @@ import time
 import torch
 
 from zerospeed import comm
-from zerospeed.utils.errors import ConfigError
 from zerospeed.runtime.engine import Engine
+from zerospeed.utils.errors import ConfigError
 from zerospeed.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -38,13 +38,13 @@ logger = get_logger(__name__)
 class DeepSpeedHybridEngine(Engine):
     """A training `Engine` that also generates (`engine.generate`) on its own weights."""
 
-    def __init__(self, module: torch.nn.Module, config, **kwargs):
+    def __init__(self, module: torch.nn.Module, config, plans, **kwargs):
         hybrid = config.hybrid_engine
         if hybrid.inference_tp_size > 1:
             raise ConfigError(f"hybrid_engine.inference_tp_size={hybrid.inference_tp_size}: tensor-sliced generation "
                               "is not built; generate at the training layout (inference_tp_size: 1), or serve "
                               "the weights with zerospeed.init_inference(tensor_parallel=...)")
-        super().__init__(module, config, **kwargs)
+        super().__init__(module, config, plans, **kwargs)
         _share_rank0_rng(self.accelerator)
         self.pin_parameters = bool(hybrid.pin_parameters)
         self._t_start: float | None = None

@@ -6,20 +6,26 @@ from typing import Any
 
 import torch
 
-from zerospeed import comm
-from zerospeed.config import ConfigError, auto_values_from_hidden_size, parse_config
-from zerospeed.optim import build_lr_scheduler, build_optimizer
-from zerospeed.optim.factory import is_zero_tested_optimizer
-from zerospeed.data.loader import build_training_loader
+from zerospeed import activation, comm
+from zerospeed.accelerator import get_accelerator
 from zerospeed.comm.mesh import ParallelMesh
 from zerospeed.comm.mpu import MeshMpu
+from zerospeed.compression.weight_quant.layer import apply_weight_quantization_config
+from zerospeed.config import ConfigError, auto_values_from_hidden_size, parse_config
 from zerospeed.config.loader import load_raw
+from zerospeed.data.loader import build_training_loader
 from zerospeed.moe.autoep import apply_autoep_config
 from zerospeed.moe.layer import bind_expert_groups
 from zerospeed.moe.utils import moe_param_groups
-from zerospeed.parallel.pipeline import PipelineEngine, PipelineModule
+from zerospeed.optim import build_lr_scheduler
+from zerospeed.optim.factory import is_zero_tested_optimizer, optimizer_for_groups
+from zerospeed.optim.param_groups import trainable_param_groups
+from zerospeed.parallel.pipeline.module import PipelineModule
 from zerospeed.parallel.tensor.config import apply_autotp_config, tensor_parallel_size
 from zerospeed.runtime.engine import Engine
+from zerospeed.runtime.hybrid_engine import DeepSpeedHybridEngine
+from zerospeed.runtime.pipeline import PipelineEngine
+from zerospeed.runtime.plans import build_plans
 from zerospeed.utils.logging import get_logger
 
 logger = get_logger(__name__)  # Note [rank-0 logging]
@@ -78,19 +84,14 @@ def _hidden_size(model: torch.nn.Module) -> int | None:
 
 
 def _param_groups(model, optimizer, model_parameters) -> list[dict]:
-    """The trainable parameter groups to partition: the client optimizer's groups, else the user's
-    `model_parameters` (tensors or group dicts), else all of the model's parameters."""
+    """The trainable parameter groups to partition, normalised once (`optim.param_groups`): the client
+    optimizer's groups, else the user's `model_parameters` (tensors or group dicts), else all of the
+    model's parameters. Everything after receives these groups."""
     if isinstance(optimizer, torch.optim.Optimizer):
         source = optimizer.param_groups
     else:
-        items = list(model_parameters if model_parameters is not None else model.parameters())
-        source = items if items and isinstance(items[0], dict) else [{"params": items}]
-    groups = []
-    for g in source:
-        params = [p for p in g["params"] if p.requires_grad]
-        if params:
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
-    return groups
+        source = model_parameters if model_parameters is not None else model.parameters()
+    return trainable_param_groups(source, allow_empty=True)[0]
 
 
 def _retarget(strategy, optimizer: torch.optim.Optimizer) -> None:
@@ -161,16 +162,18 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
     cfg = parse_config(raw, world_size=dp_world, known=known)
     model_parameters = apply_autotp_config(model, mesh, cfg, optimizer, model_parameters)  # parallel/tensor/config.py
     model_parameters = apply_autoep_config(model, mesh, cfg, optimizer, model_parameters)  # AutoEP (moe/autoep.py)
-    from zerospeed.compression.weight_quant.layer import apply_weight_quantization_config
     quantize_shards = apply_weight_quantization_config(model, cfg)  # top-level weight_quantization
     if "activation_checkpointing" in cfg.model_fields_set:  # ZeRO-R: zerospeed.activation follows the config
-        from zerospeed import activation as checkpointing
-        checkpointing.configure(mpu_=mpu, deepspeed_config=cfg)
+        activation.configure(mpu_=mpu, deepspeed_config=cfg)
 
+    is_client = isinstance(optimizer, torch.optim.Optimizer)
+    param_groups = moe_param_groups(_param_groups(model, optimizer, model_parameters), client_optimizer=is_client)
+    plans = build_plans(cfg, module=model, mesh=mesh, param_groups=param_groups,
+                        device=get_accelerator().torch_device(comm.get_local_rank()))
     allow_untested = cfg.untested_optimizers_allowed
 
     def optimizer_factory(strategy):
-        if isinstance(optimizer, torch.optim.Optimizer):
+        if is_client:
             if cfg.optimizer is not None:
                 logger.warning("initialize: both a client optimizer and a config `optimizer` were given; "
                                "using the client optimizer")
@@ -181,10 +184,10 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
             return optimizer
         if optimizer is None and cfg.optimizer is None:
             return None
-        return build_optimizer(cfg.optimizer.type if cfg.optimizer else None,
-                               cfg.optimizer.params if cfg.optimizer else None,
-                               strategy.optimizer_param_groups(), client_optimizer=optimizer,
-                               allow_untested=allow_untested)
+        return optimizer_for_groups(cfg.optimizer.type if cfg.optimizer else None,
+                                    cfg.optimizer.params if cfg.optimizer else None,
+                                    strategy.optimizer_param_groups(), client_optimizer=optimizer,
+                                    allow_untested=allow_untested)
 
     def scheduler_factory(opt):
         if opt is None:
@@ -204,14 +207,13 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
         if engine_cls is PipelineEngine:
             raise ConfigError("hybrid_engine.enabled=true with a PipelineModule: the hybrid engine generates with "
                               "the model's own generate; use a plain model")
-        from zerospeed.runtime.hybrid_engine import DeepSpeedHybridEngine
         engine_cls = DeepSpeedHybridEngine
-    engine = engine_cls(model, cfg, param_groups=moe_param_groups(_param_groups(model, optimizer, model_parameters),
-                                                                client_optimizer=isinstance(optimizer, torch.optim.Optimizer)),
-                        optimizer_factory=optimizer_factory, scheduler_factory=scheduler_factory,
-                        mesh=mesh, training_dataloader=loader)
+    engine = engine_cls(model, cfg, plans, param_groups=param_groups, optimizer_factory=optimizer_factory,
+                        scheduler_factory=scheduler_factory, mesh=mesh, training_dataloader=loader)
     if quantize_shards is not None:  # stage 3: the selected layers' stored shards (inference/zero.py)
         engine.zero.quantize_frozen(quantize_shards)
+    if cfg.dump_state:
+        engine.dump_state()
     _compile_by_config(engine, cfg.compile)
     return engine, engine.optimizer, loader, engine.lr_scheduler
 

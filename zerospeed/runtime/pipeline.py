@@ -2,7 +2,8 @@
 
 `EngineCore` (runtime/core.py) provides what the ordinary `Engine` has too — precision policy, the
 ZeRO strategy (built over this stage's data-parallel group of the mesh), optimizer, LR scheduler,
-loss scaler, clipping and the boundary step (`take_model_step`). This class adds only the pipeline:
+loss scaler, clipping and the boundary step (`take_model_step`) — and `DeepSpeedAPI` (runtime/
+deepspeed_api.py) DeepSpeed's accessors over them. This class adds only the pipeline:
 it executes the instructions of a schedule (schedules.py), moves messages through `Transport`, sums
 tied-weight gradients (ties.py), and extends the gradient norm over every stage. It has no
 per-micro-batch `backward` / `step`: batches run whole, through `train_batch`.
@@ -25,19 +26,25 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
-from zerospeed.utils.errors import ConfigError
 from zerospeed.parallel.pipeline import schedules as S
+from zerospeed.parallel.pipeline.checkpoint import (
+    load_pipeline_checkpoint,
+    save_pipeline_checkpoint,
+)
 from zerospeed.parallel.pipeline.module import PipelineModule
 from zerospeed.parallel.pipeline.ties import TiedGradients
 from zerospeed.parallel.pipeline.transport import RecvOp, SendOp, Transport, as_tensors
 from zerospeed.runtime.core import EngineCore
+from zerospeed.runtime.deepspeed_api import DeepSpeedAPI
+from zerospeed.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -70,37 +77,23 @@ def _repeat(loader) -> Iterator:
         yield from loader
 
 
-class PipelineEngine(EngineCore):
+class PipelineEngine(DeepSpeedAPI, EngineCore):
     """Trains a `PipelineModule` with 1F1B (interleaved when the module has chunks > 1)."""
 
     pipeline_enable_backward_allreduce = True
     """DeepSpeed's pipeline form of `enable_backward_allreduce` (the 1-bit optimizers turn it off)."""
 
-    def __init__(self, module: PipelineModule, config, **kwargs):
+    def __init__(self, module: PipelineModule, config, plans, **kwargs):
         if not isinstance(module, PipelineModule):
             raise TypeError(f"PipelineEngine needs a PipelineModule, got {type(module).__name__}")
-        if config.zero_optimization.stage >= 3:
-            raise ConfigError("zero_optimization.stage=3 cannot be combined with pipeline parallelism: a stage's "
-                              "parameters would be gathered and released once per micro-batch and per direction "
-                              "across the schedule; use stage 0, 1 or 2 (stage 2 shards gradients and optimizer "
-                              "states over the stage's data-parallel ranks)")
-        if config.torch_autocast.enabled:
-            raise ConfigError("torch_autocast.enabled=true with a PipelineModule: the pipeline engine runs its "
-                              "stages itself, outside the engine's autocast forward; use bf16 / fp16 instead, or "
-                              "the plain engine")
+        _refuse_what_stages_cannot_run(plans)
         # Tied-gradient hooks must be registered before the strategy's (Engine.__init__ builds it).
         module.to(get_accelerator().torch_device(comm.get_local_rank()))
         ties = TiedGradients(module)
         ties.broadcast_weights()
         kwargs.setdefault("mesh", module.groups.mesh)
-        super().__init__(module, config, **kwargs)
-        if self.progressive_layer_drop is not None:  # (DeepSpeed's pipeline engine never updates it either)
-            raise ConfigError("progressive_layer_drop.enabled=true with a PipelineModule: the pipeline engine runs "
-                              "its stages itself and passes no pld_theta to them; use the plain engine or turn it off")
-        if self.random_ltd_scheduler is not None:  # (DeepSpeed's pipeline stages never bind random-LTD layers)
-            raise ConfigError("data_efficiency.data_routing.random_ltd.enabled=true with a PipelineModule: the "
-                              "pipeline engine does not drive random-LTD layers; use the plain engine or turn it off")
-        if self.curriculum_scheduler_legacy is not None and self.global_rank == 0:
+        super().__init__(module, config, plans, **kwargs)
+        if plans.schedules.curriculum is not None and self.global_rank == 0:
             logger.warning("pipeline engine: curriculum_learning is not passed to the stages (Note [forward "
                            "schedules]); read engine.curriculum_scheduler_legacy in the training loop, as "
                            "Megatron-DeepSpeed does")
@@ -378,17 +371,34 @@ class PipelineEngine(EngineCore):
     # -- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False):
-        from zerospeed.parallel.pipeline.checkpoint import save_pipeline_checkpoint
         return save_pipeline_checkpoint(self, save_dir, tag=tag, client_state=client_state,
                                         save_latest=save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
-        from zerospeed.parallel.pipeline.checkpoint import load_pipeline_checkpoint
         return load_pipeline_checkpoint(self, load_dir, tag=tag, strict=load_module_strict,
                                         load_optimizer_states=load_optimizer_states and not load_module_only,
                                         load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
+
+
+def _refuse_what_stages_cannot_run(plans) -> None:
+    """The plans a pipeline cannot honour: its engine runs the stages itself (Note [forward schedules])."""
+    if plans.zero.stage >= 3:
+        raise ConfigError("zero_optimization.stage=3 cannot be combined with pipeline parallelism: a stage's "
+                          "parameters would be gathered and released once per micro-batch and per direction "
+                          "across the schedule; use stage 0, 1 or 2 (stage 2 shards gradients and optimizer "
+                          "states over the stage's data-parallel ranks)")
+    if plans.precision.autocast_dtype is not None:
+        raise ConfigError("torch_autocast.enabled=true with a PipelineModule: the pipeline engine runs its "
+                          "stages itself, outside the engine's autocast forward; use bf16 / fp16 instead, or "
+                          "the plain engine")
+    if plans.schedules.layer_drop is not None:  # (DeepSpeed's pipeline engine never updates it either)
+        raise ConfigError("progressive_layer_drop.enabled=true with a PipelineModule: the pipeline engine runs "
+                          "its stages itself and passes no pld_theta to them; use the plain engine or turn it off")
+    if plans.schedules.random_ltd is not None:  # (DeepSpeed's pipeline stages never bind random-LTD layers)
+        raise ConfigError("data_efficiency.data_routing.random_ltd.enabled=true with a PipelineModule: the "
+                          "pipeline engine does not drive random-LTD layers; use the plain engine or turn it off")
 
 
 def _to(value: Any, device: torch.device) -> Any:

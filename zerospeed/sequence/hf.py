@@ -26,6 +26,8 @@ from zerospeed.comm.mesh import ParallelMesh
 from zerospeed.sequence.layer import heads_to_sequence, sequence_to_heads
 from zerospeed.sequence.layout import HeadPlan
 from zerospeed.sequence.loss import sequence_parallel_cross_entropy
+from zerospeed.sequence.tiled import tiled_mlp
+from zerospeed.zero.leaf_modules import set_z3_leaf_module
 
 _UNSUPPORTED = ("eager", "paged|eager")
 
@@ -213,8 +215,6 @@ def enable_tiled_mlp(model: torch.nn.Module, shards: int) -> int:
     and called per tile (names and weights are untouched); returns the number of blocks tiled. Each
     tiled block is also flagged a ZeRO-3 leaf module (Note [tiled compute under ZeRO-3] in
     sequence/tiled.py): call it before `zerospeed.initialize`."""
-    from zerospeed.sequence.tiled import tiled_mlp
-    from zerospeed.zero.leaf_modules import set_z3_leaf_module
     count = 0
     for module in model.modules():
         if not type(module).__name__.endswith("MLP") or not any(True for _ in module.parameters()):

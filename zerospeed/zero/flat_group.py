@@ -28,7 +28,7 @@ class FlatParamGroup:
         self.params = list(reversed(params))
         self.hparams = hparams
         self.rank = rank
-        # one gradient dtype per layout (Note [autocast gradient communication] in runtime/torch_autocast.py)
+        # one gradient dtype per layout (Note [autocast gradient communication] in precision/autocast.py)
         kinds = [comm_dtypes.get(id(p)) for p in self.params] if comm_dtypes else None
         self.layouts: list[FlatLayout] = build_layouts([p.numel() for p in self.params], bucket_size, world_size,
                                                        kinds=kinds)

@@ -1,9 +1,9 @@
 """Where one trainable parameter's fp32 training state lives on this rank — what DeepSpeed's
-`deepspeed.utils.safe_get_full_fp32_param` & co. (zerospeed/utils/tensor_fragment.py) read and write.
+`deepspeed.utils.safe_get_full_fp32_param` & co. (zerospeed/zero/tensor_access.py) read and write.
 
 Note [parameter fragments]: DeepSpeed finds a parameter's state through attributes it sets on the
-parameter (`param._hp_mapping`, `param.ds_tensor`). Here nothing is attached to it: building a
-strategy *claims* its trainable parameters in a registry keyed by identity (weak on both sides: a
+parameter (`param._hp_mapping`, `param.ds_tensor`). Here only a weak reference is: building a
+strategy *claims* its trainable parameters in their tags (Note [parameter tags], zero/tags.py; a
 dropped engine or model leaves nothing behind; the newest claim wins), and the owning strategy
 describes a parameter on request as a `ParamFragment`: views of this rank's piece of its fp32 master,
 of its current gradient and (by key) of its optimizer state, plus the ranks the pieces are spread
@@ -12,30 +12,22 @@ parameter is laid whole into one flat layout, and a rank's chunk of a layout is 
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
 
 from zerospeed import comm
-
-_CLAIMS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+from zerospeed.zero import tags
 
 
 def claim(params, strategy) -> None:
     """Record `strategy` as the owner of `params` (Note [parameter fragments])."""
-    owner = weakref.ref(strategy)
-    for p in params:
-        key = id(p)
-        _CLAIMS[key] = (weakref.ref(p, lambda _r, k=key, d=_CLAIMS: d.pop(k, None)), owner)
+    tags.set_trainer(params, strategy)
 
 
 def owner_of(param: torch.Tensor):
     """The live strategy that trains `param`, or None (frozen, or not under an engine)."""
-    entry = _CLAIMS.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1]()
+    return tags.trainer_of(param)
 
 
 @dataclass(frozen=True)

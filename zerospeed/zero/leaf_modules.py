@@ -20,6 +20,7 @@ import sys
 import torch
 
 from zerospeed.utils.logging import logger
+from zerospeed.zero.tags import full_numel, leaf_module_of
 
 # Note [granularity threshold]: DeepSpeed's rule for `stage3_module_granularity_threshold`. A module's
 # granularity is its parameter count (its whole subtree) divided by its "layers": 1 for itself plus
@@ -41,8 +42,8 @@ def z3_leaf_module(model: torch.nn.Module) -> bool:
 
 
 def z3_leaf_parameter(param: torch.nn.Parameter) -> bool:
-    """Whether `param` belongs to a leaf module's unit (set when the stage-3 engine is built)."""
-    return hasattr(param, "ds_z3_leaf_module")
+    """Whether `param` belongs to a leaf module's unit (tagged when the stage-3 engine is built)."""
+    return leaf_module_of(param) is not None
 
 
 def get_z3_leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -132,7 +133,6 @@ def set_z3_leaf_modules_by_suffix(model: torch.nn.Module, module_name_suffixes, 
 
 def module_granularity(model: torch.nn.Module) -> dict[int, int]:
     """id(module) -> its granularity by Note [granularity threshold] (sys.maxsize where it never qualifies)."""
-    from zerospeed.zero.stage3.registry import full_numel
     out: dict[int, int] = {}
 
     def walk(m: torch.nn.Module) -> tuple[int, int]:  # (layers, parameters) of the subtree

@@ -144,7 +144,7 @@ class DataParallelStrategy(ReducingStrategy):
         pass
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Note [offloaded states] (runtime/zero/offload_states.py): this rank's tensors of each kind."""
+        """Note [offloaded states] (offload/states.py): this rank's tensors of each kind."""
         return {"hp_params": list(self.master.masters), "lp_params": list(self.master.model_params),
                 "lp_grads": [u.accum for u in self.units],
                 "contiguous_grad_buffer": [u.staging for u in self.units if u.staging is not None]}

@@ -99,8 +99,10 @@ def reduction_groups(param_groups: list[dict], mesh, mics_shard_size: int = 0) -
     return [_expert_group(g, i, mesh) if g.get("moe") else dense for i, g in enumerate(param_groups)]
 
 
-def mics_shard_size(cfg, mesh) -> int:
-    """`zero_optimization.mics_shard_size` when MiCS is on (else 0), refusing what it is not built with.
+def resolve_mics_shard_size(size: int, *, stage: int, mesh, hpz_size: int = 1,
+                            quantized_gradients: bool = False) -> int:
+    """`zero_optimization.mics_shard_size` (`size`) when MiCS is on (else 0), refusing what it is not built
+    with: the ZeRO `stage`, the `mesh`'s other axes, and ZeRO++'s hpZ / qgZ.
 
     Note [MiCS]: MiCS (DeepSpeed's `MiCS_Init` / `MiCS_Optimizer`) is ZeRO-3 whose partitions span a
     shard group of `mics_shard_size` consecutive data-parallel ranks (a node, typically) instead of all
@@ -110,18 +112,16 @@ def mics_shard_size(cfg, mesh) -> int:
     ranks holding the same chunk) and averaged over all S x R ranks; the norm counts each chunk once
     (1/R on every replica). Memory per rank is 1/S of the model states instead of 1/dp, traded for
     gathers that never cross a shard group."""
-    zero = cfg.zero_optimization
-    size = int(zero.mics_shard_size)
+    size = int(size)
     if size <= 0:
         return 0
-    refused = [(zero.stage != 3, f"zero_optimization.stage={zero.stage} (MiCS partitions at stage 3 only; set "
-                                 "stage 3)"),
+    refused = [(stage != 3, f"zero_optimization.stage={stage} (MiCS partitions at stage 3 only; set stage 3)"),
                (mesh.size("tp") > 1 or mesh.size("sp") > 1 or mesh.size("pp") > 1,
                 "tensor, sequence or pipeline parallelism (MiCS is built over plain data parallelism)"),
-               (int(zero.zero_hpz_partition_size) > 1, "zero_hpz_partition_size > 1 (hpZ's secondary partition "
-                                                       "is another way to keep gathers inside a node; use one)"),
-               (bool(zero.zero_quantized_gradients), "zero_quantized_gradients (qgZ's all-to-all is not built "
-                                                      "over shard groups)")]
+               (int(hpz_size) > 1, ("zero_hpz_partition_size > 1 (hpZ's secondary partition "
+                                    "is another way to keep gathers inside a node; use one)")),
+               (bool(quantized_gradients), ("zero_quantized_gradients (qgZ's all-to-all is not built "
+                                            "over shard groups)"))]
     problems = [why for bad, why in refused if bad]
     if problems:
         raise ConfigError(f"zero_optimization.mics_shard_size={size} cannot be combined with " + "; ".join(problems))

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerospeed.compression.weight_quant.groupwise import QuantizedWeight, dequantize, quantize
+from zerospeed.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from zerospeed.utils.errors import ConfigError
 
 
 class QuantizedLinear(nn.Module):
@@ -72,7 +74,6 @@ def _quantize_tensor_parallel(module: nn.Module, bits: int, group_size: int, sym
 
 
 def _is_tensor_parallel_linear(module: nn.Module) -> bool:
-    from zerospeed.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
     return isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and not isinstance(
         module, QuantizedTensorParallel) and isinstance(module._parameters.get("weight"), torch.Tensor)
 
@@ -160,7 +161,6 @@ def apply_weight_quantization_config(model: nn.Module, cfg) -> Callable | None:
     (frozen, as in init_inference). At stage 3 they are frozen, so that the engine partitions them as
     frozen units, and the returned settings quantize their stored shards once it has (Note [quantized
     ZeRO-Inference shards], inference/zero.py); None when there is nothing more to do."""
-    from zerospeed.utils.errors import ConfigError
     wq = cfg.weight_quantization
     if wq is None or not wq.enabled or not (wq.post_init_quant or wq.quantized_initialization):
         return None

@@ -4,7 +4,7 @@ eigenvalue, MoQ (``quantize_training``) and ``weight_quantization`` (the compres
 
 Blocks whose contents DeepSpeed passes through to a sub-library unchecked (curriculum metrics) are
 typed as free-form objects one level down; the level that DeepSpeed itself reads is strict.
-Random-LTD's block is typed in full (zerospeed builds it: ``runtime/data_pipeline/data_routing``).
+Random-LTD's block is typed in full (zerospeed builds it: ``data/random_ltd``).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from zerospeed.inference.engine import InferenceEngine
 from zerospeed.inference.paged.blocks import BlockAllocator
 from zerospeed.inference.paged.llama import cache_for, check_supported, paged_forward
 from zerospeed.inference.paged.scheduler import Scheduler, Sequence
@@ -36,7 +37,6 @@ class PagedServer:
     def __init__(self, model: nn.Module, *, block_size: int = 16, num_blocks: int = 256,
                  max_batch_tokens: int = 4096, max_running: int = 256, dtype: torch.dtype | None = None,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, seed: int = 0):
-        from zerospeed.inference.engine import InferenceEngine
         if isinstance(model, InferenceEngine):  # init_inference's engine, e.g. AutoTP-sharded
             model = model.module
         check_supported(model)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zerospeed import comm
 from zerospeed.ops.sparse_attention.block_sparse import KERNELS, MASK_MODES, BlockSparsePlan, block_sparse_attention
 from zerospeed.ops.sparse_attention.sparsity_config import FixedSparsityConfig, SparsityConfig
 
@@ -58,8 +59,6 @@ class SparseSelfAttention(nn.Module):
         return self.master_layout[..., :num_blocks, :num_blocks]
 
     def _synchronize_layout(self) -> None:
-        from zerospeed import comm
-
         if comm.is_initialized():
             comm.broadcast(self.master_layout, src=0)
             self._plans.clear()

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from zerospeed.config.schema.techniques import SparseAttentionConfig
+
 _DIRECTIONS = ("unidirectional", "bidirectional")
 
 
@@ -370,8 +372,6 @@ def build_sparsity_config(sparse_attention: Any, num_heads: int) -> SparsityConf
     JSON dict, which is validated here with DeepSpeed's defaults (e.g. ``num_random_blocks`` is 0 in the
     config although ``BigBirdSparsityConfig`` defaults to 1, as in DeepSpeed).
     """
-    from zerospeed.config.schema.techniques import SparseAttentionConfig
-
     if isinstance(sparse_attention, Mapping):
         sparse_attention = SparseAttentionConfig.model_validate(dict(sparse_attention))
     if not isinstance(sparse_attention, SparseAttentionConfig):

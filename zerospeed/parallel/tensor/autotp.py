@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from zerospeed.comm import backend
+from zerospeed.comm.mesh import ParallelMesh
 from zerospeed.parallel.tensor import partition as P
 from zerospeed.parallel.tensor.cross_entropy import VocabParallelCausalLMLoss
 from zerospeed.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -241,7 +242,6 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
                          f"checkpoint=<save_pretrained directory or safetensors files>, e.g. "
                          f"tp_model_init(model, {tp_size}, checkpoint=path), to load this rank's shards")
     if group is None and mesh is None and backend.get_world_size() != tp_size:
-        from zerospeed.comm.mesh import ParallelMesh
         mesh = ParallelMesh.build(tp=tp_size)  # collective, as DeepSpeed's own tp group creation is
     if group is None and mesh is not None:
         group = mesh.group("tp")

@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerospeed.checkpoint.tensor_parallel import TPLayout
 from zerospeed.comm import backend
 from zerospeed.parallel.tensor import mappings
-from zerospeed.parallel.tensor.partition import ShardSpec, Specs, column_spec, row_spec, take, vocab_spec
+from zerospeed.parallel.tensor.partition import ShardSpec, Specs, assemble, column_spec, row_spec, take, vocab_spec
 
 
 def _linear_init(weight: torch.Tensor) -> None:
@@ -61,6 +62,39 @@ class TensorParallelModule(nn.Module):
     def spec(self, name: str) -> ShardSpec | None:
         specs = self.shard_specs.get(name)
         return None if specs is None else specs[self.tp_rank]
+
+    # -- checkpoints (the checkpoint's `TensorParallelLayer` protocol) --------------------------------------
+    def _transposed(self, name: str) -> bool:
+        """The full tensor is the transpose of the layer's [out, in] layout (a transformers Conv1D weight)."""
+        return self.source_transposed and name == "weight"
+
+    def checkpoint_layouts(self) -> dict[str, TPLayout | None]:
+        """How each own parameter is split over the tp group (Note [canonical tensors] in
+        checkpoint/tensor_parallel.py); None for one every rank holds whole."""
+        return {name: None if specs is None else TPLayout(tuple(specs), self._transposed(name))
+                for name, specs in self.shard_specs.items() if getattr(self, name) is not None}
+
+    def full_parameter(self, name: str) -> torch.Tensor:
+        """Collective over the tp group: own parameter `name` whole, in the layout of the model before it was
+        split (Conv1D weights transposed back to [in, out])."""
+        full = gather_full(self._parameters[name], self.shard_specs.get(name), self.group)
+        return full.t().contiguous() if self._transposed(name) else full
+
+
+def gather_full(local: torch.Tensor, specs: Specs | None, group) -> torch.Tensor:
+    """The full tensor from every rank's `local` piece (collective over the tp group)."""
+    if specs is None:
+        return local.detach().clone()
+    tp = backend.get_world_size(group)
+    width = max(s.local_size for s in specs)
+    dim = specs[0].dim
+    piece = local.detach().movedim(dim, 0)
+    padded = piece.new_zeros((width, *piece.shape[1:]))
+    padded[:piece.shape[0]] = piece
+    out = padded.new_empty((tp, *padded.shape))
+    backend.all_gather_into_tensor(out, padded.contiguous().view(-1), group=group)  # flat: see mappings.py
+    pieces = [out[r, :specs[r].local_size].movedim(0, dim) for r in range(tp)]
+    return assemble(pieces, list(specs))
 
 
 def _param(full: torch.Tensor, spec: ShardSpec | None) -> nn.Parameter:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zerospeed.checkpoint.protocols import full_model_state
 from zerospeed.comm import backend
-from zerospeed.parallel.tensor.layers import Specs, TensorParallelModule
-from zerospeed.parallel.tensor.partition import assemble
+from zerospeed.parallel.tensor.layers import Specs, TensorParallelModule, gather_full  # noqa: F401 (re-exported)
 
 
 def param_layouts(model: nn.Module) -> dict[str, Specs | None]:
@@ -52,42 +52,13 @@ def grad_norm_squared(model: nn.Module, group) -> torch.Tensor:
     return total
 
 
-def gather_full(local: torch.Tensor, specs: Specs | None, group) -> torch.Tensor:
-    """The full tensor from every rank's `local` piece (collective over the tp group)."""
-    if specs is None:
-        return local.detach().clone()
-    tp = backend.get_world_size(group)
-    width = max(s.local_size for s in specs)
-    dim = specs[0].dim
-    piece = local.detach().movedim(dim, 0)
-    padded = piece.new_zeros((width, *piece.shape[1:]))
-    padded[:piece.shape[0]] = piece
-    out = padded.new_empty((tp, *padded.shape))
-    backend.all_gather_into_tensor(out, padded.contiguous().view(-1), group=group)  # flat: see mappings.py
-    pieces = [out[r, :specs[r].local_size].movedim(0, dim) for r in range(tp)]
-    return assemble(pieces, list(specs))
-
-
-def full_state_dict(model: nn.Module, group) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
     """Every parameter and buffer at its full size and in the layout of the model before sharding
     (transformers Conv1D weights transposed back to [in, out]); tied weights under each of their names.
-    Collective: every rank of the tp group must call it."""
-    out: dict[str, torch.Tensor] = {}
-    done: dict[int, torch.Tensor] = {}
-    for mod_name, module in model.named_modules():
-        for local, p in module.named_parameters(recurse=False):
-            name = f"{mod_name}.{local}" if mod_name else local
-            if id(p) not in done:
-                specs = module.shard_specs.get(local) if isinstance(module, TensorParallelModule) else None
-                full = gather_full(p, specs, group)
-                if isinstance(module, TensorParallelModule) and module.source_transposed and local == "weight":
-                    full = full.t().contiguous()
-                done[id(p)] = full
-            out[name] = done[id(p)]
-    for name, value in model.state_dict(keep_vars=True).items():  # persistent buffers, as state_dict has them
-        if name not in out:
-            out[name] = value.detach().clone()
-    return out
+    Collective: every rank of the tp group must call it. Each layer gathers over its own tp group
+    (`group`, the same group, is accepted for the callers that name it); the checkpoint's
+    `full_model_state` does the walk (each layer answers the `TensorParallelLayer` protocol)."""
+    return full_model_state(model)
 
 
 def transposed_params(model: nn.Module) -> set[str]:

@@ -11,8 +11,8 @@ from torch.nn.modules import module as _module_mod
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
 from zerospeed.utils.errors import ConfigError
+from zerospeed.zero import tags
 from zerospeed.zero.partition import padded_size
-from zerospeed.zero.stage3 import registry
 from zerospeed.zero.stage3.flat_param import FlatParam, State
 
 
@@ -99,15 +99,15 @@ class Init:
         return False
 
     def _forget_replaced(self, roots: list[torch.nn.Module]) -> None:
-        """Unregister the parameters construction sharded and then dropped (a head's own weight that
-        its constructor replaced by the tied embedding's): the registry holds zero.Init's owners
-        strongly, so each such owner would keep its shard alive for the life of the process
-        (Note [weak tensor hooks]; registry.register)."""
+        """Untag the parameters construction sharded and then dropped (a head's own weight that its
+        constructor replaced by the tied embedding's): their tags hold zero.Init's owners strongly
+        (Note [owners held weakly], zero/tags.py), a cycle only the garbage collector would free;
+        broken here, each such owner and its shard go as soon as this context lets go of them."""
         live = {id(p) for root in roots for p in root.parameters()}
         for owner in self._owners:
             for p in owner.params:
                 if id(p) not in live:
-                    registry.unregister(p)
+                    tags.clear_owner(p)
         self._owners = []
 
     def finish(self, root: torch.nn.Module) -> torch.nn.Module:
@@ -121,7 +121,7 @@ class Init:
 
     # -- sharding ----------------------------------------------------------------------------------
     def _shard_module(self, m: torch.nn.Module) -> None:
-        params = [p for p in m.parameters(recurse=False) if registry.owner_of(p) is None]
+        params = [p for p in m.parameters(recurse=False) if tags.owner_of(p) is None]
         if not params:
             return
         world, rank = comm.get_world_size(self.group), comm.get_rank(self.group)
@@ -141,8 +141,7 @@ class Init:
                           dp_group=self.group, trainable=False)
         self._built_on[id(owner)] = built_on
         self._owners.append(owner)
-        for p in params:
-            registry.register(p, owner)
+        tags.set_owner(owner)  # strongly: nothing else holds zero.Init's owners (Note [owners held weakly])
 
 
 class _Pinned:
@@ -167,7 +166,7 @@ def _replay_init(root: torch.nn.Module, init_fn, built_on: dict[int, torch.devic
     def visit(m):
         for child in m.children():
             visit(child)
-        owners = {id(o): o for p in m.parameters(recurse=False) if (o := registry.owner_of(p)) is not None}
+        owners = {id(o): o for p in m.parameters(recurse=False) if (o := tags.owner_of(p)) is not None}
         was = {k: o.state for k, o in owners.items()}
         for o in owners.values():
             o.wait()
@@ -209,7 +208,7 @@ class GatheredParameters:
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         owners = {}
         for p in params:
-            o = registry.owner_of(p)
+            o = tags.owner_of(p)
             if o is not None:
                 owners[id(o)] = o
         self.owners = list(owners.values()) if enabled else []
@@ -238,7 +237,7 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
     """Declare that `module`'s forward uses `parameter`, owned by another module: stage 3 gathers the
     parameter's unit around `module`'s forward and backward. (A module that registers the parameter
     itself, like a tied output head, needs no declaration.)"""
-    registry.register_external(module, parameter)
+    tags.add_external(module, parameter)
 
 
 class ZeroParamStatus(enum.Enum):

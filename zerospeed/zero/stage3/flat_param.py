@@ -23,8 +23,8 @@ its module's backward, so autograd's saved views are safe; a view kept outside a
 
 Lifecycle (explicit, see `State`): SHARDED — the model's parameters point at empty tensors and this
 rank holds only its chunk; GATHERING — an all-gather of every rank's chunk into a full buffer is in
-flight; FULL — the parameters are views into that buffer. Nothing is attached to the
-nn.Parameter objects themselves: the owner of a parameter is found through `registry`.
+flight; FULL — the parameters are views into that buffer. The nn.Parameter objects carry only their
+tag, which leads back to the owner (Note [parameter tags], zero/tags.py).
 """
 from __future__ import annotations
 

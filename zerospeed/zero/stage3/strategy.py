@@ -50,19 +50,18 @@ zerospeed.comm are excluded the same way wherever they are called. One graph per
 for the model: stage 3 compiles for correctness, not fusion across layers.
 
 Note [leaf modules]: a module flagged as a ZeRO-3 leaf (`zerospeed.utils.set_z3_leaf_modules`, the
-`zero_optimization.leaf_module` keys, `stage3_module_granularity_threshold`; utils/z3_leaf_module.py)
+`zero_optimization.leaf_module` keys, `stage3_module_granularity_threshold`; zero/leaf_modules.py)
 is one unit for the parameters of its whole subtree: its hooks gather them all before its forward and
 backward, and the modules inside it get no units and no hooks. Only the outermost flagged module counts
 (a leaf inside a leaf is covered by it). Its uses are every parameter below it and every external
 parameter declared on it or a module below it. Inside a leaf, a module that registers a parameter owned
 outside it (a tied weight) is refused: the proxy of Note [tied uses] lives on the module whose forward
-swaps it in, and no hook runs on modules inside a leaf. A leaf's own parameters carry
-`ds_z3_leaf_module` (DeepSpeed's `z3_leaf_parameter` reads it).
+swaps it in, and no hook runs on modules inside a leaf. A leaf's own parameters are tagged with it
+(DeepSpeed's `ds_z3_leaf_module`, which `z3_leaf_parameter` reads; Note [parameter tags], zero/tags.py).
 """
 from __future__ import annotations
 
 import contextlib
-
 import warnings
 
 import torch
@@ -71,17 +70,17 @@ from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
 from zerospeed.comm import zeropp as zcomm
 from zerospeed.offload.plan import HOST, make_param_swapper
+from zerospeed.zero import tags
 from zerospeed.zero.flat_group import flatten_fp32
+from zerospeed.zero.leaf_modules import z3_leaf_module
 from zerospeed.zero.partition import padded_size
 from zerospeed.zero.reducer import GradUnit, reduce_scatter_every_micro_step
 from zerospeed.zero.sharded import ShardedOptimizerBase
 from zerospeed.zero.shards import Piece, ShardEntry
-from zerospeed.zero.stage3 import registry
 from zerospeed.zero.stage3.fetch_policy import FetchSchedule
 from zerospeed.zero.stage3.flat_param import FlatParam, Residency, State, start_gathers
 from zerospeed.zero.stage3.zeropp import QuantizedReduceScatter, ZeroPPPolicy
 from zerospeed.zero.strategy import ReductionGroup, optimizer_state_bytes, state_placement
-
 
 # Note [host allocator between releases]: stage 3 frees and re-allocates every unit's full buffer in
 # forward and again in backward: unit-sized blocks that glibc keeps as holes between the activations
@@ -194,17 +193,16 @@ class Stage3Strategy(ShardedOptimizerBase):
         """Note [partitioned frozen parameters]: one trainable=False FlatParam per module for the
         parameters it owns that no param group trains, sharded over the dense data-parallel group
         (frozen expert weights stay whole: they would shard over their expert group)."""
-        from zerospeed.moe.utils import is_moe_param
         frozen = []
         for m in self._unit_modules():
             ps = [p for p in self._unit_params(m) if id(p) not in owner_unit]
-            whole = [p for p in ps if is_moe_param(p)]
+            whole = [p for p in ps if tags.expert_group(p) is not None]  # Note [parameter tags]
             for p in whole:
-                if registry.owner_of(p) is not None:  # sharded by zero.Init: made whole again
+                if tags.owner_of(p) is not None:  # sharded by zero.Init: made whole again
                     p.data = _full_value(p)
-                    registry.unregister(p)
+                    tags.clear_owner(p)
                 owner_unit[id(p)] = []
-            ps = [p for p in ps if not is_moe_param(p)]
+            ps = [p for p in ps if tags.expert_group(p) is None]
             if ps:
                 unit = [self._flat_param(ps, -1, rg, param_dtype, device, device, trainable=False)]
                 self._built_by[id(unit[0])] = m
@@ -218,7 +216,7 @@ class Stage3Strategy(ShardedOptimizerBase):
         plan = self.plan
         # Note [re-partitioning zero.Init in place]: the values of zero.Init's parameters are views of
         # their owner's gathered buffer, not copies; a single parameter's buffer is the flat one
-        full = _reusable_full(ps, padded_size(sum(registry.full_numel(p) for p in ps), rg.world_size), device)
+        full = _reusable_full(ps, padded_size(sum(tags.full_numel(p) for p in ps), rg.world_size), device)
         fp = FlatParam(len(self.flat), ps, [_full_value(p, copy=False) for p in ps], full=full,
                        group_index=gi, world_size=rg.world_size, trainable=trainable,
                        rank=rg.rank, dtype=param_dtype, device=device, dp_group=rg.group, residency=self.residency,
@@ -226,8 +224,7 @@ class Stage3Strategy(ShardedOptimizerBase):
                        pin=plan, alias_master=plan is None or plan.param != "nvme", master_dtype=self.master_dtype,
                        grad_dtype=self.grad_dtype)
         self.flat.append(fp)
-        for p in ps:
-            registry.register(p, fp, held_elsewhere=True)  # self.flat holds it
+        tags.set_owner(fp, held_elsewhere=True)  # self.flat holds it (Note [owners held weakly])
         return fp
 
     def _apply_zeropp(self, reduction: list[ReductionGroup]) -> list[tuple[object, tuple]]:
@@ -259,7 +256,7 @@ class Stage3Strategy(ShardedOptimizerBase):
                 self._refuse_quantized_leaf(name, m, settings)
                 continue
             for p in m.parameters(recurse=False):
-                fp = registry.owner_of(p)
+                fp = tags.owner_of(p)
                 if fp is None or id(fp) not in frozen or id(fp) in seen:
                     continue
                 seen.add(id(fp))
@@ -272,7 +269,7 @@ class Stage3Strategy(ShardedOptimizerBase):
     def _map_uses(self, owner_unit: dict[int, list[FlatParam]]) -> None:
         for m in self._unit_modules():
             used = list(self._unit_params(m))
-            used += [q for d in (m.modules() if id(m) in self._leaf_ids else (m,)) for q in registry.externals(d)]
+            used += [q for d in (m.modules() if id(m) in self._leaf_ids else (m,)) for q in tags.externals(d)]
             needed = {fp.index: fp for p in used if id(p) in owner_unit for fp in owner_unit[id(p)]}
             if needed:
                 self.uses[id(m)] = list(needed.values())
@@ -292,7 +289,7 @@ class Stage3Strategy(ShardedOptimizerBase):
                             f"{names[id(d)]}.{pname} lies inside the ZeRO-3 leaf module {names[id(leaf)]!r} but is "
                             "owned (first registered) by a module outside it (a tied weight). Flag a leaf that "
                             "contains both modules, or none that contains only one of them")
-                    p.ds_z3_leaf_module = leaf
+                    tags.set_leaf_module(p, leaf)
 
     def _unit_modules(self):
         """The modules that get units and hooks: all but those inside a leaf (Note [leaf modules])."""
@@ -475,7 +472,7 @@ class Stage3Strategy(ShardedOptimizerBase):
 
     # -- parameter accessors (the fragment itself is the base's) -----------------------------------
     def _full_shape(self, param: torch.Tensor) -> torch.Size:
-        return registry.full_shape(param)
+        return tags.full_shape(param)
 
     @torch.no_grad()
     def refresh_weights(self, param: torch.Tensor, value: torch.Tensor) -> None:
@@ -571,7 +568,7 @@ class Stage3Strategy(ShardedOptimizerBase):
         return out
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Note [offloaded states] (runtime/zero/offload_states.py): this rank's tensors of each kind; the
+        """Note [offloaded states] (offload/states.py): this rank's tensors of each kind; the
         16-bit weights are the shards plus what persistent units keep gathered (and hpZ's copies)."""
         lp = [t for fp in self.flat for t in (fp.shard, fp.full if fp.persistent else None, fp.secondary)
               if t is not None]
@@ -603,7 +600,6 @@ class Stage3Strategy(ShardedOptimizerBase):
 def _outermost_leaves(module: torch.nn.Module) -> tuple[list[torch.nn.Module], set[int]]:
     """Note [leaf modules]: the flagged modules not inside another flagged one, and the ids of every
     module below them."""
-    from zerospeed.zero.leaf_modules import z3_leaf_module
     leaves, covered = [], set()
     for m in module.modules():
         if id(m) in covered or not z3_leaf_module(m):
@@ -616,17 +612,17 @@ def _outermost_leaves(module: torch.nn.Module) -> tuple[list[torch.nn.Module], s
 def _weight_free_backward(module: torch.nn.Module) -> bool:
     """The module's backward reads none of its parameters: a stock dense `nn.Embedding` (Note [tied uses])."""
     return (isinstance(module, torch.nn.Embedding) and type(module).forward is torch.nn.Embedding.forward
-            and not module.sparse and not registry.externals(module))
+            and not module.sparse and not tags.externals(module))
 
 
 def _full_value(p: torch.nn.Parameter, copy: bool = True) -> torch.Tensor:
     """A parameter's full value: gathered from its zero.Init shards if it already has an owner (a view
     of the owner's gathered buffer with `copy=False`, for a value about to be flattened)."""
-    owner = registry.owner_of(p)
+    owner = tags.owner_of(p)
     if owner is None:
         return p.detach()
     owner.wait()
-    i = next(i for i, q in enumerate(owner.params) if q is p)
+    i = tags.tag_of(p).index
     value = owner.full[owner.layout.segments[i].offset:][:owner.layout.segments[i].numel].view(owner.shapes[i])
     return value.clone() if copy else value
 
@@ -641,7 +637,7 @@ def _reusable_full(ps: list[torch.nn.Parameter], padded: int, device: torch.devi
     allocator record of build + initialize): peak 900 -> 605 MiB per rank against 843 built eagerly and
     475 for the whole model. zero.Init's own sharding does the same with a lone parameter that needs
     no padding (zero/stage3/api.py)."""
-    owner = registry.owner_of(ps[0]) if len(ps) == 1 else None
+    owner = tags.owner_of(ps[0]) if len(ps) == 1 else None
     if owner is None or len(owner.params) != 1:
         return None
     owner.wait()

@@ -1,4 +1,4 @@
-"""ZeRO++ at stage 3 (arXiv 2306.10209), resolved once from the config into a `ZeroPPPolicy`:
+"""ZeRO++ at stage 3 (arXiv 2306.10209), resolved once (by the engine's plans) into a `ZeroPPPolicy`:
 
 - qwZ (`zero_quantized_weights`): training fetches all-gather int8 block-quantized shards
   (`comm.zeropp.all_gather_quantized`), dequantized into the full buffer.
@@ -34,34 +34,38 @@ from dataclasses import dataclass
 from zerospeed.comm import zeropp as zcomm
 from zerospeed.utils.errors import ConfigError
 
-_SWITCHES = ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights")
-
 
 @dataclass(frozen=True)
 class ZeroPPPolicy:
+    """Which ZeRO++ techniques stage 3 runs (all off by default)."""
+
     quantized_weights: bool = False
     hpz_size: int = 1
     quantized_gradients: bool = False
     quantized_nontrainable: bool = False
 
     @classmethod
-    def from_config(cls, zero, offload_param: str = "none") -> "ZeroPPPolicy":
-        """The policy of a `zero_optimization` section; refuses what cannot be honoured."""
-        asked = [f"{k}=true" for k in _SWITCHES if getattr(zero, k)]
-        hpz = max(1, int(zero.zero_hpz_partition_size))
+    def resolve(cls, *, stage: int, quantized_weights: bool = False, hpz_partition_size: int = 1,
+                quantized_gradients: bool = False, quantized_nontrainable: bool = False,
+                offload_param: str = "none") -> ZeroPPPolicy:
+        """The policy of `zero_optimization`'s ZeRO++ switches; refuses what cannot be honoured (the
+        errors name the keys)."""
+        switches = {"zero_quantized_weights": quantized_weights, "zero_quantized_gradients": quantized_gradients,
+                    "zero_quantized_nontrainable_weights": quantized_nontrainable}
+        asked = [f"{k}=true" for k, on in switches.items() if on]
+        hpz = max(1, int(hpz_partition_size))
         if hpz > 1:
             asked.append(f"zero_hpz_partition_size={hpz}")
-        if asked and zero.stage != 3:
+        if asked and stage != 3:
             raise ConfigError(f"zero_optimization.{asked[0]}: ZeRO++ works on stage 3's partitioned parameters, but "
-                              f"zero_optimization.stage is {zero.stage}; set stage to 3 or remove "
+                              f"zero_optimization.stage is {stage}; set stage to 3 or remove "
                               f"{', '.join(a.split('=')[0] for a in asked)}")
         if hpz > 1 and offload_param != "none":
             raise ConfigError(f"zero_optimization.zero_hpz_partition_size={hpz} with offload_param.device="
                               f"{offload_param!r}: hpZ's secondary shards live in device memory, which offloading the "
                               "parameters is meant to free; use one of them (set zero_hpz_partition_size to 1 or "
                               "offload_param.device to none)")
-        return cls(bool(zero.zero_quantized_weights), hpz, bool(zero.zero_quantized_gradients),
-                   bool(zero.zero_quantized_nontrainable_weights))
+        return cls(bool(quantized_weights), hpz, bool(quantized_gradients), bool(quantized_nontrainable))
 
 
 class QuantizedReduceScatter:

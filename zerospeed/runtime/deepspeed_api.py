@@ -1,7 +1,10 @@
-"""DeepSpeed's engine accessors: the small methods `DeepSpeedEngine` offers to read its configuration
-(`engine.zero_offload_optimizer()`, `engine.optimizer_name()`, `engine.dynamic_loss_scale()`, ...),
-to change the batch size and to make a data loader (`deepspeed_io`), which training scripts,
-Megatron-DeepSpeed and integrations call.
+"""DeepSpeed's engine surface as a facade over `EngineCore` (runtime/core.py): the small methods
+`DeepSpeedEngine` offers to read its configuration (`engine.zero_offload_optimizer()`,
+`engine.optimizer_name()`, `engine.dynamic_loss_scale()`, ...), to change the batch size and to make a
+data loader (`deepspeed_io`), which training scripts, Megatron-DeepSpeed and integrations call; and the
+rest of its methods and attribute names (checkpoints and 16-bit saves, `offload_states`,
+`memory_breakdown`, `dump_state`, the schedulers of the step hooks, ...), each delegating to the core's
+parts or to a module of its own. The core never calls the facade.
 
 Each answers from the parsed config (`engine.config`, DeepSpeed's keys; a section is returned as the
 config section itself, whose fields carry DeepSpeed's names) with DeepSpeed's meaning: e.g.
@@ -13,13 +16,177 @@ reads them runs), and the features themselves stay refused where the config asks
 """
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
 
+from zerospeed import checkpoint
+from zerospeed.compression.scheduler import compression_scheduler
+from zerospeed.data.curriculum import CurriculumScheduler
+from zerospeed.data.loader import ShardedDataLoader
+from zerospeed.data.progressive_layer_drop import ProgressiveLayerDrop
+from zerospeed.data.random_ltd.helper import remove_random_ltd_state_dict
+from zerospeed.data.random_ltd.scheduler import RandomLTDScheduler
+from zerospeed.offload.states import StateOffloader
+from zerospeed.runtime import reports, state_offload
+from zerospeed.runtime.hooks import (
+    CompressionHook,
+    CurriculumHook,
+    LayerDropHook,
+    RandomLTDHook,
+    bind_random_ltd,
+    scheduler_of,
+)
+from zerospeed.runtime.plans import random_ltd_config
 
-class ConfigAccessors:
-    """Mixed into `EngineCore`: needs `self.config`, `self.mesh`, `self.module`, `self.optimizer`."""
+
+class DeepSpeedAPI:
+    """Mixed into the engines over `EngineCore`: DeepSpeed's methods and attribute names, answered from
+    the core's parts and, for the configuration accessors, from `engine.config`."""
+
+    # -- the parts under DeepSpeed's names -------------------------------------------------------------
+    @property
+    def curriculum_scheduler_legacy(self) -> CurriculumScheduler | None:
+        return scheduler_of(self.step_hooks, CurriculumHook)
+
+    @property
+    def progressive_layer_drop(self) -> ProgressiveLayerDrop | None:
+        return scheduler_of(self.step_hooks, LayerDropHook)
+
+    @property
+    def random_ltd_scheduler(self) -> RandomLTDScheduler | None:
+        return scheduler_of(self.step_hooks, RandomLTDHook)
+
+    @property
+    def compression_scheduler(self) -> compression_scheduler | None:
+        """The compressed layers' step counter (`init_compression` ran on the model), else None."""
+        return scheduler_of(self.step_hooks, CompressionHook)
+
+    @property
+    def trial_probe(self):
+        """The autotuning trial's probe when `zerospeed --autotuning` started this process, else None
+        (the observer runs it)."""
+        return getattr(self.observer, "trial_probe", None)
+
+    def curriculum_enabled_legacy(self) -> bool:
+        return self.curriculum_scheduler_legacy is not None
+
+    def curriculum_params_legacy(self) -> dict:
+        return self.config.curriculum_learning.model_dump()
+
+    def random_ltd_initialize(self) -> None:
+        """Bind the model's random-LTD wrappers to `random_ltd_scheduler` (convert_to_random_ltd calls it)."""
+        bind_random_ltd(self)
+
+    def get_pld_theta(self) -> float | None:
+        pld = self.progressive_layer_drop
+        return pld.get_theta() if pld is not None else None
+
+    # -- the step's outcome ------------------------------------------------------------------------------
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The gradient norm of the last optimizer step, before clipping (None before the first)."""
+        return self._global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        """False when the last boundary step was skipped (fp16 overflow)."""
+        return self._step_applied
+
+    # -- where the states are, what they take ------------------------------------------------------------
+    def placement(self) -> dict[str, str]:
+        """Where each kind of model state lives on this rank: a device ("cpu", "cuda:0") or
+        "nvme:<dir>" (ZeRO-Offload / ZeRO-Infinity), read off the tensors and swap files."""
+        return self.zero.placement()
+
+    def swap_files(self) -> list:
+        """(kind, path, bytes) of this rank's NVMe swap files."""
+        return self.zero.swap_files()
+
+    def memory_breakdown(self) -> dict[str, dict[str, float]]:
+        """Per-rank model-state bytes held by the engine, next to the ZeRO formula's prediction."""
+        return reports.memory_breakdown(self)
+
+    def dump_state(self) -> None:
+        """`dump_state`: log what this engine was built from and into (rank 0; `initialize` calls it when the
+        config's `dump_state` is true, as DeepSpeed prints its engine's attributes)."""
+        reports.dump_state(self)
+
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: free what stage 3 keeps of gathered weights between uses. zerospeed releases every
+        non-persistent unit when its forward (or a micro-step) ends, so there is no such cache; this
+        releases any unit still gathered and returns the allocator's cached blocks to the device."""
+        self.zero.release_gathered()
+        gc.collect()
+        self.accelerator.empty_cache()
+
+    # -- offload_states / reload_states (Note [offloaded states] in offload/states.py) -------------------
+    @property
+    def state_offloader(self) -> StateOffloader:
+        if self._state_offloader is None:
+            self._state_offloader = StateOffloader()
+        return self._state_offloader
+
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
+        """DeepSpeed's: move this rank's training states (`include`: OffloadStateTypeEnum kinds; all by
+        default) to host memory until `reload_states()`, freeing their device memory. States already on
+        the host (an offloaded optimizer's masters and moments) are left out, as in DeepSpeed."""
+        state_offload.offload_states(self, include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """DeepSpeed's: bring back what `offload_states` moved, onto the devices it came from."""
+        self.state_offloader.reload(non_blocking)
+
+    # -- checkpoints and 16-bit saves (zerospeed.checkpoint does the work) -----------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False):
+        self._check_states_resident("engine.save_checkpoint")
+        return checkpoint.save_checkpoint(self.checkpoint_state(), save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                                          exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):
+        """Restore a checkpoint (any world size, ZeRO stage 0-3); returns (load_path, client_state)."""
+        self._check_states_resident("engine.load_checkpoint")
+        return checkpoint.load_checkpoint(self.checkpoint_state(), load_dir, tag=tag, load_module_strict=load_module_strict,
+                                          load_optimizer_states=load_optimizer_states,
+                                          load_lr_scheduler_states=load_lr_scheduler_states,
+                                          load_module_only=load_module_only)
+
+    def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict:
+        """DeepSpeed's: the module's own `state_dict` (at stage 3 its weights are this rank's empty
+        placeholders, as in DeepSpeed; `_zero3_consolidated_16bit_state_dict` gathers them), without
+        frozen parameters when `exclude_frozen_parameters`, and under the plain model's names when
+        random-LTD wraps layers."""
+        sd = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, p in self.module.named_parameters():
+                if not p.requires_grad:
+                    sd.pop(prefix + name, None)
+        if self.random_ltd_scheduler is not None:  # the plain model's names, as DeepSpeed gives them
+            sd = remove_random_ltd_state_dict(sd)
+        return sd
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False):
+        return checkpoint.save_16bit_model(self.checkpoint_state(), save_dir, save_filename, exclude_frozen_parameters)
+
+    def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin"):
+        """DeepSpeed's older name of `save_16bit_model`."""
+        return self.save_16bit_model(save_dir, save_filename)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """DeepSpeed's switch for consolidated saves at stage 3 (accelerate and transformers read it)."""
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """Collective: the full module state dict in its training dtype on rank 0 ({} elsewhere), gathered
+        unit by unit — the name transformers and accelerate call under ZeRO-3."""
+        return checkpoint.without_frozen(self.module, self.zero.full_state_dict(), exclude_frozen_parameters)
 
     # -- batch sizes -------------------------------------------------------------------------------------
     def get_batch_info(self) -> tuple[int, int, int]:
@@ -43,6 +210,9 @@ class ConfigAccessors:
         self.config.train_micro_batch_size_per_gpu = micro_batch_size
         self.config.train_batch_size = micro_batch_size * self.gradient_accumulation_steps() * self.dp_world_size
 
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
     def dataloader_drop_last(self) -> bool:
         return self.config.dataloader_drop_last
 
@@ -51,7 +221,6 @@ class ConfigAccessors:
         """DeepSpeed's: a loader of this data-parallel rank's batches of `dataset` (micro batches by
         default). The train route shuffles as `initialize(training_data=...)` does; "eval" / "predict"
         keep the order; a given `data_sampler` is used as it is."""
-        from zerospeed.data.loader import ShardedDataLoader
         if not (self.is_map_style_dataset(dataset) or self.is_iterable_style_dataset(dataset)):
             raise ValueError("deepspeed_io: the data must be a torch Dataset (map-style or iterable)")
         batch_size = batch_size or self.train_micro_batch_size_per_gpu()
@@ -126,6 +295,15 @@ class ConfigAccessors:
         return self.config.zero_force_ds_cpu_optimizer
 
     # -- precision -----------------------------------------------------------------------------------------
+    def fp16_enabled(self) -> bool:
+        return self.precision.param_dtype == torch.float16
+
+    def bf16_enabled(self) -> bool:
+        return self.precision.param_dtype == torch.bfloat16
+
+    def bfloat16_enabled(self) -> bool:  # DeepSpeed's name
+        return self.bf16_enabled()
+
     def dynamic_loss_scale(self) -> bool:
         return self.config.fp16.loss_scale == 0
 
@@ -189,6 +367,9 @@ class ConfigAccessors:
         return self.config.gradient_predivide_factor
 
     # -- ZeRO ----------------------------------------------------------------------------------------------
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
     def zero_optimization(self) -> bool:
         return self.zero_optimization_stage() > 0
 
@@ -282,7 +463,6 @@ class ConfigAccessors:
         return self.random_ltd_scheduler is not None
 
     def random_ltd_config(self) -> dict:
-        from zerospeed.runtime.forward_schedules import random_ltd_config
         return random_ltd_config(self.config)
 
     def curriculum_learning_enabled(self) -> bool:
@@ -326,6 +506,7 @@ class ConfigAccessors:
     def is_deepcompile_active(self) -> bool:
         return False  # DeepCompile is not built (compile.deepcompile=true is refused)
 
+
 def _zero_field(name: str, doc: str):
     def accessor(self):
         return getattr(self.config.zero_optimization, name)
@@ -341,7 +522,7 @@ for _key in ("reduce_scatter", "overlap_comm", "sub_group_size", "reduce_bucket_
              "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
              "zeropp_loco_param", "save_muon_momentum_buffer_in_memory"):
     _accessor = _zero_field(_key, f"zero_optimization.{_key}")
-    setattr(ConfigAccessors, _accessor.__name__, _accessor)
+    setattr(DeepSpeedAPI, _accessor.__name__, _accessor)
 
 
 def _section_field(path: str, name: str):
@@ -359,7 +540,7 @@ def _section_field(path: str, name: str):
 
 # DeepSpeed accessor name -> the config key it reads
 _READS = {
-    "wall_clock_breakdown": "wall_clock_breakdown", "dump_state": "dump_state", "log_level": "log_level",
+    "wall_clock_breakdown": "wall_clock_breakdown", "log_level": "log_level",
     "graph_harvesting": "graph_harvesting", "sparse_gradients_enabled": "sparse_gradients",
     "managed_gradient_accumulation": "managed_gradient_accumulation",
     "elasticity_enabled": "elasticity.enabled", "pld_enabled": "progressive_layer_drop.enabled",
@@ -382,8 +563,7 @@ _READS = {
     "aio_config": "aio",
 }
 for _name, _path in _READS.items():
-    setattr(ConfigAccessors, _name, _section_field(_path, _name))
-
+    setattr(DeepSpeedAPI, _name, _section_field(_path, _name))
 
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,

@@ -1,9 +1,11 @@
 """The trial side of the autotuner: what a training process measures when ``zerospeed --autotuning``
-launched it, and the file it leaves for the autotuner to read.
+launched it, and the file it leaves for the autotuner (``zerospeed/autotuning``) to read.
 
-The autotuner sets one of two environment variables for the processes of a trial; without them
-`trial_probe_for` returns None and the engine does nothing extra (the ``autotuning`` config block
-is otherwise ignored inside a training run, as DeepSpeed ignores it without ``--autotuning``):
+The engine's observer (`EngineObserver.for_engine`) builds the probe and calls it at the end of every
+step: the autotuner attaches to training through the observer, as every measuring tool does, and the
+engine knows nothing of it. The autotuner sets one of two environment variables for the processes of
+a trial; without them `trial_probe_for` returns None and nothing happens (the ``autotuning`` config
+block is otherwise ignored inside a training run, as DeepSpeed ignores it without ``--autotuning``):
 
 - ``ZEROSPEED_AUTOTUNING_METRIC_PATH``: time the optimizer steps ``start_profile_step`` ..
   ``end_profile_step`` (the ``autotuning`` block of the trial's config), count one forward pass's
@@ -29,6 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from zerospeed.estimate.census import census_of_module
+from zerospeed.profiling.profiler import FlopsProfiler
+from zerospeed.zero.memory import OPTIMIZER_STATE_BYTES, optimizer_kind
 
 ENV_METRIC_PATH = "ZEROSPEED_AUTOTUNING_METRIC_PATH"
 ENV_MODEL_INFO_PATH = "ZEROSPEED_AUTOTUNING_MODEL_INFO_PATH"
@@ -83,7 +89,7 @@ class _SavedTensorCensus:
 
 
 class TrialProbe:
-    """Hooks one engine: forward hooks on its module, and `on_step` at every optimizer step."""
+    """Hooks one engine: forward hooks on its module, and `on_step` after every optimizer step."""
 
     def __init__(self, engine, *, metric_path: str | None = None, model_info_path: str | None = None,
                  clock=time.perf_counter) -> None:
@@ -109,7 +115,6 @@ class TrialProbe:
 
     # -- hooks --------------------------------------------------------------------------------------
     def _start_flops_count(self) -> None:
-        from zerospeed.profiling.profiler import FlopsProfiler
         self._profiler = FlopsProfiler(self.engine.module, self.engine)
         self._profiler.start_profile()
 
@@ -136,7 +141,8 @@ class TrialProbe:
             raise SystemExit(0)  # the model-information run ends here
 
     def on_step(self, engine) -> None:
-        """After an optimizer step (`EngineCore.take_model_step`); ends the process at end_profile_step."""
+        """After a step that crossed an accumulation boundary (the observer's `on_step_end`); ends the process
+        at end_profile_step."""
         if not self.metric_path:
             return
         step = engine.global_steps
@@ -162,8 +168,6 @@ class TrialProbe:
         return out
 
     def model_info(self, activation_bytes: int) -> dict[str, Any]:
-        from zerospeed.estimate.census import census_of_module
-        from zerospeed.zero.memory import OPTIMIZER_STATE_BYTES, optimizer_kind
         e = self.engine
         census = census_of_module(e.module)
         size = lambda dtype: torch.tensor([], dtype=dtype).element_size()  # noqa: E731
