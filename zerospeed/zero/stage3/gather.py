@@ -39,7 +39,9 @@ copy stream would also hide the kernels' time under the copies (not done: it nee
 Note [stage-3 divergence check]: with every gather each rank also all-gathers a code of *which* flat
 parameters it is gathering (8 bytes). Ranks whose forward took different branches would otherwise
 exchange chunks of different parameters without noticing when the sizes happen to agree; now they
-stop with an error that says so.
+stop with an error that says so. An exact gather sends the code with the shards (`comm.backend.
+all_gather_coalesced`: one exchange on gloo, Note [gloo all-gathers as exchanges]; two collectives
+elsewhere), counted as its own all-gather either way.
 
 Note [ZeRO++ gather routes]: a batch travels one of three `Route`s. EXACT: the shards as they are,
 over the flat parameters' data-parallel group (every gather outside training: zero.Init,
@@ -61,6 +63,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.comm import zeropp
+from zerospeed.comm.backend import all_gather_coalesced
 
 
 class Route(enum.Enum):
@@ -150,14 +153,18 @@ class GatherBatch:
             self.recv = first.full
         else:
             self.recv = torch.empty(world * send.numel(), dtype=first.dtype, device=device)
-        gather = {Route.EXACT: comm.all_gather_into_tensor, Route.QUANTIZED: zeropp.all_gather_quantized,
-                  Route.SECONDARY: zeropp.all_gather_secondary,
+        self.tags = torch.empty(world, dtype=torch.float64, device=device)
+        mine = torch.tensor([_code([fp.index for fp in self.fps])], dtype=torch.float64, device=device)
+        if self.route is Route.EXACT:  # the code travels with the shards where the backend allows (gloo)
+            self.handle = self.tag_handle = all_gather_coalesced([self.recv, self.tags], [send, mine],
+                                                                 group=self.group, async_op=True)
+            self.launched = True
+            return
+        gather = {Route.QUANTIZED: zeropp.all_gather_quantized, Route.SECONDARY: zeropp.all_gather_secondary,
                   Route.STORED: functools.partial(zeropp.all_gather_packed, numel=first.layout.chunk,
                                                   bits=first.stored[0], block_size=first.stored[1],
                                                   symmetric=first.stored[2]) if first.stored else None}[self.route]
         self.handle = gather(self.recv, send, group=self.group, async_op=True)
-        self.tags = torch.empty(world, dtype=torch.float64, device=device)
-        mine = torch.tensor([_code([fp.index for fp in self.fps])], dtype=torch.float64, device=device)
         # (over the hpZ sub-group the code is counted with the sub-group's bytes: all_gather_hpz)
         tag = zeropp.all_gather_secondary if self.route is Route.SECONDARY else comm.all_gather_into_tensor
         self.tag_handle = tag(self.tags, mine, group=self.group, async_op=True)
