@@ -40,10 +40,10 @@ WORKER = Path(__file__).resolve().parent / "workers.py"
 # optimizer (stage 2) or optimizer + parameters (stage 3) to host memory; *_nvme the optimizer to swap
 # files, *_nvmeall the parameters too (under the run's scratch directory, or --nvme-path).
 OFFLOAD = ("2_cpu", "3_cpu", "2_nvme", "3_nvme", "3_nvmeall")
-VARIANTS = ("zs0", "zs1", "zs2", "zs3", "zs3_noprefetch", "ddp", "ddp_zero", "fsdp2", "fsdp2_noprefetch",
+VARIANTS = ("zs0", "zs1", "zs2", "zs3", "zs3_noprefetch", "zspp", "ddp", "ddp_zero", "fsdp2", "fsdp2_noprefetch",
             "ds0", "ds1", "ds2", "ds3", "ds3_noprefetch") + tuple(f"{lib}{o}" for lib in ("zs", "ds") for o in OFFLOAD)
 ALIASES = {"zerospeed": "zs0", "deepspeed": "ds0"}  # the names of the stage-0-only benchmark
-STAGE = {"zs0": 0, "zs1": 1, "zs2": 2, "zs3": 3, "zs3_noprefetch": 3, "ds0": 0, "ds1": 1, "ds2": 2, "ds3": 3,
+STAGE = {"zs0": 0, "zs1": 1, "zs2": 2, "zs3": 3, "zs3_noprefetch": 3, "zspp": 0, "ds0": 0, "ds1": 1, "ds2": 2, "ds3": 3,
          "ds3_noprefetch": 3, "ddp": 0, "ddp_zero": 0, "fsdp2": 3, "fsdp2_noprefetch": 3}
 STAGE |= {f"{lib}{o}": int(o[0]) for lib in ("zs", "ds") for o in OFFLOAD}
 
@@ -68,7 +68,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=10, help="measured optimizer steps (>= 10 recommended)")
     p.add_argument("--warmup", type=int, default=3, help="optimizer steps run before measuring")
-    p.add_argument("--model-size", choices=("tiny", "small"), default="small")
+    p.add_argument("--model-size", choices=("tiny", "small", "gpt4x256"), default="small")
     p.add_argument("--nproc", type=int, default=2, help="processes (ranks) per variant")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=8, help="micro batch per rank")

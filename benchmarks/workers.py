@@ -8,7 +8,7 @@ training step differs), and writes ``<out_dir>/<variant>.rank<r>.json`` with its
 times, losses and peak memory — and, for the zerospeed variants, the comm gateway's counters over the
 measured steps.
 
-Variants: ``zs0``..``zs3`` (zerospeed at ZeRO stage 0-3; ``zs3_noprefetch`` with
+Variants: ``zs0``..``zs3`` (zerospeed at ZeRO stage 0-3; ``zspp``: its PipelineEngine, one stage per rank; ``zs3_noprefetch`` with
 ``stage3_prefetch_bucket_size`` 0), ``ds0``..``ds3``/``ds3_noprefetch`` (DeepSpeed with the same config),
 ``ddp`` (PyTorch DDP + AdamW), ``ddp_zero`` (DDP + PyTorch's ZeroRedundancyOptimizer around AdamW,
 i.e. PyTorch's own ZeRO-1) and ``fsdp2``/``fsdp2_noprefetch`` (PyTorch's ``fully_shard`` on the same
@@ -36,6 +36,7 @@ from zoo.models import GPT, GPTConfig
 MODEL_SIZES = {
     "tiny": dict(n_layer=2, n_head=2, n_embd=64),
     "small": dict(n_layer=4, n_head=4, n_embd=128),
+    "gpt4x256": dict(n_layer=4, n_head=4, n_embd=256, vocab_size=4096),  # 4.24M parameters (issue 44's GPT)
 }
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 1e-3, (0.9, 0.999), 1e-8, 0.01, 1.0
 
@@ -163,6 +164,36 @@ def run_engine(spec: dict, rank: int, world: int, lib) -> dict:
     if stats is not None:
         result["comm"] = stats.snapshot()
     return result | sizes | {"peak_memory": peak_memory(device)}
+
+
+def run_pipeline(spec: dict, rank: int, world: int, lib) -> dict:
+    """zerospeed's PipelineEngine: the same GPT as `world` pipeline stages (its layer list, zoo/gpt_layers.py,
+    started from the same weights), one `train_batch` per optimizer step over the accumulation's micro-batches.
+    Every rank feeds the same data (one data-parallel replica)."""
+    from zerospeed.pipe import PipelineModule
+    from zoo.gpt_layers import gpt_layer_specs, lm_loss
+
+    lib.init_distributed()
+    source = build_model(spec)
+    sizes = param_sizes(source)
+    module = PipelineModule(gpt_layer_specs(source.config, source), num_stages=world, loss_fn=lm_loss,
+                            partition_method="parameters")
+    engine, *_ = lib.initialize(model=module, config=ds_config(spec, torch_adam=False) | {"zero_optimization": {"stage": 0}})
+    pending, last = [], [0.0]
+
+    def micro_step(x, y, boundary):
+        pending.append((x, y))
+        if not boundary:
+            return 0.0
+        last[0] = float(engine.train_batch(iter(list(pending))))
+        pending.clear()
+        return last[0] * spec["grad_accum"]  # timed_steps averages over the micro-batches
+
+    stats = lib.comm.STATS
+    result = timed_steps(spec, micro_batches(spec, 0, 1), micro_step, lambda: None, lambda: None,
+                         on_measure=stats.reset)
+    result["comm"] = stats.snapshot()
+    return result | sizes | {"peak_memory": peak_memory(engine.device)}
 
 
 def param_sizes(model: torch.nn.Module) -> dict:
@@ -298,6 +329,9 @@ def main() -> None:
         result = run_ddp(spec, rank, world, zero=variant == "ddp_zero")
     elif variant in ("fsdp2", "fsdp2_noprefetch"):
         result = run_fsdp2(spec, rank, world, prefetch=variant == "fsdp2")
+    elif variant == "zspp":
+        import zerospeed
+        result = run_pipeline(spec, rank, world, zerospeed)
     elif variant.startswith("zs"):
         import zerospeed
         result = run_engine(spec, rank, world, zerospeed)

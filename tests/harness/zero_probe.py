@@ -14,21 +14,8 @@ import torch
 import zerospeed
 from zerospeed import comm
 from harness.census import live_tensor_bytes
+from zerospeed.estimate.measure import BiasFreeMLP  # layers * width^2 parameters (5 x 1024^2 = 5.24M)
 from zerospeed.zero import full_numel as zero_full_numel
-
-
-class WideMLP(torch.nn.Module):
-    """`layers` square bias-free linear layers: layers * width^2 parameters (5 x 1024^2 = 5.24M)."""
-
-    def __init__(self, width: int = 1024, layers: int = 5):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(layers))
-
-    def forward(self, x):
-        x = x.to(self.layers[0].weight.dtype)
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x.float().pow(2).mean()
 
 
 def probe_model_states(stage: int, precision: str = "bf16", width: int = 1024, layers: int = 5,
@@ -44,7 +31,7 @@ def probe_model_states(stage: int, precision: str = "bf16", width: int = 1024, l
         cfg["zero_optimization"]["stage3_max_reuse_distance"] = 0
     if precision != "fp32":
         cfg[precision] = {"enabled": True}
-    engine, *_ = zerospeed.initialize(model=WideMLP(width, layers), config=cfg)
+    engine, *_ = zerospeed.initialize(model=BiasFreeMLP(width, layers), config=cfg)
     x = torch.randn(2, width, generator=torch.Generator().manual_seed(comm.get_rank()))
     for micro in range(2 * grad_accum):  # two optimizer steps; count the second one's traffic
         if micro == grad_accum:
