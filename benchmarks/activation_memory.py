@@ -18,6 +18,7 @@ rank 0's numbers). Columns:
 - step: median wall time of forward + backward (no sampling) over --steps rounds; each round runs
   every variant once, in turn, so load from other processes hits all variants alike.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,11 +28,11 @@ import time
 import torch
 from torch import nn
 
+from harness import run_distributed
+from harness.census import live_tensor_bytes
+from harness.mpu import GroupMpu
 from zerospeed import checkpointing, comm
 from zerospeed.accelerator import get_accelerator
-from harness import run_distributed
-from harness.mpu import GroupMpu
-from harness.census import live_tensor_bytes
 from zoo.models import Block, GPTConfig
 
 VARIANTS: dict[str, dict | None] = {
@@ -43,8 +44,11 @@ VARIANTS: dict[str, dict | None] = {
 }
 PARTITION_VARIANTS: dict[str, dict] = {
     "partition": {"partition_activations": True},
-    "partition + cpu + contiguous": {"partition_activations": True, "checkpoint_in_cpu": True,
-                                     "contiguous_checkpointing": True},
+    "partition + cpu + contiguous": {
+        "partition_activations": True,
+        "checkpoint_in_cpu": True,
+        "contiguous_checkpointing": True,
+    },
 }
 
 
@@ -177,11 +181,16 @@ def main() -> None:
     device = get_accelerator().torch_device()
     blocks, x = build(args, device)
     one_input = x.numel() * x.element_size()
-    print(f"{args.blocks} GPT blocks, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, fp32 on {device}; "
-          f"one block input = {mib(one_input)} MiB; torch threads {torch.get_num_threads()}\n")
+    print(
+        f"{args.blocks} GPT blocks, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, fp32 on {device}; "
+        f"one block input = {mib(one_input)} MiB; torch threads {torch.get_num_threads()}\n"
+    )
     kinds = Census(device).kinds
-    head = " | ".join(f"end of forward {k} MiB" for k in kinds) + " | " + \
-        " | ".join(f"sampled peak {k} MiB" for k in kinds)
+    head = (
+        " | ".join(f"end of forward {k} MiB" for k in kinds)
+        + " | "
+        + " | ".join(f"sampled peak {k} MiB" for k in kinds)
+    )
     print(f"| variant | {head} | device peak MiB | step ms |")
     print("|---|" + "---:|" * (2 * len(kinds) + 2))
     memory = {}
@@ -193,8 +202,9 @@ def main() -> None:
     rows = {name: (*memory[name], seconds[name]) for name in VARIANTS}
     if args.mp_ranks > 1:
         backend = get_accelerator().communication_backend_name()
-        for name, row in run_distributed(partition_worker, args.mp_ranks, args, timeout=3600,
-                                         backend=backend)[0].items():
+        for name, row in run_distributed(partition_worker, args.mp_ranks, args, timeout=3600, backend=backend)[
+            0
+        ].items():
             rows[f"{name} ({args.mp_ranks} ranks)"] = row
     for name, (end, peak, device_peak, sec) in rows.items():
         cells = " | ".join(mib(end[k]) for k in kinds) + " | " + " | ".join(mib(peak[k]) for k in kinds)

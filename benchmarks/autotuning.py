@@ -18,6 +18,7 @@ On a shared machine the load moves during the minutes a grid takes, so the scrip
 confirmation round: the grid's best and the tuned pick measured alternately (``--confirm-rounds``
 each), back to back; ``--confirm A,B`` runs only that round for two experiment names.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,9 +47,15 @@ def bench_config(stages: list[int], micro_batches: list[int], out: Path, start: 
     cfg.pop("csv_monitor", None)
     cfg["train_micro_batch_size_per_gpu"] = micro_batches
     cfg["zero_optimization"]["stage"] = stages
-    cfg["autotuning"] = {"enabled": True, "tuner_type": "model_based", "metric": "throughput",
-                         "start_profile_step": start, "end_profile_step": end,
-                         "results_dir": str(out / "results"), "exps_dir": str(out / "exps")}
+    cfg["autotuning"] = {
+        "enabled": True,
+        "tuner_type": "model_based",
+        "metric": "throughput",
+        "start_profile_step": start,
+        "end_profile_step": end,
+        "results_dir": str(out / "results"),
+        "exps_dir": str(out / "exps"),
+    }
     return cfg
 
 
@@ -56,14 +63,24 @@ def run(name: str, cfg: dict, out: Path, args, exhaustive: bool):
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     (out / "ds_config.json").write_text(json.dumps(cfg, indent=1))
-    script_args = ("--deepspeed", str(out / "ds_config.json"), "--model-size", args.model_size,
-                   "--corpus-bytes", str(args.corpus_bytes), "--out-dir", str(out / "demo"))
+    script_args = (
+        "--deepspeed",
+        str(out / "ds_config.json"),
+        "--model-size",
+        args.model_size,
+        "--corpus-bytes",
+        str(args.corpus_bytes),
+        "--out-dir",
+        str(out / "demo"),
+    )
     command = UserCommand(str(ROOT / "examples/train_gpt.py"), script_args)
     start = time.monotonic()
     outcome = Autotuner(["--num_gpus", str(args.nproc)], command, exhaustive=exhaustive, cwd=ROOT).tune()
     wall = time.monotonic() - start
-    print(f"\n## {name}: {len([r for r in outcome.records if r.order is not None])} trials, {wall:.1f} s"
-          + (f" (model-information run {outcome.profile_seconds:.1f} s)" if outcome.profile_seconds else ""))
+    print(
+        f"\n## {name}: {len([r for r in outcome.records if r.order is not None])} trials, {wall:.1f} s"
+        + (f" (model-information run {outcome.profile_seconds:.1f} s)" if outcome.profile_seconds else "")
+    )
     rows = table_rows(outcome.records, args.nproc)
     print(to_markdown(rows, SHOWN))
     return outcome, wall
@@ -74,10 +91,22 @@ def confirm(names: list[str], cfg: dict, out: Path, args) -> dict[str, list[floa
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     (out / "ds_config.json").write_text(json.dumps(cfg, indent=1))
-    script_args = ("--deepspeed", str(out / "ds_config.json"), "--model-size", args.model_size,
-                   "--corpus-bytes", str(args.corpus_bytes), "--out-dir", str(out / "demo"))
-    tuner = Autotuner(["--num_gpus", str(args.nproc)], UserCommand(str(ROOT / "examples/train_gpt.py"), script_args),
-                      exhaustive=True, cwd=ROOT)
+    script_args = (
+        "--deepspeed",
+        str(out / "ds_config.json"),
+        "--model-size",
+        args.model_size,
+        "--corpus-bytes",
+        str(args.corpus_bytes),
+        "--out-dir",
+        str(out / "demo"),
+    )
+    tuner = Autotuner(
+        ["--num_gpus", str(args.nproc)],
+        UserCommand(str(ROOT / "examples/train_gpt.py"), script_args),
+        exhaustive=True,
+        cwd=ROOT,
+    )
     cands = {n: next(c for c in _space(tuner) if c.name == n) for n in names}
     values: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(args.confirm_rounds):
@@ -91,6 +120,7 @@ def confirm(names: list[str], cfg: dict, out: Path, args) -> dict[str, list[floa
 
 def _space(tuner: Autotuner) -> list[Candidate]:
     from zerospeed.autotuning.planner import plan
+
     return [p.candidate for p in plan(tuner.space, None, None, prune_dominated=False)]
 
 
@@ -115,19 +145,33 @@ def main() -> int:
     micro = [int(m) for m in args.micro_batches.split(",")]
     load = os.getloadavg()
     if args.confirm:
-        confirm(args.confirm.split(","), bench_config(stages, micro, args.out / "confirm", args.start_step,
-                                                      args.end_step), args.out / "confirm", args)
+        confirm(
+            args.confirm.split(","),
+            bench_config(stages, micro, args.out / "confirm", args.start_step, args.end_step),
+            args.out / "confirm",
+            args,
+        )
         print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         return 0
-    print(f"# autotuning benchmark: {args.model_size} GPT, {args.nproc} ranks, stages {stages} x micro batches "
-          f"{micro}, steps {args.start_step}-{args.end_step} timed; load average {load[0]:.2f} {load[1]:.2f} "
-          f"{load[2]:.2f} on {os.cpu_count()} CPUs")
-    grid, grid_wall = run("grid (every configuration)", bench_config(stages, micro, args.out / "grid",
-                                                                     args.start_step, args.end_step),
-                          args.out / "grid", args, exhaustive=True)
-    tuned, tuned_wall = run("tuned (model_based)", bench_config(stages, micro, args.out / "tuned",
-                                                                args.start_step, args.end_step),
-                            args.out / "tuned", args, exhaustive=False)
+    print(
+        f"# autotuning benchmark: {args.model_size} GPT, {args.nproc} ranks, stages {stages} x micro batches "
+        f"{micro}, steps {args.start_step}-{args.end_step} timed; load average {load[0]:.2f} {load[1]:.2f} "
+        f"{load[2]:.2f} on {os.cpu_count()} CPUs"
+    )
+    grid, grid_wall = run(
+        "grid (every configuration)",
+        bench_config(stages, micro, args.out / "grid", args.start_step, args.end_step),
+        args.out / "grid",
+        args,
+        exhaustive=True,
+    )
+    tuned, tuned_wall = run(
+        "tuned (model_based)",
+        bench_config(stages, micro, args.out / "tuned", args.start_step, args.end_step),
+        args.out / "tuned",
+        args,
+        exhaustive=False,
+    )
     best = best_record(grid.records, "throughput")
     if best is None or tuned.best is None:
         print("no successful trial in one of the runs")
@@ -137,17 +181,23 @@ def main() -> int:
     own = tuned.best.value("throughput") / best.value("throughput")
     ratio = tuned_wall / grid_wall
     load = os.getloadavg()
-    print(f"\n## result\n\n| | config | throughput (samples/s) |\n|---|---|---|\n"
-          f"| grid best | {best.candidate.name} | {best.value('throughput'):.1f} |\n"
-          f"| tuned pick (grid's measurement) | {pick.candidate.name} | {pick.value('throughput') or 0:.1f} |\n"
-          f"| tuned pick (its own trial) | {tuned.best.candidate.name} | {tuned.best.value('throughput'):.1f} |\n\n"
-          f"pick / grid best = {quality:.3f} (own trial: {own:.3f}; acceptance >= 0.90)\n"
-          f"wall time: tuned {tuned_wall:.1f} s / grid {grid_wall:.1f} s = {ratio:.3f} (acceptance <= 0.30)\n"
-          f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(
+        f"\n## result\n\n| | config | throughput (samples/s) |\n|---|---|---|\n"
+        f"| grid best | {best.candidate.name} | {best.value('throughput'):.1f} |\n"
+        f"| tuned pick (grid's measurement) | {pick.candidate.name} | {pick.value('throughput') or 0:.1f} |\n"
+        f"| tuned pick (its own trial) | {tuned.best.candidate.name} | {tuned.best.value('throughput'):.1f} |\n\n"
+        f"pick / grid best = {quality:.3f} (own trial: {own:.3f}; acceptance >= 0.90)\n"
+        f"wall time: tuned {tuned_wall:.1f} s / grid {grid_wall:.1f} s = {ratio:.3f} (acceptance <= 0.30)\n"
+        f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    )
     names = [best.candidate.name] + ([pick.candidate.name] if pick.candidate != best.candidate else [])
     if args.confirm_rounds and len(names) == 2:
-        v = confirm(names, bench_config(stages, micro, args.out / "confirm", args.start_step, args.end_step),
-                    args.out / "confirm", args)
+        v = confirm(
+            names,
+            bench_config(stages, micro, args.out / "confirm", args.start_step, args.end_step),
+            args.out / "confirm",
+            args,
+        )
         quality = (sum(v[names[1]]) / len(v[names[1]])) / (sum(v[names[0]]) / len(v[names[0]]))
         print(f"\nconfirmed: pick / grid best = {quality:.3f} (means of the confirmation round)")
     return 0 if quality >= 0.9 and ratio <= 0.3 else 1

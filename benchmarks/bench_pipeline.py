@@ -13,6 +13,7 @@ machine with fewer cores than processes. Per stage:
 * peak activation memory: the most bytes autograd held for backward at once on that stage
   (`engine.activation_stats`), 1F1B (at most p - stage micro-batches alive) vs fill-drain (all m).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,9 +24,9 @@ import torch
 from torch import nn
 
 import zerospeed
+from harness import run_distributed
 from zerospeed import comm
 from zerospeed.pipe import LayerSpec, PipelineModule
-from harness import run_distributed
 
 WIDTH, MICRO = 256, 16
 TIMEOUT = 300
@@ -56,11 +57,20 @@ class SleepyLayer(nn.Module):
 
 def _worker(micro_batches: int, seconds: float, schedule: str, repeats: int) -> dict:
     stages = comm.get_world_size()
-    module = PipelineModule([LayerSpec(SleepyLayer, seconds) for _ in range(stages)], num_stages=stages,
-                            loss_fn=lambda out, y: (out - y).pow(2).mean(), partition_method="uniform")
-    engine, *_ = zerospeed.initialize(model=module, config={
-        "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": micro_batches,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.01}}})
+    module = PipelineModule(
+        [LayerSpec(SleepyLayer, seconds) for _ in range(stages)],
+        num_stages=stages,
+        loss_fn=lambda out, y: (out - y).pow(2).mean(),
+        partition_method="uniform",
+    )
+    engine, *_ = zerospeed.initialize(
+        model=module,
+        config={
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_accumulation_steps": micro_batches,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+        },
+    )
     engine.train_schedule = schedule
     data = [(torch.randn(MICRO, WIDTH), torch.randn(MICRO, WIDTH)) for _ in range(micro_batches)]
     bubbles = []
@@ -70,9 +80,12 @@ def _worker(micro_batches: int, seconds: float, schedule: str, repeats: int) -> 
         # wall_s runs from the start of this stage's schedule; the slowest stage ends the pipeline
         total = max(comm.all_gather_object(engine.last_batch_timing["wall_s"]))
         bubbles.append((total - engine.last_batch_timing["compute_s"]) / total)
-    return {"stage": engine.stage_id, "bubble": sum(bubbles[1:]) / repeats,
-            "peak_bytes": engine.activation_stats["peak_bytes"],
-            "peak_micro_batches": engine.activation_stats["peak_micro_batches"]}
+    return {
+        "stage": engine.stage_id,
+        "bubble": sum(bubbles[1:]) / repeats,
+        "peak_bytes": engine.activation_stats["peak_bytes"],
+        "peak_micro_batches": engine.activation_stats["peak_micro_batches"],
+    }
 
 
 def run(stages_list, micro_list, seconds: float, repeats: int) -> list[dict]:
@@ -81,20 +94,32 @@ def run(stages_list, micro_list, seconds: float, repeats: int) -> list[dict]:
         for m in micro_list:
             for schedule in ("1f1b", "fill_drain"):
                 res = run_distributed(_worker, p, m, seconds, schedule, repeats, timeout=TIMEOUT)
-                rows.append({"p": p, "m": m, "schedule": schedule, "theory": (p - 1) / (m + p - 1),
-                             "bubble": [r["bubble"] for r in res],
-                             "peak_mib": [r["peak_bytes"] / 2**20 for r in res],
-                             "peak_micro_batches": [r["peak_micro_batches"] for r in res]})
+                rows.append(
+                    {
+                        "p": p,
+                        "m": m,
+                        "schedule": schedule,
+                        "theory": (p - 1) / (m + p - 1),
+                        "bubble": [r["bubble"] for r in res],
+                        "peak_mib": [r["peak_bytes"] / 2**20 for r in res],
+                        "peak_micro_batches": [r["peak_micro_batches"] for r in res],
+                    }
+                )
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| p | m | schedule | theory (p-1)/(m+p-1) | bubble per stage (measured) | peak activations per stage "
-             "(MiB) | micro-batches alive per stage |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| p | m | schedule | theory (p-1)/(m+p-1) | bubble per stage (measured) | peak activations per stage "
+        "(MiB) | micro-batches alive per stage |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['p']} | {r['m']} | {r['schedule']} | {r['theory']:.3f} | "
-                     f"{' '.join(f'{b:.3f}' for b in r['bubble'])} | {' '.join(f'{b:.2f}' for b in r['peak_mib'])} | "
-                     f"{' '.join(str(n) for n in r['peak_micro_batches'])} |")
+        lines.append(
+            f"| {r['p']} | {r['m']} | {r['schedule']} | {r['theory']:.3f} | "
+            f"{' '.join(f'{b:.3f}' for b in r['bubble'])} | {' '.join(f'{b:.2f}' for b in r['peak_mib'])} | "
+            f"{' '.join(str(n) for n in r['peak_micro_batches'])} |"
+        )
     return "\n".join(lines)
 
 
@@ -106,14 +131,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None, help="append the table (markdown) here; JSON beside it")
     args = parser.parse_args()
-    rows = run([int(s) for s in args.stages.split(",")], [int(m) for m in args.micro_batches.split(",")],
-               args.seconds, args.repeats)
+    rows = run(
+        [int(s) for s in args.stages.split(",")],
+        [int(m) for m in args.micro_batches.split(",")],
+        args.seconds,
+        args.repeats,
+    )
     text = table(rows)
     print(text)
     if args.out:
         with open(args.out, "a") as f:
-            f.write(f"\n## bench_pipeline.py (t = {args.seconds}s forward, {2 * args.seconds}s backward per stage)\n\n"
-                    f"{text}\n")
+            f.write(
+                f"\n## bench_pipeline.py (t = {args.seconds}s forward, {2 * args.seconds}s backward per stage)\n\n"
+                f"{text}\n"
+            )
         with open(args.out.rsplit(".", 1)[0] + ".json", "w") as f:
             json.dump(rows, f, indent=1)
 

@@ -25,6 +25,7 @@ holds of the parameters (`memory_breakdown()["parameters"]`).
 On a 2-core machine with ranks on one host, bytes are cheap and compression's extra compute shows; on a
 slow link the byte ratio is what matters — both are reported.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,10 +38,18 @@ import torch
 VARIANTS = {  # name: (optimizer type, params, zero stage, uncompressed counterpart)
     "Adam (ZeRO-0)": ("Adam", {}, 0, None),
     "OneBitAdam": ("OneBitAdam", {"freeze_step": None}, 0, "Adam (ZeRO-0)"),
-    "ZeroOneAdam (sync every step)": ("ZeroOneAdam", {"var_freeze_step": None, "local_step_clipper": 1}, 0,
-                                      "Adam (ZeRO-0)"),
-    "ZeroOneAdam (local steps, sync 1 in 4)": ("ZeroOneAdam", {"var_freeze_step": None, "local_step_clipper": 4,
-                                                               "local_step_scaler": 1}, 0, "Adam (ZeRO-0)"),
+    "ZeroOneAdam (sync every step)": (
+        "ZeroOneAdam",
+        {"var_freeze_step": None, "local_step_clipper": 1},
+        0,
+        "Adam (ZeRO-0)",
+    ),
+    "ZeroOneAdam (local steps, sync 1 in 4)": (
+        "ZeroOneAdam",
+        {"var_freeze_step": None, "local_step_clipper": 4, "local_step_scaler": 1},
+        0,
+        "Adam (ZeRO-0)",
+    ),
     "Adam (ZeRO-1)": ("Adam", {}, 1, None),
     "OneBitAdam (ZeRO-1)": ("OneBitAdam", {"freeze_step": None}, 1, "Adam (ZeRO-1)"),
     "Adam (ZeRO-2)": ("Adam", {}, 2, None),
@@ -53,15 +62,19 @@ ZEROPP = {  # name: (zero_optimization extras, counterpart)
     "ZeRO-3 + qwZ": ({"zero_quantized_weights": True}, "ZeRO-3"),
     "ZeRO-3 + qgZ": ({"zero_quantized_gradients": True}, "ZeRO-3"),
     "ZeRO-3 + hpZ (2)": ({"zero_hpz_partition_size": 2}, "ZeRO-3"),
-    "ZeRO-3 + qwZ + qgZ + hpZ (2)": ({"zero_quantized_weights": True, "zero_quantized_gradients": True,
-                                      "zero_hpz_partition_size": 2}, "ZeRO-3"),
+    "ZeRO-3 + qwZ + qgZ + hpZ (2)": (
+        {"zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_hpz_partition_size": 2},
+        "ZeRO-3",
+    ),
 }
 
 
 LORA = {  # name: (zero_optimization extras, counterpart)
     "ZeRO-3 LoRA (frozen base partitioned)": ({}, None),
-    "ZeRO-3 LoRA + zero_quantized_nontrainable_weights": ({"zero_quantized_nontrainable_weights": True},
-                                                          "ZeRO-3 LoRA (frozen base partitioned)"),
+    "ZeRO-3 LoRA + zero_quantized_nontrainable_weights": (
+        {"zero_quantized_nontrainable_weights": True},
+        "ZeRO-3 LoRA (frozen base partitioned)",
+    ),
 }
 
 INTRA_KINDS = ("all_gather_hpz", "reduce_scatter_int4_intra")  # collectives inside an hpZ sub-group ("node")
@@ -69,9 +82,18 @@ INTRA_KINDS = ("all_gather_hpz", "reduce_scatter_int4_intra")  # collectives ins
 
 def _model(args):
     from zoo.models import GPT, GPTConfig
+
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=args.width // 64,
-                         n_embd=args.width, bias=False))
+    return GPT(
+        GPTConfig(
+            vocab_size=256,
+            block_size=args.seq,
+            n_layer=args.layers,
+            n_head=args.width // 64,
+            n_embd=args.width,
+            bias=False,
+        )
+    )
 
 
 def _batches(args, rank: int):
@@ -81,6 +103,7 @@ def _batches(args, rank: int):
 
 def _measure(step, args, rank) -> dict:
     from zerospeed import comm
+
     times = []
     for i, seq in enumerate(_batches(args, rank)):
         if i == args.warmup:
@@ -95,12 +118,16 @@ def _measure(step, args, rank) -> dict:
     world = comm.get_world_size()
     wire = comm.STATS.total_wire_bytes() - 2 * (world - 1) / world * 4 * args.steps  # (minus the timing all-reduce)
     intra = sum(k["wire_bytes"] for kind, k in comm.STATS.snapshot().items() if kind in INTRA_KINDS)
-    return {"step_s": statistics.median(times), "wire_mib": wire / args.steps / 2**20,
-            "inter_mib": (wire - intra) / args.steps / 2**20}
+    return {
+        "step_s": statistics.median(times),
+        "wire_mib": wire / args.steps / 2**20,
+        "inter_mib": (wire - intra) / args.steps / 2**20,
+    }
 
 
 def _lora(model):
     from peft import LoraConfig, inject_adapter_in_model
+
     model.requires_grad_(False)
     return inject_adapter_in_model(LoraConfig(r=8, lora_alpha=16, target_modules=["qkv", "proj", "fc"]), model)
 
@@ -108,11 +135,15 @@ def _lora(model):
 def _zerospeed(args, opt_type: str, params: dict, stage: int, zero_extra: dict, lora: bool = False) -> dict:
     import zerospeed
     from zerospeed import comm
+
     params = {k: (args.warmup - 1 if v is None else v) for k, v in params.items()}
     params.setdefault("lr", 1e-3 if "Lamb" not in opt_type else 1e-2)
     model = _lora(_model(args)) if lora else _model(args)
-    cfg = {"train_micro_batch_size_per_gpu": args.micro, "optimizer": {"type": opt_type, "params": params},
-           "zero_optimization": {"stage": stage, **zero_extra}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "optimizer": {"type": opt_type, "params": params},
+        "zero_optimization": {"stage": stage, **zero_extra},
+    }
     engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
     def step(x, y):
@@ -129,6 +160,7 @@ def _ddp(args) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     from zerospeed import comm
+
     model = _model(args)
     ddp = DistributedDataParallel(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -140,7 +172,9 @@ def _ddp(args) -> dict:
 
     out = _measure(step, args, comm.get_rank())
     world = comm.get_world_size()
-    out["wire_mib"] = out["inter_mib"] = 2 * (world - 1) / world * sum(p.numel() * 4 for p in model.parameters()) / 2**20
+    out["wire_mib"] = out["inter_mib"] = (
+        2 * (world - 1) / world * sum(p.numel() * 4 for p in model.parameters()) / 2**20
+    )
     return out
 
 
@@ -151,12 +185,19 @@ def _all(args) -> dict:
     if args.zeropp:
         for name, (extra, _) in ZEROPP.items():
             # every unit released after its use, so backward re-gathers it (what large models do; hpZ's case)
-            rows[name] = _zerospeed(args, "Adam", {}, 3, {"stage3_param_persistence_threshold": 0,
-                                                         "stage3_max_reuse_distance": 0, **extra})
+            rows[name] = _zerospeed(
+                args, "Adam", {}, 3, {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, **extra}
+            )
     if args.lora:
         for name, (extra, _) in LORA.items():
-            rows[name] = _zerospeed(args, "Adam", {}, 3, {"stage3_param_persistence_threshold": 0,
-                                                         "stage3_max_reuse_distance": 0, **extra}, lora=True)
+            rows[name] = _zerospeed(
+                args,
+                "Adam",
+                {},
+                3,
+                {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, **extra},
+                lora=True,
+            )
     return rows
 
 
@@ -174,15 +215,25 @@ def main() -> None:
     p.add_argument("--only-extras", action="store_true", help="skip the optimizer rows (DDP still runs)")
     args = p.parse_args()
     from harness import run_distributed
+
     rows = run_distributed(_all, args.world, args, timeout=3600)[0]
-    counterpart = {**{k: v[3] for k, v in VARIANTS.items()}, **{k: v[1] for k, v in ZEROPP.items()},
-                   **{k: v[1] for k, v in LORA.items()}, "PyTorch DDP + Adam": None}
+    counterpart = {
+        **{k: v[3] for k, v in VARIANTS.items()},
+        **{k: v[1] for k, v in ZEROPP.items()},
+        **{k: v[1] for k, v in LORA.items()},
+        "PyTorch DDP + Adam": None,
+    }
     n = sum(p.numel() for p in _model(args).parameters())
-    print(f"# comm compression — {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}, gloo, {args.world} ranks; GPT {args.layers}x{args.width} ({n / 1e6:.2f} M params), "
-          f"micro {args.micro} x {args.seq}, {args.steps} measured steps\n")
-    print("| variant | step s | wire MiB / rank / step | of it outside the hpZ sub-group | bytes ratio | "
-          "outside-sub-group ratio | time ratio | param MiB / rank |")
+    print(
+        f"# comm compression — {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}, gloo, {args.world} ranks; "
+        f"GPT {args.layers}x{args.width} ({n / 1e6:.2f} M params), "
+        f"micro {args.micro} x {args.seq}, {args.steps} measured steps\n"
+    )
+    print(
+        "| variant | step s | wire MiB / rank / step | of it outside the hpZ sub-group | bytes ratio | "
+        "outside-sub-group ratio | time ratio | param MiB / rank |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         base = rows.get(counterpart.get(name) or "")
@@ -190,7 +241,9 @@ def main() -> None:
         ir = f"{r['inter_mib'] / base['inter_mib']:.3f}" if base else "—"
         tr = f"{r['step_s'] / base['step_s']:.2f}" if base else "—"
         pm = f"{r['param_mib']:.2f}" if "param_mib" in r else "—"
-        print(f"| {name} | {r['step_s']:.3f} | {r['wire_mib']:.3f} | {r['inter_mib']:.3f} | {br} | {ir} | {tr} | {pm} |")
+        print(
+            f"| {name} | {r['step_s']:.3f} | {r['wire_mib']:.3f} | {r['inter_mib']:.3f} | {br} | {ir} | {tr} | {pm} |"
+        )
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ with `integer_matmul` (its int8 codes times the int8 activations through `torch.
 times PyTorch's own dynamic int8 Linear (fbgemm) on the fp32 teacher: the speed of PyTorch's other int8
 kernel on this CPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,9 @@ def _groups(name: str, params: dict, modules: list[str], related=None, **shared)
     group = {"params": params, "modules": modules}
     if related:
         group["related_modules"] = related
-    return {name: {"shared_parameters": {"enabled": True, "schedule_offset": 0, **shared},
-                   "different_groups": {"g": group}}}
+    return {
+        name: {"shared_parameters": {"enabled": True, "schedule_offset": 0, **shared}, "different_groups": {"g": group}}
+    }
 
 
 def _config(*blocks: dict, **extra) -> dict:
@@ -65,12 +67,13 @@ def _config(*blocks: dict, **extra) -> dict:
 class Data:
     def __init__(self, args):
         from zoo.data import ByteSequenceDataset, stdlib_corpus
+
         corpus = stdlib_corpus(args.train_bytes + args.heldout_bytes + 1)
-        self.train = ByteSequenceDataset(corpus[:args.train_bytes + 1], args.seq)
-        held = corpus[args.train_bytes:]
+        self.train = ByteSequenceDataset(corpus[: args.train_bytes + 1], args.seq)
+        held = corpus[args.train_bytes :]
         n = (held.numel() - 1) // args.seq
-        self.windows = held[:n * args.seq].reshape(n, args.seq)
-        self.targets = held[1:n * args.seq + 1].reshape(n, args.seq)
+        self.windows = held[: n * args.seq].reshape(n, args.seq)
+        self.targets = held[1 : n * args.seq + 1].reshape(n, args.seq)
         self.g = torch.Generator().manual_seed(2)
         self.batch = args.batch
 
@@ -82,10 +85,12 @@ class Data:
 def _train(model, data: Data, steps: int, lr: float, teacher=None) -> None:
     """AdamW with warm-up and cosine decay; cross-entropy, plus the distillation loss when a teacher is given."""
     from zerospeed.compression import compression_scheduler, distillation_loss
+
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01)
     warm = max(1, steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warm, 0.5 * (1 + math.cos(
-        math.pi * min(1.0, s / steps)))))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min((s + 1) / warm, 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    )
     schedule = compression_scheduler(model)
     model.train()
     for _ in range(steps):
@@ -109,8 +114,8 @@ def _train(model, data: Data, steps: int, lr: float, teacher=None) -> None:
 def _perplexity(model, data: Data, chunk: int = 32) -> float:
     nll = 0.0
     for i in range(0, len(data.windows), chunk):
-        logits = model(data.windows[i:i + chunk]).float()
-        nll += float(F.cross_entropy(logits.flatten(0, 1), data.targets[i:i + chunk].flatten(), reduction="sum"))
+        logits = model(data.windows[i : i + chunk]).float()
+        nll += float(F.cross_entropy(logits.flatten(0, 1), data.targets[i : i + chunk].flatten(), reduction="sum"))
     return math.exp(nll / data.targets.numel())
 
 
@@ -138,6 +143,7 @@ def _file_bytes(model, compressed: bool, folder: Path, name: str) -> int:
     from safetensors.torch import save_model
 
     from zerospeed.compression import save_compressed
+
     path = folder / f"{name}.safetensors"
     if compressed:
         return save_compressed(model, path)
@@ -148,6 +154,7 @@ def _file_bytes(model, compressed: bool, folder: Path, name: str) -> int:
 def main() -> None:
     from zerospeed.compression import init_compression, layerwise_distill, redundancy_clean
     from zoo.models import GPT, GPTConfig
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=128)
@@ -167,8 +174,11 @@ def main() -> None:
     data = Data(args)
 
     def gpt(layers=args.layers):
-        return GPT(GPTConfig(vocab_size=256, block_size=args.seq, n_layer=layers, n_head=args.heads,
-                             n_embd=args.width, bias=True))
+        return GPT(
+            GPTConfig(
+                vocab_size=256, block_size=args.seq, n_layer=layers, n_head=args.heads, n_embd=args.width, bias=True
+            )
+        )
 
     torch.manual_seed(0)
     teacher = gpt()
@@ -180,8 +190,16 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="zs-compression-"))
 
     def record(name, model, compressed, seconds):
-        rows.append((name, _file_bytes(model, compressed, folder, name.split()[0]), _block_linear_bytes(model),
-                     _perplexity(model, data), _forward_ms(model, data, args.infer_batch), seconds))
+        rows.append(
+            (
+                name,
+                _file_bytes(model, compressed, folder, name.split()[0]),
+                _block_linear_bytes(model),
+                _perplexity(model, data),
+                _forward_ms(model, data, args.infer_batch),
+                seconds,
+            )
+        )
 
     record("fp32", teacher, False, teacher_s)
     # the control: the fine-tuning alone, no compression (the teacher is not trained to convergence, so
@@ -207,9 +225,10 @@ def main() -> None:
     record("QAT int8", model, True, time.perf_counter() - start)
 
     # ZeroQuant: W8 group-wise + A8 token-wise, post-training, then layer-by-layer distillation
-    cfg = _config(_groups("weight_quantization", {"start_bits": 8, "target_bits": 8}, all_blocks,
-                          quantize_groups=args.width),
-                  _groups("activation_quantization", {"bits": 8}, all_blocks, range_calibration="dynamic"))
+    cfg = _config(
+        _groups("weight_quantization", {"start_bits": 8, "target_bits": 8}, all_blocks, quantize_groups=args.width),
+        _groups("activation_quantization", {"bits": 8}, all_blocks, range_calibration="dynamic"),
+    )
     model, start = compressed_copy(cfg, 0)
     ptq = copy.deepcopy(model)
     redundancy_clean(ptq, cfg)
@@ -218,14 +237,17 @@ def main() -> None:
     redundancy_clean(model, cfg)
     record("ZeroQuant int8 (PTQ + LKD)", model, True, time.perf_counter() - start)
     from zerospeed.compression.basic_layer import QuantizedLinear
+
     for m in model.modules():
         if isinstance(m, QuantizedLinear):
             m.integer_matmul = True  # Note [integer matmul]: int8 x int8 -> int32 through torch._int_mm
     record("ZeroQuant int8, integer matmul", model, True, None)
 
     # 50% sparse attention + 50% row-pruned MLP
-    cfg = _config(_groups("sparse_pruning", {"dense_ratio": 0.5}, [r"attn\.(qkv|proj)"], method="l1"),
-                  _groups("row_pruning", {"dense_ratio": 0.5}, [r"mlp\.fc"], [[r"mlp\.proj"]], method="l1"))
+    cfg = _config(
+        _groups("sparse_pruning", {"dense_ratio": 0.5}, [r"attn\.(qkv|proj)"], method="l1"),
+        _groups("row_pruning", {"dense_ratio": 0.5}, [r"mlp\.fc"], [[r"mlp\.proj"]], method="l1"),
+    )
     model, start = compressed_copy(cfg, args.steps)
     redundancy_clean(model, cfg)
     record("50% sparse + row-pruned", model, True, time.perf_counter() - start)
@@ -233,8 +255,15 @@ def main() -> None:
     # layer reduction with distillation
     start = time.perf_counter()
     keep = list(range(1, args.layers, 2))
-    cfg = _config(layer_reduction={"enabled": True, "keep_number_layer": len(keep), "module_name_prefix": "blocks",
-                                   "teacher_layer": keep, "other_module_name": ["wte", "wpe", "ln_f"]})
+    cfg = _config(
+        layer_reduction={
+            "enabled": True,
+            "keep_number_layer": len(keep),
+            "module_name_prefix": "blocks",
+            "teacher_layer": keep,
+            "other_module_name": ["wte", "wpe", "ln_f"],
+        }
+    )
     torch.manual_seed(1)
     student = gpt(len(keep))
     init_compression(student, cfg, teacher_model=teacher)
@@ -242,25 +271,38 @@ def main() -> None:
     record(f"layer reduction {args.layers} -> {len(keep)} + KD", student, False, time.perf_counter() - start)
 
     # XTC: ternary weights with distillation
-    cfg = _config(_groups("weight_quantization", {"start_bits": 2, "target_bits": 2}, all_blocks,
-                          quantize_groups=args.width))
+    cfg = _config(
+        _groups("weight_quantization", {"start_bits": 2, "target_bits": 2}, all_blocks, quantize_groups=args.width)
+    )
     model, start = compressed_copy(cfg, args.steps, distill=True)
     redundancy_clean(model, cfg)
     record("XTC ternary + KD", model, True, time.perf_counter() - start)
 
     # PyTorch's own int8 kernels, for the speed they give here
     dyn = torch.ao.quantization.quantize_dynamic(copy.deepcopy(teacher), {torch.nn.Linear}, dtype=torch.qint8)
-    rows.append(("torch dynamic int8 Linear (fbgemm), fp32 teacher", None, None, _perplexity(dyn, data),
-                 _forward_ms(dyn, data, args.infer_batch), None))
+    rows.append(
+        (
+            "torch dynamic int8 Linear (fbgemm), fp32 teacher",
+            None,
+            None,
+            _perplexity(dyn, data),
+            _forward_ms(dyn, data, args.infer_batch),
+            None,
+        )
+    )
 
     params = sum(p.numel() for p in teacher.parameters())
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch "
-          f"{torch.__version__}; GPT {args.layers} x {args.width} ({args.heads} heads), byte vocab 256, "
-          f"{params / 1e6:.2f} M params; teacher trained {args.teacher_steps} steps x {args.batch} x {args.seq} bytes; "
-          f"fine-tuning {args.steps} steps, LKD {args.lkd_steps} steps per block; held out {len(data.windows)} x "
-          f"{args.seq} bytes; forward timed on {args.infer_batch} x {args.seq}\n")
-    print("| method | file | vs fp32 | block Linears stored | vs fp32 | held-out perplexity | vs fp32 | "
-          "forward (ms) | vs fp32 | compress (s) |")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch "
+        f"{torch.__version__}; GPT {args.layers} x {args.width} ({args.heads} heads), byte vocab 256, "
+        f"{params / 1e6:.2f} M params; teacher trained {args.teacher_steps} steps x {args.batch} x {args.seq} bytes; "
+        f"fine-tuning {args.steps} steps, LKD {args.lkd_steps} steps per block; held out {len(data.windows)} x "
+        f"{args.seq} bytes; forward timed on {args.infer_batch} x {args.seq}\n"
+    )
+    print(
+        "| method | file | vs fp32 | block Linears stored | vs fp32 | held-out perplexity | vs fp32 | "
+        "forward (ms) | vs fp32 | compress (s) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     base_bytes, base_block, base_ppl, base_ms = rows[0][1:5]
     for name, size, block, ppl, ms, seconds in rows:
@@ -268,9 +310,11 @@ def main() -> None:
         ratio = f"{base_bytes / size:.2f}x smaller" if size and size != base_bytes else "—"
         block_s = f"{block / 1024:.0f} KiB" if block else "—"
         block_ratio = f"{base_block / block:.2f}x smaller" if block and block != base_block else "—"
-        print(f"| {name} | {size_s} | {ratio} | {block_s} | {block_ratio} | {ppl:.3f} | "
-              f"{100 * (ppl / base_ppl - 1):+.1f}% | {ms:.1f} | {ms / base_ms:.2f}x | "
-              f"{'—' if seconds is None else f'{seconds:.0f}'} |")
+        print(
+            f"| {name} | {size_s} | {ratio} | {block_s} | {block_ratio} | {ppl:.3f} | "
+            f"{100 * (ppl / base_ppl - 1):+.1f}% | {ms:.1f} | {ms / base_ms:.2f}x | "
+            f"{'—' if seconds is None else f'{seconds:.0f}'} |"
+        )
 
 
 if __name__ == "__main__":

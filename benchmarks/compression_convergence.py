@@ -17,6 +17,7 @@ sees the same batches. "final" is the mean of the last 20 rank-mean step losses.
 its gap to the counterpart per seed, and the mean and sample standard deviation of the gaps over seeds;
 for the counterparts, their own spread over seeds (how much one run moves anyway).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,19 +28,22 @@ import time
 import torch
 
 import zerospeed
-from zerospeed import comm
 from harness import run_distributed
+from harness.reference import engine_global_step
+from zerospeed import comm
 from zoo.data import ByteSequenceDataset, stdlib_corpus
 from zoo.models import GPT, GPTConfig
-from harness.reference import engine_global_step
 
 ONEBIT_MODEL = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
 ZEROPP_MODEL = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=True)
 ONEBIT_RUNS = {  # name: (optimizer type, params, counterpart)
     "Adam": ("Adam", {"lr": 1e-3}, None),
     "OneBitAdam": ("OneBitAdam", {"lr": 1e-3, "freeze_step": 60}, "Adam"),
-    "ZeroOneAdam": ("ZeroOneAdam", {"lr": 1e-3, "var_freeze_step": 100, "var_update_scaler": 64,
-                                    "local_step_clipper": 1}, "Adam"),
+    "ZeroOneAdam": (
+        "ZeroOneAdam",
+        {"lr": 1e-3, "var_freeze_step": 100, "var_update_scaler": 64, "local_step_clipper": 1},
+        "Adam",
+    ),
     "Lamb": ("Lamb", {"lr": 1e-2}, None),
     "OneBitLamb": ("OneBitLamb", {"lr": 1e-2, "freeze_step": 150}, "Lamb"),
 }
@@ -47,8 +51,10 @@ ZEROPP_RUNS = {  # name: (zero_optimization switches, counterpart)
     "plain ZeRO-3": ({}, None),
     "qwZ": ({"zero_quantized_weights": True}, "plain ZeRO-3"),
     "qgZ": ({"zero_quantized_gradients": True}, "plain ZeRO-3"),
-    "all three": ({"zero_quantized_weights": True, "zero_quantized_gradients": True,
-                   "zero_hpz_partition_size": 2}, "plain ZeRO-3"),
+    "all three": (
+        {"zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_hpz_partition_size": 2},
+        "plain ZeRO-3",
+    ),
 }
 FAMILIES = {"onebit": (ONEBIT_RUNS, 2, 4, ONEBIT_MODEL), "zeropp": (ZEROPP_RUNS, 4, 2, ZEROPP_MODEL)}
 
@@ -62,10 +68,19 @@ def engine_config(family: str, name: str, micro: int) -> dict:
         opt_type, params, _ = ONEBIT_RUNS[name]
         return {"train_micro_batch_size_per_gpu": micro, "optimizer": {"type": opt_type, "params": params}}
     switches, _ = ZEROPP_RUNS[name]
-    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "gradient_clipping": 1.0,
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "overlap_comm": True,
-                                  "stage3_max_reuse_distance": 0, **switches}}
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "overlap_comm": True,
+            "stage3_max_reuse_distance": 0,
+            **switches,
+        },
+    }
 
 
 def train(family: str, name: str, seed: int, steps: int) -> list[float]:
@@ -74,10 +89,12 @@ def train(family: str, name: str, seed: int, steps: int) -> list[float]:
     rank, world = comm.get_rank(), comm.get_world_size()
     torch.manual_seed(seed)
     model = GPT(model_cfg)
-    engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=engine_config(family, name, micro))
-    ds = ByteSequenceDataset(stdlib_corpus(max_bytes=steps * world * micro * model_cfg.block_size + 1),
-                             model_cfg.block_size)
+    engine, *_ = zerospeed.initialize(
+        model=model, model_parameters=model.parameters(), config=engine_config(family, name, micro)
+    )
+    ds = ByteSequenceDataset(
+        stdlib_corpus(max_bytes=steps * world * micro * model_cfg.block_size + 1), model_cfg.block_size
+    )
     order, n = window_order(seed, len(ds)), world * micro
     losses = []
     for step in range(steps):
@@ -101,9 +118,13 @@ def final(losses: list[float]) -> float:
 def report(family: str, seeds: list[int], runs: dict, seconds: float, steps: int) -> str:
     table, world = FAMILIES[family][0], FAMILIES[family][1]
     counterpart = {name: spec[-1] for name, spec in table.items()}
-    lines = [f"{family}: {world} ranks, {steps} steps, seeds {seeds}, {seconds:.0f} s; {platform.processor() or platform.machine()}",
-             "", "| run | " + " | ".join(f"seed {s}" for s in seeds) + " | mean gap | std of gap |",
-             "|---|" + "---|" * (len(seeds) + 2)]
+    lines = [
+        f"{family}: {world} ranks, {steps} steps, seeds {seeds}, {seconds:.0f} s; "
+        f"{platform.processor() or platform.machine()}",
+        "",
+        "| run | " + " | ".join(f"seed {s}" for s in seeds) + " | mean gap | std of gap |",
+        "|---|" + "---|" * (len(seeds) + 2),
+    ]
     for name, base in counterpart.items():
         finals = [final(runs[name, s]) for s in seeds]
         if base is None:

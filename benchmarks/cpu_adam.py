@@ -68,8 +68,8 @@ def flat_sub_groups(params: list[torch.nn.Parameter], sub_group_size: int) -> li
     flat_g = torch.cat([p.grad.reshape(-1) for p in params])
     groups = []
     for start in range(0, flat_p.numel(), sub_group_size):
-        p = torch.nn.Parameter(flat_p[start:start + sub_group_size].clone())
-        p.grad = flat_g[start:start + sub_group_size].clone()
+        p = torch.nn.Parameter(flat_p[start : start + sub_group_size].clone())
+        p.grad = flat_g[start : start + sub_group_size].clone()
         groups.append(p)
     return groups
 
@@ -92,8 +92,8 @@ def threaded_step(flat: list[torch.nn.Parameter], threads: int) -> Callable[[], 
     for p in flat:
         size = -(-p.numel() // threads)
         for start in range(0, p.numel(), size):
-            c = torch.nn.Parameter(p.detach()[start:start + size])  # shares p's memory
-            c.grad = p.grad[start:start + size]
+            c = torch.nn.Parameter(p.detach()[start : start + size])  # shares p's memory
+            c.grad = p.grad[start : start + size]
             chunks.append(c)
     opts = [torch.optim.AdamW([c], fused=True, **HPARAMS) for c in chunks]
 
@@ -103,6 +103,7 @@ def threaded_step(flat: list[torch.nn.Parameter], threads: int) -> Callable[[], 
             w.start()
         for w in workers:
             w.join()
+
     return step
 
 
@@ -134,6 +135,7 @@ def memory_bandwidth(nbytes: int = 1 << 30) -> tuple[float, float]:
 def deepspeed_cpu_adam(params: list[torch.nn.Parameter]) -> tuple[Callable[[], None] | None, str]:
     """DeepSpeed's CPUAdam over the list, or None and why it is unavailable; also times the JIT build."""
     from zerospeed.compat import deepspeed_is_shim
+
     if deepspeed_is_shim():
         return None, "deepspeed here is zerospeed's compatibility shim, not DeepSpeed"
     try:
@@ -147,6 +149,7 @@ def deepspeed_cpu_adam(params: list[torch.nn.Parameter]) -> tuple[Callable[[], N
         return None, f"CPUAdam build failed after {time.perf_counter() - t0:.0f} s: {type(err).__name__}: {err}"
     build = time.perf_counter() - t0
     from deepspeed.ops.adam import DeepSpeedCPUAdam
+
     opt = DeepSpeedCPUAdam(params, adamw_mode=True, **HPARAMS)
     return opt.step, f"CPUAdamBuilder().load(): {build:.1f} s (includes the JIT build when not cached)"
 
@@ -162,11 +165,18 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
 
     print("## Machine\n\n```")
-    print(f"nproc: {os.cpu_count()}, torch.get_num_threads(): {threads}, torch {torch.__version__}, "
-          f"python {platform.python_version()}")
+    print(
+        f"nproc: {os.cpu_count()}, torch.get_num_threads(): {threads}, torch {torch.__version__}, "
+        f"python {platform.python_version()}"
+    )
     try:
-        print("\n".join(ln.strip() for ln in subprocess.run(["lscpu"], capture_output=True, text=True, check=False)
-                        .stdout.splitlines() if "Model name" in ln))
+        print(
+            "\n".join(
+                ln.strip()
+                for ln in subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout.splitlines()
+                if "Model name" in ln
+            )
+        )
     except OSError:
         pass
     print("```\n")
@@ -175,8 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     shapes = gpt_shapes(int(args.params))
     params = make_params(shapes)
     n = sum(p.numel() for p in params)
-    print(f"{n / 1e6:.1f}M fp32 parameters in {len(params)} tensors (GPT-like, hidden {shapes[0][1]}); "
-          f"sub-group size {int(args.sub_group_size):,}\n")
+    print(
+        f"{n / 1e6:.1f}M fp32 parameters in {len(params)} tensors (GPT-like, hidden {shapes[0][1]}); "
+        f"sub-group size {int(args.sub_group_size):,}\n"
+    )
 
     rows: list[tuple[str, float]] = []
     notes: list[str] = []
@@ -187,12 +199,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {label}: {s * 1e3:.1f} ms/step", file=sys.stderr, flush=True)
         return s
 
-    for label, kw in (("torch default (for-loop on CPU)", {}), ("torch foreach=True", {"foreach": True}),
-                      ("torch fused=True", {"fused": True})):
+    for label, kw in (
+        ("torch default (for-loop on CPU)", {}),
+        ("torch foreach=True", {"foreach": True}),
+        ("torch fused=True", {"fused": True}),
+    ):
         run(label, torch.optim.AdamW(params, **kw, **HPARAMS).step)
 
     flat = flat_sub_groups(params, int(args.sub_group_size))
-    ours = run(f"ours: fused AdamW on {len(flat)} flat sub-group(s)", torch.optim.AdamW(flat, fused=True, **HPARAMS).step)
+    ours = run(
+        f"ours: fused AdamW on {len(flat)} flat sub-group(s)", torch.optim.AdamW(flat, fused=True, **HPARAMS).step
+    )
     if threads > 1:
         t = time_steps(threaded_step(flat, threads), args.warmup, args.steps)
         verdict = "kept" if t < ours else "not kept: slower than one fused call"
@@ -215,11 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     for label, s in rows:
         rate = n / s
         print(f"| {label} | {s * 1e3:.1f} | {rate / 1e6:.1f} | {default / s:.2f}x | {rate / bound:.2f} |")
-    for what, bw in ((f"in-place add_ bandwidth {rmw_bw / 1e9:.1f} GB/s", rmw_bw),
-                     (f"copy_ bandwidth {copy_bw / 1e9:.1f} GB/s", copy_bw)):
+    for what, bw in (
+        (f"in-place add_ bandwidth {rmw_bw / 1e9:.1f} GB/s", rmw_bw),
+        (f"copy_ bandwidth {copy_bw / 1e9:.1f} GB/s", copy_bw),
+    ):
         b = bw / 28
-        print(f"| bound: {what} / 28 B per parameter | {n / b * 1e3:.1f} | {b / 1e6:.1f} | "
-              f"{default * b / n:.2f}x | {b / bound:.2f} |")
+        print(
+            f"| bound: {what} / 28 B per parameter | {n / b * 1e3:.1f} | {b / 1e6:.1f} | "
+            f"{default * b / n:.2f}x | {b / bound:.2f} |"
+        )
     print()
     for line in notes:
         print(f"- {line}")

@@ -11,6 +11,7 @@ Printed per variant: ms per generated token (median over `--repeats` calls, rank
 and the bytes they moved per call (the comm gateway's counters), and the ratio to transformers. The
 variants must produce transformers' tokens (checked; a mismatch stops the run).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,10 +23,17 @@ import torch
 
 def build(args):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                      num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64 or 1,
-                      num_key_value_heads=args.hidden // 64 or 1, max_position_embeddings=args.prompt + args.new + 8)
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64 or 1,
+        num_key_value_heads=args.hidden // 64 or 1,
+        max_position_embeddings=args.prompt + args.new + 8,
+    )
     model = LlamaForCausalLM(cfg).eval()
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
     return model
@@ -48,10 +56,14 @@ def timed(fn, repeats: int):
 def _variant(args, stage: int, pin: bool):
     import zerospeed
     from zerospeed import comm
+
     model = build(args)
-    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-           "hybrid_engine": {"enabled": True, "pin_parameters": pin}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "hybrid_engine": {"enabled": True, "pin_parameters": pin},
+    }
     engine, *_ = zerospeed.initialize(model=model, config=cfg)
     engine.eval()
     ids = prompts(args)
@@ -59,20 +71,29 @@ def _variant(args, stage: int, pin: bool):
     def call():
         with torch.no_grad():
             return engine.generate(ids, max_new_tokens=args.new, do_sample=False)
+
     call()  # warm-up (and the recorded fetch order)
     before = comm.STATS.snapshot()
     out, seconds = timed(call, args.repeats)
     after = comm.STATS.snapshot()
     kinds = [k for k in after if "gather" in k]
     calls = sum(after[k]["calls"] - before.get(k, {"calls": 0})["calls"] for k in kinds) / args.repeats
-    nbytes = sum(after[k]["payload_bytes"] - before.get(k, {"payload_bytes": 0})["payload_bytes"]
-                 for k in kinds) / args.repeats
+    nbytes = (
+        sum(after[k]["payload_bytes"] - before.get(k, {"payload_bytes": 0})["payload_bytes"] for k in kinds)
+        / args.repeats
+    )
     return {"tokens": out, "seconds": seconds, "gathers": calls, "gather_bytes": nbytes}
 
 
 def _all(args):
-    return {name: _variant(args, stage, pin) for name, stage, pin in
-            (("ZeRO-2 hybrid", 2, True), ("ZeRO-3 hybrid, pinned", 3, True), ("ZeRO-3 hybrid, unpinned", 3, False))}
+    return {
+        name: _variant(args, stage, pin)
+        for name, stage, pin in (
+            ("ZeRO-2 hybrid", 2, True),
+            ("ZeRO-3 hybrid, pinned", 3, True),
+            ("ZeRO-3 hybrid, unpinned", 3, False),
+        )
+    }
 
 
 def main() -> None:
@@ -87,24 +108,30 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     args = ap.parse_args()
     from harness import run_distributed
+
     model = build(args)
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     torch.set_num_threads(max(1, torch.get_num_threads() // args.world))  # the ranks' share of the cores
     with torch.no_grad():
         model.generate(prompts(args), max_new_tokens=args.new, do_sample=False)
-        want, base = timed(lambda: model.generate(prompts(args), max_new_tokens=args.new, do_sample=False),
-                           args.repeats)
+        want, base = timed(
+            lambda: model.generate(prompts(args), max_new_tokens=args.new, do_sample=False), args.repeats
+        )
     results = run_distributed(_all, args.world, args, timeout=3600)[0]
-    print(f"Llama {size / 2**20:.1f} MiB fp32, batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, "
-          f"{args.world} ranks (transformers: one process with 1/{args.world} of the threads)\n")
+    print(
+        f"Llama {size / 2**20:.1f} MiB fp32, batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, "
+        f"{args.world} ranks (transformers: one process with 1/{args.world} of the threads)\n"
+    )
     print("| variant | ms / token | vs transformers | gathering collectives / call | gathered MiB / call |")
     print("|---|---|---|---|---|")
     print(f"| transformers `generate` | {1e3 * base / args.new:.2f} | 1.00 | 0 | 0 |")
     for name, r in results.items():
         if not torch.equal(r["tokens"], want):
             raise SystemExit(f"{name}: tokens differ from transformers'")
-        print(f"| {name} | {1e3 * r['seconds'] / args.new:.2f} | {r['seconds'] / base:.2f} | {r['gathers']:.0f} | "
-              f"{r['gather_bytes'] / 2**20:.1f} |")
+        print(
+            f"| {name} | {1e3 * r['seconds'] / args.new:.2f} | {r['seconds'] / base:.2f} | {r['gathers']:.0f} | "
+            f"{r['gather_bytes'] / 2**20:.1f} |"
+        )
 
 
 if __name__ == "__main__":

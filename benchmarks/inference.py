@@ -17,12 +17,14 @@ greedy decoding, KV cache on everywhere, prompts of `--prompt` random tokens (no
   module is gathered for each forward (persistence threshold 0): per-token time vs the time to copy the
   stored parameter bytes once on this machine (a plain tensor copy of that size) — the ratio the issue
   asks for. nvme: the shards in swap files under `--nvme-path`, read with O_DIRECT for every token; its
-  "read once" is one O_DIRECT read of those files with the engine's own reader. int8 / int4: every linear layer's shard stored block-quantized (group 64, asymmetric), so
+  "read once" is one O_DIRECT read of those files with the engine's own reader. int8 / int4: every linear layer's
+  shard stored block-quantized (group 64, asymmetric), so
   fewer bytes to read and a dequantization per gather (Note [quantized ZeRO-Inference shards]).
 - paged server: all requests added at once; per-token ms = mean step time after the first step.
 - the last table times transformers `generate` and `init_inference` at tp = 1 alternately in one process
   (separate processes differ by several % from run to run on this machine).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,10 +39,18 @@ import torch
 
 def _model(args):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.width, intermediate_size=4 * args.width,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                      max_position_embeddings=args.prompt + args.new, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.width,
+        intermediate_size=4 * args.width,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.prompt + args.new,
+        attn_implementation="sdpa",
+    )
     model = LlamaForCausalLM(cfg).eval()
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
     return model
@@ -59,8 +69,12 @@ def _timed_generate(generate, ids, args) -> dict:
     generate(ids, 2)  # warm-up
     first = statistics.median(_time(lambda: generate(ids, 1)) for _ in range(args.repeats))
     total = statistics.median(_time(lambda: generate(ids, args.new)) for _ in range(args.repeats))
-    return {"first": first, "total": total, "tok_s": ids.shape[0] * args.new / total,
-            "per_token_ms": 1e3 * (total - first) / max(1, args.new - 1)}
+    return {
+        "first": first,
+        "total": total,
+        "tok_s": ids.shape[0] * args.new / total,
+        "per_token_ms": 1e3 * (total - first) / max(1, args.new - 1),
+    }
 
 
 def _time(fn) -> float:
@@ -77,13 +91,15 @@ def _plain(args, batch):
     _threads(1)
     model = _model(args)
     with torch.no_grad():
-        res = _timed_generate(lambda ids, n: model.generate(ids, max_new_tokens=n, do_sample=False),
-                              _prompts(args, batch), args)
+        res = _timed_generate(
+            lambda ids, n: model.generate(ids, max_new_tokens=n, do_sample=False), _prompts(args, batch), args
+        )
     return {**res, "rss": _peak_rss_mib()}
 
 
 def _engine(args, batch, tp, zero, bits=None, leaves=False, nvme=False):
     import zerospeed
+
     _threads(tp)
     config = {"dtype": torch.float32, "tensor_parallel": {"tp_size": tp}}
     if zero:
@@ -96,14 +112,19 @@ def _engine(args, batch, tp, zero, bits=None, leaves=False, nvme=False):
     model = _model(args)
     engine = zerospeed.init_inference(model, config)
     # what one token reads: every shard as stored (quantized ones as codes + scales)
-    model_bytes = (engine.zero_engine.zero.memory_breakdown(None)["parameters"] if zero
-                   else sum(p.numel() * p.element_size() for p in model.parameters()))
-    res = _timed_generate(lambda ids, n: engine.generate(ids, max_new_tokens=n, do_sample=False),
-                          _prompts(args, batch), args)
+    model_bytes = (
+        engine.zero_engine.zero.memory_breakdown(None)["parameters"]
+        if zero
+        else sum(p.numel() * p.element_size() for p in model.parameters())
+    )
+    res = _timed_generate(
+        lambda ids, n: engine.generate(ids, max_new_tokens=n, do_sample=False), _prompts(args, batch), args
+    )
     res["rss"] = _peak_rss_mib()
     res["param_mib"] = model_bytes / 2**20
     if nvme:  # one O_DIRECT read of the swap files with the engine's own reader
         from workers import nvme_read_once_ms
+
         files = engine.zero_engine.swap_files()
         res["read_model_ms"] = nvme_read_once_ms(files)
         res["param_mib"] = sum(nbytes for _, _, nbytes in files) / 2**20  # on the disk, not in memory
@@ -118,6 +139,7 @@ def _interleaved(args, batch):
     """transformers `generate` and `init_inference` (tp 1) on copies of the same model in one process, timed
     alternately: the same-process comparison (separate processes differ by a few % run to run here)."""
     import zerospeed
+
     _threads(1)
     plain, served = _model(args), _model(args)
     engine = zerospeed.init_inference(served, {"dtype": torch.float32})
@@ -135,6 +157,7 @@ def _interleaved(args, batch):
 
 def _paged(args, batch):
     from zerospeed.inference.paged import PagedServer
+
     _threads(1)
     model = _model(args)
     ids = _prompts(args, batch)
@@ -153,9 +176,14 @@ def _paged(args, batch):
     run(2)
     steps, waste = run(args.new)
     total = sum(steps)
-    return {"first": steps[0], "total": total, "tok_s": batch * args.new / total,
-            "per_token_ms": 1e3 * statistics.mean(steps[1:]) if len(steps) > 1 else 0.0, "rss": _peak_rss_mib(),
-            "waste": waste}
+    return {
+        "first": steps[0],
+        "total": total,
+        "tok_s": batch * args.new / total,
+        "per_token_ms": 1e3 * statistics.mean(steps[1:]) if len(steps) > 1 else 0.0,
+        "rss": _peak_rss_mib(),
+        "waste": waste,
+    }
 
 
 def main() -> None:
@@ -169,10 +197,17 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--only", nargs="*", default=[],
-                        help="run only the variants whose names contain one of these (transformers always runs)")
-    parser.add_argument("--nvme-path", default="/tmp/zerospeed_nvme_inference",
-                        help="swap files of the offload_param nvme variant (a disk that supports O_DIRECT)")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        default=[],
+        help="run only the variants whose names contain one of these (transformers always runs)",
+    )
+    parser.add_argument(
+        "--nvme-path",
+        default="/tmp/zerospeed_nvme_inference",
+        help="swap files of the offload_param nvme variant (a disk that supports O_DIRECT)",
+    )
     parser.add_argument("--no-interleaved", action="store_true", help="skip the same-process comparison")
     args = parser.parse_args()
     os.makedirs(args.nvme_path, exist_ok=True)
@@ -180,46 +215,66 @@ def main() -> None:
 
     rows, interleaved = [], []
     for batch in args.batches:
-        runs = {"transformers generate": lambda: run_distributed(_plain, 1, args, batch, timeout=3600),
-                "zerospeed init_inference, tp = 1": lambda: run_distributed(_engine, 1, args, batch, 1, False,
-                                                                            timeout=3600),
-                "zerospeed init_inference, tp = 2": lambda: run_distributed(_engine, 2, args, batch, 2, False,
-                                                                            timeout=3600),
-                "zerospeed paged server": lambda: run_distributed(_paged, 1, args, batch, timeout=3600),
-                "ZeRO-Inference, offload_param cpu": lambda: run_distributed(_engine, 1, args, batch, 1, True,
-                                                                             timeout=3600),
-                "ZeRO-Inference, leaf decoder layers, offload_param cpu": lambda: run_distributed(
-                    _engine, 1, args, batch, 1, True, None, True, timeout=3600),
-                "ZeRO-Inference, offload_param nvme": lambda: run_distributed(
-                    _engine, 1, args, batch, 1, True, None, False, True, timeout=3600),
-                "ZeRO-Inference int8, offload_param cpu": lambda: run_distributed(_engine, 1, args, batch, 1, True, 8,
-                                                                                  timeout=3600),
-                "ZeRO-Inference int4, offload_param cpu": lambda: run_distributed(_engine, 1, args, batch, 1, True, 4,
-                                                                                  timeout=3600)}
-        variants = {name: run() for name, run in runs.items()
-                    if name == "transformers generate" or not args.only or any(o in name for o in args.only)}
+        runs = {
+            "transformers generate": lambda: run_distributed(_plain, 1, args, batch, timeout=3600),
+            "zerospeed init_inference, tp = 1": lambda: run_distributed(
+                _engine, 1, args, batch, 1, False, timeout=3600
+            ),
+            "zerospeed init_inference, tp = 2": lambda: run_distributed(
+                _engine, 2, args, batch, 2, False, timeout=3600
+            ),
+            "zerospeed paged server": lambda: run_distributed(_paged, 1, args, batch, timeout=3600),
+            "ZeRO-Inference, offload_param cpu": lambda: run_distributed(
+                _engine, 1, args, batch, 1, True, timeout=3600
+            ),
+            "ZeRO-Inference, leaf decoder layers, offload_param cpu": lambda: run_distributed(
+                _engine, 1, args, batch, 1, True, None, True, timeout=3600
+            ),
+            "ZeRO-Inference, offload_param nvme": lambda: run_distributed(
+                _engine, 1, args, batch, 1, True, None, False, True, timeout=3600
+            ),
+            "ZeRO-Inference int8, offload_param cpu": lambda: run_distributed(
+                _engine, 1, args, batch, 1, True, 8, timeout=3600
+            ),
+            "ZeRO-Inference int4, offload_param cpu": lambda: run_distributed(
+                _engine, 1, args, batch, 1, True, 4, timeout=3600
+            ),
+        }
+        variants = {
+            name: run()
+            for name, run in runs.items()
+            if name == "transformers generate" or not args.only or any(o in name for o in args.only)
+        }
         base = variants["transformers generate"][0]["tok_s"]
         for name, results in variants.items():
             r = min(results, key=lambda x: x["tok_s"])  # the slowest rank
             note = ""
             if "read_model_ms" in r:
-                note = (f"parameters {r['param_mib']:.1f} MiB; per token / read them once = "
-                        f"{r['per_token_ms'] / r['read_model_ms']:.1f}")
+                note = (
+                    f"parameters {r['param_mib']:.1f} MiB; per token / read them once = "
+                    f"{r['per_token_ms'] / r['read_model_ms']:.1f}"
+                )
             if "waste" in r:
                 note = f"KV block waste {r['waste']:.1%}"
             rows.append((batch, name, r, r["tok_s"] / base, max(x["rss"] for x in results), note))
         if not args.no_interleaved:
             same = run_distributed(_interleaved, 1, args, batch, timeout=3600)[0]
             interleaved.append((batch, same["plain"], same["engine"]))
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; Llama {args.layers} "
-          f"layers x {args.width}, {args.heads} heads ({args.kv_heads} kv), vocab {args.vocab}, fp32, greedy, "
-          f"prompt {args.prompt}, new {args.new}\n")
-    print("| batch | variant | first token s | total s | tokens/s | vs transformers | per-token ms | "
-          "peak RSS MiB / rank | note |")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; Llama {args.layers} "
+        f"layers x {args.width}, {args.heads} heads ({args.kv_heads} kv), vocab {args.vocab}, fp32, greedy, "
+        f"prompt {args.prompt}, new {args.new}\n"
+    )
+    print(
+        "| batch | variant | first token s | total s | tokens/s | vs transformers | per-token ms | "
+        "peak RSS MiB / rank | note |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for batch, name, r, ratio, rss, note in rows:
-        print(f"| {batch} | {name} | {r['first']:.3f} | {r['total']:.3f} | {r['tok_s']:.1f} | {ratio:.2f} | "
-              f"{r['per_token_ms']:.2f} | {rss:.0f} | {note} |")
+        print(
+            f"| {batch} | {name} | {r['first']:.3f} | {r['total']:.3f} | {r['tok_s']:.1f} | {ratio:.2f} | "
+            f"{r['per_token_ms']:.2f} | {rss:.0f} | {note} |"
+        )
     if args.no_interleaved:
         return
     print("\nSame process, alternating runs (tp = 1):\n")

@@ -18,6 +18,7 @@ asymmetric, `--group-size` columns per group) — and each is scored on the held
 
 One invocation prints a markdown table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,20 +32,31 @@ import torch
 
 def _model(args):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=args.width, intermediate_size=args.ffn, num_hidden_layers=args.layers,
-                      num_attention_heads=args.heads, num_key_value_heads=args.heads, max_position_embeddings=args.seq,
-                      tie_word_embeddings=False, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=args.width,
+        intermediate_size=args.ffn,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        max_position_embeddings=args.seq,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(cfg)
 
 
 def _train(model, tokens: torch.Tensor, args) -> float:
     from zoo.data import ByteSequenceDataset
+
     data = ByteSequenceDataset(tokens, args.seq)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     warm = max(1, args.steps // 10)  # linear warm-up, then cosine decay to 0
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warm, 0.5 * (1 + math.cos(
-        math.pi * min(1.0, s / args.steps)))))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min((s + 1) / warm, 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps))))
+    )
     g = torch.Generator().manual_seed(2)
     model.train()
     loss = torch.tensor(float("nan"))
@@ -65,15 +77,17 @@ def _score(engine, windows_NT: torch.Tensor, targets_NT: torch.Tensor, chunk: in
     """(perplexity, logits [N, T, V]) of the served model on the held-out windows."""
     nll, logits = 0.0, []
     for i in range(0, len(windows_NT), chunk):
-        out = engine(windows_NT[i:i + chunk]).logits.float()
-        nll += float(torch.nn.functional.cross_entropy(out.flatten(0, 1), targets_NT[i:i + chunk].flatten(),
-                                                       reduction="sum"))
+        out = engine(windows_NT[i : i + chunk]).logits.float()
+        nll += float(
+            torch.nn.functional.cross_entropy(out.flatten(0, 1), targets_NT[i : i + chunk].flatten(), reduction="sum")
+        )
         logits.append(out)
     return math.exp(nll / targets_NT.numel()), torch.cat(logits)
 
 
 def _quantized_bytes(engine) -> tuple[int, int]:
     from zerospeed.compression.weight_quant import QuantizedLinear
+
     layers = [m for m in engine.module.modules() if isinstance(m, QuantizedLinear)]
     return (sum(m.quantized().nbytes for m in layers), sum(4 * m.in_features * m.out_features for m in layers))
 
@@ -81,6 +95,7 @@ def _quantized_bytes(engine) -> tuple[int, int]:
 def main() -> None:
     import zerospeed
     from zoo.data import stdlib_corpus
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=128)
@@ -97,10 +112,10 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
 
     corpus = stdlib_corpus(args.train_bytes + args.heldout_bytes + 1)
-    train, held = corpus[:args.train_bytes], corpus[args.train_bytes:]
+    train, held = corpus[: args.train_bytes], corpus[args.train_bytes :]
     n = (held.numel() - 1) // args.seq
-    windows = held[:n * args.seq].reshape(n, args.seq)
-    targets = held[1:n * args.seq + 1].reshape(n, args.seq)
+    windows = held[: n * args.seq].reshape(n, args.seq)
+    targets = held[1 : n * args.seq + 1].reshape(n, args.seq)
 
     model = _model(args)
     start = time.perf_counter()
@@ -114,8 +129,9 @@ def main() -> None:
         served.load_state_dict(state)
         config = {"dtype": torch.float32}
         if bits:
-            config["quant"] = {"weight": {"quantized_initialization": {"num_bits": bits,
-                                                                       "group_size": args.group_size}}}
+            config["quant"] = {
+                "weight": {"quantized_initialization": {"num_bits": bits, "group_size": args.group_size}}
+            }
         engine = zerospeed.init_inference(served, config)
         ppl, logits = _score(engine, windows, targets)
         if base_logits is None:
@@ -126,17 +142,30 @@ def main() -> None:
         rel = diff / float(base_logits.abs().max())
         flips = float((logits.argmax(-1) != base_logits.argmax(-1)).float().mean())
         qbytes, fbytes = _quantized_bytes(engine)
-        rows.append((name, ppl, f"{100 * (ppl / base_ppl - 1):+.2f}%", f"{diff:.4f}", f"{100 * rel:.2f}%",
-                     f"{100 * flips:.2f}%", f"{fbytes / qbytes:.2f}x ({len(engine.quantized)} layers)"))
+        rows.append(
+            (
+                name,
+                ppl,
+                f"{100 * (ppl / base_ppl - 1):+.2f}%",
+                f"{diff:.4f}",
+                f"{100 * rel:.2f}%",
+                f"{100 * flips:.2f}%",
+                f"{fbytes / qbytes:.2f}x ({len(engine.quantized)} layers)",
+            )
+        )
 
     params = sum(p.numel() for p in model.parameters())
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; Llama {args.layers} layers "
-          f"x {args.width} (ffn {args.ffn}, {args.heads} heads), byte vocab 256, {params / 1e6:.2f} M params; trained "
-          f"{args.steps} steps x {args.batch} x {args.seq} bytes on the first {args.train_bytes} stdlib-corpus bytes in "
-          f"{train_s:.0f} s (last train loss {train_loss:.3f}); held out: the next {n} x {args.seq} bytes; "
-          f"group size {args.group_size}, asymmetric\n")
-    print("| weights | held-out perplexity | vs fp32 | max abs logit diff | of max abs logit | argmax differs | "
-          "quantized layers smaller |")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; Llama {args.layers} layers "
+        f"x {args.width} (ffn {args.ffn}, {args.heads} heads), byte vocab 256, {params / 1e6:.2f} M params; trained "
+        f"{args.steps} steps x {args.batch} x {args.seq} bytes on the first {args.train_bytes} stdlib-corpus bytes in "
+        f"{train_s:.0f} s (last train loss {train_loss:.3f}); held out: the next {n} x {args.seq} bytes; "
+        f"group size {args.group_size}, asymmetric\n"
+    )
+    print(
+        "| weights | held-out perplexity | vs fp32 | max abs logit diff | of max abs logit | argmax differs | "
+        "quantized layers smaller |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, ppl, delta, diff, rel, flips, mem in rows:
         print(f"| {name} | {ppl:.4f} | {delta} | {diff} | {rel} | {flips} | {mem} |")

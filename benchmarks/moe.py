@@ -17,6 +17,7 @@ equal) while the model holds E times the MLP weights. fp32, AdamW, loss = LM los
 
 On this 2-core machine ep = 4 runs 4 processes on 2 cores: its tokens/s measures overhead, not scaling.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,10 +62,14 @@ class GPT(nn.Module):
     def __init__(self, args, moe_ep: int | None):
         super().__init__()
         from zerospeed.moe.layer import MoE
+
         torch.manual_seed(0)
         self.tok, self.pos = nn.Embedding(args.vocab, args.width), nn.Embedding(args.seq, args.width)
-        ffn = (lambda: MLP(args.width)) if moe_ep is None else (
-            lambda: MoE(args.width, MLP(args.width), num_experts=args.experts, ep_size=moe_ep, k=1))
+        ffn = (
+            (lambda: MLP(args.width))
+            if moe_ep is None
+            else (lambda: MoE(args.width, MLP(args.width), num_experts=args.experts, ep_size=moe_ep, k=1))
+        )
         self.blocks = nn.ModuleList(Block(args.width, 4, ffn()) for _ in range(args.layers))
         self.head = nn.Linear(args.width, args.vocab, bias=False)
 
@@ -105,12 +110,17 @@ def _moe(args, ep: int):
     import zerospeed
     from zerospeed import comm
     from zerospeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
     world = comm.get_world_size() if comm.is_initialized() else 1
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     model = GPT(args, ep)
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p"})
-    cfg = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": args.micro,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": 0},
+    }
     engine, *_ = zerospeed.initialize(model=model, model_parameters=groups, config=cfg)
     batches = _batches(args, comm.get_rank())
     times = []
@@ -146,18 +156,23 @@ def main() -> None:
 
     rows = {"dense GPT, one process (plain PyTorch)": slowest(run_distributed(_dense, 1, args, timeout=3600))}
     for ep in (int(e) for e in args.eps.split(",")):
-        rows[f"MoE GPT ({args.experts} experts, top-1), ep = {ep}"] = slowest(run_distributed(_moe, ep, args, ep,
-                                                                                                timeout=3600))
+        rows[f"MoE GPT ({args.experts} experts, top-1), ep = {ep}"] = slowest(
+            run_distributed(_moe, ep, args, ep, timeout=3600)
+        )
     dense = rows["dense GPT, one process (plain PyTorch)"]
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; GPT {args.layers} layers x {args.width}, "
-          f"vocab {args.vocab}, seq {args.seq}, micro-batch {args.micro} per rank, fp32, AdamW\n")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores; GPT {args.layers} layers x {args.width}, "
+        f"vocab {args.vocab}, seq {args.seq}, micro-batch {args.micro} per rank, fp32, AdamW\n"
+    )
     print("| model | ranks | step s | tokens/s | tokens/s vs dense | param MiB / rank | all-to-all MiB / rank / step |")
     print("|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         tps = r["ranks"] * args.micro * args.seq / r["step"]
         dense_tps = args.micro * args.seq / dense["step"]
-        print(f"| {name} | {r['ranks']} | {r['step']:.3f} | {tps:.0f} | {tps / dense_tps:.2f} | {r['param_mib']:.2f} | "
-              f"{r['a2a_mib']:.2f} |")
+        print(
+            f"| {name} | {r['ranks']} | {r['step']:.3f} | {tps:.0f} | {tps / dense_tps:.2f} | {r['param_mib']:.2f} | "
+            f"{r['a2a_mib']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -40,8 +40,11 @@ def machine_info(directory: pathlib.Path) -> list[str]:
     """nproc, CPU model, free space and filesystem type of the benchmark directory."""
     lines = [f"nproc: {os.cpu_count()}", f"python {platform.python_version()}, torch {torch.__version__}"]
     try:
-        model = [ln for ln in subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout.splitlines()
-                 if "Model name" in ln]
+        model = [
+            ln
+            for ln in subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout.splitlines()
+            if "Model name" in ln
+        ]
         lines += [m.strip() for m in model]
     except OSError:
         pass
@@ -75,13 +78,23 @@ def drop_file_cache(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def run_ours(directory: pathlib.Path, total_bytes: int, tensor_bytes: int, *, block_size: int, queue_depth: int,
-             thread_count: int, use_direct: bool | None, sources: list[torch.Tensor]) -> dict:
+def run_ours(
+    directory: pathlib.Path,
+    total_bytes: int,
+    tensor_bytes: int,
+    *,
+    block_size: int,
+    queue_depth: int,
+    thread_count: int,
+    use_direct: bool | None,
+    sources: list[torch.Tensor],
+) -> dict:
     """Write then read ``total_bytes`` through one SwapFile; returns GB/s each way and whether O_DIRECT ran."""
     numel = tensor_bytes // 4
     count = max(1, total_bytes // tensor_bytes)
-    with AsyncIO(block_size=block_size, queue_depth=queue_depth, thread_count=thread_count,
-                 use_direct=use_direct) as aio:
+    with AsyncIO(
+        block_size=block_size, queue_depth=queue_depth, thread_count=thread_count, use_direct=use_direct
+    ) as aio:
         swap = SwapFile(directory, "rank0-bench", aio)
         for i in range(count):
             swap.reserve(i, numel, torch.float32)
@@ -121,9 +134,20 @@ def run_fio(directory: pathlib.Path, total_bytes: int, block_size: int, queue_de
     name = f"zerospeed-fio-{os.getpid()}"
     try:
         for rw in ("write", "read"):
-            cmd = [fio, f"--name={name}", f"--directory={directory}", f"--rw={rw}", f"--bs={block_size}",
-                   f"--iodepth={queue_depth}", "--direct=1", "--ioengine=libaio", f"--size={total_bytes}",
-                   "--numjobs=1", "--end_fsync=1", "--output-format=json"]
+            cmd = [
+                fio,
+                f"--name={name}",
+                f"--directory={directory}",
+                f"--rw={rw}",
+                f"--bs={block_size}",
+                f"--iodepth={queue_depth}",
+                "--direct=1",
+                "--ioengine=libaio",
+                f"--size={total_bytes}",
+                "--numjobs=1",
+                "--end_fsync=1",
+                "--output-format=json",
+            ]
             out = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if out.returncode != 0:
                 return f"fio failed: {out.stderr.strip()[:300]}"
@@ -148,8 +172,12 @@ def median_runs(fn, repeat: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dir", type=pathlib.Path, default=None,
-                    help="directory to test (default: a scratch dir under /work, removed afterwards)")
+    ap.add_argument(
+        "--dir",
+        type=pathlib.Path,
+        default=None,
+        help="directory to test (default: a scratch dir under /work, removed afterwards)",
+    )
     ap.add_argument("--gb", type=float, default=2.0, help="data written then read, GB (1e9 bytes)")
     ap.add_argument("--tensor-mb", type=int, default=64, help="size of each tensor, MiB")
     ap.add_argument("--block-size", type=int, default=1 << 20, help="aio block size, bytes (fio bs)")
@@ -172,16 +200,22 @@ def main(argv: list[str] | None = None) -> int:
         print("## Machine\n")
         print("```\n" + "\n".join(machine_info(directory)) + "\n```\n")
         dropped = try_drop_caches()
-        print(f"global drop_caches: {'ok' if dropped else 'refused (container)'}; per-file "
-              "posix_fadvise(DONTNEED) after fsync is used before every read\n")
+        print(
+            f"global drop_caches: {'ok' if dropped else 'refused (container)'}; per-file "
+            "posix_fadvise(DONTNEED) after fsync is used before every read\n"
+        )
         kw = {"block_size": args.block_size, "queue_depth": args.queue_depth, "thread_count": args.thread_count}
         rows = {}
         for label, use_direct in (("zerospeed O_DIRECT", None), ("zerospeed buffered", False)):
-            rows[label] = median_runs(lambda u=use_direct: run_ours(directory, total, tensor_bytes, use_direct=u,
-                                                                    sources=sources, **kw), args.repeat)
+            rows[label] = median_runs(
+                lambda u=use_direct: run_ours(directory, total, tensor_bytes, use_direct=u, sources=sources, **kw),
+                args.repeat,
+            )
         fio = median_runs(lambda: run_fio(directory, total, args.block_size, args.queue_depth), args.repeat)
-        print(f"## Sequential swap, {total / GB:.2f} GB, block {args.block_size} B, queue depth {args.queue_depth}, "
-              f"thread_count {args.thread_count}, tensors of {args.tensor_mb} MiB\n")
+        print(
+            f"## Sequential swap, {total / GB:.2f} GB, block {args.block_size} B, queue depth {args.queue_depth}, "
+            f"thread_count {args.thread_count}, tensors of {args.tensor_mb} MiB\n"
+        )
         print("| variant | write GB/s | read GB/s | write / fio | read / fio |")
         print("|---|---:|---:|---:|---:|")
         for label, r in rows.items():
@@ -204,15 +238,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def sweep(directory: pathlib.Path, total: int, tensor_bytes: int, sources: list[torch.Tensor], thread_count: int) -> None:
+def sweep(
+    directory: pathlib.Path, total: int, tensor_bytes: int, sources: list[torch.Tensor], thread_count: int
+) -> None:
     """O_DIRECT bandwidth over block sizes x queue depths (thread_count fixed), with fio at the same point."""
     print(f"\n## Sweep (O_DIRECT, {total / GB:.2f} GB, thread_count {thread_count}): ours / fio GB/s\n")
     print("| block | queue depth | write ours | write fio | read ours | read fio |")
     print("|---:|---:|---:|---:|---:|---:|")
     for block in (256 << 10, 1 << 20, 4 << 20):
         for depth in (4, 8, 16):
-            r = run_ours(directory, total, tensor_bytes, block_size=block, queue_depth=depth,
-                         thread_count=thread_count, use_direct=None, sources=sources)
+            r = run_ours(
+                directory,
+                total,
+                tensor_bytes,
+                block_size=block,
+                queue_depth=depth,
+                thread_count=thread_count,
+                use_direct=None,
+                sources=sources,
+            )
             f = run_fio(directory, total, block, depth)
             fw, fr = (f"{f['write']:.3f}", f"{f['read']:.3f}") if isinstance(f, dict) else ("-", "-")
             print(f"| {block >> 10} KiB | {depth} | {r['write']:.3f} | {fw} | {r['read']:.3f} | {fr} |", flush=True)

@@ -6,6 +6,7 @@ Every `bench_step` table (a markdown table whose first two columns are `variant`
 (ms)`) becomes `docs/img/bench_<date>_<time>.png`, named after the `#### bench_step — <date> <time>`
 heading above it. Prints the files written.
 """
+
 from __future__ import annotations
 
 import re
@@ -46,8 +47,15 @@ def main() -> None:
     src, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
     for stamp, names, ms in tables(src.read_text()):
         path = out_dir / f"bench_{stamp}.png"
-        save_bar_chart(path, names, ms, title=f"median step time, bench_step {stamp.replace('_', ' ')} UTC",
-                       unit=" ms", xlabel="median step time (ms)", width=720)
+        save_bar_chart(
+            path,
+            names,
+            ms,
+            title=f"median step time, bench_step {stamp.replace('_', ' ')} UTC",
+            unit=" ms",
+            xlabel="median step time (ms)",
+            width=720,
+        )
         print(path)
 
 

@@ -17,6 +17,7 @@ its forward), sp = P is P gloo ranks with DistributedAttention.
 - step time: median of 3 forward + backward passes (after one warm-up) per rank, at --seqs. On this
   2-core machine P processes share 2 cores, so sp = 4 measures overhead, not speed-up.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,7 @@ import time
 
 def _saved_bytes(fn, params) -> int:
     import torch
+
     ptrs = {p.untyped_storage().data_ptr() for p in params}
     storages = {}
 
@@ -45,6 +47,7 @@ def _saved_bytes(fn, params) -> int:
 def _case(args, sp: int):
     """Run on every rank (or alone at sp = 1): {seq: {...}} for this rank."""
     import torch
+
     from zerospeed import comm
     from zerospeed.comm.mesh import ParallelMesh
     from zerospeed.sequence.layer import DistributedAttention
@@ -87,7 +90,7 @@ def _case(args, sp: int):
             row["tiled_mib"] = _saved_bytes(tiled_loss, params)[0] / 2**20
         if seq in args.seqs:
             times = []
-            for i in range(4):
+            for _i in range(4):
                 comm.barrier(group) if sp > 1 else None
                 start = time.perf_counter()
                 tiled_loss().backward()
@@ -113,13 +116,18 @@ def main() -> None:
     sps = [int(s) for s in args.sps.split(",")]
 
     from harness import run_distributed
+
     results = {}
     for sp in sps:
         results[sp] = run_distributed(_case, sp, args, sp, timeout=1800)[0]  # sp = 1 too: same process setup
 
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch gloo; model: GPT width {args.width}, "
-          f"{args.heads} heads, {args.layers} layers, vocab {args.vocab}, batch 1, fp32\n")
-    print("| seq | sp | logits MiB / rank | activations MiB / rank (full logits) | activations MiB / rank (tiled loss) |")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, torch gloo; model: GPT width {args.width}, "
+        f"{args.heads} heads, {args.layers} layers, vocab {args.vocab}, batch 1, fp32\n"
+    )
+    print(
+        "| seq | sp | logits MiB / rank | activations MiB / rank (full logits) | activations MiB / rank (tiled loss) |"
+    )
     print("|---|---|---|---|---|")
     for seq in args.census_seqs:
         for sp in sps:
@@ -131,13 +139,24 @@ def main() -> None:
     for sp in sps:
         slope = (results[sp][b]["tiled_mib"] - results[sp][a]["tiled_mib"]) * 2**20 / (b - a)
         print(f"| {sp} | {slope:.0f} | {int(args.budget_mib * 2**20 / slope) // 1024 * 1024} |")
-    print("\n| seq | " + " | ".join(f"sp={sp} step s" for sp in sps) + " | " +
-          " | ".join(f"sp={sp} / sp=1" for sp in sps[1:]) + " |")
+    print(
+        "\n| seq | "
+        + " | ".join(f"sp={sp} step s" for sp in sps)
+        + " | "
+        + " | ".join(f"sp={sp} / sp=1" for sp in sps[1:])
+        + " |"
+    )
     print("|---|" + "---|" * (2 * len(sps) - 1))
     for seq in args.seqs:
         steps = [results[sp][seq]["step_s"] for sp in sps]
         ratios = [s / steps[0] for s in steps[1:]]
-        print(f"| {seq} | " + " | ".join(f"{s:.3f}" for s in steps) + " | " + " | ".join(f"{r:.2f}" for r in ratios) + " |")
+        print(
+            f"| {seq} | "
+            + " | ".join(f"{s:.3f}" for s in steps)
+            + " | "
+            + " | ".join(f"{r:.2f}" for r in ratios)
+            + " |"
+        )
 
 
 if __name__ == "__main__":

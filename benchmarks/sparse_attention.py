@@ -25,6 +25,7 @@ inputs q, k, v [1, heads, L, dim] that require grad:
 - time: in a second fresh subprocess (default allocator settings), the median wall time of --repeats
   forward + backward runs after one warm-up run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,21 +53,24 @@ def _attention(kind: str, args, seq: int):
     import torch.nn.functional as F
 
     from zerospeed.ops.sparse_attention import (
-        BigBirdSparsityConfig, BlockSparsePlan, FixedSparsityConfig, block_sparse_attention,
+        BigBirdSparsityConfig,
+        BlockSparsePlan,
+        FixedSparsityConfig,
+        block_sparse_attention,
     )
 
     if kind == "dense SDPA":
         return F.scaled_dot_product_attention, 0.0, seq // args.block
     if kind == "dense math":
-        return (lambda q, k, v: torch.softmax(q @ k.transpose(-1, -2) / args.dim ** 0.5, -1) @ v), 0.0, seq // args.block
+        return (lambda q, k, v: torch.softmax(q @ k.transpose(-1, -2) / args.dim**0.5, -1) @ v), 0.0, seq // args.block
     random.seed(0)
     config = (FixedSparsityConfig if kind == "fixed" else BigBirdSparsityConfig)(args.heads, block=args.block)
     layout = config.make_layout(seq)
     plan = BlockSparsePlan(layout, args.block)
     tables = plan.layout.nbytes + plan.kv_blocks.nbytes + plan.row_counts.nbytes + plan.row_starts.nbytes
     per_row = plan.num_active / (args.heads * plan.num_blocks)
-    fn = (lambda q, k, v: block_sparse_attention(q, k, v, None, args.block, plan=plan))
-    return fn, (layout.nbytes + tables) / 2 ** 20, per_row
+    fn = lambda q, k, v: block_sparse_attention(q, k, v, None, args.block, plan=plan)
+    return fn, (layout.nbytes + tables) / 2**20, per_row
 
 
 def run_case(kind: str, seq: int, args, what: str) -> dict:
@@ -91,11 +95,12 @@ def run_case(kind: str, seq: int, args, what: str) -> dict:
     result = {"layout_mib": layout_mib, "per_row": per_row}
     if what == "memory":
         from zerospeed.accelerator import reset_kernel_peak_rss
+
         if not reset_kernel_peak_rss():
             return {"error": "cannot reset VmHWM (/proc/self/clear_refs)"}
         before = _status("VmRSS")
         step(fn, q, k, v)
-        return dict(result, peak_mib=(_status("VmHWM") - before) / 2 ** 20)
+        return dict(result, peak_mib=(_status("VmHWM") - before) / 2**20)
     start = time.perf_counter()
     step(fn, q, k, v)
     times = [time.perf_counter() - start]
@@ -112,9 +117,24 @@ def _subprocess(kind: str, seq: int, args, what: str) -> dict:
     env = dict(os.environ)
     if what == "memory":  # freed large blocks go back to the OS at once (slow, so not for timing)
         env.update(MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
-    cmd = [sys.executable, __file__, "--case", kind, str(seq), what, "--heads", str(args.heads), "--dim",
-           str(args.dim), "--block", str(args.block), "--repeats", str(args.repeats),
-           "--threads", str(args.threads)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--case",
+        kind,
+        str(seq),
+        what,
+        "--heads",
+        str(args.heads),
+        "--dim",
+        str(args.dim),
+        "--block",
+        str(args.block),
+        "--repeats",
+        str(args.repeats),
+        "--threads",
+        str(args.threads),
+    ]
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=600)
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
@@ -146,10 +166,14 @@ def main(argv=None) -> None:
     import torch
 
     threads = args.threads or torch.get_num_threads()
-    print(f"attention forward + backward, fp32, batch 1, {args.heads} heads x {args.dim}, block {args.block}; "
-          f"{platform.machine()}, {os.cpu_count()} CPUs, {threads} torch threads, torch {torch.__version__}\n")
-    print("| attention | L | active blocks / row | peak MiB (fwd+bwd) | peak / L (KiB per token) | layout MiB | "
-          "fwd+bwd (s) |")
+    print(
+        f"attention forward + backward, fp32, batch 1, {args.heads} heads x {args.dim}, block {args.block}; "
+        f"{platform.machine()}, {os.cpu_count()} CPUs, {threads} torch threads, torch {torch.__version__}\n"
+    )
+    print(
+        "| attention | L | active blocks / row | peak MiB (fwd+bwd) | peak / L (KiB per token) | layout MiB | "
+        "fwd+bwd (s) |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for kind, seq in _cases(args):
         r = _subprocess(kind, seq, args, "memory")
@@ -157,8 +181,11 @@ def main(argv=None) -> None:
         if "error" in r:
             print(f"| {kind} | {seq} | - | {r['error']} | | | |", flush=True)
             continue
-        print(f"| {kind} | {seq} | {r['per_row']:.1f} | {r['peak_mib']:.1f} | {r['peak_mib'] * 1024 / seq:.2f} | "
-              f"{r['layout_mib']:.1f} | {r['seconds']:.3f} |", flush=True)
+        print(
+            f"| {kind} | {seq} | {r['per_row']:.1f} | {r['peak_mib']:.1f} | {r['peak_mib'] * 1024 / seq:.2f} | "
+            f"{r['layout_mib']:.1f} | {r['seconds']:.3f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ rank, the tp variant the whole batch on both ranks (tensor-parallel ranks read t
 On this 2-core machine two ranks share the two cores, so tp = 2 shows its overheads (two all-reduces of
 the activations per block and direction) rather than a speed-up; the memory column shows what it buys.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,10 +33,19 @@ import torch
 
 def _model(args):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.width, intermediate_size=4 * args.width,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
-                      max_position_embeddings=args.seq, attn_implementation="sdpa", use_cache=False)
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.width,
+        intermediate_size=4 * args.width,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        max_position_embeddings=args.seq,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -75,6 +85,7 @@ def _single(args):
 def _ddp(args):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
+
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     model = _model(args)
     ddp = DistributedDataParallel(model)
@@ -82,7 +93,7 @@ def _ddp(args):
     rank = dist.get_rank()
 
     def step(ids):
-        mine = ids[rank * args.micro:(rank + 1) * args.micro]
+        mine = ids[rank * args.micro : (rank + 1) * args.micro]
         ddp(input_ids=mine, labels=mine).loss.backward()
         opt.step()
         opt.zero_grad()
@@ -94,17 +105,22 @@ def _ddp(args):
 def _zerospeed(args, tp: int):
     import zerospeed
     from zerospeed import comm
+
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     model = _model(args)
-    cfg = {"train_micro_batch_size_per_gpu": args.micro * (2 if tp > 1 else 1), "gradient_accumulation_steps": 1,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": args.micro * (2 if tp > 1 else 1),
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": 0},
+    }
     if tp > 1:
         cfg["tensor_parallel"] = {"autotp_size": tp}
     engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     dp_rank = engine.mesh.rank_in("dp")
 
     def step(ids):
-        mine = ids if tp > 1 else ids[dp_rank * args.micro:(dp_rank + 1) * args.micro]
+        mine = ids if tp > 1 else ids[dp_rank * args.micro : (dp_rank + 1) * args.micro]
         loss = engine(input_ids=mine, labels=mine).loss
         engine.backward(loss)
         engine.step()
@@ -133,18 +149,24 @@ def main() -> None:
         per_step = [max(r["step"][i] for r in results) for i in range(len(results[0]["step"]))]
         return {**results[0], "step": statistics.median(per_step)}
 
-    rows = {"one process (plain PyTorch)": run_distributed(_single, 1, args, timeout=3600)[0],
-            "PyTorch DDP, dp = 2": slowest(run_distributed(_ddp, 2, args, timeout=3600)),
-            "zerospeed, dp = 2 (ZeRO-0)": slowest(run_distributed(_zerospeed, 2, args, 1, timeout=3600)),
-            "zerospeed AutoTP, tp = 2": slowest(run_distributed(_zerospeed, 2, args, 2, timeout=3600))}
+    rows = {
+        "one process (plain PyTorch)": run_distributed(_single, 1, args, timeout=3600)[0],
+        "PyTorch DDP, dp = 2": slowest(run_distributed(_ddp, 2, args, timeout=3600)),
+        "zerospeed, dp = 2 (ZeRO-0)": slowest(run_distributed(_zerospeed, 2, args, 1, timeout=3600)),
+        "zerospeed AutoTP, tp = 2": slowest(run_distributed(_zerospeed, 2, args, 2, timeout=3600)),
+    }
     one, ddp = rows["one process (plain PyTorch)"]["step"], rows["PyTorch DDP, dp = 2"]["step"]
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; Llama {args.layers} layers x {args.width}, "
-          f"{args.heads} heads, vocab {args.vocab}, seq {args.seq}, global batch {2 * args.micro}, fp32, AdamW\n")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores; Llama {args.layers} layers x {args.width}, "
+        f"{args.heads} heads, vocab {args.vocab}, seq {args.seq}, global batch {2 * args.micro}, fp32, AdamW\n"
+    )
     print("| variant | step s | vs one process | vs DDP | param MiB / rank | comm MiB / rank / step |")
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['step']:.3f} | {r['step'] / one:.2f} | {r['step'] / ddp:.2f} | {r['param_mib']:.1f} | "
-              f"{r['comm_mib']:.1f} |")
+        print(
+            f"| {name} | {r['step']:.3f} | {r['step'] / one:.2f} | {r['step'] / ddp:.2f} | {r['param_mib']:.1f} | "
+            f"{r['comm_mib']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

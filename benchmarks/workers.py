@@ -8,7 +8,8 @@ training step differs), and writes ``<out_dir>/<variant>.rank<r>.json`` with its
 times, losses and peak memory — and, for the zerospeed variants, the comm gateway's counters over the
 measured steps.
 
-Variants: ``zs0``..``zs3`` (zerospeed at ZeRO stage 0-3; ``zspp``: its PipelineEngine, one stage per rank; ``zs3_noprefetch`` with
+Variants: ``zs0``..``zs3`` (zerospeed at ZeRO stage 0-3; ``zspp``: its PipelineEngine, one stage per rank;
+``zs3_noprefetch`` with
 ``stage3_prefetch_bucket_size`` 0), ``ds0``..``ds3``/``ds3_noprefetch`` (DeepSpeed with the same config),
 ``ddp`` (PyTorch DDP + AdamW), ``ddp_zero`` (DDP + PyTorch's ZeroRedundancyOptimizer around AdamW,
 i.e. PyTorch's own ZeRO-1) and ``fsdp2``/``fsdp2_noprefetch`` (PyTorch's ``fully_shard`` on the same
@@ -52,8 +53,10 @@ def micro_batches(spec: dict, rank: int, world: int) -> Iterator[tuple[torch.Ten
     loader = DataLoader(dataset, batch_size=spec["micro_batch"], sampler=sampler, drop_last=True)
     needed = (spec["warmup"] + spec["steps"]) * spec["grad_accum"]
     if len(loader) < needed:
-        raise ValueError(f"corpus gives {len(loader)} micro-batches per rank, the run needs {needed}; "
-                         "raise --corpus-bytes or lower --steps")
+        raise ValueError(
+            f"corpus gives {len(loader)} micro-batches per rank, the run needs {needed}; "
+            "raise --corpus-bytes or lower --steps"
+        )
     return iter(loader)
 
 
@@ -69,10 +72,12 @@ def zero_section(spec: dict) -> dict:
     if spec["stage"] in (1, 2):
         zero |= {"allgather_bucket_size": spec["allgather_bucket_size"], "overlap_comm": spec["overlap_comm"]}
     if spec["stage"] == 3:
-        zero |= {"overlap_comm": spec["overlap_comm"],
-                 "stage3_prefetch_bucket_size": spec["prefetch_bucket_size"],
-                 "stage3_param_persistence_threshold": spec["param_persistence_threshold"],
-                 "stage3_max_live_parameters": spec["max_live_parameters"]}
+        zero |= {
+            "overlap_comm": spec["overlap_comm"],
+            "stage3_prefetch_bucket_size": spec["prefetch_bucket_size"],
+            "stage3_param_persistence_threshold": spec["param_persistence_threshold"],
+            "stage3_max_live_parameters": spec["max_live_parameters"],
+        }
     offload = spec.get("offload", "none")
     if offload == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -101,8 +106,14 @@ def ds_config(spec: dict, torch_adam: bool) -> dict:
     }
 
 
-def timed_steps(spec: dict, batches, micro_step: Callable, optimizer_step: Callable,
-                sync: Callable[[], None], on_measure: Callable[[], None] = lambda: None) -> dict:
+def timed_steps(
+    spec: dict,
+    batches,
+    micro_step: Callable,
+    optimizer_step: Callable,
+    sync: Callable[[], None],
+    on_measure: Callable[[], None] = lambda: None,
+) -> dict:
     """Run warmup + steps optimizer steps; time each from its first micro-batch to the update.
 
     ``on_measure`` runs once, after the warm-up and before the first measured step (counter resets).
@@ -121,7 +132,7 @@ def timed_steps(spec: dict, batches, micro_step: Callable, optimizer_step: Calla
         sync()
         times.append(time.perf_counter() - start)
         losses.append(total / gas)
-    return {"step_times": times[spec["warmup"]:], "losses": losses}
+    return {"step_times": times[spec["warmup"] :], "losses": losses}
 
 
 def peak_memory(device: torch.device) -> int:
@@ -145,8 +156,9 @@ def run_engine(spec: dict, rank: int, world: int, lib) -> dict:
         lib.init_distributed()
     model = build_model(spec)
     sizes = param_sizes(model)  # before the engine: at stage 3 it leaves the parameters empty
-    engine, *_ = lib.initialize(model=model, model_parameters=model.parameters(),
-                                config=ds_config(spec, torch_adam=use_torch_adam))
+    engine, *_ = lib.initialize(
+        model=model, model_parameters=model.parameters(), config=ds_config(spec, torch_adam=use_torch_adam)
+    )
     if spec.get("compile"):
         engine.compile()
     device = engine.device
@@ -159,8 +171,14 @@ def run_engine(spec: dict, rank: int, world: int, lib) -> dict:
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     stats = None if lib.__name__ == "deepspeed" else lib.comm.STATS
-    result = timed_steps(spec, micro_batches(spec, rank, world), micro_step, lambda: None, sync,
-                         on_measure=stats.reset if stats is not None else (lambda: None))
+    result = timed_steps(
+        spec,
+        micro_batches(spec, rank, world),
+        micro_step,
+        lambda: None,
+        sync,
+        on_measure=stats.reset if stats is not None else (lambda: None),
+    )
     if stats is not None:
         result["comm"] = stats.snapshot()
     return result | sizes | {"peak_memory": peak_memory(device)}
@@ -176,9 +194,12 @@ def run_pipeline(spec: dict, rank: int, world: int, lib) -> dict:
     lib.init_distributed()
     source = build_model(spec)
     sizes = param_sizes(source)
-    module = PipelineModule(gpt_layer_specs(source.config, source), num_stages=world, loss_fn=lm_loss,
-                            partition_method="parameters")
-    engine, *_ = lib.initialize(model=module, config=ds_config(spec, torch_adam=False) | {"zero_optimization": {"stage": 0}})
+    module = PipelineModule(
+        gpt_layer_specs(source.config, source), num_stages=world, loss_fn=lm_loss, partition_method="parameters"
+    )
+    engine, *_ = lib.initialize(
+        model=module, config=ds_config(spec, torch_adam=False) | {"zero_optimization": {"stage": 0}}
+    )
     pending, last = [], [0.0]
 
     def micro_step(x, y, boundary):
@@ -190,8 +211,9 @@ def run_pipeline(spec: dict, rank: int, world: int, lib) -> dict:
         return last[0] * spec["grad_accum"]  # timed_steps averages over the micro-batches
 
     stats = lib.comm.STATS
-    result = timed_steps(spec, micro_batches(spec, 0, 1), micro_step, lambda: None, lambda: None,
-                         on_measure=stats.reset)
+    result = timed_steps(
+        spec, micro_batches(spec, 0, 1), micro_step, lambda: None, lambda: None, on_measure=stats.reset
+    )
     result["comm"] = stats.snapshot()
     return result | sizes | {"peak_memory": peak_memory(engine.device)}
 
@@ -203,9 +225,11 @@ def param_sizes(model: torch.nn.Module) -> dict:
     for _, p in model.named_parameters(remove_duplicate=False):
         seen[id(p)] = seen.get(id(p), 0) + 1
     params = {id(p): p for p in model.parameters()}
-    return {"params": sum(p.numel() for p in params.values()),
-            "param_bytes": next(iter(params.values())).element_size(),
-            "tied_params": sum(params[i].numel() for i, n in seen.items() if n > 1)}
+    return {
+        "params": sum(p.numel() for p in params.values()),
+        "param_bytes": next(iter(params.values())).element_size(),
+        "tied_params": sum(params[i].numel() for i, n in seen.items() if n > 1),
+    }
 
 
 def _run_plain_torch(spec, rank, world, micro_step, model, opt, cuda) -> dict:
@@ -331,12 +355,15 @@ def main() -> None:
         result = run_fsdp2(spec, rank, world, prefetch=variant == "fsdp2")
     elif variant == "zspp":
         import zerospeed
+
         result = run_pipeline(spec, rank, world, zerospeed)
     elif variant.startswith("zs"):
         import zerospeed
+
         result = run_engine(spec, rank, world, zerospeed)
     elif variant.startswith("ds"):
         import deepspeed
+
         result = run_engine(spec, rank, world, deepspeed)
     else:
         raise ValueError(f"unknown variant {variant!r}")
@@ -348,6 +375,7 @@ def nvme_read_once_ms(files: list) -> float:
     """Median time to read the swap files once with O_DIRECT (the engine's own reader, 1 MiB blocks,
     queue depth 8) into pinned memory: the floor for a token whose weights all come from the disk."""
     from zerospeed.offload.aio import AsyncIO, aligned_empty
+
     total = sum(nbytes for _, _, nbytes in files)
     buf = aligned_empty(total, torch.uint8, pin=torch.cuda.is_available())
     times = []
@@ -357,7 +385,7 @@ def nvme_read_once_ms(files: list) -> float:
             offset = 0
             reqs = []
             for _, path, nbytes in files:
-                reqs.append(aio.read(buf[offset:offset + nbytes], path))
+                reqs.append(aio.read(buf[offset : offset + nbytes], path))
                 offset += nbytes
             for r in reqs:
                 r.wait()

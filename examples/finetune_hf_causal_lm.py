@@ -8,6 +8,7 @@ plain transformers script. The data is the Python standard library's source as b
 no tokenizer). With a stage-3 config the model is built under `zero.Init`, so no rank ever holds
 all of it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -45,8 +46,15 @@ class CausalBytes(torch.utils.data.Dataset):
 
 
 def build_model(m: ModelArguments, args: TrainingArguments):
-    config = GPT2Config(n_layer=m.n_layer, n_embd=m.n_embd, n_head=m.n_head, vocab_size=256,
-                        n_positions=m.seq_len, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        n_layer=m.n_layer,
+        n_embd=m.n_embd,
+        n_head=m.n_head,
+        vocab_size=256,
+        n_positions=m.seq_len,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     stage3 = bool(args.deepspeed) and load_hf_config(args.deepspeed).get("zero_optimization", {}).get("stage") == 3
     with zerospeed.zero.Init(config_dict_or_path=args.deepspeed, enabled=stage3):
         return AutoModelForCausalLM.from_config(config)
@@ -65,10 +73,15 @@ def main() -> None:
     trainer.save_model()
     if trainer.is_world_process_zero():
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        logged = (f"first logged {losses[0]:.4f}, last logged {losses[-1]:.4f}, " if losses
-                  else "(none logged: raise --max_steps or lower --logging_steps) ")
-        print(f"train loss: {logged}mean {result.training_loss:.4f}; eval loss {metrics['eval_loss']:.4f}; "
-              f"{float(result.metrics['train_runtime']):.1f}s for {result.global_step} steps")
+        logged = (
+            f"first logged {losses[0]:.4f}, last logged {losses[-1]:.4f}, "
+            if losses
+            else "(none logged: raise --max_steps or lower --logging_steps) "
+        )
+        print(
+            f"train loss: {logged}mean {result.training_loss:.4f}; eval loss {metrics['eval_loss']:.4f}; "
+            f"{float(result.metrics['train_runtime']):.1f}s for {result.global_step} steps"
+        )
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -27,12 +27,12 @@ import torch
 import zerospeed
 import zerospeed.comm as comm
 from zerospeed.accelerator import get_accelerator
+from zerospeed.monitor.plot import save_line_plot
+from zerospeed.monitor.plot_cli import plot_run
+from zerospeed.monitor.progress import Progress
+from zerospeed.utils import log_dist
 from zoo.data import ByteSequenceDataset, stdlib_corpus
 from zoo.models import GPT, GPTConfig
-from zerospeed.monitor.plot_cli import plot_run
-from zerospeed.utils import log_dist
-from zerospeed.monitor.plot import save_line_plot
-from zerospeed.monitor.progress import Progress
 
 MODEL_SIZES = {
     "tiny": dict(n_layer=2, n_head=2, n_embd=64),
@@ -45,9 +45,12 @@ MEMORY_EVERY = 10  # gather per-rank memory every N optimizer steps; it costs a 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="optimizer steps (default: the scheduler's total_num_steps, else "
-                             f"{DEFAULT_STEPS})")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"optimizer steps (default: the scheduler's total_num_steps, else {DEFAULT_STEPS})",
+    )
     parser.add_argument("--seq-len", type=int, default=128, help="tokens (bytes) per sequence")
     parser.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="small")
     parser.add_argument("--seed", type=int, default=1234, help="model-initialisation seed")
@@ -56,8 +59,12 @@ def parse_args() -> argparse.Namespace:
     # What the transformers Trainer would fill into a config's "auto" values (explicit values win):
     parser.add_argument("--micro-batch", type=int, default=8, help='for train_micro_batch_size_per_gpu: "auto"')
     parser.add_argument("--grad-accum", type=int, default=1, help='for gradient_accumulation_steps: "auto"')
-    parser.add_argument("--lr", type=float, default=1e-3,
-                        help='for "auto" learning rates, and the AdamW used when the config has no optimizer')
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=1e-3,
+        help='for "auto" learning rates, and the AdamW used when the config has no optimizer',
+    )
     zerospeed.add_config_arguments(parser)
     return parser.parse_args()
 
@@ -72,8 +79,12 @@ def resolve_steps(args: argparse.Namespace) -> int:
     if args.steps is None:
         return int(total) if total is not None else DEFAULT_STEPS
     if total is not None and total != args.steps:
-        log_dist(f"--steps {args.steps} differs from the scheduler's total_num_steps {total}: the learning "
-                 "rate schedule will not end with the run", ranks=[0], level=logging.WARNING)
+        log_dist(
+            f"--steps {args.steps} differs from the scheduler's total_num_steps {total}: the learning "
+            "rate schedule will not end with the run",
+            ranks=[0],
+            level=logging.WARNING,
+        )
     return args.steps
 
 
@@ -82,13 +93,22 @@ def resolve_config(args: argparse.Namespace, steps: int, hidden_size: int) -> di
     this script's flags — so configs written for the Trainer (tutorial ones) train unchanged."""
     from zerospeed.config import load_raw
     from zerospeed.config.auto import auto_values_from_hidden_size, resolve_auto
+
     raw = load_raw(args.deepspeed_config or args.deepspeed)
-    known = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": args.grad_accum,
-             "gradient_clipping": 1.0, "fp16.enabled": False, "bf16.enabled": False,
-             "optimizer.params.lr": args.lr, "optimizer.params.weight_decay": 0.0,
-             "scheduler.params.warmup_min_lr": 0.0, "scheduler.params.warmup_max_lr": args.lr,
-             "scheduler.params.warmup_num_steps": max(1, steps // 10), "scheduler.params.total_num_steps": steps,
-             **auto_values_from_hidden_size(hidden_size)}
+    known = {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": args.grad_accum,
+        "gradient_clipping": 1.0,
+        "fp16.enabled": False,
+        "bf16.enabled": False,
+        "optimizer.params.lr": args.lr,
+        "optimizer.params.weight_decay": 0.0,
+        "scheduler.params.warmup_min_lr": 0.0,
+        "scheduler.params.warmup_max_lr": args.lr,
+        "scheduler.params.warmup_num_steps": max(1, steps // 10),
+        "scheduler.params.total_num_steps": steps,
+        **auto_values_from_hidden_size(hidden_size),
+    }
     return resolve_auto(raw, {k: v for k, v in known.items() if _is_auto(raw, k)})
 
 
@@ -148,8 +168,10 @@ def train(engine, loader, steps: int, seq_len: int) -> tuple[list[float], float]
         if engine.global_steps % MEMORY_EVERY == 0:
             mem = memory_per_rank()
         now = time.perf_counter()
-        bar.update(f"loss {losses[-1]:.3f} | {tokens_per_step / (now - last):,.0f} tok/s | "
-                   f"lr {engine.get_lr()[0]:.2e} | mem {fmt_mib(mem)}")
+        bar.update(
+            f"loss {losses[-1]:.3f} | {tokens_per_step / (now - last):,.0f} tok/s | "
+            f"lr {engine.get_lr()[0]:.2e} | mem {fmt_mib(mem)}"
+        )
         last = now
         if len(losses) >= steps:
             break
@@ -164,19 +186,33 @@ def report(engine, args, n_params: int, steps: int, losses: list[float], wall: f
         return
     tail = losses[-10:]
     summary = {
-        "steps": steps, "world_size": engine.world_size, "zero_stage": engine.zero_optimization_stage(),
-        "model_size": args.model_size, "parameters": n_params,
-        "seq_len": args.seq_len, "train_batch_size": engine.train_batch_size(),
+        "steps": steps,
+        "world_size": engine.world_size,
+        "zero_stage": engine.zero_optimization_stage(),
+        "model_size": args.model_size,
+        "parameters": n_params,
+        "seq_len": args.seq_len,
+        "train_batch_size": engine.train_batch_size(),
         "micro_batch_per_gpu": engine.train_micro_batch_size_per_gpu(),
         "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
-        "first_loss": losses[0], "final_loss": losses[-1], "final_loss_mean10": sum(tail) / len(tail),
-        "wall_time_s": wall, "tokens_per_s": steps * engine.train_batch_size() * args.seq_len / wall,
-        "peak_memory_bytes_per_rank": peaks, "device": get_accelerator().name, "losses": losses,
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
+        "final_loss_mean10": sum(tail) / len(tail),
+        "wall_time_s": wall,
+        "tokens_per_s": steps * engine.train_batch_size() * args.seq_len / wall,
+        "peak_memory_bytes_per_rank": peaks,
+        "device": get_accelerator().name,
+        "losses": losses,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    save_line_plot(args.out_dir / "loss.png", losses, xs=list(range(1, len(losses) + 1)),
-                   title=f"{args.model_size} GPT, ZeRO stage {summary['zero_stage']}, {engine.world_size} ranks",
-                   xlabel="optimizer step", ylabel="training loss (mean over ranks)")
+    save_line_plot(
+        args.out_dir / "loss.png",
+        losses,
+        xs=list(range(1, len(losses) + 1)),
+        title=f"{args.model_size} GPT, ZeRO stage {summary['zero_stage']}, {engine.world_size} ranks",
+        xlabel="optimizer step",
+        ylabel="training loss (mean over ranks)",
+    )
     (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary, args.out_dir)
     monitor = engine.config.csv_monitor
@@ -187,17 +223,20 @@ def report(engine, args, n_params: int, steps: int, losses: list[float], wall: f
 
 def print_summary(s: dict, out_dir: Path) -> None:
     mem = fmt_mib(s["peak_memory_bytes_per_rank"])
-    print(f"\n=== zerospeed demo: {s['model_size']} GPT ({s['parameters']:,} params), ZeRO stage "
-          f"{s['zero_stage']}, world size {s['world_size']} ({s['device']}) ===\n"
-          f"steps            {s['steps']} (global batch {s['train_batch_size']} = micro "
-          f"{s['micro_batch_per_gpu']} x accum {s['gradient_accumulation_steps']} x {s['world_size']} ranks,"
-          f" {s['seq_len']} tokens each)\n"
-          f"loss             {s['first_loss']:.3f} -> {s['final_loss']:.3f} "
-          f"(mean of last 10: {s['final_loss_mean10']:.3f})\n"
-          f"wall time        {s['wall_time_s']:.1f} s\n"
-          f"throughput       {s['tokens_per_s']:,.0f} tokens/s\n"
-          f"peak memory      {mem} (per rank)\n"
-          f"loss curve       {out_dir / 'loss.png'}\n", flush=True)
+    print(
+        f"\n=== zerospeed demo: {s['model_size']} GPT ({s['parameters']:,} params), ZeRO stage "
+        f"{s['zero_stage']}, world size {s['world_size']} ({s['device']}) ===\n"
+        f"steps            {s['steps']} (global batch {s['train_batch_size']} = micro "
+        f"{s['micro_batch_per_gpu']} x accum {s['gradient_accumulation_steps']} x {s['world_size']} ranks,"
+        f" {s['seq_len']} tokens each)\n"
+        f"loss             {s['first_loss']:.3f} -> {s['final_loss']:.3f} "
+        f"(mean of last 10: {s['final_loss_mean10']:.3f})\n"
+        f"wall time        {s['wall_time_s']:.1f} s\n"
+        f"throughput       {s['tokens_per_s']:,.0f} tokens/s\n"
+        f"peak memory      {mem} (per rank)\n"
+        f"loss curve       {out_dir / 'loss.png'}\n",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -212,8 +251,12 @@ def main() -> None:
     dataset = ByteSequenceDataset(stdlib_corpus(args.corpus_bytes), args.seq_len)
     config = resolve_config(args, steps, MODEL_SIZES[args.model_size]["n_embd"])
     engine, _optimizer, loader, _scheduler = zerospeed.initialize(
-        model=model, model_parameters=model.parameters(), training_data=dataset, config=config,
-        optimizer=None if "optimizer" in config else torch.optim.AdamW(model.parameters(), lr=args.lr))
+        model=model,
+        model_parameters=model.parameters(),
+        training_data=dataset,
+        config=config,
+        optimizer=None if "optimizer" in config else torch.optim.AdamW(model.parameters(), lr=args.lr),
+    )
     losses, wall = train(engine, loader, steps, args.seq_len)
     engine.destroy()
     report(engine, args, sum(zerospeed.zero.full_numel(p) for p in model.parameters()), steps, losses, wall)

@@ -8,6 +8,7 @@ pipeline is also 2-way data parallel (ZeRO stage 1 inside each stage's data-para
 `gradient_accumulation_steps` is the number of micro-batches per pipeline batch. Nothing is
 downloaded: the corpus is the local Python standard library.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,11 +19,11 @@ from pathlib import Path
 
 import zerospeed
 import zerospeed.comm as comm
-from zoo.gpt_layers import gpt_layer_specs, lm_loss
+from zerospeed.monitor.progress import Progress
 from zerospeed.pipe import PipelineModule
 from zoo.data import ByteSequenceDataset, stdlib_corpus
+from zoo.gpt_layers import gpt_layer_specs, lm_loss
 from zoo.models import GPTConfig
-from zerospeed.monitor.progress import Progress
 
 logger = logging.getLogger("train_gpt_pipe")
 
@@ -47,11 +48,18 @@ def main() -> None:
     zerospeed.init_distributed()
     cfg = GPTConfig(block_size=args.seq_len, n_layer=args.layers, n_head=4, n_embd=128)
     # seed_layers: each layer's initial weights depend only on its index, whatever the stage count
-    model = PipelineModule(gpt_layer_specs(cfg), num_stages=args.stages, loss_fn=lm_loss, seed_layers=True,
-                           partition_method="type:PipeBlock", chunks=args.chunks)
+    model = PipelineModule(
+        gpt_layer_specs(cfg),
+        num_stages=args.stages,
+        loss_fn=lm_loss,
+        seed_layers=True,
+        partition_method="type:PipeBlock",
+        chunks=args.chunks,
+    )
     dataset = ByteSequenceDataset(stdlib_corpus(args.corpus_bytes), args.seq_len)
-    engine, _, _, _ = zerospeed.initialize(args=args, model=model, model_parameters=model.parameters(),
-                                           training_data=dataset)
+    engine, _, _, _ = zerospeed.initialize(
+        args=args, model=model, model_parameters=model.parameters(), training_data=dataset
+    )
     rank0 = comm.get_rank() == 0
     bar = Progress(args.steps, f"pipe x{args.stages}", enabled=rank0)  # live in a terminal, plain lines in a log
     losses, start = [], time.perf_counter()
@@ -61,26 +69,43 @@ def main() -> None:
     bar.close()
     wall = time.perf_counter() - start
     timing, acts = engine.last_batch_timing, engine.activation_stats
-    per_stage = comm.all_gather_object({"rank": comm.get_rank(), "stage": engine.stage_id,
-                                        "layers": model.local_layer_indices(),
-                                        "params": sum(p.numel() for p in model.parameters()),
-                                        "idle_fraction": 1 - timing["compute_s"] / max(timing["wall_s"], 1e-9),
-                                        "peak_activation_bytes": acts["peak_bytes"]})
+    per_stage = comm.all_gather_object(
+        {
+            "rank": comm.get_rank(),
+            "stage": engine.stage_id,
+            "layers": model.local_layer_indices(),
+            "params": sum(p.numel() for p in model.parameters()),
+            "idle_fraction": 1 - timing["compute_s"] / max(timing["wall_s"], 1e-9),
+            "peak_activation_bytes": acts["peak_bytes"],
+        }
+    )
     if rank0:
-        summary = {"stages": args.stages, "world_size": comm.get_world_size(), "steps": args.steps,
-                   "micro_batches": engine.gradient_accumulation_steps(), "train_batch_size": engine.train_batch_size(),
-                   "first_loss": losses[0], "final_loss": losses[-1], "wall_time_s": wall,
-                   "tokens_per_s": args.steps * engine.train_batch_size() * args.seq_len / wall,
-                   "per_rank": per_stage, "losses": losses}
+        summary = {
+            "stages": args.stages,
+            "world_size": comm.get_world_size(),
+            "steps": args.steps,
+            "micro_batches": engine.gradient_accumulation_steps(),
+            "train_batch_size": engine.train_batch_size(),
+            "first_loss": losses[0],
+            "final_loss": losses[-1],
+            "wall_time_s": wall,
+            "tokens_per_s": args.steps * engine.train_batch_size() * args.seq_len / wall,
+            "per_rank": per_stage,
+            "losses": losses,
+        }
         args.out_dir.mkdir(parents=True, exist_ok=True)
         (args.out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        print(f"\n=== zerospeed pipeline demo: {args.stages} stages x {comm.get_world_size() // args.stages} "
-              f"data-parallel ===\nloss {losses[0]:.3f} -> {losses[-1]:.3f} in {args.steps} steps, {wall:.1f} s, "
-              f"{summary['tokens_per_s']:,.0f} tokens/s")
+        print(
+            f"\n=== zerospeed pipeline demo: {args.stages} stages x {comm.get_world_size() // args.stages} "
+            f"data-parallel ===\nloss {losses[0]:.3f} -> {losses[-1]:.3f} in {args.steps} steps, {wall:.1f} s, "
+            f"{summary['tokens_per_s']:,.0f} tokens/s"
+        )
         for s in per_stage:
-            print(f"rank {s['rank']} stage {s['stage']}: layers {s['layers']}, {s['params']:,} params, "
-                  f"idle {s['idle_fraction']:.0%} of the last batch, peak activations "
-                  f"{s['peak_activation_bytes'] / 2**20:.1f} MiB")
+            print(
+                f"rank {s['rank']} stage {s['stage']}: layers {s['layers']}, {s['params']:,} params, "
+                f"idle {s['idle_fraction']:.0%} of the last batch, peak activations "
+                f"{s['peak_activation_bytes'] / 2**20:.1f} MiB"
+            )
         print(f"summary          {args.out_dir / 'summary.json'}", flush=True)
     comm.barrier()
 

@@ -1,8 +1,9 @@
 """Write docs/config_reference.md from the config schema; ``--check`` fails when the file is stale.
 
-    python scripts/gen_config_reference.py          # regenerate
-    python scripts/gen_config_reference.py --check  # exit 1 if the checked-in file differs
+python scripts/gen_config_reference.py          # regenerate
+python scripts/gen_config_reference.py --check  # exit 1 if the checked-in file differs
 """
+
 from __future__ import annotations
 
 import argparse

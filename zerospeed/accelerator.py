@@ -12,6 +12,7 @@ Which accelerator: ZEROSPEED_ACCELERATOR, else DeepSpeed's DS_ACCELERATOR ("cpu"
 first wins when both are set), else cuda when torch sees a GPU, else cpu. `set_accelerator` replaces
 the choice for the whole process.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,8 @@ import resource
 import sys
 from collections.abc import Callable, Mapping
 
-import psutil
 import numpy as np
+import psutil
 import torch
 
 # DeepSpeed's names of the accelerators it can run on; zerospeed provides the first two.
@@ -127,8 +128,10 @@ class DeepSpeedAccelerator:
         return False
 
     def op_builder_dir(self) -> str:
-        raise NotImplementedError("zerospeed compiles no ops, so it has no op_builder package; its optimizers, "
-                                  "offload and async I/O are pure PyTorch (zerospeed.optim, zerospeed.offload)")
+        raise NotImplementedError(
+            "zerospeed compiles no ops, so it has no op_builder package; its optimizers, "
+            "offload and async I/O are pure PyTorch (zerospeed.optim, zerospeed.offload)"
+        )
 
     def get_op_builder(self, class_name: str) -> None:
         """None: DeepSpeed's answer for an op builder that does not exist here (none does)."""
@@ -138,6 +141,7 @@ class DeepSpeedAccelerator:
 
     def build_extension(self):
         from torch.utils.cpp_extension import BuildExtension
+
         return BuildExtension
 
     # -- launcher and compiler ------------------------------------------------------------------------
@@ -154,8 +158,9 @@ class DeepSpeedAccelerator:
     def set_compile_backend(self, backend: str) -> None:
         known = torch._dynamo.list_backends(exclude_tags=())
         if backend not in known:
-            raise ValueError(f"compile backend {backend!r} is not known to torch on {self._name}; "
-                             f"known backends: {known}")
+            raise ValueError(
+                f"compile backend {backend!r} is not known to torch on {self._name}; known backends: {known}"
+            )
         self._compile_backend = backend
 
 
@@ -177,6 +182,7 @@ class DeepSpeedAccelerator:
 # releases churn unit-sized blocks, trims as it releases (Note [host allocator between releases],
 # zero/stage3/strategy.py). A CUDA device's memory is its caching allocator's: there it does nothing.
 HOST_TRIM_MIN_FREE = 256 << 20
+
 
 def _rss() -> int:
     return psutil.Process().memory_info().rss
@@ -390,9 +396,15 @@ class CpuAccelerator(DeepSpeedAccelerator):
         return []
 
 
-_CPU_TENSOR_TYPES = {torch.bfloat16: torch.BFloat16Tensor, torch.uint8: torch.ByteTensor,
-                     torch.float64: torch.DoubleTensor, torch.float32: torch.FloatTensor,
-                     torch.float16: torch.HalfTensor, torch.int32: torch.IntTensor, torch.int64: torch.LongTensor}
+_CPU_TENSOR_TYPES = {
+    torch.bfloat16: torch.BFloat16Tensor,
+    torch.uint8: torch.ByteTensor,
+    torch.float64: torch.DoubleTensor,
+    torch.float32: torch.FloatTensor,
+    torch.float16: torch.HalfTensor,
+    torch.int32: torch.IntTensor,
+    torch.int64: torch.LongTensor,
+}
 
 
 class CudaAccelerator(DeepSpeedAccelerator):
@@ -560,15 +572,18 @@ class CudaAccelerator(DeepSpeedAccelerator):
 
 # -- choosing the accelerator ------------------------------------------------------------------------
 
+
 def accelerator_name(environ: Mapping[str, str], cuda_available: bool) -> str:
-    """"cpu" or "cuda": ZEROSPEED_ACCELERATOR, else DS_ACCELERATOR, else cuda when torch sees a GPU."""
+    """ "cpu" or "cuda": ZEROSPEED_ACCELERATOR, else DS_ACCELERATOR, else cuda when torch sees a GPU."""
     for var in ("ZEROSPEED_ACCELERATOR", "DS_ACCELERATOR"):
         forced = environ.get(var, "").lower()
         if not forced:
             continue
         if forced in _DEEPSPEED_ONLY:
-            raise ValueError(f"{var}={forced!r}: DeepSpeed's {forced} accelerator is not provided by zerospeed, "
-                             f"which runs on {' and '.join(SUPPORTED_ACCELERATOR_LIST)}")
+            raise ValueError(
+                f"{var}={forced!r}: DeepSpeed's {forced} accelerator is not provided by zerospeed, "
+                f"which runs on {' and '.join(SUPPORTED_ACCELERATOR_LIST)}"
+            )
         if forced not in SUPPORTED_ACCELERATOR_LIST:
             raise ValueError(f"{var}={forced!r}: expected 'cpu' or 'cuda'")
         if forced == "cuda" and not cuda_available:
@@ -593,8 +608,9 @@ def set_accelerator(accel_obj: DeepSpeedAccelerator) -> None:
     """Use `accel_obj` as this process's accelerator from now on (DeepSpeed's override)."""
     global _ACCELERATOR
     if not isinstance(accel_obj, DeepSpeedAccelerator):
-        raise TypeError(f"set_accelerator needs a zerospeed.accelerator.DeepSpeedAccelerator, "
-                        f"got {type(accel_obj).__name__}")
+        raise TypeError(
+            f"set_accelerator needs a zerospeed.accelerator.DeepSpeedAccelerator, got {type(accel_obj).__name__}"
+        )
     _ACCELERATOR = accel_obj
 
 
@@ -603,8 +619,21 @@ def is_current_accelerator_supported() -> bool:
 
 
 class _MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2 (2.33+)
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _libc():

@@ -110,12 +110,26 @@ MODULES: dict[str, str | dict[str, str] | None] = {
 }
 
 _TENSOR_ACCESS = (
-    "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state", "safe_set_full_fp32_param",
-    "safe_set_full_optimizer_state", "safe_get_local_fp32_param", "safe_get_local_grad",
-    "safe_get_local_optimizer_state", "safe_set_local_fp32_param", "safe_set_local_optimizer_state",
-    "safe_set_full_grad", "safe_set_local_grad")
-_LEAF_MODULES = ("get_z3_leaf_modules", "set_z3_leaf_module", "set_z3_leaf_modules", "unset_z3_leaf_modules",
-                 "z3_leaf_parameter")
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_optimizer_state",
+    "safe_set_full_grad",
+    "safe_set_local_grad",
+)
+_LEAF_MODULES = (
+    "get_z3_leaf_modules",
+    "set_z3_leaf_module",
+    "set_z3_leaf_modules",
+    "unset_z3_leaf_modules",
+    "z3_leaf_parameter",
+)
 
 NAMES: dict[str, dict[str, str]] = {
     "zerospeed.utils": {
@@ -158,9 +172,11 @@ def _target(key: str) -> str | dict[str, str] | None | bool:
 
 
 def _facade(fullname: str, names: dict[str, str] | None) -> types.ModuleType:
-    key = fullname[len(PREFIX):]
-    module = types.ModuleType(fullname, f"DeepSpeed's `deepspeed.{key}`: an alias of zerospeed's concept modules "
-                                        "(zerospeed/deepspeed_paths.py).")
+    key = fullname[len(PREFIX) :]
+    module = types.ModuleType(
+        fullname,
+        f"DeepSpeed's `deepspeed.{key}`: an alias of zerospeed's concept modules (zerospeed/deepspeed_paths.py).",
+    )
     names = dict(names or {})
     if names:
         module.__all__ = sorted(n for n in names if not n.startswith("_"))
@@ -202,7 +218,7 @@ class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if not fullname.startswith(PREFIX):
             return None
-        key = fullname[len(PREFIX):]
+        key = fullname[len(PREFIX) :]
         found = _target(key)
         if found is False:
             return None

@@ -5,6 +5,7 @@ devices, memory), communication (gloo / NCCL / MPI availability), CPU (model, co
 extensions), pinned memory (does pinning work here) and async I/O (does O_DIRECT work under a path,
 and which backend NVMe offload would use).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,18 @@ import torch
 from zerospeed.accelerator import get_accelerator
 from zerospeed.comm import backend_availability
 
-OPTIONAL = ("numpy", "pydantic", "psutil", "tqdm", "tensorboard", "wandb", "comet_ml", "transformers",
-            "safetensors", "deepspeed")
+OPTIONAL = (
+    "numpy",
+    "pydantic",
+    "psutil",
+    "tqdm",
+    "tensorboard",
+    "wandb",
+    "comet_ml",
+    "transformers",
+    "safetensors",
+    "deepspeed",
+)
 ALIGN = 4096  # O_DIRECT needs buffers, offsets and sizes aligned to the device's logical block
 
 
@@ -36,17 +47,25 @@ def _version(dist: str) -> str:
 
 
 def versions() -> dict[str, str]:
-    out = {"python": sys.version.split()[0], "torch": torch.__version__, "zerospeed": _version("zerospeed"),
-           "torch cuda": str(torch.version.cuda)}
+    out = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "zerospeed": _version("zerospeed"),
+        "torch cuda": str(torch.version.cuda),
+    }
     out.update({name: _version(name) for name in OPTIONAL})
     return out
 
 
 def accelerator() -> dict[str, str]:
     acc = get_accelerator()
-    out = {"accelerator": acc.name, "communication backend": acc.communication_backend_name(),
-           "cuda available": str(torch.cuda.is_available()), "device count": str(acc.device_count()),
-           "host memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB"}
+    out = {
+        "accelerator": acc.name,
+        "communication backend": acc.communication_backend_name(),
+        "cuda available": str(torch.cuda.is_available()),
+        "device count": str(acc.device_count()),
+        "host memory": f"{psutil.virtual_memory().total / 2**30:.1f} GiB",
+    }
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
         out[f"cuda:{i}"] = f"{p.name}, {p.total_memory / 2**30:.1f} GiB"
@@ -67,17 +86,27 @@ def cpu_flags(cpuinfo: str) -> set[str]:
 
 def vector_extensions(flags: set[str]) -> dict[str, str]:
     """AVX2 / AVX-512 (foundation, bf16) / AMX (tile, bf16) present or not."""
-    names = {"AVX2": "avx2", "AVX-512F": "avx512f", "AVX-512 BF16": "avx512_bf16", "AMX tile": "amx_tile",
-             "AMX BF16": "amx_bf16"}
+    names = {
+        "AVX2": "avx2",
+        "AVX-512F": "avx512f",
+        "AVX-512 BF16": "avx512_bf16",
+        "AMX tile": "amx_tile",
+        "AMX BF16": "amx_bf16",
+    }
     return {label: "yes" if flag in flags else "no" for label, flag in names.items()}
 
 
 def cpu() -> dict[str, str]:
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")),
-                 platform.processor() or platform.machine())
-    out = {"model": model, "cores": f"{psutil.cpu_count(logical=False)} physical, {psutil.cpu_count()} logical",
-           "torch cpu capability": torch.backends.cpu.get_cpu_capability()}
+    model = next(
+        (ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")),
+        platform.processor() or platform.machine(),
+    )
+    out = {
+        "model": model,
+        "cores": f"{psutil.cpu_count(logical=False)} physical, {psutil.cpu_count()} logical",
+        "torch cpu capability": torch.backends.cpu.get_cpu_capability(),
+    }
     out.update(vector_extensions(cpu_flags(text)))
     return out
 
@@ -120,14 +149,24 @@ def o_direct_works(path: str | Path) -> tuple[bool, str]:
 def async_io(path: str | Path) -> dict[str, str]:
     ok, detail = o_direct_works(path)
     backend = "thread pool, O_DIRECT pread/pwrite" if ok else "thread pool, buffered pread/pwrite"
-    return {"path": str(path), "O_DIRECT": detail, "backend that NVMe offload would use": backend,
-            "libaio (not needed)": "found" if ctypes.util.find_library("aio") else "not found"}
+    return {
+        "path": str(path),
+        "O_DIRECT": detail,
+        "backend that NVMe offload would use": backend,
+        "libaio (not needed)": "found" if ctypes.util.find_library("aio") else "not found",
+    }
 
 
 def collect(path: str | Path = ".") -> dict[str, dict[str, str]]:
     """Every section of the report, as {section: {item: text}}."""
-    return {"versions": versions(), "accelerator": accelerator(), "communication": communication(),
-            "cpu": cpu(), "pinned memory": pinned_memory(), "async I/O": async_io(path)}
+    return {
+        "versions": versions(),
+        "accelerator": accelerator(),
+        "communication": communication(),
+        "cpu": cpu(),
+        "pinned memory": pinned_memory(),
+        "async I/O": async_io(path),
+    }
 
 
 def format_report(report: dict[str, dict[str, str]]) -> str:

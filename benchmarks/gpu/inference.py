@@ -20,6 +20,7 @@ random weights, prompts of `--prompt` random tokens, greedy, KV cache on, exactl
 - tokens: whether each variant generated exactly transformers' tokens (bf16; the quantized ones are
   expected to differ).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,11 +39,19 @@ from workers import nvme_read_once_ms  # noqa: E402  (benchmarks/workers.py)
 
 def _model(args, device):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.width, intermediate_size=args.ffn,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                      max_position_embeddings=args.prompt + args.new, attn_implementation="sdpa",
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.width,
+        intermediate_size=args.ffn,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.prompt + args.new,
+        attn_implementation="sdpa",
+        tie_word_embeddings=False,
+    )
     with torch.device(device):
         model = LlamaForCausalLM(cfg)
     model = model.to(torch.bfloat16).eval()
@@ -75,7 +84,7 @@ def _per_token(models: dict, ids, new: int, repeats: int) -> dict:
     total = {k: [] for k in models}
     tokens = {}
     for m in models.values():  # warm-up over every length the timed runs reach: kernels and their
-        _gen(m, ids, new)        # heuristics are picked per shape (one such run made transformers 3x slower)
+        _gen(m, ids, new)  # heuristics are picked per shape (one such run made transformers 3x slower)
     for _ in range(repeats):
         for name, m in models.items():
             first[name].append(_time(lambda: _gen(m, ids, 1))[0])
@@ -85,8 +94,13 @@ def _per_token(models: dict, ids, new: int, repeats: int) -> dict:
     out = {}
     for name in models:
         f, t = statistics.median(first[name]), statistics.median(total[name])
-        out[name] = {"first_s": f, "total_s": t, "tok_s": ids.shape[0] * new / t,
-                     "per_token_ms": 1e3 * (t - f) / max(1, new - 1), "tokens": tokens[name]}
+        out[name] = {
+            "first_s": f,
+            "total_s": t,
+            "tok_s": ids.shape[0] * new / t,
+            "per_token_ms": 1e3 * (t - f) / max(1, new - 1),
+            "tokens": tokens[name],
+        }
     return out
 
 
@@ -112,8 +126,12 @@ def read_once_ms(nbytes: int, pinned: bool = True) -> float:
 
 def _zero_engine(args, base, variant: str, device):
     import zerospeed
-    offload = ({"device": "nvme", "nvme_path": args.nvme_path, "pin_memory": True} if variant == "nvme"
-               else {"device": "cpu", "pin_memory": True})
+
+    offload = (
+        {"device": "nvme", "nvme_path": args.nvme_path, "pin_memory": True}
+        if variant == "nvme"
+        else {"device": "cpu", "pin_memory": True}
+    )
     zero = {"stage": 3, "offload_param": offload, "stage3_param_persistence_threshold": 0}
     config = {"dtype": torch.bfloat16, "zero": zero}
     if variant == "leaf":
@@ -139,8 +157,11 @@ def main() -> None:
     p.add_argument("--zero-new", type=int, default=32, help="tokens generated in the ZeRO-Inference runs")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--zero-variants", default="units,leaf,int8,int4",
-                   help="of units, leaf, int8, int4 (offload_param cpu) and nvme (offload_param nvme, --nvme-path)")
+    p.add_argument(
+        "--zero-variants",
+        default="units,leaf,int8,int4",
+        help="of units, leaf, int8, int4 (offload_param cpu) and nvme (offload_param nvme, --nvme-path)",
+    )
     p.add_argument("--nvme-path", default="/tmp/zerospeed_nvme_inference")
     p.add_argument("--smoke", action="store_true", help="a tiny model on whatever device there is")
     args = p.parse_args()
@@ -149,9 +170,17 @@ def main() -> None:
         args.prompt, args.new, args.zero_new, args.repeats = 8, 6, 4, 1
     elif not torch.cuda.is_available():
         sys.exit("benchmarks/gpu/inference.py needs a CUDA device (or --smoke)")
-    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": os.environ.get("MASTER_PORT", "29544")})
+    os.environ.update(
+        {
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": os.environ.get("MASTER_PORT", "29544"),
+        }
+    )
     import zerospeed
+
     zerospeed.init_distributed()
     if "nvme" in args.zero_variants.split(","):
         os.makedirs(args.nvme_path, exist_ok=True)
@@ -165,45 +194,66 @@ def main() -> None:
         res = _per_token({"transformers": base, "init_inference": served}, ids, args.new, args.repeats)
         same = torch.equal(res["init_inference"]["tokens"], res["transformers"]["tokens"])
         rows.append((batch, res, same))
-        print(f"[inference] batch {batch}: {res['transformers']['per_token_ms']:.2f} vs "
-              f"{res['init_inference']['per_token_ms']:.2f} ms/token, same tokens {same}", file=sys.stderr, flush=True)
+        print(
+            f"[inference] batch {batch}: {res['transformers']['per_token_ms']:.2f} vs "
+            f"{res['init_inference']['per_token_ms']:.2f} ms/token, same tokens {same}",
+            file=sys.stderr,
+            flush=True,
+        )
         del served
         want = _gen(base, ids, args.zero_new).cpu()
         for variant in args.zero_variants.split(","):
             engine, stored = _zero_engine(args, base, variant, device)
             r = _per_token({variant: engine}, ids, args.zero_new, args.repeats)[variant]
-            read = (nvme_read_once_ms(engine.zero_engine.swap_files()) if variant == "nvme"
-                    else read_once_ms(stored))
+            read = nvme_read_once_ms(engine.zero_engine.swap_files()) if variant == "nvme" else read_once_ms(stored)
             zero_rows.append((batch, variant, r, stored, read, torch.equal(r["tokens"], want)))
-            print(f"[inference] ZeRO-Inference {variant} batch {batch}: {r['per_token_ms']:.2f} ms/token, read "
-                  f"{stored / 2**20:.0f} MiB once {read:.2f} ms", file=sys.stderr, flush=True)
+            print(
+                f"[inference] ZeRO-Inference {variant} batch {batch}: {r['per_token_ms']:.2f} ms/token, read "
+                f"{stored / 2**20:.0f} MiB once {read:.2f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
             del engine
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (--smoke on the CPU)"
-    print(f"\nGPU: {name}; torch {torch.__version__}; Llama {args.layers} x {args.width} (ffn {args.ffn}, "
-          f"{args.heads} heads, {args.kv_heads} kv), vocab {args.vocab}, {model_bytes / 2**30:.2f} GiB bf16; prompt "
-          f"{args.prompt}, greedy, median of {args.repeats}\n")
-    print("| batch | transformers ms/token | init_inference ms/token | init_inference / transformers tokens/s | "
-          "same tokens | first token s (tf / ours) |")
+    print(
+        f"\nGPU: {name}; torch {torch.__version__}; Llama {args.layers} x {args.width} (ffn {args.ffn}, "
+        f"{args.heads} heads, {args.kv_heads} kv), vocab {args.vocab}, {model_bytes / 2**30:.2f} GiB bf16; prompt "
+        f"{args.prompt}, greedy, median of {args.repeats}\n"
+    )
+    print(
+        "| batch | transformers ms/token | init_inference ms/token | init_inference / transformers tokens/s | "
+        "same tokens | first token s (tf / ours) |"
+    )
     print("|---|---|---|---|---|---|")
     for batch, res, same in rows:
         t, o = res["transformers"], res["init_inference"]
-        print(f"| {batch} | {t['per_token_ms']:.2f} | {o['per_token_ms']:.2f} | {o['tok_s'] / t['tok_s']:.3f} | "
-              f"{same} | {t['first_s']:.3f} / {o['first_s']:.3f} |")
-    print(f"\nZeRO-Inference, offload_param cpu (pinned; nvme: swap files under {args.nvme_path}), {args.zero_new} "
-          "new tokens:\n")
-    print("| batch | variant | stored MiB | read once ms (pinned H2D; nvme: O_DIRECT file read) | per-token ms | "
-          "per token / read once | "
-          "tokens/s | same tokens as transformers |")
+        print(
+            f"| {batch} | {t['per_token_ms']:.2f} | {o['per_token_ms']:.2f} | {o['tok_s'] / t['tok_s']:.3f} | "
+            f"{same} | {t['first_s']:.3f} / {o['first_s']:.3f} |"
+        )
+    print(
+        f"\nZeRO-Inference, offload_param cpu (pinned; nvme: swap files under {args.nvme_path}), {args.zero_new} "
+        "new tokens:\n"
+    )
+    print(
+        "| batch | variant | stored MiB | read once ms (pinned H2D; nvme: O_DIRECT file read) | per-token ms | "
+        "per token / read once | "
+        "tokens/s | same tokens as transformers |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for batch, variant, r, stored, read, same in zero_rows:
-        print(f"| {batch} | {variant} | {stored / 2**20:.0f} | {read:.2f} | {r['per_token_ms']:.2f} | "
-              f"{r['per_token_ms'] / read:.2f} | {r['tok_s']:.1f} | {same} |")
+        print(
+            f"| {batch} | {variant} | {stored / 2**20:.0f} | {read:.2f} | {r['per_token_ms']:.2f} | "
+            f"{r['per_token_ms'] / read:.2f} | {r['tok_s']:.1f} | {same} |"
+        )
     if torch.cuda.is_available():
-        print(f"\npageable H2D of the bf16 model: {read_once_ms(model_bytes, pinned=False):.2f} ms; pinned "
-              f"{read_once_ms(model_bytes):.2f} ms ({model_bytes / 2**30:.2f} GiB)")
+        print(
+            f"\npageable H2D of the bf16 model: {read_once_ms(model_bytes, pinned=False):.2f} ms; pinned "
+            f"{read_once_ms(model_bytes):.2f} ms ({model_bytes / 2**30:.2f} GiB)"
+        )
 
 
 if __name__ == "__main__":

@@ -8,13 +8,15 @@ to NVMe — it takes a ladder of GPT sizes (bf16, ZeRO stage 3, 1 process) from 
 trains each for a few steps; the first size whose steps complete is that mode's answer. A size is
 skipped, not tried, when the device memory, host memory or disk it needs (the ZeRO formulas, plus
 34 x seq x batch x width x layers bytes of bf16 activations on the device with no offload) exceeds
-the device's memory or 90% of the free host memory or disk, or it is above the mode's `--cap`; a size that runs out of device memory hands
+the device's memory or 90% of the free host memory or disk, or it is above the mode's `--cap`; a size that runs out
+of device memory hands
 over to the next smaller one. TFLOPs are model FLOPs: 6 x parameters x tokens plus attention
 12 x layers x seq^2 x width per token (forward + backward, no recompute), over the median step time;
 each row also shows the engine's forward / backward / step times (`wall_clock_breakdown`, mean of
 the timed steps), which say where an offloaded step spends its time. Writes a markdown table to
 stdout (and --out).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,20 +61,46 @@ def device_needs(mode: str, shape, micro: int, seq: int = SEQ) -> int:
 
 
 def config(mode: str, micro: int, nvme: str) -> dict:
-    zero = {"stage": 3, "overlap_comm": True, "stage3_param_persistence_threshold": 0,
-            "reduce_bucket_size": 50_000_000, "stage3_prefetch_bucket_size": 50_000_000,
-            "sub_group_size": 200_000_000}
+    zero = {
+        "stage": 3,
+        "overlap_comm": True,
+        "stage3_param_persistence_threshold": 0,
+        "reduce_bucket_size": 50_000_000,
+        "stage3_prefetch_bucket_size": 50_000_000,
+        "sub_group_size": 200_000_000,
+    }
     if mode == "cpu":
-        zero |= {"offload_optimizer": {"device": "cpu", "pin_memory": True},
-                 "offload_param": {"device": "cpu", "pin_memory": True}}
+        zero |= {
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_param": {"device": "cpu", "pin_memory": True},
+        }
     elif mode == "nvme":
-        zero |= {"offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": True,
-                                       "pipeline_read": True, "pipeline_write": True},
-                 "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": True,
-                                   "buffer_count": 6, "buffer_size": 300_000_000}}
-    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "gradient_clipping": 1.0,
-            "zero_optimization": zero, "steps_per_print": 10**9, "wall_clock_breakdown": True}
+        zero |= {
+            "offload_optimizer": {
+                "device": "nvme",
+                "nvme_path": nvme,
+                "pin_memory": True,
+                "pipeline_read": True,
+                "pipeline_write": True,
+            },
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": nvme,
+                "pin_memory": True,
+                "buffer_count": 6,
+                "buffer_size": 300_000_000,
+            },
+        }
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": True,
+    }
 
 
 def _timed_steps(step, steps: int, after_warmup=lambda: None) -> tuple[list[float], torch.Tensor]:
@@ -93,6 +121,7 @@ def _timed_steps(step, steps: int, after_warmup=lambda: None) -> tuple[list[floa
 def try_size(mode: str, shape, args) -> dict:
     import zerospeed
     from zoo.models import GPT, GPTConfig
+
     layers, width, heads = shape
     vocab, seq = (256, 64) if args.smoke else (VOCAB, SEQ)
     cfg = config(mode, args.micro_batch, args.nvme_path)
@@ -101,10 +130,10 @@ def try_size(mode: str, shape, args) -> dict:
     acc = get_accelerator()
     build_on = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")  # fast random init
     with build_on, zerospeed.zero.Init(config_dict_or_path=cfg, dtype=torch.bfloat16):
-        model = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=width,
-                              bias=False))
+        model = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=width, bias=False))
     engine, *_ = zerospeed.initialize(model=model, config=cfg)
     x = torch.randint(0, vocab, (args.micro_batch, seq), device=engine.device)
+
     def step():
         loss = engine(x, x)
         engine.backward(loss)
@@ -122,8 +151,15 @@ def try_size(mode: str, shape, args) -> dict:
     n = n_params(layers, width, vocab, seq)
     tokens = args.micro_batch * seq
     flops = (6 * n + 12 * layers * seq * width) * tokens
-    return {"params": n, "step_s": step, "tflops": flops / step / 1e12, "placement": placement,
-            "gpu_peak_gib": acc.max_memory_allocated() / 2**30, "loss": loss.item(), "phases_ms": phases}
+    return {
+        "params": n,
+        "step_s": step,
+        "tflops": flops / step / 1e12,
+        "placement": placement,
+        "gpu_peak_gib": acc.max_memory_allocated() / 2**30,
+        "loss": loss.item(),
+        "phases_ms": phases,
+    }
 
 
 def try_fsdp2(mode: str, shape, args) -> dict:
@@ -135,13 +171,17 @@ def try_fsdp2(mode: str, shape, args) -> dict:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     from zoo.models import GPT, GPTConfig
+
     layers, width, heads = shape
     vocab, seq = (256, 64) if args.smoke else (VOCAB, SEQ)
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     acc = get_accelerator()
     mesh = init_device_mesh(dev.type, (1,))
-    policy = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-                  offload_policy=CPUOffloadPolicy(pin_memory=dev.type == "cuda") if mode == "cpu" else OffloadPolicy())
+    policy = dict(
+        mesh=mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        offload_policy=CPUOffloadPolicy(pin_memory=dev.type == "cuda") if mode == "cpu" else OffloadPolicy(),
+    )
     with dev:
         model = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_head=heads, n_embd=width, bias=False))
     for block in model.blocks:
@@ -159,8 +199,11 @@ def try_fsdp2(mode: str, shape, args) -> dict:
         return loss
 
     times, loss = _timed_steps(step, args.steps)  # (the model is freed on return; the caller empties the cache)
-    return {"step_s": statistics.median(times[1:]), "gpu_peak_gib": acc.max_memory_allocated() / 2**30,
-            "loss": loss.item()}
+    return {
+        "step_s": statistics.median(times[1:]),
+        "gpu_peak_gib": acc.max_memory_allocated() / 2**30,
+        "loss": loss.item(),
+    }
 
 
 class _ProgressRows(list):
@@ -183,8 +226,10 @@ def _fsdp2_row(mode: str, shape, args, ours: dict) -> str:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    return (f"FSDP2: {f['step_s'] * 1e3:.0f} ms/step, device peak {f['gpu_peak_gib']:.1f} GiB; zerospeed step time "
-            f"/ FSDP2 = {ours['step_s'] / f['step_s']:.2f}")
+    return (
+        f"FSDP2: {f['step_s'] * 1e3:.0f} ms/step, device peak {f['gpu_peak_gib']:.1f} GiB; zerospeed step time "
+        f"/ FSDP2 = {ours['step_s'] / f['step_s']:.2f}"
+    )
 
 
 def main() -> None:
@@ -194,17 +239,32 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--modes", default="none,cpu,nvme")
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting new sizes after this")
-    p.add_argument("--cap", nargs="*", default=[], metavar="MODE=BILLIONS",
-                   help="largest size to try in a mode, e.g. nvme=1.4 (the NVMe mode moves every state each step)")
-    p.add_argument("--fsdp2", action="store_true",
-                   help="also train PyTorch FSDP2 (no offload / CPUOffloadPolicy) at each mode's answer, for the ratio")
+    p.add_argument(
+        "--cap",
+        nargs="*",
+        default=[],
+        metavar="MODE=BILLIONS",
+        help="largest size to try in a mode, e.g. nvme=1.4 (the NVMe mode moves every state each step)",
+    )
+    p.add_argument(
+        "--fsdp2",
+        action="store_true",
+        help="also train PyTorch FSDP2 (no offload / CPUOffloadPolicy) at each mode's answer, for the ratio",
+    )
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--smoke", action="store_true", help="two tiny sizes on whatever device there is (a check)")
     args = p.parse_args()
     if not torch.cuda.is_available() and not args.smoke:
         sys.exit("benchmarks/gpu/offload_largest.py needs a CUDA device (or --smoke)")
-    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": os.environ.get("MASTER_PORT", "29533")})
+    os.environ.update(
+        {
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": os.environ.get("MASTER_PORT", "29533"),
+        }
+    )
     Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
     caps = dict((m, float(b) * 1e9) for m, b in (c.split("=") for c in args.cap))
     gpu_total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else float("inf")
@@ -222,9 +282,16 @@ def main() -> None:
                 rows.append((mode, shape, n, f"skipped: above --cap {mode}={caps[mode] / 1e9:g}B"))
                 continue
             if host > 0.9 * free_host or disk > 0.9 * free_disk or dev > gpu_total:  # (an OOM hands down)
-                rows.append((mode, shape, n, f"skipped: needs {dev / 2**30:.0f} GiB device / {host / 2**30:.0f} GiB "
-                             f"host / {disk / 2**30:.0f} GiB disk, {gpu_total / 2**30:.0f} / {free_host / 2**30:.0f} / "
-                             f"{free_disk / 2**30:.0f} free"))
+                rows.append(
+                    (
+                        mode,
+                        shape,
+                        n,
+                        f"skipped: needs {dev / 2**30:.0f} GiB device / {host / 2**30:.0f} GiB "
+                        f"host / {disk / 2**30:.0f} GiB disk, {gpu_total / 2**30:.0f} / {free_host / 2**30:.0f} / "
+                        f"{free_disk / 2**30:.0f} free",
+                    )
+                )
                 continue
             if time.monotonic() - start > args.budget_s:
                 rows.append((mode, shape, n, "not tried: time budget spent"))
@@ -241,16 +308,27 @@ def main() -> None:
                     torch.cuda.empty_cache()
             best = r
             phases = " / ".join(f"{k} {v:.0f}" for k, v in r["phases_ms"].items())
-            rows.append((mode, shape, n, f"ok: {r['step_s'] * 1e3:.0f} ms/step ({phases} ms), {r['tflops']:.2f} "
-                         f"TFLOPs, device peak {r['gpu_peak_gib']:.1f} GiB, state: {r['placement']}"))
+            rows.append(
+                (
+                    mode,
+                    shape,
+                    n,
+                    f"ok: {r['step_s'] * 1e3:.0f} ms/step ({phases} ms), {r['tflops']:.2f} "
+                    f"TFLOPs, device peak {r['gpu_peak_gib']:.1f} GiB, state: {r['placement']}",
+                )
+            )
             if args.fsdp2 and mode in ("none", "cpu"):
                 rows.append((f"{mode}: FSDP2", shape, n, _fsdp2_row(mode, shape, args, r)))
             break
         rows.append((mode, None, best["params"] if best else 0, "largest that trained"))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (--smoke on the CPU)"
-    lines = [f"GPU: {device}, host RAM {psutil.virtual_memory().total / 2**30:.0f} GiB, "
-             f"micro batch {args.micro_batch} x seq {64 if args.smoke else SEQ}, bf16, ZeRO-3, 1 GPU", "",
-             "| mode | layers x width | parameters | result |", "|---|---|---:|---|"]
+    lines = [
+        f"GPU: {device}, host RAM {psutil.virtual_memory().total / 2**30:.0f} GiB, "
+        f"micro batch {args.micro_batch} x seq {64 if args.smoke else SEQ}, bf16, ZeRO-3, 1 GPU",
+        "",
+        "| mode | layers x width | parameters | result |",
+        "|---|---|---:|---|",
+    ]
     for mode, shape, n, what in rows:
         lines.append(f"| {mode} | {'' if shape is None else f'{shape[0]} x {shape[1]}'} | {n / 1e9:.2f}B | {what} |")
     text = "\n".join(lines)

@@ -40,8 +40,11 @@ def _source_files(root: str) -> tuple[str, ...]:
     for parent, dirs, names in os.walk(root, followlinks=True):
         dirs[:] = [d for d in dirs if d not in _EXCLUDED_DIRS]
         rel = Path(parent).relative_to(root).as_posix()
-        found += [n if rel == "." else f"{rel}/{n}" for n in names
-                  if n.endswith(".py") and os.path.isfile(os.path.join(parent, n))]
+        found += [
+            n if rel == "." else f"{rel}/{n}"
+            for n in names
+            if n.endswith(".py") and os.path.isfile(os.path.join(parent, n))
+        ]
     return tuple(sorted(found))
 
 
@@ -90,7 +93,7 @@ class ByteSequenceDataset(Dataset):
         if not -len(self) <= i < len(self):
             raise IndexError(f"index {i} out of range for dataset of length {len(self)}")
         start = (i % len(self)) * self.seq_len
-        window = self.tokens[start:start + self.seq_len + 1]
+        window = self.tokens[start : start + self.seq_len + 1]
         return window[:-1], window[1:]
 
 
@@ -108,7 +111,7 @@ def text_batches(steps: int, batch: int, seq_len: int) -> list[tuple[torch.Tenso
     windows ``s*batch .. (s+1)*batch - 1`` of ``ByteSequenceDataset(stdlib_corpus(...), seq_len)``.
     """
     ds = ByteSequenceDataset(stdlib_corpus(max_bytes=steps * batch * seq_len + 1), seq_len)
-    windows = ds.tokens[:steps * batch * seq_len + 1]
+    windows = ds.tokens[: steps * batch * seq_len + 1]
     xs = windows[:-1].view(steps, batch, seq_len)
     ys = windows[1:].view(steps, batch, seq_len)
     return [(xs[s].clone(), ys[s].clone()) for s in range(steps)]
@@ -122,6 +125,6 @@ def left_padded_prompts(lengths: tuple[int, ...], vocab: int, pad: int, seed: in
     ids = torch.full((len(lengths), width), pad)
     mask = torch.zeros_like(ids)
     for row, n in enumerate(lengths):
-        ids[row, width - n:] = torch.randint(2, vocab, (n,), generator=g)
-        mask[row, width - n:] = 1
+        ids[row, width - n :] = torch.randint(2, vocab, (n,), generator=g)
+        mask[row, width - n :] = 1
     return ids, mask

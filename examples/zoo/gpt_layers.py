@@ -7,6 +7,7 @@ split: fused qkv and the MLP's first layer by columns â€” each rank its heads â€
 the MLP's second layer by rows, the tied embedding / head by vocabulary) and the loss is
 `TensorParallelLoss(tp_group)`, which never gathers the full logits.
 """
+
 from __future__ import annotations
 
 import copy
@@ -113,8 +114,10 @@ class ParallelPipeBlock(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        q, k, v = (t.view(B, T, self.local_heads, self.head_dim).transpose(1, 2)
-                   for t in self.qkv(self.ln_1(x_BTD)).chunk(3, dim=-1))
+        q, k, v = (
+            t.view(B, T, self.local_heads, self.head_dim).transpose(1, 2)
+            for t in self.qkv(self.ln_1(x_BTD)).chunk(3, dim=-1)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
         x_BTD = x_BTD + self.attn_out(y)
         return x_BTD + self.mlp_out(F.gelu(self.fc(self.ln_2(x_BTD))))
@@ -131,8 +134,11 @@ class TensorParallelLoss:
 
     def __init__(self, group, vocab_size: int | None = None):
         self.group = group
-        self.vocab_start = (None if vocab_size is None else
-                            vocab_spec(vocab_size, comm.get_world_size(group), comm.get_rank(group)).segments[0][0])
+        self.vocab_start = (
+            None
+            if vocab_size is None
+            else vocab_spec(vocab_size, comm.get_world_size(group), comm.get_rank(group)).segments[0][0]
+        )
 
     def __call__(self, logits_BTv: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits_BTv, targets_BT, self.group, vocab_start=self.vocab_start)
@@ -142,14 +148,25 @@ def gpt_layer_specs(cfg: GPTConfig, source: GPT | None = None, tp_group=None) ->
     """The layer list (n_layer + 4 layers); use with `loss_fn=lm_loss` (with `tp_group`:
     `TensorParallelLoss(tp_group)`)."""
     if tp_group is not None:
-        return [TiedLayerSpec("embed", ParallelTokenEmbedding, cfg, source, tp_group, tied_weight_attr="embed.weight"),
-                LayerSpec(AddPositions, cfg, source),
-                *[LayerSpec(ParallelPipeBlock, cfg, i, source, tp_group) for i in range(cfg.n_layer)],
-                LayerSpec(FinalNorm, cfg, source),
-                TiedLayerSpec("embed", ParallelTokenEmbedding, cfg, source, tp_group, forward_fn=parallel_lm_head,
-                              tied_weight_attr="embed.weight")]
-    return [TiedLayerSpec("embed", TokenEmbedding, cfg, source),
+        return [
+            TiedLayerSpec("embed", ParallelTokenEmbedding, cfg, source, tp_group, tied_weight_attr="embed.weight"),
             LayerSpec(AddPositions, cfg, source),
-            *[LayerSpec(PipeBlock, cfg, i, source) for i in range(cfg.n_layer)],
+            *[LayerSpec(ParallelPipeBlock, cfg, i, source, tp_group) for i in range(cfg.n_layer)],
             LayerSpec(FinalNorm, cfg, source),
-            TiedLayerSpec("embed", TokenEmbedding, cfg, source, forward_fn=lm_head)]
+            TiedLayerSpec(
+                "embed",
+                ParallelTokenEmbedding,
+                cfg,
+                source,
+                tp_group,
+                forward_fn=parallel_lm_head,
+                tied_weight_attr="embed.weight",
+            ),
+        ]
+    return [
+        TiedLayerSpec("embed", TokenEmbedding, cfg, source),
+        LayerSpec(AddPositions, cfg, source),
+        *[LayerSpec(PipeBlock, cfg, i, source) for i in range(cfg.n_layer)],
+        LayerSpec(FinalNorm, cfg, source),
+        TiedLayerSpec("embed", TokenEmbedding, cfg, source, forward_fn=lm_head),
+    ]

@@ -70,8 +70,9 @@ class CausalSelfAttention(nn.Module):
         B, T, D = x_BTD.shape
         q_BTD, k_BTD, v_BTD = self.qkv(x_BTD).split(D, dim=2)
         # (B, T, D) -> (B, H, T, D/H): heads become a batch dimension for SDPA.
-        q_BHTd, k_BHTd, v_BHTd = (t.view(B, T, self.n_head, D // self.n_head).transpose(1, 2)
-                                  for t in (q_BTD, k_BTD, v_BTD))
+        q_BHTd, k_BHTd, v_BHTd = (
+            t.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for t in (q_BTD, k_BTD, v_BTD)
+        )
         y_BHTd = F.scaled_dot_product_attention(q_BHTd, k_BHTd, v_BHTd, is_causal=True)
         return self.proj(y_BHTd.transpose(1, 2).reshape(B, T, D))
 
@@ -155,4 +156,3 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.normal_(module.weight, mean=0.0, std=0.02)
     if isinstance(module, nn.Linear) and module.bias is not None:
         nn.init.zeros_(module.bias)
-

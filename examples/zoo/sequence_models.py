@@ -1,6 +1,7 @@
 """A tiny GPT whose attention is injected: plain SDPA over the whole sequence (the one-process
 reference) or `DistributedAttention` around it (Ulysses). Used by the sequence-parallel tests and
 benchmarks/sequence_parallel.py."""
+
 from __future__ import annotations
 
 import torch.nn.functional as F
@@ -13,8 +14,9 @@ VOCAB = 32
 
 def local_sdpa(q, k, v):
     """[b, s, h, d] causal attention (GQA by SDPA's own head grouping)."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                         enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+    )
     return out.transpose(1, 2)
 
 
@@ -31,10 +33,14 @@ class Block(nn.Module):
 
     def forward(self, x):
         b, s, _ = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split([self.heads * self.hd, self.kv_heads * self.hd,
-                                               self.kv_heads * self.hd], dim=-1)
-        ctx = self.attention(q.view(b, s, self.heads, self.hd), k.view(b, s, self.kv_heads, self.hd),
-                             v.view(b, s, self.kv_heads, self.hd))
+        q, k, v = self.qkv(self.ln1(x)).split(
+            [self.heads * self.hd, self.kv_heads * self.hd, self.kv_heads * self.hd], dim=-1
+        )
+        ctx = self.attention(
+            q.view(b, s, self.heads, self.hd),
+            k.view(b, s, self.kv_heads, self.hd),
+            v.view(b, s, self.kv_heads, self.hd),
+        )
         x = x + self.proj(ctx.reshape(b, s, -1))
         return x + self.mlp(self.ln2(x))
 
@@ -57,5 +63,3 @@ class GPT(nn.Module):
     def logits(self, ids, pos):
         """[b, s] token ids at global positions `pos` -> [b, s, vocab]."""
         return self.head(self.hidden(ids, pos))
-
-

@@ -1,6 +1,7 @@
 """partition_activations over a 2-rank model-parallel group (gloo): each rank keeps half of every
 checkpointed input, all-gathers it for the recompute, and the gradients equal a single-process run
 without checkpointing. With a model-parallel group of size 1 it is a no-op that warns once."""
+
 from __future__ import annotations
 
 import logging
@@ -10,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zerospeed import checkpointing, comm
-from zerospeed.activation.stash import SavedInput
 from harness import run_distributed
 from harness.mpu import GroupMpu
+from zerospeed import checkpointing, comm
+from zerospeed.activation.stash import SavedInput
 
 # B*T*D = 465 is odd: the second rank's chunk ends in one padding element.
 B, T, D, N_BLOCKS, STEPS = 3, 5, 31, 4, 2
@@ -21,8 +22,11 @@ CASES = {
     "partition": {},
     "partition+cpu": {"checkpoint_in_cpu": True},
     "partition+contiguous": {"contiguous_checkpointing": True, "num_checkpoints": N_BLOCKS},
-    "partition+cpu+contiguous": {"checkpoint_in_cpu": True, "contiguous_checkpointing": True,
-                                 "num_checkpoints": N_BLOCKS},
+    "partition+cpu+contiguous": {
+        "checkpoint_in_cpu": True,
+        "contiguous_checkpointing": True,
+        "num_checkpoints": N_BLOCKS,
+    },
 }
 
 
@@ -55,8 +59,11 @@ def step(blocks, x, checkpointed: bool, seed: int):
     for blk in blocks:
         h = checkpointing.checkpoint(blk, h) if checkpointed else blk(h)
         if checkpointed:
-            kept += [(s.data.numel(), s.data.device.type, s.partitioned)
-                     for s in h.grad_fn.saved if isinstance(s, SavedInput)]
+            kept += [
+                (s.data.numel(), s.data.device.type, s.partitioned)
+                for s in h.grad_fn.saved
+                if isinstance(s, SavedInput)
+            ]
     (h * h).mean().backward()
     return [p.grad.clone() for p in blocks.parameters()] + [x.grad.clone()], kept
 
@@ -84,8 +91,13 @@ def partition_worker():
             kept_devices |= {device for _, device, _ in kept}
             assert all(partitioned for _, _, partitioned in kept) and len(kept) == N_BLOCKS
         buffer = checkpointing.contiguous_buffer()
-        out[name] = {"grads": grads, "kept_numel": kept_numel, "kept_devices": kept_devices, "gathers": gathers,
-                     "buffer_bytes": None if buffer is None else buffer.numel()}
+        out[name] = {
+            "grads": grads,
+            "kept_numel": kept_numel,
+            "kept_devices": kept_devices,
+            "gathers": gathers,
+            "buffer_bytes": None if buffer is None else buffer.numel(),
+        }
     checkpointing.unconfigure()
     return out
 
@@ -133,8 +145,12 @@ def solo_group_worker():
         grads.append(g)
         kept += k
     gathers = comm.STATS.snapshot().get("all_gather", {}).get("calls", 0) - before
-    return {"grads": grads, "warnings": collect.messages, "gathers": gathers,
-            "partitioned": any(partitioned for _, _, partitioned in kept)}
+    return {
+        "grads": grads,
+        "warnings": collect.messages,
+        "gathers": gathers,
+        "partitioned": any(partitioned for _, _, partitioned in kept),
+    }
 
 
 @pytest.mark.timeout(150)

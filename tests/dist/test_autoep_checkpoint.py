@@ -11,16 +11,17 @@ the final weights within 1e-5. The checkpoint itself, consolidated offline with 
 reference after 3 steps, as does `save_16bit_model`'s file; a weights-only load
 (`load_module_only`, at ep 4 and ZeRO-0) reads the model states and the per-expert files.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from zerospeed import comm
 from harness import run_distributed
+from zerospeed import comm
 
 transformers = pytest.importorskip("transformers")
-from test_moe_autoep_parity import B, TOL, WORLD, batches, build, config, reference  # noqa: E402
+from test_moe_autoep_parity import TOL, WORLD, B, batches, build, config, reference  # noqa: E402
 
 SAVED_AT, STEPS = 3, 5
 RESUMES = [(2, 2), (4, 3), (1, 1)]  # (autoep_size, ZeRO stage) of the loading engine
@@ -28,6 +29,7 @@ RESUMES = [(2, 2), (4, 3), (1, 1)]  # (autoep_size, ZeRO stage) of the loading e
 
 def _engine(ep: int, stage: int, seed: int):
     import zerospeed
+
     torch.manual_seed(seed)
     model = build("mixtral")
     if seed:  # another initialisation: only the checkpoint can make it the reference's model
@@ -42,7 +44,7 @@ def _engine(ep: int, stage: int, seed: int):
 def _steps(engine, steps: range) -> list[float]:
     rank, losses = comm.get_rank(), []
     for ids in [batches()[s] for s in steps]:
-        mine = ids[rank * B:(rank + 1) * B]
+        mine = ids[rank * B : (rank + 1) * B]
         loss = engine(input_ids=mine, labels=mine).loss
         engine.backward(loss)
         engine.step()
@@ -53,6 +55,7 @@ def _steps(engine, steps: range) -> list[float]:
 def _final_weights(engine, model) -> dict:
     from zerospeed.moe.autoep import consolidated_state_dict
     from zerospeed.zero import GatheredParameters
+
     with GatheredParameters(list(model.parameters())):
         state = {k: v.detach().clone() for k, v in consolidated_state_dict(model).items()}
     return state if comm.get_rank() == 0 else {}
@@ -86,6 +89,7 @@ def _worst(got: dict, ref: dict) -> float:
 @pytest.mark.timeout(240)
 def test_autoep_checkpoint_resumes_at_any_expert_parallel_size_and_stage(tmp_path):
     from zerospeed.checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint
+
     results = run_distributed(_save_then_resume, WORLD, str(tmp_path), timeout=220)
     ref_losses, ref_final = reference("mixtral", STEPS)
     ref_saved = reference("mixtral", SAVED_AT)[1]
@@ -99,8 +103,10 @@ def test_autoep_checkpoint_resumes_at_any_expert_parallel_size_and_stage(tmp_pat
     # weights only, at ep 4 and ZeRO-0: from the model states and the expert files
     assert _worst(results[0]["module_only"], ref_saved) <= TOL
     # the checkpoint on its own: every expert once, in transformers' names and shapes
-    for state in (get_fp32_state_dict_from_zero_checkpoint(tmp_path, tag="autoep"),
-                  torch.load(tmp_path / "model16.bin", weights_only=True)):
+    for state in (
+        get_fp32_state_dict_from_zero_checkpoint(tmp_path, tag="autoep"),
+        torch.load(tmp_path / "model16.bin", weights_only=True),
+    ):
         plain = build("mixtral")
         plain.load_state_dict(state, strict=True)
         assert _worst(plain.state_dict(), ref_saved) <= TOL

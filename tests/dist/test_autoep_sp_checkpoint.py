@@ -12,6 +12,7 @@ The reference is the stock model in one process over the same 4 global batches (
 replicas, the mean of their losses): every rank's loss at every step and the final weights within 1e-5,
 which needs the weights, AdamW's moments and step all restored for dense and expert parameters alike.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -30,6 +31,7 @@ RESUMES = [(2, 2), (4, 3), (1, 1)]
 
 def _engine(ep: int, stage: int, seed: int):
     from zerospeed.sequence.hf import UlyssesSPAttentionHF, install_sequence_parallel_loss
+
     model = build(ep)
     if seed:  # another initialisation: only the checkpoint can make it the reference's model
         torch.manual_seed(seed)
@@ -37,21 +39,26 @@ def _engine(ep: int, stage: int, seed: int):
             torch.nn.init.normal_(p, std=0.5)
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", SP, MICRO)
     install_sequence_parallel_loss(model, mpu.get_sequence_parallel_group())
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": 1,
-           "sequence_parallel_size": SP,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-           "expert_parallel": {"enabled": True, "autoep_size": ep}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,
+        "gradient_accumulation_steps": 1,
+        "sequence_parallel_size": SP,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "expert_parallel": {"enabled": True, "autoep_size": ep},
+    }
     engine, *_ = zerospeed.initialize(model=model, config=cfg, mpu=mpu)
     return engine, model, mpu
 
 
 def _steps(engine, mpu, steps: range) -> list[float]:
     from zerospeed.sequence.data import shard_sequence_batch
+
     dp_rank, dp = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     losses = []
     for s in steps:
-        mine = {k: v[dp_rank * MICRO:(dp_rank + 1) * MICRO] for k, v in batches(dp)[s].items()}
+        mine = {k: v[dp_rank * MICRO : (dp_rank + 1) * MICRO] for k, v in batches(dp)[s].items()}
         loss = engine(**shard_sequence_batch(mine, mpu.get_sequence_parallel_rank(), SP)).loss
         engine.backward(loss)
         engine.step()
@@ -62,6 +69,7 @@ def _steps(engine, mpu, steps: range) -> list[float]:
 def _save_then_resume(root: str) -> dict:
     from zerospeed.moe.autoep import consolidated_state_dict
     from zerospeed.sequence.hf import UlyssesSPAttentionHF
+
     out = {}
     for i, (ep, stage) in enumerate([SAVE, *RESUMES]):
         try:
@@ -94,5 +102,10 @@ def test_autoep_under_ulysses_resumes_at_other_expert_parallel_sizes_and_stages(
             got = res[resume]["losses"]
             assert max(abs(a - b) for a, b in zip(got, expect[SAVED_AT:])) <= TOL, (resume, rank, got, expect)
             for key, value in ref_weights.items():
-                torch.testing.assert_close(res[resume]["weights"][key], value, atol=TOL, rtol=0,
-                                           msg=lambda m, key=key: f"{resume} rank {rank} {key}: {m}")
+                torch.testing.assert_close(
+                    res[resume]["weights"][key],
+                    value,
+                    atol=TOL,
+                    rtol=0,
+                    msg=lambda m, key=key: f"{resume} rank {rank} {key}: {m}",
+                )

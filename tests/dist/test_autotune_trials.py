@@ -6,6 +6,7 @@ reported and skipped, the hanging trial's whole process group is killed at the t
 best config is written. (Pruning, dominated configurations and their revival are tested without
 processes in tests/unit/test_autotuning.py.)
 """
+
 import csv
 import json
 import os
@@ -42,15 +43,37 @@ def _still_running(marker: str) -> list[str]:
 
 @pytest.mark.timeout(150)
 def test_tune_reports_and_skips_a_crashing_and_a_hanging_trial(tmp_path):
-    config = {"train_micro_batch_size_per_gpu": [2, 4, 8], "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 0},
-              "autotuning": {"enabled": True, "start_profile_step": 2, "end_profile_step": 4,
-                             "model_info": {"num_params": 1732}}}
+    config = {
+        "train_micro_batch_size_per_gpu": [2, 4, 8],
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 0},
+        "autotuning": {
+            "enabled": True,
+            "start_profile_step": 2,
+            "end_profile_step": 4,
+            "model_info": {"num_params": 1732},
+        },
+    }
     (tmp_path / "ds.json").write_text(json.dumps(config))
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")}
     env.update(ZS_TEST_OUT=str(tmp_path), ZEROSPEED_AUTOTUNING_TRIAL_TIMEOUT=TRIAL_TIMEOUT)
-    argv = [sys.executable, "-m", "zerospeed.launcher", "--autotuning", "tune", "--num_gpus", "1", str(SCRIPT),
-            "--deepspeed", "ds.json", "--crash-at", "4", "--hang-at", "2"]
+    argv = [
+        sys.executable,
+        "-m",
+        "zerospeed.launcher",
+        "--autotuning",
+        "tune",
+        "--num_gpus",
+        "1",
+        str(SCRIPT),
+        "--deepspeed",
+        "ds.json",
+        "--crash-at",
+        "4",
+        "--hang-at",
+        "2",
+    ]
     proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=140)
@@ -63,7 +86,10 @@ def test_tune_reports_and_skips_a_crashing_and_a_hanging_trial(tmp_path):
 
     rows = {r["exp"]: r for r in csv.DictReader((results / "results.csv").open())}
     assert {n: r["status"] for n, r in rows.items()} == {
-        "z0_tmbspg8_gas1": "ok", "z0_tmbspg4_gas1": "crashed", "z0_tmbspg2_gas1": "timed out"}, shown
+        "z0_tmbspg8_gas1": "ok",
+        "z0_tmbspg4_gas1": "crashed",
+        "z0_tmbspg2_gas1": "timed out",
+    }, shown
     assert "simulated out of memory at micro batch 4" in rows["z0_tmbspg4_gas1"]["note"], shown
     ok_s, hang_s = float(rows["z0_tmbspg8_gas1"]["seconds"]), float(rows["z0_tmbspg2_gas1"]["seconds"])
     assert 2 * ok_s <= hang_s < 2 * ok_s + 10, shown  # killed at its limit, group and all, within the grace
@@ -72,14 +98,20 @@ def test_tune_reports_and_skips_a_crashing_and_a_hanging_trial(tmp_path):
     assert metrics["steps"] == [2, 4] and len(metrics["step_seconds"]) == 3
 
     optimal = json.loads((results / "ds_config_optimal.json").read_text())
-    assert optimal == {"optimizer": config["optimizer"], "zero_optimization": {"stage": 0},
-                       "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1}
+    assert optimal == {
+        "optimizer": config["optimizer"],
+        "zero_optimization": {"stage": 0},
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 1,
+    }
     cmd = (results / "cmd_optimal.txt").read_text().split()
     assert cmd[-6:] == ["--deepspeed", str(results / "ds_config_optimal.json"), "--crash-at", "4", "--hang-at", "2"]
     assert "| global | 3 |" in (results / "summary.txt").read_text()
     assert (tmp_path / "autotuning_exps" / "z0_tmbspg2_gas1.json").exists()
 
     # the hanging trial and its launcher are gone: nothing of this test's trials is left running
-    assert not psutil.pid_exists(int((tmp_path / "hang_pid").read_text())) or \
-        psutil.Process(int((tmp_path / "hang_pid").read_text())).status() == psutil.STATUS_ZOMBIE
+    assert (
+        not psutil.pid_exists(int((tmp_path / "hang_pid").read_text()))
+        or psutil.Process(int((tmp_path / "hang_pid").read_text())).status() == psutil.STATUS_ZOMBIE
+    )
     assert not _still_running(str(results)), _still_running(str(results))

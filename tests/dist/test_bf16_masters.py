@@ -17,14 +17,15 @@ Checkpoints: saved after 3 steps, resumed at ZeRO-2 and (resharded) ZeRO-1 with 
 last 3 losses are the uninterrupted run's exactly; standard bf16 (fp32 masters) loads it too (within
 1e-2: its updates are no longer rounded to bf16).
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from harness import run_distributed
-from zoo.models import GPT, GPTConfig
 from harness.reference import single_threaded
+from zoo.models import GPT, GPTConfig
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
 MICRO, STEPS, WORLD = 2, 6, 2
@@ -33,8 +34,7 @@ ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
 
 def _batches():
     g = torch.Generator().manual_seed(11)
-    return [torch.randint(0, CFG["vocab_size"], (WORLD * MICRO, CFG["block_size"]), generator=g)
-            for _ in range(STEPS)]
+    return [torch.randint(0, CFG["vocab_size"], (WORLD * MICRO, CFG["block_size"]), generator=g) for _ in range(STEPS)]
 
 
 def _model(tied: bool):
@@ -49,18 +49,25 @@ def _model(tied: bool):
 
 def _engine(stage: int, masters: bool):
     import zerospeed
+
     model = _model(tied=stage < 3)
     bf16 = {"enabled": True, "bf16_master_weights_and_grads": masters, "bf16_optimizer_states": masters}
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": ADAMW},
-           "bf16": bf16, "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": ADAMW},
+        "bf16": bf16,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
     engine, *_ = zerospeed.initialize(model=model, config=cfg)
     return engine, model
 
 
 def _step(engine, batch) -> float:
     from zerospeed import comm
+
     rank = comm.get_rank()
-    ids = batch[rank * MICRO:(rank + 1) * MICRO]
+    ids = batch[rank * MICRO : (rank + 1) * MICRO]
     loss = engine(ids, ids)
     engine.backward(loss)
     engine.step()
@@ -70,6 +77,7 @@ def _step(engine, batch) -> float:
 def _train(stage: int, masters: bool):
     import zerospeed
     from harness.census import live_tensor_bytes
+
     base = live_tensor_bytes()  # (what earlier runs of this process left, their results)
     engine, model = _engine(stage, masters)
     losses, census = [], None
@@ -82,9 +90,14 @@ def _train(stage: int, masters: bool):
     weights_storages = {p.untyped_storage().data_ptr() for p in model.parameters() if p.numel()}
     with zerospeed.zero.GatheredParameters(list(model.parameters())):
         weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "weights": weights, "census": census,
-            "state_dtypes": {v.dtype for v in states}, "master_dtypes": {m.dtype for m in masters_t},
-            "aliased": all(m.untyped_storage().data_ptr() in weights_storages for m in masters_t)}
+    return {
+        "losses": losses,
+        "weights": weights,
+        "census": census,
+        "state_dtypes": {v.dtype for v in states},
+        "master_dtypes": {m.dtype for m in masters_t},
+        "aliased": all(m.untyped_storage().data_ptr() in weights_storages for m in masters_t),
+    }
 
 
 RUNS = [(1, True), (2, True), (3, True), (2, False)]
@@ -119,7 +132,7 @@ def reference(tied: bool):
         per_rank, step_losses = [], []
         for r in range(WORLD):
             opt.zero_grad(set_to_none=True)
-            ids = batch[r * MICRO:(r + 1) * MICRO]
+            ids = batch[r * MICRO : (r + 1) * MICRO]
             loss = model(ids, ids)
             loss.backward()
             step_losses.append(loss.float().item())

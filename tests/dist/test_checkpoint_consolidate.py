@@ -4,6 +4,7 @@ tag validation and a corrupted shard named on every rank.
 
 One 2-rank job writes all checkpoints (module-scoped fixture); the rest runs here without processes.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,19 +15,28 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from zerospeed import comm
-from zerospeed.checkpoint import (CheckpointError, convert_zero_checkpoint_to_fp32_state_dict,
-                                  get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint)
-from zerospeed.checkpoint.cli import main as cli_main
-from zerospeed.checkpoint.export import read_exported
-from harness import run_distributed, split_global_batch
-from zerospeed.zero.shards import parameter_names
 from test_checkpoint_resume import GAS, build_model, make_engine, zero_config
 from test_zero_parity import global_batches
 
-CASES = {"s0": zero_config(0), "s1": zero_config(1), "s2": zero_config(2),
-         "s2bf16": zero_config(2, bf16={"enabled": True}), "s3": zero_config(3)}
+from harness import run_distributed, split_global_batch
+from zerospeed import comm
+from zerospeed.checkpoint import (
+    CheckpointError,
+    convert_zero_checkpoint_to_fp32_state_dict,
+    get_fp32_state_dict_from_zero_checkpoint,
+    load_state_dict_from_zero_checkpoint,
+)
+from zerospeed.checkpoint.cli import main as cli_main
+from zerospeed.checkpoint.export import read_exported
+from zerospeed.zero.shards import parameter_names
+
+CASES = {
+    "s0": zero_config(0),
+    "s1": zero_config(1),
+    "s2": zero_config(2),
+    "s2bf16": zero_config(2, bf16={"enabled": True}),
+    "s3": zero_config(3),
+}
 
 
 def _train(engine, steps: int) -> None:
@@ -78,8 +88,10 @@ def _save_all(root: str) -> dict:
         _train(engine, 1)
         engine.save_checkpoint(str(root / name))
         entries = engine.zero.shard_entries(parameter_names(engine.module))
-        out[name] = {"module": module_state(engine),
-                     "entries": [(e.pieces, e.master.detach().clone()) for e in entries]}
+        out[name] = {
+            "module": module_state(engine),
+            "entries": [(e.pieces, e.master.detach().clone()) for e in entries],
+        }
     out["tags"] = _tag_validation(root)
     out["corrupt"] = _corrupt_shard_then_load(root)
     return out
@@ -99,7 +111,9 @@ def masters_from_entries(results: list[dict], case: str) -> dict[str, torch.Tens
     for r in results:
         for pieces, master in r[case]["entries"]:
             for p in pieces:
-                flat[p.name][p.param_offset:p.param_offset + p.numel] = master.reshape(-1)[p.offset:p.offset + p.numel]
+                flat[p.name][p.param_offset : p.param_offset + p.numel] = master.reshape(-1)[
+                    p.offset : p.offset + p.numel
+                ]
     return {n: t.view(shapes[n]) for n, t in flat.items() if not torch.isnan(t).all()}
 
 
@@ -153,8 +167,9 @@ def test_export_round_trips_as_one_file_or_as_shards_with_an_index(saved, tmp_pa
     stem = "model" if safe else "pytorch_model"
     one = convert_zero_checkpoint_to_fp32_state_dict(root / "s1", tmp_path / "one", safe_serialization=safe)
     assert one == [tmp_path / "one" / f"{stem}.{ext}"]
-    many = convert_zero_checkpoint_to_fp32_state_dict(root / "s1", tmp_path / "many", max_shard_size="40KB",
-                                                      safe_serialization=safe)
+    many = convert_zero_checkpoint_to_fp32_state_dict(
+        root / "s1", tmp_path / "many", max_shard_size="40KB", safe_serialization=safe
+    )
     index = json.loads((tmp_path / "many" / f"{stem}.{ext}.index.json").read_text())
     shards = sorted(p.name for p in (tmp_path / "many").glob(f"{stem}-*.{ext}"))
     assert len(shards) >= 3 and many[-1].name == f"{stem}.{ext}.index.json"
@@ -187,8 +202,9 @@ def test_safetensors_output_is_readable_by_the_safetensors_package(saved, tmp_pa
 def test_tag_validation_fail_raises_on_every_rank_and_warn_uses_rank_0s_tag(saved):
     _, results = saved
     for r in results:
-        assert r["tags"]["FAIL"].startswith("checkpoint tags differ across ranks: 'rank0' on ranks [0]; "
-                                            "'rank1' on ranks [1]")
+        assert r["tags"]["FAIL"].startswith(
+            "checkpoint tags differ across ranks: 'rank0' on ranks [0]; 'rank1' on ranks [1]"
+        )
         assert "tag_validation is FAIL" in r["tags"]["FAIL"]
         assert r["tags"]["WARN"] == ["latest", "rank0"]
 
@@ -241,8 +257,21 @@ def test_cli_to_fp32_writes_shards_and_reports_errors(saved, tmp_path, capsys):
     back = read_exported(tmp_path / "out")
     assert torch.equal(back["wte.weight"], get_fp32_state_dict_from_zero_checkpoint(root / "s1")["wte.weight"])
     # DeepSpeed's zero_to_fp32.py spellings
-    assert cli_main(["to-fp32", str(root / "s1"), str(tmp_path / "safe"), "--max_shard_size", "40KB",
-                     "--safe_serialization", "-t", "global_step1"]) == 0
+    assert (
+        cli_main(
+            [
+                "to-fp32",
+                str(root / "s1"),
+                str(tmp_path / "safe"),
+                "--max_shard_size",
+                "40KB",
+                "--safe_serialization",
+                "-t",
+                "global_step1",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.split()[-1].endswith("model.safetensors.index.json")
     assert cli_main(["to-fp32", str(tmp_path / "nothing"), str(tmp_path / "o2")]) == 1
     assert "nothing/latest does not exist" in capsys.readouterr().err

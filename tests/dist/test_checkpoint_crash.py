@@ -5,6 +5,7 @@ and offline — and matches what was saved.
 Starting Python with torch takes seconds here, so one "zygote" process imports everything once and
 forks a fresh saver for each round; the test kills the saver, the zygote reaps it.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,7 @@ from zerospeed.checkpoint.naming import MODEL_STATES
 
 ROUNDS = 6
 
-ZYGOTE = r'''
+ZYGOTE = r"""
 import json, os, sys
 import torch
 import zerospeed
@@ -76,7 +77,7 @@ for line in sys.stdin:
     elif cmd == "reap":
         _, status = os.waitpid(int(arg), 0)
         print(json.dumps({"status": status}), flush=True)
-'''
+"""
 
 
 def _line(proc) -> dict | str:
@@ -115,8 +116,15 @@ def test_sigkill_during_saves_always_leaves_a_loadable_latest(tmp_path):
     env = {**os.environ, "ZEROSPEED_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(k, None)
-    zygote = subprocess.Popen([sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    zygote = subprocess.Popen(
+        [sys.executable, "-c", ZYGOTE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
     try:
         assert _line(zygote) == "ready"
         expected, interrupted = None, 0

@@ -3,24 +3,26 @@ optimizer states included, and training continues exactly as a single-process Py
 started from the consolidated weights and optimizer state.
 
 One chain of jobs covers the acceptance list: 2 ranks at stage 0 -> 4 ranks at stage 2 (2 -> 4 ranks,
-stage 0 -> 2) -> 2 ranks at stage 3 (4 -> 2 ranks, stage 2 -> 3) -> 2 ranks at stage 1 (stage 3 -> 1). Stage 1 -> 2 at another world size
+stage 0 -> 2) -> 2 ranks at stage 3 (4 -> 2 ranks, stage 2 -> 3) -> 2 ranks at stage 1 (stage 3 -> 1). Stage 1 -> 2
+at another world size
 is the same path as 2 -> 1 (stages 1 and 2 share one partition layout); at the same world size it is
 a same-layout load (tests/unit/test_checkpoint_engine.py).
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from test_checkpoint_resume import GAS, build_model, make_engine, module_state, param_groups, zero_config
+from test_zero_parity import SCHED, global_batches
 
+from harness import reference_train, run_distributed, split_global_batch
 from zerospeed import comm
 from zerospeed.checkpoint import get_fp32_state_dict_from_zero_checkpoint
 from zerospeed.checkpoint.consolidate import resolve_checkpoint
 from zerospeed.checkpoint.naming import MODEL_STATES
 from zerospeed.checkpoint.universal import load_universal
 from zerospeed.optim import build_lr_scheduler
-from harness import reference_train, run_distributed, split_global_batch
-from test_checkpoint_resume import GAS, build_model, make_engine, param_groups, zero_config, module_state
-from test_zero_parity import SCHED, global_batches
 
 STEPS = 2  # optimizer steps per hop
 
@@ -45,8 +47,7 @@ def _hop(stage: int, load_dir: str | None, save_dir: str, offset: int) -> dict:
         comm.all_reduce(t, op="avg")
         losses.append(t.item())
     engine.save_checkpoint(save_dir)
-    return {"loaded": loaded, "losses": losses, "steps": engine.global_steps,
-            "state": module_state(engine)}
+    return {"loaded": loaded, "losses": losses, "steps": engine.global_steps, "state": module_state(engine)}
 
 
 @pytest.fixture(autouse=True)
@@ -74,8 +75,11 @@ def reference_from_checkpoint(ckpt_dir: str, world: int, offset: int):
     for group in opt.param_groups:
         for p in group["params"]:
             full = uni.tensors[names[id(p)]]
-            opt.state[p] = {**uni.scalars[names[id(p)]], "exp_avg": full["exp_avg"].clone(),
-                            "exp_avg_sq": full["exp_avg_sq"].clone()}
+            opt.state[p] = {
+                **uni.scalars[names[id(p)]],
+                "exp_avg": full["exp_avg"].clone(),
+                "exp_avg_sq": full["exp_avg_sq"].clone(),
+            }
     batches = global_batches(world, offset + STEPS)[offset:]
     losses = reference_train(model, opt, batches, world_size=world, grad_accum=GAS, scheduler=sched, clip=1.0)
     return losses, model.state_dict()

@@ -3,6 +3,7 @@ equals N+M uninterrupted steps bitwise — weights, optimizer states, data order
 
 The shared model, configs and helpers of the checkpoint tests live here.
 """
+
 from __future__ import annotations
 
 import random
@@ -10,14 +11,14 @@ import random
 import numpy as np
 import pytest
 import torch
+from test_zero_parity import GAS, MICRO, MODEL, SEQ, param_groups, zero_config  # noqa: F401  (re-exported)
 
 import zerospeed
-from zerospeed import comm
 from harness import run_distributed
+from zerospeed import comm
+from zerospeed.zero.shards import parameter_names
 from zoo.data import ByteSequenceDataset, stdlib_corpus
 from zoo.models import GPT
-from zerospeed.zero.shards import parameter_names
-from test_zero_parity import GAS, MICRO, MODEL, SEQ, param_groups, zero_config  # noqa: F401  (re-exported)
 
 
 class BufferedGPT(GPT):
@@ -42,8 +43,9 @@ def build_model(seed: int = 0) -> BufferedGPT:
 
 def make_engine(config, seed: int = 0, training_data=None):
     model = build_model(seed)
-    engine, _, loader, _ = zerospeed.initialize(model=model, model_parameters=param_groups(model), config=config,
-                                                training_data=training_data)
+    engine, _, loader, _ = zerospeed.initialize(
+        model=model, model_parameters=param_groups(model), config=config, training_data=training_data
+    )
     return engine, loader
 
 
@@ -66,8 +68,13 @@ def rank_snapshot(engine) -> dict:
     return {
         "module": module_state(engine),
         "masters": [e.master.detach().clone() for e in entries],
-        "states": [{k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
-                    for k, v in opt.state.get(e.master, {}).items()} for e in entries],
+        "states": [
+            {
+                k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                for k, v in opt.state.get(e.master, {}).items()
+            }
+            for e in entries
+        ],
         "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
         "counters": (engine.global_steps, engine.global_samples, engine.skipped_steps, engine.micro_steps),
         "scheduler": engine.lr_scheduler.state_dict(),
@@ -111,9 +118,17 @@ def _resume_job(stage: int, ckpt_dir: str, n: int = 3, m: int = 3) -> dict:
     log_resumed: list = []
     _train(resumed, batches, m, log_resumed)
     rng_resumed = (torch.rand(2), random.random(), float(np.random.rand()))
-    return {"whole": rank_snapshot(whole), "resumed": rank_snapshot(resumed), "path": path, "client": client,
-            "log_whole": log_whole, "log_first": log_first, "log_resumed": log_resumed,
-            "rng": (rng_whole, rng_resumed), "rank": comm.get_rank()}
+    return {
+        "whole": rank_snapshot(whole),
+        "resumed": rank_snapshot(resumed),
+        "path": path,
+        "client": client,
+        "log_whole": log_whole,
+        "log_first": log_first,
+        "log_resumed": log_resumed,
+        "rng": (rng_whole, rng_resumed),
+        "rank": comm.get_rank(),
+    }
 
 
 def assert_same(a, b, where: str) -> None:

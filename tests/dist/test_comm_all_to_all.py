@@ -1,13 +1,14 @@
 """The gateway's all-to-all (even and uneven) and its differentiable forms, against the permutation
 computed in one process from every rank's full input; the counted bytes against the formula."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
+from harness import run_distributed
 from zerospeed import comm
 from zerospeed.comm.functional import all_to_all, seq_all_to_all
-from harness import run_distributed
 
 WORLD = 4
 
@@ -69,8 +70,8 @@ def test_all_to_all_matches_the_permutation_and_its_gradient():
     full_w = torch.cat(seq_ws, dim=1)  # [s, h, d]: the weight each head slice is multiplied by
     for r, res in enumerate(results):
         y, grad, stats = res["seq"]
-        assert torch.equal(y, full[:, 2 * r:2 * r + 2])
-        assert torch.equal(grad, full_w[2 * r:2 * r + 2])
+        assert torch.equal(y, full[:, 2 * r : 2 * r + 2])
+        assert torch.equal(grad, full_w[2 * r : 2 * r + 2])
         # forward + backward: two all-to-alls of this rank's 2*8*3 doubles; 3/4 of each leaves the rank
         assert stats["calls"] == 2 and stats["payload_bytes"] == 2 * 2 * 8 * 3 * 8
         assert stats["wire_bytes"] == pytest.approx(stats["payload_bytes"] * 3 / 4)

@@ -8,6 +8,7 @@ shows that graphs were compiled — at stage 3 with the gather / release hooks a
 out of them (Note [compiled modules at stage 3]). The older config keys (`"compile": {"enabled": true,
 "backend": "aot_eager"}`) compile at `initialize` (ZeRO-2).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -30,6 +31,7 @@ def _batches():
 def _train(stage: int, backend: str):
     import zerospeed
     from zerospeed import comm
+
     rank, graphs = comm.get_rank(), []
 
     def counting(gm, example_inputs):
@@ -38,8 +40,12 @@ def _train(stage: int, backend: str):
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": ADAMW},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": ADAMW},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
     if backend == "config":  # the older key set: initialize compiles
         cfg["compile"] = {"enabled": True, "backend": "aot_eager"}
     engine, *_ = zerospeed.initialize(model=model, config=cfg)
@@ -48,7 +54,7 @@ def _train(stage: int, backend: str):
     engine.compile(backend=counting)  # a second call changes nothing
     losses = []
     for ids in _batches():
-        mine = ids[rank * MICRO:(rank + 1) * MICRO]
+        mine = ids[rank * MICRO : (rank + 1) * MICRO]
         loss = engine(mine, mine)
         engine.backward(loss)
         engine.step()
@@ -61,8 +67,7 @@ def _train(stage: int, backend: str):
         refused = None
     except NotImplementedError as e:
         refused = str(e)
-    return {"losses": losses, "weights": weights, "graphs": graphs, "compiled": engine.is_compiled,
-            "refused": refused}
+    return {"losses": losses, "weights": weights, "graphs": graphs, "compiled": engine.is_compiled, "refused": refused}
 
 
 def _runs(cases):
@@ -73,8 +78,14 @@ def _reference():
     """Mean loss over the ranks per step, and the final weights, of one eager process."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
-    losses = reference_train(model, torch.optim.AdamW(model.parameters(), **ADAMW), [(b,) for b in _batches()],
-                             world_size=WORLD, grad_accum=1, loss_fn=lambda m, ids: m(ids, ids))
+    losses = reference_train(
+        model,
+        torch.optim.AdamW(model.parameters(), **ADAMW),
+        [(b,) for b in _batches()],
+        world_size=WORLD,
+        grad_accum=1,
+        loss_fn=lambda m, ids: m(ids, ids),
+    )
     return losses, model.state_dict()
 
 
@@ -91,7 +102,12 @@ def test_compiled_engine_trains_like_eager_pytorch():
                 mean = [sum(r[case]["losses"][i] for r in results) / WORLD for i in range(STEPS)]
                 assert max(abs(a - b) for a, b in zip(mean, ref_losses)) <= TOL, (case, mean, ref_losses)
             for key, value in ref_weights.items():
-                torch.testing.assert_close(got["weights"][key], value, atol=TOL, rtol=0,
-                                           msg=lambda m, key=key: f"{case} rank {rank} {key}: {m}")
+                torch.testing.assert_close(
+                    got["weights"][key],
+                    value,
+                    atol=TOL,
+                    rtol=0,
+                    msg=lambda m, key=key: f"{case} rank {rank} {key}: {m}",
+                )
             if case[1] == "counting":  # graphs were compiled (none of them holding the stage-3 hooks)
                 assert got["graphs"] and all(n > 1 for n in got["graphs"]), (case, got["graphs"])

@@ -10,6 +10,7 @@ Adam moments and step count, the warm-up LR schedule's position, the buffer and 
 across. The universal form read from DeepSpeed's files equals DeepSpeed's own consolidation exactly.
 Loading without the optimizer states gives different losses (checked: the test can fail).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -39,23 +40,31 @@ def batches():
 def _resume(ds_stage: int, stage: int, with_optimizer: bool = True):
     import zerospeed
     from zerospeed import comm
+
     world, rank = comm.get_world_size(), comm.get_rank()
     gas = 4 // world
     m = model()
     # (no gradient_clipping key, as in DeepSpeed's run: both clip at the default, 1.0)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
     engine, *_ = zerospeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
-    engine.load_checkpoint(str(FIXTURES / f"zero{ds_stage}"), tag="step3", load_optimizer_states=with_optimizer,
-                           load_lr_scheduler_states=with_optimizer)
+    engine.load_checkpoint(
+        str(FIXTURES / f"zero{ds_stage}"),
+        tag="step3",
+        load_optimizer_states=with_optimizer,
+        load_lr_scheduler_states=with_optimizer,
+    )
     steps, losses = engine.global_steps, []
     for x, y in batches()[3:]:
         total = 0.0
         for micro in range(gas):
             lo = (micro * world + rank) * 2
-            loss = ((engine(x[lo:lo + 2]) * m.scale - y[lo:lo + 2]) ** 2).mean()
+            loss = ((engine(x[lo : lo + 2]) * m.scale - y[lo : lo + 2]) ** 2).mean()
             engine.backward(loss)
             engine.step()
             total += loss.item()
@@ -83,11 +92,17 @@ def test_a_deepspeed_run_resumes_in_zerospeed_like_deepspeed_continued_it(world)
         for ds_stage, stage in cases:
             got, want = rank_result[ds_stage, stage], _expected(ds_stage)
             assert got["steps"] == 3
-            assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"][3:])) <= 1e-6, \
-                (ds_stage, stage, got["losses"], want["losses"][3:])
+            assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"][3:])) <= 1e-6, (
+                ds_stage,
+                stage,
+                got["losses"],
+                want["losses"][3:],
+            )
             assert torch.equal(got["weights"]["scale"], torch.tensor([2.0]))
             for k, v in want["step6_fp32"].items():
-                torch.testing.assert_close(got["weights"][k], v, atol=1e-6, rtol=0, msg=f"ZeRO-{ds_stage} -> {stage}: {k}")
+                torch.testing.assert_close(
+                    got["weights"][k], v, atol=1e-6, rtol=0, msg=f"ZeRO-{ds_stage} -> {stage}: {k}"
+                )
 
 
 def _weights_only():
@@ -105,6 +120,7 @@ def test_the_universal_form_equals_deepspeeds_own_consolidation():
     of it (stored with the fixtures), bit for bit; the four stages' tags (the same training) agree on
     weights, moments and step; ZeRO 0's module state holds the weights whole."""
     from zerospeed.checkpoint.deepspeed_import import read_deepspeed_checkpoint
+
     names = [["0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"]]
     read = {s: read_deepspeed_checkpoint(FIXTURES / f"zero{s}" / "step3", group_names=names) for s in range(4)}
     for s in (1, 2, 3):
@@ -125,9 +141,20 @@ def test_the_universal_form_equals_deepspeeds_own_consolidation():
 
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=2, n_head=2,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=32,
+            n_positions=16,
+            n_embd=16,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
 
 
 def _gpt2_batches():
@@ -138,10 +165,14 @@ def _gpt2_batches():
 def _resume_gpt2(ds_stage: int, stage: int) -> list[float]:
     import zerospeed
     from zerospeed import comm
+
     m = _gpt2()
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
-           "zero_optimization": {"stage": stage}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
+        "zero_optimization": {"stage": stage},
+    }
     engine, *_ = zerospeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
     engine.load_checkpoint(str(FIXTURES / f"gpt2_zero{ds_stage}"), tag="step3")
     rank, world, losses = comm.get_rank(), comm.get_world_size(), []
@@ -149,7 +180,7 @@ def _resume_gpt2(ds_stage: int, stage: int) -> list[float]:
         total = 0.0
         for micro in range(2):
             lo = (micro * world + rank) * 2
-            loss = engine(input_ids=ids[lo:lo + 2], labels=ids[lo:lo + 2]).loss
+            loss = engine(input_ids=ids[lo : lo + 2], labels=ids[lo : lo + 2]).loss
             engine.backward(loss)
             engine.step()
             total += loss.item()
@@ -168,6 +199,7 @@ def test_a_transformers_gpt2_with_a_tied_head_resumes_from_deepspeed_zero2_and_z
     """A transformers GPT-2 (its head tied to the embedding) saved by DeepSpeed at ZeRO 2 and 3 resumes at
     zerospeed ZeRO 3 and 0: DeepSpeed's own losses for steps 4-6 within 1e-6."""
     import json
+
     got = run_distributed(_gpt2_cases, 2, timeout=160)[0]
     for (ds_stage, stage), losses in got.items():
         want = json.loads((FIXTURES / f"gpt2_zero{ds_stage}" / "losses.json").read_text())["losses"][3:]

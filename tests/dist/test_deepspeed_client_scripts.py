@@ -44,6 +44,7 @@ For the CIFAR script, the first three steps coincide with forward-only
 losses of the initial weights (WarmupLR's log warm-up starts at lr 0); from step 4 on the updates move
 the loss by 1e-3..1e-2, so optimizer, scheduler and data order all show at the tolerance.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,28 +55,54 @@ from pathlib import Path
 
 import pytest
 
-from zerospeed.compat import deepspeed_is_shim
 from harness import free_port
+from zerospeed.compat import deepspeed_is_shim
 
 SCRIPTS = Path(__file__).parent / "scripts"
 BIN = Path(sys.executable).parent
 TOL = 1e-5  # fp32
 
 # Real DeepSpeed 0.19.8 (command in the module docstring); stage 0 and stage 2 agree bit for bit.
-DS_CIFAR_LOSSES = [2.3029210567474365, 2.267176628112793, 2.3046348094940186, 2.33931303024292,
-                   2.3490426540374756, 2.3202967643737793, 2.322810411453247, 2.2999820709228516,
-                   2.299572467803955, 2.3377866744995117]
+DS_CIFAR_LOSSES = [
+    2.3029210567474365,
+    2.267176628112793,
+    2.3046348094940186,
+    2.33931303024292,
+    2.3490426540374756,
+    2.3202967643737793,
+    2.322810411453247,
+    2.2999820709228516,
+    2.299572467803955,
+    2.3377866744995117,
+]
 DS_REFERENCE = {0: DS_CIFAR_LOSSES, 2: DS_CIFAR_LOSSES}
 # Real DeepSpeed 0.19.8's train_batch() losses for the pipeline example (command in the module docstring).
-DS_PIPE_LOSSES = [2.2922792434692383, 2.2906813621520996, 2.309140682220459, 2.2983336448669434,
-                  2.2572081089019775, 2.312016248703003, 2.2714755535125732, 2.3402044773101807,
-                  2.3105406761169434, 2.353178024291992]
+DS_PIPE_LOSSES = [
+    2.2922792434692383,
+    2.2906813621520996,
+    2.309140682220459,
+    2.2983336448669434,
+    2.2572081089019775,
+    2.312016248703003,
+    2.2714755535125732,
+    2.3402044773101807,
+    2.3105406761169434,
+    2.353178024291992,
+]
 # Real DeepSpeed 0.19.8's bf16 losses of the BERT script, uninterrupted and (steps 4-6) resumed from its
 # step-3 checkpoint: identical.
 DS_BERT_LOSSES = {"1": 4.1875, "2": 4.125, "3": 4.21875, "4": 4.125, "5": 4.1875, "6": 4.1875}
 # Real DeepSpeed 0.19.8's losses for the small_model_debugging shape: identical at ZeRO 0, 1, 2 and 3.
-DS_SMALL_MODEL_LOSSES = [4.40681266784668, 4.121273994445801, 4.173793792724609, 4.271132946014404,
-                         4.110357761383057, 4.353743553161621, 4.228898048400879, 4.455934047698975]
+DS_SMALL_MODEL_LOSSES = [
+    4.40681266784668,
+    4.121273994445801,
+    4.173793792724609,
+    4.271132946014404,
+    4.110357761383057,
+    4.353743553161621,
+    4.228898048400879,
+    4.455934047698975,
+]
 # DeepSpeed steps "Adam" on CPU with its compiled FusedAdam kernel (AdamW mode, weight decay 0), zerospeed
 # with torch's; from step 3 on the two kernels' fp32 rounding differs (up to 1.8e-5 on a loss of 4.46 after
 # 8 constant-lr steps, relative 4e-6). A wrong optimizer, data order or reduction differs by 1e-3 or more.
@@ -84,13 +111,25 @@ SMALL_MODEL_TOL = 5e-5
 DS_FIRST_LABELS = [[0, 5, 6, 4, 2, 8, 4, 4], [4, 6, 9, 6, 1, 0, 8, 6]]
 
 
-needs_shim = pytest.mark.skipif(not deepspeed_is_shim(), reason="the deepspeed shim is not installed "
-                                "(scripts/setup.sh runs `zerospeed-compat install`)")
+needs_shim = pytest.mark.skipif(
+    not deepspeed_is_shim(),
+    reason="the deepspeed shim is not installed (scripts/setup.sh runs `zerospeed-compat install`)",
+)
 
 
 def _launch(script: str, config: str, log: Path, timeout: float = 120) -> dict:
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(SCRIPTS / script),
-           "--deepspeed_config", str(SCRIPTS / config), "--loss_log", str(log)]
+    cmd = [
+        str(BIN / "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(SCRIPTS / script),
+        "--deepspeed_config",
+        str(SCRIPTS / config),
+        "--loss_log",
+        str(log),
+    ]
     return _run(cmd, log, timeout)
 
 
@@ -128,8 +167,17 @@ def test_pipeline_tutorial_script_matches_real_deepspeed(tmp_path):
 
 
 def _launch_args(script: str, args: list[str], log: Path, timeout: float = 180) -> dict:
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), str(SCRIPTS / script),
-           *args, "--loss_log", str(log)]
+    cmd = [
+        str(BIN / "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(SCRIPTS / script),
+        *args,
+        "--loss_log",
+        str(log),
+    ]
     return _run(cmd, log, timeout)
 
 
@@ -138,10 +186,14 @@ def _launch_args(script: str, args: list[str], log: Path, timeout: float = 180) 
 def test_hello_deepspeed_bert_script_matches_real_deepspeed_and_resumes_exactly(tmp_path):
     pytest.importorskip("transformers")
     full = _launch_args("ds_bert_style.py", ["--checkpoint_dir", str(tmp_path / "full")], tmp_path / "full.json")
-    first = _launch_args("ds_bert_style.py", ["--checkpoint_dir", str(tmp_path / "a"), "--num_iterations", "3"],
-                         tmp_path / "a.json")
-    resumed = _launch_args("ds_bert_style.py", ["--checkpoint_dir", str(tmp_path / "b"), "--load_checkpoint_dir",
-                                                str(tmp_path / "a")], tmp_path / "b.json")
+    first = _launch_args(
+        "ds_bert_style.py", ["--checkpoint_dir", str(tmp_path / "a"), "--num_iterations", "3"], tmp_path / "a.json"
+    )
+    resumed = _launch_args(
+        "ds_bert_style.py",
+        ["--checkpoint_dir", str(tmp_path / "b"), "--load_checkpoint_dir", str(tmp_path / "a")],
+        tmp_path / "b.json",
+    )
     # bf16 losses: DeepSpeed's, step for step (one bf16 rounding step at 4 is 0.03; they are equal)
     assert full["losses"] == DS_BERT_LOSSES
     assert {**first["losses"], **resumed["losses"]} == DS_BERT_LOSSES

@@ -27,6 +27,7 @@ step at any world size. Launcher and rank output is shown when anything fails or
 The ranks are new interpreters (importing torch and zerospeed: about 4 s each at light load, up to
 20 s at a load average of 10), three generations of them; the test waits for nothing else that long.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -55,11 +56,12 @@ def _zerospeed() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "zerospeed.launcher"]
 
 
-
-
 # A node silent for 3 heartbeats of 1 s is dropped; once one node is in, the round waits 2 s for more.
-RDZV_ENV = {"ZEROSPEED_RDZV_TIMEOUT": "60", "ZEROSPEED_RDZV_KEEP_ALIVE_INTERVAL": "1",
-            "ZEROSPEED_RDZV_LAST_CALL_TIMEOUT": "2"}
+RDZV_ENV = {
+    "ZEROSPEED_RDZV_TIMEOUT": "60",
+    "ZEROSPEED_RDZV_KEEP_ALIVE_INTERVAL": "1",
+    "ZEROSPEED_RDZV_LAST_CALL_TIMEOUT": "2",
+}
 
 
 class Job:
@@ -70,20 +72,43 @@ class Job:
         self.log = out / "log.jsonl"
 
     def command(self, node_rank: int) -> list[str]:
-        return [*_zerospeed(), "--elastic_training", "--min_elastic_nodes", "1", "--max_elastic_nodes", "2",
-                "--num_nodes", "2", "--node_rank", str(node_rank), "--master_addr", "127.0.0.1",
-                "--master_port", str(self.port), "--num_gpus", "1", str(SCRIPT), "--out", str(self.out)]
+        return [
+            *_zerospeed(),
+            "--elastic_training",
+            "--min_elastic_nodes",
+            "1",
+            "--max_elastic_nodes",
+            "2",
+            "--num_nodes",
+            "2",
+            "--node_rank",
+            str(node_rank),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(self.port),
+            "--num_gpus",
+            "1",
+            str(SCRIPT),
+            "--out",
+            str(self.out),
+        ]
 
     def start(self, node: str, node_rank: int) -> None:
-        env = {**os.environ, "ELASTIC_NODE": node, "ZS_TEST_JOB": str(self.out), "ZEROSPEED_ACCELERATOR": "cpu",
-               "LOGLEVEL": "INFO",  # torch's agent logs its rendezvous rounds (shown when the test fails)
-               "OMP_NUM_THREADS": "1",  # two "machines" on one machine's 2 cores
-               **RDZV_ENV,
-               "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                              os.environ.get("PYTHONPATH", "")])}
+        env = {
+            **os.environ,
+            "ELASTIC_NODE": node,
+            "ZS_TEST_JOB": str(self.out),
+            "ZEROSPEED_ACCELERATOR": "cpu",
+            "LOGLEVEL": "INFO",  # torch's agent logs its rendezvous rounds (shown when the test fails)
+            "OMP_NUM_THREADS": "1",  # two "machines" on one machine's 2 cores
+            **RDZV_ENV,
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]),
+        }
         log = open(self.out / f"launcher.{node}.log", "w")
-        self.launchers[node] = subprocess.Popen(self.command(node_rank), env=env, stdout=log,
-                                                stderr=subprocess.STDOUT, start_new_session=True)
+        self.launchers[node] = subprocess.Popen(
+            self.command(node_rank), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def events(self) -> list[dict]:
         return [json.loads(line) for line in self.log.read_text().splitlines()] if self.log.exists() else []
@@ -110,8 +135,12 @@ class Job:
         while not found(self.events()):
             failed = {n: p.returncode for n, p in self.launchers.items() if p.poll() not in (None, 0, -9)}
             if failed or time.monotonic() > deadline:
-                raise AssertionError(f"waiting for {what}: " + ("launchers failed " + str(failed) if failed else
-                                     f"timed out after {timeout:g} s") + "\n" + self.report())
+                raise AssertionError(
+                    f"waiting for {what}: "
+                    + ("launchers failed " + str(failed) if failed else f"timed out after {timeout:g} s")
+                    + "\n"
+                    + self.report()
+                )
             time.sleep(0.05)
 
     def report(self) -> str:

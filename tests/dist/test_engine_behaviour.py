@@ -1,17 +1,21 @@
 """Stage-0 engine behaviour on 2 gloo ranks: data sharding, buckets and overlap, unused parameters,
 no_sync and forced boundaries, reduced-precision communication."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 import zerospeed
-from zerospeed import comm
 from harness import run_distributed
+from zerospeed import comm
 
-BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-        "zero_optimization": {"stage": 0, "reduce_bucket_size": 20}}
+BASE = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+    "zero_optimization": {"stage": 0, "reduce_bucket_size": 20},
+}
 
 
 class Branchy(torch.nn.Module):
@@ -52,15 +56,19 @@ def _sharding_and_overlap():
     reducer._on_grad, reducer._launch = traced_on_grad, traced_launch
     for h in reducer._hooks:
         h.remove()
-    reducer._hooks = [p.register_post_accumulate_grad_hook(reducer._on_grad) for u in reducer.units
-                      for p in u.members]
+    reducer._hooks = [p.register_post_accumulate_grad_hook(reducer._on_grad) for u in reducer.units for p in u.members]
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
     engine.backward(engine(x))
     reducer.finish()
     grads = {id(p): g.clone() for p, g in engine.zero.grads()}
     weights = [p.detach().clone() for p in engine.module.parameters()]
-    return {"seen": seen, "events": events, "n_buckets": len(reducer.units),
-            "grads": [grads[id(p)] for p in engine.module.parameters()], "weights": weights}
+    return {
+        "seen": seen,
+        "events": events,
+        "n_buckets": len(reducer.units),
+        "grads": [grads[id(p)] for p in engine.module.parameters()],
+        "weights": weights,
+    }
 
 
 @pytest.mark.timeout(120)
@@ -102,8 +110,7 @@ def _unused_and_no_sync(comm_type):
         engine.backward(engine(x))
         engine.step()
     drifted = [p.detach().clone() for p in engine.module.parameters()]
-    return {"after_step": after_step, "drifted": drifted, "steps": engine.global_steps,
-            "micro": engine.micro_steps}
+    return {"after_step": after_step, "drifted": drifted, "steps": engine.global_steps, "micro": engine.micro_steps}
 
 
 @pytest.mark.timeout(120)

@@ -8,7 +8,6 @@ worker threads make land in it late or not at all, at random.) A sweep that
 builds one engine after another in a process (hyperparameter search, tests, notebooks) would otherwise
 keep every earlier engine's model, gradients and optimizer states alive.
 """
-import gc
 
 import pytest
 import torch
@@ -28,9 +27,10 @@ CONFIGS = {  # name: zero_optimization, built under zero.Init
 
 def _left_after_drop():
     import zerospeed
-    from zerospeed import zero
     from harness import census
+    from zerospeed import zero
     from zoo.models import GPT, GPTConfig
+
     cfg = GPTConfig(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_embd=128)
     x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     out = {}
@@ -42,8 +42,11 @@ def _left_after_drop():
                 model = GPT(cfg)
         else:
             model = GPT(cfg)
-        ds = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "zero_optimization": zcfg}
+        ds = {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": zcfg,
+        }
         engine, optimizer, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
         for _ in range(2):
             loss = engine(x, x)

@@ -1,4 +1,5 @@
 """Stage 0 (data parallel) against a plain single-process PyTorch run on the same global batches."""
+
 from __future__ import annotations
 
 import copy
@@ -7,9 +8,9 @@ import pytest
 import torch
 
 import zerospeed
+from harness import reference_train, run_distributed, split_global_batch
 from zerospeed import comm
 from zerospeed.optim import build_lr_scheduler
-from harness import reference_train, run_distributed, split_global_batch
 from zoo.data import text_batches
 from zoo.models import GPT, GPTConfig
 
@@ -19,11 +20,15 @@ SCHED = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3
 
 
 def parity_config(**over):
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
-           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
-           "scheduler": SCHED, "gradient_clipping": 1.0,
-           # a small bucket size: several buckets, launched while backward still runs
-           "zero_optimization": {"stage": 0, "reduce_bucket_size": 3000}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+        "scheduler": SCHED,
+        "gradient_clipping": 1.0,
+        # a small bucket size: several buckets, launched while backward still runs
+        "zero_optimization": {"stage": 0, "reduce_bucket_size": 3000},
+    }
     cfg.update(over)
     return cfg
 
@@ -55,9 +60,15 @@ def train_ranks(config, steps=STEPS, inject_overflow_at=()):
         scales.append(engine.loss_scale)
         applied.append(engine.was_step_applied())
     state = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
-    return {"losses": losses, "state": state, "scales": scales, "applied": applied,
-            "skipped": engine.skipped_steps, "global_steps": engine.global_steps,
-            "samples": engine.global_samples}
+    return {
+        "losses": losses,
+        "state": state,
+        "scales": scales,
+        "applied": applied,
+        "skipped": engine.skipped_steps,
+        "global_steps": engine.global_steps,
+        "samples": engine.global_samples,
+    }
 
 
 @pytest.mark.timeout(300)
@@ -68,8 +79,9 @@ def test_fp32_stage0_matches_single_process_pytorch():
     ref_model = GPT(MODEL)
     opt = torch.optim.AdamW(ref_model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = build_lr_scheduler(SCHED["type"], copy.deepcopy(SCHED["params"]), opt)
-    ref_losses = reference_train(ref_model, opt, global_batches(), world_size=WORLD, grad_accum=GAS,
-                                 scheduler=sched, clip=1.0)
+    ref_losses = reference_train(
+        ref_model, opt, global_batches(), world_size=WORLD, grad_accum=GAS, scheduler=sched, clip=1.0
+    )
 
     for r in results:
         diffs = [abs(a - b) for a, b in zip(r["losses"], ref_losses)]

@@ -10,6 +10,7 @@ timing (with overlap the estimate is the bound of Note [bounded in-flight bucket
 
     python tests/dist/test_estimate_peak.py      # prints the predicted-vs-measured table
 """
+
 import gc
 
 import pytest
@@ -56,11 +57,15 @@ def _measure(kw, micro_batch, seq, stage, ckpt, offload=False):
     not count as the step's unless it does so in both."""
     import zerospeed
     from harness.alloc_peak import AllocationTrace
+
     g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
     with AllocationTrace(released=True) as trace:
         model = _gpt(kw, ckpt)
-        cfg = {"train_micro_batch_size_per_gpu": micro_batch, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-               "zero_optimization": {"stage": stage, "overlap_comm": False}}
+        cfg = {
+            "train_micro_batch_size_per_gpu": micro_batch,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "zero_optimization": {"stage": stage, "overlap_comm": False},
+        }
         if offload:
             cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         engine, *rest = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -80,9 +85,16 @@ def _predict(kw, micro_batch, seq, stage, ckpt, world, offload=False):
     from zerospeed.estimate.formulas import Option
     from zerospeed.estimate.layout import TransformerShape
     from zerospeed.estimate.peak import EngineKnobs, Workload, peak_terms, precision_for_peak
+
     shape = TransformerShape(kw["n_layer"], kw["n_embd"], kw["vocab_size"], kw["n_head"], positions=kw["block_size"])
-    return peak_terms(shape, world, Option(stage, offload_optimizer=offload), precision_for_peak("fp32", "adamw"),
-                      Workload(micro_batch, seq, ckpt), EngineKnobs(overlap_comm=False, host_is_device=True))
+    return peak_terms(
+        shape,
+        world,
+        Option(stage, offload_optimizer=offload),
+        precision_for_peak("fp32", "adamw"),
+        Workload(micro_batch, seq, ckpt),
+        EngineKnobs(overlap_comm=False, host_is_device=True),
+    )
 
 
 def _all_configs():
@@ -101,9 +113,18 @@ def _offload_configs():
     """CPU optimizer offload at stages 1-3, both sizes: on this CPU-only machine the host is the device
     (Note [peak: offload on a CPU-only machine])."""
     world = torch.distributed.get_world_size()
-    return [dict(size=name, stage=stage, ckpt=False, world=world, offload=True,
-                 **_measure(kw, mb, seq, stage, False, offload=True))
-            for name, (kw, mb, seq) in SIZES.items() for stage in (1, 2, 3)]
+    return [
+        dict(
+            size=name,
+            stage=stage,
+            ckpt=False,
+            world=world,
+            offload=True,
+            **_measure(kw, mb, seq, stage, False, offload=True),
+        )
+        for name, (kw, mb, seq) in SIZES.items()
+        for stage in (1, 2, 3)
+    ]
 
 
 def _table(per_rank):
@@ -112,29 +133,37 @@ def _table(per_rank):
         r0 = rows[0]
         kw, mb, seq = SIZES[r0["size"]]
         p = _predict(kw, mb, seq, r0["stage"], r0["ckpt"], r0["world"], r0.get("offload", False))
-        out.append(dict(r0, measured=[r["peak"] for r in rows], predicted=p.total, phase=p.phase,
-                        dominant=p.dominant))
+        out.append(dict(r0, measured=[r["peak"] for r in rows], predicted=p.total, phase=p.phase, dominant=p.dominant))
     return out
 
 
 def _check(out):
     def off(r, m):
         return abs(r["predicted"] - m) / m
-    bad = [r for r in out if min(off(r, m) for m in r["measured"]) > TOLERANCE
-           or max(off(r, m) for m in r["measured"]) > EVERY_RANK]
+
+    bad = [
+        r
+        for r in out
+        if min(off(r, m) for m in r["measured"]) > TOLERANCE or max(off(r, m) for m in r["measured"]) > EVERY_RANK
+    ]
     assert not bad, "\n".join(_format(bad))
 
 
 def _format(out):
-    lines = ["| ranks | model | ckpt | stage | predicted MiB | measured MiB (per rank) | predicted/measured | "
-             "peak phase | dominant |", "|---:|---|---|---:|---:|---:|---:|---|---|"]
+    lines = [
+        "| ranks | model | ckpt | stage | predicted MiB | measured MiB (per rank) | predicted/measured | "
+        "peak phase | dominant |",
+        "|---:|---|---|---:|---:|---:|---:|---|---|",
+    ]
     for r in out:
         ms = r["measured"]
-        lines.append(f"| {r['world']} | {r['size']} | {'yes' if r['ckpt'] else 'no'} | "
-                     f"{r['stage']}{' (offload)' if r.get('offload') else ''} | "
-                     f"{r['predicted'] / MIB:.1f} | {', '.join(f'{m / MIB:.1f}' for m in ms)} | "
-                     f"{min(r['predicted'] / m for m in ms):.3f}-{max(r['predicted'] / m for m in ms):.3f} | "
-                     f"{r['phase']} | {r['dominant']} |")
+        lines.append(
+            f"| {r['world']} | {r['size']} | {'yes' if r['ckpt'] else 'no'} | "
+            f"{r['stage']}{' (offload)' if r.get('offload') else ''} | "
+            f"{r['predicted'] / MIB:.1f} | {', '.join(f'{m / MIB:.1f}' for m in ms)} | "
+            f"{min(r['predicted'] / m for m in ms):.3f}-{max(r['predicted'] / m for m in ms):.3f} | "
+            f"{r['phase']} | {r['dominant']} |"
+        )
     return lines
 
 
@@ -182,16 +211,24 @@ def _measure_hf_bf16():
 
     import zerospeed
     from harness.alloc_peak import AllocationTrace
+
     out = {}
     for stage in HF_STAGES:
         gc.collect()  # the previous stage's engine and model: freed before this trace, not inside it
         g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
         with AllocationTrace(released=True) as trace:
             torch.manual_seed(0)
-            model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-                **HF_GPT2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
-            cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-                   "bf16": {"enabled": True}, "zero_optimization": {"stage": stage, "overlap_comm": False}}
+            model = transformers.GPT2LMHeadModel(
+                transformers.GPT2Config(
+                    **HF_GPT2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0
+                )
+            )
+            cfg = {
+                "train_micro_batch_size_per_gpu": 4,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                "bf16": {"enabled": True},
+                "zero_optimization": {"stage": stage, "overlap_comm": False},
+            }
             engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
             del model
             for step in range(3):
@@ -211,13 +248,19 @@ def test_bf16_transformers_peak_within_10_percent():
     from zerospeed.estimate.census import census_of_config
     from zerospeed.estimate.formulas import Option
     from zerospeed.estimate.peak import EngineKnobs, Workload, peak_terms, precision_for_peak
+
     shape = census_of_config(HF_GPT2).shape
     ranks = run_distributed(_measure_hf_bf16, 2, timeout=280)
     bad = []
     for stage in HF_STAGES:
-        p = peak_terms(shape, 2, Option(stage), precision_for_peak("bf16", "adamw"),
-                       Workload(4, 128, act_bytes=2, mlp_activation="gelu_new", loss_upcast=True),
-                       EngineKnobs(overlap_comm=False)).total
+        p = peak_terms(
+            shape,
+            2,
+            Option(stage),
+            precision_for_peak("bf16", "adamw"),
+            Workload(4, 128, act_bytes=2, mlp_activation="gelu_new", loss_upcast=True),
+            EngineKnobs(overlap_comm=False),
+        ).total
         off = [abs(p - r[stage]) / r[stage] for r in ranks]
         if min(off) > TOLERANCE or max(off) > EVERY_RANK:
             bad.append((stage, p / MIB, [r[stage] / MIB for r in ranks]))
@@ -227,6 +270,7 @@ def test_bf16_transformers_peak_within_10_percent():
 if __name__ == "__main__":
     import sys
     import time
+
     for world in (int(w) for w in (sys.argv[1:] or ["2", "4"])):
         t = time.time()
         out = _table(run_distributed(_all_configs, world, timeout=600))

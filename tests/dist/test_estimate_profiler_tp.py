@@ -12,17 +12,18 @@ Llama (gated MLP, GQA with 1 kv head: replicated on both ranks, untied head) wit
 - the engine's flops profiler (`"tensor_parallel": {"autotp_size": 2}`, `flops_profiler` on) profiles
   on both ranks and rank 0 writes the per-rank and whole-model numbers.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
+from harness import run_distributed
 from zerospeed import comm
 from zerospeed.comm.mesh import ParallelMesh
 from zerospeed.estimate import Precision, census_of_config, stage_bytes
 from zerospeed.estimate.layout import stage_params
 from zerospeed.profiling import FlopsProfiler
-from harness import run_distributed
 
 pytest.importorskip("transformers")
 
@@ -31,15 +32,34 @@ V, B, T, H = 37, 2, 8, 16
 
 def make(arch: str):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
     if arch == "gpt2":
-        cfg = GPT2Config(vocab_size=V, n_positions=T, n_embd=16, n_layer=2, n_head=4, resid_pdrop=0.0,
-                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        cfg = GPT2Config(
+            vocab_size=V,
+            n_positions=T,
+            n_embd=16,
+            n_layer=2,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         model = GPT2LMHeadModel(cfg)
     else:
-        cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=T,
-                          bos_token_id=0, eos_token_id=0)
+        cfg = LlamaConfig(
+            vocab_size=V,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            max_position_embeddings=T,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         model = LlamaForCausalLM(cfg)
     model.config._attn_implementation = "eager"
     return model.eval()
@@ -68,6 +88,7 @@ def parameter_storage_bytes(model) -> int:
 
 def _sharded(archs):
     from zerospeed.parallel.tensor import ColumnParallelLinear, RowParallelLinear, shard_model
+
     group = ParallelMesh.build(tp=comm.get_world_size()).group("tp")
     out = {}
     for arch in archs:
@@ -75,9 +96,14 @@ def _sharded(archs):
         shard_model(model, group)
         layers = [n for n, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
         macs, local, totals = profile(model, group)
-        out[arch] = {"param_bytes": parameter_storage_bytes(model), "layers": layers, "macs": macs,
-                     "local": local, "totals": totals,
-                     "local_params": sum(p.numel() for p in model.parameters())}
+        out[arch] = {
+            "param_bytes": parameter_storage_bytes(model),
+            "layers": layers,
+            "macs": macs,
+            "local": local,
+            "totals": totals,
+            "local_params": sum(p.numel() for p in model.parameters()),
+        }
     return out
 
 
@@ -128,12 +154,15 @@ def test_profiler_per_rank_and_model_flops(ranks, arch):
         assert r["local"][1] < ref_total_macs and params > r["local_params"]
 
 
-
 def _engine_profile(path: str) -> str:
     import zerospeed
-    config = {"train_micro_batch_size_per_gpu": B, "tensor_parallel": {"autotp_size": 2},
-              "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
-              "flops_profiler": {"enabled": True, "profile_step": 1, "detailed": False, "output_file": path}}
+
+    config = {
+        "train_micro_batch_size_per_gpu": B,
+        "tensor_parallel": {"autotp_size": 2},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+        "flops_profiler": {"enabled": True, "profile_step": 1, "detailed": False, "output_file": path},
+    }
     engine, *_ = zerospeed.initialize(model=make("gpt2").train(), config=config)
     for _ in range(2):
         loss = engine(ids(), labels=ids()).loss
@@ -151,6 +180,7 @@ def _sharded_and_engine(archs, path):
 @pytest.mark.timeout(200)
 def test_engine_flops_profiler_reports_per_rank_and_model(ranks):
     from zerospeed.profiling.report import human
+
     text = ranks[0]["engine_report"]
     _, (_, ref_macs), _ = profile(make("gpt2"))  # the loss adds FLOPs but no MACs
     assert "tensor-parallel size:          2" in text

@@ -14,14 +14,15 @@ equal the reference; the test checks this, so the comparison can fail. Memory: t
 (`memory_breakdown()["measured"]["gradients"]`, checked against the formula's 2 bytes x elements (/W
 from stage 2)) are half of fp32 accumulation's.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from harness import run_distributed
-from zoo.models import GPT, GPTConfig
 from harness.reference import single_threaded
+from zoo.models import GPT, GPTConfig
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
 MICRO, GAS, STEPS, WORLD = 2, 2, 4, 2
@@ -31,13 +32,14 @@ RUNS = [(0, "bf16"), (1, "bf16"), (2, "bf16"), (3, "bf16"), (1, "fp32")]
 
 def _batches():
     g = torch.Generator().manual_seed(13)
-    return [torch.randint(0, CFG["vocab_size"], (WORLD * GAS * MICRO, CFG["block_size"]), generator=g)
-            for _ in range(STEPS)]
+    return [
+        torch.randint(0, CFG["vocab_size"], (WORLD * GAS * MICRO, CFG["block_size"]), generator=g) for _ in range(STEPS)
+    ]
 
 
 def _micro(batch, rank: int, m: int):
     start = (m * WORLD + rank) * MICRO  # harness.reference.split_global_batch's convention
-    return batch[start:start + MICRO]
+    return batch[start : start + MICRO]
 
 
 def _model():
@@ -53,11 +55,17 @@ def _model():
 def _train(stage: int, accum: str):
     import zerospeed
     from zerospeed import comm
+
     model = _model()
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": GAS,
-           "optimizer": {"type": "AdamW", "params": ADAMW}, "bf16": {"enabled": True},
-           "data_types": {"grad_accum_dtype": accum},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "AdamW", "params": ADAMW},
+        "bf16": {"enabled": True},
+        "data_types": {"grad_accum_dtype": accum},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
     engine, *_ = zerospeed.initialize(model=model, config=cfg)
     rank = comm.get_rank()
     losses = []

@@ -5,6 +5,7 @@ The reference is the same script under torchrun with no DeepSpeed config: the st
 DDP (gloo), 2 processes, fp32, SGD, no clipping — any wrong gradient scale or data sharding in the
 DeepSpeed route shows in the losses. Each run is a fresh launcher invocation (what users run).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from zerospeed.compat import deepspeed_is_shim
 from harness import free_port
+from zerospeed.compat import deepspeed_is_shim
 
 pytest.importorskip("transformers")
 
@@ -28,8 +29,10 @@ BIN = Path(sys.executable).parent
 TOL = 1e-5
 
 
-needs_shim = pytest.mark.skipif(not deepspeed_is_shim(), reason="the deepspeed shim is not installed "
-                                "(scripts/setup.sh runs `zerospeed-compat install`)")
+needs_shim = pytest.mark.skipif(
+    not deepspeed_is_shim(),
+    reason="the deepspeed shim is not installed (scripts/setup.sh runs `zerospeed-compat install`)",
+)
 
 
 # torch/gloo sometimes aborts a finished plain-DDP process at interpreter exit (seen once in CI: rank 0,
@@ -66,9 +69,17 @@ def _config(tmp: Path, stage: int) -> str:
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     path = tmp / f"zero{stage}.json"
-    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                                "train_batch_size": "auto", "gradient_clipping": "auto",
-                                "zero_optimization": zero}))
+    path.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "train_batch_size": "auto",
+                "gradient_clipping": "auto",
+                "zero_optimization": zero,
+            }
+        )
+    )
     return str(path)
 
 
@@ -81,8 +92,10 @@ def _close(a: list[float], b: list[float]) -> float:
 def ddp_runs(tmp_path_factory):
     """The references: the user script over plain DDP, full fine-tune and LoRA."""
     tmp = tmp_path_factory.mktemp("ddp")
-    return {"full": _launch("torchrun", "hf_user_script.py", tmp, "full"),
-            "lora": _launch("torchrun", "hf_user_script.py", tmp, "lora", PEFT="1")}
+    return {
+        "full": _launch("torchrun", "hf_user_script.py", tmp, "full"),
+        "lora": _launch("torchrun", "hf_user_script.py", tmp, "lora", PEFT="1"),
+    }
 
 
 @needs_shim
@@ -102,8 +115,15 @@ def test_from_config_under_zero3_builds_sharded_through_zero_init(tmp_path):
     initialises it module by module on rank 0 (its own order, so other values than an unsharded
     build); trained, it matches DDP started from those same initial weights."""
     init = tmp_path / "init.pt"
-    run = _launch("deepspeed", "hf_user_script.py", tmp_path, "zinit", DS_CONFIG=_config(tmp_path, 3),
-                  ZERO_INIT="1", SAVE_INIT=str(init))
+    run = _launch(
+        "deepspeed",
+        "hf_user_script.py",
+        tmp_path,
+        "zinit",
+        DS_CONFIG=_config(tmp_path, 3),
+        ZERO_INIT="1",
+        SAVE_INIT=str(init),
+    )
     assert run["built_sharded"]  # the parameters are shards when training starts
     ref = _launch("torchrun", "hf_user_script.py", tmp_path, "ddp_from_init", LOAD_INIT=str(init))
     assert _close(run["losses"], ref["losses"]) <= TOL, (run["losses"], ref["losses"])
@@ -121,6 +141,7 @@ def test_peft_lora_at_zero3_trains_only_the_adapter_and_saves_it(ddp_runs, tmp_p
     assert len(run["changed"]) == 8  # q_proj and v_proj, A and B, in both layers
     # the adapter saved under ZeRO-3 holds the trained values (= the DDP run's) and loads in peft
     from safetensors.torch import load_file
+
     ours = load_file(Path(run["out"]) / "adapter" / "adapter_model.safetensors")
     theirs = load_file(Path(ref["out"]) / "adapter" / "adapter_model.safetensors")
     assert ours.keys() == theirs.keys() and len(ours) == 8
@@ -131,6 +152,7 @@ def test_peft_lora_at_zero3_trains_only_the_adapter_and_saves_it(ddp_runs, tmp_p
 def _check_loads_in_peft(adapter: Path, saved: dict) -> None:
     import torch
     from peft import PeftModel
+
     sys.path.insert(0, str(SCRIPTS))
     try:
         import hf_user_script as script
@@ -172,8 +194,9 @@ def _fake_real_deepspeed(root: Path, version: str = "0.19.8") -> Path:
 
 def _python(code: str, pythonpath: list[Path]) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, pythonpath))}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 @needs_shim
@@ -181,17 +204,25 @@ def _python(code: str, pythonpath: list[Path]) -> subprocess.CompletedProcess:
 def test_a_real_deepspeed_is_never_shadowed(tmp_path):
     real = _fake_real_deepspeed(tmp_path / "real")
     # 1. a real DeepSpeed earlier on the path wins, and zerospeed leaves accelerate alone
-    proc = _python("""
+    proc = _python(
+        """
         import deepspeed, accelerate.state as s
         assert getattr(deepspeed, "IS_REAL_DEEPSPEED", False), deepspeed.__file__
         from zerospeed.compat import deepspeed_is_shim
         assert not deepspeed_is_shim()
         print("real")
-    """, [real])
+    """,
+        [real],
+    )
     assert proc.returncode == 0 and "real" in proc.stdout, proc.stderr
     # 2. installing the shim where a real DeepSpeed is visible is refused, naming it
-    proc = subprocess.run([str(BIN / "zerospeed-compat"), "install", "--target", str(tmp_path / "shim")],
-                          env={**os.environ, "PYTHONPATH": str(real)}, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [str(BIN / "zerospeed-compat"), "install", "--target", str(tmp_path / "shim")],
+        env={**os.environ, "PYTHONPATH": str(real)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0 and "real DeepSpeed is installed" in proc.stderr and str(real) in proc.stderr, proc
     assert not (tmp_path / "shim" / "deepspeed").exists()
     # 3. the shim earlier on the path than a real DeepSpeed: `import deepspeed` refuses, naming both
@@ -200,7 +231,9 @@ def test_a_real_deepspeed_is_never_shadowed(tmp_path):
     proc = _python("import deepspeed", [shim, real])
     assert proc.returncode != 0 and "ambiguous" in proc.stderr and str(real) in proc.stderr, proc.stderr
     shutil.rmtree(real)
-    proc = _python("import deepspeed, zerospeed; print(deepspeed.zero is zerospeed.zero, deepspeed.__version__)",
-                   [shim])
+    proc = _python(
+        "import deepspeed, zerospeed; print(deepspeed.zero is zerospeed.zero, deepspeed.__version__)", [shim]
+    )
     from zerospeed.compat.cli import shim_version
+
     assert proc.returncode == 0 and proc.stdout.split() == ["True", shim_version()], proc

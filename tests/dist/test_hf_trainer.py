@@ -5,6 +5,7 @@ One spawn per ZeRO stage (importing transformers costs seconds per process): eac
 8 steps saving at step 4, trains again resumed from that checkpoint, then evaluates and saves.
 The deepspeed package is made unimportable inside the ranks: the integration must not need it.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,14 +26,27 @@ def _config(stage: int) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": "auto"}
     if stage == 3:  # small units gathered and freed around use; bucket sizes from the hidden size
         zero.update(stage3_prefetch_bucket_size="auto", stage3_param_persistence_threshold=0)
-    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "train_batch_size": "auto", "gradient_clipping": "auto",
-            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                      "weight_decay": "auto"}},
-            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                              "warmup_num_steps": "auto",
-                                                              "total_num_steps": "auto"}},
-            "fp16": {"enabled": "auto"}, "zero_optimization": zero}
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        },
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_min_lr": "auto",
+                "warmup_max_lr": "auto",
+                "warmup_num_steps": "auto",
+                "total_num_steps": "auto",
+            },
+        },
+        "fp16": {"enabled": "auto"},
+        "zero_optimization": zero,
+    }
 
 
 class _Causal(torch.utils.data.Dataset):
@@ -40,6 +54,7 @@ class _Causal(torch.utils.data.Dataset):
 
     def __init__(self, n: int, offset: int = 0):
         from zoo.data import ByteSequenceDataset, stdlib_corpus
+
         self.ds = ByteSequenceDataset(stdlib_corpus(max_bytes=(n + offset) * SEQ + 1), SEQ)
         self.n, self.offset = n, offset
 
@@ -55,6 +70,7 @@ def _model(stage: int):
     from transformers import AutoModelForCausalLM, GPT2Config
 
     import zerospeed
+
     torch.manual_seed(0)
     config = GPT2Config(**MODEL)
     if stage < 3:
@@ -65,13 +81,31 @@ def _model(stage: int):
 
 def _trainer(stage: int, out: str, model=None):
     from zerospeed.integrations.transformers import Trainer, TrainingArguments
-    args = TrainingArguments(output_dir=out, deepspeed=_config(stage), max_steps=STEPS, save_steps=SAVE_AT,
-                             per_device_train_batch_size=MICRO, per_device_eval_batch_size=4,
-                             gradient_accumulation_steps=GAS, learning_rate=3e-3, warmup_steps=2, logging_steps=1,
-                             max_grad_norm=1.0, weight_decay=0.01, report_to=[], seed=0, disable_tqdm=True,
-                             save_only_model=False)
-    return Trainer(model=model if model is not None else _model(stage), args=args, train_dataset=_Causal(64),
-                   eval_dataset=_Causal(8, offset=64))
+
+    args = TrainingArguments(
+        output_dir=out,
+        deepspeed=_config(stage),
+        max_steps=STEPS,
+        save_steps=SAVE_AT,
+        per_device_train_batch_size=MICRO,
+        per_device_eval_batch_size=4,
+        gradient_accumulation_steps=GAS,
+        learning_rate=3e-3,
+        warmup_steps=2,
+        logging_steps=1,
+        max_grad_norm=1.0,
+        weight_decay=0.01,
+        report_to=[],
+        seed=0,
+        disable_tqdm=True,
+        save_only_model=False,
+    )
+    return Trainer(
+        model=model if model is not None else _model(stage),
+        args=args,
+        train_dataset=_Causal(64),
+        eval_dataset=_Causal(8, offset=64),
+    )
 
 
 def _final_weights(trainer) -> dict:
@@ -128,9 +162,11 @@ def _reference_eval_loss(final_dir: str, out: str) -> float:
     """transformers' own Trainer, one process, no zerospeed, evaluating the saved model dir (two
     batches of 4, as the two ranks split the eval set)."""
     import transformers
+
     model = transformers.AutoModelForCausalLM.from_pretrained(final_dir)
-    args = transformers.TrainingArguments(output_dir=out, per_device_eval_batch_size=4, report_to=[], use_cpu=True,
-                                          disable_tqdm=True)
+    args = transformers.TrainingArguments(
+        output_dir=out, per_device_eval_batch_size=4, report_to=[], use_cpu=True, disable_tqdm=True
+    )
     return transformers.Trainer(model=model, args=args, eval_dataset=_Causal(8, offset=64)).evaluate()["eval_loss"]
 
 
@@ -143,8 +179,10 @@ def runs(tmp_path_factory):
     """Both stages in one spawn (each process imports transformers once), plus the reference eval."""
     tmp = tmp_path_factory.mktemp("zs-hf")
     r0, r1 = run_distributed(_scenarios, 2, (2, 3), str(tmp), timeout=280)
-    return {stage: (r0[stage], r1[stage], _reference_eval_loss(r0[stage]["final_dir"], f"{tmp}/ref{stage}"))
-            for stage in (2, 3)}
+    return {
+        stage: (r0[stage], r1[stage], _reference_eval_loss(r0[stage]["final_dir"], f"{tmp}/ref{stage}"))
+        for stage in (2, 3)
+    }
 
 
 @pytest.mark.timeout(300)

@@ -14,6 +14,7 @@ At ZeRO-3 (persistence threshold 0, so every unit is really partitioned):
   unit is released afterwards (no parameter element stays gathered).
 At ZeRO-2 the weights are whole already: the same tokens.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -29,9 +30,19 @@ ADAMW = {"lr": 1e-3, "weight_decay": 0.0}
 
 def make():
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=1)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=1,
+    )
     model = LlamaForCausalLM(cfg)
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
     return model
@@ -49,6 +60,7 @@ def batches():
 
 def _generate(engine, rank: int, new: int):
     from zerospeed import comm
+
     before = comm.STATS.snapshot()
     with torch.no_grad():
         out = engine.generate(prompts(rank), max_new_tokens=new, do_sample=False)
@@ -60,10 +72,15 @@ def _generate(engine, rank: int, new: int):
 def _run(stage: int, pin: bool, equal_lengths: bool):
     import zerospeed
     from zerospeed import comm
+
     model = make()
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "optimizer": {"type": "AdamW", "params": ADAMW},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-           "hybrid_engine": {"enabled": True, "pin_parameters": pin}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": ADAMW},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "hybrid_engine": {"enabled": True, "pin_parameters": pin},
+    }
     engine, *_ = zerospeed.initialize(model=model, config=cfg)
     rank = comm.get_rank()
     engine.eval()
@@ -72,7 +89,7 @@ def _run(stage: int, pin: bool, equal_lengths: bool):
     engine.train()
     losses = []
     for (ids,) in batches():
-        mine = ids[rank * MICRO:(rank + 1) * MICRO]
+        mine = ids[rank * MICRO : (rank + 1) * MICRO]
         loss = engine(input_ids=mine, labels=mine).loss
         engine.backward(loss)
         engine.step()
@@ -82,8 +99,14 @@ def _run(stage: int, pin: bool, equal_lengths: bool):
     engine.eval()  # (logs the round's time split)
     with zerospeed.zero.GatheredParameters(list(model.parameters())):
         weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"tokens": tokens, "gathers": gathers, "gathered_after": gathered_after, "losses": losses,
-            "weights": weights, "type": type(engine).__name__}
+    return {
+        "tokens": tokens,
+        "gathers": gathers,
+        "gathered_after": gathered_after,
+        "losses": losses,
+        "weights": weights,
+        "type": type(engine).__name__,
+    }
 
 
 def _runs():
@@ -94,11 +117,20 @@ def _runs():
 def test_hybrid_engine_generates_transformers_tokens_then_trains_like_plain_pytorch():
     results = run_distributed(_runs, WORLD, timeout=200)
     model = make().eval()
-    want = {(r, n): model.generate(prompts(r), max_new_tokens=n, do_sample=False) for r in range(WORLD)
-            for n in set(NEW.values())}
+    want = {
+        (r, n): model.generate(prompts(r), max_new_tokens=n, do_sample=False)
+        for r in range(WORLD)
+        for n in set(NEW.values())
+    }
     trained = make()
-    ref = reference_train(trained, torch.optim.AdamW(trained.parameters(), **ADAMW), batches(), world_size=WORLD,
-                          grad_accum=1, loss_fn=lambda m, ids: m(input_ids=ids, labels=ids).loss)
+    ref = reference_train(
+        trained,
+        torch.optim.AdamW(trained.parameters(), **ADAMW),
+        batches(),
+        world_size=WORLD,
+        grad_accum=1,
+        loss_fn=lambda m, ids: m(input_ids=ids, labels=ids).loss,
+    )
     for rank, res in enumerate(results):
         for name, new in (("pinned", NEW[rank]), ("unpinned", NEW[0]), ("zero2", NEW[rank])):
             got = res[name]

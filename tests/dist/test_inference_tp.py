@@ -13,6 +13,7 @@ Llama and Qwen2 also serve four requests through the paged-KV-cache server, one 
 (continuous batching): each request's tokens must equal the unsharded model's `generate` on that prompt
 alone. Every rank returns its own result: the tp ranks must agree too.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -27,20 +28,48 @@ LENGTHS = (3, 5, 7)
 
 def make(arch: str):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
     torch.manual_seed(0)
     if arch == "gpt2":
-        cfg = GPT2Config(vocab_size=V, n_positions=32, n_embd=16, n_layer=2, n_head=4, resid_pdrop=0.0,
-                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1)
+        cfg = GPT2Config(
+            vocab_size=V,
+            n_positions=32,
+            n_embd=16,
+            n_layer=2,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=1,
+            eos_token_id=1,
+        )
         model = GPT2LMHeadModel(cfg)
     elif arch == "qwen2":  # biased q/k/v, tied embeddings, 1 kv head
-        cfg = Qwen2Config(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=32,
-                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=1)
+        cfg = Qwen2Config(
+            vocab_size=V,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=1,
+        )
         model = Qwen2ForCausalLM(cfg)
     else:
-        cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                          bos_token_id=1, eos_token_id=1)
+        cfg = LlamaConfig(
+            vocab_size=V,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            bos_token_id=1,
+            eos_token_id=1,
+        )
         model = LlamaForCausalLM(cfg)
     model.generation_config.eos_token_id = None  # generate every row to full length
     model.generation_config.pad_token_id = PAD
@@ -76,13 +105,14 @@ def paged_reference(model):
     out = []
     for prompt, new in zip(paged_prompts(), PAGED_NEW, strict=True):
         ids = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
-        out.append(ids[0, len(prompt):].tolist())
+        out.append(ids[0, len(prompt) :].tolist())
     return out
 
 
 def paged(engine):
     """The paged server over `engine`: two requests at first, then one more every two steps."""
     from zerospeed.inference.paged import PagedServer
+
     server = PagedServer(engine, block_size=4, num_blocks=16)
     waiting = list(zip(paged_prompts(), PAGED_NEW, strict=True))
     ids = [server.add_request(*waiting.pop(0)) for _ in range(2)]
@@ -94,9 +124,11 @@ def paged(engine):
 
 
 def _served(archs):
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
     import zerospeed
     from zerospeed import comm
-    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
     out = {}
     for arch in archs:
         extra = {}
@@ -117,8 +149,9 @@ def _served(archs):
             out[f"paged {arch}"] = paged(engine)
         if arch == "llama":  # beam search reorders the (head-sharded) cache; Note [tp sampling]: same draws
             out["beams"] = beams(engine)
-            out["sampled"] = engine.generate(*batch()[:1], attention_mask=batch()[1], max_new_tokens=NEW,
-                                             do_sample=True, top_k=10, temperature=2.0)
+            out["sampled"] = engine.generate(
+                *batch()[:1], attention_mask=batch()[1], max_new_tokens=NEW, do_sample=True, top_k=10, temperature=2.0
+            )
     return out
 
 
@@ -127,8 +160,11 @@ ARCHS = ("gpt2", "llama", "qwen2", "gpt2-policy")
 
 @pytest.fixture(scope="module")
 def reference():
-    return {**{arch: run(make(arch.split("-")[0]), *batch()) for arch in ARCHS}, "beams": beams(make("llama")),
-            **{f"paged {arch}": paged_reference(make(arch)) for arch in ("llama", "qwen2")}}
+    return {
+        **{arch: run(make(arch.split("-")[0]), *batch()) for arch in ARCHS},
+        "beams": beams(make("llama")),
+        **{f"paged {arch}": paged_reference(make(arch)) for arch in ("llama", "qwen2")},
+    }
 
 
 @pytest.mark.timeout(150)

@@ -10,6 +10,7 @@ left-padded batch token-identical. Every rank also reports its quantized bytes, 
 formula; no quantized layer keeps a floating-point weight, and at tp 2 the ranks' slices add up to
 the unsharded weights.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -25,15 +26,37 @@ SETTINGS = {8: {"num_bits": 8, "group_size": GROUP}, 4: {"num_bits": 4, "group_s
 
 def make(arch: str):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
     if arch == "gpt2":
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1,
-                                           eos_token_id=1))
+        model = GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=V,
+                n_positions=32,
+                n_embd=32,
+                n_layer=2,
+                n_head=4,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                bos_token_id=1,
+                eos_token_id=1,
+            )
+        )
     else:
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                             bos_token_id=1, eos_token_id=1))
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=V,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=32,
+                bos_token_id=1,
+                eos_token_id=1,
+            )
+        )
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = PAD
     return model.eval()
@@ -54,10 +77,11 @@ def run(model):
 def fake_quantized(arch: str, bits: int):
     """The unsharded model, each linear weight (not the tied head) through quantize -> dequantize."""
     from zerospeed.compression.weight_quant.groupwise import dequantize, quantize
+
     model = make(arch)
     s = SETTINGS[bits]
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    for name, m in model.named_modules():
+    for _name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear) and not (tied and m is model.get_output_embeddings()):
             m.weight.copy_(dequantize(quantize(m.weight, bits, GROUP, s.get("symmetric", False))))
         elif type(m).__name__ == "Conv1D":  # [in, out]: groups along the input features
@@ -68,14 +92,19 @@ def fake_quantized(arch: str, bits: int):
 def _served(archs_bits):
     import zerospeed
     from zerospeed import comm
+
     out = {}
     for arch, bits in archs_bits:
-        engine = zerospeed.init_inference(make(arch), tensor_parallel={"tp_size": comm.get_world_size()},
-                                          dtype=torch.float32,
-                                          quant={"weight": {"quantized_initialization": SETTINGS[bits]}})
+        engine = zerospeed.init_inference(
+            make(arch),
+            tensor_parallel={"tp_size": comm.get_world_size()},
+            dtype=torch.float32,
+            quant={"weight": {"quantized_initialization": SETTINGS[bits]}},
+        )
         layers = [engine.module.get_submodule(n) for n in engine.quantized]
-        stored = sum(m.qdata.numel() + m.scale.nbytes + (m.minimum.nbytes if m.minimum is not None else 0)
-                     for m in layers)
+        stored = sum(
+            m.qdata.numel() + m.scale.nbytes + (m.minimum.nbytes if m.minimum is not None else 0) for m in layers
+        )
         local = [tuple(m.local_shape) for m in layers]
         floats = [n for n, m in zip(engine.quantized, layers) if "weight" in m._parameters]
         out[(arch, bits)] = (*run(engine), stored, local, floats, type(layers[0]).__name__)
@@ -106,6 +135,10 @@ def test_quantized_tensor_parallel_model_equals_the_fake_quantized_reference(tp)
         if tp == 2:  # (2 kv heads: nothing replicated) the ranks' slices add up to the unsharded weights
             model = make(arch)
             tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-            full = sum(m.weight.numel() for m in model.modules() if (isinstance(m, torch.nn.Linear) or type(
-                m).__name__ == "Conv1D") and not (tied and m is model.get_output_embeddings()))
+            full = sum(
+                m.weight.numel()
+                for m in model.modules()
+                if (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")
+                and not (tied and m is model.get_output_embeddings())
+            )
             assert sum(o * i for r in results for o, i in r[(arch, bits)][3]) == full, arch

@@ -3,6 +3,7 @@
 transformers' own `generate` on the whole model, for a left-padded batch (also on one rank, where a
 gather is a copy into a recycled buffer). The persistence threshold is 0,
 so every module's weights really are gathered for each forward (and dropped after it)."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,9 +16,19 @@ V, NEW, PAD = 61, 6, 0
 
 def make():
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=1)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=1,
+    )
     model = LlamaForCausalLM(cfg).eval()
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, PAD
     return model
@@ -38,12 +49,16 @@ def generate(model):
 
 def _served(nvme_dir):
     import zerospeed
+
     out = {}
     for device in ("cpu", "nvme"):
         offload = {"device": device, **({"nvme_path": nvme_dir} if device == "nvme" else {})}
         model = make()
-        engine = zerospeed.init_inference(model, dtype=torch.float32, zero={
-            "stage": 3, "offload_param": offload, "stage3_param_persistence_threshold": 0})
+        engine = zerospeed.init_inference(
+            model,
+            dtype=torch.float32,
+            zero={"stage": 3, "offload_param": offload, "stage3_param_persistence_threshold": 0},
+        )
         local = sum(p.numel() for p in model.parameters())  # this rank's shards outside a forward
         out[device] = (generate(engine), local)
     return out

@@ -1,7 +1,9 @@
 """ZeRO-Inference with weight-only int8 / int4 quantization of the stored shards (Note [quantized
-ZeRO-Inference shards]): two ranks, parameters offloaded to CPU memory (int8 also to NVMe files), against plain transformers with
+ZeRO-Inference shards]): two ranks, parameters offloaded to CPU memory (int8 also to NVMe files), against plain
+transformers with
 each linear layer's rank chunks fake-quantized by the block formula — logits, greedy tokens, the bytes a
 census finds per rank and the bytes one forward gathers."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,17 +13,29 @@ from harness import run_distributed
 from harness.reference import fake_quantize_stage3_units
 
 WORLD, NEW = 2, 5
-QUANT = {"int8": {"num_bits": 8, "group_size": 64},  # DeepSpeed's default: asymmetric
-         "int4": {"num_bits": 4, "group_size": 32, "symmetric": True}}
+QUANT = {
+    "int8": {"num_bits": 8, "group_size": 64},  # DeepSpeed's default: asymmetric
+    "int4": {"num_bits": 4, "group_size": 32, "symmetric": True},
+}
 SERVED = {"int8": ("int8", "cpu"), "int4": ("int4", "cpu"), "int8, nvme": ("int8", "nvme")}
 
 
 def make():
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
-                      eos_token_id=1, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg).eval()
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
     return model.requires_grad_(False)
@@ -29,8 +43,12 @@ def make():
 
 def _linear(settings):
     def chosen(name, module):
-        return (settings["num_bits"], settings["group_size"], settings.get("symmetric", False)) \
-            if isinstance(module, torch.nn.Linear) else None
+        return (
+            (settings["num_bits"], settings["group_size"], settings.get("symmetric", False))
+            if isinstance(module, torch.nn.Linear)
+            else None
+        )
+
     return chosen
 
 
@@ -40,15 +58,19 @@ def ids():
 
 def _served(nvme_dir):
     import zerospeed
-    from zerospeed import comm
     from harness import census
+    from zerospeed import comm
+
     out = {}
     for name, (quant, device) in SERVED.items():
         model = make()
         offload = {"device": device, **({"nvme_path": nvme_dir} if device == "nvme" else {})}
-        engine = zerospeed.init_inference(model, dtype=torch.float32, quant={"weight": {
-            "quantized_initialization": QUANT[quant]}}, zero={"stage": 3, "offload_param": offload,
-                                                              "stage3_param_persistence_threshold": 0})
+        engine = zerospeed.init_inference(
+            model,
+            dtype=torch.float32,
+            quant={"weight": {"quantized_initialization": QUANT[quant]}},
+            zero={"stage": 3, "offload_param": offload, "stage3_param_persistence_threshold": 0},
+        )
         held = census.live_tensor_bytes()
         comm.STATS.reset()
         swap = engine.zero_engine.zero.param_swapper
@@ -56,21 +78,42 @@ def _served(nvme_dir):
         logits = engine(ids()).logits
         traffic = comm.STATS.snapshot()
         read = swap.file.bytes_read - before if swap else 0
-        out[name] = {"logits": logits, "tokens": engine.generate(input_ids=ids(), max_new_tokens=NEW, do_sample=False),
-                     "census": held, "traffic": traffic, "quantized": engine.quantized, "read": read}
+        out[name] = {
+            "logits": logits,
+            "tokens": engine.generate(input_ids=ids(), max_new_tokens=NEW, do_sample=False),
+            "census": held,
+            "traffic": traffic,
+            "quantized": engine.quantized,
+            "read": read,
+        }
         del engine, model, logits
     # DeepSpeed's ZeRO-Inference script: the training engine with a top-level weight_quantization section
     model = make().requires_grad_(True)
-    engine, *_ = zerospeed.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 1, "weight_quantization": {"quantized_initialization": QUANT["int8"]},
-        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "stage3_param_persistence_threshold": 0}})
+    engine, *_ = zerospeed.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": 1,
+            "weight_quantization": {"quantized_initialization": QUANT["int8"]},
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {"device": "cpu"},
+                "stage3_param_persistence_threshold": 0,
+            },
+        },
+    )
     with torch.no_grad():
-        out["initialize"] = {"logits": engine(ids()).logits,
-                             "tokens": engine.module.generate(input_ids=ids(), max_new_tokens=NEW, do_sample=False)}
+        out["initialize"] = {
+            "logits": engine(ids()).logits,
+            "tokens": engine.module.generate(input_ids=ids(), max_new_tokens=NEW, do_sample=False),
+        }
     # a ZeRO-3 leaf holds its norms in the same flat shard as its linear layers: quantizing it is refused
     try:
-        zerospeed.init_inference(make(), dtype=torch.float32, quant={"weight": {"quantized_initialization": QUANT["int8"]}},
-                                 zero={"stage": 3, "stage3_module_granularity_threshold": 10**6})
+        zerospeed.init_inference(
+            make(),
+            dtype=torch.float32,
+            quant={"weight": {"quantized_initialization": QUANT["int8"]}},
+            zero={"stage": 3, "stage3_module_granularity_threshold": 10**6},
+        )
         out["leaf"] = "built"
     except Exception as e:  # noqa: BLE001 (the message is the result)
         out["leaf"] = f"{type(e).__name__}: {e}"
@@ -84,6 +127,7 @@ def served(tmp_path_factory):
 
 def _reference(name):
     from zerospeed.precision.quantize import wire_bytes
+
     model = make()
     units = fake_quantize_stage3_units(model, WORLD, _linear(QUANT[name]))
     with torch.no_grad():
@@ -137,5 +181,7 @@ def test_training_config_weight_quantization_at_stage3_quantizes_the_stored_shar
 
 def test_quantizing_a_layer_inside_a_zero3_leaf_is_refused_naming_it(served):
     for rank in served:
-        assert rank["leaf"].startswith("ConfigError: quant.weight: ") and "inside the ZeRO-3 leaf module" in rank["leaf"]
+        assert (
+            rank["leaf"].startswith("ConfigError: quant.weight: ") and "inside the ZeRO-3 leaf module" in rank["leaf"]
+        )
         assert "self_attn.q_proj is to be stored quantized" in rank["leaf"], rank["leaf"]

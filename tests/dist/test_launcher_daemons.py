@@ -12,6 +12,7 @@ failing node under pdsh) start together when the first test needs them; each tes
 its own. A job is mostly python and torch starting up, with waits in between (ssh sessions, the
 rendezvous, teardown), so together they take much less than one after the other.
 """
+
 import importlib.util
 import json
 import os
@@ -27,10 +28,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness import daemons, free_port, reference_train
 from zerospeed.launcher.environment import UserCommand
 from zerospeed.launcher.runners import NodeCommand, kill_line
 from zerospeed.launcher.world import encode_world_info
-from harness import daemons, free_port, reference_train
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TRAIN = SCRIPTS / "launcher_train.py"
@@ -73,8 +74,9 @@ class Job:
         self.dir, self.cmd = job_dir, [*LAUNCH, "--master_port", str(free_port()), *args]
         self.deadline = time.monotonic() + JOB_TIMEOUT_S
         with open(job_dir / "output.log", "w") as out:  # a file: jobs running at once fill no pipe
-            self.proc = subprocess.Popen(self.cmd, cwd=job_dir, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                self.cmd, cwd=job_dir, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+            )
 
     @property
     def output(self) -> str:
@@ -88,14 +90,17 @@ class Job:
         except subprocess.TimeoutExpired:
             self.proc.terminate()
             self.proc.wait(timeout=30)
-            pytest.fail(f"{shlex.join(self.cmd)} ran past {JOB_TIMEOUT_S} s; its output (every rank's):\n"
-                        f"{self.output[-8000:]}")
+            pytest.fail(
+                f"{shlex.join(self.cmd)} ran past {JOB_TIMEOUT_S} s; its output (every rank's):\n{self.output[-8000:]}"
+            )
         return subprocess.CompletedProcess(self.cmd, self.proc.returncode, self.output)
 
     def ok(self) -> subprocess.CompletedProcess:
         result = self.result()
-        assert result.returncode == 0, (f"{shlex.join(self.cmd)} exited with {result.returncode}; its output "
-                                        f"(every rank's):\n{result.stdout[-8000:]}")
+        assert result.returncode == 0, (
+            f"{shlex.join(self.cmd)} exited with {result.returncode}; its output "
+            f"(every rank's):\n{result.stdout[-8000:]}"
+        )
         return result
 
     def kill(self) -> None:
@@ -119,8 +124,11 @@ class Cluster:
         self.hosts, self.daemon_pids = daemons.NODE_ADDRS, [server.proc.pid]
         port, config = ["--ssh_port", str(server.port)], server.ssh_config
         self.env = {"PDSH_SSH_ARGS_APPEND": f"-F {config}"} if launcher == "pdsh" else {}
-        self.flags = {"ssh": [*port, "--launcher_args", f"-F {config}"], "pdsh": port,
-                      "openmpi": [*port, "--launcher_args", f"--mca plm_rsh_args '-F {config}'"]}[launcher]
+        self.flags = {
+            "ssh": [*port, "--launcher_args", f"-F {config}"],
+            "pdsh": port,
+            "openmpi": [*port, "--launcher_args", f"--mca plm_rsh_args '-F {config}'"],
+        }[launcher]
 
     @classmethod
     def of(cls, launcher: str, request: pytest.FixtureRequest) -> "Cluster":
@@ -132,8 +140,7 @@ class Cluster:
         # The two "nodes" share this machine's cores: one thread per rank, as in the single-node run.
         exports = {"OMP_NUM_THREADS": "1", **(exports or {})}
         (job_dir / ".deepspeed_env").write_text("".join(f"{k}={v}\n" for k, v in exports.items()))
-        return Job(["--hostfile", str(hostfile), "--launcher", self.launcher, *self.flags, *script], job_dir,
-                   self.env)
+        return Job(["--hostfile", str(hostfile), "--launcher", self.launcher, *self.flags, *script], job_dir, self.env)
 
     def assert_no_leftovers(self, job: Job, *, daemons_idle: bool = True) -> None:
         """No process of ``job`` alive (``daemons_idle``: nor any child of the daemons, which only holds
@@ -166,8 +173,9 @@ def jobs(request, tmp_path_factory):
         if launcher in FAULT_RUNNERS:
             # rank 1 (node 1) exits 3 once rank 0 runs; rank 0 would sleep for a minute
             job_dir = tmp_path_factory.mktemp(f"fail_{launcher}")
-            started[f"fail {launcher}"] = cluster.start(job_dir, [str(SCRIPTS / "launcher_fail.py")],
-                                                        {"ZS_TEST_OUT": str(job_dir), "FAIL_RANK": "1"})
+            started[f"fail {launcher}"] = cluster.start(
+                job_dir, [str(SCRIPTS / "launcher_fail.py")], {"ZS_TEST_OUT": str(job_dir), "FAIL_RANK": "1"}
+            )
     yield started, clusters
     for job in started.values():
         job.kill()
@@ -213,8 +221,9 @@ def test_two_nodes_train_like_one(launcher, jobs):
     started["single"].ok()
     records = _records(job.dir, 2)
     assert [r["world"] for r in records] == [2, 2]
-    assert [r["losses"] for r in records] == [r["losses"] for r in _records(started["single"].dir, 2)], \
-        result.stdout[-3000:]
+    assert [r["losses"] for r in records] == [r["losses"] for r in _records(started["single"].dir, 2)], result.stdout[
+        -3000:
+    ]
     # Each rank ran on its node, started by that node's daemon (mpirun starts its own node itself).
     expected_nodes = list(cluster.hosts)
     if launcher == "openmpi":
@@ -238,15 +247,17 @@ def test_a_failing_node_stops_the_job_on_every_node(launcher, jobs):
     stop_s = (job.dir / "output.log").stat().st_mtime - failed_at  # the launcher's last line: all stopped
     out = result.stdout[-8000:]
     print(f"--launcher {launcher}: the job stopped {stop_s:.1f} s after rank 1 failed")
-    assert re.search(r"^(127\.0\.0\.2: )?zerospeed node 1: rank 1 \(pid \d+\) exited with code 3", result.stdout,
-                     re.MULTILINE), out
+    assert re.search(
+        r"^(127\.0\.0\.2: )?zerospeed node 1: rank 1 \(pid \d+\) exited with code 3", result.stdout, re.MULTILINE
+    ), out
     if launcher == "slurm":  # srun exits with its tasks' largest code: node 0's, stopped by SIGTERM (128 + 15)
         assert result.returncode == 128 + signal.SIGTERM, out
         assert "srun: error: n2: task 1: Exited with exit code 3" in result.stdout, out
     else:
         assert result.returncode == 3, out
-        assert re.search(r"^zerospeed: node 1 on 127\.0\.0\.2 \(rank 1\) \(pid \d+\) exited with code 3",
-                         result.stdout, re.MULTILINE), out
+        assert re.search(
+            r"^zerospeed: node 1 on 127\.0\.0\.2 \(rank 1\) \(pid \d+\) exited with code 3", result.stdout, re.MULTILINE
+        ), out
     cluster.assert_no_leftovers(job, daemons_idle=False)
     # Alone on an idle machine it stops in about 3 s; the bound leaves room for the jobs running alongside,
     # and is far below rank 0's minute of sleep, which is when the job would end without the teardown.
@@ -269,8 +280,10 @@ def test_no_job_left_a_process_on_any_node(jobs):
 def test_kill_line_terms_then_kills_only_the_jobs_node_launchers():
     nc = NodeCommand(encode_world_info({"w0": [0]}), "127.0.0.1", free_port(), UserCommand("train.py"))
     disguise = ["zerospeed.launcher.node", f"--world_info={nc.world_info}", f"--master_port={nc.master_port}", "--"]
-    sleep = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_DFL if sys.argv[1] == 'soft' " \
-            "else signal.SIG_IGN); print('ready', flush=True); time.sleep(30)"
+    sleep = (
+        "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_DFL if sys.argv[1] == 'soft' "
+        "else signal.SIG_IGN); print('ready', flush=True); time.sleep(30)"
+    )
 
     def start(*argv: str) -> subprocess.Popen:
         proc = subprocess.Popen([sys.executable, "-c", sleep, *argv], stdout=subprocess.PIPE, text=True)
@@ -281,8 +294,9 @@ def test_kill_line_terms_then_kills_only_the_jobs_node_launchers():
     other = start("soft", *disguise[:-2], "--master_port=1", "--")  # another job's node launcher
     begin = time.monotonic()
     # The shell running the line has the pattern in its own command line: it must not kill itself.
-    result = subprocess.run(["sh", "-c", kill_line(nc, grace_s=1.0)], check=False, capture_output=True, text=True,
-                            timeout=20)
+    result = subprocess.run(
+        ["sh", "-c", kill_line(nc, grace_s=1.0)], check=False, capture_output=True, text=True, timeout=20
+    )
     assert result.returncode == 0, result.stderr
     assert procs["soft"].wait(5) == -signal.SIGTERM
     assert procs["stubborn"].wait(5) == -signal.SIGKILL

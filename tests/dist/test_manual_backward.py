@@ -4,14 +4,15 @@ steps, ZeRO 0 (whose `param.grad` DeepSpeed users read after backward), 2 and 3;
 step and the final weights within 1e-6. No biases: a key bias has no gradient in exact arithmetic (softmax
 is shift-invariant), so Adam would turn its rounding noise into lr-sized steps that differ between any
 two summation orders."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from harness import run_distributed
+from harness.reference import reference_train, split_global_batch
 from zoo.models import GPT, GPTConfig
-from harness.reference import split_global_batch, reference_train
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
 MICRO, GAS, STEPS, WORLD, TOL = 2, 2, 3, 2, 1e-6
@@ -20,17 +21,25 @@ ADAMW = {"lr": 1e-3, "weight_decay": 0.01}
 
 def _batches():
     g = torch.Generator().manual_seed(5)
-    return [(torch.randint(0, CFG["vocab_size"], (WORLD * GAS * MICRO, CFG["block_size"]), generator=g),)
-            for _ in range(STEPS)]
+    return [
+        (torch.randint(0, CFG["vocab_size"], (WORLD * GAS * MICRO, CFG["block_size"]), generator=g),)
+        for _ in range(STEPS)
+    ]
 
 
 def _train(stage: int):
     import zerospeed
     from zerospeed import comm
+
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": GAS,
-           "optimizer": {"type": "AdamW", "params": ADAMW}, "zero_optimization": {"stage": stage}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "AdamW", "params": ADAMW},
+        "zero_optimization": {"stage": stage},
+    }
     engine, *_ = zerospeed.initialize(model=model, config=cfg)
     losses, grads_seen = [], True
     for batch in _batches():
@@ -50,8 +59,13 @@ def _train(stage: int):
         refused = str(e)
     with zerospeed.zero.GatheredParameters(list(model.parameters())):
         weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "weights": weights, "grads_seen": grads_seen, "refused": refused,
-            "steps": engine.global_steps}
+    return {
+        "losses": losses,
+        "weights": weights,
+        "grads_seen": grads_seen,
+        "refused": refused,
+        "steps": engine.global_steps,
+    }
 
 
 def _runs(stages):
@@ -62,8 +76,14 @@ def reference():
     """One plain process over the same global batches: (the trained model, its loss per step)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
-    ref = reference_train(model, torch.optim.AdamW(model.parameters(), **ADAMW), _batches(), world_size=WORLD,
-                          grad_accum=GAS, loss_fn=lambda m, ids: m(ids, ids))
+    ref = reference_train(
+        model,
+        torch.optim.AdamW(model.parameters(), **ADAMW),
+        _batches(),
+        world_size=WORLD,
+        grad_accum=GAS,
+        loss_fn=lambda m, ids: m(ids, ids),
+    )
     return model, ref
 
 

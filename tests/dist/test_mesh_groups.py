@@ -1,13 +1,14 @@
 """The mesh's process groups on 4 gloo ranks: an all-reduce of the global rank over each axis' group
 gives the sum of the pure layout's members, and an mpu round trip keeps every group."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
+from harness import run_distributed
 from zerospeed import comm
 from zerospeed.comm import MESH_AXES, ParallelMesh, RankGrid
-from harness import run_distributed
 
 WORLD = 4
 LAYOUTS = {"tp2": dict(tp=2), "ep2": dict(ep=2)}
@@ -21,24 +22,34 @@ def _observe(group) -> tuple[float, int, int]:
 
 
 def _view(mesh: ParallelMesh, axis: str) -> dict:
-    return {"members": mesh.members(axis), "size": mesh.size(axis), "rank_in": mesh.rank_in(axis),
-            "torch": _observe(mesh.group(axis))}
+    return {
+        "members": mesh.members(axis),
+        "size": mesh.size(axis),
+        "rank_in": mesh.rank_in(axis),
+        "torch": _observe(mesh.group(axis)),
+    }
 
 
 def _expert_view(mesh: ParallelMesh, ep_size: int) -> dict:
     ep, edp = mesh.expert_axes(ep_size)
-    return {"ep": (list(ep.members), _observe(mesh.expert_parallel_group(ep_size))),
-            "edp": (list(edp.members), _observe(mesh.expert_data_parallel_group(ep_size)))}
+    return {
+        "ep": (list(ep.members), _observe(mesh.expert_parallel_group(ep_size))),
+        "edp": (list(edp.members), _observe(mesh.expert_data_parallel_group(ep_size))),
+    }
 
 
 def _round_trip(mesh: ParallelMesh) -> dict:
     mpu = mesh.as_mpu()
     again = ParallelMesh.from_mpu(mpu)
-    same = {axis: again.group(axis) is mesh.group(axis) and again.members(axis) == mesh.members(axis)
-            for axis in ("pp", "dp", "sp", "tp", "mp", "dp_sp", "world")}
-    named = {"tp": (mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()),
-             "dp": (mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()),
-             "ep2": _observe(mpu.get_expert_parallel_group("ep_size_2"))}
+    same = {
+        axis: again.group(axis) is mesh.group(axis) and again.members(axis) == mesh.members(axis)
+        for axis in ("pp", "dp", "sp", "tp", "mp", "dp_sp", "world")
+    }
+    named = {
+        "tp": (mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()),
+        "dp": (mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()),
+        "ep2": _observe(mpu.get_expert_parallel_group("ep_size_2")),
+    }
     return {"same": same, "named": named, "lazy_ep2": _expert_view(again, 2)}
 
 
@@ -55,8 +66,12 @@ def _mesh_worker() -> dict:
     out = {}
     for name, sizes in LAYOUTS.items():
         mesh = ParallelMesh.build(**sizes)
-        out[name] = {"coords": mesh.coords, "axes": {axis: _view(mesh, axis) for axis in MESH_AXES},
-                     "ep4": _expert_view(mesh, 4) if name == "ep2" else None, "mpu": _round_trip(mesh)}
+        out[name] = {
+            "coords": mesh.coords,
+            "axes": {axis: _view(mesh, axis) for axis in MESH_AXES},
+            "ep4": _expert_view(mesh, 4) if name == "ep2" else None,
+            "mpu": _round_trip(mesh),
+        }
     out["mismatch"] = _mismatched_expert_sizes()
     return out
 

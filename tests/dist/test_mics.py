@@ -16,14 +16,15 @@ averaged over 2 instead of 4 would double the gradients (the first step's norm i
 plain one: Adam with clipping is blind to that scale); a norm that counted replicas twice would clip
 differently. Each fails.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from harness import run_distributed
-from zoo.models import GPT, GPTConfig
 from harness.reference import engine_global_step, reference_train
+from zoo.models import GPT, GPTConfig
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)  # (an attention
 # key bias has a zero gradient up to rounding, which Adam magnifies: no fp32 parity for it anywhere)
@@ -34,30 +35,40 @@ CLIP = 0.5
 
 def _batches():
     g = torch.Generator().manual_seed(7)
-    return [(torch.randint(0, CFG["vocab_size"], (WORLD * GAS * MICRO, CFG["block_size"]), generator=g),)
-            for _ in range(STEPS)]
+    return [
+        (torch.randint(0, CFG["vocab_size"], (WORLD * GAS * MICRO, CFG["block_size"]), generator=g),)
+        for _ in range(STEPS)
+    ]
 
 
 def _engine(mics: int, offload: bool = False):
     import zerospeed
+
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "mics_shard_size": mics}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": CLIP,
-           "optimizer": {"type": "AdamW", "params": ADAMW}, "zero_optimization": zero}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": ADAMW},
+        "zero_optimization": zero,
+    }
     engine, *_ = zerospeed.initialize(model=model, config=cfg)
     return engine, model
 
 
 def _steps(engine, batches) -> list[float]:
     from zerospeed import comm
+
     return [engine_global_step(engine, (ids, ids), WORLD, GAS, comm.get_rank()) for (ids,) in batches]
 
 
 def _weights(model):
     import zerospeed
+
     with zerospeed.zero.GatheredParameters(list(model.parameters())):
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -75,9 +86,14 @@ def _runs(tmp: str):
     losses += _steps(engine, batches[1:SAVE_AT])
     engine.save_checkpoint(tmp, tag="mid")
     losses += _steps(engine, batches[SAVE_AT:])
-    out["mics"] = {"losses": losses, "weights": _weights(model), "elems": _state_elems(engine),
-                   "units": len(engine.zero.units), "norm0": norm0,
-                   "first_chunk": engine.zero.masters[0].detach().reshape(-1)[:4].clone()}
+    out["mics"] = {
+        "losses": losses,
+        "weights": _weights(model),
+        "elems": _state_elems(engine),
+        "units": len(engine.zero.units),
+        "norm0": norm0,
+        "first_chunk": engine.zero.masters[0].detach().reshape(-1)[:4].clone(),
+    }
     engine, model = _engine(2, offload=True)
     out["mics_offload"] = {"losses": _steps(engine, batches), "weights": _weights(model)}
     for name, mics in (("resume_mics", 2), ("resume_plain", 0)):
@@ -103,8 +119,15 @@ def first_grad_norm() -> float:
 def reference():
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
-    losses = reference_train(model, torch.optim.AdamW(model.parameters(), **ADAMW), _batches(), world_size=WORLD,
-                             grad_accum=GAS, loss_fn=lambda m, ids: m(ids, ids), clip=CLIP)
+    losses = reference_train(
+        model,
+        torch.optim.AdamW(model.parameters(), **ADAMW),
+        _batches(),
+        world_size=WORLD,
+        grad_accum=GAS,
+        loss_fn=lambda m, ids: m(ids, ids),
+        clip=CLIP,
+    )
     return model, losses
 
 
@@ -118,8 +141,12 @@ def test_mics_trains_like_plain_pytorch_with_states_split_over_the_shard_group(t
     results = run_distributed(_runs, WORLD, str(tmp_path), timeout=260)
     model, ref = reference()
     total = sum(p.numel() for p in model.parameters())
-    for name, want in (("mics", ref), ("mics_offload", ref), ("resume_mics", ref[SAVE_AT:]),
-                       ("resume_plain", ref[SAVE_AT:])):
+    for name, want in (
+        ("mics", ref),
+        ("mics_offload", ref),
+        ("resume_mics", ref[SAVE_AT:]),
+        ("resume_plain", ref[SAVE_AT:]),
+    ):
         for rank, r in enumerate(results):  # (losses averaged over the ranks)
             assert max(abs(a - b) for a, b in zip(r[name]["losses"], want)) <= TOL, (name, r[name]["losses"], want)
             _close(r[name]["weights"], model, f"rank {rank} {name}")

@@ -3,12 +3,14 @@
 Four ranks, `"expert_parallel": {"enabled": true, "autoep_size": 2}`: ep 2 x expert-dp 2, each rank
 holding 2 of the 4 experts of every MoE block. Models: a tiny Mixtral (hidden 32, 4 experts, top-2,
 2 layers) at ZeRO-2 and ZeRO-3, a tiny Qwen3-MoE (preset "qwen3_moe", renormalisation off) at
-ZeRO-2, and a Qwen2-MoE (found by shape: a shared expert, a dense second layer) at ZeRO-3; `output_router_logits` on, so each replica's loss carries transformers' own router aux loss.
+ZeRO-2, and a Qwen2-MoE (found by shape: a shared expert, a dense second layer) at ZeRO-3; `output_router_logits`
+on, so each replica's loss carries transformers' own router aux loss.
 The reference is the stock model on the same global batches: per step, the mean of the 4
 replicas' losses (what DDP averages), one AdamW step with a gradient clip that acts. Compared:
 every replica's loss at every step, and the final weights — written by `save_autoep_model` in
 transformers' own format and loaded by the stock `from_pretrained`, with no zerospeed involved.
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,9 +20,9 @@ import pytest
 import torch
 
 import zerospeed
+from harness import run_distributed
 from zerospeed import comm
 from zerospeed.moe.autoep import ExpertParallelExperts, save_autoep_model
-from harness import run_distributed
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,21 +33,46 @@ CLASSES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", 
 
 
 def build(family: str):
-    common = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "num_experts_per_tok": 2, "max_position_embeddings": 32,
-              "output_router_logits": True, "router_aux_loss_coef": 0.05}
+    common = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 32,
+        "output_router_logits": True,
+        "router_aux_loss_coef": 0.05,
+    }
     torch.manual_seed(0)
     if family == "mixtral":
-        return transformers.MixtralForCausalLM(transformers.MixtralConfig(intermediate_size=16, num_local_experts=4,
-                                                                          **common))
+        return transformers.MixtralForCausalLM(
+            transformers.MixtralConfig(intermediate_size=16, num_local_experts=4, **common)
+        )
     if family == "qwen3_moe":
-        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-            intermediate_size=32, moe_intermediate_size=16, num_experts=4, norm_topk_prob=False, head_dim=8, **common))
+        return transformers.Qwen3MoeForCausalLM(
+            transformers.Qwen3MoeConfig(
+                intermediate_size=32,
+                moe_intermediate_size=16,
+                num_experts=4,
+                norm_topk_prob=False,
+                head_dim=8,
+                **common,
+            )
+        )
     # a shared expert; layer 1 dense. No qkv bias: a key bias has no gradient in exact arithmetic (softmax is
     # shift-invariant), so Adam turns its rounding noise into lr-sized steps that differ between any two runs.
-    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
-        intermediate_size=32, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
-        mlp_only_layers=[1], qkv_bias=False, **common))
+    return transformers.Qwen2MoeForCausalLM(
+        transformers.Qwen2MoeConfig(
+            intermediate_size=32,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            num_experts=4,
+            mlp_only_layers=[1],
+            qkv_bias=False,
+            **common,
+        )
+    )
 
 
 def batches():
@@ -60,38 +87,54 @@ def config(family: str, stage: int) -> dict:
     ep = {"enabled": True, "autoep_size": 2}
     if family == "qwen3_moe":
         ep.update(preset_model="qwen3_moe", route_norm=False)
-    return {"train_micro_batch_size_per_gpu": B, "gradient_clipping": CLIP, "zero_optimization": zero,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}, "expert_parallel": ep}
+    return {
+        "train_micro_batch_size_per_gpu": B,
+        "gradient_clipping": CLIP,
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "expert_parallel": ep,
+    }
 
 
 def _train(family: str, stage: int, out: str) -> dict:
     rank = comm.get_rank()
     model = build(family)
     engine, *_ = zerospeed.initialize(model=model, config=config(family, stage))
-    local = [(m.first_expert, m.num_local_experts) for m in model.modules()
-             if isinstance(m, ExpertParallelExperts)]
+    local = [(m.first_expert, m.num_local_experts) for m in model.modules() if isinstance(m, ExpertParallelExperts)]
     losses, aux = [], []
     comm.STATS.reset()
     for ids in batches():
-        mine = ids[rank * B:(rank + 1) * B]
+        mine = ids[rank * B : (rank + 1) * B]
         result = engine(input_ids=mine, labels=mine)
         engine.backward(result.loss)
         engine.step()
         losses.append(result.loss.item())
         aux.append(result.aux_loss.item())
     a2a = comm.STATS.snapshot().get("all_to_all", {"calls": 0})["calls"]
-    wire, counts = _forward_bytes(engine, model, batches()[0][rank * B:(rank + 1) * B])
+    wire, counts = _forward_bytes(engine, model, batches()[0][rank * B : (rank + 1) * B])
     save_autoep_model(engine, out)
     engine.zero.remove_hooks()
-    return {"losses": losses, "aux": aux, "local": local, "a2a_calls": a2a, "wire": wire, "counts": counts,
-            "ep_members": engine.mesh.expert_axes(2)[0].members}
+    return {
+        "losses": losses,
+        "aux": aux,
+        "local": local,
+        "a2a_calls": a2a,
+        "wire": wire,
+        "counts": counts,
+        "ep_members": engine.mesh.expert_axes(2)[0].members,
+    }
 
 
 def _forward_bytes(engine, model, ids) -> tuple[float, list[list[int]]]:
     """All-to-all wire bytes of one forward, and the pairs each block routed to each expert."""
     seen = []
-    hooks = [m.register_forward_hook(lambda mod, args, out: seen.append(torch.bincount(
-        args[1].reshape(-1), minlength=4).tolist())) for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+    hooks = [
+        m.register_forward_hook(
+            lambda mod, args, out: seen.append(torch.bincount(args[1].reshape(-1), minlength=4).tolist())
+        )
+        for m in model.modules()
+        if isinstance(m, ExpertParallelExperts)
+    ]
     comm.STATS.reset()
     with torch.no_grad():
         engine(input_ids=ids, labels=ids)
@@ -127,7 +170,7 @@ def reference(family: str, steps: int = STEPS) -> tuple[list[list[float]], dict]
         opt.zero_grad()
         total = 0.0
         for r in range(WORLD):
-            mine = ids[r * B:(r + 1) * B]
+            mine = ids[r * B : (r + 1) * B]
             loss = model(input_ids=mine, labels=mine).loss
             total = total + loss / WORLD
             losses[r].append(loss.item())

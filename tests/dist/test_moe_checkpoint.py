@@ -5,6 +5,7 @@ of tests/dist/test_moe_parity.py. The checkpoint names experts globally (Note [g
 in zerospeed/checkpoint/experts.py): DeepSpeed's per-expert files, and a consolidated state dict
 that is the same model's at ep 1.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -24,11 +25,11 @@ from test_moe_parity import (  # tests/dist is on sys.path
 )
 
 import zerospeed
+from harness import run_distributed
 from zerospeed import comm
 from zerospeed.checkpoint import get_fp32_state_dict_from_zero_checkpoint
 from zerospeed.comm.mesh import ParallelMesh
 from zerospeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-from harness import run_distributed
 
 K, DROP, HALF = 1, True, STEPS // 2
 TARGETS = [(2, 4, 2), (2, 1, 3), (0, 4, 0)]  # (ZeRO stage saved at, ep and stage resumed at)
@@ -45,7 +46,7 @@ def _engine(ep: int, stage: int):
 def _steps(engine, todo):
     rank, losses = comm.get_rank(), []
     for x, y in todo:
-        loss, _ = engine(x[rank * B:(rank + 1) * B], y[rank * B:(rank + 1) * B])
+        loss, _ = engine(x[rank * B : (rank + 1) * B], y[rank * B : (rank + 1) * B])
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -59,15 +60,15 @@ def _save_and_resume(root: str):
         out["first", saved_stage] = _steps(engine, batches()[:HALF])
         engine.save_checkpoint(root, tag=f"half{saved_stage}")
     out["files"] = sorted(p.name for p in (Path(root) / "half2").iterdir())
-    out["consolidated"] = (get_fp32_state_dict_from_zero_checkpoint(root, tag="half2") if comm.get_rank() == 0
-                           else None)
+    out["consolidated"] = get_fp32_state_dict_from_zero_checkpoint(root, tag="half2") if comm.get_rank() == 0 else None
     for saved_stage, ep, stage in TARGETS:
         engine, net, mesh = _engine(ep, stage)
         engine.load_checkpoint(root, tag=f"half{saved_stage}")
         rest = _steps(engine, batches()[HALF:])
         with zerospeed.zero.GatheredParameters(list(net.parameters())):
-            experts = [[p.detach().clone() for p in ex.parameters()]
-                       for ex in net.moe.deepspeed_moe.experts.deepspeed_experts]
+            experts = [
+                [p.detach().clone() for p in ex.parameters()] for ex in net.moe.deepspeed_moe.experts.deepspeed_experts
+            ]
             gate = net.moe.deepspeed_moe.gate.wg.weight.detach().clone()
         out[saved_stage, ep, stage] = {"losses": rest, "experts": experts, "gate": gate, "ep_rank": mesh.rank_in("ep")}
     return out
@@ -85,8 +86,9 @@ def test_save_at_ep2_resume_at_ep4_and_ep1():
         for saved_stage, ep, stage in TARGETS:
             got = r[saved_stage, ep, stage]
             gap = max(abs(a - b) for a, b in zip(got["losses"], ref_losses[rank][HALF:]))
-            assert gap <= 1e-5, f"saved at stage {saved_stage}, resumed at ep {ep} stage {stage}, rank {rank}: " \
-                                f"max |dloss| {gap:.2e}"
+            assert gap <= 1e-5, (
+                f"saved at stage {saved_stage}, resumed at ep {ep} stage {stage}, rank {rank}: max |dloss| {gap:.2e}"
+            )
             torch.testing.assert_close(got["gate"], ref_dense[2], rtol=0, atol=1e-5)
             local = E // ep
             for j, expert in enumerate(got["experts"]):

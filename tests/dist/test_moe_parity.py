@@ -13,6 +13,7 @@ The same processes also count the all-to-all bytes of a forward (docs/moe.md): p
 2 exchanges of the [E, C, M] slot buffer, each sending (ep - 1) / ep of it — or, dropless, only the
 routed tokens that leave the rank.
 """
+
 from __future__ import annotations
 
 import gc
@@ -22,12 +23,12 @@ import torch
 from torch import nn
 
 import zerospeed
+from harness import live_tensor_bytes, run_distributed
+from harness.moe_reference import ref_capacity, ref_l_aux, ref_routes
 from zerospeed import comm
 from zerospeed.comm.mesh import ParallelMesh
 from zerospeed.moe.layer import MoE
 from zerospeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-from harness import live_tensor_bytes, run_distributed
-from harness.moe_reference import ref_capacity, ref_l_aux, ref_routes
 from zerospeed.zero.memory import model_state_bytes
 
 WORLD, E, M, H, B, T, STEPS = 4, 4, 6, 5, 2, 4, 10
@@ -56,8 +57,17 @@ class Net(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.inp = nn.Linear(M, M)
-        self.moe = MoE(M, expert_module(), num_experts=E, ep_size=ep, k=k, min_capacity=0, drop_tokens=drop,
-                       use_rts=False, top2_2nd_expert_sampling=False)
+        self.moe = MoE(
+            M,
+            expert_module(),
+            num_experts=E,
+            ep_size=ep,
+            k=k,
+            min_capacity=0,
+            drop_tokens=drop,
+            use_rts=False,
+            top2_2nd_expert_sampling=False,
+        )
         local = E // ep
         with torch.no_grad():
             self.moe.deepspeed_moe.gate.wg.weight.copy_(gate_values())
@@ -72,16 +82,21 @@ class Net(nn.Module):
 
 def batches():
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(WORLD * B, T, M, generator=g), torch.randn(WORLD * B, T, M, generator=g))
-            for _ in range(STEPS)]
+    return [
+        (torch.randn(WORLD * B, T, M, generator=g), torch.randn(WORLD * B, T, M, generator=g)) for _ in range(STEPS)
+    ]
 
 
 def config(stage: int) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": 64}
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=0)
-    return {"train_micro_batch_size_per_gpu": B, "gradient_clipping": CLIP,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}}, "zero_optimization": zero}
+    return {
+        "train_micro_batch_size_per_gpu": B,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "zero_optimization": zero,
+    }
 
 
 def _train(ep, k, drop, stage):
@@ -92,7 +107,7 @@ def _train(ep, k, drop, stage):
     engine, *_ = zerospeed.initialize(model=net, model_parameters=groups, config=config(stage), mesh=mesh)
     losses, auxes, norms = [], [], []
     for x, y in batches():
-        loss, l_aux = engine(x[rank * B:(rank + 1) * B], y[rank * B:(rank + 1) * B])
+        loss, l_aux = engine(x[rank * B : (rank + 1) * B], y[rank * B : (rank + 1) * B])
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -105,11 +120,19 @@ def _train(ep, k, drop, stage):
     # all-to-all bytes of one forward
     comm.STATS.reset()
     with torch.no_grad():
-        engine(x[rank * B:(rank + 1) * B], y[rank * B:(rank + 1) * B])
+        engine(x[rank * B : (rank + 1) * B], y[rank * B : (rank + 1) * B])
     a2a = comm.STATS.snapshot().get("all_to_all", {"calls": 0, "wire_bytes": 0.0})
-    return {"losses": losses, "aux": auxes, "norms": norms, "dense": dense, "experts": experts,
-            "ep_rank": mesh.rank_in("ep"), "a2a": (a2a["calls"], a2a["wire_bytes"]),
-            "counts": net.moe.deepspeed_moe.exp_counts.tolist(), "ep_members": mesh.members("ep")}
+    return {
+        "losses": losses,
+        "aux": auxes,
+        "norms": norms,
+        "dense": dense,
+        "experts": experts,
+        "ep_rank": mesh.rank_in("ep"),
+        "a2a": (a2a["calls"], a2a["wire_bytes"]),
+        "counts": net.moe.deepspeed_moe.exp_counts.tolist(),
+        "ep_members": mesh.members("ep"),
+    }
 
 
 def _census(stage: int) -> dict:
@@ -120,8 +143,17 @@ def _census(stage: int) -> dict:
     rank, wide = comm.get_rank(), 32
     mesh = ParallelMesh.build(ep=2)
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(wide, wide), MoE(wide, nn.Sequential(nn.Linear(wide, 512), nn.Linear(512, wide)),
-                                                   num_experts=E, ep_size=2, min_capacity=0, use_rts=False))
+    net = nn.Sequential(
+        nn.Linear(wide, wide),
+        MoE(
+            wide,
+            nn.Sequential(nn.Linear(wide, 512), nn.Linear(512, wide)),
+            num_experts=E,
+            ep_size=2,
+            min_capacity=0,
+            use_rts=False,
+        ),
+    )
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(net.parameters()), "name": "p"})
     sizes = [sum(p.numel() for p in g["params"]) for g in groups]
     engine, *_ = zerospeed.initialize(model=net, model_parameters=groups, config=config(stage), mesh=mesh)
@@ -163,14 +195,18 @@ def reference(k: int, drop: bool, steps: int = STEPS):
         opt.zero_grad()
         total = 0.0
         for r in range(WORLD):
-            h = torch.tanh(inp(x[r * B:(r + 1) * B])).reshape(-1, M)
+            h = torch.tanh(inp(x[r * B : (r + 1) * B])).reshape(-1, M)
             logits = h @ wg.weight.t()
             cap = ref_capacity(h.shape[0], E, 1.0 * k, 0) if drop else None
             routes, choices = ref_routes(logits, k, cap)
             l_aux = ref_l_aux(logits, choices, k)
-            out = torch.stack([sum((w * experts[e](h[s:s + 1])[0] for e, w in routes[s]), torch.zeros(M))
-                               for s in range(h.shape[0])])
-            loss = (out.reshape(B, T, M) - y[r * B:(r + 1) * B]).pow(2).mean() + AUX * l_aux
+            out = torch.stack(
+                [
+                    sum((w * experts[e](h[s : s + 1])[0] for e, w in routes[s]), torch.zeros(M))
+                    for s in range(h.shape[0])
+                ]
+            )
+            loss = (out.reshape(B, T, M) - y[r * B : (r + 1) * B]).pow(2).mean() + AUX * l_aux
             total = total + loss / WORLD
             losses[r].append(loss.item())
             auxes[r].append(l_aux.item())

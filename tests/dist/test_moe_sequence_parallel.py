@@ -15,19 +15,20 @@ of the tokens a rank holds, which a sequence split changes by design). Every ran
 weight — dense, gate and each rank's experts by their global index — within 1e-5. At ZeRO-2 a checkpoint
 saved 2 steps before the end and loaded by a fresh engine takes those 2 steps to the same losses.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from test_ulysses_parity import MICRO, SPLoss, batches, reference_step, sp_steps
 from torch import nn
 
 import zerospeed
-from test_ulysses_parity import MICRO, SPLoss, batches, reference_step, sp_steps
+from harness import run_distributed
+from harness.moe_reference import ref_moe_forward
 from zerospeed.moe.layer import MoE
 from zerospeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from zerospeed.sequence.layer import DistributedAttention
-from harness import run_distributed
-from harness.moe_reference import ref_moe_forward
 from zoo.sequence_models import GPT, local_sdpa
 
 WORLD, SP, E, WIDTH, HEADS, KV, LR, TOL = 4, 2, 4, 16, 4, 2, 1e-2, 1e-5
@@ -52,8 +53,17 @@ class MoEMLP(nn.Module):
 
     def __init__(self, layer: int, ep: int, ep_rank: int):
         super().__init__()
-        self.moe = MoE(WIDTH, expert(), num_experts=E, ep_size=ep, k=1, min_capacity=0, drop_tokens=False,
-                       use_rts=False, top2_2nd_expert_sampling=False)
+        self.moe = MoE(
+            WIDTH,
+            expert(),
+            num_experts=E,
+            ep_size=ep,
+            k=1,
+            min_capacity=0,
+            drop_tokens=False,
+            use_rts=False,
+            top2_2nd_expert_sampling=False,
+        )
         with torch.no_grad():
             self.moe.deepspeed_moe.gate.wg.weight.copy_(gate_values(layer))
             for j, ex in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts):
@@ -92,9 +102,12 @@ def _build(ep: int, stage: int):
         block.mlp = MoEMLP(i, ep, ep_rank)
     model = SPLoss(gpt, mesh.group("sp"))
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p"})
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "sequence_parallel_size": SP,
-           "optimizer": {"type": "Adam", "params": {"lr": LR}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 256}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "sequence_parallel_size": SP,
+        "optimizer": {"type": "Adam", "params": {"lr": LR}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 256},
+    }
     engine, *_ = zerospeed.initialize(model=model, model_parameters=groups, config=cfg, mesh=mesh)
     return engine, gpt, mesh, ep_rank
 
@@ -113,12 +126,20 @@ def _train(ep: int, stage: int, save_dir: str) -> dict:
     dp_rank = mesh.rank_in("dp")
     with zerospeed.zero.GatheredParameters(list(gpt.parameters())):
         dense = {k: v.detach().clone() for k, v in gpt.state_dict().items() if ".deepspeed_experts." not in k}
-        experts = {(i, ep_rank * (E // ep) + j): [p.detach().clone() for p in ex.parameters()]
-                   for i, b in enumerate(gpt.blocks)
-                   for j, ex in enumerate(b.mlp.moe.deepspeed_moe.experts.deepspeed_experts)}
+        experts = {
+            (i, ep_rank * (E // ep) + j): [p.detach().clone() for p in ex.parameters()]
+            for i, b in enumerate(gpt.blocks)
+            for j, ex in enumerate(b.mlp.moe.deepspeed_moe.experts.deepspeed_experts)
+        }
     engine.destroy()
-    return {"losses": losses, "dense": dense, "experts": experts, "dp_rank": dp_rank,
-            "ep_group": list(mesh.expert_axes(ep)[0].members), "resumed_last": resumed_last if stage > 0 else None}
+    return {
+        "losses": losses,
+        "dense": dense,
+        "experts": experts,
+        "dp_rank": dp_rank,
+        "ep_group": list(mesh.expert_axes(ep)[0].members),
+        "resumed_last": resumed_last if stage > 0 else None,
+    }
 
 
 def _runs(save_dir: str) -> dict:
@@ -152,9 +173,15 @@ def test_moe_under_sequence_parallelism_matches_one_process(tmp_path):
                 assert got["resumed_last"] == pytest.approx(got["losses"][-2:], abs=TOL), (ep, stage, rank)
             for key, value in got["dense"].items():
                 ref_key = key.replace("mlp.moe.deepspeed_moe.gate.wg.weight", "mlp.gate")
-                torch.testing.assert_close(value, ref_state[ref_key], atol=TOL, rtol=0,
-                                           msg=f"ep {ep} ZeRO-{stage} rank {rank}: {key}")
+                torch.testing.assert_close(
+                    value, ref_state[ref_key], atol=TOL, rtol=0, msg=f"ep {ep} ZeRO-{stage} rank {rank}: {key}"
+                )
             for (layer, e), values in got["experts"].items():
                 for v, r in zip(values, ref.blocks[layer].mlp.experts[e].parameters()):
-                    torch.testing.assert_close(v, r.detach(), atol=TOL, rtol=0,
-                                               msg=f"ep {ep} ZeRO-{stage} rank {rank}: layer {layer} expert {e}")
+                    torch.testing.assert_close(
+                        v,
+                        r.detach(),
+                        atol=TOL,
+                        rtol=0,
+                        msg=f"ep {ep} ZeRO-{stage} rank {rank}: layer {layer} expert {e}",
+                    )

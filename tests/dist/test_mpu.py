@@ -5,6 +5,7 @@ data-parallel groups {0, 2} and {1, 3}). The model is replicated (no tensor para
 data-parallel group trains on its own batches; each must match a plain PyTorch run of 2 virtual
 ranks on that group's batches, and the two groups must not have averaged with each other.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -12,13 +13,18 @@ import torch
 from torch import nn
 
 import zerospeed
+from harness import reference_train, run_distributed, split_global_batch
 from zerospeed import comm
 from zerospeed.comm.mesh import ParallelMesh
-from harness import reference_train, run_distributed, split_global_batch
 
 DP, GAS, MICRO, STEPS = 2, 2, 2, 10
-CONFIG = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": 1.0,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 1}}
+CONFIG = {
+    "train_micro_batch_size_per_gpu": MICRO,
+    "gradient_accumulation_steps": GAS,
+    "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    "zero_optimization": {"stage": 1},
+}
 
 
 def model():
@@ -54,9 +60,13 @@ def _train():
         comm.all_reduce(t, op="avg", group=mpu.get_data_parallel_group())
         losses.append(t.item())
     back = engine.mpu
-    return {"group": group, "losses": losses, "weights": [p.detach().clone() for p in net.parameters()],
-            "sizes": (engine.dp_world_size, back.get_data_parallel_world_size(), back.get_model_parallel_world_size()),
-            "dp_members": engine.mesh.members("dp")}
+    return {
+        "group": group,
+        "losses": losses,
+        "weights": [p.detach().clone() for p in net.parameters()],
+        "sizes": (engine.dp_world_size, back.get_data_parallel_world_size(), back.get_model_parallel_world_size()),
+        "dp_members": engine.mesh.members("dp"),
+    }
 
 
 @pytest.mark.timeout(200)
@@ -68,8 +78,7 @@ def test_an_mpu_sets_the_data_parallel_groups_and_engine_mpu_hands_them_back():
     for group in (0, 1):
         ref = model()
         opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)  # DeepSpeed's AdamW default
-        ref_losses = reference_train(ref, opt, batches(group), world_size=DP, grad_accum=GAS, loss_fn=loss_fn,
-                                     clip=1.0)
+        ref_losses = reference_train(ref, opt, batches(group), world_size=DP, grad_accum=GAS, loss_fn=loss_fn, clip=1.0)
         for r in results[group::2]:
             assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) <= 1e-5
             for got, want in zip(r["weights"], ref.parameters()):

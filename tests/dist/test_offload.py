@@ -6,6 +6,7 @@ engine's placement map, the swap files on disk (their sizes are the expected byt
 independent census of live tensors (the bytes that left memory are the masters and optimizer
 states, less the fixed host buffers the swapper reads them into).
 """
+
 from __future__ import annotations
 
 import gc
@@ -14,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_zero_parity import GAS, build_model, global_batches, param_groups, zero_config
 
 import zerospeed
-from test_zero_parity import GAS, build_model, global_batches, param_groups, zero_config
-from zerospeed import comm
-from zerospeed.offload.swap import slot_nbytes
 from harness import run_distributed, split_global_batch
 from harness.census import live_tensor_bytes
+from zerospeed import comm
+from zerospeed.offload.swap import slot_nbytes
 
 STEPS = 10
 
@@ -62,16 +63,24 @@ def _offloaded(base, stage, opt, param, zero_over):
     """The offloaded run of `stage` against its `base` run: losses, placement, swap files and memory."""
     engine, losses, nbytes = _train(_offload(stage, opt, param, **zero_over))
     files = [(kind, str(path), nbytes, os.path.getsize(path)) for kind, path, nbytes in engine.swap_files()]
-    out = {**base, "losses": losses, "placement": engine.placement(), "files": files,
-           "breakdown": engine.memory_breakdown()["measured"], "bytes": nbytes,
-           # swapped-out masters point at an empty tensor: their sizes come from the swapper
-           "masters": getattr(engine.zero.stepper, "numels", []),
-           # the swapper's host buffers, with the 4 KiB each over-allocates to align for O_DIRECT
-           "buffers": (engine.zero.stepper.buffer_bytes() + 4096 * sum(p.count for p in engine.zero.stepper.pools.values())
-                       if engine.zero.stepper.kind == "nvme" else 0),
-           "param_numels": [fp.shard_numel for fp in getattr(engine.zero, "flat", [])
-                            if hasattr(fp, "shard_numel")],
-           "fused": [g.get("fused") for g in engine.optimizer.param_groups]}
+    out = {
+        **base,
+        "losses": losses,
+        "placement": engine.placement(),
+        "files": files,
+        "breakdown": engine.memory_breakdown()["measured"],
+        "bytes": nbytes,
+        # swapped-out masters point at an empty tensor: their sizes come from the swapper
+        "masters": getattr(engine.zero.stepper, "numels", []),
+        # the swapper's host buffers, with the 4 KiB each over-allocates to align for O_DIRECT
+        "buffers": (
+            engine.zero.stepper.buffer_bytes() + 4096 * sum(p.count for p in engine.zero.stepper.pools.values())
+            if engine.zero.stepper.kind == "nvme"
+            else 0
+        ),
+        "param_numels": [fp.shard_numel for fp in getattr(engine.zero, "flat", []) if hasattr(fp, "shard_numel")],
+        "fused": [g.get("fused") for g in engine.optimizer.param_groups],
+    }
     engine.destroy()
     out["left"] = [f for _, f, _, _ in files if os.path.exists(f)]
     return out
@@ -99,14 +108,20 @@ def _nvme(tmp, **extra):
 
 def _cases(tmp: Path) -> dict:
     """name -> (stage, offload_optimizer, offload_param, other zero_optimization keys); NVMe in `tmp`/name."""
-    return {"cpu_1": (1, {"device": "cpu", "pin_memory": True}, None, {}),
-            "cpu_2": (2, {"device": "cpu", "pin_memory": True}, None, {}),
-            "cpu_3_params": (3, {"device": "cpu"}, {"device": "cpu", "pin_memory": True}, {}),
-            "nvme_3": (3, _nvme(tmp / "nvme_3"), None, {}),
-            "nvme_3_params": (3, _nvme(tmp / "nvme_3_params", pipeline_read=True, pipeline_write=True),
-                              _nvme(tmp / "nvme_3_params", buffer_count=2, buffer_size=4096), {}),
-            "nvme_2_pipelined": (2, _nvme(tmp / "nvme_2_pipelined", pipeline_read=True, pipeline_write=True), None, {}),
-            "cpu_3_ratio": (3, {"device": "cpu", "ratio": 0.5}, None, {})}
+    return {
+        "cpu_1": (1, {"device": "cpu", "pin_memory": True}, None, {}),
+        "cpu_2": (2, {"device": "cpu", "pin_memory": True}, None, {}),
+        "cpu_3_params": (3, {"device": "cpu"}, {"device": "cpu", "pin_memory": True}, {}),
+        "nvme_3": (3, _nvme(tmp / "nvme_3"), None, {}),
+        "nvme_3_params": (
+            3,
+            _nvme(tmp / "nvme_3_params", pipeline_read=True, pipeline_write=True),
+            _nvme(tmp / "nvme_3_params", buffer_count=2, buffer_size=4096),
+            {},
+        ),
+        "nvme_2_pipelined": (2, _nvme(tmp / "nvme_2_pipelined", pipeline_read=True, pipeline_write=True), None, {}),
+        "cpu_3_ratio": (3, {"device": "cpu", "ratio": 0.5}, None, {}),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -143,8 +158,12 @@ def test_cpu_optimizer_offload_matches_no_offload(stage, offload_runs):
 @pytest.mark.timeout(300)
 def test_stage3_cpu_optimizer_and_parameter_offload_matches_no_offload(offload_runs):
     for r in _run(offload_runs, "cpu_3_params")[1]:
-        assert r["placement"] == {"parameters": "cpu", "gradients": "cpu", "master_weights": "cpu",
-                                  "optimizer_states": "cpu"}
+        assert r["placement"] == {
+            "parameters": "cpu",
+            "gradients": "cpu",
+            "master_weights": "cpu",
+            "optimizer_states": "cpu",
+        }
 
 
 def _check_optimizer_files(r, tmp):
@@ -155,8 +174,9 @@ def _check_optimizer_files(r, tmp):
         assert Path(path).parent == Path(tmp).resolve()
         assert nbytes == on_disk
         kinds[kind] = on_disk
-    assert {k: kinds[k] for k in ("fp32", "exp_avg", "exp_avg_sq")} == {k: expected for k in
-                                                                        ("fp32", "exp_avg", "exp_avg_sq")}
+    assert {k: kinds[k] for k in ("fp32", "exp_avg", "exp_avg_sq")} == {
+        k: expected for k in ("fp32", "exp_avg", "exp_avg_sq")
+    }
     assert r["breakdown"]["master_weights"] == 0 and r["breakdown"]["optimizer_states"] == 0
     # The census: masters (fp32, aliased with the shard without offload: 0 extra bytes) and the two
     # moments left memory; the swapper's fixed buffers came in. Small slack for scalar step tensors.
@@ -248,6 +268,7 @@ def test_bf16_with_cpu_offload_matches_bf16_without():
 def _max_reductions_in_flight(stage):
     """Train 2 steps with many tiny buckets; count reduce-scatters issued but not yet waited on."""
     from zerospeed.comm import backend
+
     live, peak = [0], [0]
     issue = backend.reduce_scatter_tensor
 
@@ -263,6 +284,7 @@ def _max_reductions_in_flight(stage):
             if handle._work is not None:
                 live[0] -= 1
             wait()
+
         handle.wait = counted_wait
         return handle
 
@@ -303,6 +325,7 @@ def _staging_held_in_flight():
             if len(flight.units) > 1:
                 fused[0] += 1
                 held[0] = max(held[0], sum(u.staging is not None for u in flight.units))
+
     reducer._flush = watched_flush
     rank, world = comm.get_rank(), comm.get_world_size()
     for batch in global_batches(world, steps=2):
@@ -320,6 +343,7 @@ def test_fused_stage3_buckets_free_each_units_staging_at_launch():
 
 def _too_small_buffer(tmp):
     from zerospeed.config import ConfigError
+
     try:
         _train(_offload(3, None, _nvme(tmp, buffer_size=100)), steps=1)
     except ConfigError as e:
@@ -339,6 +363,7 @@ def _count_read_ahead(tmp):
     """Train with NVMe parameters and prefetch; count gathers whose shard reads were issued one fetch
     ahead and whose collectives were launched later by the next fetch (Note [NVMe reads ahead ...])."""
     from zerospeed.offload.param_swap import NvmeParamSwapper
+
     ahead = [0]
     real = NvmeParamSwapper.launch_through
 

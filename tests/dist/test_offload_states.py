@@ -13,16 +13,18 @@ time; then trains two more steps. Checked:
 What a CPU machine cannot show: the host is the device here, so the host copies are not pinned and no
 device memory falls; tests/gpu/test_gpu_offload_states.py checks that on a GPU.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from harness import run_distributed
-from zoo.models import GPT, GPTConfig
-from harness.reference import split_global_batch
 # the model, batches and optimizer of the manual-backward test: GPT without biases, 2 accumulation steps
 from test_manual_backward import ADAMW, CFG, GAS, MICRO, STEPS, TOL, WORLD, _batches, reference  # noqa: E402
+
+from harness import run_distributed
+from harness.reference import split_global_batch
+from zoo.models import GPT, GPTConfig
 
 
 def _storages(tensors) -> dict:
@@ -63,12 +65,18 @@ def _train(stage, tmp: str):
     from zerospeed import comm
     from zerospeed.offload.states import OffloadStateTypeEnum as S
     from zerospeed.offload.states import get_state_devices
+
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
     bf16 = stage == "2-bf16"
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": GAS,
-           "optimizer": {"type": "AdamW", "params": ADAMW}, "bf16": {"enabled": bf16},
-           "zero_optimization": {"stage": 2 if bf16 else stage, "stage3_param_persistence_threshold": 64}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "AdamW", "params": ADAMW},
+        "bf16": {"enabled": bf16},
+        "zero_optimization": {"stage": 2 if bf16 else stage, "stage3_param_persistence_threshold": 64},
+    }
     engine, *_ = zerospeed.initialize(model=model, config=cfg)
     losses, checks = [], {}
     for step, batch in enumerate(_batches()):
@@ -80,8 +88,9 @@ def _train(stage, tmp: str):
             total += loss.item()
         losses.append(total / GAS)
         if step == 0:
-            opt = _storages(v for st in engine.optimizer.state.values() for v in st.values()
-                            if torch.is_tensor(v) and v.numel() > 1)
+            opt = _storages(
+                v for st in engine.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.numel() > 1
+            )
             params = _storages(p for p in model.parameters() if p.numel())  # stage 3: persistent ones only
             before = {"opt": _nbytes(opt), "params": _nbytes(params)}
             snap_opt, snap_params = _snapshot(opt), _snapshot(params)

@@ -8,6 +8,7 @@
 - Convergence on the demo GPT: 300 steps of each 1-bit optimizer end within 2% of uncompressed Adam /
   LAMB (warm-up included), never NaN.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,17 +17,21 @@ import pytest
 import torch
 
 import zerospeed
+from harness import run_distributed, split_global_batch
+from harness.onebit_reference import (
+    OneBitAdamReference,
+    OneBitLambReference,
+    ZeroOneAdamReference,
+    simulate_compressed_allreduce,
+)
+from harness.reference import engine_global_step
 from zerospeed import comm
 from zerospeed.comm.compressed import compressed_allreduce_many, error_buffers, padded_size
-from zerospeed.utils.errors import ConfigError
-from zoo.gpt_layers import gpt_layer_specs, lm_loss
 from zerospeed.pipe import PipelineModule
-from harness import run_distributed, split_global_batch
+from zerospeed.utils.errors import ConfigError
 from zoo.data import ByteSequenceDataset, stdlib_corpus, text_batches
-from harness.reference import engine_global_step
+from zoo.gpt_layers import gpt_layer_specs, lm_loss
 from zoo.models import GPT, GPTConfig
-from harness.onebit_reference import (OneBitAdamReference, OneBitLambReference, ZeroOneAdamReference,
-                                                simulate_compressed_allreduce)
 
 SIZES = (37, 100)
 CALLS = 3
@@ -43,10 +48,15 @@ def compressed_work() -> dict:
     outs = []
     comm.STATS.reset()
     for call in range(CALLS):
-        outs.append(compressed_allreduce_many(_buffers(world, call)[rank], [w for w, _ in errors],
-                                              [s for _, s in errors]))
-    return {"outs": outs, "worker": [w for w, _ in errors], "server": [s for _, s in errors],
-            "stats": comm.STATS.snapshot()}
+        outs.append(
+            compressed_allreduce_many(_buffers(world, call)[rank], [w for w, _ in errors], [s for _, s in errors])
+        )
+    return {
+        "outs": outs,
+        "worker": [w for w, _ in errors],
+        "server": [s for _, s in errors],
+        "stats": comm.STATS.snapshot(),
+    }
 
 
 @pytest.mark.timeout(120)
@@ -59,8 +69,9 @@ def test_compressed_allreduce_equals_the_single_process_simulation(world):
     for call in range(CALLS):
         bufs = _buffers(world, call)
         for i, (n, p) in enumerate(zip(SIZES, padded)):
-            expected = simulate_compressed_allreduce([torch.cat([bufs[k][i], torch.zeros(p - n)]) for k in range(world)],
-                                                     worker[i], server[i])[:n]
+            expected = simulate_compressed_allreduce(
+                [torch.cat([bufs[k][i], torch.zeros(p - n)]) for k in range(world)], worker[i], server[i]
+            )[:n]
             for r in per_rank:
                 torch.testing.assert_close(r["outs"][call][i], expected, atol=1e-6, rtol=0)
     for k, r in enumerate(per_rank):  # the errors: each rank's worker error, its own chunk of the server's
@@ -72,7 +83,9 @@ def test_compressed_allreduce_equals_the_single_process_simulation(world):
     share = (world - 1) / world
     stats = per_rank[0]["stats"]
     assert stats["all_to_all"]["wire_bytes"] == CALLS * share * signs
-    assert stats["all_gather"]["wire_bytes"] == pytest.approx(CALLS * (share * signs + 2 * (world - 1) * 4 * len(SIZES)))
+    assert stats["all_gather"]["wire_bytes"] == pytest.approx(
+        CALLS * (share * signs + 2 * (world - 1) * 4 * len(SIZES))
+    )
 
 
 # -- 1-bit Adam through the engines --------------------------------------------------------------
@@ -92,9 +105,13 @@ def batches(dp: int, steps: int):
 
 
 def onebit_config(freeze: int = FREEZE, lr: float = LR) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": GAS,
-            "optimizer": {"type": "OneBitAdam", "params": {"lr": lr, "freeze_step": freeze}},
-            "zero_optimization": {"stage": 0}}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "OneBitAdam", "params": {"lr": lr, "freeze_step": freeze}},
+        "zero_optimization": {"stage": 0},
+    }
 
 
 def train_engine(cfg: dict, after=None) -> dict:
@@ -108,9 +125,13 @@ def train_engine(cfg: dict, after=None) -> dict:
         losses.append(engine_global_step(engine, batch, dp, GAS, rank))
         bytes_per_step.append(comm.STATS.snapshot())
     breakdown = engine.memory_breakdown()
-    return {"losses": losses, "stats": bytes_per_step, "allreduce_flag": engine.enable_backward_allreduce,
-            "optimizer_states": {side: breakdown[side]["optimizer_states"] for side in ("measured", "predicted")},
-            **(after(engine) if after is not None else {})}
+    return {
+        "losses": losses,
+        "stats": bytes_per_step,
+        "allreduce_flag": engine.enable_backward_allreduce,
+        "optimizer_states": {side: breakdown[side]["optimizer_states"] for side in ("measured", "predicted")},
+        **(after(engine) if after is not None else {}),
+    }
 
 
 def sharded_states(engine) -> dict:
@@ -120,13 +141,16 @@ def sharded_states(engine) -> dict:
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 counts[key] = counts.get(key, 0) + value.numel()
-    return {"state_numel": counts, "masters": sum(p.numel() for g in engine.optimizer.param_groups
-                                                  for p in g["params"])}
+    return {
+        "state_numel": counts,
+        "masters": sum(p.numel() for g in engine.optimizer.param_groups for p in g["params"]),
+    }
 
 
 def train_zero(stage: int, freeze: int = FREEZE, lr: float = LR, **zero) -> dict:
-    return train_engine(dict(onebit_config(freeze, lr), zero_optimization={"stage": stage, **zero}),
-                        after=sharded_states)
+    return train_engine(
+        dict(onebit_config(freeze, lr), zero_optimization={"stage": stage, **zero}), after=sharded_states
+    )
 
 
 def train_data_parallel() -> dict:
@@ -141,8 +165,7 @@ def train_pipeline() -> dict:
         cfg = dict(onebit_config(), zero_optimization={"stage": stage})
         engine, *_ = zerospeed.initialize(model=module, model_parameters=module.parameters(), config=cfg)
         dp, dp_rank = comm.get_world_size(engine.dp_group), comm.get_rank(engine.dp_group)
-        losses = [engine.train_batch(iter(split_global_batch(b, dp, GAS, dp_rank))).item()
-                  for b in batches(dp, STEPS)]
+        losses = [engine.train_batch(iter(split_global_batch(b, dp, GAS, dp_rank))).item() for b in batches(dp, STEPS)]
         out[stage] = {"losses": losses, "flag": engine.pipeline_enable_backward_allreduce}
     return out
 
@@ -199,8 +222,14 @@ def reference_variant(name: str, dp: int) -> list[float]:
 def _two_rank_work() -> dict:
     """The 2-rank runs of the parity and refusal tests below, in one spawn (starting processes is the
     slow part on two cores)."""
-    return {"variants": train_variants_dp(), "engine": train_data_parallel(), "zero1": train_zero(1),
-            "zero2": train_zero(2), "zero1, sub-groups": train_zero(1, 1, LR / 10, sub_group_size=1, reduce_bucket_size=4096), "refusals": refusals()}
+    return {
+        "variants": train_variants_dp(),
+        "engine": train_data_parallel(),
+        "zero1": train_zero(1),
+        "zero2": train_zero(2),
+        "zero1, sub-groups": train_zero(1, 1, LR / 10, sub_group_size=1, reduce_bucket_size=4096),
+        "refusals": refusals(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -235,8 +264,13 @@ def test_onebit_optimizer_states_match_the_memory_formula(two_ranks):
     momentum kept), 0/1 Adam and 1-bit LAMB 4n (3 + 3/2); the 3/2 is the worker error plus the server
     error's half. Within 3% (the compressed tensors are padded to whole bytes per rank)."""
     n = sum(p.numel() for p in build_gpt().parameters())
-    words = {"engine": 2 + 1.5, "zero1": 0.5 + 1 + 1.5, "zero2": 0.5 + 1 + 1.5,
-             "ZeroOneAdam": 3 + 1.5, "OneBitLamb": 3 + 1.5}
+    words = {
+        "engine": 2 + 1.5,
+        "zero1": 0.5 + 1 + 1.5,
+        "zero2": 0.5 + 1 + 1.5,
+        "ZeroOneAdam": 3 + 1.5,
+        "OneBitLamb": 3 + 1.5,
+    }
     for rank in two_ranks:
         runs = {**rank["variants"], **{k: rank[k] for k in ("engine", "zero1", "zero2")}}
         for name, w in words.items():
@@ -350,8 +384,10 @@ CONVERGENCE_STEPS = 300
 RUNS = {  # name: (optimizer type, params); warm-ups of 20-50% of this short run (see docs/comm_compression.md)
     "Adam": ("Adam", {"lr": 1e-3}),
     "OneBitAdam": ("OneBitAdam", {"lr": 1e-3, "freeze_step": 60}),
-    "ZeroOneAdam": ("ZeroOneAdam", {"lr": 1e-3, "var_freeze_step": 100, "var_update_scaler": 64,
-                                    "local_step_clipper": 1}),
+    "ZeroOneAdam": (
+        "ZeroOneAdam",
+        {"lr": 1e-3, "var_freeze_step": 100, "var_update_scaler": 64, "local_step_clipper": 1},
+    ),
     "Lamb": ("Lamb", {"lr": 1e-2}),
     "OneBitLamb": ("OneBitLamb", {"lr": 1e-2, "freeze_step": 150}),
 }
@@ -361,7 +397,11 @@ def converge(name: str) -> list[float]:
     opt_type, params = RUNS[name]
     torch.manual_seed(0)
     model = GPT(DEMO)
-    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "optimizer": {"type": opt_type, "params": params}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": opt_type, "params": params},
+    }
     engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     ds = ByteSequenceDataset(stdlib_corpus(max_bytes=200_000), DEMO.block_size)
     rank, world = comm.get_rank(), comm.get_world_size()
@@ -390,5 +430,9 @@ def test_onebit_optimizers_converge_like_uncompressed_ones():
     # Adam 2.755, ZeroOneAdam 2.817; var_freeze_step 120 / 150 gave 2.812 / 2.874): the CPU's kernels
     # change the 300-step trajectory by that much. Over 4 seeds (benchmarks/compression_convergence.py)
     # the gap averages +0.9% and one seed's spreads by 1.4 points: held to 3% on this one seed.
-    for name, base, bound in (("OneBitAdam", "Adam", 1.02), ("ZeroOneAdam", "Adam", 1.03), ("OneBitLamb", "Lamb", 1.02)):
+    for name, base, bound in (
+        ("OneBitAdam", "Adam", 1.02),
+        ("ZeroOneAdam", "Adam", 1.03),
+        ("OneBitLamb", "Lamb", 1.02),
+    ):
         assert final[name] <= final[base] * bound, (name, final)

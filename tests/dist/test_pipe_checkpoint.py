@@ -1,14 +1,15 @@
 """Per-layer pipeline checkpoints: saved at 2 stages x 2 data-parallel, resumed at 4 stages."""
+
 from __future__ import annotations
 
 import os
 
 import pytest
+from test_pipe_parity import MODEL, build_engine, global_batches, micro_batches, reference
 
+from harness import run_distributed
 from zerospeed import comm
 from zerospeed.utils.errors import ConfigError
-from harness import run_distributed
-from test_pipe_parity import MODEL, build_engine, global_batches, micro_batches, reference
 
 STEPS = 6
 
@@ -30,8 +31,14 @@ def save_then_resume(save_dir: str) -> dict:
         build_engine(4, 8, stage=1).load_checkpoint(save_dir, tag="zero1")
     except ConfigError as exc:
         error = str(exc)
-    return {"losses": before + after, "steps": second.global_steps, "client": client,
-            "path": path, "error": error, "rank": comm.get_rank()}
+    return {
+        "losses": before + after,
+        "steps": second.global_steps,
+        "client": client,
+        "path": path,
+        "error": error,
+        "rank": comm.get_rank(),
+    }
 
 
 @pytest.mark.timeout(150)
@@ -46,6 +53,9 @@ def test_checkpoint_saved_at_two_stages_resumes_at_four_with_the_same_losses(tmp
         assert "load_optimizer_states=False" in r["error"]
     n_layers = MODEL.n_layer + 4
     files = sorted(os.listdir(tmp_path / "global_step3"))
-    assert files == sorted([f"layer_{i:02d}-model_states.pt" for i in range(n_layers)] +
-                           [f"layer_{i:02d}-optim_states.pt" for i in range(n_layers)] + ["engine_states.pt"])
+    assert files == sorted(
+        [f"layer_{i:02d}-model_states.pt" for i in range(n_layers)]
+        + [f"layer_{i:02d}-optim_states.pt" for i in range(n_layers)]
+        + ["engine_states.pt"]
+    )
     assert (tmp_path / "latest").read_text() == "zero1"

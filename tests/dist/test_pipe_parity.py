@@ -1,15 +1,16 @@
 """Pipeline training against the same GPT trained in one plain PyTorch process (fp32, |dloss| <= 1e-5)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 import zerospeed
-from zerospeed import comm
-from zoo.gpt_layers import gpt_layer_specs, lm_loss
-from zerospeed.pipe import PipelineModule
 from harness import reference_train, run_distributed, split_global_batch
+from zerospeed import comm
+from zerospeed.pipe import PipelineModule
 from zoo.data import text_batches
+from zoo.gpt_layers import gpt_layer_specs, lm_loss
 from zoo.models import GPT, GPTConfig
 
 MICRO, STEPS, SEQ, LR = 2, 5, 8, 3e-3  # 5 steps: the loss already falls by 0.26
@@ -27,9 +28,13 @@ def global_batches(dp: int, gas: int, steps: int = STEPS):
 
 
 def config(gas: int, stage: int = 0) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-            "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage},
+    }
 
 
 def micro_batches(engine, batch, gas):
@@ -37,10 +42,18 @@ def micro_batches(engine, batch, gas):
     return iter(split_global_batch(batch, dp, gas, comm.get_rank(engine.dp_group)))
 
 
-def build_engine(pp: int, gas: int, chunks: int = 1, stage: int = 0, partition: str = "parameters",
-                 schedule: str = "1f1b", precision: str = "fp32"):
-    module = PipelineModule(gpt_layer_specs(MODEL, build_gpt()), num_stages=pp, loss_fn=lm_loss,
-                            partition_method=partition, chunks=chunks)
+def build_engine(
+    pp: int,
+    gas: int,
+    chunks: int = 1,
+    stage: int = 0,
+    partition: str = "parameters",
+    schedule: str = "1f1b",
+    precision: str = "fp32",
+):
+    module = PipelineModule(
+        gpt_layer_specs(MODEL, build_gpt()), num_stages=pp, loss_fn=lm_loss, partition_method=partition, chunks=chunks
+    )
     cfg = config(gas, stage)
     if precision != "fp32":
         cfg[precision] = {"enabled": True}
@@ -49,16 +62,29 @@ def build_engine(pp: int, gas: int, chunks: int = 1, stage: int = 0, partition: 
     return engine
 
 
-def train_pipe(pp: int, gas: int, chunks: int = 1, stage: int = 0, schedule: str = "1f1b",
-               precision: str = "fp32", steps: int = STEPS) -> dict:
+def train_pipe(
+    pp: int,
+    gas: int,
+    chunks: int = 1,
+    stage: int = 0,
+    schedule: str = "1f1b",
+    precision: str = "fp32",
+    steps: int = STEPS,
+) -> dict:
     engine = build_engine(pp, gas, chunks, stage, schedule=schedule, precision=precision)
     dp = comm.get_world_size(engine.dp_group)
     losses = [engine.train_batch(micro_batches(engine, b, gas)).item() for b in global_batches(dp, gas, steps)]
     eval_loss = engine.eval_batch(micro_batches(engine, global_batches(dp, gas, 1)[0], gas)).item()
-    tied = engine.module.tied_modules["embed"].weight.detach().clone() if "embed" in engine.module.tied_modules \
-        else None
-    return {"losses": losses, "eval": eval_loss, "stage": engine.stage_id, "tied": tied,
-            "peak": engine.activation_stats["peak_micro_batches"]}
+    tied = (
+        engine.module.tied_modules["embed"].weight.detach().clone() if "embed" in engine.module.tied_modules else None
+    )
+    return {
+        "losses": losses,
+        "eval": eval_loss,
+        "stage": engine.stage_id,
+        "tied": tied,
+        "peak": engine.activation_stats["peak_micro_batches"],
+    }
 
 
 def run_cases(cases: list[tuple]) -> list[dict]:
@@ -96,7 +122,7 @@ def test_two_stages_and_interleaved_match_single_process():
     bf16_ref = reference(1, 4)["losses"]
     for rank in per_rank:
         assert max(abs(a - b) for a, b in zip(rank[-1]["losses"], bf16_ref)) < 0.05
-    for i, (pp, gas, chunks, _, schedule) in enumerate(cases):
+    for i, (_pp, gas, chunks, _, schedule) in enumerate(cases):
         results = [rank[i] for rank in per_rank]
         check(results, 1, gas)
         if schedule == "fill_drain":  # every micro-batch alive at once on every stage
@@ -111,7 +137,7 @@ def test_two_stages_and_interleaved_match_single_process():
 def test_four_stages_and_two_by_two_data_parallel_match_single_process():
     cases = [(4, 4, 1, 0), (4, 8, 1, 0), (2, 4, 1, 1)]  # the last: 2 stages x 2 data-parallel, ZeRO-1
     per_rank = run_distributed(run_cases, 4, cases)
-    for i, (pp, gas, chunks, _) in enumerate(cases):
+    for i, (pp, gas, _chunks, _) in enumerate(cases):
         results = [rank[i] for rank in per_rank]
         check(results, 4 // pp, gas)
         if pp == 4:

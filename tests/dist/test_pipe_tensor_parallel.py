@@ -6,6 +6,7 @@ the MLP's first layer by columns, attention output and the MLP's second layer by
 embedding / output head by vocabulary, vocab-parallel cross-entropy), built from the reference
 model's weights. Cases run one after another in the same processes (spawning is the slow part).
 """
+
 from __future__ import annotations
 
 import gc
@@ -14,15 +15,15 @@ import pytest
 import torch
 
 import zerospeed
-from zerospeed import comm
-from zerospeed.comm.mesh import ParallelMesh
-from zoo.gpt_layers import TensorParallelLoss, gpt_layer_specs, lm_loss
-from zerospeed.parallel.tensor import gather_full, param_layouts
-from zerospeed.pipe import PipelineModule
-from zerospeed.parallel.pipeline.topology import PipeModelDataParallelTopology
 from harness import reference_train, run_distributed, split_global_batch
 from harness.census import live_tensor_bytes
+from zerospeed import comm
+from zerospeed.comm.mesh import ParallelMesh
+from zerospeed.parallel.pipeline.topology import PipeModelDataParallelTopology
+from zerospeed.parallel.tensor import gather_full, param_layouts
+from zerospeed.pipe import PipelineModule
 from zoo.data import text_batches
+from zoo.gpt_layers import TensorParallelLoss, gpt_layer_specs, lm_loss
 from zoo.models import GPT, GPTConfig
 
 MICRO, GAS, SEQ, LR = 2, 4, 8, 3e-3
@@ -51,11 +52,18 @@ def train(pp: int, tp: int, stage: int, steps: int, deepspeed_topology: bool = F
         topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=comm.get_world_size() // (pp * tp))
         mesh = ParallelMesh.from_grid(topology.to_grid())
     group = mesh.group("tp") if tp > 1 else None
-    module = PipelineModule(gpt_layer_specs(MODEL, build_gpt(), tp_group=group), topology=topology,
-                            loss_fn=TensorParallelLoss(group, MODEL.vocab_size) if group else lm_loss)
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
-           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-           "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}}
+    module = PipelineModule(
+        gpt_layer_specs(MODEL, build_gpt(), tp_group=group),
+        topology=topology,
+        loss_fn=TensorParallelLoss(group, MODEL.vocab_size) if group else lm_loss,
+    )
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage},
+    }
     engine, *_ = zerospeed.initialize(model=module, model_parameters=module.parameters(), config=cfg)
     dp, dp_rank = mesh.size("dp"), mesh.rank_in("dp")
     losses, norms = [], []
@@ -70,8 +78,13 @@ def train(pp: int, tp: int, stage: int, steps: int, deepspeed_topology: bool = F
         else:
             tied = gather_full(emb.embed.weight, param_layouts(emb)["embed.weight"], group)
     gc.collect()
-    return {"losses": losses, "tied": tied, "norm": norms[0], "engine_bytes": live_tensor_bytes() - before,
-            "stage_params": sum(p.numel() for p in module.parameters())}
+    return {
+        "losses": losses,
+        "tied": tied,
+        "norm": norms[0],
+        "engine_bytes": live_tensor_bytes() - before,
+        "stage_params": sum(p.numel() for p in module.parameters()),
+    }
 
 
 def run_cases(cases):
@@ -107,8 +120,14 @@ def check(results: list[dict], dp: int, steps: int, trains: bool = True) -> None
     assert ref["norm"] > 1.0  # so clipping at 1.0 acts: the losses depend on the norm being right
 
 
-CASES = [(2, 2, 0, 6), (2, 2, 1, 3), (2, 1, 2, 3), (2, 2, 2, 3), (2, 1, 1, 3),  # (pp, tp, zero stage, steps)
-         (2, 2, 1, 3, True)]  # DeepSpeed's PipeModelDataParallelTopology(2, 2, 1)
+CASES = [
+    (2, 2, 0, 6),
+    (2, 2, 1, 3),
+    (2, 1, 2, 3),
+    (2, 2, 2, 3),
+    (2, 1, 1, 3),  # (pp, tp, zero stage, steps)
+    (2, 2, 1, 3, True),
+]  # DeepSpeed's PipeModelDataParallelTopology(2, 2, 1)
 
 
 def four_rank_work(path: str) -> dict:
@@ -165,28 +184,44 @@ def checkpoint_leg(pp: int, tp: int, stage: int, path: str, steps: range, save: 
     """Train `steps` of the fixed batches at (pp, tp, dp = rest); save after them, or load before."""
     mesh = ParallelMesh.build(pp=pp, tp=tp)
     group, dp = mesh.group("tp"), mesh.size("dp")
-    module = PipelineModule(gpt_layer_specs(MODEL, build_gpt(), tp_group=group), topology=mesh,
-                            loss_fn=TensorParallelLoss(group, MODEL.vocab_size))
+    module = PipelineModule(
+        gpt_layer_specs(MODEL, build_gpt(), tp_group=group),
+        topology=mesh,
+        loss_fn=TensorParallelLoss(group, MODEL.vocab_size),
+    )
     gas = GLOBAL // (MICRO * dp)
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
-           "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-           "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage},
+    }
     engine, *_ = zerospeed.initialize(model=module, model_parameters=module.parameters(), config=cfg)
     if not save:
         engine.load_checkpoint(path)
     batches = fixed_batches(steps.stop)
-    losses = [engine.train_batch(iter(split_global_batch(batches[s], dp, gas, mesh.rank_in("dp")))).item()
-              for s in steps]
+    losses = [
+        engine.train_batch(iter(split_global_batch(batches[s], dp, gas, mesh.rank_in("dp")))).item() for s in steps
+    ]
     if save:
         engine.save_checkpoint(path, tag="mid")
     return losses
 
 
 def reshard_legs(path: str) -> list[list[float]]:
-    legs = [(2, 2, 0, True), (4, 1, 0, False), (1, 2, 0, False), (2, 1, 0, False),
-            (2, 2, 1, True), (2, 2, 1, False)]  # ZeRO-1: per-rank flat files, the same layout only
-    return [checkpoint_leg(pp, tp, stage, path + ("/zero1" if stage else ""), range(0, 3) if save else range(3, 6),
-                           save) for pp, tp, stage, save in legs]
+    legs = [
+        (2, 2, 0, True),
+        (4, 1, 0, False),
+        (1, 2, 0, False),
+        (2, 1, 0, False),
+        (2, 2, 1, True),
+        (2, 2, 1, False),
+    ]  # ZeRO-1: per-rank flat files, the same layout only
+    return [
+        checkpoint_leg(pp, tp, stage, path + ("/zero1" if stage else ""), range(0, 3) if save else range(3, 6), save)
+        for pp, tp, stage, save in legs
+    ]
 
 
 @pytest.mark.timeout(300)

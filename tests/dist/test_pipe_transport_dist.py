@@ -1,15 +1,16 @@
 """The stage transport between two real ranks: tuples of mixed dtypes (one packed transfer each), the
 first batch negotiating layouts and the second reusing them, in the 1F1B pattern of a 1-micro-batch
 step (stage 0: [send activation, receive gradient]; stage 1: [receive activation] ... [send gradient])."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
+from harness import run_distributed
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
 from zerospeed.parallel.pipeline.transport import RecvOp, SendOp, Transport
-from harness import run_distributed
 
 
 def exchange(steps: int = 3) -> list:

@@ -7,6 +7,7 @@ forward, the reserved length and the token positions its layers kept (`random_lt
 over the same global batches. The reserved lengths must follow the fixed_linear formula on every rank,
 and the losses and final weights must match the reference.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 import zerospeed
+from harness import reference_train, run_distributed, split_global_batch
 from zerospeed import comm
 from zerospeed.data.random_ltd import convert_to_random_ltd, save_without_random_ltd
-from harness import reference_train, run_distributed, split_global_batch
 from zoo.data import text_batches
 from zoo.models import GPT, Block, GPTConfig
 
@@ -26,14 +27,32 @@ WORLD, MICRO, GAS, STEPS, SEQ = 2, 2, 2, 6, 16
 MODEL = GPTConfig(vocab_size=256, block_size=SEQ, n_layer=3, n_head=2, n_embd=16)
 MIN, MAX, REQUIRE, PER_STEP = 8, SEQ, 4, 4
 CONFIG = {
-    "train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": GAS,
+    "train_micro_batch_size_per_gpu": MICRO,
+    "gradient_clipping": 0.0,
+    "gradient_accumulation_steps": GAS,
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
     "zero_optimization": {"stage": 2, "reduce_bucket_size": 3000},
-    "data_efficiency": {"enabled": True, "data_routing": {"enabled": True, "random_ltd": {
-        "enabled": True, "total_layer_num": 3, "random_ltd_layer_num": 2, "random_ltd_layer_id": [1, 2],
-        "model_mask_name": None, "model_type": "decoder", "hidden_state_order": "batch_seq_dim",
-        "random_ltd_schedule": {"min_value": MIN, "max_value": MAX, "schedule_type": "fixed_linear",
-                                "schedule_config": {"require_steps": REQUIRE, "seq_per_step": PER_STEP}}}}},
+    "data_efficiency": {
+        "enabled": True,
+        "data_routing": {
+            "enabled": True,
+            "random_ltd": {
+                "enabled": True,
+                "total_layer_num": 3,
+                "random_ltd_layer_num": 2,
+                "random_ltd_layer_id": [1, 2],
+                "model_mask_name": None,
+                "model_type": "decoder",
+                "hidden_state_order": "batch_seq_dim",
+                "random_ltd_schedule": {
+                    "min_value": MIN,
+                    "max_value": MAX,
+                    "schedule_type": "fixed_linear",
+                    "schedule_config": {"require_steps": REQUIRE, "seq_per_step": PER_STEP},
+                },
+            },
+        },
+    },
 }
 
 
@@ -64,8 +83,13 @@ def train_rank():
             engine.backward(loss)
             engine.step()
     state = {k: v.detach().clone() for k, v in save_without_random_ltd(engine).items()}
-    return {"losses": losses, "lengths": lengths, "kept": kept, "state": state,
-            "consumed": engine.random_ltd_scheduler.state["consumed_layer_tokens"]}
+    return {
+        "losses": losses,
+        "lengths": lengths,
+        "kept": kept,
+        "state": state,
+        "consumed": engine.random_ltd_scheduler.state["consumed_layer_tokens"],
+    }
 
 
 def reference_loss(model, x, y, kept_BLR):
@@ -94,8 +118,9 @@ def global_kept(results, step):
         for m in range(GAS):
             drawn = res["kept"][step * GAS + m]  # [layers, micro, r]
             start = (m * WORLD + rank) * MICRO
-            out[start:start + MICRO] = (drawn.permute(1, 0, 2) if drawn is not None
-                                        else torch.arange(SEQ).expand(MICRO, 2, SEQ))
+            out[start : start + MICRO] = (
+                drawn.permute(1, 0, 2) if drawn is not None else torch.arange(SEQ).expand(MICRO, 2, SEQ)
+            )
     return out
 
 
@@ -112,15 +137,15 @@ def test_random_ltd_at_zero2_matches_plain_pytorch_on_the_same_token_subsets():
     assert not torch.equal(results[0]["kept"][0], results[1]["kept"][0])
 
     model = build_model()
-    batches = [(x, y, global_kept(results, k)) for k, (x, y) in enumerate(text_batches(STEPS, WORLD * MICRO * GAS,
-                                                                                        SEQ))]
+    batches = [
+        (x, y, global_kept(results, k)) for k, (x, y) in enumerate(text_batches(STEPS, WORLD * MICRO * GAS, SEQ))
+    ]
     with torch.no_grad():  # the subsets matter: step 0's loss differs from the full model's
         x, y, kept = batches[0]
         assert abs(reference_loss(model, x, y, kept).item() - model(x, y).item()) > 1e-4
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     ref_losses = reference_train(model, opt, batches, world_size=WORLD, grad_accum=GAS, loss_fn=reference_loss)
-    got = [sum(res["losses"][k * GAS + m] for res in results for m in range(GAS)) / (WORLD * GAS)
-           for k in range(STEPS)]
+    got = [sum(res["losses"][k * GAS + m] for res in results for m in range(GAS)) / (WORLD * GAS) for k in range(STEPS)]
     assert max(abs(a - b) for a, b in zip(got, ref_losses)) <= 1e-5, (got, ref_losses)
     for res in results:
         assert list(res["state"]) == list(model.state_dict())

@@ -7,6 +7,7 @@ layout), the other half dense over all 4. The param group of the experts is name
 E1: each virtual rank r runs D with E_{r % 2}; D's gradient is the mean over all four ranks, E_k's
 the mean over its two; the norm for clipping spans D, E0 and E1, each parameter counted once.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -16,9 +17,9 @@ import torch
 from torch import nn
 
 import zerospeed
+from harness import run_distributed, split_global_batch
 from zerospeed import comm
 from zerospeed.comm.mesh import ParallelMesh
-from harness import run_distributed, split_global_batch
 
 WORLD, EP, GAS, MICRO, STEPS, WIDTH = 4, 2, 2, 2, 10, 8
 LR, CLIP = 3e-2, 0.05  # a small clip so that clipping (and thus the global norm) acts on every step
@@ -45,8 +46,10 @@ class Net(nn.Module):
 
 def expert_values(seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(WIDTH, WIDTH, generator=g) * 0.5 if k % 2 == 0 else torch.randn(WIDTH, generator=g) * 0.1
-            for k in range(4)]
+    return [
+        torch.randn(WIDTH, WIDTH, generator=g) * 0.5 if k % 2 == 0 else torch.randn(WIDTH, generator=g) * 0.1
+        for k in range(4)
+    ]
 
 
 def build(rank: int) -> Net:
@@ -70,8 +73,13 @@ def config(stage: int) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": 100, "allgather_bucket_size": 200, "overlap_comm": True}
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=150)
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": CLIP,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}, "zero_optimization": zero}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "zero_optimization": zero,
+    }
 
 
 def _train_all_stages():
@@ -99,8 +107,14 @@ def _train_all_stages():
             refused = ""
         except NotImplementedError as e:
             refused = str(e)
-        out[stage] = {"losses": losses, "weights": weights, "ep_rank": mesh.rank_in("ep"),
-                      "edp": mesh.members("edp"), "norm": engine.get_global_grad_norm(), "refused": refused}
+        out[stage] = {
+            "losses": losses,
+            "weights": weights,
+            "ep_rank": mesh.rank_in("ep"),
+            "edp": mesh.members("edp"),
+            "norm": engine.get_global_grad_norm(),
+            "refused": refused,
+        }
     return out
 
 
@@ -124,7 +138,7 @@ def reference():
                 expert = experts[r % EP]
                 h = x
                 for i, layer in enumerate(dense_net.layers):
-                    w, b = (layer.weight, layer.bias) if i % 2 == 0 else expert[i - 1:i + 1]
+                    w, b = (layer.weight, layer.bias) if i % 2 == 0 else expert[i - 1 : i + 1]
                     h = torch.tanh(h @ w.T + b)
                 loss = (h - y).pow(2).mean()
                 gd = torch.autograd.grad(loss, dense, retain_graph=True)

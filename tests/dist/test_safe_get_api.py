@@ -1,6 +1,7 @@
 """DeepSpeed's parameter accessors (`zerospeed.zero.tensor_access`) at ZeRO stages 0-3 on 2 ranks,
 against the same model trained in one plain PyTorch process on the concatenated batch; and stage 0's
 `param.grad` after backward (local before the accumulation boundary, averaged after it)."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,8 +9,8 @@ import torch
 from torch import nn
 
 import zerospeed
-from zerospeed import comm
 from harness import run_distributed
+from zerospeed import comm
 from zerospeed.zero.tensor_access import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
@@ -43,7 +44,7 @@ def batches():
 def micro(batch, rank, m):
     """Rank `rank`'s micro-batch `m` of a global batch (the reference sees the whole batch at once)."""
     lo = (m * WORLD + rank) * MICRO
-    return batch[0][lo:lo + MICRO], batch[1][lo:lo + MICRO]
+    return batch[0][lo : lo + MICRO], batch[1][lo : lo + MICRO]
 
 
 def loss_fn(out, y):
@@ -51,11 +52,14 @@ def loss_fn(out, y):
 
 
 def config(stage, **over):
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
-            "optimizer": {"type": "Adam", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": 0.0}},
-            # small buckets: several flat layouts at stages 1-2
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 40, "stage3_param_persistence_threshold": 0},
-            **over}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "Adam", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": 0.0}},
+        # small buckets: several flat layouts at stages 1-2
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 40, "stage3_param_persistence_threshold": 0},
+        **over,
+    }
 
 
 def gathered(t):
@@ -70,9 +74,10 @@ def close(a, b, what, atol=1e-6):
 
 def _check_locals(params, stage):
     for i, p in enumerate(params):
-        for name, full, local in [("param", safe_get_full_fp32_param(p), safe_get_local_fp32_param(p)),
-                                  ("exp_avg", safe_get_full_optimizer_state(p, "exp_avg"),
-                                   safe_get_local_optimizer_state(p, "exp_avg"))]:
+        for name, full, local in [
+            ("param", safe_get_full_fp32_param(p), safe_get_local_fp32_param(p)),
+            ("exp_avg", safe_get_full_optimizer_state(p, "exp_avg"), safe_get_local_optimizer_state(p, "exp_avg")),
+        ]:
             if stage == 0:  # replicated: a rank's piece is the whole parameter
                 close(local, full.reshape(-1), f"stage {stage} local {name} {i}")
             else:
@@ -104,7 +109,7 @@ def _run_stage(stage, persistent=False):
     frozen = model[4].bias
     cfg = config(stage)
     if persistent:  # stage 3 with every unit always gathered: setters refresh the resident copies too
-        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 10 ** 6
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 10**6
     engine, *_ = zerospeed.initialize(model=model, model_parameters=params, config=cfg)
     engine.zero.bind_optimizer(engine.optimizer)  # the engine's own line once core.py binds it
     for step, batch in enumerate(batches()):
@@ -134,8 +139,12 @@ def _run_stage(stage, persistent=False):
         for i, (p, q) in enumerate(zip(params, ref_params)):
             close(safe_get_full_fp32_param(p), q, f"stage {stage} fp32 param {i} step {step}")
             for key in ("exp_avg", "exp_avg_sq"):
-                close(safe_get_full_optimizer_state(p, key), ref_opt.state[q][key], f"stage {stage} {key} {i}",
-                      atol=1e-8 if key == "exp_avg_sq" else 1e-6)
+                close(
+                    safe_get_full_optimizer_state(p, key),
+                    ref_opt.state[q][key],
+                    f"stage {stage} {key} {i}",
+                    atol=1e-8 if key == "exp_avg_sq" else 1e-6,
+                )
         if step == 0:
             _check_locals(params, stage)
             # setters: a new weight and momentum on both sides; the next steps must agree again
@@ -166,8 +175,10 @@ def _mixed_precision():
     answers in fp32; fp16 at stage 1 answers the loss-scaled gradient, as DeepSpeed does."""
     rank = comm.get_rank()
     out = {}
-    for name, stage, extra in [("bf16", 0, {"bf16": {"enabled": True}}),
-                               ("fp16", 1, {"fp16": {"enabled": True, "initial_scale_power": 4}})]:
+    for name, stage, extra in [
+        ("bf16", 0, {"bf16": {"enabled": True}}),
+        ("fp16", 1, {"fp16": {"enabled": True, "initial_scale_power": 4}}),
+    ]:
         model = build_model()
         params = [p for p in model.parameters() if p.requires_grad]
         engine, *_ = zerospeed.initialize(model=model, model_parameters=params, config=config(stage, **extra))
@@ -179,8 +190,11 @@ def _mixed_precision():
                 engine.step()
         grads = [safe_get_full_grad(p) for p in params]
         assert all(g.dtype == torch.float32 for g in grads)
-        out[name] = {"grads": [g.cpu() / engine.loss_scale for g in grads],
-                     "param_grad_none": all(p.grad is None for p in params), "scale": engine.loss_scale}
+        out[name] = {
+            "grads": [g.cpu() / engine.loss_scale for g in grads],
+            "param_grad_none": all(p.grad is None for p in params),
+            "scale": engine.loss_scale,
+        }
         engine.zero.remove_hooks()
     return out
 

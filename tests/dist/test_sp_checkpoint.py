@@ -13,15 +13,16 @@ data-parallel replicas of that step's layout of their token-mean losses (DDP's s
 computes them): every rank's loss at every resumed step within 1e-5 of its replica's reference loss, and
 the final weights within 1e-5 — which needs the weights, Adam's moments and step all restored.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from test_ulysses_parity import SPLoss, reference_step, sp_steps
 
 import zerospeed
-from test_ulysses_parity import SPLoss, reference_step, sp_steps
-from zerospeed.sequence.layer import DistributedAttention
 from harness import run_distributed
+from zerospeed.sequence.layer import DistributedAttention
 from zoo.sequence_models import GPT, VOCAB, local_sdpa
 
 SEQ, G, K, N, LR, TOL, WORLD = 13, 4, 3, 3, 1e-2, 1e-5, 4
@@ -41,7 +42,7 @@ def batches():
         for row in range(G):
             pad = int(torch.randint(0, 4, (), generator=g))
             if pad:
-                ids[row, SEQ - pad:], labels[row, SEQ - pad:] = 0, -100
+                ids[row, SEQ - pad :], labels[row, SEQ - pad :] = 0, -100
         out.append((ids, labels))
     return out
 
@@ -53,9 +54,13 @@ def _engine(sp: int, stage: int):
     mesh = zerospeed.comm.ParallelMesh.build(sp=sp)
     box["attn"] = DistributedAttention(local_sdpa, mesh.group("sp"))
     dp = WORLD // sp
-    cfg = {"train_micro_batch_size_per_gpu": G // dp, "gradient_accumulation_steps": 1, "sequence_parallel_size": sp,
-           "optimizer": {"type": "Adam", "params": {"lr": LR}},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": G // dp,
+        "gradient_accumulation_steps": 1,
+        "sequence_parallel_size": sp,
+        "optimizer": {"type": "Adam", "params": {"lr": LR}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
     engine, *_ = zerospeed.initialize(model=SPLoss(gpt, mesh.group("sp")), config=cfg, mesh=mesh)
     return engine, gpt, mesh
 
@@ -104,7 +109,12 @@ def test_sequence_parallel_checkpoint_resumes_at_other_sp_dp_and_stage(tmp_path)
             want = [step[got["dp_rank"]] for step in ref_losses[K:]]
             assert max(abs(a - b) for a, b in zip(got["losses"], want)) <= TOL, (sp, stage, rank, got["losses"], want)
             for key, value in ref_weights.items():
-                torch.testing.assert_close(got["weights"][key], value, atol=TOL, rtol=0,
-                                           msg=f"resumed at sp {sp}, ZeRO-{stage}, rank {rank}: {key}")
+                torch.testing.assert_close(
+                    got["weights"][key],
+                    value,
+                    atol=TOL,
+                    rtol=0,
+                    msg=f"resumed at sp {sp}, ZeRO-{stage}, rank {rank}: {key}",
+                )
     files = sorted(p.name for p in (tmp_path / "k").iterdir() if "optim_states" in p.name)
     assert len(files) == WORLD, files  # one ZeRO rank file per dp x sp rank

@@ -4,6 +4,7 @@ plain PyTorch process whose optimizer takes the sparse gradients themselves (tor
 accept them). Losses and final weights agree within 1e-6 over 6 steps. Before, the first backward
 crashed (a sparse gradient has no storage to compare with the buffer's slot). DeepSpeed reduces such
 gradients sparse and needs no config flag for them; neither does zerospeed."""
+
 from __future__ import annotations
 
 import pytest
@@ -39,12 +40,18 @@ def _batches():
 
 def _train(stage: int, opt: str):
     import zerospeed
-    from zerospeed import comm
     from harness.reference import engine_global_step
+    from zerospeed import comm
+
     model = _model()
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.0,
-           "optimizer": {"type": opt, "params": OPTIMIZERS[opt]}, "zero_allow_untested_optimizer": True,
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": opt, "params": OPTIMIZERS[opt]},
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
     engine, *_ = zerospeed.initialize(model=model, config=cfg)
     losses = [engine_global_step(engine, batch, WORLD, GAS, comm.get_rank()) for batch in _batches()]
     with zerospeed.zero.GatheredParameters(list(model.parameters())):

@@ -4,6 +4,7 @@ computes the full logits (Note [tiled compute under ZeRO-3] in zerospeed/sequenc
 The loss uses the output head's weight inside the model's forward, outside the head's own forward, so
 stage 3 gathers it only when the model declares the use with `zero.register_external_parameter`, as
 DeepSpeed asks of any parameter used outside its module; an undeclared use is refused by name."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,20 +26,27 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
         if tiled and declare:
             from zerospeed import zero
+
             zero.register_external_parameter(self, self.head.weight)
 
     def forward(self, ids, labels):
         h = self.body(self.emb(ids))
         if self.tiled:
             from zerospeed.sequence.tiled import tiled_cross_entropy_sum
+
             return tiled_cross_entropy_sum(h, self.head.weight, labels, shards=4) / labels.numel()
         return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten(), reduction="sum") / labels.numel()
 
 
 def _batches():
     g = torch.Generator().manual_seed(7)
-    return [(torch.randint(0, VOCAB, (WORLD * BATCH, SEQ), generator=g),
-             torch.randint(0, VOCAB, (WORLD * BATCH, SEQ), generator=g)) for _ in range(STEPS)]
+    return [
+        (
+            torch.randint(0, VOCAB, (WORLD * BATCH, SEQ), generator=g),
+            torch.randint(0, VOCAB, (WORLD * BATCH, SEQ), generator=g),
+        )
+        for _ in range(STEPS)
+    ]
 
 
 def _reference():
@@ -48,7 +56,7 @@ def _reference():
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     losses = []
     for ids, labels in _batches():
-        halves = [model(ids[r * BATCH:(r + 1) * BATCH], labels[r * BATCH:(r + 1) * BATCH]) for r in range(WORLD)]
+        halves = [model(ids[r * BATCH : (r + 1) * BATCH], labels[r * BATCH : (r + 1) * BATCH]) for r in range(WORLD)]
         losses.append([h.item() for h in halves])
         opt.zero_grad()
         (sum(halves) / WORLD).backward()
@@ -58,18 +66,21 @@ def _reference():
 
 def _zero3():
     import zerospeed
-    from zerospeed import comm
-    from zerospeed import zero
+    from zerospeed import comm, zero
+
     rank = comm.get_rank()
     with zero.Init():
         model = TinyLM(tiled=True)
-    cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
-           "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {**ADAMW, "betas": list(ADAMW["betas"])}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
     engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     losses = []
     for ids, labels in _batches():
-        loss = engine(ids[rank * BATCH:(rank + 1) * BATCH], labels[rank * BATCH:(rank + 1) * BATCH])
+        loss = engine(ids[rank * BATCH : (rank + 1) * BATCH], labels[rank * BATCH : (rank + 1) * BATCH])
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -78,9 +89,13 @@ def _zero3():
 
 def _undeclared():
     import zerospeed
+
     model = TinyLM(tiled=True, declare=False)
-    cfg = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
     engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     ids, labels = _batches()[0]
     try:
@@ -95,8 +110,9 @@ def test_tiled_loss_at_zero3_equals_the_full_logits_in_one_process():
     ref_losses, ref_weights = _reference()
     ranks = run_distributed(_zero3, WORLD, timeout=150)
     for rank, (losses, _) in enumerate(ranks):
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor([s[rank] for s in ref_losses]),
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor([s[rank] for s in ref_losses]), rtol=1e-5, atol=1e-6
+        )
     weights = ranks[0][1]
     assert set(weights) == set(ref_weights)
     for k, v in ref_weights.items():

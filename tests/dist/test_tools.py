@@ -1,9 +1,10 @@
 """Tools on 2 gloo ranks, in one spawn: `--measure` (predicted vs census-measured bytes per rank within
 5% at stages 1-3) and the monitors recording every rank's memory through the engine observer."""
+
 import pytest
 
-from zerospeed.estimate.measure import Measurement, _probe_stages, format_measurements, measure, predict
 from harness import run_distributed
+from zerospeed.estimate.measure import Measurement, _probe_stages, format_measurements, measure, predict
 
 # 512^2 = 262,144 > stage3_param_persistence_threshold (1e5): every layer is partitioned at stage 3
 WIDTH, LAYERS = 512, 4
@@ -17,12 +18,18 @@ def _observed_run(out_dir: str) -> None:
     from zerospeed.profiling.observer import EngineObserver
     from zoo.models import TinyMLP
 
-    base = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-            "zero_optimization": {"stage": 2}}
+    base = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2},
+    }
     torch.manual_seed(0)
     engine, *_ = zerospeed.initialize(model=TinyMLP(), config=base)
-    cfg = parse_config(dict(base, csv_monitor={"enabled": True, "output_path": out_dir, "job_name": "job"}),
-                       world_size=2, check_features=False)
+    cfg = parse_config(
+        dict(base, csv_monitor={"enabled": True, "output_path": out_dir, "job_name": "job"}),
+        world_size=2,
+        check_features=False,
+    )
     obs = EngineObserver(cfg, rank=engine.global_rank)
     x, y = torch.randn(2, 16), torch.randn(2, 8)
     for _ in range(2):
@@ -46,8 +53,13 @@ def _both(out_dir: str) -> list[dict]:
 @pytest.mark.timeout(120)
 def test_measure_within_5_percent_and_monitors_record_every_rank(tmp_path):
     per_rank = run_distributed(_both, 2, str(tmp_path), timeout=100)
-    rows = [Measurement(rank, r["stage"], 2, "bf16", r["params"], predict(r["params"], 2, r["stage"], "bf16"),
-                        r["measured"]) for rank, probes in enumerate(per_rank) for r in probes]
+    rows = [
+        Measurement(
+            rank, r["stage"], 2, "bf16", r["params"], predict(r["params"], 2, r["stage"], "bf16"), r["measured"]
+        )
+        for rank, probes in enumerate(per_rank)
+        for r in probes
+    ]
     assert sorted((m.rank, m.stage) for m in rows) == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]
     for m in rows:
         assert m.params == LAYERS * WIDTH * WIDTH

@@ -11,29 +11,35 @@ the run: losses and final weights within 1e-6. An engine that reduced the safe m
 fp32 fails the exact gradient check (the test asserts the two references differ), and one that ran the
 forward without autocast fails every check.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from harness import run_distributed
-from zoo.models import GPT, GPTConfig
 from harness.reference import single_threaded
+from zoo.models import GPT, GPTConfig
 
 CFG = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=True)
 MICRO, STEPS, WORLD, TOL = 2, 4, 2, 1e-6
 ADAMW = {"lr": 1e-2, "weight_decay": 0.01}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # (name, ZeRO stage, autocast dtype, lower_precision_safe_modules)
-RUNS = [("bf16-0", 0, "bf16", None), ("bf16-1", 1, "bf16", None), ("bf16-2", 2, "bf16", None),
-        ("bf16-3", 3, "bf16", None), ("fp16-0", 0, "fp16", None), ("fp16-3", 3, "fp16", None),
-        ("bf16-2-none-safe", 2, "bf16", [])]
+RUNS = [
+    ("bf16-0", 0, "bf16", None),
+    ("bf16-1", 1, "bf16", None),
+    ("bf16-2", 2, "bf16", None),
+    ("bf16-3", 3, "bf16", None),
+    ("fp16-0", 0, "fp16", None),
+    ("fp16-3", 3, "fp16", None),
+    ("bf16-2-none-safe", 2, "bf16", []),
+]
 
 
 def _batches():
     g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, CFG["vocab_size"], (WORLD * MICRO, CFG["block_size"]), generator=g)
-            for _ in range(STEPS)]
+    return [torch.randint(0, CFG["vocab_size"], (WORLD * MICRO, CFG["block_size"]), generator=g) for _ in range(STEPS)]
 
 
 def _model():
@@ -49,18 +55,24 @@ def _train(stage: int, dtype: str, safe):
     import zerospeed
     from zerospeed import comm
     from zerospeed.utils import safe_get_full_grad
+
     model = _model()
     autocast = {"enabled": True, "dtype": dtype}
     if safe is not None:
         autocast["lower_precision_safe_modules"] = safe
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": 1,
-           "optimizer": {"type": "AdamW", "params": ADAMW}, "torch_autocast": autocast,
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": ADAMW},
+        "torch_autocast": autocast,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
     engine, *_ = zerospeed.initialize(model=model, config=cfg)
     rank = comm.get_rank()
     losses, skipped, first_grads = [], [], {}
     for step, batch in enumerate(_batches()):
-        ids = batch[rank * MICRO:(rank + 1) * MICRO]
+        ids = batch[rank * MICRO : (rank + 1) * MICRO]
         loss = engine(ids, ids)
         engine.backward(loss)
         if step == 0:
@@ -70,8 +82,13 @@ def _train(stage: int, dtype: str, safe):
         skipped.append(not engine.was_step_applied())
     with zerospeed.zero.GatheredParameters(list(model.parameters())):
         weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "skipped": skipped, "grads": first_grads, "weights": weights,
-            "params_fp32": all(p.dtype == torch.float32 for p in model.parameters())}
+    return {
+        "losses": losses,
+        "skipped": skipped,
+        "grads": first_grads,
+        "weights": weights,
+        "params_fp32": all(p.dtype == torch.float32 for p in model.parameters()),
+    }
 
 
 def _runs():
@@ -90,7 +107,7 @@ def reference(dtype: str, safe_linear: bool):
         per_rank, step_losses = [], []
         for r in range(WORLD):
             opt.zero_grad(set_to_none=True)
-            ids = batch[r * MICRO:(r + 1) * MICRO]
+            ids = batch[r * MICRO : (r + 1) * MICRO]
             with torch.autocast("cpu", dtype=low):
                 loss = model(ids, ids)
             scaler.scale(loss).backward()
@@ -113,7 +130,7 @@ def reference(dtype: str, safe_linear: bool):
 def test_torch_autocast_trains_like_plain_pytorch_autocast_with_low_precision_linear_gradients():
     results = run_distributed(_runs, WORLD, timeout=200)
     refs = {}
-    for name, stage, dtype, safe in RUNS:
+    for name, _stage, dtype, safe in RUNS:
         key = (dtype, safe is None)
         if key not in refs:
             with single_threaded():  # as the ranks compute (low-precision reductions round by thread split)

@@ -8,39 +8,71 @@ starts from the same full model (same seed), shards it in place, trains 10 Adam 
 torch.optim on its shards through `model(ids, labels=ids).loss` (vocab-parallel loss), and the
 gathered weights must equal the reference's. Vocabulary 37 splits unevenly.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
+from harness import run_distributed
 from zerospeed import comm
 from zerospeed.comm.mesh import ParallelMesh
-from harness import run_distributed
 
 V, B, T, STEPS = 37, 2, 8, 10
 
-LLAMA_SPECS = {"use_default_specs": False, "layer_specs": [
-    {"patterns": [r".*\.o_proj\.weight$", r".*\.down_proj\.weight$"], "partition_type": "row"},
-    {"patterns": [r".*\.[qkv]_proj\.weight$", r".*\.(gate|up)_proj\.weight$"], "partition_type": "column"}]}
+LLAMA_SPECS = {
+    "use_default_specs": False,
+    "layer_specs": [
+        {"patterns": [r".*\.o_proj\.weight$", r".*\.down_proj\.weight$"], "partition_type": "row"},
+        {"patterns": [r".*\.[qkv]_proj\.weight$", r".*\.(gate|up)_proj\.weight$"], "partition_type": "column"},
+    ],
+}
 
 
 def make(arch: str, kv_heads: int = 1):
-    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
     torch.manual_seed(0)
     if arch == "gpt2":
-        cfg = GPT2Config(vocab_size=V, n_positions=T, n_embd=16, n_layer=2, n_head=4, resid_pdrop=0.0,
-                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        cfg = GPT2Config(
+            vocab_size=V,
+            n_positions=T,
+            n_embd=16,
+            n_layer=2,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         cls = GPT2LMHeadModel
     elif arch == "qwen2":  # biased q/k/v projections, tied embeddings
-        cfg = Qwen2Config(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=T,
-                          tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
+        cfg = Qwen2Config(
+            vocab_size=V,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=T,
+            tie_word_embeddings=True,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         cls = Qwen2ForCausalLM
     else:
-        cfg = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=T,
-                          bos_token_id=0, eos_token_id=0)
+        cfg = LlamaConfig(
+            vocab_size=V,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=T,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         cls = LlamaForCausalLM
     cfg._attn_implementation = "eager"
     return cls(cfg)
@@ -55,6 +87,7 @@ def train(model, group=None, sharded: bool = False):
     """(losses, state_dict) for the reference; a dict of results for a sharded model (group None = world)."""
     from zerospeed.parallel.tensor import full_state_dict
     from zerospeed.parallel.tensor.volume import model_step_bytes
+
     # Note: the key bias has an analytic gradient of zero (softmax ignores a constant shift), so its computed
     # gradient is rounding noise that differs between layouts; Adam's default eps (1e-8) would turn that
     # noise into full-size steps. eps = 1e-4 keeps such steps negligible and real ones Adam-like.
@@ -72,12 +105,18 @@ def train(model, group=None, sharded: bool = False):
         losses.append(out.loss.item())
     if not sharded:
         return losses, model.state_dict()
-    return {"losses": losses, "weights": full_state_dict(model, group), "comm": comm_bytes,
-            "analytic": model_step_bytes(model, B * T, loss_tokens=B * T), "logits": logits_shape}
+    return {
+        "losses": losses,
+        "weights": full_state_dict(model, group),
+        "comm": comm_bytes,
+        "analytic": model_step_bytes(model, B * T, loss_tokens=B * T),
+        "logits": logits_shape,
+    }
 
 
 def _all_cases(cases):
     from zerospeed.parallel.tensor import shard_model
+
     tp = comm.get_world_size()
     group = ParallelMesh.build(tp=tp).group("tp")
     out = {}

@@ -18,6 +18,7 @@ GPT2LMHeadModel.from_pretrained: its logits equal those of the trained model's g
 
 One spawn of 4 ranks runs every engine (processes are the expensive part on two cores).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -32,25 +33,50 @@ V, T, G, K, N, M, LR, WD, CLIP, WORLD = 37, 8, 4, 3, 3, 2, 1e-2, 0.01, 0.5, 4  #
 
 def llama():
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=T, bos_token_id=0, eos_token_id=0,
-        attn_implementation="sdpa", use_cache=False))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=V,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=T,
+            bos_token_id=0,
+            eos_token_id=0,
+            attn_implementation="sdpa",
+            use_cache=False,
+        )
+    )
 
 
 def gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(
-        vocab_size=V, n_positions=T, n_embd=16, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="eager", use_cache=False))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=V,
+            n_positions=T,
+            n_embd=16,
+            n_layer=2,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+            attn_implementation="eager",
+            use_cache=False,
+        )
+    )
 
 
 MODELS = {"llama": llama, "gpt2": gpt2}
 # (tp, zero stage) of the saving run, then of each resumed run; dp = WORLD // tp
-CHAINS = {"llama": [(2, 1), (4, 3), (1, 2)],
-          "gpt2": [(2, 0), (4, 1), (1, 3), (2, 0)]}
+CHAINS = {"llama": [(2, 1), (4, 3), (1, 2)], "gpt2": [(2, 0), (4, 1), (1, 3), (2, 0)]}
 # Llama's second hop: the (tp 4, ZeRO-3) run saves after its N steps (GQA kv heads replicated: each saved
 # once), and (tp 2, dp 2, ZeRO-2) resumes from that for M more steps.
 HOP = (2, 2)
@@ -62,15 +88,20 @@ def batches():
 
 
 def _config(tp: int, stage: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": G // (WORLD // tp), "gradient_accumulation_steps": 1,
-            "gradient_clipping": CLIP, "tensor_parallel": {"autotp_size": tp},
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    return {
+        "train_micro_batch_size_per_gpu": G // (WORLD // tp),
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": CLIP,
+        "tensor_parallel": {"autotp_size": tp},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
 
 
 def _train(engine, steps) -> list[float]:
     """The global batch's loss per step (each dp rank's slice, averaged over the dp ranks)."""
     from zerospeed import comm
+
     mesh = engine.mesh
     dp, dp_rank = mesh.size("dp"), mesh.rank_in("dp")
     losses = []
@@ -88,12 +119,14 @@ def _train(engine, steps) -> list[float]:
 def _gathered(engine) -> dict:
     import zerospeed
     from zerospeed.parallel.tensor import full_state_dict
+
     with zerospeed.zero.GatheredParameters(list(engine.module.parameters())):
         return full_state_dict(engine.module, engine.mesh.group("tp"))
 
 
 def _chains(root: str) -> dict:
     import zerospeed
+
     out = {}
     data = batches()
     for kind, chain in CHAINS.items():
@@ -106,13 +139,16 @@ def _chains(root: str) -> dict:
         for i, (tp, stage) in enumerate(resumes):
             engine, *_ = zerospeed.initialize(model=MODELS[kind](), config=_config(tp, stage))
             engine.load_checkpoint(ckpt)
-            out[kind, i] = {"losses": _train(engine, data[K:K + N]), "steps": engine.global_steps,
-                            "layout": (engine.mesh.size("tp"), engine.mesh.size("dp"), engine.zero.stage)}
+            out[kind, i] = {
+                "losses": _train(engine, data[K : K + N]),
+                "steps": engine.global_steps,
+                "layout": (engine.mesh.size("tp"), engine.mesh.size("dp"), engine.zero.stage),
+            }
             if kind == "llama" and i == 0:
                 engine.save_checkpoint(f"{root}/llama_hop")
     engine, *_ = zerospeed.initialize(model=llama(), config=_config(*HOP))
     engine.load_checkpoint(f"{root}/llama_hop")
-    out["llama", "hop"] = _train(engine, data[K + N:])
+    out["llama", "hop"] = _train(engine, data[K + N :])
     # weights only, into another layout (tp 4): the module states' pieces, resliced
     engine, *_ = zerospeed.initialize(model=llama(), config=_config(4, 0))
     engine.load_checkpoint(f"{root}/llama", load_module_only=True)
@@ -146,8 +182,10 @@ def _assert_state_close(got: dict, ref: dict, what: str) -> None:
 def test_tp_checkpoint_resumes_at_other_tp_and_dp_and_consolidates(tmp_path, capsys):
     from transformers import GPT2LMHeadModel
 
-    from zerospeed.checkpoint import (convert_zero_checkpoint_to_fp32_state_dict,
-                                      get_fp32_state_dict_from_zero_checkpoint)
+    from zerospeed.checkpoint import (
+        convert_zero_checkpoint_to_fp32_state_dict,
+        get_fp32_state_dict_from_zero_checkpoint,
+    )
     from zerospeed.checkpoint.cli import main as ckpt_cli
     from zerospeed.checkpoint.consolidate import resolve_checkpoint
 
@@ -160,10 +198,10 @@ def test_tp_checkpoint_resumes_at_other_tp_and_dp_and_consolidates(tmp_path, cap
             for i, (tp, stage) in enumerate(chain[1:]):
                 got = res[kind, i]
                 assert got["layout"] == (tp, WORLD // tp, stage) and got["steps"] == K + N
-                diffs = [abs(a - b) for a, b in zip(got["losses"], ref_losses[K:K + N])]
+                diffs = [abs(a - b) for a, b in zip(got["losses"], ref_losses[K : K + N])]
                 assert len(diffs) == N and max(diffs) <= 1e-5, (kind, got["layout"], rank, diffs)
             if kind == "llama":
-                diffs = [abs(a - b) for a, b in zip(res["llama", "hop"], ref_losses[K + N:])]
+                diffs = [abs(a - b) for a, b in zip(res["llama", "hop"], ref_losses[K + N :])]
                 assert len(diffs) == M and max(diffs) <= 1e-5, ("second hop", rank, diffs)
                 weights, steps = res["llama", "module_only"]
                 assert steps == 0  # a module-only load leaves the training state alone
@@ -191,16 +229,20 @@ def test_tp_checkpoint_resumes_at_other_tp_and_dp_and_consolidates(tmp_path, cap
     _, hop = resolve_checkpoint(tmp_path / "llama_hop")
     k_proj = "model.layers.0.self_attn.k_proj.weight"
     assert [s["replicas"] for s in hop["parallel_layout"]["shard_specs"][k_proj]["specs"]] == [2, 2, 2, 2]
-    holders = {rf.get("tp_rank", 0) for rf in hop["partition"] for e in rf["entries"] for p in e["pieces"]
-               if p[0] == k_proj}
+    holders = {
+        rf.get("tp_rank", 0) for rf in hop["partition"] for e in rf["entries"] for p in e["pieces"] if p[0] == k_proj
+    }
     assert holders == {0, 2}, holders
 
     # the CLI reads a TP checkpoint too
     assert ckpt_cli(["inspect", str(tmp_path / "llama"), "--verify"]) == 0
     assert "tensor parallel 2 (" in capsys.readouterr().out
     assert ckpt_cli(["to-fp32", str(tmp_path / "llama"), str(tmp_path / "llama_fp32")]) == 0
-    _assert_state_close(torch.load(tmp_path / "llama_fp32" / "pytorch_model.bin", weights_only=True),
-                        reference("llama")[1], "zerospeed-ckpt to-fp32:")
+    _assert_state_close(
+        torch.load(tmp_path / "llama_fp32" / "pytorch_model.bin", weights_only=True),
+        reference("llama")[1],
+        "zerospeed-ckpt to-fp32:",
+    )
 
     # GPT-2: the consolidated checkpoint as a transformers directory
     export = tmp_path / "gpt2_hf"

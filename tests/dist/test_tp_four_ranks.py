@@ -3,6 +3,7 @@
 On two cores, four processes importing torch, transformers and torch.optim cost more than the
 training itself, so both files' tp=4 cases share this one job; the checks are the files' own.
 """
+
 from __future__ import annotations
 
 import pytest

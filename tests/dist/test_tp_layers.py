@@ -1,5 +1,6 @@
 """The conjugate collectives, the parallel layers and vocab-parallel cross-entropy at tp=2, each against
 the plain single-tensor computation (values and gradients). One spawn runs every check."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zerospeed import comm
 from harness import run_distributed
+from zerospeed import comm
 
 N, V, IGNORE = 12, 37, -100
 
@@ -24,6 +25,7 @@ def _data():
 
 def _mappings(rank, x):
     from zerospeed.parallel.tensor import mappings as M
+
     out = {}
     a = x.clone().requires_grad_()
     (M.copy_to_tensor_region(a, None) * (rank + 1)).sum().backward()
@@ -55,6 +57,7 @@ def _mappings(rank, x):
 
 def _layers(x):
     from zerospeed.parallel.tensor import ColumnParallelLinear, RowParallelLinear, full_state_dict
+
     torch.manual_seed(5)
     ref_col, ref_row = nn.Linear(6, 8), nn.Linear(6, 3)
     col = ColumnParallelLinear.from_linear(ref_col, group=None, gather_output=True)
@@ -62,8 +65,12 @@ def _layers(x):
     a = x.clone().requires_grad_()
     y = col(a).sum() + row(a).pow(2).sum()
     y.backward()
-    grads = {"col.weight": col.weight.grad, "col.bias": col.bias.grad, "row.weight": row.weight.grad,
-             "row.bias": row.bias.grad}
+    grads = {
+        "col.weight": col.weight.grad,
+        "col.bias": col.bias.grad,
+        "row.weight": row.weight.grad,
+        "row.bias": row.bias.grad,
+    }
     torch.manual_seed(7)
     built = ColumnParallelLinear(6, 8, group=None)  # initialised as the full layer, then sliced
     return {"y": y.detach(), "x_grad": a.grad, "grads": grads, "built": full_state_dict(built, None)}
@@ -72,14 +79,16 @@ def _layers(x):
 def _cross_entropy(rank, logits, target):
     from zerospeed.parallel.tensor import vocab_parallel_cross_entropy
     from zerospeed.parallel.tensor.partition import balanced_range
+
     start, n = balanced_range(V, 2, rank)
     out = {"start": start}
     saved: list[tuple[int, ...]] = []
     for reduction in ("mean", "sum", "none"):
-        local = logits[:, start:start + n].clone().requires_grad_()
+        local = logits[:, start : start + n].clone().requires_grad_()
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
-            loss = vocab_parallel_cross_entropy(local, target, None, vocab_start=start, ignore_index=IGNORE,
-                                                reduction=reduction)
+            loss = vocab_parallel_cross_entropy(
+                local, target, None, vocab_start=start, ignore_index=IGNORE, reduction=reduction
+            )
         weight = torch.linspace(0.5, 2.0, N) if reduction == "none" else 1.0
         (loss * weight).sum().backward()
         out[reduction] = (loss.detach(), local.grad)
@@ -154,7 +163,7 @@ def test_vocab_parallel_cross_entropy_equals_f_cross_entropy(runs):
             got, grad = res["ce"][reduction]
             start = res["ce"]["start"]
             torch.testing.assert_close(got, loss.detach(), rtol=1e-6, atol=1e-6)
-            torch.testing.assert_close(grad, full.grad[:, start:start + grad.shape[1]], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(grad, full.grad[:, start : start + grad.shape[1]], rtol=1e-6, atol=1e-6)
         assert float(full.grad[[1, 5, 6]].abs().sum()) == 0.0  # ignored targets: no gradient
     for res in runs:  # what the backward keeps is this rank's vocabulary slice, never the full vocabulary
         widths = {shape[-1] for shape in res["ce"]["saved"] if len(shape) == 2}

@@ -9,6 +9,7 @@ The vocabulary (37) does not divide by 2 or 4, so the uneven vocabulary split is
 
 One spawn per world size runs every case (processes are the expensive part on two cores).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -16,14 +17,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harness import run_distributed
 from zerospeed import comm
 from zerospeed.comm.mesh import ParallelMesh
-from zerospeed.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                       all_reduce_sequence_parallel_grads, full_state_dict, grad_norm_squared,
-                                       param_layouts, vocab_parallel_cross_entropy)
+from zerospeed.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    all_reduce_sequence_parallel_grads,
+    full_state_dict,
+    grad_norm_squared,
+    param_layouts,
+    vocab_parallel_cross_entropy,
+)
 from zerospeed.parallel.tensor.partition import fused_spec
 from zerospeed.parallel.tensor.volume import model_step_bytes
-from harness import run_distributed
 
 V, D, H, L, B, T, STEPS = 37, 16, 4, 2, 2, 8, 10
 
@@ -32,7 +40,10 @@ class RefBlock(nn.Module):
     def __init__(self):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
-        self.qkv, self.proj = nn.Linear(D, 3 * D, bias=False), nn.Linear(D, D)  # a k bias has no gradient: Adam would amplify noise
+        self.qkv, self.proj = (
+            nn.Linear(D, 3 * D, bias=False),
+            nn.Linear(D, D),
+        )  # a k bias has no gradient: Adam would amplify noise
         self.fc, self.out = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
 
 
@@ -93,8 +104,9 @@ class TPGPT(nn.Module):
             x = x + b.proj(_attend(q, k, v))
             x = x + b.out(F.gelu(b.fc(b.ln2(x))))
         logits = self.head(self.ln_f(x))
-        return vocab_parallel_cross_entropy(logits.flatten(0, 1), target.flatten(), self.group,
-                                            vocab_start=self.wte.vocab_start)
+        return vocab_parallel_cross_entropy(
+            logits.flatten(0, 1), target.flatten(), self.group, vocab_start=self.wte.vocab_start
+        )
 
 
 def _copy_ln(ln: nn.LayerNorm) -> nn.LayerNorm:
@@ -135,8 +147,13 @@ def _train_tp(group, opt_name: str, sp: bool = False):
             norm = float(grad_norm_squared(model, group).sqrt())
         opt.step()
         losses.append(loss.item())
-    return {"losses": losses, "weights": full_state_dict(model, group), "comm": comm_bytes,
-            "analytic": model_step_bytes(model, B * T, loss_tokens=B * T), "norm": norm}
+    return {
+        "losses": losses,
+        "weights": full_state_dict(model, group),
+        "comm": comm_bytes,
+        "analytic": model_step_bytes(model, B * T, loss_tokens=B * T),
+        "norm": norm,
+    }
 
 
 def reference(opt_name: str):

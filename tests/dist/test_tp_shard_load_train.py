@@ -16,8 +16,8 @@ test_inference_shard_load.py) during `tp_model_init` must stay under (model / tp
 it is measured first in each process, so no memory freed by earlier work can hide growth. And the
 forms `checkpoint` takes (directory, index file, list of files) resolve to the files the index names.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import pytest
 import torch
@@ -35,15 +35,43 @@ EPS = 1e-4
 
 def config(arch: str):
     from transformers import GPT2Config, LlamaConfig
+
     if arch == "gpt2":
-        return GPT2Config(vocab_size=V, n_positions=T, n_embd=16, n_layer=2, n_head=4, resid_pdrop=0.0,
-                          embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False)
+        return GPT2Config(
+            vocab_size=V,
+            n_positions=T,
+            n_embd=16,
+            n_layer=2,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+            use_cache=False,
+        )
     if arch == "big":
-        return LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
-                           num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=T)
-    return LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=T, bos_token_id=0, eos_token_id=0,
-                       use_cache=False)
+        return LlamaConfig(
+            vocab_size=4096,
+            hidden_size=512,
+            intermediate_size=2048,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=T,
+        )
+    return LlamaConfig(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=T,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
+    )
 
 
 def batches():
@@ -53,14 +81,19 @@ def batches():
 
 def _meta_model(path: str):
     from transformers import AutoConfig, AutoModelForCausalLM
+
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), attn_implementation="sdpa")
 
 
 def _train_config() -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": 1,
-            "tensor_parallel": {"autotp_size": TP},
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": 0.0}}}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,
+        "gradient_accumulation_steps": 1,
+        "tensor_parallel": {"autotp_size": TP},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": 0.0}},
+    }
 
 
 def _worker(sources):
@@ -68,6 +101,7 @@ def _worker(sources):
 
     import zerospeed
     from zerospeed.parallel.tensor import full_state_dict
+
     zerospeed.init_distributed()
     out = {}
     directory, checkpoint = sources["big"]
@@ -80,8 +114,9 @@ def _worker(sources):
         directory, checkpoint = sources[arch]
         model = zerospeed.tp_model_init(_meta_model(directory), TP, torch.float32, checkpoint=checkpoint)
         params = list(model.parameters())
-        out[arch + "_leaves"] = all(type(p) is torch.nn.Parameter and p.is_leaf and p.requires_grad
-                                    and not p.is_meta for p in params)
+        out[arch + "_leaves"] = all(
+            type(p) is torch.nn.Parameter and p.is_leaf and p.requires_grad and not p.is_meta for p in params
+        )
         if arch == "gpt2":
             out["tied"] = model.lm_head.weight is model.transformer.wte.weight
             out["wte_rows"] = model.transformer.wte.weight.shape[0]
@@ -107,6 +142,7 @@ def _worker(sources):
 
 def reference(path: str):
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32).train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
     losses = []
@@ -122,6 +158,7 @@ def reference(path: str):
 @pytest.mark.timeout(120)
 def test_meta_model_shard_on_load_trains_like_from_pretrained(tmp_path):
     from transformers import AutoModelForCausalLM
+
     sources = {}
     for arch, shard in (("gpt2", None), ("llama", 8_000), ("big", "20MB")):
         torch.manual_seed(0)
@@ -146,15 +183,22 @@ def test_meta_model_shard_on_load_trains_like_from_pretrained(tmp_path):
             diff = max(abs(a - b) for a, b in zip(res[arch], ref_losses))
             assert diff <= 1e-5, f"{arch} rank {rank}: {res[arch]} vs {ref_losses}"
             for key, value in ref_weights.items():
-                torch.testing.assert_close(res[arch + "_weights"][key], value, atol=1e-5, rtol=0,
-                                           msg=lambda m, a=arch, r=rank, k=key: f"{a} rank {r} {k}: {m}")
+                torch.testing.assert_close(
+                    res[arch + "_weights"][key],
+                    value,
+                    atol=1e-5,
+                    rtol=0,
+                    msg=lambda m, a=arch, r=rank, k=key: f"{a} rank {r} {k}: {m}",
+                )
     for rank, res in enumerate(results):
         assert res["tied"] and res["wte_rows"] == (19 if rank == 0 else 18)  # 37 rows split 19 | 18, once
         assert "tp_model_init(model, 2, checkpoint=" in res["initialize_meta"]
         assert "checkpoint=" in res["no_checkpoint"] and "meta device" in res["no_checkpoint"]
         assert res["peak"] < bound, f"rank {rank}: peak {res['peak'] / 2**20:.1f} MiB >= {bound / 2**20:.1f} MiB"
-        print(f"rank {rank}: load peak {res['peak'] / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB, "
-              f"model {sum(sizes) / 2**20:.1f} MiB")
+        print(
+            f"rank {rank}: load peak {res['peak'] / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB, "
+            f"model {sum(sizes) / 2**20:.1f} MiB"
+        )
 
 
 def test_checkpoint_forms_resolve_to_safetensors_files(tmp_path):
@@ -162,10 +206,12 @@ def test_checkpoint_forms_resolve_to_safetensors_files(tmp_path):
 
     from zerospeed.config import ConfigError
     from zerospeed.parallel.tensor.load import safetensors_files
+
     for name in ("a.safetensors", "b.safetensors", "stray.safetensors"):
         save_file({"w": torch.zeros(1)}, str(tmp_path / name))
     (tmp_path / "model.safetensors.index.json").write_text(
-        '{"metadata": {}, "weight_map": {"x": "b.safetensors", "y": "a.safetensors", "z": "b.safetensors"}}')
+        '{"metadata": {}, "weight_map": {"x": "b.safetensors", "y": "a.safetensors", "z": "b.safetensors"}}'
+    )
     want = [str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")]
     assert safetensors_files(tmp_path) == want  # the index's files, not every file in the directory
     assert safetensors_files(tmp_path / "model.safetensors.index.json") == want

@@ -1,5 +1,6 @@
 """The DeepSpeed tutorial configs users copy (ZeRO-2 + CPU optimizer offload with "auto" values,
 ZeRO-3 + CPU offload of parameters and optimizer) train the demo model unchanged, launched as users do."""
+
 import json
 import os
 import subprocess
@@ -10,8 +11,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT.parent / "shared" / "configs"
-TUTORIAL = {"tutorial_zero2_cpu_offload_auto.json": "zero2_cpu_offload_auto.json",
-            "tutorial_zero3_cpu_offload.json": "zero3_cpu_offload.json"}
+TUTORIAL = {
+    "tutorial_zero2_cpu_offload_auto.json": "zero2_cpu_offload_auto.json",
+    "tutorial_zero3_cpu_offload.json": "zero3_cpu_offload.json",
+}
 
 
 @pytest.mark.parametrize("ours,theirs", sorted(TUTORIAL.items()))
@@ -24,11 +27,34 @@ def test_example_copies_are_the_tutorial_files_unchanged(ours, theirs):
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("config", sorted(TUTORIAL))
 def test_tutorial_config_trains_the_demo_model(config, tmp_path):
-    cmd = [sys.executable, "-m", "zerospeed.launcher", "--num_gpus", "2", str(ROOT / "examples" / "train_gpt.py"),
-           "--deepspeed", str(ROOT / "examples" / "configs" / config), "--steps", "12", "--model-size", "tiny",
-           "--seq-len", "32", "--corpus-bytes", "200000", "--out-dir", str(tmp_path)]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=190,
-                         env={**os.environ, "ZEROSPEED_ACCELERATOR": "cpu"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "zerospeed.launcher",
+        "--num_gpus",
+        "2",
+        str(ROOT / "examples" / "train_gpt.py"),
+        "--deepspeed",
+        str(ROOT / "examples" / "configs" / config),
+        "--steps",
+        "12",
+        "--model-size",
+        "tiny",
+        "--seq-len",
+        "32",
+        "--corpus-bytes",
+        "200000",
+        "--out-dir",
+        str(tmp_path),
+    ]
+    out = subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=190,
+        env={**os.environ, "ZEROSPEED_ACCELERATOR": "cpu"},
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 12

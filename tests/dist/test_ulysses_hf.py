@@ -7,6 +7,7 @@ position ids, labels shifted before sharding, length 13 padded to a multiple of 
 through `zerospeed.initialize(..., mpu=mpu)`. 4 query / 2 kv heads: at sp = 4 each kv head goes to two
 ranks. fp32, 4 steps, <= 1e-5 on every loss and on the final weights.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -20,10 +21,19 @@ SEQ, MICRO, STEPS, LR, WD, TOL = 13, 2, 4, 1e-3, 0.01, 1e-5
 
 def llama():
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      attn_implementation="sdpa", use_cache=False)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -31,11 +41,22 @@ def mixtral():
     """A Mixtral (4 experts, top-2) with the same attention as `llama`; no router aux loss, a per-rank
     statistic of the rank's tokens that no sequence split leaves unchanged."""
     from transformers import MixtralConfig, MixtralForCausalLM
+
     torch.manual_seed(0)
-    cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                        num_local_experts=4, num_experts_per_tok=2, output_router_logits=False,
-                        attn_implementation="sdpa", use_cache=False)
+    cfg = MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=False,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
     return MixtralForCausalLM(cfg)
 
 
@@ -54,7 +75,7 @@ def batches(dp: int):
         for row in range(ids.shape[0]):
             pad = int(torch.randint(0, 6, (), generator=g))
             if pad:
-                ids[row, SEQ - pad:], mask[row, SEQ - pad:], labels[row, SEQ - pad:] = 0, 0, -100
+                ids[row, SEQ - pad :], mask[row, SEQ - pad :], labels[row, SEQ - pad :] = 0, 0, -100
         out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
     return out
 
@@ -65,15 +86,21 @@ def _train(sp: int, stage: int, tiles: int = 1, ep: int = 0):
     from zerospeed.moe.autoep import consolidated_state_dict
     from zerospeed.sequence.data import shard_sequence_batch
     from zerospeed.sequence.hf import UlyssesSPAttentionHF, enable_tiled_mlp, install_sequence_parallel_loss
+
     model = build(ep)
     if tiles > 1:  # ALST's tiled MLP (at ZeRO-3: Note [tiled compute under ZeRO-3])
         enable_tiled_mlp(model, tiles)
     mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, MICRO)
     try:
         install_sequence_parallel_loss(model, mpu.get_sequence_parallel_group())
-        cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": 1,
-               "sequence_parallel_size": sp, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
-               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+        cfg = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_clipping": 0.0,
+            "gradient_accumulation_steps": 1,
+            "sequence_parallel_size": sp,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        }
         if ep:
             cfg["expert_parallel"] = {"enabled": True, "autoep_size": ep}
         engine, *_ = zerospeed.initialize(model=model, config=cfg, mpu=mpu)
@@ -81,7 +108,7 @@ def _train(sp: int, stage: int, tiles: int = 1, ep: int = 0):
         sp_rank = mpu.get_sequence_parallel_rank()
         losses = []
         for batch in batches(dp):
-            mine = {k: v[dp_rank * MICRO:(dp_rank + 1) * MICRO] for k, v in batch.items()}
+            mine = {k: v[dp_rank * MICRO : (dp_rank + 1) * MICRO] for k, v in batch.items()}
             shard = shard_sequence_batch(mine, sp_rank, sp)
             loss = engine(**shard).loss
             engine.backward(loss)
@@ -108,8 +135,13 @@ def _check(results, cases):
             diff = max(abs(a - b) for a, b in zip(got["losses"], expect))
             assert diff <= TOL, (case, rank, got["losses"], expect)
             for key, value in ref_weights.items():
-                torch.testing.assert_close(got["weights"][key], value, atol=TOL, rtol=0,
-                                           msg=lambda m, key=key: f"{case} rank {rank} {key}: {m}")
+                torch.testing.assert_close(
+                    got["weights"][key],
+                    value,
+                    atol=TOL,
+                    rtol=0,
+                    msg=lambda m, key=key: f"{case} rank {rank} {key}: {m}",
+                )
 
 
 def reference(dp: int, ep: int = 0):
@@ -117,7 +149,7 @@ def reference(dp: int, ep: int = 0):
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     losses = []
     for batch in batches(dp):
-        per = [model(**{k: v[d * MICRO:(d + 1) * MICRO] for k, v in batch.items()}).loss for d in range(dp)]
+        per = [model(**{k: v[d * MICRO : (d + 1) * MICRO] for k, v in batch.items()}).loss for d in range(dp)]
         opt.zero_grad()
         torch.stack(per).mean().backward()
         opt.step()

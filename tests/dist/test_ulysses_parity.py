@@ -8,6 +8,7 @@ tokens (not a multiple of 2 or 4), right-padded to different lengths, with -100 
 the ranks hold uneven numbers of valid tokens. Head layouts: MHA, uneven heads (6 over 4 ranks), GQA,
 and MQA (one kv head replicated to every rank). fp32, <= 1e-5.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -16,11 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerospeed
+from harness import run_distributed
 from zerospeed import comm
 from zerospeed.sequence.data import shard_sequence_batch, shift_labels_of
 from zerospeed.sequence.layer import DistributedAttention
 from zerospeed.sequence.loss import sequence_parallel_cross_entropy
-from harness import run_distributed
 from zoo.sequence_models import GPT, VOCAB, local_sdpa
 
 SEQ, MICRO, STEPS, LR, TOL = 13, 2, 10, 1e-2, 1e-5
@@ -48,7 +49,7 @@ def batches(dp: int):
         for row in range(ids.shape[0]):  # right padding of varying length
             pad = int(torch.randint(0, 5, (), generator=g))
             if pad:
-                ids[row, SEQ - pad:], labels[row, SEQ - pad:] = 0, -100
+                ids[row, SEQ - pad :], labels[row, SEQ - pad :] = 0, -100
         out.append((ids, labels))
     return out
 
@@ -68,8 +69,14 @@ CASES = {  # name: world, sp, zero stage, width, heads, kv heads, activation che
 
 def _train(name):
     world, sp, stage, width, heads, kv, ckpt = CASES[name]
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": 1, "sequence_parallel_size": sp,
-           "optimizer": {"type": "Adam", "params": {"lr": LR}}, "zero_optimization": {"stage": stage}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,
+        "gradient_accumulation_steps": 1,
+        "sequence_parallel_size": sp,
+        "optimizer": {"type": "Adam", "params": {"lr": LR}},
+        "zero_optimization": {"stage": stage},
+    }
     if stage == 3:
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     box = {}

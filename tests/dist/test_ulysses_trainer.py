@@ -8,6 +8,7 @@ count — the Trainer's `average_tokens_across_devices` semantics. Which batches
 accelerate's sequential sharding (rank r's k-th batch is global batch k*W + r) and DeepSpeed's adapter
 (the P ranks of a sequence group take their P batches one after another). fp32, <= 1e-5.
 """
+
 from __future__ import annotations
 
 import sys
@@ -25,9 +26,19 @@ SEQ, MICRO, GAS, STEPS, LR, WORLD = 13, 2, 2, 2, 1e-3, 4
 
 def llama():
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa", use_cache=False)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -41,7 +52,7 @@ class Samples(torch.utils.data.Dataset):
             labels[torch.rand(SEQ, generator=g) < 0.15] = -100
             pad = int(torch.randint(0, 6, (), generator=g))
             if pad:
-                ids[SEQ - pad:], labels[SEQ - pad:], mask[SEQ - pad:] = 0, -100, 0
+                ids[SEQ - pad :], labels[SEQ - pad :], mask[SEQ - pad :] = 0, -100, 0
             self.rows.append({"input_ids": ids, "labels": labels, "attention_mask": mask})
 
     def __len__(self):
@@ -52,10 +63,15 @@ class Samples(torch.utils.data.Dataset):
 
 
 def _config(sp: int, stage: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "train_batch_size": "auto", "gradient_clipping": "auto", "sequence_parallel_size": sp,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "sequence_parallel_size": sp,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
 
 
 def n_samples() -> int:
@@ -67,13 +83,26 @@ def _train(cases, out: str):
     import zerospeed
     from zerospeed.integrations.transformers import Trainer, TrainingArguments
     from zerospeed.sequence.hf import UlyssesSPAttentionHF
+
     results = {}
     for sp, stage in cases:
-        args = TrainingArguments(output_dir=f"{out}/sp{sp}", deepspeed=_config(sp, stage), max_steps=STEPS,
-                                 per_device_train_batch_size=MICRO, gradient_accumulation_steps=GAS,
-                                 learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, logging_steps=1,
-                                 report_to=[], seed=0, disable_tqdm=True, save_strategy="no",
-                                 train_sampling_strategy="sequential", max_grad_norm=0.0)
+        args = TrainingArguments(
+            output_dir=f"{out}/sp{sp}",
+            deepspeed=_config(sp, stage),
+            max_steps=STEPS,
+            per_device_train_batch_size=MICRO,
+            gradient_accumulation_steps=GAS,
+            learning_rate=LR,
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            logging_steps=1,
+            report_to=[],
+            seed=0,
+            disable_tqdm=True,
+            save_strategy="no",
+            train_sampling_strategy="sequential",
+            max_grad_norm=0.0,
+        )
         model = llama()
         trainer = Trainer(model=model, args=args, train_dataset=Samples(n_samples()))
         try:
@@ -82,8 +111,10 @@ def _train(cases, out: str):
             UlyssesSPAttentionHF.unregister_from_transformers()
         with zerospeed.zero.GatheredParameters(list(model.parameters())):
             weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        results[(sp, stage)] = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-                                "weights": weights}
+        results[(sp, stage)] = {
+            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "weights": weights,
+        }
     return results
 
 
@@ -111,8 +142,9 @@ def reference(sp: int):
             mask = torch.stack([r["attention_mask"] for r in rows])
             logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
             target = labels[:, 1:]
-            total = total + F.cross_entropy(logits.reshape(-1, 64), target.reshape(-1), ignore_index=-100,
-                                            reduction="sum")
+            total = total + F.cross_entropy(
+                logits.reshape(-1, 64), target.reshape(-1), ignore_index=-100, reduction="sum"
+            )
             count += int((target != -100).sum())
         loss = total / count
         opt.zero_grad()
@@ -132,5 +164,6 @@ def test_trainer_turns_ulysses_on_from_the_config(tmp_path):
         assert len(got["losses"]) == STEPS
         assert max(abs(a - b) for a, b in zip(got["losses"], ref_losses)) <= 1e-5, (sp, got["losses"], ref_losses)
         for key, value in ref_weights.items():
-            torch.testing.assert_close(got["weights"][key], value, atol=1e-5, rtol=0,
-                                       msg=lambda m, key=key: f"sp {sp} {key}: {m}")
+            torch.testing.assert_close(
+                got["weights"][key], value, atol=1e-5, rtol=0, msg=lambda m, key=key: f"sp {sp} {key}: {m}"
+            )

@@ -1,16 +1,20 @@
 """Stage 3's user API and safety: zero.Init exactness and memory, GatheredParameters, divergence."""
+
 import pytest
 import torch
 from torch.nn.modules import module as module_mod
 
 import zerospeed
-from zerospeed import comm, zero
 from harness import live_tensor_bytes, run_distributed
+from zerospeed import comm, zero
 from zoo.models import GPT, GPTConfig
 
 BIG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=256, bias=True)
-CFG3 = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+CFG3 = {
+    "train_micro_batch_size_per_gpu": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+}
 
 
 def _init_exact_and_small():
@@ -33,8 +37,14 @@ def _init_exact_and_small():
     with zero.GatheredParameters(list(model.parameters())):
         same = all(torch.equal(model.state_dict()[k], eager[k]) for k in del_names)
     shapes_ok = zero.full_shape(model.wte.weight) == (256, 256) and model.wte.weight.numel() == 0
-    return {"same": same, "peak": peak[0], "resident": resident, "full": full_bytes, "shapes_ok": shapes_ok,
-            "numel": zero.full_numel(model.lm_head.weight)}
+    return {
+        "same": same,
+        "peak": peak[0],
+        "resident": resident,
+        "full": full_bytes,
+        "shapes_ok": shapes_ok,
+        "numel": zero.full_numel(model.lm_head.weight),
+    }
 
 
 @pytest.mark.timeout(120)
@@ -136,10 +146,17 @@ def _forward_peak():
     width, layers = 256, 8
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
     unit = width * width * 4
-    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                 "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 2 * width * width,
-                                 "stage3_max_live_parameters": 2 * width * width}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_max_reuse_distance": 0,
+            "stage3_prefetch_bucket_size": 2 * width * width,
+            "stage3_max_live_parameters": 2 * width * width,
+        },
+    }
     engine, *_ = zerospeed.initialize(model=model, config=cfg)
     x = torch.randn(2, width)
     with torch.no_grad():
@@ -170,14 +187,18 @@ def _init_to_training_trace(init: bool):
     """Allocator record (torch profiler, independent of zerospeed) of build -> initialize -> 2 steps."""
     from harness import census
     from harness.alloc_peak import AllocationTrace
+
     cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=8, n_head=4, n_embd=256, bias=True)
     torch.manual_seed(0)
     eager = GPT(cfg)
     full = sum(p.numel() for p in eager.parameters()) * 4
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in eager.modules()) * 4
     del eager
-    ds = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-          "zero_optimization": {"stage": 3}}
+    ds = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3},
+    }
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(comm.get_rank()))
     torch.manual_seed(0)
     with AllocationTrace() as trace:
@@ -193,8 +214,14 @@ def _init_to_training_trace(init: bool):
             with trace.window(f"step{step}"):
                 engine.backward(engine(x, x))
                 engine.step()
-    return {"full": full, "largest": largest, "build": trace.peak("build"), "initialize": trace.peak("initialize"),
-            "after_initialize": trace.at_start("step0"), "live_after_training": census.live_tensor_bytes()}
+    return {
+        "full": full,
+        "largest": largest,
+        "build": trace.peak("build"),
+        "initialize": trace.peak("initialize"),
+        "after_initialize": trace.at_start("step0"),
+        "live_after_training": census.live_tensor_bytes(),
+    }
 
 
 @pytest.mark.timeout(240)
@@ -210,7 +237,8 @@ def test_a_zero_init_model_is_never_whole_on_any_rank_from_construction_to_train
         assert r["build"] <= full / world + 4 * largest, r
         # building and partitioning never hold the whole model on top of what stays: the peak minus
         # the bytes resident after initialize (this rank's parameter and gradient shards) is at most a
-        # few modules (measured 2.5 MiB; 3.5 before Note [re-partitioning zero.Init in place]). The eagerly built control does hold it (13.4 MiB: the whole
+        # few modules (measured 2.5 MiB; 3.5 before Note [re-partitioning zero.Init in place]). The eagerly built
+        # control does hold it (13.4 MiB: the whole
         # model before partitioning).
         assert max(r["build"], r["initialize"]) - r["after_initialize"] <= 4 * largest, r
         assert max(e["build"], e["initialize"]) - e["after_initialize"] >= full / 2, e

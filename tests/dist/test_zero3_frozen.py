@@ -1,13 +1,14 @@
 """Stage 3 partitions frozen parameters too (Note [partitioned frozen parameters]): a LoRA-style model
 (frozen embedding, tied frozen head, frozen base layers with trainable low-rank adapters) at 2 ranks,
 against plain single-process PyTorch, a census of live storages, and a checkpoint round trip."""
+
 import pytest
 import torch
 
 import zerospeed
-from zerospeed import comm
 from harness import reference_train, run_distributed, split_global_batch
 from harness.reference import engine_global_step, fake_quantize_stage3_units
+from zerospeed import comm
 
 VOCAB, D, RANK, LAYERS, SEQ = 128, 384, 4, 4, 8
 MICRO, GAS, STEPS, WORLD = 2, 2, 4, 2
@@ -49,18 +50,29 @@ class LoraNet(torch.nn.Module):
 def batches(world):
     g = torch.Generator().manual_seed(5)
     n = world * MICRO * GAS
-    return [(torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g))
-            for _ in range(STEPS)]
+    return [
+        (torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g))
+        for _ in range(STEPS)
+    ]
 
 
-CONFIG = {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": GAS,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-          "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                "stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0}}
+CONFIG = {
+    "train_micro_batch_size_per_gpu": MICRO,
+    "gradient_clipping": 0.0,
+    "gradient_accumulation_steps": GAS,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+    "zero_optimization": {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_prefetch_bucket_size": 0,
+        "stage3_max_reuse_distance": 0,
+    },
+}
 
 
 def _unit_storages() -> int:
     from harness import census
+
     return sum(1 for n in census.live_tensor_storages().values() if n == UNIT_BYTES)
 
 
@@ -70,6 +82,7 @@ def _frozen_bytes(model) -> int:
 
 def _train_save_load(root, cfg):
     from harness import census
+
     rank, world = comm.get_rank(), comm.get_world_size()
     torch.manual_seed(0)
     model = LoraNet()
@@ -86,8 +99,10 @@ def _train_save_load(root, cfg):
                 output.register_hook(lambda g: in_backward.append(_unit_storages()))
 
             hooks.append(engine.module.layers[0].register_forward_hook(on_output))
-            hooks += [layer.base.register_full_backward_pre_hook(lambda m, g: in_backward.append(_unit_storages()))
-                      for layer in engine.module.layers[1:]]
+            hooks += [
+                layer.base.register_full_backward_pre_hook(lambda m, g: in_backward.append(_unit_storages()))
+                for layer in engine.module.layers[1:]
+            ]
         losses.append(engine_global_step(engine, batch, world, GAS, rank))
         for h in hooks:
             h.remove()
@@ -122,13 +137,22 @@ def _train_save_load(root, cfg):
 
 
 MIXZ = {**CONFIG, "zero_optimization": {**CONFIG["zero_optimization"], "zero_quantized_nontrainable_weights": True}}
-VARIANTS = {"plain": lambda root: CONFIG, "mixz": lambda root: MIXZ,  # (and with the shards in NVMe files)
-            "mixz, nvme": lambda root: {**MIXZ, "zero_optimization": {**MIXZ["zero_optimization"], "offload_param": {
-                "device": "nvme", "nvme_path": f"{root}/swap"}}}}
+VARIANTS = {
+    "plain": lambda root: CONFIG,
+    "mixz": lambda root: MIXZ,  # (and with the shards in NVMe files)
+    "mixz, nvme": lambda root: {
+        **MIXZ,
+        "zero_optimization": {
+            **MIXZ["zero_optimization"],
+            "offload_param": {"device": "nvme", "nvme_path": f"{root}/swap"},
+        },
+    },
+}
 
 
 def _variants(root):
     import os
+
     os.makedirs(f"{root}/swap", exist_ok=True)
     return {name: _train_save_load(f"{root}/{i}", cfg(root)) for i, (name, cfg) in enumerate(VARIANTS.items())}
 
@@ -156,6 +180,7 @@ def _reference(quantized=False):
 def _stored_bytes(world):
     """Bytes of one rank's int8-stored frozen shards: codes + one fp32 scale per 512 (per unit)."""
     from zerospeed.precision.quantize import wire_bytes
+
     torch.manual_seed(0)
     return [wire_bytes(chunk, 8, 512) for _, chunk, _ in fake_quantize_stage3_units(LoraNet(), world, _int8)]
 

@@ -3,14 +3,15 @@ a mixture-of-experts block whose ranks route their tokens to different experts t
 (without one the ranks gather different experts, which stage 3 refuses), and the units are exactly the
 leaves and the modules outside them, whether flagged by `stage3_module_granularity_threshold`, by the
 `leaf_module` config keys or by `zerospeed.utils.set_z3_leaf_modules`."""
+
 import pytest
 import torch
 from torch import nn
 
 import zerospeed
-from zerospeed import comm
 from harness import reference_train, run_distributed
 from harness.reference import engine_global_step
+from zerospeed import comm
 from zerospeed.utils import set_z3_leaf_modules, z3_leaf_parameter
 
 MICRO, GAS, STEPS, T, WORLD = 2, 2, 4, 6, 2
@@ -44,7 +45,7 @@ class Experts(nn.Module):
         for e, expert in enumerate(self.experts):
             mask = route == e
             if mask.any():
-                out = out.index_put((mask,), expert(h[mask]) * weight[mask][:, e:e + 1])
+                out = out.index_put((mask,), expert(h[mask]) * weight[mask][:, e : e + 1])
         return h + out
 
 
@@ -70,16 +71,19 @@ def batches():
     g = torch.Generator().manual_seed(5)
     out = []
     for _ in range(STEPS):
-        ids = torch.cat([torch.randint(0, 50, (MICRO, T), generator=g) + 50 * (b % 2)
-                         for b in range(WORLD * GAS)])
+        ids = torch.cat([torch.randint(0, 50, (MICRO, T), generator=g) + 50 * (b % 2) for b in range(WORLD * GAS)])
         out.append((ids, torch.randn(WORLD * GAS * MICRO, 3, generator=g)))
     return out
 
 
 def _config(**zero):
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_clipping": 0.0, "gradient_accumulation_steps": GAS,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero},
+    }
 
 
 def _train(how):
@@ -87,9 +91,12 @@ def _train(how):
     model = Net()
     if how == "api":
         set_z3_leaf_modules(model, [Experts])
-    cfg = {"threshold": _config(stage3_module_granularity_threshold=280),
-           "config": _config(leaf_module={"classes": ["Experts"], "names": ["blocks.1"]}),
-           "api": _config(), "none": _config()}[how]
+    cfg = {
+        "threshold": _config(stage3_module_granularity_threshold=280),
+        "config": _config(leaf_module={"classes": ["Experts"], "names": ["blocks.1"]}),
+        "api": _config(),
+        "none": _config(),
+    }[how]
     engine, *_ = zerospeed.initialize(model=model, config=cfg)
     rank = comm.get_rank()
     try:
@@ -140,11 +147,23 @@ def _reference():
     return losses, ref.state_dict()
 
 
-UNITS = {"threshold": ["emb", "blocks.0", "blocks.1", "moe", "head"],
-         "config": ["emb", "blocks.0.attn", "blocks.0.mlp.0", "blocks.0.mlp.2", "blocks.0.norm", "blocks.1", "moe",
-                    "head"],
-         "api": ["emb", "blocks.0.attn", "blocks.0.mlp.0", "blocks.0.mlp.2", "blocks.0.norm", "blocks.1.attn",
-                 "blocks.1.mlp.0", "blocks.1.mlp.2", "blocks.1.norm", "moe", "head"]}
+UNITS = {
+    "threshold": ["emb", "blocks.0", "blocks.1", "moe", "head"],
+    "config": ["emb", "blocks.0.attn", "blocks.0.mlp.0", "blocks.0.mlp.2", "blocks.0.norm", "blocks.1", "moe", "head"],
+    "api": [
+        "emb",
+        "blocks.0.attn",
+        "blocks.0.mlp.0",
+        "blocks.0.mlp.2",
+        "blocks.0.norm",
+        "blocks.1.attn",
+        "blocks.1.mlp.0",
+        "blocks.1.mlp.2",
+        "blocks.1.norm",
+        "moe",
+        "head",
+    ],
+}
 
 
 @pytest.mark.timeout(240)

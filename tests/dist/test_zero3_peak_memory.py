@@ -2,6 +2,7 @@
 transposed view of its weight) cost nothing between a unit's forward and its backward
 (Note [freed in place] in zero/stage3/flat_param.py). Checked by a census of the storages autograd
 saved during a forward, against the same census of the plain single-process model."""
+
 import pytest
 import torch
 
@@ -34,6 +35,7 @@ def _saved_storage_bytes(model, x):
 
 def _probe():
     import zerospeed
+
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
     plain = _mlp()
     _, saved = _saved_storage_bytes(plain, x)
@@ -42,9 +44,16 @@ def _probe():
     plain_weights = sum(s.nbytes() for s in saved.values() if s.data_ptr() in weights)
 
     model = _mlp()
-    cfg = {"train_micro_batch_size_per_gpu": BATCH, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0,
-                                 "stage3_param_persistence_threshold": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_max_reuse_distance": 0,
+            "stage3_prefetch_bucket_size": 0,
+            "stage3_param_persistence_threshold": 0,
+        },
+    }
     engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     loss, saved = _saved_storage_bytes(engine, x)
     held = sum(s.nbytes() for s in saved.values())
@@ -68,6 +77,7 @@ VOCAB, EMBD = 4096, 256  # the tied weight is 2^20 elements: at least a reduce b
 
 def _tied_gpt():
     from zoo.models import GPT, GPTConfig
+
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=EMBD))
 
@@ -76,6 +86,7 @@ def _tied_probe():
     import zerospeed
     from harness import census
     from zerospeed.utils import safe_get_local_grad
+
     x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))  # the same on both ranks
     # plain PyTorch, the head untied from the embedding: each use's share of the tied gradient
     plain = _tied_gpt()
@@ -83,13 +94,16 @@ def _tied_probe():
     plain(x, x).backward()
     chunk = VOCAB * EMBD // torch.distributed.get_world_size()  # this rank's piece of the flat weight
     lo = torch.distributed.get_rank() * chunk
-    head_share = plain.lm_head.weight.grad.reshape(-1)[lo:lo + chunk].clone()
-    full = head_share + plain.wte.weight.grad.reshape(-1)[lo:lo + chunk]
+    head_share = plain.lm_head.weight.grad.reshape(-1)[lo : lo + chunk].clone()
+    full = head_share + plain.wte.weight.grad.reshape(-1)[lo : lo + chunk]
     del plain  # (the census below counts whole-weight-sized tensors)
 
     model = _tied_gpt()
-    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "zero_optimization": {"stage": 3, "overlap_comm": False}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3, "overlap_comm": False},
+    }
     engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     weight = engine.module.wte.weight
     seen = {}
@@ -102,8 +116,12 @@ def _tied_probe():
     engine.backward(engine(x, x))
     end = safe_get_local_grad(weight).clone()
     engine.step()
-    return {"mid_error": (seen["grad"] - head_share).abs().max().item(), "end_error": (end - full).abs().max().item(),
-            "full_size": seen["full_size"], "scale": head_share.abs().max().item()}
+    return {
+        "mid_error": (seen["grad"] - head_share).abs().max().item(),
+        "end_error": (end - full).abs().max().item(),
+        "full_size": seen["full_size"],
+        "scale": head_share.abs().max().item(),
+    }
 
 
 @pytest.mark.timeout(120)

@@ -1,18 +1,21 @@
 """ZeRO 1/2 behaviour beyond parity: unused parameters, no_sync, optimizer checks, client optimizers."""
+
 import pytest
 import torch
+from test_engine_behaviour import Branchy  # noqa: E402  (tests/dist is on sys.path)
 
 import zerospeed
+from harness import run_distributed
 from zerospeed import comm
 from zerospeed.config import ConfigError
-from harness import run_distributed
-
-from test_engine_behaviour import Branchy  # noqa: E402  (tests/dist is on sys.path)
 
 
 def cfg(stage, **over):
-    c = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-         "zero_optimization": {"stage": stage, "reduce_bucket_size": 20}}
+    c = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 20},
+    }
     c.update(over)
     return c
 
@@ -29,8 +32,12 @@ def _behaviour(stage):
     out["weights"] = [p.detach().clone() for p in engine.module.parameters()]
     # with ignore_unused_parameters false the same situation is an error naming the parameter
     torch.manual_seed(0)
-    strict, *_ = zerospeed.initialize(model=Branchy(), config=cfg(
-        stage, zero_optimization={"stage": stage, "reduce_bucket_size": 20, "ignore_unused_parameters": False}))
+    strict, *_ = zerospeed.initialize(
+        model=Branchy(),
+        config=cfg(
+            stage, zero_optimization={"stage": stage, "reduce_bucket_size": 20, "ignore_unused_parameters": False}
+        ),
+    )
     try:
         strict.backward(strict(x, skip=True))  # both ranks skip: symmetric, nobody hangs
         strict.step()

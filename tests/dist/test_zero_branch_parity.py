@@ -1,12 +1,13 @@
 """ZeRO 1-3 with a branch that some steps do not use, persistent and sharded units mixed, against
 plain PyTorch (zero gradients for the unused branch, as DeepSpeed does)."""
+
 import pytest
 import torch
 
 import zerospeed
-from zerospeed import comm
 from harness import reference_train, run_distributed
 from harness.reference import engine_global_step
+from zerospeed import comm
 
 MICRO, GAS, STEPS = 2, 2, 10
 
@@ -35,11 +36,14 @@ def batches(world):
 
 def _train(stage):
     torch.manual_seed(0)
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.5,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
-           # 300-element threshold: biases stay resident, weight matrices are gathered and freed
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 300,
-                                 "reduce_bucket_size": 500}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        # 300-element threshold: biases stay resident, weight matrices are gathered and freed
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 300, "reduce_bucket_size": 500},
+    }
     engine, *_ = zerospeed.initialize(model=Branchy(), config=cfg)
     rank, world = comm.get_rank(), comm.get_world_size()
     losses = []

@@ -1,10 +1,11 @@
 """ZeRO's memory and communication claims, checked by an independent tensor census and the gateway's
 byte counters on a 5.24M-parameter model at 2 and 4 ranks."""
+
 import pytest
 
-from zerospeed.comm import wire_fraction
 from harness import run_distributed
 from harness.zero_probe import probe_all
+from zerospeed.comm import wire_fraction
 
 PARAM_BYTES = {"fp32": 4, "bf16": 2}
 

@@ -1,13 +1,14 @@
 """ZeRO stages 1 and 2 against a plain single-process PyTorch run (and stage 0 against them)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 import zerospeed
+from harness import per_world, reference_train, split_global_batch
 from zerospeed import comm
 from zerospeed.optim import build_lr_scheduler
-from harness import per_world, reference_train, split_global_batch
 from zoo.data import text_batches
 from zoo.models import GPT, GPTConfig
 
@@ -27,16 +28,28 @@ def build_model():
 def param_groups(model):
     """Two groups with their own lr and weight decay: matrices, and everything one-dimensional."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return [{"params": [p for n, p in named if p.dim() >= 2], "weight_decay": 0.05},
-            {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0, "lr": 1e-3}]
+    return [
+        {"params": [p for n, p in named if p.dim() >= 2], "weight_decay": 0.05},
+        {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0, "lr": 1e-3},
+    ]
 
 
 def zero_config(stage, **over):
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
-           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "scheduler": SCHED, "gradient_clipping": 1.0,
-           # small buckets and sub-groups: many reduce-scatters, several optimizer sub-steps
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000, "allgather_bucket_size": 5000,
-                                 "sub_group_size": 4000, "overlap_comm": True}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+        "scheduler": SCHED,
+        "gradient_clipping": 1.0,
+        # small buckets and sub-groups: many reduce-scatters, several optimizer sub-steps
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 3000,
+            "allgather_bucket_size": 5000,
+            "sub_group_size": 4000,
+            "overlap_comm": True,
+        },
+    }
     if stage == 3:  # nothing persistent: every unit is gathered and freed around its use
         cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=2000)
     cfg.update(over)
@@ -70,16 +83,22 @@ def train_ranks(config, steps=STEPS, inject_overflow_at=()):
         state = {k: v.float() for k, v in engine.zero.full_state_dict().items()}  # rank 0 only
     else:
         state = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
-    return {"losses": losses, "state": state, "applied": applied, "scale": engine.loss_scale,
-            "skipped": engine.skipped_steps}
+    return {
+        "losses": losses,
+        "state": state,
+        "applied": applied,
+        "scale": engine.loss_scale,
+        "skipped": engine.skipped_steps,
+    }
 
 
 def reference(world):
     model = build_model()
     opt = torch.optim.AdamW(param_groups(model), lr=3e-3, weight_decay=0.0)
     sched = build_lr_scheduler(SCHED["type"], dict(SCHED["params"]), opt)
-    losses = reference_train(model, opt, global_batches(world), world_size=world, grad_accum=GAS,
-                             scheduler=sched, clip=1.0)
+    losses = reference_train(
+        model, opt, global_batches(world), world_size=world, grad_accum=GAS, scheduler=sched, clip=1.0
+    )
     return losses, model.state_dict()
 
 

@@ -1,5 +1,6 @@
 """ZeRO++ at stage 3 (qwZ, hpZ, qgZ): wire bytes from the gateway against the formulas of
 docs/comm_compression.md, and convergence next to plain ZeRO-3 on the demo GPT."""
+
 from __future__ import annotations
 
 import math
@@ -8,26 +9,39 @@ import pytest
 import torch
 
 import zerospeed
+from harness import run_distributed, split_global_batch
 from zerospeed import comm
 from zerospeed.comm import zeropp
 from zerospeed.precision.quantize import quantize_blocks
-from harness import run_distributed, split_global_batch
 from zoo.data import text_batches
 from zoo.models import GPT, GPTConfig
 
 MICRO, GAS, SEQ = 2, 1, 16
 STEPS = 30  # the issue asks 300; 30 keeps this file near 90 s on 2 cores (see docs/comm_compression.md)
 MODEL = GPTConfig(vocab_size=256, block_size=SEQ, n_layer=2, n_head=2, n_embd=32, bias=True)
-SWITCHES = {"plain": {}, "qwZ": {"zero_quantized_weights": True}, "qgZ": {"zero_quantized_gradients": True},
-            "hpZ": {"zero_hpz_partition_size": 2},
-            "all": {"zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_hpz_partition_size": 2}}
+SWITCHES = {
+    "plain": {},
+    "qwZ": {"zero_quantized_weights": True},
+    "qgZ": {"zero_quantized_gradients": True},
+    "hpZ": {"zero_hpz_partition_size": 2},
+    "all": {"zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_hpz_partition_size": 2},
+}
 
 
 def config(precision="fp32", **zeropp):
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
-           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "gradient_clipping": 1.0,
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "overlap_comm": True,
-                                 "stage3_max_reuse_distance": 0, **zeropp}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "overlap_comm": True,
+            "stage3_max_reuse_distance": 0,
+            **zeropp,
+        },
+    }
     if precision != "fp32":
         cfg[precision] = {"enabled": True}
     return cfg
@@ -82,17 +96,25 @@ def quantized_reduce_scatter_errors(c=1000):
     single, two = torch.empty(c), torch.empty(c)
     zeropp.reduce_scatter_quantized(single, xs[rank].clone())
     zeropp.reduce_scatter_quantized(two, xs[rank].clone(), hierarchy=zeropp.hpz_groups(None, 2), async_op=True).wait()
-    steps = [quantize_blocks(x.view(world, c)[rank], 4, zeropp.GRAD_BLOCK).scale.repeat_interleave(zeropp.GRAD_BLOCK)[:c]
-             for r, x in enumerate(xs) if r != rank]
+    steps = [
+        quantize_blocks(x.view(world, c)[rank], 4, zeropp.GRAD_BLOCK).scale.repeat_interleave(zeropp.GRAD_BLOCK)[:c]
+        for r, x in enumerate(xs)
+        if r != rank
+    ]
     bound = sum(s / 2 for s in steps)
-    return {"single": float((single - exact).abs().max()), "two": float((two - exact).abs().max()),
-            "single_ok": bool(((single - exact).abs() <= bound * (1 + 1e-5) + 1e-6).all()),
-            "bound": float(bound.max())}
+    return {
+        "single": float((single - exact).abs().max()),
+        "two": float((two - exact).abs().max()),
+        "single_ok": bool(((single - exact).abs() <= bound * (1 + 1e-5) + 1e-6).all()),
+        "bound": float(bound.max()),
+    }
 
 
 def four_rank_job():
-    return {"collectives": quantized_reduce_scatter_errors(),
-            "runs": train_variants(list(SWITCHES), STEPS, "fp32", count_step=1)}
+    return {
+        "collectives": quantized_reduce_scatter_errors(),
+        "runs": train_variants(list(SWITCHES), STEPS, "fp32", count_step=1),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +155,10 @@ def check_qwz_and_qgz_bytes(runs, world):
     formula = bf16_scatter / 4 * (1 + 4 / (zeropp.GRAD_BLOCK / 2))
     assert _within(qg["reduce_scatter_int4"]["payload_bytes"], formula), (qg, formula)
     assert "reduce_scatter" not in qg
-    return {"qwZ": qw["all_gather_int8"]["payload_bytes"] / bf16_gather,
-            "qgZ": qg["reduce_scatter_int4"]["payload_bytes"] / bf16_scatter}
+    return {
+        "qwZ": qw["all_gather_int8"]["payload_bytes"] / bf16_gather,
+        "qgZ": qg["reduce_scatter_int4"]["payload_bytes"] / bf16_scatter,
+    }
 
 
 @pytest.mark.timeout(240)

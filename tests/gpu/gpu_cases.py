@@ -7,18 +7,19 @@ machine without a GPU. The models, configs and data are those of the CPU parity 
 (tests/dist/test_zero_parity.py, test_pipe_parity.py), imported from tests/dist (on sys.path,
 see tests/conftest.py).
 """
+
 from __future__ import annotations
 
 import os
 
+import test_zero_parity as zp
 import torch
 
-import test_zero_parity as zp
 import zerospeed
+from harness import reference_train, split_global_batch
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
 from zerospeed.optim import build_lr_scheduler
-from harness import reference_train, split_global_batch
 
 STEPS = 10
 
@@ -49,6 +50,7 @@ def _cpu(obj):
 
 
 # -- ZeRO training (the model / data / config of test_zero_parity) -----------------------------------
+
 
 def train(config: dict, steps: int = STEPS):
     """Train test_zero_parity's model through the engine; returns (engine, per-step mean loss over ranks)."""
@@ -93,8 +95,12 @@ def parity_ranks(stages: list[int], steps: int = STEPS) -> dict:
     out = {}
     for stage in stages:
         engine, losses = train(zp.zero_config(stage), steps)
-        out[stage] = {"losses": losses, "state": final_state(engine), "placement": engine.placement(),
-                      "device": str(engine.device)}
+        out[stage] = {
+            "losses": losses,
+            "state": final_state(engine),
+            "placement": engine.placement(),
+            "device": str(engine.device),
+        }
         engine.destroy()
     if comm.get_rank() == 0:
         out["reference"] = reference(comm.get_world_size(), steps)
@@ -106,22 +112,28 @@ def precision_ranks(stages: list[int], steps: int = STEPS) -> dict:
     exact_fp32()
     out = {}
     for stage in stages:
-        for name, extra in [("bf16", {"bf16": {"enabled": True}}),
-                            ("fp16", {"fp16": {"enabled": True, "initial_scale_power": 10}})]:
+        for name, extra in [
+            ("bf16", {"bf16": {"enabled": True}}),
+            ("fp16", {"fp16": {"enabled": True, "initial_scale_power": 10}}),
+        ]:
             engine, losses = train(zp.zero_config(stage, **extra), steps)
             params = [p for p in engine.module.parameters() if p.requires_grad]
             masters = [m for g in engine.optimizer.param_groups for m in g["params"]]
-            out[(stage, name)] = {"losses": losses, "skipped": engine.skipped_steps,
-                                  "param_dtypes": {str(p.dtype) for p in params},
-                                  "param_devices": {p.device.type for p in params},
-                                  "master_dtypes": {str(m.dtype) for m in masters},
-                                  "master_devices": {m.device.type for m in masters}}
+            out[(stage, name)] = {
+                "losses": losses,
+                "skipped": engine.skipped_steps,
+                "param_dtypes": {str(p.dtype) for p in params},
+                "param_devices": {p.device.type for p in params},
+                "master_dtypes": {str(m.dtype) for m in masters},
+                "master_devices": {m.device.type for m in masters},
+            }
             engine.destroy()
     out["reference"] = reference(comm.get_world_size(), steps)[0]
     return _cpu(out)
 
 
 # -- offload ---------------------------------------------------------------------------------------
+
 
 def _offload_config(stage: int, opt: dict | None, param: dict | None) -> dict:
     cfg = zp.zero_config(stage)
@@ -145,16 +157,22 @@ def offload_ranks(stage: int, opt: dict | None, param: dict | None, steps: int =
     engine, losses = train(_offload_config(stage, opt, param), steps)
     masters = [m for g in engine.optimizer.param_groups for m in g["params"] if m.numel() > 0]
     states = [t for t in _tensors_of_state(engine.optimizer) if t.numel() > 1]  # not the scalar `step`
-    out = {"base": base_losses, "losses": losses, "base_placement": base_placement,
-           "placement": engine.placement(), "swap_files": [str(p) for _, p, _ in engine.swap_files()],
-           "masters": [(m.device.type, m.is_pinned()) for m in masters],
-           "states": sorted({t.device.type for t in states}),
-           "model_devices": sorted({p.device.type for p in engine.module.parameters()})}
+    out = {
+        "base": base_losses,
+        "losses": losses,
+        "base_placement": base_placement,
+        "placement": engine.placement(),
+        "swap_files": [str(p) for _, p, _ in engine.swap_files()],
+        "masters": [(m.device.type, m.is_pinned()) for m in masters],
+        "states": sorted({t.device.type for t in states}),
+        "model_devices": sorted({p.device.type for p in engine.module.parameters()}),
+    }
     flat = getattr(engine.zero, "flat", None) if engine.zero_optimization_stage() == 3 else None
     if flat:  # stage 3: the parameter shards and the fp32 gradient shards of every flat parameter
         out["shards"] = [(fp.shard.device.type, fp.shard.is_pinned()) for fp in flat if fp.shard is not None]
-        out["grad_shards"] = [(fp.grad_shard.device.type, fp.grad_shard.is_pinned()) for fp in flat
-                             if fp.grad_shard is not None]  # (frozen flat parameters have none)
+        out["grad_shards"] = [
+            (fp.grad_shard.device.type, fp.grad_shard.is_pinned()) for fp in flat if fp.grad_shard is not None
+        ]  # (frozen flat parameters have none)
     engine.destroy()
     out["left"] = [f for f in out["swap_files"] if os.path.exists(f)]
     return _cpu(out)
@@ -162,12 +180,13 @@ def offload_ranks(stage: int, opt: dict | None, param: dict | None, steps: int =
 
 # -- zero.Init ---------------------------------------------------------------------------------------
 
+
 def offload_states_ranks(stages: list[int]) -> dict:
     """engine.offload_states() after training (fp32, one rank): device memory before, offloaded and
     reloaded (torch.cuda's own count), the host copies' pinning, and the weights after the round trip;
     rank 0 adds the plain PyTorch reference."""
-    from zerospeed.offload.states import OffloadStateTypeEnum
-    from zerospeed.offload.states import get_state_devices
+    from zerospeed.offload.states import OffloadStateTypeEnum, get_state_devices
+
     exact_fp32()
     out = {}
     for stage in stages:
@@ -182,8 +201,15 @@ def offload_states_ranks(stages: list[int]) -> dict:
         pinned = [b.is_pinned() for _, b, _ in engine.state_offloader.held.values() if b is not None]
         engine.reload_states(non_blocking=True)
         torch.cuda.synchronize()
-        out[stage] = {"before": before, "after": after, "reloaded": torch.cuda.memory_allocated(), "numel": numel,
-                      "devices": devices, "pinned": pinned, "state": final_state(engine)}
+        out[stage] = {
+            "before": before,
+            "after": after,
+            "reloaded": torch.cuda.memory_allocated(),
+            "numel": numel,
+            "devices": devices,
+            "pinned": pinned,
+            "state": final_state(engine),
+        }
         engine.destroy()
     if comm.get_rank() == 0:
         out["reference"] = reference(comm.get_world_size())
@@ -193,9 +219,11 @@ def offload_states_ranks(stages: list[int]) -> dict:
 def zero_init_ranks() -> dict:
     """zero.Init of a CPU-built model: where the shards live, exactness, the modifier broadcast, training."""
     from test_zero3_api import BIG, CFG3
+
     from zerospeed import zero
-    from zoo.models import GPT, GPTConfig
     from zerospeed.zero import tags
+    from zoo.models import GPT, GPTConfig
+
     exact_fp32()
     torch.manual_seed(0)
     eager = {k: v.clone() for k, v in GPT(BIG).state_dict().items()}
@@ -209,9 +237,12 @@ def zero_init_ranks() -> dict:
             state = model.state_dict()
             same = all(torch.equal(state[k].cpu(), v) for k, v in eager.items())
             full_devices = sorted({state[k].device.type for k in eager})
-        out[name] = {"shards": sorted({(o.shard.device.type, o.shard.is_pinned()) for o in owners}),
-                     "same": same, "full_devices": full_devices,
-                     "host_rng_after": torch.get_rng_state()}
+        out[name] = {
+            "shards": sorted({(o.shard.device.type, o.shard.is_pinned()) for o in owners}),
+            "same": same,
+            "full_devices": full_devices,
+            "host_rng_after": torch.get_rng_state(),
+        }
     torch.manual_seed(0)
     GPT(BIG)
     out["eager_rng_after"] = torch.get_rng_state()  # the replayed init drew from the host generator too
@@ -251,9 +282,11 @@ def zero_init_ranks() -> dict:
 
 # -- pipeline ------------------------------------------------------------------------------------------
 
+
 def pipe_ranks(cases: list[tuple]) -> dict:
     """test_pipe_parity's pipelines (NCCL p2p between stages); rank 0 adds the references on its GPU."""
     import test_pipe_parity as tp
+
     exact_fp32()
     results = [_cpu(tp.train_pipe(*case)) for case in cases]
     refs = {}
@@ -267,6 +300,7 @@ def pipe_ranks(cases: list[tuple]) -> dict:
 
 def pipe_reference(dp: int, gas: int) -> dict:
     import test_pipe_parity as tp
+
     dev = device()
     model = tp.build_gpt().to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=tp.LR, weight_decay=0.0)
@@ -280,11 +314,13 @@ def pipe_reference(dp: int, gas: int) -> dict:
 
 # -- activation checkpointing ------------------------------------------------------------------------
 
+
 def _ckpt_step(blocks, x, checkpointed: bool, seed: int):
     """test_activation_checkpointing_dist.step, also reporting where each kept input is and whether it
     is pinned: (gradients on the host, [(device type, pinned, original device, partitioned, numel)])."""
     from zerospeed import checkpointing
     from zerospeed.activation.stash import SavedInput
+
     torch.manual_seed(seed)  # the host and every GPU generator: the same dropout masks as the reference
     for p in blocks.parameters():
         p.grad = None
@@ -293,14 +329,18 @@ def _ckpt_step(blocks, x, checkpointed: bool, seed: int):
     for blk in blocks:
         h = checkpointing.checkpoint(blk, h) if checkpointed else blk(h)
         if checkpointed:
-            kept += [(s.data.device.type, s.data.is_pinned(), str(s.device), s.partitioned, s.data.numel())
-                     for s in h.grad_fn.saved if isinstance(s, SavedInput)]
+            kept += [
+                (s.data.device.type, s.data.is_pinned(), str(s.device), s.partitioned, s.data.numel())
+                for s in h.grad_fn.saved
+                if isinstance(s, SavedInput)
+            ]
     (h * h).mean().backward()
     return [p.grad.detach().cpu().clone() for p in blocks.parameters()] + [x.grad.detach().cpu().clone()], kept
 
 
 def _dropout_blocks():
     import test_activation_checkpointing_dist as ac
+
     blocks, x = ac.build()
     return blocks.to(device()), x.detach().to(device()).requires_grad_()
 
@@ -308,6 +348,7 @@ def _dropout_blocks():
 def _held_after_forward(cpu: bool, layers: int = 4, shape=(4, 256, 256)) -> tuple[int, int]:
     """Device bytes a checkpointed forward leaves allocated until its backward; one activation's bytes."""
     from zerospeed import checkpointing
+
     checkpointing.unconfigure()
     checkpointing.configure(checkpoint_in_cpu=cpu)
     torch.manual_seed(0)
@@ -329,22 +370,29 @@ def _held_after_forward(cpu: bool, layers: int = 4, shape=(4, 256, 256)) -> tupl
 def cpu_checkpointing_ranks() -> dict:
     """cpu_checkpointing (alone and contiguous) on this rank's GPU, against the plain run on the same GPU."""
     import test_activation_checkpointing_dist as ac
+
     from zerospeed import checkpointing
+
     exact_fp32()
     blocks, x = _dropout_blocks()
     ref = [_ckpt_step(blocks, x, False, 100 + s)[0] for s in range(ac.STEPS)]
     out = {"reference": ref}
-    for name, extra in [("cpu", {}), ("cpu+contiguous", {"contiguous_checkpointing": True,
-                                                          "num_checkpoints": ac.N_BLOCKS})]:
+    for name, extra in [
+        ("cpu", {}),
+        ("cpu+contiguous", {"contiguous_checkpointing": True, "num_checkpoints": ac.N_BLOCKS}),
+    ]:
         checkpointing.unconfigure()
         checkpointing.configure(checkpoint_in_cpu=True, **extra)
         blocks, x = _dropout_blocks()
         steps = [_ckpt_step(blocks, x, True, 100 + s) for s in range(ac.STEPS)]
         host = checkpointing.contiguous_buffer("cpu")
-        out[name] = {"grads": [g for g, _ in steps], "kept": sorted({k for _, kept in steps for k in kept}),
-                     "n_kept": [len(kept) for _, kept in steps],
-                     "host_buffer": None if host is None else (host.numel(), host.is_pinned()),
-                     "device_buffer": checkpointing.contiguous_buffer(device()) is not None}
+        out[name] = {
+            "grads": [g for g, _ in steps],
+            "kept": sorted({k for _, kept in steps for k in kept}),
+            "n_kept": [len(kept) for _, kept in steps],
+            "host_buffer": None if host is None else (host.numel(), host.is_pinned()),
+            "device_buffer": checkpointing.contiguous_buffer(device()) is not None,
+        }
     checkpointing.unconfigure()
     out["held_plain"], out["act_bytes"] = _held_after_forward(cpu=False)
     out["held_cpu"], _ = _held_after_forward(cpu=True)
@@ -354,15 +402,23 @@ def cpu_checkpointing_ranks() -> dict:
 def partitioned_checkpointing_ranks() -> dict:
     """partition_activations over a 2-rank model-parallel group on NCCL, with and without cpu_checkpointing."""
     import test_activation_checkpointing_dist as ac
-    from zerospeed import checkpointing
+
     from harness.mpu import GroupMpu
+    from zerospeed import checkpointing
+
     exact_fp32()
     mpu = GroupMpu(comm.new_group([0, 1]))
     blocks, x = _dropout_blocks()
     out = {"reference": [_ckpt_step(blocks, x, False, 100 + s)[0] for s in range(ac.STEPS)]}
-    cases = {"partition": {}, "partition+cpu": {"checkpoint_in_cpu": True},
-             "partition+cpu+contiguous": {"checkpoint_in_cpu": True, "contiguous_checkpointing": True,
-                                          "num_checkpoints": ac.N_BLOCKS}}
+    cases = {
+        "partition": {},
+        "partition+cpu": {"checkpoint_in_cpu": True},
+        "partition+cpu+contiguous": {
+            "checkpoint_in_cpu": True,
+            "contiguous_checkpointing": True,
+            "num_checkpoints": ac.N_BLOCKS,
+        },
+    }
     for name, extra in cases.items():
         checkpointing.unconfigure()
         checkpointing.configure(mpu, partition_activations=True, **extra)
@@ -381,27 +437,39 @@ def partitioned_checkpointing_ranks() -> dict:
 
 # -- the accelerator API (CUDA only: each answer next to torch.cuda's own) ----------------------------
 
+
 def accelerator_api_ranks() -> dict[str, tuple]:
     """DeepSpeed's accelerator methods on this rank's GPU: name -> (accelerator's answer, torch.cuda's)."""
     acc, i = get_accelerator(), torch.cuda.current_device()
     major = torch.cuda.get_device_capability()[0]
-    out = {"class": (type(acc).__name__, "CudaAccelerator"),
-           "names": ((acc.device_name(), acc.device_name(i), acc.current_device_name()),
-                     ("cuda", f"cuda:{i}", f"cuda:{i}")),
-           "current_device": ((type(acc.current_device()), acc.current_device()), (int, i)),
-           "device": ((acc.device(i), acc.torch_device(0)), (torch.device("cuda", i), torch.device("cuda", 0))),
-           "device_count": (acc.device_count(), torch.cuda.device_count()),
-           "backend": ((acc.communication_backend_name(), acc.communication_backend_version()),
-                       ("nccl", torch.cuda.nccl.version())),
-           "synchronized": (acc.is_synchronized_device(), False)}
+    out = {
+        "class": (type(acc).__name__, "CudaAccelerator"),
+        "names": (
+            (acc.device_name(), acc.device_name(i), acc.current_device_name()),
+            ("cuda", f"cuda:{i}", f"cuda:{i}"),
+        ),
+        "current_device": ((type(acc.current_device()), acc.current_device()), (int, i)),
+        "device": ((acc.device(i), acc.torch_device(0)), (torch.device("cuda", i), torch.device("cuda", 0))),
+        "device_count": (acc.device_count(), torch.cuda.device_count()),
+        "backend": (
+            (acc.communication_backend_name(), acc.communication_backend_version()),
+            ("nccl", torch.cuda.nccl.version()),
+        ),
+        "synchronized": (acc.is_synchronized_device(), False),
+    }
     # random numbers
     acc.manual_seed(7)
     got = torch.rand(8, device="cuda")
     torch.cuda.manual_seed(7)
     out["manual_seed"] = (torch.equal(got, torch.rand(8, device="cuda")), True)
     out["initial_seed"] = (acc.initial_seed(), torch.cuda.initial_seed())
-    out["get_rng_state"] = ((torch.equal(acc.get_rng_state(), torch.cuda.get_rng_state()),
-                             torch.equal(acc.get_rng_state(i), torch.cuda.get_rng_state(i))), (True, True))
+    out["get_rng_state"] = (
+        (
+            torch.equal(acc.get_rng_state(), torch.cuda.get_rng_state()),
+            torch.equal(acc.get_rng_state(i), torch.cuda.get_rng_state(i)),
+        ),
+        (True, True),
+    )
     state = acc.get_rng_state(i)
     first = torch.rand(8, device="cuda")
     acc.set_rng_state(state, i)
@@ -412,14 +480,19 @@ def accelerator_api_ranks() -> dict[str, tuple]:
     # memory, read back to back with torch's
     x = torch.ones(1024, 1024, device="cuda")
     acc.synchronize()
-    out["memory_allocated"] = ((acc.memory_allocated(), acc.memory_allocated(i)),
-                               (torch.cuda.memory_allocated(), torch.cuda.memory_allocated(i)))
+    out["memory_allocated"] = (
+        (acc.memory_allocated(), acc.memory_allocated(i)),
+        (torch.cuda.memory_allocated(), torch.cuda.memory_allocated(i)),
+    )
     out["max_memory_allocated"] = (acc.max_memory_allocated(), torch.cuda.max_memory_allocated())
-    out["memory_reserved"] = ((acc.memory_reserved(), acc.memory_cached(), acc.max_memory_reserved(),
-                               acc.max_memory_cached()),
-                              (torch.cuda.memory_reserved(),) * 2 + (torch.cuda.max_memory_reserved(),) * 2)
-    out["memory_stats"] = (acc.memory_stats()["allocated_bytes.all.current"],
-                           torch.cuda.memory_stats()["allocated_bytes.all.current"])
+    out["memory_reserved"] = (
+        (acc.memory_reserved(), acc.memory_cached(), acc.max_memory_reserved(), acc.max_memory_cached()),
+        (torch.cuda.memory_reserved(),) * 2 + (torch.cuda.max_memory_reserved(),) * 2,
+    )
+    out["memory_stats"] = (
+        acc.memory_stats()["allocated_bytes.all.current"],
+        torch.cuda.memory_stats()["allocated_bytes.all.current"],
+    )
     del x
     acc.empty_cache()
     acc.reset_peak_memory_stats()
@@ -431,9 +504,16 @@ def accelerator_api_ranks() -> dict[str, tuple]:
     s = acc.Stream()
     with acc.stream(s):
         inside = torch.cuda.current_stream() == s
-    out["streams"] = ((acc.Stream, acc.Event, inside, acc.current_stream() == torch.cuda.current_stream(),
-                       acc.default_stream(i) == torch.cuda.default_stream(i)),
-                      (torch.cuda.Stream, torch.cuda.Event, True, True, True))
+    out["streams"] = (
+        (
+            acc.Stream,
+            acc.Event,
+            inside,
+            acc.current_stream() == torch.cuda.current_stream(),
+            acc.default_stream(i) == torch.cuda.default_stream(i),
+        ),
+        (torch.cuda.Stream, torch.cuda.Event, True, True, True),
+    )
     static = torch.ones(16, device="cuda")
     s.wait_stream(torch.cuda.current_stream())
     for _ in range(2):  # warm up on a side stream, as graph capture wants
@@ -450,14 +530,20 @@ def accelerator_api_ranks() -> dict[str, tuple]:
     # dtypes and tensors
     bf16, fp16 = torch.cuda.is_bf16_supported(), major >= 7
     dtypes = {torch.float32} | ({torch.float16} if fp16 else set()) | ({torch.bfloat16} if bf16 else set())
-    out["dtypes"] = ((acc.is_bf16_supported(), acc.is_fp16_supported(), set(acc.supported_dtypes())),
-                     (bf16, fp16, dtypes))
+    out["dtypes"] = (
+        (acc.is_bf16_supported(), acc.is_fp16_supported(), set(acc.supported_dtypes())),
+        (bf16, fp16, dtypes),
+    )
     pinned = acc.pin_memory(torch.ones(4))
-    out["pinning"] = ((pinned.is_pinned(), acc.is_pinned(pinned), acc.pinned_empty(4, torch.float16).is_pinned()),
-                      (True, True, True))
+    out["pinning"] = (
+        (pinned.is_pinned(), acc.is_pinned(pinned), acc.pinned_empty(4, torch.float16).is_pinned()),
+        (True, True, True),
+    )
     t = acc.HalfTensor([1.0, 2.0])
-    out["tensors"] = ((t.device.type, t.dtype, acc.on_accelerator(t), acc.on_accelerator(pinned)),
-                      ("cuda", torch.float16, True, False))
+    out["tensors"] = (
+        (t.device.type, t.dtype, acc.on_accelerator(t), acc.on_accelerator(pinned)),
+        ("cuda", torch.float16, True, False),
+    )
     ran = []
     acc.lazy_call(lambda: ran.append(True))  # CUDA is initialised by now: it runs at once
     acc.range_push("accelerator_api")

@@ -1,5 +1,6 @@
 """The CUDA accelerator's DeepSpeed API answers what torch.cuda answers (devices, RNG, memory, streams,
 graphs, dtypes, pinning); tests/unit/test_accelerator_api.py checks the names and the CPU answers."""
+
 import gpu_cases as gc
 import pytest
 import torch

@@ -1,10 +1,11 @@
 """Activation checkpointing on CUDA: cpu_checkpointing moves the kept inputs to pinned host memory
 (and frees their GPU memory), the recompute replays the GPU's dropout masks, and gradients equal a
 plain run on the same GPU; with two GPUs, partition_activations all-gathers the halves over NCCL."""
+
+import gpu_cases as gc
 import pytest
 import torch
 
-import gpu_cases as gc
 from harness import run_distributed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -19,6 +20,7 @@ def _same_grads(got_steps, want_steps, name):
 @pytest.mark.timeout(200)
 def test_cpu_checkpointing_on_one_gpu():
     import test_activation_checkpointing_dist as ac
+
     (r,) = run_distributed(gc.cpu_checkpointing_ranks, 1, timeout=170, backend="nccl")
     numel = ac.B * ac.T * ac.D
     for name in ("cpu", "cpu+contiguous"):
@@ -40,11 +42,14 @@ def test_cpu_checkpointing_on_one_gpu():
 @pytest.mark.timeout(200)
 def test_partitioned_checkpoints_all_gather_over_nccl():
     import test_activation_checkpointing_dist as ac
+
     half = -(-ac.B * ac.T * ac.D // 2)
     for rank, r in enumerate(run_distributed(gc.partitioned_checkpointing_ranks, 2, timeout=170, backend="nccl")):
-        expect = {"partition": [("cuda", False, f"cuda:{rank}", True, half)],
-                  "partition+cpu": [("cpu", True, f"cuda:{rank}", True, half)],
-                  "partition+cpu+contiguous": [("cpu", True, f"cuda:{rank}", True, half)]}
+        expect = {
+            "partition": [("cuda", False, f"cuda:{rank}", True, half)],
+            "partition+cpu": [("cpu", True, f"cuda:{rank}", True, half)],
+            "partition+cpu+contiguous": [("cpu", True, f"cuda:{rank}", True, half)],
+        }
         for name, kept in expect.items():
             assert r[name]["kept"] == kept, (name, rank, r[name]["kept"])
             assert r[name]["gathers"] == [ac.N_BLOCKS] * ac.STEPS  # one device all-gather per recompute

@@ -1,10 +1,11 @@
 """Inference on one GPU: `init_inference` (tp = 1) and ZeRO-Inference with the parameters in pinned host
 memory or in swap files generate exactly what transformers' own `generate` does on the same GPU (fp32, TF32
 off, a left-padded batch), and ZeRO-Inference keeps no weight on the device between forwards."""
+
+import inference_cases as ic
 import pytest
 import torch
 
-import inference_cases as ic
 from harness import run_distributed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -7,10 +7,11 @@ formula, rounded differently), keep the model's weights on the GPU, and hold wha
 host memory: fp32 masters, optimizer states, fp32 gradient shards (stage 3: also the parameter
 shards), the buffers that cross to and from the GPU pinned.
 """
+
+import gpu_cases as gc
 import pytest
 import torch
 
-import gpu_cases as gc
 from harness import run_distributed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -48,8 +49,12 @@ def test_stage3_cpu_parameter_offload_on_gpu():
     world = min(2, gc.gpus())
     for r in run_distributed(gc.offload_ranks, world, 3, CPU_PINNED, CPU_PINNED, timeout=170, backend="nccl"):
         _common(r)
-        assert r["placement"] == {"parameters": "cpu", "gradients": "cpu", "master_weights": "cpu",
-                                  "optimizer_states": "cpu"}, r["placement"]
+        assert r["placement"] == {
+            "parameters": "cpu",
+            "gradients": "cpu",
+            "master_weights": "cpu",
+            "optimizer_states": "cpu",
+        }, r["placement"]
         # every gather copies pinned host shards to the GPU; gradients come back into pinned shards
         assert r["shards"] and all(s == ("cpu", True) for s in r["shards"]), r["shards"]
         assert all(g == ("cpu", True) for g in r["grad_shards"]), r["grad_shards"]
@@ -60,8 +65,15 @@ def test_stage3_cpu_parameter_offload_on_gpu():
 def test_stage3_nvme_optimizer_and_parameter_offload_on_gpu(tmp_path):
     world = min(2, gc.gpus())
     nvme = {"device": "nvme", "nvme_path": str(tmp_path), "pin_memory": True}
-    results = run_distributed(gc.offload_ranks, world, 3, nvme | {"pipeline_read": True, "pipeline_write": True},
-                              nvme | {"buffer_size": 16384}, timeout=170, backend="nccl")
+    results = run_distributed(
+        gc.offload_ranks,
+        world,
+        3,
+        nvme | {"pipeline_read": True, "pipeline_write": True},
+        nvme | {"buffer_size": 16384},
+        timeout=170,
+        backend="nccl",
+    )
     for r in results:
         _common(r)
         where = f"nvme:{tmp_path.resolve()}"

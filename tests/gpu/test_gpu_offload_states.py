@@ -2,10 +2,11 @@
 training states held is freed into pinned host copies and comes back, and the weights after the round
 trip are plain PyTorch's. (tests/dist/test_offload_states.py checks the rest on the CPU, where host and
 device are one memory.)"""
+
+import gpu_cases as gc
 import pytest
 import torch
 
-import gpu_cases as gc
 from harness import run_distributed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

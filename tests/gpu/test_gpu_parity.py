@@ -6,10 +6,11 @@ PyTorch run on the same GPU model within 1e-5 over 10 steps (fp32, TF32 off), as
 the 16-bit check still runs (one rank, no collective): bf16 and fp16 weights on the GPU with fp32
 masters, losses within 2% of the fp32 PyTorch reference at every step.
 """
+
+import gpu_cases as gc
 import pytest
 import torch
 
-import gpu_cases as gc
 from harness import run_distributed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -4,10 +4,11 @@ The stage transport posts each batch as one NCCL group once layouts are known (t
 negotiates them: Note [negotiation inside a batch] in zerospeed/parallel/pipeline/transport.py);
 1F1B, interleaved 1F1B and fill-drain must all finish and match the reference within 1e-5 (fp32).
 """
+
+import gpu_cases as gc
 import pytest
 import torch
 
-import gpu_cases as gc
 from harness import run_distributed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -31,6 +32,7 @@ def _check(out, cases):
 @pytest.mark.timeout(120)
 def test_transport_moves_tuples_of_mixed_dtypes_over_nccl():
     import test_pipe_transport_dist as tpd  # tests/dist: the same exchange as on gloo
+
     tpd.check(run_distributed(tpd.exchange, 2, timeout=100, backend="nccl"))
 
 

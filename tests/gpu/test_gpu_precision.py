@@ -5,6 +5,7 @@ rounds anything: losses within 1e-5 over 5 steps and final weights within 1e-5 (
 exactly (bf16 weights). tests/dist/test_torch_autocast.py and test_bf16_masters.py check the
 multi-rank reductions on the CPU.
 """
+
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ STEPS, BATCH = 5, 4
 
 def _model():
     from zoo.models import GPT, GPTConfig
+
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
     model.lm_head.weight = torch.nn.Parameter(model.wte.weight.detach().clone())  # (untied: see the dist tests)
@@ -32,10 +34,14 @@ def _batches():
 
 def _engine_run(mode: str, stage: int):
     import zerospeed
+
     model = _model()
-    cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_clipping": 0.0,
-           "optimizer": {"type": "AdamW", "params": ADAMW},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": ADAMW},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
     if mode == "autocast":
         cfg["torch_autocast"] = {"enabled": True, "dtype": "bf16"}
     else:
@@ -72,7 +78,8 @@ def _reference(mode: str):
 
 def _ranks():
     return {(mode, stage): _engine_run(mode, stage) for mode in ("autocast", "masters") for stage in (2, 3)} | {
-        mode: _reference(mode) for mode in ("autocast", "masters")}
+        mode: _reference(mode) for mode in ("autocast", "masters")
+    }
 
 
 @pytest.mark.timeout(200)

@@ -1,9 +1,10 @@
 """zero.Init on CUDA: a model built on the host is sharded onto the GPU (or kept in pinned host memory
 with remote_device="cpu"), is exactly the eager model, and trains like it (one rank, or two on NCCL)."""
+
+import gpu_cases as gc
 import pytest
 import torch
 
-import gpu_cases as gc
 from harness import run_distributed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

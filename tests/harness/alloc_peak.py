@@ -20,6 +20,7 @@ when it is still live at the end. Either way it is taken as freed when the neare
 that is not an `aten::` op (the collective's call, the gradient hook) ended: the moment the calling
 thread let go of it. (gloo's own copy then vanishes when the call returns; NCCL makes none.)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,7 +40,7 @@ class AllocationTrace:
         self._events: list[tuple[int, int]] | None = None
         self._windows: dict[str, list[tuple[int, int]]] = {}
 
-    def __enter__(self) -> "AllocationTrace":
+    def __enter__(self) -> AllocationTrace:
         self._prof.__enter__()
         return self
 
@@ -57,6 +58,7 @@ class AllocationTrace:
 
     def _read(self) -> None:
         from torch._C._profiler import _EventType
+
         allocs, windows, todo = [], {}, list(self._prof.profiler.kineto_results.experimental_event_tree())
         while todo:
             e = todo.pop()

@@ -3,6 +3,7 @@
 It walks the garbage collector's objects (not the engine's own counters), deduplicates tensors by
 their storage, and sums storage bytes: a view or a Parameter sharing storage counts once.
 """
+
 from __future__ import annotations
 
 import gc

@@ -14,6 +14,7 @@ a node of its own (``SLURMD_NODENAME``).
 A job's processes are found by ``JOB_VAR`` in their environment (the runners send ``ZEROSPEED*``
 variables to every node) and by descent from the daemons, so tests can check that none is left.
 """
+
 from __future__ import annotations
 
 import getpass
@@ -36,11 +37,24 @@ SLURM_NODES = ("n1", "n2")
 SBIN_PATH = "/usr/sbin:/usr/local/sbin"
 _SSH = ("sshd", "ssh", "ssh-keygen")
 # What each launcher's real-daemon test needs; scripts/install_daemons.sh installs the Debian packages.
-PROGRAMS = {"ssh": _SSH, "pdsh": (*_SSH, "pdsh"), "openmpi": (*_SSH, "mpirun"),
-            "slurm": ("munged", "slurmctld", "slurmd", "srun", "sinfo")}
-PACKAGES = {"sshd": "openssh-server", "ssh": "openssh-client", "ssh-keygen": "openssh-client", "pdsh": "pdsh",
-            "mpirun": "openmpi-bin", "munged": "munge", "slurmctld": "slurmctld", "slurmd": "slurmd",
-            "srun": "slurm-client", "sinfo": "slurm-client"}
+PROGRAMS = {
+    "ssh": _SSH,
+    "pdsh": (*_SSH, "pdsh"),
+    "openmpi": (*_SSH, "mpirun"),
+    "slurm": ("munged", "slurmctld", "slurmd", "srun", "sinfo"),
+}
+PACKAGES = {
+    "sshd": "openssh-server",
+    "ssh": "openssh-client",
+    "ssh-keygen": "openssh-client",
+    "pdsh": "pdsh",
+    "mpirun": "openmpi-bin",
+    "munged": "munge",
+    "slurmctld": "slurmctld",
+    "slurmd": "slurmd",
+    "srun": "slurm-client",
+    "sinfo": "slurm-client",
+}
 # Set in CI: a missing daemon fails the tests instead of skipping them.
 REQUIRE_ENV = "ZEROSPEED_REQUIRE_DAEMONS"
 # Tags every process of a test job (the runners export ZEROSPEED* variables to every node).
@@ -68,12 +82,15 @@ def missing_programs(launcher: str) -> list[str]:
 def missing_reason(launcher: str, missing: Sequence[str]) -> str:
     """A skip reason loud enough to be noticed in a CI log."""
     packages = sorted({PACKAGES[p] for p in missing if p in PACKAGES})
-    return (f"!!! --launcher {launcher} NOT TESTED against real daemons: {', '.join(missing)} missing; "
-            f"run scripts/install_daemons.sh (as root: apt-get install {' '.join(packages)}) and the tests as "
-            f"root; {REQUIRE_ENV}=1 turns this skip into a failure !!!")
+    return (
+        f"!!! --launcher {launcher} NOT TESTED against real daemons: {', '.join(missing)} missing; "
+        f"run scripts/install_daemons.sh (as root: apt-get install {' '.join(packages)}) and the tests as "
+        f"root; {REQUIRE_ENV}=1 turns this skip into a failure !!!"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- sshd
+
 
 @dataclass
 class LoopbackSshd:
@@ -124,8 +141,22 @@ def loopback_sshd(directory: Path, hosts: Sequence[str] = NODE_ADDRS) -> Iterato
 def _write_keys(directory: Path) -> None:
     for name in ("host_key", "client_key"):
         if not (directory / name).exists():
-            subprocess.run([which("ssh-keygen") or "ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C",
-                            "zerospeed-test", "-f", str(directory / name)], check=True, timeout=30)
+            subprocess.run(
+                [
+                    which("ssh-keygen") or "ssh-keygen",
+                    "-q",
+                    "-t",
+                    "ed25519",
+                    "-N",
+                    "",
+                    "-C",
+                    "zerospeed-test",
+                    "-f",
+                    str(directory / name),
+                ],
+                check=True,
+                timeout=30,
+            )
     shutil.copy(directory / "client_key.pub", directory / "authorized_keys")
     (directory / "ssh_config").write_text(
         "Host *\n"
@@ -134,7 +165,8 @@ def _write_keys(directory: Path) -> None:
         "  StrictHostKeyChecking no\n"
         "  UserKnownHostsFile /dev/null\n"
         "  BatchMode yes\n"
-        "  LogLevel ERROR\n")
+        "  LogLevel ERROR\n"
+    )
 
 
 def _sshd_config(directory: Path, hosts: tuple[str, ...], port: int) -> Path:
@@ -150,7 +182,8 @@ def _sshd_config(directory: Path, hosts: tuple[str, ...], port: int) -> Path:
         f"AllowUsers {getpass.getuser()}\n"
         "PermitRootLogin prohibit-password\n"
         "PubkeyAuthentication yes\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
-        "UsePAM no\nStrictModes no\nUseDNS no\nPrintMotd no\nPrintLastLog no\nLogLevel ERROR\n")
+        "UsePAM no\nStrictModes no\nUseDNS no\nPrintMotd no\nPrintLastLog no\nLogLevel ERROR\n"
+    )
     return path
 
 
@@ -166,8 +199,9 @@ def _try_start_sshd(directory: Path, hosts: tuple[str, ...], port: int) -> Loopb
             return LoopbackSshd(directory, port, hosts, proc)
         time.sleep(0.05)
     _kill_all(_with_descendants([proc.pid]))
-    raise DaemonError(f"sshd did not listen on {hosts} port {port} within {START_TIMEOUT_S} s:\n"
-                      f"{_read(directory / 'sshd.log')}")
+    raise DaemonError(
+        f"sshd did not listen on {hosts} port {port} within {START_TIMEOUT_S} s:\n{_read(directory / 'sshd.log')}"
+    )
 
 
 def _check_login(sshd: LoopbackSshd) -> None:
@@ -177,11 +211,14 @@ def _check_login(sshd: LoopbackSshd) -> None:
         if result.returncode != 0:
             log = sshd.log
             sshd.stop()
-            raise DaemonError(f"cannot log in to the test sshd: {' '.join(cmd)} exited with "
-                              f"{result.returncode}: {result.stderr.strip()}\nsshd log:\n{log}")
+            raise DaemonError(
+                f"cannot log in to the test sshd: {' '.join(cmd)} exited with "
+                f"{result.returncode}: {result.stderr.strip()}\nsshd log:\n{log}"
+            )
 
 
 # --------------------------------------------------------------------------------------------- Slurm
+
 
 @dataclass
 class LocalSlurm:
@@ -219,8 +256,9 @@ def start_slurm(directory: Path, nodes: Sequence[str] = SLURM_NODES) -> LocalSlu
         conf = _slurm_conf(directory, slurm.nodes)
         slurm.procs.append(_start([_need("slurmctld"), "-D", "-f", str(conf)], directory / "slurmctld.out.log"))
         for node in slurm.nodes:  # several slurmd on one host: Debian builds --enable-multiple-slurmd
-            slurm.procs.append(_start([_need("slurmd"), "-D", "-f", str(conf), "-N", node],
-                                      directory / f"slurmd.{node}.out.log"))
+            slurm.procs.append(
+                _start([_need("slurmd"), "-D", "-f", str(conf), "-N", node], directory / f"slurmd.{node}.out.log")
+            )
         _wait_idle(slurm)
     except BaseException:
         slurm.stop()
@@ -243,18 +281,31 @@ def _start_munged(slurm: LocalSlurm) -> None:
     key.write_bytes(os.urandom(128))
     key.chmod(0o600)
     # --force: munged refuses to run as root without it
-    slurm.procs.append(_start([_need("munged"), "--foreground", "--force", f"--socket={d / 'munge.sock'}",
-                               f"--key-file={key}", f"--pid-file={d / 'munged.pid'}",
-                               f"--seed-file={d / 'munged.seed'}", f"--log-file={d / 'munged.log'}"],
-                              d / "munged.out.log"))
+    slurm.procs.append(
+        _start(
+            [
+                _need("munged"),
+                "--foreground",
+                "--force",
+                f"--socket={d / 'munge.sock'}",
+                f"--key-file={key}",
+                f"--pid-file={d / 'munged.pid'}",
+                f"--seed-file={d / 'munged.seed'}",
+                f"--log-file={d / 'munged.log'}",
+            ],
+            d / "munged.out.log",
+        )
+    )
     _wait_for(lambda: (d / "munge.sock").exists(), "munged's socket", slurm)
 
 
 def _slurm_conf(directory: Path, nodes: tuple[str, ...]) -> Path:
     host = socket.gethostname()
     ctld_port, *node_ports = [free_port() for _ in range(1 + len(nodes))]  # distinct: free_port never repeats one
-    node_lines = "".join(f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.{i + 1} Port={p} CPUs=1 State=UNKNOWN\n"
-                         for i, (n, p) in enumerate(zip(nodes, node_ports)))
+    node_lines = "".join(
+        f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.{i + 1} Port={p} CPUs=1 State=UNKNOWN\n"
+        for i, (n, p) in enumerate(zip(nodes, node_ports))
+    )
     # Note [Slurm without cgroups]: proctrack/linuxproc and task/none need no cgroup hierarchy (a
     # container has none to give); no accounting daemon, no mail.
     path = directory / "slurm.conf"
@@ -269,7 +320,8 @@ def _slurm_conf(directory: Path, nodes: tuple[str, ...]) -> Path:
         "AccountingStorageType=accounting_storage/none\nMpiDefault=none\nMailProg=/bin/true\n"
         "SelectType=select/cons_tres\nSelectTypeParameters=CR_CPU\nSchedulerType=sched/builtin\n"
         "ReturnToService=2\n"
-        f"{node_lines}PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP\n")
+        f"{node_lines}PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP\n"
+    )
     for name in ("state", "spool"):
         (directory / name).mkdir(exist_ok=True)
     return path
@@ -279,8 +331,9 @@ def _wait_idle(slurm: LocalSlurm) -> None:
     sinfo = [_need("sinfo"), "--noheader", "--format=%T", "--nodes", ",".join(slurm.nodes)]
 
     def idle() -> bool:
-        result = subprocess.run(sinfo, check=False, env={**os.environ, **slurm.env}, capture_output=True, text=True,
-                                timeout=10)
+        result = subprocess.run(
+            sinfo, check=False, env={**os.environ, **slurm.env}, capture_output=True, text=True, timeout=10
+        )
         return result.returncode == 0 and result.stdout.split() == ["idle"]  # one line per state
 
     _wait_for(idle, f"slurm nodes {', '.join(slurm.nodes)} idle", slurm)
@@ -297,6 +350,7 @@ def _wait_for(ready, what: str, slurm: LocalSlurm) -> None:
 
 
 # ----------------------------------------------------------------------------------- job processes
+
 
 def write_hostfile(path: Path, hosts: Sequence[str] = NODE_ADDRS, slots: int = 1) -> Path:
     path.write_text("".join(f"{h} slots={slots}\n" for h in hosts))
@@ -335,14 +389,18 @@ def _describe(p: psutil.Process) -> str:
     try:
         env = p.environ()
         connection = env.get("SSH_CONNECTION", "").split()
-        node = (connection[2] if len(connection) == 4 else env.get("SLURMD_NODENAME")
-                or "this machine (not through a daemon)")
+        node = (
+            connection[2]
+            if len(connection) == 4
+            else env.get("SLURMD_NODENAME") or "this machine (not through a daemon)"
+        )
         return f"pid {p.pid} on node {node}: {' '.join(p.cmdline())[:300]}"
     except psutil.Error:
         return f"pid {p.pid} (gone while listed)"
 
 
 # ------------------------------------------------------------------------------------------ helpers
+
 
 def _need(program: str) -> str:
     path = which(program)
@@ -353,8 +411,9 @@ def _need(program: str) -> str:
 
 def _start(argv: list[str], log: Path) -> subprocess.Popen:
     with open(log, "ab") as out:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def _read(path: Path) -> str:

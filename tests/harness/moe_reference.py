@@ -5,6 +5,7 @@ served for a full expert; second choices queue behind every first choice, as in 
 token's output is the weighted sum of its kept experts applied to it alone. Built from torch ops, so
 autograd through it gives the reference gradients.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,7 +45,7 @@ def ref_routes(logits: torch.Tensor, k: int, cap: int | None, second_scores: tor
         for e in range(E):
             routed = [s for s in range(S) if e in choices[s]]
             routed.sort(key=lambda s: -float(probs[s, e]))
-            for s in routed[:len(routed) if cap is None else cap]:
+            for s in routed[: len(routed) if cap is None else cap]:
                 kept[s].append(e)
     routes = []
     for s in range(S):
@@ -84,6 +85,6 @@ def ref_moe_forward(x_SM: torch.Tensor, gate_weight: torch.Tensor, experts, k: i
     for s in range(x_SM.shape[0]):
         y = torch.zeros_like(x_SM[s])
         for e, w in routes[s]:
-            y = y + w * experts[e](x_SM[s:s + 1])[0]
+            y = y + w * experts[e](x_SM[s : s + 1])[0]
         rows.append(y)
     return torch.stack(rows), ref_l_aux(logits, choices, k), ref_counts(choices, gate_weight.shape[0])

@@ -1,4 +1,5 @@
 """The smallest Megatron-style model-parallel unit (mpu) for tests and benchmarks."""
+
 from __future__ import annotations
 
 from zerospeed import comm

@@ -4,6 +4,7 @@ Written from the formulas (arXiv 2102.02888, section 4; docs/comm_compression.md
 signs and no packing, padding or collectives, so a test compares zerospeed's packed, distributed
 implementation with an independent computation of the same mathematics.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,8 +20,9 @@ def _rms(x: torch.Tensor) -> float:
     return math.sqrt(float((x.double() ** 2).sum()) / x.numel())
 
 
-def simulate_compressed_allreduce(tensors: list[torch.Tensor], worker_errors: list[torch.Tensor],
-                                  server_errors: list[torch.Tensor]) -> torch.Tensor:
+def simulate_compressed_allreduce(
+    tensors: list[torch.Tensor], worker_errors: list[torch.Tensor], server_errors: list[torch.Tensor]
+) -> torch.Tensor:
     """The 1-bit mean of W ranks' flat `tensors` (all padded to the same length, a multiple of W);
     updates each rank's worker error (full length) and server error (its chunk) in place."""
     world = len(tensors)
@@ -43,8 +45,17 @@ def simulate_compressed_allreduce(tensors: list[torch.Tensor], worker_errors: li
 class OneBitAdamReference:
     """1-bit Adam over W virtual ranks' gradients (bias-corrected, as zerospeed's default; no weight decay)."""
 
-    def __init__(self, params: list[torch.Tensor], world: int, *, lr: float, freeze_step: int,
-                 betas=(0.9, 0.999), eps: float = 1e-8, padded):
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        world: int,
+        *,
+        lr: float,
+        freeze_step: int,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        padded,
+    ):
         self.params, self.world, self.lr, self.freeze_step = params, world, lr, freeze_step
         self.b1, self.b2 = betas
         self.eps = eps
@@ -74,15 +85,15 @@ class OneBitAdamReference:
                     mk = (self.b1 * self.m[i] + (1 - self.b1) * rank_grads[k][i]).reshape(-1)
                     local.append(torch.cat([mk, torch.zeros(self.padded[i] - p.numel())]))
                 mean = simulate_compressed_allreduce(local, self.worker[i], self.server[i])
-                self.m[i] = mean[:p.numel()].view_as(p)
-            c1, c2 = 1 - self.b1 ** self.t, 1 - self.b2 ** self.v_updates
+                self.m[i] = mean[: p.numel()].view_as(p)
+            c1, c2 = 1 - self.b1**self.t, 1 - self.b2**self.v_updates
             p -= self.lr * self.m[i] / (c1 * ((self.v[i] / c2).sqrt() + self.eps))
 
 
 def _denom(v: torch.Tensor, t: int, k: int, betas, eps: float) -> torch.Tensor:
     """Bias-corrected c1 (sqrt(v / c2) + eps) for step t and k updates of v."""
     b1, b2 = betas
-    return (1 - b1 ** t) * ((v / (1 - b2 ** max(k, 1))).sqrt() + eps)
+    return (1 - b1**t) * ((v / (1 - b2 ** max(k, 1))).sqrt() + eps)
 
 
 def _pad(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -93,8 +104,20 @@ class ZeroOneAdamReference:
     """0/1 Adam over W virtual ranks (bias-corrected; no weight decay): variance rounds on a doubling
     schedule, 1-bit gradient means between them, then local steps synchronised on a doubling schedule."""
 
-    def __init__(self, params, world: int, *, lr: float, var_freeze_step: int, var_update_scaler: int,
-                 local_step_scaler: int, local_step_clipper: int, betas=(0.9, 0.999), eps: float = 1e-8, padded):
+    def __init__(
+        self,
+        params,
+        world: int,
+        *,
+        lr: float,
+        var_freeze_step: int,
+        var_update_scaler: int,
+        local_step_scaler: int,
+        local_step_clipper: int,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        padded,
+    ):
         self.params, self.world, self.lr = params, world, lr
         self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
         self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
@@ -134,9 +157,10 @@ class ZeroOneAdamReference:
                     g = sum(rank_grads[r][i] for r in range(W)) / W
                     self.v[i] = b2 * self.v[i] + (1 - b2) * g * g
                 else:
-                    mean = simulate_compressed_allreduce([_pad(rank_grads[r][i], self.n[i]) for r in range(W)],
-                                                         self.worker[i], self.server[i])
-                    g = mean[:p.numel()].view_as(p)
+                    mean = simulate_compressed_allreduce(
+                        [_pad(rank_grads[r][i], self.n[i]) for r in range(W)], self.worker[i], self.server[i]
+                    )
+                    g = mean[: p.numel()].view_as(p)
                 self.m[i] = b1 * self.m[i] + (1 - b1) * g
                 p -= self.lr * self.m[i] / _denom(self.v[i], self.t, self.k, self.betas, self.eps)
             for r in range(W):  # every rank's copy is the common one during this stage
@@ -162,8 +186,9 @@ class ZeroOneAdamReference:
         if sync:
             for i, p in enumerate(self.params):
                 d = _denom(self.v[i], self.t, self.k, self.betas, self.eps)
-                mean = simulate_compressed_allreduce([_pad(self.u[r][i] * d, self.n[i]) for r in range(W)],
-                                                     self.worker[i], self.server[i])[:p.numel()].view_as(p)
+                mean = simulate_compressed_allreduce(
+                    [_pad(self.u[r][i] * d, self.n[i]) for r in range(W)], self.worker[i], self.server[i]
+                )[: p.numel()].view_as(p)
                 for r in range(W):
                     self.local_p[r][i] = self.local_p[r][i] - self.u[r][i] + mean / d
                     self.local_m[r][i] = mean / -self.lrs[r]
@@ -181,9 +206,23 @@ class ZeroOneAdamReference:
 class OneBitLambReference:
     """1-bit LAMB over W virtual ranks (bias-corrected; no weight decay; DeepSpeed's clipping constants)."""
 
-    def __init__(self, params, world: int, *, lr: float, freeze_step: int, betas=(0.9, 0.999), eps: float = 1e-8,
-                 max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
-                 factor_threshold=0.1, padded):
+    def __init__(
+        self,
+        params,
+        world: int,
+        *,
+        lr: float,
+        freeze_step: int,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        max_coeff=10.0,
+        min_coeff=0.01,
+        coeff_beta=0.9,
+        factor_max=4.0,
+        factor_min=0.5,
+        factor_threshold=0.1,
+        padded,
+    ):
         self.params, self.world, self.lr, self.freeze_step = params, world, lr, freeze_step
         self.betas, self.eps = betas, eps
         self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta
@@ -225,12 +264,22 @@ class OneBitLambReference:
             united = sum(scales) / len(scales)
             self.scaling = [united / s if s > 0 else 1.0 for s in scales]
         prev = [m.clone() for m in self.m]
-        flats = [_pad(torch.cat([((b1 * m + (1 - b1) * rank_grads[r][i]) * self.scaling[i]).reshape(-1)
-                                 for i, m in enumerate(self.m)]), self.n) for r in range(W)]
+        flats = [
+            _pad(
+                torch.cat(
+                    [
+                        ((b1 * m + (1 - b1) * rank_grads[r][i]) * self.scaling[i]).reshape(-1)
+                        for i, m in enumerate(self.m)
+                    ]
+                ),
+                self.n,
+            )
+            for r in range(W)
+        ]
         mean = simulate_compressed_allreduce(flats, self.worker, self.server)
         offset = 0
         for i, p in enumerate(self.params):
-            self.m[i] = mean[offset:offset + p.numel()].view_as(p) / self.scaling[i]
+            self.m[i] = mean[offset : offset + p.numel()].view_as(p) / self.scaling[i]
             offset += p.numel()
             g = (self.m[i] - b1 * prev[i]) / (1 - b1)
             self.v_fresh[i] = b2 * self.v_fresh[i] + (1 - b2) * g * g

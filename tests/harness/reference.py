@@ -3,16 +3,18 @@
 Parity tests train the same model on the same global batches twice: once through zerospeed on N
 ranks, once here, and compare losses and final weights.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 
-def split_global_batch(batch: Sequence[torch.Tensor], world_size: int, grad_accum: int,
-                       rank: int) -> list[tuple[torch.Tensor, ...]]:
+def split_global_batch(
+    batch: Sequence[torch.Tensor], world_size: int, grad_accum: int, rank: int
+) -> list[tuple[torch.Tensor, ...]]:
     """Rank `rank`'s micro-batches of one global batch (leading dim = world * grad_accum * micro).
 
     Convention: micro-step m of rank r takes the (m * world_size + r)-th slice of size micro.
@@ -24,14 +26,22 @@ def split_global_batch(batch: Sequence[torch.Tensor], world_size: int, grad_accu
     out = []
     for m in range(grad_accum):
         start = (m * world_size + rank) * micro
-        out.append(tuple(t[start:start + micro] for t in batch))
+        out.append(tuple(t[start : start + micro] for t in batch))
     return out
 
 
-def reference_train(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    global_batches: Sequence[Sequence[torch.Tensor]], *, world_size: int, grad_accum: int,
-                    loss_fn: Callable[..., torch.Tensor] | None = None, scheduler=None,
-                    clip: float = 0.0, set_to_none: bool = True) -> list[float]:
+def reference_train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    global_batches: Sequence[Sequence[torch.Tensor]],
+    *,
+    world_size: int,
+    grad_accum: int,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    scheduler=None,
+    clip: float = 0.0,
+    set_to_none: bool = True,
+) -> list[float]:
     """Train on each global batch as one optimizer step; return the mean micro-batch loss per step.
 
     Every micro-batch of every (virtual) rank contributes loss / (world_size * grad_accum) to the
@@ -58,8 +68,9 @@ def reference_train(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 
 @torch.no_grad()
-def fake_quantize_stage3_units(model: torch.nn.Module, world: int,
-                               settings: Callable[[str, torch.nn.Module], tuple | None]) -> list[tuple[str, int, tuple | None]]:
+def fake_quantize_stage3_units(
+    model: torch.nn.Module, world: int, settings: Callable[[str, torch.nn.Module], tuple | None]
+) -> list[tuple[str, int, tuple | None]]:
     """Write into a plain model's frozen weights the values stage 3 computes with when it stores their
     shards block-quantized: each module's own frozen parameters (the first module registering a tied
     one owns it) flattened in order and zero-padded to a multiple of 4 x `world` (the flat-layout
@@ -67,6 +78,7 @@ def fake_quantize_stage3_units(model: torch.nn.Module, world: int,
     (bits, block, symmetric) and dequantized. Returns (module name, chunk elements, settings or None)
     per frozen unit, in module order."""
     from zerospeed.precision.quantize import dequantize_blocks, quantize_blocks
+
     seen, units = set(), []
     for name, m in model.named_modules():
         ps = [p for p in m.parameters(recurse=False) if not p.requires_grad and id(p) not in seen]
@@ -83,17 +95,19 @@ def fake_quantize_stage3_units(model: torch.nn.Module, world: int,
         deq = torch.cat([dequantize_blocks(quantize_blocks(c, *chosen)) for c in flat.chunk(world)])
         offset = 0
         for p in ps:
-            p.copy_(deq[offset:offset + p.numel()].view_as(p))
+            p.copy_(deq[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
     return units
 
 
-def engine_global_step(engine, batch: Sequence[torch.Tensor], world_size: int, grad_accum: int, rank: int,
-                       *extra) -> float:
+def engine_global_step(
+    engine, batch: Sequence[torch.Tensor], world_size: int, grad_accum: int, rank: int, *extra
+) -> float:
     """One optimizer step of a zerospeed engine over this rank's micro-batches of a global batch (the
     `split_global_batch` convention; `extra` follows each micro-batch into the forward); returns the
     micro-batch loss averaged over the accumulation steps and the ranks (collective)."""
     from zerospeed import comm
+
     total = 0.0
     for micro in split_global_batch(batch, world_size, grad_accum, rank):
         loss = engine(*micro, *extra)

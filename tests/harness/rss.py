@@ -1,6 +1,7 @@
 """Peak host-memory growth of this process while a block runs, for memory tests: the kernel's own count
 of anonymous resident memory (/proc/self/status RssAnon), sampled every 0.5 ms on a thread — an
 independent measurement, not zerospeed's counters (Linux only)."""
+
 from __future__ import annotations
 
 import threading

@@ -8,6 +8,7 @@ so a hang says where each rank was stuck.
 Ranks start from a fork server that has already imported torch and zerospeed's engine (Note [fork
 server]); `ZEROSPEED_TEST_START_METHOD=spawn` gives every rank a fresh interpreter instead.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -18,8 +19,9 @@ import queue
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from zerospeed.utils.ports import free_port
 
@@ -44,8 +46,15 @@ class DistributedTestError(AssertionError):
 # transformers' modeling_utils (~2.1 s), which every test on a transformers model imports. Neither
 # starts a thread; transformers is skipped where it is not installed (the server ignores ImportError).
 # Their import-time settings (TORCHDYNAMO_*, HF_* / TRANSFORMERS_*) are the pytest run's, not a test's.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zerospeed", "zerospeed.runtime.engine",
-            "harness", "transformers.modeling_utils"]
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "zerospeed",
+    "zerospeed.runtime.engine",
+    "harness",
+    "transformers.modeling_utils",
+]
 
 
 def _context():
@@ -61,16 +70,27 @@ def _context():
 def _child(fn, rank, world_size, port, args, kwargs, results, stack_file, timeout, env, backend, caller_env):
     os.environ.clear()
     os.environ.update(caller_env)
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                       "LOCAL_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "ZEROSPEED_ACCELERATOR": "cuda" if backend == "nccl" else "cpu", **env})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "ZEROSPEED_ACCELERATOR": "cuda" if backend == "nccl" else "cpu",
+            **env,
+        }
+    )
     with open(stack_file, "w") as stacks:
         # Dump this rank's stack shortly before the parent gives up, so a hang is explained.
         faulthandler.dump_traceback_later(max(1.0, timeout - 3.0), exit=False, file=stacks)
         try:
             import torch
+
             torch.set_num_threads(1)
             from zerospeed import comm
+
             comm.init_distributed(dist_backend=backend)
             out = fn(*args, **kwargs)
             # Plain pickle: tensors travel by value, not as shared-memory handles that die with us.
@@ -81,13 +101,21 @@ def _child(fn, rank, world_size, port, args, kwargs, results, stack_file, timeou
             faulthandler.cancel_dump_traceback_later()
             try:
                 from zerospeed import comm
+
                 comm.destroy()
             except Exception:
                 pass
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 120.0,
-                    env: dict[str, str] | None = None, backend: str = "gloo", **kwargs: Any) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args: Any,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    backend: str = "gloo",
+    **kwargs: Any,
+) -> list[Any]:
     """Call `fn(*args, **kwargs)` on `world_size` ranks; return the results in rank order.
 
     `fn` must be importable (a module-level function) and its result picklable. backend "gloo"
@@ -95,19 +123,39 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
     """
     if backend == "nccl":
         import torch
+
         if world_size > torch.cuda.device_count():
-            raise ValueError(f"run_distributed(backend='nccl', world_size={world_size}): this machine has "
-                             f"{torch.cuda.device_count()} GPU(s) and NCCL needs one per rank; skip the test "
-                             "below that many GPUs or use backend='gloo'")
+            raise ValueError(
+                f"run_distributed(backend='nccl', world_size={world_size}): this machine has "
+                f"{torch.cuda.device_count()} GPU(s) and NCCL needs one per rank; skip the test "
+                "below that many GPUs or use backend='gloo'"
+            )
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="zs-spawn-") as tmp:
         stack_files = [Path(tmp) / f"rank{r}.stack" for r in range(world_size)]
-        procs = [ctx.Process(target=_child, daemon=True,
-                             args=(fn, r, world_size, port, args, kwargs, results, str(stack_files[r]),
-                                   timeout, env or {}, backend, dict(os.environ)))
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_child,
+                daemon=True,
+                args=(
+                    fn,
+                    r,
+                    world_size,
+                    port,
+                    args,
+                    kwargs,
+                    results,
+                    str(stack_files[r]),
+                    timeout,
+                    env or {},
+                    backend,
+                    dict(os.environ),
+                ),
+            )
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         try:
@@ -126,15 +174,20 @@ def _collect(procs, results, world_size, timeout, stack_files) -> list[Any]:
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(out))
                 time.sleep(0.5)
-                stacks = "\n".join(f"--- rank {r} stack ---\n{stack_files[r].read_text()}" for r in missing
-                                   if stack_files[r].exists())
-                raise DistributedTestError(f"timed out after {timeout:.0f}s; ranks {missing} did not finish\n{stacks}")
+                stacks = "\n".join(
+                    f"--- rank {r} stack ---\n{stack_files[r].read_text()}" for r in missing if stack_files[r].exists()
+                )
+                raise DistributedTestError(
+                    f"timed out after {timeout:.0f}s; ranks {missing} did not finish\n{stacks}"
+                ) from None
             dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
             if dead:
                 time.sleep(0.5)  # its error report may still be in flight
                 if results.empty():
-                    raise DistributedTestError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} "
-                                               "without reporting (killed? out of memory?)")
+                    raise DistributedTestError(
+                        f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} "
+                        "without reporting (killed? out of memory?)"
+                    ) from None
             continue
         if status == "error":
             raise DistributedTestError(f"rank {rank} failed:\n{payload}")
@@ -165,4 +218,5 @@ def per_world(fn, *args, timeout: float = 280.0, then=None):
             results = run_distributed(fn, world, *args, timeout=timeout)
             cache[world] = then(results) if then is not None else results
         return cache[world]
+
     return get

@@ -4,6 +4,7 @@ cuda_accelerator.py), and on this CPU machine DeepSpeed's CPU accelerator's valu
 
 The CUDA accelerator's values are compared with torch.cuda in tests/gpu/test_gpu_accelerator.py.
 """
+
 import contextlib
 import inspect
 import os
@@ -20,44 +21,99 @@ _ = inspect.Parameter.empty  # no default
 
 # method -> DeepSpeed's parameters after self, as (name, default)
 DEEPSPEED_METHODS = {
-    "is_synchronized_device": [], "use_host_timers": [], "resolves_data_dependency": [],
+    "is_synchronized_device": [],
+    "use_host_timers": [],
+    "resolves_data_dependency": [],
     "handles_memory_backpressure": [],
     # devices
-    "device_name": [("device_index", None)], "device": [("device_index", None)],
-    "set_device": [("device_index", _)], "current_device": [], "current_device_name": [],
-    "device_count": [], "synchronize": [("device_index", None)], "is_available": [],
+    "device_name": [("device_index", None)],
+    "device": [("device_index", None)],
+    "set_device": [("device_index", _)],
+    "current_device": [],
+    "current_device_name": [],
+    "device_count": [],
+    "synchronize": [("device_index", None)],
+    "is_available": [],
     # random numbers
-    "random": [], "set_rng_state": [("new_state", _), ("device_index", None)],
-    "get_rng_state": [("device_index", None)], "manual_seed": [("seed", _)], "manual_seed_all": [("seed", _)],
-    "initial_seed": [], "default_generator": [("device_index", _)],
+    "random": [],
+    "set_rng_state": [("new_state", _), ("device_index", None)],
+    "get_rng_state": [("device_index", None)],
+    "manual_seed": [("seed", _)],
+    "manual_seed_all": [("seed", _)],
+    "initial_seed": [],
+    "default_generator": [("device_index", _)],
     # streams and graphs
-    "stream": [("stream", _)], "current_stream": [("device_index", None)],
-    "default_stream": [("device_index", None)], "create_graph": [],
-    "capture_to_graph": [("graph", _), ("pool", None), ("stream", None)], "replay_graph": [("graph", _)],
+    "stream": [("stream", _)],
+    "current_stream": [("device_index", None)],
+    "default_stream": [("device_index", None)],
+    "create_graph": [],
+    "capture_to_graph": [("graph", _), ("pool", None), ("stream", None)],
+    "replay_graph": [("graph", _)],
     # memory
-    "empty_cache": [], **{m: [("device_index", None)] for m in (
-        "memory_allocated", "max_memory_allocated", "reset_max_memory_allocated", "memory_cached",
-        "max_memory_cached", "reset_max_memory_cached", "memory_stats", "reset_peak_memory_stats",
-        "memory_reserved", "max_memory_reserved", "total_memory", "available_memory")},
+    "empty_cache": [],
+    **{
+        m: [("device_index", None)]
+        for m in (
+            "memory_allocated",
+            "max_memory_allocated",
+            "reset_max_memory_allocated",
+            "memory_cached",
+            "max_memory_cached",
+            "reset_max_memory_cached",
+            "memory_stats",
+            "reset_peak_memory_stats",
+            "memory_reserved",
+            "max_memory_reserved",
+            "total_memory",
+            "available_memory",
+        )
+    },
     # dtypes
-    "is_bf16_supported": [], "is_fp16_supported": [], "supported_dtypes": [],
+    "is_bf16_supported": [],
+    "is_fp16_supported": [],
+    "supported_dtypes": [],
     # tensors
-    "pin_memory": [("tensor", _), ("align_bytes", 1)], "is_pinned": [("tensor", _)],
+    "pin_memory": [("tensor", _), ("align_bytes", 1)],
+    "is_pinned": [("tensor", _)],
     "on_accelerator": [("tensor", _)],
     # misc
-    "range_push": [("msg", _), ("domain", None), ("category", None)], "range_pop": [("domain", None)],
-    "lazy_call": [("callback", _)], "communication_backend_name": [], "is_triton_supported": [],
-    "prefer_triton_grouped_mm": [], "amp": [],  # amp: DeepSpeed before 0.18.7
-    "op_builder_dir": [], "create_op_builder": [("class_name", _)], "get_op_builder": [("class_name", _)],
-    "build_extension": [], "export_envs": [], "visible_devices_envs": [],
+    "range_push": [("msg", _), ("domain", None), ("category", None)],
+    "range_pop": [("domain", None)],
+    "lazy_call": [("callback", _)],
+    "communication_backend_name": [],
+    "is_triton_supported": [],
+    "prefer_triton_grouped_mm": [],
+    "amp": [],  # amp: DeepSpeed before 0.18.7
+    "op_builder_dir": [],
+    "create_op_builder": [("class_name", _)],
+    "get_op_builder": [("class_name", _)],
+    "build_extension": [],
+    "export_envs": [],
+    "visible_devices_envs": [],
     "set_visible_devices_envs": [("current_env", _), ("local_accelerator_ids", _)],
-    "get_compile_backend": [], "set_compile_backend": [("backend", _)],
+    "get_compile_backend": [],
+    "set_compile_backend": [("backend", _)],
 }
-DEEPSPEED_PROPERTIES = ["Stream", "Event", "BFloat16Tensor", "ByteTensor", "DoubleTensor", "FloatTensor",
-                        "HalfTensor", "IntTensor", "LongTensor"]
-TENSOR_TYPES = {"BFloat16Tensor": torch.BFloat16Tensor, "ByteTensor": torch.ByteTensor,
-                "DoubleTensor": torch.DoubleTensor, "FloatTensor": torch.FloatTensor,
-                "HalfTensor": torch.HalfTensor, "IntTensor": torch.IntTensor, "LongTensor": torch.LongTensor}
+DEEPSPEED_PROPERTIES = [
+    "Stream",
+    "Event",
+    "BFloat16Tensor",
+    "ByteTensor",
+    "DoubleTensor",
+    "FloatTensor",
+    "HalfTensor",
+    "IntTensor",
+    "LongTensor",
+]
+TENSOR_TYPES = {
+    "BFloat16Tensor": torch.BFloat16Tensor,
+    "ByteTensor": torch.ByteTensor,
+    "DoubleTensor": torch.DoubleTensor,
+    "FloatTensor": torch.FloatTensor,
+    "HalfTensor": torch.HalfTensor,
+    "IntTensor": torch.IntTensor,
+    "LongTensor": torch.LongTensor,
+}
 
 
 @pytest.fixture
@@ -73,6 +129,7 @@ def restore_accelerator():
 
 
 # -- the interface -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("cls", [CpuAccelerator, CudaAccelerator])
 @pytest.mark.parametrize("method", sorted(DEEPSPEED_METHODS))
@@ -106,6 +163,7 @@ def test_cuda_answers_that_need_no_gpu():
 
 
 # -- the CPU accelerator's values --------------------------------------------------------------------
+
 
 def test_cpu_devices(cpu, monkeypatch):
     assert cpu.device_name() == cpu.device_name(0) == cpu.current_device_name() == "cpu"
@@ -157,8 +215,16 @@ def test_cpu_has_no_streams_events_or_graphs(cpu):
 
 
 def test_cpu_memory_is_the_resident_set(cpu):
-    queries = ["memory_allocated", "max_memory_allocated", "memory_cached", "max_memory_cached",
-               "memory_reserved", "max_memory_reserved", "total_memory", "available_memory"]
+    queries = [
+        "memory_allocated",
+        "max_memory_allocated",
+        "memory_cached",
+        "max_memory_cached",
+        "memory_reserved",
+        "max_memory_reserved",
+        "total_memory",
+        "available_memory",
+    ]
     for q in queries:
         value = getattr(cpu, q)()
         assert isinstance(value, int) and value > 0, q
@@ -257,13 +323,20 @@ def test_no_compiled_ops(cpu):
 
 # -- choosing and replacing the accelerator ----------------------------------------------------------
 
-@pytest.mark.parametrize(("env", "cuda", "want"), [
-    ({}, False, "cpu"), ({}, True, "cuda"),
-    ({"DS_ACCELERATOR": "cpu"}, True, "cpu"), ({"DS_ACCELERATOR": "cuda"}, True, "cuda"),
-    ({"ZEROSPEED_ACCELERATOR": "cpu"}, True, "cpu"), ({"ZEROSPEED_ACCELERATOR": "CPU"}, True, "cpu"),
-    ({"ZEROSPEED_ACCELERATOR": "cpu", "DS_ACCELERATOR": "cuda"}, True, "cpu"),  # ours first
-    ({"ZEROSPEED_ACCELERATOR": "", "DS_ACCELERATOR": "cpu"}, True, "cpu"),
-])
+
+@pytest.mark.parametrize(
+    ("env", "cuda", "want"),
+    [
+        ({}, False, "cpu"),
+        ({}, True, "cuda"),
+        ({"DS_ACCELERATOR": "cpu"}, True, "cpu"),
+        ({"DS_ACCELERATOR": "cuda"}, True, "cuda"),
+        ({"ZEROSPEED_ACCELERATOR": "cpu"}, True, "cpu"),
+        ({"ZEROSPEED_ACCELERATOR": "CPU"}, True, "cpu"),
+        ({"ZEROSPEED_ACCELERATOR": "cpu", "DS_ACCELERATOR": "cuda"}, True, "cpu"),  # ours first
+        ({"ZEROSPEED_ACCELERATOR": "", "DS_ACCELERATOR": "cpu"}, True, "cpu"),
+    ],
+)
 def test_accelerator_choice(env, cuda, want):
     assert za.accelerator_name(env, cuda_available=cuda) == want
 
@@ -299,8 +372,10 @@ def test_get_and_set_accelerator(restore_accelerator, monkeypatch):
 
 
 def test_this_machines_accelerator_is_cpu():
-    if os.environ.get("ZEROSPEED_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "")) == "cuda" \
-            or torch.cuda.is_available():
+    if (
+        os.environ.get("ZEROSPEED_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "")) == "cuda"
+        or torch.cuda.is_available()
+    ):
         pytest.skip("a CUDA machine")
     assert za.get_accelerator().device_name() == "cpu" and za.get_accelerator().communication_backend_name() == "gloo"
 
@@ -319,13 +394,18 @@ print(before - rss())
 """
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/status") or not hasattr(os, "confstr")
-                    or "glibc" not in (os.confstr("CS_GNU_LIBC_VERSION") or ""), reason="glibc's malloc_trim")
+@pytest.mark.skipif(
+    not os.path.exists("/proc/self/status")
+    or not hasattr(os, "confstr")
+    or "glibc" not in (os.confstr("CS_GNU_LIBC_VERSION") or ""),
+    reason="glibc's malloc_trim",
+)
 def test_cpu_release_host_memory_returns_the_heaps_free_pages():
     """Note [host allocator trims]: freed tensors that glibc keeps as holes inside its heap go
     back to the kernel (measured by the resident set, in a fresh process)."""
     import subprocess
     import sys
+
     out = subprocess.run([sys.executable, "-c", _HEAP_HOLES], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.split()[-1]) >= 300 * MIB, out.stdout  # (above its HOST_TRIM_MIN_FREE: it acts)

@@ -1,6 +1,7 @@
 """zerospeed.activation: gradients equal to no checkpointing (dropout included, so the RNG replay
 is exercised), each option's observable effect (host copies, one reused buffer, profile counts),
 configuration and its errors, and the activation-memory claim measured by the independent census."""
+
 from __future__ import annotations
 
 import contextlib
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harness.census import live_tensor_bytes
 from zerospeed import checkpointing
 from zerospeed.accelerator import get_accelerator
 from zerospeed.activation import function as ckpt_function
@@ -19,7 +21,6 @@ from zerospeed.activation.arena import ContiguousArena
 from zerospeed.activation.partition import chunk_bounds, chunk_numel, copy_partition
 from zerospeed.activation.stash import SavedInput
 from zerospeed.config import ConfigError, parse_config
-from harness.census import live_tensor_bytes
 from zoo.models import Block, GPTConfig
 
 DEV = get_accelerator().torch_device()
@@ -351,8 +352,14 @@ def test_profile_off_counts_nothing():
 
 # -- configuration --------------------------------------------------------------------------------
 
-SECTION = {"partition_activations": True, "cpu_checkpointing": True, "contiguous_memory_optimization": True,
-           "number_checkpoints": 12, "synchronize_checkpoint_boundary": True, "profile": True}
+SECTION = {
+    "partition_activations": True,
+    "cpu_checkpointing": True,
+    "contiguous_memory_optimization": True,
+    "number_checkpoints": 12,
+    "synchronize_checkpoint_boundary": True,
+    "profile": True,
+}
 
 
 def test_configure_from_dict_path_and_parsed_config(tmp_path):
@@ -373,26 +380,44 @@ def test_configure_from_dict_path_and_parsed_config(tmp_path):
 
 
 def test_keywords_override_the_config():
-    checkpointing.configure(deepspeed_config={"activation_checkpointing": SECTION}, partition_activations=False,
-                            checkpoint_in_cpu=False, num_checkpoints=3, synchronize=False, profile=False)
+    checkpointing.configure(
+        deepspeed_config={"activation_checkpointing": SECTION},
+        partition_activations=False,
+        checkpoint_in_cpu=False,
+        num_checkpoints=3,
+        synchronize=False,
+        profile=False,
+    )
     assert checkpointing.current_policy() == checkpointing.CheckpointingPolicy(
-        contiguous_memory_optimization=True, number_checkpoints=3)
+        contiguous_memory_optimization=True, number_checkpoints=3
+    )
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"deepspeed_config": {"activation_checkpointing": {"partition_activation": True}}},
-     "activation_checkpointing.partition_activation: unknown key — did you mean partition_activations"),
-    ({"deepspeed_config": {"activation_checkpointing": {"number_checkpoints": 0}}},
-     "activation_checkpointing.number_checkpoints: expected a positive integer"),
-    ({"contiguous_checkpointing": True},
-     "contiguous_memory_optimization=true needs activation_checkpointing.number_checkpoints"),
-    ({"deepspeed_config": {"activation_checkpointing": {"contiguous_memory_optimization": True}}},
-     "configure\\(num_checkpoints=N\\)"),
-    ({"num_checkpoints": 0}, "configure\\(num_checkpoints=0\\).*number_checkpoints.*positive integer"),
-    ({"checkpoint_in_cpu": "yes"}, "configure\\(checkpoint_in_cpu='yes'\\).*cpu_checkpointing"),
-    ({"deepspeed_config": "/no/such/ds_config.json"}, "neither a file that exists"),
-    ({"mpu_": object()}, "lacks get_model_parallel_group"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"deepspeed_config": {"activation_checkpointing": {"partition_activation": True}}},
+            "activation_checkpointing.partition_activation: unknown key — did you mean partition_activations",
+        ),
+        (
+            {"deepspeed_config": {"activation_checkpointing": {"number_checkpoints": 0}}},
+            "activation_checkpointing.number_checkpoints: expected a positive integer",
+        ),
+        (
+            {"contiguous_checkpointing": True},
+            "contiguous_memory_optimization=true needs activation_checkpointing.number_checkpoints",
+        ),
+        (
+            {"deepspeed_config": {"activation_checkpointing": {"contiguous_memory_optimization": True}}},
+            "configure\\(num_checkpoints=N\\)",
+        ),
+        ({"num_checkpoints": 0}, "configure\\(num_checkpoints=0\\).*number_checkpoints.*positive integer"),
+        ({"checkpoint_in_cpu": "yes"}, "configure\\(checkpoint_in_cpu='yes'\\).*cpu_checkpointing"),
+        ({"deepspeed_config": "/no/such/ds_config.json"}, "neither a file that exists"),
+        ({"mpu_": object()}, "lacks get_model_parallel_group"),
+    ],
+)
 def test_bad_configuration_names_the_key_and_the_fix(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         checkpointing.configure(**kwargs)
@@ -425,10 +450,12 @@ def test_deepspeed_shortcuts_keep_the_rest_of_the_policy():
     checkpointing.set_num_layers(5)
     checkpointing.partition_activations_in_checkpoint(True)
     assert checkpointing.current_policy() == checkpointing.CheckpointingPolicy(
-        partition_activations=True, cpu_checkpointing=True, number_checkpoints=5, profile=True)
+        partition_activations=True, cpu_checkpointing=True, number_checkpoints=5, profile=True
+    )
 
 
 # -- partition math ------------------------------------------------------------------------------
+
 
 def test_partition_chunks_cover_the_tensor_exactly():
     assert [chunk_numel(n, 4) for n in (0, 1, 4, 10, 12)] == [0, 1, 1, 3, 3]
@@ -466,8 +493,10 @@ def test_checkpointing_keeps_one_block_input_per_block():
     one_input = x.numel() * x.element_size()  # 1 MiB
     plain = forward_bytes(blocks, x, checkpointed=False)
     kept = forward_bytes(blocks, x, checkpointed=True)
-    print(f"\nend-of-forward census: no checkpointing {plain / 2**20:.1f} MiB, "
-          f"checkpointing {kept / 2**20:.1f} MiB, one block input {one_input / 2**20:.1f} MiB")
+    print(
+        f"\nend-of-forward census: no checkpointing {plain / 2**20:.1f} MiB, "
+        f"checkpointing {kept / 2**20:.1f} MiB, one block input {one_input / 2**20:.1f} MiB"
+    )
     # inputs of blocks 2..16 plus the last output (block 1's input is x, alive before), the loss, and
     # per checkpoint the host RNG state for the replay (5056 B)
     assert MEM_BLOCKS * one_input <= kept <= MEM_BLOCKS * (one_input + 8 * 1024) + 1024

@@ -1,4 +1,5 @@
 """harness.alloc_peak against sizes known by construction (torch's own element sizes)."""
+
 import torch
 
 from harness.alloc_peak import AllocationTrace
@@ -35,6 +36,7 @@ def test_a_block_freed_on_another_thread_counts_until_its_allocating_operation_e
     import threading
 
     from torch.profiler import record_function
+
     box = {}
     with AllocationTrace(released=True) as trace:
         with trace.window("w"):

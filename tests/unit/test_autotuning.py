@@ -1,5 +1,6 @@
 """The autotuner's pure parts: tuning space, estimator pruning, searches, results, command lines, and
 the orchestration with a fake trial runner (no processes)."""
+
 import json
 from pathlib import Path
 
@@ -9,8 +10,16 @@ from zerospeed.autotuning import command as cmd
 from zerospeed.autotuning.autotuner import Autotuner, AutotuningError, _timeout_rule, parse_bytes
 from zerospeed.autotuning.planner import DOMINATED, OK, PRUNED, ModelInfo, device_bytes, grid_order, min_memory, plan
 from zerospeed.autotuning.results import Record, best_record, summary, table_rows, write_optimal, write_results
-from zerospeed.autotuning.space import (Candidate, micro_batch_ladder, micro_batches, split_space, spread,
-                                        traffic, trial_config, valid)
+from zerospeed.autotuning.space import (
+    Candidate,
+    micro_batch_ladder,
+    micro_batches,
+    split_space,
+    spread,
+    traffic,
+    trial_config,
+    valid,
+)
 from zerospeed.autotuning.trial import TrialResult, trial_timeout
 from zerospeed.autotuning.tuner import better, drive, make_search, model_based, ordered
 from zerospeed.config import ConfigError, parse_config
@@ -27,11 +36,28 @@ def at(**kw):
 def test_block_has_deepspeeds_defaults_and_is_strict():
     a = at()
     assert (a.enabled, a.fast, a.results_dir, a.exps_dir, a.overwrite, a.metric) == (
-        False, True, "autotuning_results", "autotuning_exps", True, "throughput")
+        False,
+        True,
+        "autotuning_results",
+        "autotuning_exps",
+        True,
+        "throughput",
+    )
     assert (a.start_profile_step, a.end_profile_step, a.tuner_type, a.tuner_early_stopping, a.tuner_num_trials) == (
-        3, 5, "gridsearch", 5, 50)
-    assert (a.max_train_batch_size, a.min_train_batch_size, a.max_train_micro_batch_size_per_gpu,
-            a.min_train_micro_batch_size_per_gpu, a.num_tuning_micro_batch_sizes, a.mp_size) == (None, 1, 1024, 1, 3, 1)
+        3,
+        5,
+        "gridsearch",
+        5,
+        50,
+    )
+    assert (
+        a.max_train_batch_size,
+        a.min_train_batch_size,
+        a.max_train_micro_batch_size_per_gpu,
+        a.min_train_micro_batch_size_per_gpu,
+        a.num_tuning_micro_batch_sizes,
+        a.mp_size,
+    ) == (None, 1, 1024, 1, 3, 1)
     with pytest.raises(ConfigError, match="autotuning.tuner_typ"):
         at(tuner_typ="random")
     with pytest.raises(ConfigError, match="autotuning.metric"):
@@ -44,10 +70,16 @@ def test_enabled_block_is_accepted_and_ignored_by_a_training_config():
 
 
 # -- the tuning space ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("zero, stages", [
-    (None, (0,)), ({"stage": 2}, (2,)), ({"stage": [3, 1]}, (1, 3)), ({"stage": "all"}, (0, 1, 2, 3)),
-    ({"stage": ["all"]}, (0, 1, 2, 3)),
-])
+@pytest.mark.parametrize(
+    "zero, stages",
+    [
+        (None, (0,)),
+        ({"stage": 2}, (2,)),
+        ({"stage": [3, 1]}, (1, 3)),
+        ({"stage": "all"}, (0, 1, 2, 3)),
+        ({"stage": ["all"]}, (0, 1, 2, 3)),
+    ],
+)
 def test_stages_follow_deepspeeds_convention(zero, stages):
     raw = {} if zero is None else {"zero_optimization": zero}
     base, space = split_space(raw, at())
@@ -64,24 +96,37 @@ def test_micro_batch_list_number_and_auto():
     assert s.micro_batches == (2, 8)
     _, s = split_space({"train_micro_batch_size_per_gpu": 4}, at(max_train_micro_batch_size_per_gpu=64))
     assert (s.micro_batches, s.min_micro_batch, s.max_micro_batch) == (None, 4, 64)  # a number is the smallest
-    _, s = split_space({"train_micro_batch_size_per_gpu": "auto"}, at(min_train_micro_batch_size_per_gpu=3),
-                       script_values={"train_micro_batch_size_per_gpu": 5})
+    _, s = split_space(
+        {"train_micro_batch_size_per_gpu": "auto"},
+        at(min_train_micro_batch_size_per_gpu=3),
+        script_values={"train_micro_batch_size_per_gpu": 5},
+    )
     assert s.min_micro_batch == 5
     _, s = split_space({}, at(min_train_micro_batch_size_per_gpu=3))
     assert s.min_micro_batch == 3
 
 
 def test_batch_keys_leave_the_base_and_come_back_per_candidate():
-    raw = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": [1, 2], "gradient_accumulation_steps": 4,
-           "optimizer": {"type": "Adam"}, "zero_optimization": {"stage": [1, 2], "overlap_comm": True,
-                                                               "offload_optimizer": {"device": ["none", "cpu"],
-                                                                                     "pin_memory": True}}}
+    raw = {
+        "train_batch_size": 64,
+        "train_micro_batch_size_per_gpu": [1, 2],
+        "gradient_accumulation_steps": 4,
+        "optimizer": {"type": "Adam"},
+        "zero_optimization": {
+            "stage": [1, 2],
+            "overlap_comm": True,
+            "offload_optimizer": {"device": ["none", "cpu"], "pin_memory": True},
+        },
+    }
     base, space = split_space(raw, at())
     assert not set(base) & {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"}
     assert space.gas == 4 and space.offload_optimizer == ("none", "cpu")
     cfg = trial_config(base, Candidate(2, 2, 4, "cpu"), {"metric_path": "m.json"})
-    assert cfg["zero_optimization"] == {"stage": 2, "overlap_comm": True,
-                                        "offload_optimizer": {"pin_memory": True, "device": "cpu"}}
+    assert cfg["zero_optimization"] == {
+        "stage": 2,
+        "overlap_comm": True,
+        "offload_optimizer": {"pin_memory": True, "device": "cpu"},
+    }
     assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (2, 4)
     assert cfg["autotuning"] == {"metric_path": "m.json"}
     assert "offload_optimizer" not in trial_config(base, Candidate(1, 2, 4))["zero_optimization"]
@@ -97,7 +142,9 @@ def test_knobs_need_fast_false():
     assert space.knobs == (("reduce_bucket_size", (5e7, 5e8)),)
     rows = plan(space, None, None)
     assert [r.candidate.name for r in rows if r.candidate.micro_batch == 1] == [
-        "z2_tmbspg1_gas1_reduce_bucket_size-5e07", "z2_tmbspg1_gas1_reduce_bucket_size-5e08"]
+        "z2_tmbspg1_gas1_reduce_bucket_size-5e07",
+        "z2_tmbspg1_gas1_reduce_bucket_size-5e08",
+    ]
 
 
 def test_gas_list_is_refused():
@@ -118,22 +165,26 @@ def test_ladder_spread_and_names():
 
 
 def test_train_batch_bounds_limit_the_micro_batches():
-    _, s = split_space({"gradient_accumulation_steps": 2},
-                       at(max_train_micro_batch_size_per_gpu=64, max_train_batch_size=64, min_train_batch_size=8))
+    _, s = split_space(
+        {"gradient_accumulation_steps": 2},
+        at(max_train_micro_batch_size_per_gpu=64, max_train_batch_size=64, min_train_batch_size=8),
+    )
     assert micro_batches(s, dp_size=4) == [1, 2, 4, 8]  # 8 x 2 x 4 = 64; 1 x 2 x 4 = 8
     assert micro_batches(s, dp_size=8) == [1, 2, 4]
 
 
 # -- the planner -----------------------------------------------------------------------------------------
 MIXED = Precision.of("fp16", "adam")  # 2 + 2 + 4 + 8 bytes per parameter
-INFO = ModelInfo(num_params=10**8, largest_layer_params=10**7, precision=MIXED,
-                 activation_bytes_per_sample=2**28, dp_size=4)  # 256 MiB per sample
+INFO = ModelInfo(
+    num_params=10**8, largest_layer_params=10**7, precision=MIXED, activation_bytes_per_sample=2**28, dp_size=4
+)  # 256 MiB per sample
 
 
 def test_device_bytes_is_the_estimators_model_states_plus_activations():
     for c in (Candidate(0, 2), Candidate(2, 4), Candidate(3, 1), Candidate(3, 2, 1, "cpu", "cpu")):
-        states = placed_model_states(10**8, 4, Option(c.stage, c.offload_optimizer != "none",
-                                                       c.offload_param != "none"), MIXED, 10**7)["device"]
+        states = placed_model_states(
+            10**8, 4, Option(c.stage, c.offload_optimizer != "none", c.offload_param != "none"), MIXED, 10**7
+        )["device"]
         assert device_bytes(c, INFO) == pytest.approx(sum(states.values()) + 2**28 * c.micro_batch)
     # stage 0: 16 bytes/param = 1.6 GB of model states; stage 3: 16/4 = 0.4 GB
     assert device_bytes(Candidate(0, 1), INFO) == pytest.approx(16e8 + 2**28)
@@ -141,15 +192,17 @@ def test_device_bytes_is_the_estimators_model_states_plus_activations():
 
 
 def test_estimator_prunes_what_cannot_fit_and_marks_dominated_before_any_trial():
-    _, space = split_space({"zero_optimization": {"stage": "all"}, "train_micro_batch_size_per_gpu": [1, 2, 4, 8]},
-                           at())
+    _, space = split_space(
+        {"zero_optimization": {"stage": "all"}, "train_micro_batch_size_per_gpu": [1, 2, 4, 8]}, at()
+    )
     # per rank (dp 4) model states: stage 0 16 bytes/param = 1.6e9, stage 1 2+2+12/4 = 0.7e9, stage 2
     # 2+14/4 = 0.55e9, stage 3 16/4 = 0.4e9; activations 2**28 = 0.268e9 per sample
     rows = {r.candidate.name: r for r in plan(space, INFO, 3e9)}
     assert {n for n, r in rows.items() if r.status == PRUNED} == {"z0_tmbspg8_gas1"}  # 1.6e9 + 8 x 0.268e9
     assert rows["z0_tmbspg8_gas1"].note == "estimate 3.49 GiB > budget 2.79 GiB"
     assert {n for n, r in rows.items() if r.status == OK} == {
-        f"z{s}_tmbspg{m}_gas1" for s in (0, 1, 2) for m in (1, 2, 4, 8)} - {"z0_tmbspg8_gas1"}
+        f"z{s}_tmbspg{m}_gas1" for s in (0, 1, 2) for m in (1, 2, 4, 8)
+    } - {"z0_tmbspg8_gas1"}
     # stage 3 is kept only where no stage 0-2 fits: here nowhere
     assert {n for n, r in rows.items() if r.status == DOMINATED} == {f"z3_tmbspg{m}_gas1" for m in (1, 2, 4, 8)}
     assert rows["z3_tmbspg8_gas1"].dominated_by == Candidate(1, 8)
@@ -166,54 +219,114 @@ def test_tiers_follow_the_bytes_each_stage_moves():
     assert Candidate(1, 8, 2).tier == Candidate(0, 8, 2).tier < Candidate(2, 8, 2).tier < Candidate(3, 8, 2).tier
     assert Candidate(3, 8, 1).tier < Candidate(1, 8, 1, "cpu").tier < Candidate(3, 8, 1, "cpu", "cpu").tier
     # with accumulation, stage 2 is dominated where stage 0 or 1 fits
-    _, space = split_space({"zero_optimization": {"stage": "all"}, "train_micro_batch_size_per_gpu": [8],
-                            "gradient_accumulation_steps": 2}, at())
+    _, space = split_space(
+        {
+            "zero_optimization": {"stage": "all"},
+            "train_micro_batch_size_per_gpu": [8],
+            "gradient_accumulation_steps": 2,
+        },
+        at(),
+    )
     rows = {r.candidate.name: r for r in plan(space, INFO, 3.5e9)}
-    assert {n: r.status for n, r in rows.items()} == {"z0_tmbspg8_gas2": PRUNED, "z1_tmbspg8_gas2": OK,
-                                                     "z2_tmbspg8_gas2": DOMINATED, "z3_tmbspg8_gas2": DOMINATED}
-    assert rows["z2_tmbspg8_gas2"].note == ("z1_tmbspg8_gas2 fits the same micro batch and moves less (2x the model "
-                                            "per step vs 3x the model per step)")
+    assert {n: r.status for n, r in rows.items()} == {
+        "z0_tmbspg8_gas2": PRUNED,
+        "z1_tmbspg8_gas2": OK,
+        "z2_tmbspg8_gas2": DOMINATED,
+        "z3_tmbspg8_gas2": DOMINATED,
+    }
+    assert rows["z2_tmbspg8_gas2"].note == (
+        "z1_tmbspg8_gas2 fits the same micro batch and moves less (2x the model per step vs 3x the model per step)"
+    )
 
 
 def test_ladder_keeps_a_spread_of_the_sizes_that_fit_per_stage():
-    _, space = split_space({"zero_optimization": {"stage": [0, 3]}},
-                           at(max_train_micro_batch_size_per_gpu=1024, num_tuning_micro_batch_sizes=3))
+    _, space = split_space(
+        {"zero_optimization": {"stage": [0, 3]}},
+        at(max_train_micro_batch_size_per_gpu=1024, num_tuning_micro_batch_sizes=3),
+    )
     rows = plan(space, INFO, 6e9, prune_dominated=False)
     kept = {(r.candidate.stage, r.candidate.micro_batch) for r in rows if r.status == OK}
     # stage 0 fits up to (6e9 - 1.6e9) / 2**28 = 16.4 -> 16; stage 3 up to 20.8 -> 16 too (the ladder doubles)
     assert kept == {(0, 1), (0, 4), (0, 16), (3, 1), (3, 4), (3, 16)}
     assert {r.candidate.micro_batch for r in rows if r.status == PRUNED and r.candidate.stage == 0} == {
-        32, 64, 128, 256, 512, 1024}
+        32,
+        64,
+        128,
+        256,
+        512,
+        1024,
+    }
 
 
 def test_no_info_no_budget_means_every_candidate():
-    _, space = split_space({"zero_optimization": {"stage": "all"}, "train_micro_batch_size_per_gpu": [1, 2, 4, 8]},
-                           at())
+    _, space = split_space(
+        {"zero_optimization": {"stage": "all"}, "train_micro_batch_size_per_gpu": [1, 2, 4, 8]}, at()
+    )
     rows = plan(space, None, None, prune_dominated=False)
     assert len(rows) == 16 and all(r.status == OK for r in rows)
-    assert [r.candidate.name for r in rows[:4]] == ["z0_tmbspg8_gas1", "z1_tmbspg8_gas1", "z2_tmbspg8_gas1",
-                                                    "z0_tmbspg4_gas1"]
+    assert [r.candidate.name for r in rows[:4]] == [
+        "z0_tmbspg8_gas1",
+        "z1_tmbspg8_gas1",
+        "z2_tmbspg8_gas1",
+        "z0_tmbspg4_gas1",
+    ]
     assert rows[-1].candidate.name == "z3_tmbspg1_gas1"
     assert min_memory(space) == Candidate(3, 1)
 
 
 def test_grid_order_is_tier_then_largest_micro_batch():
-    rows = grid_order([p for p in plan(split_space({"zero_optimization": {
-        "stage": [1, 3], "offload_optimizer": {"device": ["none", "cpu"]}}, "train_micro_batch_size_per_gpu": [1, 2]},
-        at())[1], None, None, prune_dominated=False)])
+    rows = grid_order(
+        [
+            p
+            for p in plan(
+                split_space(
+                    {
+                        "zero_optimization": {"stage": [1, 3], "offload_optimizer": {"device": ["none", "cpu"]}},
+                        "train_micro_batch_size_per_gpu": [1, 2],
+                    },
+                    at(),
+                )[1],
+                None,
+                None,
+                prune_dominated=False,
+            )
+        ]
+    )
     assert [r.candidate.name for r in rows] == [
-        "z1_tmbspg2_gas1", "z1_tmbspg1_gas1", "z3_tmbspg2_gas1", "z3_tmbspg1_gas1",
-        "z1_tmbspg2_gas1_offopt-cpu", "z1_tmbspg1_gas1_offopt-cpu", "z3_tmbspg2_gas1_offopt-cpu",
-        "z3_tmbspg1_gas1_offopt-cpu"]
+        "z1_tmbspg2_gas1",
+        "z1_tmbspg1_gas1",
+        "z3_tmbspg2_gas1",
+        "z3_tmbspg1_gas1",
+        "z1_tmbspg2_gas1_offopt-cpu",
+        "z1_tmbspg1_gas1_offopt-cpu",
+        "z3_tmbspg2_gas1_offopt-cpu",
+        "z3_tmbspg1_gas1_offopt-cpu",
+    ]
 
 
 def test_model_info_from_the_profile_run():
-    info = {"num_params": 1000, "largest_layer_params": 100, "param_bytes": 2, "grad_bytes": 4, "master_bytes": 4,
-            "optim_bytes": 8, "activation_bytes": 4096, "micro_batch": 2, "dp_world_size": 4, "local_size": 2,
-            "device": "cpu", "device_memory": 8 * 2**30}
+    info = {
+        "num_params": 1000,
+        "largest_layer_params": 100,
+        "param_bytes": 2,
+        "grad_bytes": 4,
+        "master_bytes": 4,
+        "optim_bytes": 8,
+        "activation_bytes": 4096,
+        "micro_batch": 2,
+        "dp_world_size": 4,
+        "local_size": 2,
+        "device": "cpu",
+        "device_memory": 8 * 2**30,
+    }
     m = ModelInfo.from_profile(info, mp_size=2)
     assert (m.num_params, m.largest_layer_params, m.precision, m.activation_bytes_per_sample, m.dp_size) == (
-        1000, 100, Precision(2, 4, 4, 8), 2048, 2)
+        1000,
+        100,
+        Precision(2, 4, 4, 8),
+        2048,
+        2,
+    )
     assert m.device_memory_per_rank == 4 * 2**30  # two ranks share the host
     assert ModelInfo.from_profile({**info, "device": "cuda"}).device_memory_per_rank == 8 * 2**30
 
@@ -252,8 +365,14 @@ def test_model_based_descends_the_micro_batch_then_tries_the_other_stages():
     tried = run(model_based(cands, "throughput"), values)
     # stage 0 from 8 down: 4 is worse -> micro batch 8; then stages 1 (better), 2 (worse: stop); then tier 1
     # (stage 3) is searched and is no better -> stop
-    assert tried == ["z0_tmbspg8_gas1", "z0_tmbspg4_gas1", "z1_tmbspg8_gas1", "z2_tmbspg8_gas1",
-                     "z3_tmbspg8_gas1", "z3_tmbspg4_gas1"]
+    assert tried == [
+        "z0_tmbspg8_gas1",
+        "z0_tmbspg4_gas1",
+        "z1_tmbspg8_gas1",
+        "z2_tmbspg8_gas1",
+        "z3_tmbspg8_gas1",
+        "z3_tmbspg4_gas1",
+    ]
 
 
 def test_model_based_skips_failed_trials_and_finds_a_peak_inside():
@@ -261,14 +380,25 @@ def test_model_based_skips_failed_trials_and_finds_a_peak_inside():
     cands = [Candidate(s, m) for s in (0, 1) for m in (1, 2, 4, 8)]
     tried = run(model_based(cands, "throughput"), values)  # z0 mbs 8 crashes (None): skipped, not a fall
     # stage 1 from its largest size down to 2: 8 and 4 fail, 2 is worse than stage 0's best -> stop
-    assert tried == ["z0_tmbspg8_gas1", "z0_tmbspg4_gas1", "z0_tmbspg2_gas1", "z0_tmbspg1_gas1", "z1_tmbspg8_gas1",
-                     "z1_tmbspg4_gas1", "z1_tmbspg2_gas1"]
+    assert tried == [
+        "z0_tmbspg8_gas1",
+        "z0_tmbspg4_gas1",
+        "z0_tmbspg2_gas1",
+        "z0_tmbspg1_gas1",
+        "z1_tmbspg8_gas1",
+        "z1_tmbspg4_gas1",
+        "z1_tmbspg2_gas1",
+    ]
 
 
 def test_model_based_descends_the_next_variant_when_one_fails_entirely():
     cands = [Candidate(s, m) for s in (0, 1) for m in (1, 2)]
     assert run(model_based(cands, "latency"), {"z1_tmbspg2_gas1": 3.0, "z1_tmbspg1_gas1": 2.0}) == [
-        "z0_tmbspg2_gas1", "z0_tmbspg1_gas1", "z1_tmbspg2_gas1", "z1_tmbspg1_gas1"]
+        "z0_tmbspg2_gas1",
+        "z0_tmbspg1_gas1",
+        "z1_tmbspg2_gas1",
+        "z1_tmbspg1_gas1",
+    ]
 
 
 def test_random_is_a_seeded_permutation():
@@ -323,8 +453,11 @@ def test_results_table_and_summary(tmp_path):
 
 
 def test_optimal_config_has_no_autotuning_block(tmp_path):
-    path = write_optimal(tmp_path, {"train_micro_batch_size_per_gpu": 8, "autotuning": {"enabled": True}},
-                         ["python", "-m", "zerospeed.launcher", "t.py"])
+    path = write_optimal(
+        tmp_path,
+        {"train_micro_batch_size_per_gpu": 8, "autotuning": {"enabled": True}},
+        ["python", "-m", "zerospeed.launcher", "t.py"],
+    )
     assert json.loads(path.read_text()) == {"train_micro_batch_size_per_gpu": 8}
     assert (tmp_path / "cmd_optimal.txt").read_text() == "python -m zerospeed.launcher t.py\n"
 
@@ -338,12 +471,22 @@ def test_config_path_and_mapped_arguments():
         cmd.find_config(["--deepspeed"])
     assert cmd.replace_config(args, "ds.json", "/r/z1.json")[3] == "/r/z1.json"
     assert cmd.replace_config(["--deepspeed_config=ds.json"], "ds.json", "n.json") == ["--deepspeed_config=n.json"]
-    maps = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
-            "gradient_accumulation_steps ": "--gradient_accumulation_steps"}
+    maps = {
+        "train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
+        "gradient_accumulation_steps ": "--gradient_accumulation_steps",
+    }
     assert cmd.mapped_values(args, maps) == {"train_micro_batch_size_per_gpu": 4}
     out = cmd.apply_mappings(args, maps, {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 2})
-    assert out == ["--lr", "1", "--deepspeed", "ds.json", "--per_device_train_batch_size", "16",
-                   "--gradient_accumulation_steps", "2"]
+    assert out == [
+        "--lr",
+        "1",
+        "--deepspeed",
+        "ds.json",
+        "--per_device_train_batch_size",
+        "16",
+        "--gradient_accumulation_steps",
+        "2",
+    ]
 
 
 def test_launcher_flags_drop_the_autotuning_flag_and_the_user_part():
@@ -358,9 +501,20 @@ def test_parse_bytes():
 
 
 # -- the orchestration, with a fake trial runner --------------------------------------------------------------
-PROFILE = {"num_params": 10**8, "largest_layer_params": 10**7, "param_bytes": 2, "grad_bytes": 2, "master_bytes": 4,
-           "optim_bytes": 8, "activation_bytes": 2**28, "micro_batch": 1, "dp_world_size": 4, "local_size": 4,
-           "device": "cuda", "device_memory": 3e9 / 0.9}
+PROFILE = {
+    "num_params": 10**8,
+    "largest_layer_params": 10**7,
+    "param_bytes": 2,
+    "grad_bytes": 2,
+    "master_bytes": 4,
+    "optim_bytes": 8,
+    "activation_bytes": 2**28,
+    "micro_batch": 1,
+    "dp_world_size": 4,
+    "local_size": 4,
+    "device": "cuda",
+    "device_memory": 3e9 / 0.9,
+}
 
 
 def fake_tuner(tmp_path, monkeypatch, config, outcomes):
@@ -375,16 +529,25 @@ def fake_tuner(tmp_path, monkeypatch, config, outcomes):
         if name == "profile_model_info":
             return TrialResult("ok", 1.0, 0, PROFILE)
         status, value = outcomes.get(name, ("ok", 1.0))
-        return TrialResult(status, 2.0, 0 if status == "ok" else 1, {"throughput": value} if status == "ok" else {},
-                           "" if status == "ok" else "exit code 1: boom")
+        return TrialResult(
+            status,
+            2.0,
+            0 if status == "ok" else 1,
+            {"throughput": value} if status == "ok" else {},
+            "" if status == "ok" else "exit code 1: boom",
+        )
 
     monkeypatch.setattr(tuner, "_launch", launch)
     return tuner, launched
 
 
-CONFIG = {"train_micro_batch_size_per_gpu": [1, 2, 4, 8], "zero_optimization": {"stage": "all"},
-          "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "fp16": {"enabled": True},
-          "autotuning": {"enabled": True, "tuner_type": "model_based", "results_dir": "res", "exps_dir": "exps"}}
+CONFIG = {
+    "train_micro_batch_size_per_gpu": [1, 2, 4, 8],
+    "zero_optimization": {"stage": "all"},
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+    "fp16": {"enabled": True},
+    "autotuning": {"enabled": True, "tuner_type": "model_based", "results_dir": "res", "exps_dir": "exps"},
+}
 
 
 def test_tune_prunes_searches_and_writes_the_optimal_config(tmp_path, monkeypatch):
@@ -394,8 +557,15 @@ def test_tune_prunes_searches_and_writes_the_optimal_config(tmp_path, monkeypatc
     outcome = tuner.tune()
     # budget 3e9: z0/z1 fit micro batch <= 4, z2 <= 8 (see the planner test); stage 3 dominated everywhere
     # budget 3e9: stage 0 fits micro batch <= 4, stages 1-2 <= 8; stage 3 is dominated everywhere
-    assert launched == ["profile_model_info", "z0_tmbspg4_gas1", "z0_tmbspg2_gas1", "z0_tmbspg1_gas1",
-                        "z1_tmbspg8_gas1", "z1_tmbspg4_gas1", "z2_tmbspg8_gas1"]
+    assert launched == [
+        "profile_model_info",
+        "z0_tmbspg4_gas1",
+        "z0_tmbspg2_gas1",
+        "z0_tmbspg1_gas1",
+        "z1_tmbspg8_gas1",
+        "z1_tmbspg4_gas1",
+        "z2_tmbspg8_gas1",
+    ]
     status = {r.candidate.name: r.status for r in outcome.records}
     assert status["z0_tmbspg8_gas1"] == "pruned" and status["z0_tmbspg4_gas1"] == "crashed"
     assert status["z3_tmbspg4_gas1"] == "dominated"  # its twin z0 crashed, but z1_tmbspg4 ran
@@ -405,7 +575,12 @@ def test_tune_prunes_searches_and_writes_the_optimal_config(tmp_path, monkeypatc
     assert optimal["zero_optimization"] == {"stage": 2} and optimal["train_micro_batch_size_per_gpu"] == 8
     assert "autotuning" not in optimal
     assert (tmp_path / "res" / "cmd_optimal.txt").read_text().split()[-4:] == [
-        "--num_gpus", "4", "train.py", "--deepspeed", str(tmp_path / "res" / "ds_config_optimal.json")][-4:]
+        "--num_gpus",
+        "4",
+        "train.py",
+        "--deepspeed",
+        str(tmp_path / "res" / "ds_config_optimal.json"),
+    ][-4:]
     for name in ("results.csv", "results.md", "summary.txt"):
         assert (tmp_path / "res" / name).exists()
 
@@ -422,8 +597,11 @@ def test_a_dominated_candidate_is_revived_when_its_faster_twin_fails(tmp_path, m
 def test_nothing_fits_is_an_error_naming_the_smallest(tmp_path, monkeypatch):
     monkeypatch.setenv("ZEROSPEED_AUTOTUNING_DEVICE_MEMORY", "100MiB")
     tuner, _ = fake_tuner(tmp_path, monkeypatch, CONFIG, {})
-    with pytest.raises(AutotuningError, match=r"smallest, z3_tmbspg1_gas1, needs 0.62 GiB per rank, the budget "
-                                              r"is 0.10 GiB"):
+    with pytest.raises(
+        AutotuningError,
+        match=r"smallest, z3_tmbspg1_gas1, needs 0.62 GiB per rank, the budget "
+        r"is 0.10 GiB",
+    ):
         tuner.tune()
 
 
@@ -436,6 +614,7 @@ def test_exhaustive_runs_every_candidate_without_a_profile_run(tmp_path, monkeyp
 
 def test_run_trains_with_the_optimal_config(tmp_path, monkeypatch):
     import subprocess
+
     tuner, _ = fake_tuner(tmp_path, monkeypatch, CONFIG, {})
     tuner.tune()
     ran = []
@@ -455,9 +634,16 @@ def test_results_dir_is_relative_to_the_launch_directory(tmp_path, monkeypatch):
     assert tuner.results_dir == Path(tmp_path) / "res" and tuner.exps_dir == Path(tmp_path) / "exps"
 
 
-@pytest.mark.parametrize("flags, ranks_per_node, hostfile", [
-    ([], (1,), False), (["--num_gpus", "4"], (4,), False), (["--num_gpus=2", "--num_nodes", "3"], (2, 2, 2), False),
-    (["--num_accelerators", "2", "-H", "hosts"], (2,), True), (["--hostfile=hosts"], (1,), True)])
+@pytest.mark.parametrize(
+    "flags, ranks_per_node, hostfile",
+    [
+        ([], (1,), False),
+        (["--num_gpus", "4"], (4,), False),
+        (["--num_gpus=2", "--num_nodes", "3"], (2, 2, 2), False),
+        (["--num_accelerators", "2", "-H", "hosts"], (2,), True),
+        (["--hostfile=hosts"], (1,), True),
+    ],
+)
 def test_trial_world_from_the_flags_alone(flags, ranks_per_node, hostfile):
     world = cmd.TrialWorld.from_flags(flags)
     assert (world.ranks_per_node, world.hostfile, world.nodes) == (ranks_per_node, hostfile, len(ranks_per_node))

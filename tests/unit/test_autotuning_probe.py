@@ -1,6 +1,7 @@
 """The trial side of the autotuner in one process: the probe (profiling/trial_probe.py, run by the engine's
 observer) writes DeepSpeed's metrics at end_profile_step and exits, or the model information after the
 first forward pass."""
+
 import json
 
 import pytest
@@ -10,9 +11,12 @@ import zerospeed
 from zerospeed.profiling.trial_probe import ENV_METRIC_PATH, ENV_MODEL_INFO_PATH, step_metrics
 from zoo.models import TinyMLP
 
-CFG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
-       "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-       "autotuning": {"enabled": True, "start_profile_step": 2, "end_profile_step": 3}}
+CFG = {
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 2,
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+    "autotuning": {"enabled": True, "start_profile_step": 2, "end_profile_step": 3},
+}
 
 
 def train(engine, steps=10):

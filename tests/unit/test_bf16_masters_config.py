@@ -1,6 +1,7 @@
 """`bf16.bf16_master_weights_and_grads` / `bf16_optimizer_states` (Note [bf16 masters] in precision/policy.py):
 DeepSpeed's rules as errors naming the keys, and the policy they resolve to. Training is
 tests/dist/test_bf16_masters.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,14 +27,24 @@ def test_both_switches_make_every_optimizer_dtype_bf16_and_drop_the_master_copy(
     assert standard.master_dtype == torch.float32 and standard.master_bytes == 4
 
 
-@pytest.mark.parametrize("bf16, zero, match", [
-    ({"enabled": False, **BOTH}, None, r"bf16.bf16_master_weights_and_grads=true needs bf16.enabled=true"),
-    ({"enabled": True, "bf16_optimizer_states": True}, None,
-     r"bf16_optimizer_states=true needs bf16.bf16_master_weights_and_grads=true"),
-    ({"enabled": True, "bf16_master_weights_and_grads": True}, None, r"bf16_optimizer_states=false keeps fp32"),
-    ({"enabled": True, **BOTH}, {"stage": 0}, r"needs ZeRO stage 1, 2 or 3"),
-    ({"enabled": True, **BOTH}, {"stage": 2, "offload_optimizer": {"device": "cpu"}}, r"offload_optimizer.device='cpu'"),
-])
+@pytest.mark.parametrize(
+    "bf16, zero, match",
+    [
+        ({"enabled": False, **BOTH}, None, r"bf16.bf16_master_weights_and_grads=true needs bf16.enabled=true"),
+        (
+            {"enabled": True, "bf16_optimizer_states": True},
+            None,
+            r"bf16_optimizer_states=true needs bf16.bf16_master_weights_and_grads=true",
+        ),
+        ({"enabled": True, "bf16_master_weights_and_grads": True}, None, r"bf16_optimizer_states=false keeps fp32"),
+        ({"enabled": True, **BOTH}, {"stage": 0}, r"needs ZeRO stage 1, 2 or 3"),
+        (
+            {"enabled": True, **BOTH},
+            {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            r"offload_optimizer.device='cpu'",
+        ),
+    ],
+)
 def test_deepspeeds_rules_name_the_keys(bf16, zero, match):
     with pytest.raises(ConfigError, match=match):
         _policy(bf16, zero)

@@ -1,5 +1,6 @@
 """The one block quantizer (zerospeed.precision.quantize, Note [block grids]) in each of its forms and its
 three users' settings, checked against the grid formulas written out element by element."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,7 +25,7 @@ def _formula(row: list[float], bits: int, form: str, lo: float | None = None, hi
         step = scale if scale != 0 else f(1.0)
         codes = [min(max(torch.round(f(x) / step).item(), -top), top) for x in row]
         return codes, scale.item(), None, [(f(c) * scale).item() for c in codes]
-    levels = 2 ** bits - 1
+    levels = 2**bits - 1
     scale = (f(hi) - f(lo)) / levels
     step = scale if scale != 0 else f(1.0)
     if form == "minimum":
@@ -77,12 +78,12 @@ def test_weight_groups_are_flat_blocks_with_scales_in_the_weight_dtype():
     want = torch.empty(3, 16, dtype=torch.bfloat16)
     for r in range(3):
         for gi in range(2):
-            row = w[r, 8 * gi:8 * gi + 8].float().tolist()
+            row = w[r, 8 * gi : 8 * gi + 8].float().tolist()
             codes, scale, lo, _ = _formula(row, 8, "minimum")
-            assert qw.data[r, 8 * gi:8 * gi + 8].tolist() == codes
+            assert qw.data[r, 8 * gi : 8 * gi + 8].tolist() == codes
             s, m = torch.tensor(scale).bfloat16(), torch.tensor(lo).bfloat16()
             assert qw.scale[r, gi] == s and qw.minimum[r, gi] == m
-            want[r, 8 * gi:8 * gi + 8] = torch.tensor(codes).bfloat16() * s + m
+            want[r, 8 * gi : 8 * gi + 8] = torch.tensor(codes).bfloat16() * s + m
     assert torch.equal(dequantize(qw), want)
 
 

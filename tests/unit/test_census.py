@@ -1,4 +1,5 @@
 """The tensor census counts each storage once, whatever views and parameters share it."""
+
 import torch
 
 from harness import live_tensor_bytes

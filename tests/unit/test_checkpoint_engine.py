@@ -1,5 +1,6 @@
 """save_checkpoint / load_checkpoint / save_16bit_model through one-process engines: round trips,
 `latest`, errors that name the file or the parameters, partial loads, interrupted saves."""
+
 from __future__ import annotations
 
 import logging
@@ -12,8 +13,9 @@ import torch
 import zerospeed
 from zerospeed.checkpoint import CheckpointError
 from zerospeed.checkpoint.manifest import read_manifest
-from zoo.models import GPT, GPTConfig
 from zerospeed.zero.shards import parameter_names
+from zoo.models import GPT, GPTConfig
+
 
 @pytest.fixture(autouse=True)
 def one_thread():
@@ -28,10 +30,13 @@ SMALL = GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=1, n_embd=15, b
 
 
 def config(stage=1, **over):
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
-           "zero_optimization": {"stage": stage, "reduce_bucket_size": 400}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 400},
+    }
     cfg.update(over)
     return cfg
 
@@ -94,8 +99,9 @@ def test_an_explicit_missing_tag_or_an_incomplete_directory_is_an_error(tmp_path
         engine.load_checkpoint(tmp_path, tag="half")
 
 
-@pytest.mark.parametrize("how,message", [("flip", "is corrupted: sha256"), ("truncate", "is truncated: "),
-                                         ("delete", "is missing")])
+@pytest.mark.parametrize(
+    "how,message", [("flip", "is corrupted: sha256"), ("truncate", "is truncated: "), ("delete", "is missing")]
+)
 def test_a_damaged_file_is_named(tmp_path, how, message):
     engine = engine_for(stage=2)
     train(engine)
@@ -120,12 +126,18 @@ def test_a_checkpoint_of_another_model_names_the_mismatching_parameters(tmp_path
     src = engine_for()
     src.save_checkpoint(tmp_path)
     wider = engine_for(model_cfg=GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=1, n_embd=16, bias=False))
-    with pytest.raises(CheckpointError, match=r"saved from a different model: shape mismatch: wte.weight "
-                                              r"\(checkpoint \[64, 15\], model \[64, 16\]\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"saved from a different model: shape mismatch: wte.weight "
+        r"\(checkpoint \[64, 15\], model \[64, 16\]\)",
+    ):
         wider.load_checkpoint(tmp_path)
     deeper = engine_for(model_cfg=GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=1, n_embd=15, bias=False))
-    with pytest.raises(CheckpointError, match=r"missing from the checkpoint: blocks.1.ln_1.weight, "
-                                              r"blocks.1.attn.qkv.weight"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing from the checkpoint: blocks.1.ln_1.weight, "
+        r"blocks.1.attn.qkv.weight",
+    ):
         deeper.load_checkpoint(tmp_path)
     before = weights(deeper)
     deeper.load_checkpoint(tmp_path, load_module_strict=False)
@@ -139,8 +151,9 @@ def test_another_optimizer_needs_load_optimizer_states_false(tmp_path):
     train(src)
     src.save_checkpoint(tmp_path)
     sgd = engine_for(optimizer={"type": "SGD", "params": {"lr": 0.1}}, zero_allow_untested_optimizer=True)
-    with pytest.raises(CheckpointError, match="holds AdamW optimizer state, this engine uses SGD; pass "
-                                              "load_optimizer_states=False"):
+    with pytest.raises(
+        CheckpointError, match="holds AdamW optimizer state, this engine uses SGD; pass load_optimizer_states=False"
+    ):
         sgd.load_checkpoint(tmp_path)
     sgd.load_checkpoint(tmp_path, load_optimizer_states=False)
     assert_weights_equal(weights(src), weights(sgd))
@@ -159,8 +172,10 @@ def test_load_module_only_leaves_the_optimizer_and_counters(tmp_path):
     for e in dst.zero.shard_entries(parameter_names(dst.module)):
         for p in e.pieces:
             param = dst.module.get_parameter(p.name).detach().reshape(-1)
-            assert torch.equal(e.master.view(-1)[p.offset:p.offset + p.numel],
-                               param[p.param_offset:p.param_offset + p.numel].float())
+            assert torch.equal(
+                e.master.view(-1)[p.offset : p.offset + p.numel],
+                param[p.param_offset : p.param_offset + p.numel].float(),
+            )
 
 
 def test_client_state_cannot_overwrite_checkpoint_keys(tmp_path):
@@ -238,8 +253,9 @@ def test_manifest_records_layout_and_checksums(tmp_path):
     pieces = [p for e in m["partition"][0]["entries"] for p in e["pieces"]]
     trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
     assert sum(p[3] for p in pieces) == trainable
-    assert all(e["elementwise"] == ["exp_avg", "exp_avg_sq"] and e["scalars"] == ["step"]
-               for e in m["partition"][0]["entries"])
+    assert all(
+        e["elementwise"] == ["exp_avg", "exp_avg_sq"] and e["scalars"] == ["step"] for e in m["partition"][0]["entries"]
+    )
 
 
 def test_the_fp16_loss_scale_and_scheduler_are_restored(tmp_path):
@@ -275,12 +291,19 @@ def test_save_16bit_model_can_exclude_frozen_parameters(tmp_path, stage):
     # exclude_frozen_parameters=False); excluded = the parameters with requires_grad False
     import zerospeed
     from zoo.models import TinyMLP
+
     torch.manual_seed(0)
     model = TinyMLP()
     list(model.parameters())[0].requires_grad_(False)  # the first layer's weight
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
-    engine, *_ = zerospeed.initialize(model=model, config={"train_batch_size": 2, "zero_optimization": {"stage": stage},
-                                                           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine, *_ = zerospeed.initialize(
+        model=model,
+        config={
+            "train_batch_size": 2,
+            "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        },
+    )
     engine.save_16bit_model(tmp_path / "all")
     engine.save_16bit_model(tmp_path / "trainable", exclude_frozen_parameters=True)
     everything = torch.load(tmp_path / "all" / "pytorch_model.bin", weights_only=True)

@@ -1,5 +1,6 @@
 """File-level pieces: atomic writes, the tag directory swap, the safetensors format, the resumable
 training DataLoader — no processes."""
+
 from __future__ import annotations
 
 import struct
@@ -67,16 +68,26 @@ def test_resolving_a_missing_tag_names_the_directory(tmp_path):
 
 def test_safetensors_round_trip_of_every_common_dtype(tmp_path):
     g = torch.Generator().manual_seed(0)
-    tensors = {"f32": torch.randn(3, 4, generator=g), "bf16": torch.randn(5, generator=g).bfloat16(),
-               "f16": torch.randn(2, 2, generator=g).half(), "f64": torch.randn(2, generator=g).double(),
-               "f8": torch.randn(4, generator=g).to(torch.float8_e4m3fn),
-               "f8e5": torch.randn(4, generator=g).to(torch.float8_e5m2),
-               "i64": torch.arange(7), "i32": torch.arange(3, dtype=torch.int32),
-               "i16": torch.tensor([-2, 300], dtype=torch.int16), "i8": torch.tensor([-3, 4], dtype=torch.int8),
-               "u8": torch.tensor([255], dtype=torch.uint8), "u32": torch.tensor([2**32 - 1], dtype=torch.uint32),
-               "bool": torch.tensor([True, False]), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
-               "noncontig": torch.arange(12.0).view(3, 4).t(), "halves_a": torch.arange(8.0)[:4],
-               "grad": torch.ones(2, requires_grad=True)}
+    tensors = {
+        "f32": torch.randn(3, 4, generator=g),
+        "bf16": torch.randn(5, generator=g).bfloat16(),
+        "f16": torch.randn(2, 2, generator=g).half(),
+        "f64": torch.randn(2, generator=g).double(),
+        "f8": torch.randn(4, generator=g).to(torch.float8_e4m3fn),
+        "f8e5": torch.randn(4, generator=g).to(torch.float8_e5m2),
+        "i64": torch.arange(7),
+        "i32": torch.arange(3, dtype=torch.int32),
+        "i16": torch.tensor([-2, 300], dtype=torch.int16),
+        "i8": torch.tensor([-3, 4], dtype=torch.int8),
+        "u8": torch.tensor([255], dtype=torch.uint8),
+        "u32": torch.tensor([2**32 - 1], dtype=torch.uint32),
+        "bool": torch.tensor([True, False]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
+        "noncontig": torch.arange(12.0).view(3, 4).t(),
+        "halves_a": torch.arange(8.0)[:4],
+        "grad": torch.ones(2, requires_grad=True),
+    }
     tensors["halves_b"] = tensors["halves_a"]._base[4:]  # disjoint views of one buffer are fine
     write_safetensors(tmp_path / "x.safetensors", tensors, {"k": "v"})
     back, meta = read_safetensors(tmp_path / "x.safetensors")
@@ -89,8 +100,12 @@ def test_safetensors_round_trip_of_every_common_dtype(tmp_path):
 
 def test_zerospeed_and_the_safetensors_package_read_each_others_files(tmp_path):
     g = torch.Generator().manual_seed(1)
-    tensors = {"w": torch.randn(3, 5, generator=g), "h": torch.randn(4, generator=g).bfloat16(), "i": torch.arange(3),
-               "b": torch.tensor([True])}
+    tensors = {
+        "w": torch.randn(3, 5, generator=g),
+        "h": torch.randn(4, generator=g).bfloat16(),
+        "i": torch.arange(3),
+        "b": torch.tensor([True]),
+    }
     write_safetensors(tmp_path / "ours.safetensors", tensors, {"format": "pt", "tied": "{}"})
     theirs = safetensors_torch.load_file(str(tmp_path / "ours.safetensors"))
     assert theirs.keys() == tensors.keys() and all(torch.equal(theirs[k], v) for k, v in tensors.items())
@@ -112,7 +127,9 @@ def test_a_bad_safetensors_file_or_a_missing_tensor_names_the_file(tmp_path):
     data = path.read_bytes()
     for bad in (data[:-4], b"\x00" * 5, struct.pack("<Q", 4) + b"{no}"):
         path.write_bytes(bad)
-        with pytest.raises(SafetensorsError, match=rf"{path} is not a readable safetensors file .*truncated or corrupt"):
+        with pytest.raises(
+            SafetensorsError, match=rf"{path} is not a readable safetensors file .*truncated or corrupt"
+        ):
             read_safetensors(path)
     with pytest.raises(FileNotFoundError):
         read_safetensors(tmp_path / "absent.safetensors")
@@ -143,8 +160,16 @@ def test_shared_memory_is_refused_by_the_writer_and_cloned_by_the_export(tmp_pat
     with pytest.raises(TypeError, match=r"cannot store \['c'\] of dtype torch.complex128"):
         write_safetensors(tmp_path / "c.safetensors", {"c": torch.zeros(2, dtype=torch.complex128)})
     assert sorted(p.name for p in tmp_path.iterdir()) == []
-    sd = {"all": w, "head": w[:4], "tail": w[4:], "mid": w[2:6], "alias": w, "flat": w.view(2, 4),
-          "empty_inside": w[3:3], "t": torch.ones(2, 3).t()}
+    sd = {
+        "all": w,
+        "head": w[:4],
+        "tail": w[4:],
+        "mid": w[2:6],
+        "alias": w,
+        "flat": w.view(2, 4),
+        "empty_inside": w[3:3],
+        "t": torch.ones(2, 3).t(),
+    }
     disjoint = {k: sd[k] for k in ("head", "tail", "t")}
     assert all(v is disjoint[k] for k, v in clone_overlapping(disjoint).items())  # no copy
     kept = clone_overlapping({k: sd[k] for k in ("head", "mid", "all", "tail")})

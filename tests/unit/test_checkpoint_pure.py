@@ -1,5 +1,6 @@
 """Pure pieces of zerospeed.checkpoint: names, tags, coverage, sizes, shard plans, model mismatches,
 layouts, the data-sampler resume position — exact values, no processes."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,9 +25,18 @@ def test_deepspeed_file_names():
     assert str(paths.staging) == "/ck/.global_step7.partial" and str(paths.previous) == "/ck/.global_step7.previous"
 
 
-@pytest.mark.parametrize("tag,why", [("", "non-empty"), (None, "non-empty"), ("a/b", "path separators"),
-                                     ("..", "path separators"), (".hidden", "must not start with '.'"),
-                                     (" x", "whitespace"), ("x\n", "whitespace")])
+@pytest.mark.parametrize(
+    "tag,why",
+    [
+        ("", "non-empty"),
+        (None, "non-empty"),
+        ("a/b", "path separators"),
+        ("..", "path separators"),
+        (".hidden", "must not start with '.'"),
+        (" x", "whitespace"),
+        ("x\n", "whitespace"),
+    ],
+)
 def test_bad_tags_are_rejected_with_the_reason(tag, why):
     with pytest.raises(ValueError, match=why):
         check_tag(tag)
@@ -34,8 +44,9 @@ def test_bad_tags_are_rejected_with_the_reason(tag, why):
 
 def test_tag_disagreement_lists_the_ranks_of_each_tag():
     assert tag_disagreement(["a", "a", "a"]) is None
-    assert tag_disagreement(["a", "b", "a"]) == ("checkpoint tags differ across ranks: 'a' on ranks [0, 2]; "
-                                                 "'b' on ranks [1]")
+    assert tag_disagreement(["a", "b", "a"]) == (
+        "checkpoint tags differ across ranks: 'a' on ranks [0, 2]; 'b' on ranks [1]"
+    )
 
 
 def test_uncovered_ranges():
@@ -70,8 +81,14 @@ def test_plan_shards_fills_greedily_and_isolates_oversized_tensors():
 
 def test_split_aliases_keeps_the_first_name_of_shared_tensors():
     w = torch.ones(2, 2)
-    sd = {"emb": w, "x": torch.zeros(3), "head": w, "head_view": w.view(2, 2), "empty": torch.zeros(0),
-          "empty2": torch.zeros(0)}
+    sd = {
+        "emb": w,
+        "x": torch.zeros(3),
+        "head": w,
+        "head_view": w.view(2, 2),
+        "empty": torch.zeros(0),
+        "empty2": torch.zeros(0),
+    }
     unique, aliases = split_aliases(sd)
     assert list(unique) == ["emb", "x", "empty", "empty2"]
     assert aliases == {"head": "emb", "head_view": "emb"}
@@ -81,12 +98,15 @@ def test_model_mismatches_name_the_parameters():
     saved = {"a": {"shape": [2, 3]}, "b": {"shape": [4]}, "old": {"shape": [1]}}
     current = {"a": {"shape": [2, 3]}, "b": {"shape": [5]}, "new": {"shape": [1]}}
     assert model_mismatches(saved, current, strict=True) == [
-        "missing from the checkpoint: new", "in the checkpoint but not in the model: old",
-        "shape mismatch: b (checkpoint [4], model [5])"]
+        "missing from the checkpoint: new",
+        "in the checkpoint but not in the model: old",
+        "shape mismatch: b (checkpoint [4], model [5])",
+    ]
     assert model_mismatches(saved, current, strict=False) == ["shape mismatch: b (checkpoint [4], model [5])"]
     many = {f"p{i}": {"shape": [1]} for i in range(11)}
     assert model_mismatches({}, many, strict=True) == [
-        "missing from the checkpoint: p0, p1, p2, p3, p4, p5, p6, p7 and 3 more"]
+        "missing from the checkpoint: p0, p1, p2, p3, p4, p5, p6, p7 and 3 more"
+    ]
 
 
 class _Tied(torch.nn.Module):
@@ -100,14 +120,21 @@ class _Tied(torch.nn.Module):
 
 def test_param_specs_and_tied_aliases():
     m = _Tied()
-    assert param_specs(m) == {"emb.weight": {"shape": [4, 3], "dtype": "float32", "trainable": True},
-                              "frozen": {"shape": [2], "dtype": "float32", "trainable": False}}
+    assert param_specs(m) == {
+        "emb.weight": {"shape": [4, 3], "dtype": "float32", "trainable": True},
+        "frozen": {"shape": [2], "dtype": "float32", "trainable": False},
+    }
     assert tied_aliases(m) == {"head.weight": "emb.weight"}
 
 
 def test_split_state_separates_elementwise_from_scalar_state():
-    state = {"step": torch.tensor(3.0), "exp_avg": torch.zeros(6), "factored": torch.zeros(2), "k": 1.5,
-             "matrix": torch.zeros(2, 3)}
+    state = {
+        "step": torch.tensor(3.0),
+        "exp_avg": torch.zeros(6),
+        "factored": torch.zeros(2),
+        "k": 1.5,
+        "matrix": torch.zeros(2, 3),
+    }
     assert split_state(state, 6) == (["exp_avg", "matrix"], ["step", "factored", "k"])
 
 

@@ -1,5 +1,6 @@
 """The checkpoint's inputs without an engine: the TrainingState's restore rules, and the protocols
 modules answer instead of being recognised by class (no processes)."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -7,8 +8,15 @@ import torch
 from torch import nn
 
 from zerospeed.checkpoint.experts import expert_spans
-from zerospeed.checkpoint.protocols import (ExpertShare, HoldsExperts, SplitParameters, TensorParallelLayer,
-                                            full_model_state, has_tensor_parallel_layers, model_layouts)
+from zerospeed.checkpoint.protocols import (
+    ExpertShare,
+    HoldsExperts,
+    SplitParameters,
+    TensorParallelLayer,
+    full_model_state,
+    has_tensor_parallel_layers,
+    model_layouts,
+)
 from zerospeed.checkpoint.slices import ShardSpec
 from zerospeed.checkpoint.state import TrainingState, restore_training_state, training_state_dict
 from zerospeed.checkpoint.tensor_parallel import TPLayout
@@ -29,9 +37,17 @@ def _state(gas=2, **parts):
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD([{"params": model.parameters(), "name": "dense", "moe": False}], lr=0.1, momentum=0.9)
     counters = SimpleNamespace(global_steps=0, global_samples=0, skipped_steps=0, micro_steps=0)
-    return TrainingState(module=model, zero=None, optimizer=opt, mesh=None, counters=counters,
-                         gradient_accumulation_steps=gas, param_dtype=torch.float32, master_dtype=torch.float32,
-                         **parts)
+    return TrainingState(
+        module=model,
+        zero=None,
+        optimizer=opt,
+        mesh=None,
+        counters=counters,
+        gradient_accumulation_steps=gas,
+        param_dtype=torch.float32,
+        master_dtype=torch.float32,
+        **parts,
+    )
 
 
 def test_saved_training_state_round_trips_into_live_counters():
@@ -50,9 +66,12 @@ def test_saved_training_state_round_trips_into_live_counters():
 
 
 def test_restore_rules():
-    saved = {"optimizer_param_groups": [{"lr": 0.5, "momentum": 0.1, "name": "ep_size_2", "moe": True,
-                                         "not_an_sgd_key": 1}],
-             "global_steps": 4, "micro_steps": 9, "gradient_accumulation_steps": 3}
+    saved = {
+        "optimizer_param_groups": [{"lr": 0.5, "momentum": 0.1, "name": "ep_size_2", "moe": True, "not_an_sgd_key": 1}],
+        "global_steps": 4,
+        "micro_steps": 9,
+        "gradient_accumulation_steps": 3,
+    }
     state = _state(gas=2)
     restore_training_state(state, saved, with_optimizer=False, with_scheduler=True)
     group = state.optimizer.param_groups[0]
@@ -75,8 +94,12 @@ class _Experts(nn.Module):
 
 
 def test_expert_spans_ask_the_protocol():
-    model = nn.ModuleDict({"a": _Experts(ExpertShare(first=4, local=2, writer=True, experts="list")),
-                           "b": _Experts(ExpertShare(first=2, local=2, writer=False, stacked=("w",), total=8))})
+    model = nn.ModuleDict(
+        {
+            "a": _Experts(ExpertShare(first=4, local=2, writer=True, experts="list")),
+            "b": _Experts(ExpertShare(first=2, local=2, writer=False, stacked=("w",), total=8)),
+        }
+    )
     assert isinstance(model["a"], HoldsExperts) and not isinstance(nn.Linear(1, 1), HoldsExperts)
     a, b = expert_spans(model)
     assert (a.layer, a.prefix, a.first, a.local, a.writer, a.stacked) == (0, "a.list", 4, 2, True, ())

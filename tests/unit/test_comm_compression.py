@@ -1,4 +1,5 @@
 """The 1-bit compression's pure parts, without processes: sign packing, padding, error feedback."""
+
 from __future__ import annotations
 
 import math
@@ -6,8 +7,8 @@ import math
 import pytest
 import torch
 
-from zerospeed.comm.compressed import (compressed_allreduce, error_buffers, pack_signs, padded_size, unpack_signs)
 from harness.onebit_reference import simulate_compressed_allreduce
+from zerospeed.comm.compressed import compressed_allreduce, error_buffers, pack_signs, padded_size, unpack_signs
 
 
 def test_sign_packing_is_lossless_and_maps_zero_to_plus_one():
@@ -23,8 +24,10 @@ def test_sign_packing_is_lossless_and_maps_zero_to_plus_one():
         pack_signs(torch.ones(5))
 
 
-@pytest.mark.parametrize("n,world,expected", [(10, 1, 16), (8, 1, 8), (10, 2, 16), (17, 4, 32), (1, 3, 72),
-                                              (73, 3, 144), (64, 8, 64), (65, 8, 128)])
+@pytest.mark.parametrize(
+    "n,world,expected",
+    [(10, 1, 16), (8, 1, 8), (10, 2, 16), (17, 4, 32), (1, 3, 72), (73, 3, 144), (64, 8, 64), (65, 8, 128)],
+)
 def test_padding_makes_whole_bytes_per_rank(n, world, expected):
     # a multiple of world * lcm(world, 8): every rank's chunk is a whole number of bytes
     assert padded_size(n, world) == expected
@@ -69,12 +72,15 @@ def test_shape_mismatch_names_the_sizes():
         compressed_allreduce(torch.ones(8), torch.zeros(16), torch.zeros(16))
 
 
-@pytest.mark.parametrize("path,cls", [("nccl", "NcclBackend"), ("mpi", "MpiBackend"), ("hccl", "HcclBackend"),
-                                      ("compressed", "CompressedBackend")])
+@pytest.mark.parametrize(
+    "path,cls",
+    [("nccl", "NcclBackend"), ("mpi", "MpiBackend"), ("hccl", "HcclBackend"), ("compressed", "CompressedBackend")],
+)
 def test_deepspeed_backend_classes_reduce_in_place(path, cls):
     """DeepSpeed's `runtime.comm.<backend>` classes: `compressed_allreduce(buffer, we, se, local_rank)` writes
     the result into the buffer and returns it (one rank: the 1-bit compression of the buffer itself)."""
     import importlib
+
     backend_cls = getattr(importlib.import_module(f"zerospeed.runtime.comm.{path}"), cls)
     b = backend_cls()
     assert b.size == 1

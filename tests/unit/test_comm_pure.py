@@ -1,4 +1,5 @@
 """Pure communication math: the rank grid."""
+
 import pytest
 
 from zerospeed.comm import RankGrid

@@ -1,14 +1,14 @@
 """Compression: quantizer, masks, bit schedule, config errors, init_compression, redundancy_clean."""
+
 import io
-import math
 
 import pytest
 import torch
 from torch import nn
 
 from zerospeed.compression import init_compression, parse_compression_config, redundancy_clean
-from zerospeed.compression.compress import student_initialization
 from zerospeed.compression.basic_layer import LinearLayer_Compress, QuantizedLinear
+from zerospeed.compression.compress import student_initialization
 from zerospeed.compression.prune import row_l1_mask, sparse_l1_mask, topk_mask, topk_mask_ste
 from zerospeed.compression.quantize import bits_at_step, fake_quantize, quantize_codes, ste_quantize
 from zerospeed.compression.scheduler import compression_scheduler
@@ -17,11 +17,24 @@ from zoo.models import GPT, GPTConfig, TinyMLP
 
 
 def wq_cfg(start=8, target=8, period=1, offset=0, groups=1, qtype="symmetric", modules=("net",)):
-    return {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "schedule_offset": offset, "quantize_groups": groups,
-                              "quantization_type": qtype},
-        "different_groups": {"wq1": {"params": {"start_bits": start, "target_bits": target,
-                                                "quantization_period": period}, "modules": list(modules)}}}}}
+    return {
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {
+                    "enabled": True,
+                    "schedule_offset": offset,
+                    "quantize_groups": groups,
+                    "quantization_type": qtype,
+                },
+                "different_groups": {
+                    "wq1": {
+                        "params": {"start_bits": start, "target_bits": target, "quantization_period": period},
+                        "modules": list(modules),
+                    }
+                },
+            }
+        }
+    }
 
 
 def state_bytes(model):
@@ -47,7 +60,8 @@ def test_round_trip_error_within_half_step(symmetric, groups):
     err = (fake_quantize(w, 8, groups, symmetric) - w).reshape(groups, -1).abs()
     assert (err <= c.scale / 2 + 1e-7).all()
     assert fake_quantize(fake_quantize(w, 8, groups, symmetric), 8, groups, symmetric).allclose(
-        fake_quantize(w, 8, groups, symmetric), atol=1e-6)
+        fake_quantize(w, 8, groups, symmetric), atol=1e-6
+    )
 
 
 def test_stochastic_rounding_is_unbiased():
@@ -105,22 +119,40 @@ def test_topk_mask_passes_gradient_to_scores():
 
 
 # -- config --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("block, key", [
-    ({"weight_quantization": {"shared_parameters": {"enabeld": True}}},
-     "compression_training.weight_quantization.shared_parameters.enabeld"),
-    ({"row_pruning": {"different_groups": {"g": {"params": {"dense_ratio": 1.5}}}}},
-     "compression_training.row_pruning.different_groups.g.params.dense_ratio"),
-    ({"row_pruning": {"different_groups": {"g": {"params": {}}}}},
-     "compression_training.row_pruning.different_groups.g.params.dense_ratio"),
-    ({"weight_quantization": {"different_groups": {"g": {"params": {"start_bits": 4, "target_bits": 8}}}}},
-     "compression_training.weight_quantization.different_groups.g.params"),
-    ({"sparse_pruning": {"shared_parameters": {"enabled": True}}}, "compression_training.sparse_pruning"),
-    ({"sparse_pruning": {"shared_parameters": {"method": "magnitude"}}},
-     "compression_training.sparse_pruning.shared_parameters.method"),
-    ({"weight_quantization": {"different_groups": {"g": {"params": {"start_bits": 8, "target_bits": 8},
-                                                          "modules": ["("]}}}},
-     "compression_training.weight_quantization.different_groups.g"),
-])
+@pytest.mark.parametrize(
+    "block, key",
+    [
+        (
+            {"weight_quantization": {"shared_parameters": {"enabeld": True}}},
+            "compression_training.weight_quantization.shared_parameters.enabeld",
+        ),
+        (
+            {"row_pruning": {"different_groups": {"g": {"params": {"dense_ratio": 1.5}}}}},
+            "compression_training.row_pruning.different_groups.g.params.dense_ratio",
+        ),
+        (
+            {"row_pruning": {"different_groups": {"g": {"params": {}}}}},
+            "compression_training.row_pruning.different_groups.g.params.dense_ratio",
+        ),
+        (
+            {"weight_quantization": {"different_groups": {"g": {"params": {"start_bits": 4, "target_bits": 8}}}}},
+            "compression_training.weight_quantization.different_groups.g.params",
+        ),
+        ({"sparse_pruning": {"shared_parameters": {"enabled": True}}}, "compression_training.sparse_pruning"),
+        (
+            {"sparse_pruning": {"shared_parameters": {"method": "magnitude"}}},
+            "compression_training.sparse_pruning.shared_parameters.method",
+        ),
+        (
+            {
+                "weight_quantization": {
+                    "different_groups": {"g": {"params": {"start_bits": 8, "target_bits": 8}, "modules": ["("]}}
+                }
+            },
+            "compression_training.weight_quantization.different_groups.g",
+        ),
+    ],
+)
 def test_config_errors_name_the_key(block, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         parse_compression_config({"compression_training": block})
@@ -135,8 +167,12 @@ def test_config_defaults_are_deepspeeds():
 
 
 def test_unbuilt_technique_is_refused():
-    block = {"sparse_pruning": {"shared_parameters": {"enabled": True, "method": "snip_momentum"},
-                                "different_groups": {"g": {"params": {"dense_ratio": 0.5}}}}}
+    block = {
+        "sparse_pruning": {
+            "shared_parameters": {"enabled": True, "method": "snip_momentum"},
+            "different_groups": {"g": {"params": {"dense_ratio": 0.5}}},
+        }
+    }
     with pytest.raises(ConfigError, match=r"sparse_pruning\.shared_parameters\.method: \"snip_momentum\""):
         init_compression(TinyMLP(), {"compression_training": block})
 
@@ -168,6 +204,7 @@ def test_init_compression_quantizes_forward():
 
 def test_engine_steps_the_schedule():
     import zerospeed
+
     torch.manual_seed(0)
     model = TinyMLP()
     cfg = wq_cfg(start=8, target=6, period=1, offset=1)
@@ -187,18 +224,22 @@ def test_engine_steps_the_schedule():
 def prune_cfg(sparse_ratio=None, row_ratio=None, method="l1", related=True, quant_bits=None):
     block = {}
     if sparse_ratio:
-        block["sparse_pruning"] = {"shared_parameters": {"enabled": True, "method": method, "schedule_offset": 0},
-                                   "different_groups": {"sp": {"params": {"dense_ratio": sparse_ratio},
-                                                               "modules": ["attn"]}}}
+        block["sparse_pruning"] = {
+            "shared_parameters": {"enabled": True, "method": method, "schedule_offset": 0},
+            "different_groups": {"sp": {"params": {"dense_ratio": sparse_ratio}, "modules": ["attn"]}},
+        }
     if row_ratio:
         group = {"params": {"dense_ratio": row_ratio}, "modules": [r"mlp\.fc"]}
         if related:
             group["related_modules"] = [[r"mlp\.proj"]]
-        block["row_pruning"] = {"shared_parameters": {"enabled": True, "method": method, "schedule_offset": 0},
-                                "different_groups": {"rp": group}}
+        block["row_pruning"] = {
+            "shared_parameters": {"enabled": True, "method": method, "schedule_offset": 0},
+            "different_groups": {"rp": group},
+        }
     if quant_bits:
-        block["weight_quantization"] = wq_cfg(quant_bits, quant_bits, modules=("blocks",))[
-            "compression_training"]["weight_quantization"]
+        block["weight_quantization"] = wq_cfg(quant_bits, quant_bits, modules=("blocks",))["compression_training"][
+            "weight_quantization"
+        ]
     return {"compression_training": block}
 
 
@@ -259,6 +300,7 @@ def test_int8_storage_is_about_4x_smaller():
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_int4_nibble_packing_is_lossless(symmetric):
     from zerospeed.compression.basic_layer import pack_codes, unpack_codes
+
     lo, hi = (-8, 7) if symmetric else (0, 15)
     codes = torch.arange(lo, hi + 1).repeat(3, 1)[:, :15]  # every value, an odd column count
     packed = pack_codes(codes, 4, symmetric)
@@ -271,12 +313,13 @@ def test_int4_nibble_packing_is_lossless(symmetric):
 @pytest.mark.parametrize("width, values", [(2, [-1, 0, 1]), (1, [-1, 1])])
 def test_ternary_and_binary_packing_is_lossless(width, values):
     from zerospeed.compression.basic_layer import pack_codes, unpack_codes
+
     g = torch.Generator().manual_seed(0)
     codes = torch.tensor(values)[torch.randint(0, len(values), (4, 13), generator=g)]
     packed = pack_codes(codes, width, True)
     assert packed.shape == (4, -(-13 // (8 // width)))
     assert torch.equal(unpack_codes(packed, 13, width, True), codes.to(torch.int16))
-    first = [(c + 1) // 2 if width == 1 else c + 2 for c in codes[0, :8 // width].tolist()]
+    first = [(c + 1) // 2 if width == 1 else c + 2 for c in codes[0, : 8 // width].tolist()]
     assert packed[0, 0].item() == sum(v << (i * width) for i, v in enumerate(first))
 
 
@@ -310,9 +353,17 @@ def test_layer_reduction_initialises_the_student_from_chosen_teacher_layers():
     teacher = GPT(GPTConfig(n_layer=4))
     torch.manual_seed(1)
     student = GPT(GPTConfig(n_layer=2))
-    cfg = {"compression_training": {"layer_reduction": {
-        "enabled": True, "keep_number_layer": 2, "module_name_prefix": "blocks", "teacher_layer": [1, 3],
-        "other_module_name": ["wte", "wpe", "ln_f"]}}}
+    cfg = {
+        "compression_training": {
+            "layer_reduction": {
+                "enabled": True,
+                "keep_number_layer": 2,
+                "module_name_prefix": "blocks",
+                "teacher_layer": [1, 3],
+                "other_module_name": ["wte", "wpe", "ln_f"],
+            }
+        }
+    }
     student_initialization(student, teacher, cfg)
     for i, t in enumerate([1, 3]):
         for (n, a), (_, b) in zip(student.blocks[i].state_dict().items(), teacher.blocks[t].state_dict().items()):
@@ -325,8 +376,11 @@ def test_layer_reduction_initialises_the_student_from_chosen_teacher_layers():
             x = teacher.blocks[t](x)
         expected = teacher.lm_head(teacher.ln_f(x))
         assert torch.allclose(student(ids), expected, atol=1e-6)
-    bad = {"compression_training": {"layer_reduction": {**cfg["compression_training"]["layer_reduction"],
-                                                        "keep_number_layer": 3}}}
+    bad = {
+        "compression_training": {
+            "layer_reduction": {**cfg["compression_training"]["layer_reduction"], "keep_number_layer": 3}
+        }
+    }
     with pytest.raises(ConfigError, match="keep_number_layer: 3 != len"):
         student_initialization(student, teacher, bad)
 

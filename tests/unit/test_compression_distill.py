@@ -1,5 +1,6 @@
 """Distillation: the soft-target loss against hand values, and ZeroQuant's layer-by-layer distillation
 (a 4-bit student's layers move towards the fp32 teacher's, layer by layer, and nothing else moves)."""
+
 import copy
 import math
 
@@ -31,7 +32,7 @@ def test_distillation_loss_hand_values():
 def test_distillation_loss_averages_over_positions():
     g = torch.Generator().manual_seed(0)
     s, t = torch.randn(2, 3, 5, generator=g), torch.randn(2, 3, 5, generator=g)
-    per_position = [distillation_loss(s[i, j:j + 1], t[i, j:j + 1]).item() for i in range(2) for j in range(3)]
+    per_position = [distillation_loss(s[i, j : j + 1], t[i, j : j + 1]).item() for i in range(2) for j in range(3)]
     assert distillation_loss(s, t).item() == pytest.approx(sum(per_position) / 6, rel=1e-5)
 
 
@@ -50,9 +51,17 @@ def test_layerwise_distillation_moves_each_quantized_layer_towards_the_teacher()
     torch.manual_seed(0)
     teacher = GPT(GPTConfig(n_layer=3, n_embd=32, n_head=2, block_size=16)).eval()
     student = copy.deepcopy(teacher)
-    init_compression(student, {"compression_training": {"weight_quantization": {
-        "shared_parameters": {"enabled": True, "schedule_offset": 0},
-        "different_groups": {"w4": {"params": {"start_bits": 4, "target_bits": 4}, "modules": ["blocks"]}}}}})
+    init_compression(
+        student,
+        {
+            "compression_training": {
+                "weight_quantization": {
+                    "shared_parameters": {"enabled": True, "schedule_offset": 0},
+                    "different_groups": {"w4": {"params": {"start_bits": 4, "target_bits": 4}, "modules": ["blocks"]}},
+                }
+            }
+        },
+    )
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 256, (4, 16), generator=g) for _ in range(4)]
     held_out = torch.randint(0, 256, (4, 16), generator=g)

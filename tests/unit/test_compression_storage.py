@@ -1,5 +1,6 @@
 """Compressed model files: what ``redundancy_clean`` made is saved, really smaller on disk, and loads back
 into a freshly built model that computes exactly the same outputs."""
+
 import copy
 
 import pytest
@@ -19,8 +20,10 @@ def block(*techniques):
     out = {}
     for name, params, modules, extra in techniques:
         group = {"params": params, "modules": modules, **extra.pop("group", {})}
-        out[name] = {"shared_parameters": {"enabled": True, "schedule_offset": 0, **extra},
-                     "different_groups": {"g": group}}
+        out[name] = {
+            "shared_parameters": {"enabled": True, "schedule_offset": 0, **extra},
+            "different_groups": {"g": group},
+        }
     return {"compression_training": out}
 
 
@@ -30,10 +33,16 @@ def test_quantized_gpt_file_shrinks_and_loads_back(tmp_path, bits):
     model = GPT(GPT_CFG)
     fp32 = tmp_path / "fp32.safetensors"
     save_model(model, str(fp32))
-    cfg = block(("weight_quantization", {"start_bits": bits, "target_bits": bits}, ["blocks"], {}),
-                ("row_pruning", {"dense_ratio": 0.5}, [r"mlp\.fc"], {"method": "l1", "group": {
-                    "related_modules": [[r"mlp\.proj"]]}}),
-                ("activation_quantization", {"bits": 8}, [r"attn\.qkv"], {"range_calibration": "static"}))
+    cfg = block(
+        ("weight_quantization", {"start_bits": bits, "target_bits": bits}, ["blocks"], {}),
+        (
+            "row_pruning",
+            {"dense_ratio": 0.5},
+            [r"mlp\.fc"],
+            {"method": "l1", "group": {"related_modules": [[r"mlp\.proj"]]}},
+        ),
+        ("activation_quantization", {"bits": 8}, [r"attn\.qkv"], {"range_calibration": "static"}),
+    )
     init_compression(model, cfg)
     model(torch.randint(0, 256, (2, 16)))  # a training-mode forward sets the static activation ranges
     redundancy_clean(model, cfg)

@@ -1,5 +1,6 @@
 """Compression: activation quantization, head pruning and channel pruning, each against hand-computed
 values or a model edited by hand in plain PyTorch."""
+
 import copy
 
 import pytest
@@ -40,8 +41,9 @@ def test_dynamic_symmetric_is_per_token_hand_values():
 
 def test_dynamic_asymmetric_hand_values():
     x = torch.tensor([[0.0, 1.0, 3.0, 0.5]])  # 4 bits: scale 3/15 = 0.2, zero 0; 0.5 -> round(2.5) = 2
-    torch.testing.assert_close(ste_quantize_activation(x, 4, symmetric=False),
-                               torch.tensor([[0.0, 1.0, 3.0, 0.4]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        ste_quantize_activation(x, 4, symmetric=False), torch.tensor([[0.0, 1.0, 3.0, 0.4]]), atol=1e-6, rtol=0
+    )
 
 
 def test_static_range_clamps_and_sample_wise_groups_whole_samples():
@@ -79,8 +81,14 @@ def test_linear_quantizes_its_input_from_the_offset(calibration):
     torch.manual_seed(0)
     model = TinyMLP()
     plain = copy.deepcopy(model)
-    init_compression(model, cfg(technique("activation_quantization", {"bits": 8}, [r"net\.0"],
-                                          schedule_offset=2, range_calibration=calibration)))
+    init_compression(
+        model,
+        cfg(
+            technique(
+                "activation_quantization", {"bits": 8}, [r"net\.0"], schedule_offset=2, range_calibration=calibration
+            )
+        ),
+    )
     layer, ref = model.net[0], plain.net[0]
     schedule = compression_scheduler(model)
     x = torch.randn(4, ref.in_features)
@@ -90,8 +98,11 @@ def test_linear_quantizes_its_input_from_the_offset(calibration):
             want = ref(x)
         else:
             flat = x
-            lo, hi = (flat.amin(dim=1, keepdim=True), flat.amax(dim=1, keepdim=True)) \
-                if calibration == "dynamic" else (layer.activation_range.x_min_max[0], layer.activation_range.x_min_max[1])
+            lo, hi = (
+                (flat.amin(dim=1, keepdim=True), flat.amax(dim=1, keepdim=True))
+                if calibration == "dynamic"
+                else (layer.activation_range.x_min_max[0], layer.activation_range.x_min_max[1])
+            )
             scale = torch.maximum(lo.abs(), hi.abs()) / 127
             want = F.linear(torch.round(x / scale).clamp(-127, 127) * scale, ref.weight, ref.bias)
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
@@ -126,8 +137,9 @@ class Attention(nn.Module):
 
     def forward(self, x_BTD):
         B, T, _ = x_BTD.shape
-        q, k, v = (p(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            p(x_BTD).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -144,8 +156,17 @@ class TwoLayers(nn.Module):
 
 
 def head_cfg(method="l1", quant=False):
-    blocks = [technique("head_pruning", {"dense_ratio": 0.5}, [r"o_proj"], [[r"q_proj", r"k_proj", r"v_proj"]],
-                        method=method, num_heads=4, schedule_offset=0)]
+    blocks = [
+        technique(
+            "head_pruning",
+            {"dense_ratio": 0.5},
+            [r"o_proj"],
+            [[r"q_proj", r"k_proj", r"v_proj"]],
+            method=method,
+            num_heads=4,
+            schedule_offset=0,
+        )
+    ]
     if quant:
         blocks.append(technique("weight_quantization", {"start_bits": 8, "target_bits": 8}, [r"proj"]))
     return cfg(*blocks)
@@ -159,7 +180,7 @@ def zero_heads_by_hand(model: TwoLayers) -> TwoLayers:
         for layer in ref.layers:
             norms = layer.o_proj.weight.abs().reshape(16, 4, 4).sum(dim=(0, 2))
             for h in torch.argsort(norms)[:2].tolist():
-                layer.o_proj.weight[:, h * 4:(h + 1) * 4] = 0
+                layer.o_proj.weight[:, h * 4 : (h + 1) * 4] = 0
     return ref
 
 
@@ -186,7 +207,8 @@ def test_head_pruning_masks_then_removes_heads(quant):
         assert isinstance(o, QuantizedLinear) == quant
     if not quant:  # 2 heads x 4 dims gone from q, k, v (rows and bias) and from o (columns), per layer
         assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ref.parameters()) - 2 * (
-            3 * 8 * (16 + 1) + 16 * 8)
+            3 * 8 * (16 + 1) + 16 * 8
+        )
 
 
 def test_topk_head_scores_learn_through_the_mask():
@@ -209,17 +231,33 @@ def test_head_pruning_config_errors_name_the_key():
 def test_head_pruning_of_a_transformers_llama():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=32,
+    )
     model = transformers.LlamaForCausalLM(config).eval()
     ref = copy.deepcopy(model)
     with torch.no_grad():  # by hand: zero the o_proj columns of each layer's two weakest heads
         for layer in ref.model.layers:
             w = layer.self_attn.o_proj.weight
             for h in torch.argsort(w.abs().reshape(32, 4, 8).sum(dim=(0, 2)))[:2].tolist():
-                w[:, h * 8:(h + 1) * 8] = 0
-    block = cfg(technique("head_pruning", {"dense_ratio": 0.5}, [r"o_proj"], [[r"q_proj", r"k_proj", r"v_proj"]],
-                          method="l1", num_heads=4, schedule_offset=0))
+                w[:, h * 8 : (h + 1) * 8] = 0
+    block = cfg(
+        technique(
+            "head_pruning",
+            {"dense_ratio": 0.5},
+            [r"o_proj"],
+            [[r"q_proj", r"k_proj", r"v_proj"]],
+            method="l1",
+            num_heads=4,
+            schedule_offset=0,
+        )
+    )
     init_compression(model, block)
     redundancy_clean(model, block)
     ids = torch.randint(0, 64, (2, 7))
@@ -299,8 +337,10 @@ def test_related_module_of_the_wrong_size_is_an_error():
 def test_input_quantization_survives_redundancy_clean():
     torch.manual_seed(0)
     model = TinyMLP()
-    block = cfg(technique("activation_quantization", {"bits": 4}, [r"net\.0"], schedule_offset=0),
-                technique("weight_quantization", {"start_bits": 8, "target_bits": 8}, [r"net\.2"]))
+    block = cfg(
+        technique("activation_quantization", {"bits": 4}, [r"net\.0"], schedule_offset=0),
+        technique("weight_quantization", {"start_bits": 8, "target_bits": 8}, [r"net\.2"]),
+    )
     init_compression(model, block)
     x = torch.randn(3, model.net[0].in_features)
     with torch.no_grad():
@@ -316,9 +356,10 @@ def test_input_quantization_survives_redundancy_clean():
 def test_integer_matmul_equals_the_float_path(calibration):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(48, 40), nn.ReLU(), nn.Linear(40, 24))
-    block = cfg(technique("weight_quantization", {"start_bits": 8, "target_bits": 8}, [r"^\d$"], quantize_groups=8),
-                technique("activation_quantization", {"bits": 8}, [r"^\d$"], schedule_offset=0,
-                          range_calibration=calibration))
+    block = cfg(
+        technique("weight_quantization", {"start_bits": 8, "target_bits": 8}, [r"^\d$"], quantize_groups=8),
+        technique("activation_quantization", {"bits": 8}, [r"^\d$"], schedule_offset=0, range_calibration=calibration),
+    )
     init_compression(model, block)
     model(torch.randn(16, 48))  # (a static range needs a training batch)
     redundancy_clean(model, block)

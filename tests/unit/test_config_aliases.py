@@ -75,14 +75,16 @@ def test_cpu_offload_param_means_cpu_param_offload():
 
 def test_cpu_offload_use_pin_memory_sets_both_sections():
     with pytest.warns(DeprecationWarning) as record:
-        cfg = parse({"zero_optimization": {"cpu_offload": True, "cpu_offload_param": True,
-                                           "cpu_offload_use_pin_memory": True}})
+        cfg = parse(
+            {"zero_optimization": {"cpu_offload": True, "cpu_offload_param": True, "cpu_offload_use_pin_memory": True}}
+        )
     assert cfg.zero_optimization.offload_optimizer.pin_memory is True
     assert cfg.zero_optimization.offload_param.pin_memory is True
     assert messages(record)[2] == (
         "config key zero_optimization.cpu_offload_use_pin_memory is deprecated; use "
         "zero_optimization.offload_optimizer.pin_memory and zero_optimization.offload_param.pin_memory instead "
-        "(applied automatically)")
+        "(applied automatically)"
+    )
 
 
 def test_cpu_offload_use_pin_memory_applies_to_explicit_sections():
@@ -114,32 +116,61 @@ def test_field_name_spellings_are_accepted_without_deprecation(caplog):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with caplog.at_level(logging.INFO, logger="zerospeed.config.aliases"):
-            cfg = parse({"zero_optimization": {"prefetch_bucket_size": 1e6, "max_live_parameters": 7},
-                         "tensor_parallel": {"tensor_parallel": {"tp_size": 4}, "replace_with_kernel_inject": True}})
+            cfg = parse(
+                {
+                    "zero_optimization": {"prefetch_bucket_size": 1e6, "max_live_parameters": 7},
+                    "tensor_parallel": {"tensor_parallel": {"tp_size": 4}, "replace_with_kernel_inject": True},
+                }
+            )
     assert cfg.zero_optimization.stage3_prefetch_bucket_size == 1_000_000
     assert cfg.zero_optimization.stage3_max_live_parameters == 7
     assert cfg.tensor_parallel.tp.tp_size == 4 and cfg.tensor_parallel.kernel_inject is True
-    assert "zero_optimization.prefetch_bucket_size is read as zero_optimization.stage3_prefetch_bucket_size" \
-        in caplog.text
+    assert (
+        "zero_optimization.prefetch_bucket_size is read as zero_optimization.stage3_prefetch_bucket_size" in caplog.text
+    )
 
 
-@pytest.mark.parametrize("config,old,new", [
-    ({"bfloat16": {}, "bf16": {}}, "bfloat16", "bf16"),
-    ({"zero_optimization": {"cpu_offload": True, "offload_optimizer": {"device": "cpu"}}},
-     "zero_optimization.cpu_offload", "zero_optimization.offload_optimizer"),
-    ({"zero_optimization": {"cpu_offload_param": False, "offload_param": {}}},
-     "zero_optimization.cpu_offload_param", "zero_optimization.offload_param"),
-    ({"zero_optimization": {"offload_param": {"pin_memory": False}, "cpu_offload_use_pin_memory": True}},
-     "zero_optimization.cpu_offload_use_pin_memory", "zero_optimization.offload_param.pin_memory"),
-    ({"zero_optimization": {"stage3_gather_fp16_weights_on_model_save": True,
-                            "stage3_gather_16bit_weights_on_model_save": False}},
-     "zero_optimization.stage3_gather_fp16_weights_on_model_save",
-     "zero_optimization.stage3_gather_16bit_weights_on_model_save"),
-    ({"zero_optimization": {"prefetch_bucket_size": 1, "stage3_prefetch_bucket_size": 2}},
-     "zero_optimization.prefetch_bucket_size", "zero_optimization.stage3_prefetch_bucket_size"),
-    ({"allgather_size": 10, "zero_optimization": {"allgather_bucket_size": 5}},
-     "allgather_size", "zero_optimization.allgather_bucket_size"),
-])
+@pytest.mark.parametrize(
+    "config,old,new",
+    [
+        ({"bfloat16": {}, "bf16": {}}, "bfloat16", "bf16"),
+        (
+            {"zero_optimization": {"cpu_offload": True, "offload_optimizer": {"device": "cpu"}}},
+            "zero_optimization.cpu_offload",
+            "zero_optimization.offload_optimizer",
+        ),
+        (
+            {"zero_optimization": {"cpu_offload_param": False, "offload_param": {}}},
+            "zero_optimization.cpu_offload_param",
+            "zero_optimization.offload_param",
+        ),
+        (
+            {"zero_optimization": {"offload_param": {"pin_memory": False}, "cpu_offload_use_pin_memory": True}},
+            "zero_optimization.cpu_offload_use_pin_memory",
+            "zero_optimization.offload_param.pin_memory",
+        ),
+        (
+            {
+                "zero_optimization": {
+                    "stage3_gather_fp16_weights_on_model_save": True,
+                    "stage3_gather_16bit_weights_on_model_save": False,
+                }
+            },
+            "zero_optimization.stage3_gather_fp16_weights_on_model_save",
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        ),
+        (
+            {"zero_optimization": {"prefetch_bucket_size": 1, "stage3_prefetch_bucket_size": 2}},
+            "zero_optimization.prefetch_bucket_size",
+            "zero_optimization.stage3_prefetch_bucket_size",
+        ),
+        (
+            {"allgather_size": 10, "zero_optimization": {"allgather_bucket_size": 5}},
+            "allgather_size",
+            "zero_optimization.allgather_bucket_size",
+        ),
+    ],
+)
 def test_alias_with_its_replacement_is_an_error(config, old, new):
     with pytest.raises(ConfigError) as info, warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -10,13 +10,23 @@ from zerospeed.config import AutoValue, ConfigError, auto_values_from_hidden_siz
 
 
 def test_auto_replaced_from_known_anywhere():
-    raw = {"gradient_clipping": "auto", "fp16": {"enabled": "auto"},
-           "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": 1e-8}}}
-    known = {"gradient_clipping": 1.0, "fp16.enabled": True, "optimizer.params.lr": 3e-4,
-             "optimizer.params.betas": [0.9, 0.999], "unused.key": 5}
+    raw = {
+        "gradient_clipping": "auto",
+        "fp16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": 1e-8}},
+    }
+    known = {
+        "gradient_clipping": 1.0,
+        "fp16.enabled": True,
+        "optimizer.params.lr": 3e-4,
+        "optimizer.params.betas": [0.9, 0.999],
+        "unused.key": 5,
+    }
     assert resolve_auto(raw, known) == {
-        "gradient_clipping": 1.0, "fp16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8}}}
+        "gradient_clipping": 1.0,
+        "fp16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8}},
+    }
 
 
 def test_non_auto_values_are_not_overridden_by_known():
@@ -31,9 +41,10 @@ def test_resolve_auto_does_not_modify_its_input():
 
 def test_each_resolution_is_logged_with_its_source(caplog):
     with caplog.at_level(logging.INFO, logger="zerospeed.config.auto"):
-        resolve_auto({"optimizer": {"params": {"lr": "auto"}}, "gradient_clipping": "auto"},
-                     {"optimizer.params.lr": AutoValue(0.001, "TrainingArguments.learning_rate"),
-                      "gradient_clipping": 2.0})
+        resolve_auto(
+            {"optimizer": {"params": {"lr": "auto"}}, "gradient_clipping": "auto"},
+            {"optimizer.params.lr": AutoValue(0.001, "TrainingArguments.learning_rate"), "gradient_clipping": 2.0},
+        )
     assert "auto: optimizer.params.lr = 0.001 (TrainingArguments.learning_rate)" in caplog.text
     assert "auto: gradient_clipping = 2.0 (supplied)" in caplog.text
 
@@ -60,7 +71,9 @@ def test_auto_inside_a_list_is_named_with_its_index():
 def test_batch_auto_keys_are_dropped_when_unknown():
     raw = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 4}
     assert resolve_auto(raw, {"train_micro_batch_size_per_gpu": 2}) == {
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 4,
+    }
 
 
 def test_absent_batch_keys_are_filled_from_known(caplog):
@@ -71,24 +84,26 @@ def test_absent_batch_keys_are_filled_from_known(caplog):
 
 
 def test_literal_auto_values_are_kept():
-    raw = {"pipeline": {"stages": "auto"}, "expert_parallel": {"top_k": "auto", "score_func": "auto"},
-           "zero_optimization": {"zenflow": {"select_interval": "auto"}}}
+    raw = {
+        "pipeline": {"stages": "auto"},
+        "expert_parallel": {"top_k": "auto", "score_func": "auto"},
+        "zero_optimization": {"zenflow": {"select_interval": "auto"}},
+    }
     assert resolve_auto(raw, {}) == raw
 
 
 def test_nested_batch_key_named_like_a_top_level_one_is_not_dropped():
     with pytest.raises(ConfigError) as info:
-        resolve_auto({"autotuning": {"max_train_batch_size": "auto"},
-                      "elasticity": {"train_batch_size": "auto"}}, {})
+        resolve_auto({"autotuning": {"max_train_batch_size": "auto"}, "elasticity": {"train_batch_size": "auto"}}, {})
     assert "autotuning.max_train_batch_size" in str(info.value)
     assert "elasticity.train_batch_size" in str(info.value)
 
 
 def test_hidden_size_rules():
     assert auto_values_from_hidden_size(4096) == {
-        "zero_optimization.reduce_bucket_size": 16_777_216,                # 4096 * 4096
-        "zero_optimization.stage3_prefetch_bucket_size": 15_099_494,       # int(0.9 * 16777216)
-        "zero_optimization.stage3_param_persistence_threshold": 40_960,    # 10 * 4096
+        "zero_optimization.reduce_bucket_size": 16_777_216,  # 4096 * 4096
+        "zero_optimization.stage3_prefetch_bucket_size": 15_099_494,  # int(0.9 * 16777216)
+        "zero_optimization.stage3_param_persistence_threshold": 40_960,  # 10 * 4096
     }
 
 
@@ -100,15 +115,27 @@ def test_hidden_size_must_be_positive_int(bad):
 
 
 def test_parse_config_resolves_hf_style_config():
-    config = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-              "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
-              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
-              "zero_optimization": {"stage": 0, "reduce_bucket_size": "auto"}}
-    known = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2,
-             "gradient_clipping": 1.0, "bf16.enabled": True, "fp16.enabled": False,
-             "optimizer.params.lr": 5e-5, "optimizer.params.weight_decay": 0.0,
-             **auto_values_from_hidden_size(64)}
+    config = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+        "zero_optimization": {"stage": 0, "reduce_bucket_size": "auto"},
+    }
+    known = {
+        "train_batch_size": 32,
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "bf16.enabled": True,
+        "fp16.enabled": False,
+        "optimizer.params.lr": 5e-5,
+        "optimizer.params.weight_decay": 0.0,
+        **auto_values_from_hidden_size(64),
+    }
     cfg = parse_config(config, world_size=2, known=known)
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (32, 8, 2)
     assert cfg.bf16_enabled and not cfg.fp16_enabled and cfg.gradient_clipping == 1.0

@@ -31,9 +31,13 @@ def _every_key_config() -> dict:
 def base_configs() -> list[dict]:
     configs = [
         {"train_batch_size": 8},
-        {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "fp16": {"enabled": True},
-         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.99]}},
-         "zero_optimization": {"stage": 0, "reduce_bucket_size": 5e8, "overlap_comm": True}},
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 2,
+            "fp16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.99]}},
+            "zero_optimization": {"stage": 0, "reduce_bucket_size": 5e8, "overlap_comm": True},
+        },
         _every_key_config(),
     ]
     for path in sorted(SHARED_CONFIGS.glob("*.json")):
@@ -43,13 +47,39 @@ def base_configs() -> list[dict]:
 
 KNOWN_CHOICES: list[dict[str, Any]] = [
     {},
-    {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-     "fp16.enabled": False, "bf16.enabled": True, **auto_values_from_hidden_size(32)},
+    {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "fp16.enabled": False,
+        "bf16.enabled": True,
+        **auto_values_from_hidden_size(32),
+    },
 ]
 
 ODD_VALUES: list[Any] = [
-    "x", "", "auto", "AUTO", 1.5, -3, 0, 2**70, 1e30, float("nan"), float("inf"), True, False, None,
-    [], [1, "a"], {}, {"k": {"j": 1}}, {"enabled": True}, "cpu", "2e8", 2e8,
+    "x",
+    "",
+    "auto",
+    "AUTO",
+    1.5,
+    -3,
+    0,
+    2**70,
+    1e30,
+    float("nan"),
+    float("inf"),
+    True,
+    False,
+    None,
+    [],
+    [1, "a"],
+    {},
+    {"k": {"j": 1}},
+    {"enabled": True},
+    "cpu",
+    "2e8",
+    2e8,
 ]
 
 
@@ -73,8 +103,8 @@ def misspell(key: str, rng: random.Random) -> str:
         return key[:position] + letter + key[position:]
     position = min(position, len(key) - 1)
     if edit == "delete":
-        return key[:position] + key[position + 1:]
-    return key[:position] + letter + key[position + 1:]
+        return key[:position] + key[position + 1 :]
+    return key[:position] + letter + key[position + 1 :]
 
 
 def mutate(config: dict, rng: random.Random) -> Any:
@@ -83,8 +113,9 @@ def mutate(config: dict, rng: random.Random) -> Any:
     keys = list(node)
     op = rng.choice(["delete", "insert", "retype", "rename", "nest", "unnest", "retype", "retype"])
     if op == "insert" or not keys:
-        node[rng.choice([misspell("enabled", rng), "".join(rng.choices(string.ascii_lowercase, k=6)), "seed"])] = \
+        node[rng.choice([misspell("enabled", rng), "".join(rng.choices(string.ascii_lowercase, k=6)), "seed"])] = (
             copy.deepcopy(rng.choice(ODD_VALUES))
+        )
         return config
     key = rng.choice(keys)
     if op == "delete":
@@ -119,8 +150,11 @@ def test_random_mutations_never_raise_anything_but_config_error():
         config = copy.deepcopy(rng.choice(bases))
         for _ in range(rng.randint(1, 3)):
             config = mutate(config, rng) if isinstance(config, dict) else config
-        kwargs = {"world_size": rng.randint(1, 4), "known": rng.choice(KNOWN_CHOICES),
-                  "check_features": rng.random() < 0.3}
+        kwargs = {
+            "world_size": rng.randint(1, 4),
+            "known": rng.choice(KNOWN_CHOICES),
+            "check_features": rng.random() < 0.3,
+        }
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
@@ -132,8 +166,14 @@ def test_random_mutations_never_raise_anything_but_config_error():
                 outcomes["rejected"] += 1
                 continue
         assert isinstance(result, ZeroSpeedConfig)
-        assert all(isinstance(v, int) for v in (result.train_batch_size, result.train_micro_batch_size_per_gpu,
-                                                 result.gradient_accumulation_steps))
+        assert all(
+            isinstance(v, int)
+            for v in (
+                result.train_batch_size,
+                result.train_micro_batch_size_per_gpu,
+                result.gradient_accumulation_steps,
+            )
+        )
         outcomes["parsed"] += 1
     # Both outcomes must occur, or the fuzzer is not exploring.
     assert outcomes["parsed"] >= 20 and outcomes["rejected"] >= 200, outcomes

@@ -59,7 +59,8 @@ def test_base64_config_parses_end_to_end():
 def test_missing_file_string_is_named():
     assert error_of("no/such/ds_config.json") == (
         "config 'no/such/ds_config.json' is neither a file that exists nor base64-encoded JSON; "
-        "pass a path to a .json file, a dict, or base64 of a JSON object")
+        "pass a path to a .json file, a dict, or base64 of a JSON object"
+    )
 
 
 def test_long_string_is_shortened_in_the_message():
@@ -82,8 +83,9 @@ def test_base64_of_non_json_is_rejected():
 def test_duplicate_key_in_file_names_dotted_key_and_file(tmp_path: Path):
     path = tmp_path / "dup.json"
     path.write_text('{"train_batch_size": 8,\n "zero_optimization": {"stage": 1, "overlap_comm": true, "stage": 2}}')
-    assert error_of(path) == (f"{path}: duplicate key zero_optimization.stage; a JSON key may appear only once "
-                              "per object")
+    assert error_of(path) == (
+        f"{path}: duplicate key zero_optimization.stage; a JSON key may appear only once per object"
+    )
 
 
 def test_duplicate_top_level_key_in_file(tmp_path: Path):
@@ -100,8 +102,9 @@ def test_duplicate_key_inside_a_list_is_found(tmp_path: Path):
 
 def test_duplicate_key_in_base64():
     text = '{"optimizer": {"type": "Adam", "params": {"lr": 1, "lr": 2}}}'
-    assert error_of(b64(text)) == ("base64 config: duplicate key optimizer.params.lr; a JSON key may appear only "
-                                   "once per object")
+    assert error_of(b64(text)) == (
+        "base64 config: duplicate key optimizer.params.lr; a JSON key may appear only once per object"
+    )
 
 
 def test_invalid_json_reports_file_line_and_column(tmp_path: Path):

@@ -18,7 +18,14 @@ from pydantic import BeforeValidator
 from zerospeed.config import ConfigError, parse_config
 from zerospeed.config.features import ROWS
 from zerospeed.config.reference import (
-    COMMAND, GATES, NO_EFFECT, REFERENCE_PATH, REFUSED_ELSEWHERE, field_type, key_status, leaf_keys,
+    COMMAND,
+    GATES,
+    NO_EFFECT,
+    REFERENCE_PATH,
+    REFUSED_ELSEWHERE,
+    field_type,
+    key_status,
+    leaf_keys,
     render_reference,
 )
 from zerospeed.config.schema.base import StrictModel
@@ -57,8 +64,12 @@ def test_every_leaf_key_appears_exactly_once(rendered):
     for key in keys:
         assert row_keys.count(key) == 1, f"{key} appears {row_keys.count(key)} times in the reference"
     # Examples from the three levels of nesting, including a list of objects.
-    for key in ("train_batch_size", "zero_optimization.offload_optimizer.ratio",
-                "tensor_parallel.partition_config.layer_specs[].patterns", "timers.throughput.synchronized"):
+    for key in (
+        "train_batch_size",
+        "zero_optimization.offload_optimizer.ratio",
+        "tensor_parallel.partition_config.layer_specs[].patterns",
+        "timers.throughput.synchronized",
+    ):
         assert key in keys
 
 
@@ -75,16 +86,19 @@ def test_features_rows_show_not_yet(table):
 
 def test_no_effect_example_and_works_example(table):
     assert table["zero_optimization.round_robin_gradients"][3].startswith("accepted, no effect (")
-    assert table["zero_optimization.contiguous_gradients"][3] == \
-        "accepted, no effect (stage-2 gradient chunks are always contiguous)"
+    assert (
+        table["zero_optimization.contiguous_gradients"][3]
+        == "accepted, no effect (stage-2 gradient chunks are always contiguous)"
+    )
     assert table["gradient_clipping"][3] == "works"
 
 
 @pytest.mark.parametrize("prefix", sorted({*NO_EFFECT, *GATES, *GATES.values(), *REFUSED_ELSEWHERE}))
 def test_status_tables_name_real_keys(prefix):
     keys = leaf_keys()
-    assert any(k == prefix or k.startswith(prefix + ".") for k in keys), \
+    assert any(k == prefix or k.startswith(prefix + ".") for k in keys), (
         f"{prefix} (in zerospeed/config/reference.py) is not a config key; fix or remove it"
+    )
 
 
 def _schema_field(key: str):
@@ -92,16 +106,22 @@ def _schema_field(key: str):
     *parents, leaf = key.replace("[]", "").split(".")
     for part in parents:
         annotation = model.model_fields[part].annotation
-        model = next(a for a in (getattr(annotation, "__args__", None) or (annotation,))
-                     if isinstance(a, type) and issubclass(a, StrictModel))
+        model = next(
+            a
+            for a in (getattr(annotation, "__args__", None) or (annotation,))
+            if isinstance(a, type) and issubclass(a, StrictModel)
+        )
     return model.model_fields[leaf]
 
 
 # key -> (type text, a config value the type text says is rejected, one it says is accepted)
 SPOT = {
     "zero_optimization.stage": ("one of {0, 1, 2, 3}", 4, 3),
-    "zero_optimization.reduce_bucket_size":
-        ('int >= 0; "auto" allowed (filled from the model\'s hidden size)', -1, 2e8),
+    "zero_optimization.reduce_bucket_size": (
+        'int >= 0; "auto" allowed (filled from the model\'s hidden size)',
+        -1,
+        2e8,
+    ),
     "fp16.min_loss_scale": ("float > 0", 0, 0.5),
     "zero_optimization.offload_optimizer.ratio": ("float in [0, 1]", 1.5, 0.25),
     "train_micro_batch_size_per_gpu": ('int >= 1 or null; "auto" allowed (derived by the batch-size rules)', 0, 2),
@@ -134,8 +154,10 @@ def test_spot_check_types_and_defaults_against_the_schema(table, key):
 
 
 def test_links_point_at_headings(rendered):
-    anchors = {re.sub(r"[^a-z0-9_\- ]", "", h.lower()).replace(" ", "-")
-               for h in re.findall(r"^## (.+)$", rendered, flags=re.M)}
+    anchors = {
+        re.sub(r"[^a-z0-9_\- ]", "", h.lower()).replace(" ", "-")
+        for h in re.findall(r"^## (.+)$", rendered, flags=re.M)
+    }
     links = re.findall(r"\]\(#([^)]+)\)", rendered)
     assert links and set(links) <= anchors
 
@@ -174,10 +196,15 @@ def test_works_claims_are_read_by_some_code():
     A heuristic (generic names such as `enabled` always pass), but it catches a block whose
     features row was deleted while some of its keys are still read by nothing.
     """
-    unread = [k for k in leaf_keys() if key_status(k) == "works"
-              and not _read_outside_schema(k.rsplit(".", 1)[-1].replace("[]", ""))]
-    assert not unread, (f"documented as works but read by no code: {unread}; add them to NO_EFFECT (with why) "
-                        "or GATES in zerospeed/config/reference.py, or a row to zerospeed/config/features.py")
+    unread = [
+        k
+        for k in leaf_keys()
+        if key_status(k) == "works" and not _read_outside_schema(k.rsplit(".", 1)[-1].replace("[]", ""))
+    ]
+    assert not unread, (
+        f"documented as works but read by no code: {unread}; add them to NO_EFFECT (with why) "
+        "or GATES in zerospeed/config/reference.py, or a row to zerospeed/config/features.py"
+    )
 
 
 def test_check_mode_fails_on_a_stale_file(tmp_path, capsys):

@@ -23,6 +23,7 @@ def shared(name: str) -> Path:
 
 # --- the three configs users already have ------------------------------------------------------
 
+
 def test_zero2_full_parses_at_world_size_1():
     cfg = parse_config(shared("zero2_full.json"), world_size=1, check_features=False)
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (16, 4, 4)
@@ -45,8 +46,10 @@ def test_zero2_full_at_world_size_2_shows_the_arithmetic():
     with pytest.raises(ConfigError) as info:
         parse_config(shared("zero2_full.json"), world_size=2, check_features=False)
     message = str(info.value)
-    assert ("train_batch_size 16 != train_micro_batch_size_per_gpu 4 * gradient_accumulation_steps 4 "
-            "* data-parallel world size 2 = 32") in message
+    assert (
+        "train_batch_size 16 != train_micro_batch_size_per_gpu 4 * gradient_accumulation_steps 4 "
+        "* data-parallel world size 2 = 32"
+    ) in message
     assert "change them together" in message
     assert "train_batch_size to 32" in message and "gradient_accumulation_steps to 2" in message
 
@@ -57,8 +60,11 @@ def test_zero2_full_passes_the_feature_check():
 
 
 def test_zero3_cpu_offload_needs_known_values():
-    known = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
-             **auto_values_from_hidden_size(1024)}
+    known = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 3,
+        **auto_values_from_hidden_size(1024),
+    }
     cfg = parse_config(shared("zero3_cpu_offload.json"), world_size=4, known=known, check_features=False)
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (24, 2, 3)
     zero = cfg.zero_optimization
@@ -85,8 +91,12 @@ def test_zero3_cpu_offload_passes_the_feature_check_now_that_offload_exists():
 
 
 def test_zero2_cpu_offload_auto_with_trainer_values():
-    known = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
-             "fp16.enabled": True}
+    known = {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.5,
+        "fp16.enabled": True,
+    }
     cfg = parse_config(shared("zero2_cpu_offload_auto.json"), world_size=2, known=known, check_features=False)
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (32, 8, 2)
     assert cfg.gradient_clipping == 0.5 and cfg.fp16_enabled is True
@@ -95,127 +105,349 @@ def test_zero2_cpu_offload_auto_with_trainer_values():
 
 # --- every documented section, with non-default values ------------------------------------------
 
+
 def every_key_config() -> dict:
     """A config touching every section at every level, values chosen to differ from defaults."""
     return {
-        "train_batch_size": 12, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 4,
+        "train_batch_size": 12,
+        "train_micro_batch_size_per_gpu": 3,
+        "gradient_accumulation_steps": 4,
         "managed_gradient_accumulation": False,
         "optimizer": {"type": "Lamb", "params": {"lr": 0.01, "betas": [0.8, 0.9]}, "legacy_fusion": True},
         "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.001}},
-        "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False,
-        "gradient_clipping": 2.5, "prescale_gradients": True, "gradient_predivide_factor": 4.0,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "gradient_clipping": 2.5,
+        "prescale_gradients": True,
+        "gradient_predivide_factor": 4.0,
         # "sum" (parsed in test_gradient_allreduce_op_is_deepspeeds_key) is refused at stage 3, as in DeepSpeed
-        "gradient_allreduce_op": "mean", "communication_data_type": "bf16",
-        "seq_parallel_communication_data_type": "fp16", "sparse_gradients": True, "disable_allgather": True,
+        "gradient_allreduce_op": "mean",
+        "communication_data_type": "bf16",
+        "seq_parallel_communication_data_type": "fp16",
+        "sparse_gradients": True,
+        "disable_allgather": True,
         "graph_harvesting": True,
-        "fp16": {"enabled": False, "auto_cast": True, "loss_scale": 128.0, "initial_scale_power": 12,
-                 "loss_scale_window": 500, "hysteresis": 3, "consecutive_hysteresis": True,
-                 "min_loss_scale": 0.5, "fp16_master_weights_and_grads": True},
-        "bf16": {"enabled": True, "immediate_grad_update": True, "check_grad_overflow": True,
-                 "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+        "fp16": {
+            "enabled": False,
+            "auto_cast": True,
+            "loss_scale": 128.0,
+            "initial_scale_power": 12,
+            "loss_scale_window": 500,
+            "hysteresis": 3,
+            "consecutive_hysteresis": True,
+            "min_loss_scale": 0.5,
+            "fp16_master_weights_and_grads": True,
+        },
+        "bf16": {
+            "enabled": True,
+            "immediate_grad_update": True,
+            "check_grad_overflow": True,
+            "bf16_master_weights_and_grads": True,
+            "bf16_optimizer_states": True,
+        },
         "amp": {"enabled": True, "opt_level": "O2", "loss_scale": "dynamic"},
         "torch_autocast": {"enabled": True, "dtype": "float16", "lower_precision_safe_modules": ["torch.nn.Linear"]},
         "data_types": {"grad_accum_dtype": "bf16", "param_dtype": "fp16", "buffer_dtype": "fp32"},
         "zero_optimization": {
-            "stage": 3, "contiguous_gradients": False, "reduce_scatter": False, "reduce_bucket_size": 1e7,
-            "use_multi_rank_bucket_allreduce": False, "allgather_partitions": False, "allgather_bucket_size": 3e7,
-            "overlap_comm": False, "load_from_fp32_weights": False, "elastic_checkpoint": True,
-            "offload_param": {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 6, "buffer_size": 2e8,
-                              "max_in_cpu": 2e9, "pin_memory": True},
-            "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme2", "buffer_count": 5, "pin_memory": True,
-                                  "pipeline_read": True, "pipeline_write": True, "fast_init": True, "ratio": 0.3,
-                                  "super_offload": True, "convert_grad_on_cpu": False, "cpuadam_cores_perc": 0.5},
-            "zenflow": {"topk_ratio": 0.2, "select_strategy": "step", "select_interval": 10, "update_interval": "auto",
-                        "overlap_step": True, "offload": True, "auto_ratio": 0.9, "full_warm_up_rounds": 2,
-                        "pt_reserved_cores_perc": 0.25},
-            "sub_group_size": 1e8, "stage3_prefetch_bucket_size": 1e6, "stage3_param_persistence_threshold": 1e4,
-            "stage3_model_persistence_threshold": 1e10, "stage3_max_live_parameters": 2e8,
-            "stage3_max_reuse_distance": 3e8, "stage3_gather_16bit_weights_on_model_save": True,
-            "stage3_module_granularity_threshold": 7, "stage3_use_all_reduce_for_fetch_params": True,
-            "stage3_allgather_sequential": True, "ignore_unused_parameters": False, "legacy_stage1": True,
-            "round_robin_gradients": True, "zero_hpz_partition_size": 8, "zero_quantized_weights": True,
-            "zero_quantized_nontrainable_weights": True, "zero_quantized_gradients": True,
-            "zeropp_loco_param": {"err_beta": 0.7, "reset_T": 512}, "mics_shard_size": 4,
-            "mics_hierarchical_params_gather": True, "memory_efficient_linear": False,
-            "pipeline_loading_checkpoint": True, "override_module_apply": False, "log_trace_cache_warnings": True,
-            "enable_sanity_checks": True, "compute_grad_norm": False, "parameter_alignment": True,
+            "stage": 3,
+            "contiguous_gradients": False,
+            "reduce_scatter": False,
+            "reduce_bucket_size": 1e7,
+            "use_multi_rank_bucket_allreduce": False,
+            "allgather_partitions": False,
+            "allgather_bucket_size": 3e7,
+            "overlap_comm": False,
+            "load_from_fp32_weights": False,
+            "elastic_checkpoint": True,
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": "/nvme",
+                "buffer_count": 6,
+                "buffer_size": 2e8,
+                "max_in_cpu": 2e9,
+                "pin_memory": True,
+            },
+            "offload_optimizer": {
+                "device": "nvme",
+                "nvme_path": "/nvme2",
+                "buffer_count": 5,
+                "pin_memory": True,
+                "pipeline_read": True,
+                "pipeline_write": True,
+                "fast_init": True,
+                "ratio": 0.3,
+                "super_offload": True,
+                "convert_grad_on_cpu": False,
+                "cpuadam_cores_perc": 0.5,
+            },
+            "zenflow": {
+                "topk_ratio": 0.2,
+                "select_strategy": "step",
+                "select_interval": 10,
+                "update_interval": "auto",
+                "overlap_step": True,
+                "offload": True,
+                "auto_ratio": 0.9,
+                "full_warm_up_rounds": 2,
+                "pt_reserved_cores_perc": 0.25,
+            },
+            "sub_group_size": 1e8,
+            "stage3_prefetch_bucket_size": 1e6,
+            "stage3_param_persistence_threshold": 1e4,
+            "stage3_model_persistence_threshold": 1e10,
+            "stage3_max_live_parameters": 2e8,
+            "stage3_max_reuse_distance": 3e8,
+            "stage3_gather_16bit_weights_on_model_save": True,
+            "stage3_module_granularity_threshold": 7,
+            "stage3_use_all_reduce_for_fetch_params": True,
+            "stage3_allgather_sequential": True,
+            "ignore_unused_parameters": False,
+            "legacy_stage1": True,
+            "round_robin_gradients": True,
+            "zero_hpz_partition_size": 8,
+            "zero_quantized_weights": True,
+            "zero_quantized_nontrainable_weights": True,
+            "zero_quantized_gradients": True,
+            "zeropp_loco_param": {"err_beta": 0.7, "reset_T": 512},
+            "mics_shard_size": 4,
+            "mics_hierarchical_params_gather": True,
+            "memory_efficient_linear": False,
+            "pipeline_loading_checkpoint": True,
+            "override_module_apply": False,
+            "log_trace_cache_warnings": True,
+            "enable_sanity_checks": True,
+            "compute_grad_norm": False,
+            "parameter_alignment": True,
             "save_muon_momentum_buffer_in_memory": True,
             "leaf_module": {"classes": ["my.Block"], "names": ["layers.0"], "name_suffixes": "moe"},
         },
-        "aio": {"io_backend": "posix", "block_size": 262144, "queue_depth": 32, "intra_op_parallelism": 2,
-                "thread_count": 2, "single_submit": True, "overlap_events": False, "use_gds": True},
-        "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True,
-                                     "contiguous_memory_optimization": True, "number_checkpoints": 12,
-                                     "synchronize_checkpoint_boundary": True, "profile": True},
-        "pipeline": {"stages": 4, "partition": "uniform", "seed_layers": True, "activation_checkpoint_interval": 2,
-                     "pipe_partitioned": False, "grad_partitioned": False},
-        "tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": True, "vocab_parallel_lm_head": True,
-                            "preset_model": "llama", "dtype": "bf16", "keep_module_on_host": True,
-                            "kernel_inject": True, "tp": {"tp_size": 2, "tp_grain_size": 64},
-                            "partition_config": {"use_default_specs": False, "layer_specs": [
-                                {"patterns": [".*o_proj"], "partition_type": "row", "shape": [2, -1],
-                                 "partition_dim": 0, "model_types": ["llama"]}]}},
-        "expert_parallel": {"enabled": True, "autoep_size": 4, "preset_model": "mixtral", "top_k": 2,
-                            "routed_scaling_factor": 2.5, "score_func": "sigmoid", "score_apply": "post",
-                            "combine_impl": "weighted_sum", "comm_backend": "deepep", "comm_max_tokens_per_rank": 64,
-                            "num_expert_groups": 8, "num_limited_groups": 4, "expert_w3": None,
-                            "has_shared_experts": True, "shared_experts_pattern": "shared_expert"},
-        "sequence_parallel_size": 2, "use_data_before_expert_parallelism": True,
-        "hybrid_engine": {"enabled": True, "max_out_tokens": 256, "inference_tp_size": 2,
-                          "release_inference_cache": True, "pin_parameters": False, "tp_gather_partition_size": 4,
-                          "enable_cuda_graph": True},
-        "compile": {"deepcompile": True, "free_activation": True, "passes": ["z3", "autosp"], "enabled": True,
-                    "backend": "eager", "kwargs": {"fullgraph": True}},
-        "steps_per_print": 7, "wall_clock_breakdown": True, "memory_breakdown": True, "dump_state": True,
-        "log_level": "debug", "disable_python_gc": True,
+        "aio": {
+            "io_backend": "posix",
+            "block_size": 262144,
+            "queue_depth": 32,
+            "intra_op_parallelism": 2,
+            "thread_count": 2,
+            "single_submit": True,
+            "overlap_events": False,
+            "use_gds": True,
+        },
+        "activation_checkpointing": {
+            "partition_activations": True,
+            "cpu_checkpointing": True,
+            "contiguous_memory_optimization": True,
+            "number_checkpoints": 12,
+            "synchronize_checkpoint_boundary": True,
+            "profile": True,
+        },
+        "pipeline": {
+            "stages": 4,
+            "partition": "uniform",
+            "seed_layers": True,
+            "activation_checkpoint_interval": 2,
+            "pipe_partitioned": False,
+            "grad_partitioned": False,
+        },
+        "tensor_parallel": {
+            "autotp_size": 2,
+            "tp_overlap_comm": True,
+            "vocab_parallel_lm_head": True,
+            "preset_model": "llama",
+            "dtype": "bf16",
+            "keep_module_on_host": True,
+            "kernel_inject": True,
+            "tp": {"tp_size": 2, "tp_grain_size": 64},
+            "partition_config": {
+                "use_default_specs": False,
+                "layer_specs": [
+                    {
+                        "patterns": [".*o_proj"],
+                        "partition_type": "row",
+                        "shape": [2, -1],
+                        "partition_dim": 0,
+                        "model_types": ["llama"],
+                    }
+                ],
+            },
+        },
+        "expert_parallel": {
+            "enabled": True,
+            "autoep_size": 4,
+            "preset_model": "mixtral",
+            "top_k": 2,
+            "routed_scaling_factor": 2.5,
+            "score_func": "sigmoid",
+            "score_apply": "post",
+            "combine_impl": "weighted_sum",
+            "comm_backend": "deepep",
+            "comm_max_tokens_per_rank": 64,
+            "num_expert_groups": 8,
+            "num_limited_groups": 4,
+            "expert_w3": None,
+            "has_shared_experts": True,
+            "shared_experts_pattern": "shared_expert",
+        },
+        "sequence_parallel_size": 2,
+        "use_data_before_expert_parallelism": True,
+        "hybrid_engine": {
+            "enabled": True,
+            "max_out_tokens": 256,
+            "inference_tp_size": 2,
+            "release_inference_cache": True,
+            "pin_parameters": False,
+            "tp_gather_partition_size": 4,
+            "enable_cuda_graph": True,
+        },
+        "compile": {
+            "deepcompile": True,
+            "free_activation": True,
+            "passes": ["z3", "autosp"],
+            "enabled": True,
+            "backend": "eager",
+            "kwargs": {"fullgraph": True},
+        },
+        "steps_per_print": 7,
+        "wall_clock_breakdown": True,
+        "memory_breakdown": True,
+        "dump_state": True,
+        "log_level": "debug",
+        "disable_python_gc": True,
         "tensorboard": {"enabled": True, "output_path": "tb/", "job_name": "job"},
         "wandb": {"enabled": True, "group": "g", "team": "t", "project": "p"},
         "csv_monitor": {"enabled": True, "output_path": "csv/", "job_name": "job2"},
-        "comet": {"enabled": True, "samples_log_interval": 50, "project": "p", "workspace": "w",
-                  "experiment_name": "e", "online": False, "mode": "get"},
-        "comms_logger": {"enabled": True, "verbose": True, "prof_all": False, "debug": True,
-                         "prof_ops": ["all_reduce"]},
-        "flops_profiler": {"enabled": True, "recompute_fwd_factor": 1.0, "profile_step": 3, "module_depth": 2,
-                           "top_modules": 5, "detailed": False, "output_file": "flops.txt"},
+        "comet": {
+            "enabled": True,
+            "samples_log_interval": 50,
+            "project": "p",
+            "workspace": "w",
+            "experiment_name": "e",
+            "online": False,
+            "mode": "get",
+        },
+        "comms_logger": {
+            "enabled": True,
+            "verbose": True,
+            "prof_all": False,
+            "debug": True,
+            "prof_ops": ["all_reduce"],
+        },
+        "flops_profiler": {
+            "enabled": True,
+            "recompute_fwd_factor": 1.0,
+            "profile_step": 3,
+            "module_depth": 2,
+            "top_modules": 5,
+            "detailed": False,
+            "output_file": "flops.txt",
+        },
         "timers": {"throughput": {"enabled": False, "synchronized": False}},
-        "autotuning": {"enabled": True, "fast": False, "metric": "latency", "tuner_type": "model_based",
-                       "max_train_batch_size": 1024, "model_info": {"profile": True, "num_params": 1000}},
-        "checkpoint": {"tag_validation": "Fail", "load_universal": True, "use_node_local_storage": True,
-                       "parallel_write": {"pipeline_stage": True}, "checkpoint_serialization": False,
-                       "writer": {"type": "python", "io_buffer_size": 1024, "data_parallel": "socket"}},
-        "nebula": {"enabled": True, "persistent_storage_path": "/ckpt", "persistent_time_interval": 30,
-                   "num_of_version_in_retention": 3},
-        "datastates_ckpt": {"host_cache_size": 16}, "async_load": True,
-        "dataloader_drop_last": True, "vocabulary_size": 50304,
-        "elasticity": {"enabled": True, "max_train_batch_size": 4000, "micro_batch_sizes": [1, 2], "min_gpus": 1,
-                       "max_gpus": 64, "min_time": 5, "prefer_larger_batch": False, "version": 0.1,
-                       "ignore_non_elastic_batch_info": True, "model_parallel_size": 1, "num_gpus_per_node": 1},
-        "sparse_attention": {"mode": "bigbird", "block": 32, "num_random_blocks": 2, "num_sliding_window_blocks": 5,
-                             "local_window_blocks": [2, 4], "global_block_end_indices": [1]},
-        "curriculum_learning": {"enabled": True, "curriculum_type": "seqlen", "min_difficulty": 8,
-                                "max_difficulty": 1024, "schedule_type": "fixed_linear",
-                                "schedule_config": {"total_curriculum_step": 40000, "difficulty_step": 8}},
-        "data_efficiency": {"enabled": True, "seed": 7, "data_sampling": {
-            "enabled": True, "num_epochs": 2, "num_workers": 3,
-            "curriculum_learning": {"enabled": True, "data_cluster_path": "/c", "curriculum_metrics": {"m": {}}}},
-            "data_routing": {"enabled": True, "random_ltd": {
-                "enabled": True, "total_layer_num": 24, "random_ltd_layer_num": 2, "random_ltd_layer_id": [1, 22],
-                "model_mask_name": "attention_mask", "model_type": "encoder", "hidden_state_order": "seq_batch_dim",
-                "micro_batch_size": 4, "global_batch_size": 64,
-                "random_ltd_schedule": {"min_value": 128, "max_value": 2048, "schedule_type": "fixed_linear",
-                                        "schedule_config": {"require_steps": 200000, "seq_per_step": 16}},
-                "layer_token_lr_schedule": {"enabled": True, "total_layer_tokens": 10**9, "warmup_type": "linear",
-                                            "warmup_layer_tokens": 10**6}}}},
+        "autotuning": {
+            "enabled": True,
+            "fast": False,
+            "metric": "latency",
+            "tuner_type": "model_based",
+            "max_train_batch_size": 1024,
+            "model_info": {"profile": True, "num_params": 1000},
+        },
+        "checkpoint": {
+            "tag_validation": "Fail",
+            "load_universal": True,
+            "use_node_local_storage": True,
+            "parallel_write": {"pipeline_stage": True},
+            "checkpoint_serialization": False,
+            "writer": {"type": "python", "io_buffer_size": 1024, "data_parallel": "socket"},
+        },
+        "nebula": {
+            "enabled": True,
+            "persistent_storage_path": "/ckpt",
+            "persistent_time_interval": 30,
+            "num_of_version_in_retention": 3,
+        },
+        "datastates_ckpt": {"host_cache_size": 16},
+        "async_load": True,
+        "dataloader_drop_last": True,
+        "vocabulary_size": 50304,
+        "elasticity": {
+            "enabled": True,
+            "max_train_batch_size": 4000,
+            "micro_batch_sizes": [1, 2],
+            "min_gpus": 1,
+            "max_gpus": 64,
+            "min_time": 5,
+            "prefer_larger_batch": False,
+            "version": 0.1,
+            "ignore_non_elastic_batch_info": True,
+            "model_parallel_size": 1,
+            "num_gpus_per_node": 1,
+        },
+        "sparse_attention": {
+            "mode": "bigbird",
+            "block": 32,
+            "num_random_blocks": 2,
+            "num_sliding_window_blocks": 5,
+            "local_window_blocks": [2, 4],
+            "global_block_end_indices": [1],
+        },
+        "curriculum_learning": {
+            "enabled": True,
+            "curriculum_type": "seqlen",
+            "min_difficulty": 8,
+            "max_difficulty": 1024,
+            "schedule_type": "fixed_linear",
+            "schedule_config": {"total_curriculum_step": 40000, "difficulty_step": 8},
+        },
+        "data_efficiency": {
+            "enabled": True,
+            "seed": 7,
+            "data_sampling": {
+                "enabled": True,
+                "num_epochs": 2,
+                "num_workers": 3,
+                "curriculum_learning": {"enabled": True, "data_cluster_path": "/c", "curriculum_metrics": {"m": {}}},
+            },
+            "data_routing": {
+                "enabled": True,
+                "random_ltd": {
+                    "enabled": True,
+                    "total_layer_num": 24,
+                    "random_ltd_layer_num": 2,
+                    "random_ltd_layer_id": [1, 22],
+                    "model_mask_name": "attention_mask",
+                    "model_type": "encoder",
+                    "hidden_state_order": "seq_batch_dim",
+                    "micro_batch_size": 4,
+                    "global_batch_size": 64,
+                    "random_ltd_schedule": {
+                        "min_value": 128,
+                        "max_value": 2048,
+                        "schedule_type": "fixed_linear",
+                        "schedule_config": {"require_steps": 200000, "seq_per_step": 16},
+                    },
+                    "layer_token_lr_schedule": {
+                        "enabled": True,
+                        "total_layer_tokens": 10**9,
+                        "warmup_type": "linear",
+                        "warmup_layer_tokens": 10**6,
+                    },
+                },
+            },
+        },
         "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.01},
         "eigenvalue": {"enabled": True, "verbose": True, "max_iter": 50, "tol": 0.1, "layer_num": 12},
-        "quantize_training": {"enabled": True, "quantize_bits": {"start_bits": 12, "target_bits": 4},
-                              "quantize_schedule": {"quantize_period": 10, "schedule_offset": 5},
-                              "quantize_groups": 8, "fp16_mixed_quantize": {"enabled": True},
-                              "quantize_algo": {"q_type": "asymmetric", "rounding": "stochastic"}},
-        "compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True},
-                                                         "different_groups": {"wq1": {"modules": ["attn"], "params": {
-                                                             "start_bits": 8, "target_bits": 4}}}},
-                                 "layer_reduction": {"enabled": True, "keep_number_layer": 5}},
+        "quantize_training": {
+            "enabled": True,
+            "quantize_bits": {"start_bits": 12, "target_bits": 4},
+            "quantize_schedule": {"quantize_period": 10, "schedule_offset": 5},
+            "quantize_groups": 8,
+            "fp16_mixed_quantize": {"enabled": True},
+            "quantize_algo": {"q_type": "asymmetric", "rounding": "stochastic"},
+        },
+        "compression_training": {
+            "weight_quantization": {
+                "shared_parameters": {"enabled": True},
+                "different_groups": {"wq1": {"modules": ["attn"], "params": {"start_bits": 8, "target_bits": 4}}},
+            },
+            "layer_reduction": {"enabled": True, "keep_number_layer": 5},
+        },
         "weight_quantization": {"num_bits": 4, "q_type": "asymmetric", "q_groups": 64},
     }
 
@@ -273,6 +505,7 @@ def test_every_documented_key_config_trips_many_feature_rows():
 
 # --- defaults are DeepSpeed's -------------------------------------------------------------------
 
+
 def test_defaults_match_deepspeed():
     cfg = parse_config({"train_batch_size": 8})
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (8, 8, 1)
@@ -313,6 +546,7 @@ def test_every_field_has_a_description_naming_the_default():
     from pydantic import BaseModel
 
     from zerospeed.config.validation import _model_in
+
     seen, todo = set(), [ZeroSpeedConfig]
     while todo:
         model = todo.pop()
@@ -331,6 +565,7 @@ def test_every_field_has_a_description_naming_the_default():
 
 # --- numbers ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("text,expected", [(2e8, 200_000_000), (1e9, 1_000_000_000), (5.0, 5), (12, 12)])
 def test_integral_floats_become_ints(text, expected):
     cfg = parse_config({"train_batch_size": 1, "zero_optimization": {"reduce_bucket_size": text}})
@@ -341,8 +576,9 @@ def test_integral_floats_become_ints(text, expected):
 def test_non_integral_float_for_int_field_is_rejected():
     with pytest.raises(ConfigError) as info:
         parse_config({"train_batch_size": 1, "zero_optimization": {"reduce_bucket_size": 2.5}})
-    assert str(info.value) == ("zero_optimization.reduce_bucket_size: expected a non-negative integer, "
-                               "got 2.5 (not a whole number)")
+    assert str(info.value) == (
+        "zero_optimization.reduce_bucket_size: expected a non-negative integer, got 2.5 (not a whole number)"
+    )
 
 
 def test_bool_is_not_a_number():
@@ -351,8 +587,9 @@ def test_bool_is_not_a_number():
     assert str(info.value) == "train_batch_size: expected a positive integer or null, got true"
 
 
-@pytest.mark.parametrize("value,normalised", [("FP32", "fp32"), ("float16", "fp16"), ("bfloat16", "bf16"),
-                                              ("bfp16", "bf16"), (None, None)])
+@pytest.mark.parametrize(
+    "value,normalised", [("FP32", "fp32"), ("float16", "fp16"), ("bfloat16", "bf16"), ("bfp16", "bf16"), (None, None)]
+)
 def test_communication_data_type_is_normalised(value, normalised):
     cfg = parse_config({"train_batch_size": 1, "communication_data_type": value})
     assert cfg.communication_data_type == normalised

@@ -68,7 +68,7 @@ def test_dataset_exact_shift_and_windows():
 
 def test_dataset_length_uses_last_token_only_as_target():
     assert len(ByteSequenceDataset(torch.arange(10), seq_len=3)) == 3  # 9 // 3: token 9 is a target
-    assert len(ByteSequenceDataset(torch.arange(9), seq_len=3)) == 2   # 8 // 3
+    assert len(ByteSequenceDataset(torch.arange(9), seq_len=3)) == 2  # 8 // 3
 
 
 def test_dataset_index_out_of_range():

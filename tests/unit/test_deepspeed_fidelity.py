@@ -8,6 +8,7 @@ and checks our value next to DeepSpeed's.
 
 One-process engines only; no worker processes.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -25,9 +26,9 @@ from zerospeed.checkpoint import (
 )
 from zerospeed.checkpoint.export import plan_shards
 from zerospeed.config import ConfigError, parse_config
+from zerospeed.data.loader import RepeatingLoader, build_training_loader
 from zerospeed.optim import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 from zerospeed.pipe import PipelineModule
-from zerospeed.data.loader import RepeatingLoader, build_training_loader
 
 
 @pytest.fixture(autouse=True)
@@ -43,25 +44,43 @@ def one_thread():
 # "SIG ..." lines: inspect.signature of deepspeed.utils.zero_to_fp32's functions.
 DS_SIGNATURES = {
     "convert_zero_checkpoint_to_fp32_state_dict": [
-        ("checkpoint_dir", None), ("output_dir", None), ("max_shard_size", "5GB"), ("safe_serialization", False),
-        ("tag", None), ("exclude_frozen_parameters", False)],
+        ("checkpoint_dir", None),
+        ("output_dir", None),
+        ("max_shard_size", "5GB"),
+        ("safe_serialization", False),
+        ("tag", None),
+        ("exclude_frozen_parameters", False),
+    ],
     "get_fp32_state_dict_from_zero_checkpoint": [
-        ("checkpoint_dir", None), ("tag", None), ("exclude_frozen_parameters", False), ("lazy_mode", False)],
+        ("checkpoint_dir", None),
+        ("tag", None),
+        ("exclude_frozen_parameters", False),
+        ("lazy_mode", False),
+    ],
     "load_state_dict_from_zero_checkpoint": [("model", None), ("checkpoint_dir", None), ("tag", None)],
 }
-OURS = {f.__name__: f for f in (convert_zero_checkpoint_to_fp32_state_dict, get_fp32_state_dict_from_zero_checkpoint,
-                                load_state_dict_from_zero_checkpoint)}
+OURS = {
+    f.__name__: f
+    for f in (
+        convert_zero_checkpoint_to_fp32_state_dict,
+        get_fp32_state_dict_from_zero_checkpoint,
+        load_state_dict_from_zero_checkpoint,
+    )
+}
 
 
 @pytest.mark.parametrize("name", sorted(DS_SIGNATURES))
 def test_zero_to_fp32_signatures_are_deepspeeds(name):
     params = list(inspect.signature(OURS[name]).parameters.values())
     ds = DS_SIGNATURES[name]
-    positional = [(p.name, None if p.default is inspect.Parameter.empty else p.default)
-                  for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    positional = [
+        (p.name, None if p.default is inspect.Parameter.empty else p.default)
+        for p in params
+        if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    ]
     assert positional == ds
     # our extras come after DeepSpeed's, keyword-only
-    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[len(ds):])
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[len(ds) :])
 
 
 # "CONVERT ..." lines: the files DeepSpeed's convert_zero_checkpoint_to_fp32_state_dict writes for a
@@ -69,11 +88,18 @@ def test_zero_to_fp32_signatures_are_deepspeeds(name):
 DS_FILES = {
     (): ["pytorch_model.bin"],
     (("safe_serialization", True),): ["model.safetensors"],
-    (("max_shard_size", 100),): ["pytorch_model-00001-of-00003.bin", "pytorch_model-00002-of-00003.bin",
-                                 "pytorch_model-00003-of-00003.bin", "pytorch_model.bin.index.json"],
+    (("max_shard_size", 100),): [
+        "pytorch_model-00001-of-00003.bin",
+        "pytorch_model-00002-of-00003.bin",
+        "pytorch_model-00003-of-00003.bin",
+        "pytorch_model.bin.index.json",
+    ],
     (("max_shard_size", 100), ("safe_serialization", True)): [
-        "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors",
-        "model.safetensors.index.json"],
+        "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors",
+        "model-00003-of-00003.safetensors",
+        "model.safetensors.index.json",
+    ],
 }
 DS_WEIGHT_MAP_SHARD = {"0.weight": 1, "0.bias": 2, "1.weight": 2, "1.bias": 3}  # shard number per tensor
 DS_TOTAL_SIZE = 232
@@ -83,9 +109,14 @@ DS_TOTAL_SIZE = 232
 def tiny_checkpoint(tmp_path_factory):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    engine, *_ = zerospeed.initialize(model=model, config={
-        "train_batch_size": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 2}})
+    engine, *_ = zerospeed.initialize(
+        model=model,
+        config={
+            "train_batch_size": 2,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 2},
+        },
+    )
     engine.backward(engine(torch.randn(2, 4)).sum())
     engine.step()
     root = tmp_path_factory.mktemp("ckpt")
@@ -142,18 +173,23 @@ def test_load_state_dict_from_zero_checkpoint_is_not_strict_by_default(tiny_chec
 # ------------------------------------------------------------------ 3. save_checkpoint / load_checkpoint dirs
 
 # "SAVE ..." / "LOAD ..." lines.
-DS_SAVE_ERRORS = {"": "save_dir must be a non-empty string, got ''", None: "save_dir must be a non-empty string, got None"}
+DS_SAVE_ERRORS = {
+    "": "save_dir must be a non-empty string, got ''",
+    None: "save_dir must be a non-empty string, got None",
+}
 
 
 @pytest.fixture(scope="module")
 def engines():
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 2)
-    plain, *_ = zerospeed.initialize(model=model, config={"train_batch_size": 2, "optimizer": {
-        "type": "Adam", "params": {"lr": 1e-3}}})
+    plain, *_ = zerospeed.initialize(
+        model=model, config={"train_batch_size": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    )
     pipe_module = PipelineModule([torch.nn.Linear(2, 2)], num_stages=1, loss_fn=torch.nn.MSELoss())
-    pipe, *_ = zerospeed.initialize(model=pipe_module, config={"train_micro_batch_size_per_gpu": 2,
-                                                                "gradient_accumulation_steps": 1})
+    pipe, *_ = zerospeed.initialize(
+        model=pipe_module, config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}
+    )
     return {"plain": plain, "pipe": pipe}
 
 
@@ -188,15 +224,21 @@ def test_gradient_allreduce_sum_is_refused_with_zero_3():
         parse_config({"train_batch_size": 2, "gradient_allreduce_op": "sum", "zero_optimization": {"stage": 3}})
     assert str(err.value).startswith(DS_ALLREDUCE_ERROR)
     assert 'set gradient_allreduce_op to "mean"' in str(err.value)
-    assert parse_config({"train_batch_size": 2, "gradient_allreduce_op": "SUM",
-                         "zero_optimization": {"stage": 2}}).gradient_allreduce_op == "sum"
+    assert (
+        parse_config(
+            {"train_batch_size": 2, "gradient_allreduce_op": "SUM", "zero_optimization": {"stage": 2}}
+        ).gradient_allreduce_op
+        == "sum"
+    )
 
 
 # ------------------------------------------------------------------ 2 and 6. LR schedulers
 
+
 def two_groups(opt_cls, **kw):
-    return opt_cls([{"params": [torch.nn.Parameter(torch.ones(1))]}, {"params": [torch.nn.Parameter(torch.ones(1))]}],
-                   **kw)
+    return opt_cls(
+        [{"params": [torch.nn.Parameter(torch.ones(1))]}, {"params": [torch.nn.Parameter(torch.ones(1))]}], **kw
+    )
 
 
 def run(sched, opt, steps):
@@ -211,29 +253,68 @@ def run(sched, opt, steps):
 
 # "ONECYCLE_ADAM" line: Adam(betas=(0.9, 0.99)) so that DeepSpeed's hard-coded beta2 = 0.99 is the group's too.
 DS_ONECYCLE_LRS = [
-    [0.1, 0.2], [0.3250000000000002, 0.6500000000000004], [0.5499999999999999, 1.0999999999999999],
-    [0.7750000000000001, 1.5500000000000003], [0.9999999999999998, 1.9999999999999996], [0.85, 1.7],
-    [0.6999999999999998, 1.3999999999999997], [0.5500000000000002, 1.1000000000000003],
-    [0.3999999999999999, 0.7999999999999998], [0.2500000000000001, 0.5000000000000002], [0.1, 0.2], [0.08, 0.16],
-    [0.06666666666666667, 0.13333333333333333], [0.05714285714285715, 0.1142857142857143], [0.05, 0.1],
-    [0.044444444444444446, 0.08888888888888889], [0.04, 0.08], [0.03636363636363637, 0.07272727272727274],
-    [0.03333333333333333, 0.06666666666666667], [0.03076923076923077, 0.06153846153846154],
-    [0.028571428571428574, 0.05714285714285715]]
+    [0.1, 0.2],
+    [0.3250000000000002, 0.6500000000000004],
+    [0.5499999999999999, 1.0999999999999999],
+    [0.7750000000000001, 1.5500000000000003],
+    [0.9999999999999998, 1.9999999999999996],
+    [0.85, 1.7],
+    [0.6999999999999998, 1.3999999999999997],
+    [0.5500000000000002, 1.1000000000000003],
+    [0.3999999999999999, 0.7999999999999998],
+    [0.2500000000000001, 0.5000000000000002],
+    [0.1, 0.2],
+    [0.08, 0.16],
+    [0.06666666666666667, 0.13333333333333333],
+    [0.05714285714285715, 0.1142857142857143],
+    [0.05, 0.1],
+    [0.044444444444444446, 0.08888888888888889],
+    [0.04, 0.08],
+    [0.03636363636363637, 0.07272727272727274],
+    [0.03333333333333333, 0.06666666666666667],
+    [0.03076923076923077, 0.06153846153846154],
+    [0.028571428571428574, 0.05714285714285715],
+]
 DS_ONECYCLE_BETA1 = [
-    [0.8, 0.7], [0.875, 0.8875], [0.8500000000000001, 0.825], [0.8250000000000001, 0.7625], [0.8, 0.7],
-    [0.8166666666666667, 0.7416666666666666], [0.8333333333333334, 0.7833333333333333], [0.85, 0.825],
-    [0.8666666666666667, 0.8666666666666667], [0.8833333333333333, 0.9083333333333332], [0.9, 0.95],
-    [0.9045, 0.9547499999999999], [0.909, 0.9594999999999999], [0.9135, 0.9642499999999998], [0.918, 0.969],
-    [0.9225, 0.9737499999999999], [0.927, 0.9784999999999999], [0.9315, 0.9832499999999998], [0.936, 0.988],
-    [0.9405, 0.9927499999999999], [0.9450000000000001, 0.9974999999999999]]
+    [0.8, 0.7],
+    [0.875, 0.8875],
+    [0.8500000000000001, 0.825],
+    [0.8250000000000001, 0.7625],
+    [0.8, 0.7],
+    [0.8166666666666667, 0.7416666666666666],
+    [0.8333333333333334, 0.7833333333333333],
+    [0.85, 0.825],
+    [0.8666666666666667, 0.8666666666666667],
+    [0.8833333333333333, 0.9083333333333332],
+    [0.9, 0.95],
+    [0.9045, 0.9547499999999999],
+    [0.909, 0.9594999999999999],
+    [0.9135, 0.9642499999999998],
+    [0.918, 0.969],
+    [0.9225, 0.9737499999999999],
+    [0.927, 0.9784999999999999],
+    [0.9315, 0.9832499999999998],
+    [0.936, 0.988],
+    [0.9405, 0.9927499999999999],
+    [0.9450000000000001, 0.9974999999999999],
+]
 DS_ONECYCLE_GET_MOM = [(0.9450000000000001, 0.99), (0.9974999999999999, 0.99)]
 
 
 def test_one_cycle_per_group_lists_match_deepspeed_to_the_bit():
     opt = two_groups(torch.optim.Adam, lr=1.0, betas=(0.9, 0.99))
-    sched = OneCycle(opt, cycle_min_lr=[0.1, 0.2], cycle_max_lr=[1.0, 2.0], decay_lr_rate=0.5,
-                     cycle_first_step_size=4, cycle_second_step_size=6, decay_step_size=2,
-                     cycle_min_mom=[0.8, 0.7], cycle_max_mom=[0.9, 0.95], decay_mom_rate=0.01)
+    sched = OneCycle(
+        opt,
+        cycle_min_lr=[0.1, 0.2],
+        cycle_max_lr=[1.0, 2.0],
+        decay_lr_rate=0.5,
+        cycle_first_step_size=4,
+        cycle_second_step_size=6,
+        decay_step_size=2,
+        cycle_min_mom=[0.8, 0.7],
+        cycle_max_mom=[0.9, 0.95],
+        decay_mom_rate=0.01,
+    )
     lrs, betas = run(sched, opt, 20)
     assert lrs == DS_ONECYCLE_LRS
     assert betas == [[(b0, 0.99) for b0 in row] for row in DS_ONECYCLE_BETA1]
@@ -250,8 +331,17 @@ def test_one_cycle_keeps_each_groups_beta2_on_purpose():
 
 
 # "ONECYCLE_SGD": DeepSpeed disables cycle_momentum (no 'betas' in SGD's defaults) with a warning.
-DS_ONECYCLE_SGD_LRS = [0.1, 0.40000000000000013, 0.6999999999999998, 1.0, 0.7000000000000003, 0.3999999999999998,
-                       0.1, 0.1, 0.1]
+DS_ONECYCLE_SGD_LRS = [
+    0.1,
+    0.40000000000000013,
+    0.6999999999999998,
+    1.0,
+    0.7000000000000003,
+    0.3999999999999998,
+    0.1,
+    0.1,
+    0.1,
+]
 
 
 def test_one_cycle_sgd_momentum_is_not_cycled(caplog):
@@ -267,10 +357,8 @@ def test_one_cycle_sgd_momentum_is_not_cycled(caplog):
 
 # "ONECYCLE_SECOND0 stairs 0 / 2": cycle_second_step_size=0 is accepted (a sawtooth), 4 + 0 steps, 0 -> 1.
 DS_SECOND0 = {
-    0: ([0.0, 0.25, 0.5, 0.75] + [0.0] * 7,
-        [0.8, 0.875, 0.8500000000000001, 0.8250000000000001] + [0.9] * 7),
-    2: ([0.0, 0.0, 0.5, 0.5] + [0.0] * 7,
-        [0.8, 0.9, 0.8500000000000001, 0.8500000000000001] + [0.9] * 7),
+    0: ([0.0, 0.25, 0.5, 0.75] + [0.0] * 7, [0.8, 0.875, 0.8500000000000001, 0.8250000000000001] + [0.9] * 7),
+    2: ([0.0, 0.0, 0.5, 0.5] + [0.0] * 7, [0.8, 0.9, 0.8500000000000001, 0.8500000000000001] + [0.9] * 7),
 }
 
 
@@ -278,8 +366,14 @@ DS_SECOND0 = {
 def test_one_cycle_second_step_size_zero_is_deepspeeds_sawtooth(caplog, stairs):
     opt = two_groups(torch.optim.Adam, lr=1.0, betas=(0.9, 0.99))
     with caplog.at_level(logging.WARNING):
-        sched = OneCycle(opt, cycle_min_lr=0.0, cycle_max_lr=1.0, cycle_first_step_size=4, cycle_second_step_size=0,
-                         cycle_first_stair_count=stairs)
+        sched = OneCycle(
+            opt,
+            cycle_min_lr=0.0,
+            cycle_max_lr=1.0,
+            cycle_first_step_size=4,
+            cycle_second_step_size=0,
+            cycle_first_stair_count=stairs,
+        )
     assert "cycle_second_step_size is 0" in caplog.text
     lrs, betas = run(sched, opt, 10)
     assert [row[0] for row in lrs] == DS_SECOND0[stairs][0]
@@ -287,36 +381,88 @@ def test_one_cycle_second_step_size_zero_is_deepspeeds_sawtooth(caplog, stairs):
 
 
 # "BAD ..." lines: DeepSpeed's ValueErrors (ours are ConfigError, a ValueError, naming the key).
-@pytest.mark.parametrize("bad, key", [({"cycle_min_lr": [0.1]}, "cycle_min_lr"),
-                                      ({"cycle_min_mom": [0.8, 0.7, 0.6]}, "cycle_min_mom"),
-                                      ({"cycle_second_step_size": -1}, "cycle_second_step_size")])
+@pytest.mark.parametrize(
+    "bad, key",
+    [
+        ({"cycle_min_lr": [0.1]}, "cycle_min_lr"),
+        ({"cycle_min_mom": [0.8, 0.7, 0.6]}, "cycle_min_mom"),
+        ({"cycle_second_step_size": -1}, "cycle_second_step_size"),
+    ],
+)
 def test_one_cycle_bad_values_are_value_errors(bad, key):
     with pytest.raises(ValueError, match=f"scheduler.params.{key}"):
         OneCycle(two_groups(torch.optim.Adam), **{"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, **bad})
 
 
 # "WARMUP_LISTS", "WARMUP_UNKNOWN", "WARMUPDECAY_LISTS", "WARMUPCOSINE" lines.
-DS_WARMUP_LOG = [0.0, 0.0, 0.30102999566398114, 0.4771212547196624, 0.6020599913279623, 0.6989700043360186,
-                 0.7781512503836435, 0.8450980400142567, 0.9030899869919433, 0.9542425094393248, 0.9999999999999999,
-                 1.0, 1.0]
+DS_WARMUP_LOG = [
+    0.0,
+    0.0,
+    0.30102999566398114,
+    0.4771212547196624,
+    0.6020599913279623,
+    0.6989700043360186,
+    0.7781512503836435,
+    0.8450980400142567,
+    0.9030899869919433,
+    0.9542425094393248,
+    0.9999999999999999,
+    1.0,
+    1.0,
+]
 DS_WARMUP_LISTS = [
-    [0.0, 0.1], [0.0, 0.1], [0.30102999566398114, 0.22041199826559246], [0.4771212547196624, 0.29084850188786493],
-    [0.6020599913279623, 0.3408239965311849], [0.6989700043360186, 0.37958800173440743],
-    [0.7781512503836435, 0.4112605001534574], [0.8450980400142567, 0.4380392160057027],
-    [0.9030899869919433, 0.46123599479677735], [0.9542425094393248, 0.4816970037757299], [0.9999999999999999, 0.5],
-    [1.0, 0.5], [1.0, 0.5]]
+    [0.0, 0.1],
+    [0.0, 0.1],
+    [0.30102999566398114, 0.22041199826559246],
+    [0.4771212547196624, 0.29084850188786493],
+    [0.6020599913279623, 0.3408239965311849],
+    [0.6989700043360186, 0.37958800173440743],
+    [0.7781512503836435, 0.4112605001534574],
+    [0.8450980400142567, 0.4380392160057027],
+    [0.9030899869919433, 0.46123599479677735],
+    [0.9542425094393248, 0.4816970037757299],
+    [0.9999999999999999, 0.5],
+    [1.0, 0.5],
+    [1.0, 0.5],
+]
 DS_WARMUPDECAY_LISTS = [
-    [0.0, 0.1], [0.0, 0.1], [0.25, 0.2], [0.5, 0.30000000000000004], [0.75, 0.4], [1.0, 0.5],
-    [0.9166666666666666, 0.4666666666666667], [0.8333333333333334, 0.43333333333333335], [0.75, 0.4],
-    [0.6666666666666666, 0.3666666666666667], [0.5833333333333334, 0.33333333333333337], [0.5, 0.30000000000000004],
-    [0.4166666666666667, 0.2666666666666667], [0.3333333333333333, 0.23333333333333334], [0.25, 0.2],
-    [0.16666666666666666, 0.16666666666666669], [0.08333333333333333, 0.13333333333333333], [0.0, 0.1], [0.0, 0.1]]
+    [0.0, 0.1],
+    [0.0, 0.1],
+    [0.25, 0.2],
+    [0.5, 0.30000000000000004],
+    [0.75, 0.4],
+    [1.0, 0.5],
+    [0.9166666666666666, 0.4666666666666667],
+    [0.8333333333333334, 0.43333333333333335],
+    [0.75, 0.4],
+    [0.6666666666666666, 0.3666666666666667],
+    [0.5833333333333334, 0.33333333333333337],
+    [0.5, 0.30000000000000004],
+    [0.4166666666666667, 0.2666666666666667],
+    [0.3333333333333333, 0.23333333333333334],
+    [0.25, 0.2],
+    [0.16666666666666666, 0.16666666666666669],
+    [0.08333333333333333, 0.13333333333333333],
+    [0.0, 0.1],
+    [0.0, 0.1],
+]
 DS_WARMUPCOSINE = [
-    [0.0, 0.0], [0.1, 0.05], [0.4876089022660538, 0.2438044511330269], [0.7143455750373868, 0.3571727875186934],
-    [0.8752178045321075, 0.43760890226605376], [1.0, 0.5], [0.9504893855078144, 0.4752446927539072],
-    [0.8117637264392739, 0.40588186321963693], [0.6112993409314593, 0.30564967046572966],
-    [0.38880065906854067, 0.19440032953427033], [0.1883362735607262, 0.0941681367803631],
-    [0.04961061449218561, 0.024805307246092805], [0.0001, 5e-05], [0.0001, 5e-05], [0.0001, 5e-05]]
+    [0.0, 0.0],
+    [0.1, 0.05],
+    [0.4876089022660538, 0.2438044511330269],
+    [0.7143455750373868, 0.3571727875186934],
+    [0.8752178045321075, 0.43760890226605376],
+    [1.0, 0.5],
+    [0.9504893855078144, 0.4752446927539072],
+    [0.8117637264392739, 0.40588186321963693],
+    [0.6112993409314593, 0.30564967046572966],
+    [0.38880065906854067, 0.19440032953427033],
+    [0.1883362735607262, 0.0941681367803631],
+    [0.04961061449218561, 0.024805307246092805],
+    [0.0001, 5e-05],
+    [0.0001, 5e-05],
+    [0.0001, 5e-05],
+]
 
 
 def test_warmup_lr_per_group_lists():
@@ -337,14 +483,24 @@ def test_unknown_warmup_type_warms_up_as_log(caplog):
 
 def test_warmup_decay_lr_per_group_lists():
     opt = two_groups(torch.optim.SGD, lr=1.0)
-    sched = WarmupDecayLR(opt, total_num_steps=16, warmup_min_lr=[0.0, 0.1], warmup_max_lr=[1.0, 0.5],
-                          warmup_num_steps=4, warmup_type="linear")
+    sched = WarmupDecayLR(
+        opt,
+        total_num_steps=16,
+        warmup_min_lr=[0.0, 0.1],
+        warmup_max_lr=[1.0, 0.5],
+        warmup_num_steps=4,
+        warmup_type="linear",
+    )
     assert run(sched, opt, 18)[0] == DS_WARMUPDECAY_LISTS
 
 
 def test_warmup_cosine_lr_per_group_base_lrs():
-    opt = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.ones(1))], "lr": 1.0},
-                           {"params": [torch.nn.Parameter(torch.ones(1))], "lr": 0.5}])
+    opt = torch.optim.SGD(
+        [
+            {"params": [torch.nn.Parameter(torch.ones(1))], "lr": 1.0},
+            {"params": [torch.nn.Parameter(torch.ones(1))], "lr": 0.5},
+        ]
+    )
     sched = WarmupCosineLR(opt, total_num_steps=12, warmup_num_steps=5, warmup_min_ratio=0.1)
     assert run(sched, opt, 14)[0] == DS_WARMUPCOSINE
 
@@ -355,12 +511,15 @@ def test_warmup_cosine_lr_per_group_base_lrs():
 # DeepSpeedDataLoader (DistributedSampler shuffle=True seed=0), pipe = PipelineEngine._build_data_iter's
 # (DistributedSampler shuffle=False). The sampler pads to a multiple of the world size in both.
 DS_SHARDS = {
-    (3, False): ([[[4, 5], [0, 2]], [[1, 3], [8, 4]], [[7, 9], [6, 1]]],
-                 [[[0, 3], [6, 9]], [[1, 4], [7, 0]], [[2, 5], [8, 1]]]),
-    (4, False): ([[[4, 3], [6]], [[1, 9], [2]], [[7, 0], [4]], [[5, 8], [1]]],
-                 [[[0, 4], [8]], [[1, 5], [9]], [[2, 6], [0]], [[3, 7], [1]]]),
-    (4, True): ([[[4, 3]], [[1, 9]], [[7, 0]], [[5, 8]]],
-                [[[0, 4]], [[1, 5]], [[2, 6]], [[3, 7]]]),
+    (3, False): (
+        [[[4, 5], [0, 2]], [[1, 3], [8, 4]], [[7, 9], [6, 1]]],
+        [[[0, 3], [6, 9]], [[1, 4], [7, 0]], [[2, 5], [8, 1]]],
+    ),
+    (4, False): (
+        [[[4, 3], [6]], [[1, 9], [2]], [[7, 0], [4]], [[5, 8], [1]]],
+        [[[0, 4], [8]], [[1, 5], [9]], [[2, 6], [0]], [[3, 7], [1]]],
+    ),
+    (4, True): ([[[4, 3]], [[1, 9]], [[7, 0]], [[5, 8]]], [[[0, 4]], [[1, 5]], [[2, 6]], [[3, 7]]]),
 }
 DS_SHARDS[(3, True)] = DS_SHARDS[(3, False)]  # 12 padded indices: every rank has 2 full micro-batches
 DATA = torch.utils.data.TensorDataset(torch.arange(10))
@@ -389,9 +548,15 @@ DS_PIPE_ORDER = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [0, 1], [2, 3]]
 
 def test_initialize_training_data_is_deepspeeds_first_epoch():
     model = torch.nn.Linear(1, 1)
-    _, _, loader, _ = zerospeed.initialize(model=model, training_data=DATA, config={
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    _, _, loader, _ = zerospeed.initialize(
+        model=model,
+        training_data=DATA,
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        },
+    )
     assert _ids(loader) == DS_ENGINE_ORDER
     second = _ids(loader)
     assert second != DS_ENGINE_ORDER and sorted(i for batch in second for i in batch) == list(range(10))
@@ -399,8 +564,9 @@ def test_initialize_training_data_is_deepspeeds_first_epoch():
 
 def test_initialize_pipeline_training_data_is_read_in_order():
     module = PipelineModule([torch.nn.Linear(1, 1)], num_stages=1, loss_fn=torch.nn.MSELoss())
-    engine, *_ = zerospeed.initialize(model=module, training_data=DATA, config={
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1})
+    engine, *_ = zerospeed.initialize(
+        model=module, training_data=DATA, config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}
+    )
     stream = iter(RepeatingLoader(engine.training_dataloader))
     assert [next(stream)[0].tolist() for _ in range(7)] == DS_PIPE_ORDER
 
@@ -427,7 +593,8 @@ def test_initialize_pipeline_training_data_is_read_in_order():
 # engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 # engine.backward(engine(torch.randn(2, 4)).sum()); engine.step()
 # engine.save_checkpoint("ck")
-# for kw in ({}, {"safe_serialization": True}, {"max_shard_size": 100}, {"max_shard_size": 100, "safe_serialization": True}):
+# for kw in ({}, {"safe_serialization": True}, {"max_shard_size": 100}, {"max_shard_size": 100,
+# "safe_serialization": True}):
 #     out = "conv_" + "_".join(f"{k}{v}" for k, v in kw.items())
 #     ret = z.convert_zero_checkpoint_to_fp32_state_dict("ck", out, **kw)
 #     index = [json.load(open(os.path.join(out, f))) for f in os.listdir(out) if f.endswith(".json")]
@@ -478,7 +645,8 @@ def test_initialize_pipeline_training_data_is_read_in_order():
 #                  cycle_first_stair_count=stairs)
 #     print("ONECYCLE_SECOND0 stairs", stairs, run(s, opt, 10))
 # opt = torch.optim.SGD(groups(), lr=1.0)
-# print("WARMUP_LISTS", run(WarmupLR(opt, warmup_min_lr=[0.0, 0.1], warmup_max_lr=[1.0, 0.5], warmup_num_steps=10), opt, 12)[0])
+# print("WARMUP_LISTS", run(WarmupLR(opt, warmup_min_lr=[0.0, 0.1], warmup_max_lr=[1.0, 0.5], warmup_num_steps=10),
+# opt, 12)[0])
 # opt = torch.optim.SGD(groups(), lr=1.0)
 # s = WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=1.0, warmup_num_steps=10, warmup_type="cosine")
 # print("WARMUP_UNKNOWN", s.warmup_type, run(s, opt, 12)[0])
@@ -488,7 +656,8 @@ def test_initialize_pipeline_training_data_is_read_in_order():
 # print("WARMUPDECAY_LISTS", run(s, opt, 18)[0])
 # opt = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.ones(1))], "lr": 1.0},
 #                        {"params": [torch.nn.Parameter(torch.ones(1))], "lr": 0.5}])
-# print("WARMUPCOSINE", run(WarmupCosineLR(opt, total_num_steps=12, warmup_num_steps=5, warmup_min_ratio=0.1), opt, 14)[0])
+# print("WARMUPCOSINE", run(WarmupCosineLR(opt, total_num_steps=12, warmup_num_steps=5, warmup_min_ratio=0.1), opt,
+# 14)[0])
 # for bad in ({"cycle_min_lr": [0.1]}, {"cycle_min_mom": [0.8, 0.7, 0.6]}, {"cycle_second_step_size": -1}):
 #     try:
 #         OneCycle(torch.optim.Adam(groups()), **{"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, **bad})
@@ -506,7 +675,8 @@ def test_initialize_pipeline_training_data_is_read_in_order():
 # pm = PipelineModule(layers=[torch.nn.Linear(1, 1)], num_stages=1, loss_fn=torch.nn.MSELoss())
 # peng, _, ploader, _ = deepspeed.initialize(model=pm, model_parameters=pm.parameters(), config=cfg, training_data=data)
 # ps = ploader.loader.data_sampler
-# print("PIPE_LOADER", type(ploader).__name__, type(ps).__name__, ps.shuffle, [next(ploader)[0].tolist() for _ in range(7)])
+# print("PIPE_LOADER", type(ploader).__name__, type(ps).__name__, ps.shuffle, [next(ploader)[0].tolist() for _ in
+# range(7)])
 # for world in (3, 4):
 #     for drop in (False, True):
 #         for r in range(world):
@@ -521,20 +691,37 @@ def test_initialize_pipeline_training_data_is_read_in_order():
 # DeepSpeed 0.19.8: DeepSpeedZeroConfig(stage=3, offload_optimizer={"device": "cpu", "pipeline_write": True})
 # read through its field names (the stage3_* keys are their aliases) gives these values.
 DS_ZERO3_FIELD_VALUES = {
-    "prefetch_bucket_size": 50000000, "param_persistence_threshold": 100000,
-    "model_persistence_threshold": 9223372036854775807, "max_live_parameters": 1000000000,
-    "max_reuse_distance": 1000000000, "gather_16bit_weights_on_model_save": False,
-    "module_granularity_threshold": 0, "use_all_reduce_for_fetch_params": False, "allgather_sequential": False,
+    "prefetch_bucket_size": 50000000,
+    "param_persistence_threshold": 100000,
+    "model_persistence_threshold": 9223372036854775807,
+    "max_live_parameters": 1000000000,
+    "max_reuse_distance": 1000000000,
+    "gather_16bit_weights_on_model_save": False,
+    "module_granularity_threshold": 0,
+    "use_all_reduce_for_fetch_params": False,
+    "allgather_sequential": False,
 }
 
 
 def test_zero_config_answers_to_deepspeeds_field_names():
     from zerospeed.config import parse_config
-    zero = parse_config({"train_batch_size": 2, "zero_optimization": {
-        "stage": 3, "offload_optimizer": {"device": "cpu", "pipeline_write": True}}}).zero_optimization
+
+    zero = parse_config(
+        {
+            "train_batch_size": 2,
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pipeline_write": True}},
+        }
+    ).zero_optimization
     assert {name: getattr(zero, name) for name in DS_ZERO3_FIELD_VALUES} == DS_ZERO3_FIELD_VALUES
     assert zero.offload_optimizer.pipeline is True  # DeepSpeed: pipeline_read or pipeline_write
-    zero = parse_config({"train_batch_size": 2, "zero_optimization": {
-        "stage": 3, "stage3_prefetch_bucket_size": 123, "stage3_gather_16bit_weights_on_model_save": True}}
+    zero = parse_config(
+        {
+            "train_batch_size": 2,
+            "zero_optimization": {
+                "stage": 3,
+                "stage3_prefetch_bucket_size": 123,
+                "stage3_gather_16bit_weights_on_model_save": True,
+            },
+        }
     ).zero_optimization
     assert (zero.prefetch_bucket_size, zero.gather_16bit_weights_on_model_save) == (123, True)

@@ -6,6 +6,7 @@ GPU counts, micro batch 17 at 64 GPUs, 24/3 at 4 GPUs, <= 100 under #8237) or de
 comments; the rest were computed once by DeepSpeed's own elasticity code (deepspeed/elasticity, at the
 commit that keeps the batch within max_train_batch_size) and written here as literals. No DeepSpeed import.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,34 +16,90 @@ import pytest
 
 from zerospeed.config import ConfigError, parse_config
 from zerospeed.elasticity import (
-    ElasticityConfig, ElasticityConfigError, ElasticityError, ElasticityIncompatibleWorldSize, compute_elastic_config,
-    elastic_batch, elasticity_enabled, ensure_immutable_elastic_config,
+    ElasticityConfig,
+    ElasticityConfigError,
+    ElasticityError,
+    ElasticityIncompatibleWorldSize,
+    compute_elastic_config,
+    constants,
+    elastic_batch,
+    elasticity_enabled,
+    ensure_immutable_elastic_config,
 )
-from zerospeed.elasticity import constants
 from zerospeed.elasticity.elasticity import (
-    _get_compatible_gpus_v02, get_best_candidates, get_candidate_batch_sizes, get_valid_gpus,
+    _get_compatible_gpus_v02,
+    get_best_candidates,
+    get_candidate_batch_sizes,
+    get_valid_gpus,
 )
 
 DS_VERSION = "0.19.8"
-DOC_1680_GPUS = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 15, 20, 21, 24, 28, 30, 35, 40, 42, 56, 60, 70, 84, 105, 120,
-                 140, 168, 210, 280, 420, 840]
+DOC_1680_GPUS = [
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+    7,
+    8,
+    10,
+    12,
+    14,
+    15,
+    20,
+    21,
+    24,
+    28,
+    30,
+    35,
+    40,
+    42,
+    56,
+    60,
+    70,
+    84,
+    105,
+    120,
+    140,
+    168,
+    210,
+    280,
+    420,
+    840,
+]
 
 
 def ds_10k(**changes) -> dict:
     """DeepSpeed's test fixture."""
-    block = {"enabled": True, "max_train_batch_size": 10000, "micro_batch_sizes": [8, 12, 16, 17], "min_gpus": 32,
-             "max_gpus": 1500, "min_time": 20, "version": 0.1}
+    block = {
+        "enabled": True,
+        "max_train_batch_size": 10000,
+        "micro_batch_sizes": [8, 12, 16, 17],
+        "min_gpus": 32,
+        "max_gpus": 1500,
+        "min_time": 20,
+        "version": 0.1,
+    }
     return {"elasticity": {**block, **changes}}
 
 
 def doc_2000(**changes) -> dict:
     """The example of DeepSpeed's elasticity docstring and constants (FORMAT)."""
-    block = {"enabled": True, "max_train_batch_size": 2000, "micro_batch_sizes": [2, 4, 6], "min_gpus": 1,
-             "max_gpus": 10000, "min_time": 20, "version": 0.1}
+    block = {
+        "enabled": True,
+        "max_train_batch_size": 2000,
+        "micro_batch_sizes": [2, 4, 6],
+        "min_gpus": 1,
+        "max_gpus": 10000,
+        "min_time": 20,
+        "version": 0.1,
+    }
     return {"elasticity": {**block, **changes}}
 
 
 # --- the building blocks, by hand -----------------------------------------------------------------
+
 
 def test_candidates_scale_each_base_by_the_largest_fitting_hcn():
     # 2000 // 2 = 1000 -> HCN 840 -> 1680; 2000 // 4 = 500 -> 360 -> 1440; 2000 // 6 = 333 -> 240 -> 1440;
@@ -72,6 +129,7 @@ def test_best_candidate_has_most_gpu_counts_and_ties_follow_prefer_larger():
 
 # --- compute_elastic_config: DeepSpeed's documented results -----------------------------------------
 
+
 def test_basic_10k():
     batch, gpus = compute_elastic_config(ds_10k(), DS_VERSION)
     assert (batch, len(gpus)) == (9792, 23)
@@ -98,15 +156,21 @@ def test_proper_micro_batch_and_batch_within_max():
     config = ds_10k(max_train_batch_size=32, micro_batch_sizes=[1, 2, 3, 7], min_gpus=1)
     batch, gpus, micro = compute_elastic_config(config, DS_VERSION, world_size=4)
     assert (batch, gpus, micro) == (24, [1, 2, 3, 4, 6, 8, 12, 24], 3)  # lcm 42 > 32 is no candidate
-    batch, _ = compute_elastic_config(ds_10k(max_train_batch_size=100, micro_batch_sizes=[8, 10, 12], min_gpus=1),
-                                      DS_VERSION)
+    batch, _ = compute_elastic_config(
+        ds_10k(max_train_batch_size=100, micro_batch_sizes=[8, 10, 12], min_gpus=1), DS_VERSION
+    )
     assert batch == 96  # DeepSpeed before #8237: the unscaled lcm 120
 
 
 def test_prefer_larger_batch():
     def batch(prefer: bool, micro: list[int]) -> tuple:
-        return compute_elastic_config(ds_10k(max_train_batch_size=24, micro_batch_sizes=micro, min_gpus=1,
-                                             max_gpus=10000, prefer_larger_batch=prefer), DS_VERSION)
+        return compute_elastic_config(
+            ds_10k(
+                max_train_batch_size=24, micro_batch_sizes=micro, min_gpus=1, max_gpus=10000, prefer_larger_batch=prefer
+            ),
+            DS_VERSION,
+        )
+
     assert batch(True, [7, 11]) == (22, [1, 2]) and batch(False, [7, 11]) == (14, [1, 2])
     assert batch(True, [8, 9]) == (18, [1, 2]) and batch(False, [8, 9]) == (16, [1, 2])
 
@@ -137,8 +201,15 @@ def test_version_02_fallback_off_the_plan():
 
 def test_version_02_never_returns_batch_zero(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "16")  # 4 replicas x micro 3 = 12 > 8 (DeepSpeed returns batch 0)
-    config = ds_10k(version=0.2, max_train_batch_size=8, micro_batch_sizes=[3], min_gpus=1, max_gpus=10000,
-                    num_gpus_per_node=4, model_parallel_size=4)
+    config = ds_10k(
+        version=0.2,
+        max_train_batch_size=8,
+        micro_batch_sizes=[3],
+        min_gpus=1,
+        max_gpus=10000,
+        num_gpus_per_node=4,
+        model_parallel_size=4,
+    )
     with pytest.raises(ElasticityIncompatibleWorldSize, match="exceeds elasticity.max_train_batch_size 8"):
         compute_elastic_config(config, DS_VERSION)
 
@@ -151,29 +222,46 @@ def test_version_02_needs_a_world_size(monkeypatch):
 
 # --- compute_elastic_config: DeepSpeed's errors --------------------------------------------------------
 
-@pytest.mark.parametrize("config, target, error, match", [
-    (ds_10k(), "0.2", ElasticityError, "needs DeepSpeed 0.3.8 or newer"),
-    (ds_10k(enabled=False), DS_VERSION, ElasticityConfigError, "elasticity.enabled is false"),
-    (ds_10k(version=0.3), DS_VERSION, ElasticityConfigError, "newer than the newest elasticity version"),
-    (ds_10k(version="0.3"), DS_VERSION, ElasticityConfigError, "elasticity.version: expected a number"),
-    (ds_10k(version=0.15), DS_VERSION, ElasticityConfigError, "not an elasticity version"),
-    ({"elasticity": {"enabled": True}}, DS_VERSION, ElasticityConfigError,
-     "elasticity.max_train_batch_size and elasticity.micro_batch_sizes missing"),
-    ({}, DS_VERSION, ElasticityConfigError, "has no 'elasticity' block"),
-    (ds_10k(model_parallel_size=4, num_gpus_per_node=8), DS_VERSION, ElasticityConfigError,
-     "does not support model parallelism"),
-    (ds_10k(micro_batch_sizes=[1, 4, -1, 2, -10]), DS_VERSION, ElasticityConfigError, "must list positive integers"),
-    (ds_10k(micro_batch_sizes=[]), DS_VERSION, ElasticityConfigError, "must list positive integers"),
-    (ds_10k(micro_batch_sizes=5), DS_VERSION, ElasticityConfigError, "micro_batch_sizes: expected a list"),
-    (ds_10k(micro_batch_sizes=["a", None, 0.5]), DS_VERSION, ElasticityConfigError, "expected a list of integers"),
-    (ds_10k(micro_batch_sizes=[2, 0.5, 4]), DS_VERSION, ElasticityConfigError, "expected a list of integers"),
-    (ds_10k(min_gpus=-1), DS_VERSION, ElasticityConfigError, "elasticity.min_gpus: expected a positive integer"),
-    (ds_10k(max_gpus=-1), DS_VERSION, ElasticityConfigError, "elasticity.max_gpus: expected a positive integer"),
-    (ds_10k(min_gpus=64, max_gpus=32), DS_VERSION, ElasticityConfigError, "min_gpus 64 is greater than"),
-    (ds_10k(min_time=-1), DS_VERSION, ElasticityConfigError, "elasticity.min_time: expected a non-negative"),
-    (ds_10k(prefer_large_batch=True), DS_VERSION, ElasticityConfigError, "did you mean prefer_larger_batch"),
-    (ds_10k(max_train_batch_size=4), DS_VERSION, ElasticityConfigError, "exceed max_train_batch_size 4"),
-])
+
+@pytest.mark.parametrize(
+    "config, target, error, match",
+    [
+        (ds_10k(), "0.2", ElasticityError, "needs DeepSpeed 0.3.8 or newer"),
+        (ds_10k(enabled=False), DS_VERSION, ElasticityConfigError, "elasticity.enabled is false"),
+        (ds_10k(version=0.3), DS_VERSION, ElasticityConfigError, "newer than the newest elasticity version"),
+        (ds_10k(version="0.3"), DS_VERSION, ElasticityConfigError, "elasticity.version: expected a number"),
+        (ds_10k(version=0.15), DS_VERSION, ElasticityConfigError, "not an elasticity version"),
+        (
+            {"elasticity": {"enabled": True}},
+            DS_VERSION,
+            ElasticityConfigError,
+            "elasticity.max_train_batch_size and elasticity.micro_batch_sizes missing",
+        ),
+        ({}, DS_VERSION, ElasticityConfigError, "has no 'elasticity' block"),
+        (
+            ds_10k(model_parallel_size=4, num_gpus_per_node=8),
+            DS_VERSION,
+            ElasticityConfigError,
+            "does not support model parallelism",
+        ),
+        (
+            ds_10k(micro_batch_sizes=[1, 4, -1, 2, -10]),
+            DS_VERSION,
+            ElasticityConfigError,
+            "must list positive integers",
+        ),
+        (ds_10k(micro_batch_sizes=[]), DS_VERSION, ElasticityConfigError, "must list positive integers"),
+        (ds_10k(micro_batch_sizes=5), DS_VERSION, ElasticityConfigError, "micro_batch_sizes: expected a list"),
+        (ds_10k(micro_batch_sizes=["a", None, 0.5]), DS_VERSION, ElasticityConfigError, "expected a list of integers"),
+        (ds_10k(micro_batch_sizes=[2, 0.5, 4]), DS_VERSION, ElasticityConfigError, "expected a list of integers"),
+        (ds_10k(min_gpus=-1), DS_VERSION, ElasticityConfigError, "elasticity.min_gpus: expected a positive integer"),
+        (ds_10k(max_gpus=-1), DS_VERSION, ElasticityConfigError, "elasticity.max_gpus: expected a positive integer"),
+        (ds_10k(min_gpus=64, max_gpus=32), DS_VERSION, ElasticityConfigError, "min_gpus 64 is greater than"),
+        (ds_10k(min_time=-1), DS_VERSION, ElasticityConfigError, "elasticity.min_time: expected a non-negative"),
+        (ds_10k(prefer_large_batch=True), DS_VERSION, ElasticityConfigError, "did you mean prefer_larger_batch"),
+        (ds_10k(max_train_batch_size=4), DS_VERSION, ElasticityConfigError, "exceed max_train_batch_size 4"),
+    ],
+)
 def test_errors(config, target, error, match):
     with pytest.raises(error, match=match):
         compute_elastic_config(config, target)
@@ -205,6 +293,7 @@ def test_deterministic():
 
 # --- the rest of DeepSpeed's module -------------------------------------------------------------------
 
+
 def test_elasticity_enabled():
     assert elasticity_enabled(ds_10k()) and not elasticity_enabled(ds_10k(enabled=False))
     assert not elasticity_enabled({}) and not elasticity_enabled({"elasticity": {}})
@@ -212,8 +301,11 @@ def test_elasticity_enabled():
 
 def test_config_object_has_deepspeeds_attribute_names_and_defaults():
     config = ElasticityConfig({"enabled": True, "max_train_batch_size": 64, "micro_batch_sizes": [2, 4]})
-    assert (config.max_acceptable_batch_size, config.micro_batches, config.prefer_larger_batch_size) == (64, [2, 4],
-                                                                                                         True)
+    assert (config.max_acceptable_batch_size, config.micro_batches, config.prefer_larger_batch_size) == (
+        64,
+        [2, 4],
+        True,
+    )
     assert (config.min_gpus, config.max_gpus, config.min_time, config.version) == (1, 10000, 0, 0.2)
     assert (config.model_parallel_size, config.num_gpus_per_node, config.ignore_non_elastic_batch_info) == (1, 1, False)
     assert json.loads(repr(config))["micro_batches"] == [2, 4]
@@ -229,8 +321,10 @@ def test_scheduler_config_must_match(monkeypatch):
     monkeypatch.setenv(constants.DEEPSPEED_ELASTICITY_CONFIG, json.dumps(runtime))
     ensure_immutable_elastic_config(runtime)
     monkeypatch.setenv(constants.DEEPSPEED_ELASTICITY_CONFIG, json.dumps(ds_10k(max_train_batch_size=27)))
-    with pytest.raises(ElasticityConfigError, match="max_train_batch_size is 10000 in this job's config but the "
-                                                    "resource scheduler planned with 27"):
+    with pytest.raises(
+        ElasticityConfigError,
+        match="max_train_batch_size is 10000 in this job's config but the resource scheduler planned with 27",
+    ):
         ensure_immutable_elastic_config(runtime)
 
 
@@ -242,8 +336,10 @@ ELASTIC = {"enabled": True, "max_train_batch_size": 8, "micro_batch_sizes": [2],
 def test_elastic_batch_keeps_the_global_batch_by_changing_accumulation():
     # 8 // 2 = 4 -> HCN 4 -> 8; 8 / 2 = 4 has divisors {1, 2, 4}, max_gpus 2 leaves [1, 2]
     config = ElasticityConfig(ELASTIC)
-    assert [(b.train_batch_size, b.micro_batch_size, b.gradient_accumulation_steps) for b in
-            (elastic_batch(config, 2), elastic_batch(config, 1))] == [(8, 2, 2), (8, 2, 4)]
+    assert [
+        (b.train_batch_size, b.micro_batch_size, b.gradient_accumulation_steps)
+        for b in (elastic_batch(config, 2), elastic_batch(config, 1))
+    ] == [(8, 2, 2), (8, 2, 4)]
     assert elastic_batch(config, 2).valid_world_sizes == (1, 2) and not elastic_batch(config, 2).fallback
     with pytest.raises(ElasticityIncompatibleWorldSize):
         elastic_batch(ElasticityConfig({**ELASTIC, "version": 0.1}), 3)
@@ -272,8 +368,11 @@ def test_parse_config_refuses_batch_keys_outside_the_block(key):
 
 
 def test_parse_config_ignores_batch_keys_when_told(caplog):
-    config = {"train_batch_size": 6, "gradient_accumulation_steps": 3,
-              "elasticity": {**ELASTIC, "ignore_non_elastic_batch_info": True}}
+    config = {
+        "train_batch_size": 6,
+        "gradient_accumulation_steps": 3,
+        "elasticity": {**ELASTIC, "ignore_non_elastic_batch_info": True},
+    }
     with caplog.at_level(logging.WARNING, logger="zerospeed.elasticity.elasticity"):
         cfg = parse_config(config, world_size=2)
     assert (cfg.train_batch_size, cfg.gradient_accumulation_steps) == (8, 2)

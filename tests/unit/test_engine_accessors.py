@@ -3,6 +3,7 @@ definitions give for the same config: each expected value below is written from 
 DeepSpeed's rule for that method (e.g. `zero_optimization()` is "stage > 0", `postscale_gradients()` is
 "not prescale_gradients", `dynamic_loss_scale()` is "fp16.loss_scale == 0"), not read back from zerospeed.
 Every public accessor DeepSpeed's engine has is present. One-process engines."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,16 +12,34 @@ import torch
 import zerospeed
 
 CONFIG = {
-    "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3, "prescale_gradients": True,
-    "gradient_predivide_factor": 2.0, "wall_clock_breakdown": True, "dataloader_drop_last": True,
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 3,
+    "prescale_gradients": True,
+    "gradient_predivide_factor": 2.0,
+    "wall_clock_breakdown": True,
+    "dataloader_drop_last": True,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.8, 0.9]}},
     "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
-    "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 100,
-             "hysteresis": 3, "min_loss_scale": 0.5},
-    "zero_optimization": {"stage": 2, "reduce_bucket_size": 12345, "allgather_bucket_size": 2345,
-                          "overlap_comm": False, "contiguous_gradients": False, "sub_group_size": 777,
-                          "offload_optimizer": {"device": "cpu"}, "stage3_max_live_parameters": 99,
-                          "stage3_param_persistence_threshold": 11, "round_robin_gradients": True},
+    "fp16": {
+        "enabled": True,
+        "loss_scale": 0,
+        "initial_scale_power": 8,
+        "loss_scale_window": 100,
+        "hysteresis": 3,
+        "min_loss_scale": 0.5,
+    },
+    "zero_optimization": {
+        "stage": 2,
+        "reduce_bucket_size": 12345,
+        "allgather_bucket_size": 2345,
+        "overlap_comm": False,
+        "contiguous_gradients": False,
+        "sub_group_size": 777,
+        "offload_optimizer": {"device": "cpu"},
+        "stage3_max_live_parameters": 99,
+        "stage3_param_persistence_threshold": 11,
+        "round_robin_gradients": True,
+    },
     "progressive_layer_drop": {"enabled": True, "theta": 0.6, "gamma": 0.002},
     "flops_profiler": {"enabled": False, "profile_step": 3, "module_depth": 2, "top_modules": 4, "detailed": True},
     "checkpoint": {"tag_validation": "FAIL"},
@@ -31,8 +50,9 @@ CONFIG = {
 def _engine(config=CONFIG, optimizer=None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=config,
-                                      optimizer=optimizer)
+    engine, *_ = zerospeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config, optimizer=optimizer
+    )
     return engine
 
 
@@ -52,8 +72,13 @@ def test_every_public_deepspeed_accessor_reads_deepspeeds_meaning():
     assert e.get_mom() == [(0.8, 0.9)]  # the param group's betas
     assert e.scheduler_name() == "WarmupLR" and e.scheduler_params() == {"warmup_num_steps": 5}
     assert e.dynamic_loss_scale() and e.initial_dynamic_scale() == 256
-    assert e.dynamic_loss_scale_args() == {"init_scale": 256, "scale_window": 100, "delayed_shift": 3,
-                                           "consecutive_hysteresis": False, "min_scale": 0.5}
+    assert e.dynamic_loss_scale_args() == {
+        "init_scale": 256,
+        "scale_window": 100,
+        "delayed_shift": 3,
+        "consecutive_hysteresis": False,
+        "min_scale": 0.5,
+    }
     assert e.communication_data_type == torch.float16  # none configured: the fp16 training dtype
     assert e.get_data_types() == (torch.float16, torch.float32)
     assert not e.postscale_gradients() and e.gradient_predivide_factor() == 2.0
@@ -104,8 +129,16 @@ def test_the_deepspeed_engine_method_list_is_covered():
     missing = [n for n in names if not hasattr(e, n)]
     assert not missing, missing
     for n in names:  # every one answers without error (the mutating and argument-taking ones excepted)
-        if n in {"set_train_batch_size", "set_train_micro_batch_size", "deepspeed_io", "is_map_style_dataset",
-                 "is_iterable_style_dataset", "save_fp16_model", "compile", "get_type"}:
+        if n in {
+            "set_train_batch_size",
+            "set_train_micro_batch_size",
+            "deepspeed_io",
+            "is_map_style_dataset",
+            "is_iterable_style_dataset",
+            "save_fp16_model",
+            "compile",
+            "get_type",
+        }:
             continue
         value = getattr(e, n)
         if callable(value):

@@ -1,6 +1,7 @@
 """The config translated once (runtime/plans.py): each plan's values are written here from the config given
 and DeepSpeed's meaning of its keys, not read back from zerospeed; `initialize` logs the plans in one line;
 the step hooks (runtime/hooks.py) exist only for the techniques the config enables. One process."""
+
 from __future__ import annotations
 
 import logging
@@ -25,16 +26,28 @@ def _plans(**sections):
     model = _model()
     zerospeed.init_distributed()
     groups = [{"params": list(model.parameters())}]
-    return build_plans(parse_config({**BASE, **sections}), module=model, mesh=ParallelMesh.data_parallel(),
-                       param_groups=groups, device=torch.device("cpu"))
+    return build_plans(
+        parse_config({**BASE, **sections}),
+        module=model,
+        mesh=ParallelMesh.data_parallel(),
+        param_groups=groups,
+        device=torch.device("cpu"),
+    )
 
 
 def test_the_plans_of_a_stage3_fp16_config():
-    plans = _plans(fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 50, "hysteresis": 3,
-                         "auto_cast": True},
-                   zero_optimization={"stage": 3, "reduce_bucket_size": 1000, "zero_quantized_weights": True,
-                                      "stage3_param_persistence_threshold": 7},
-                   communication_data_type="bf16", prescale_gradients=True, gradient_clipping=0.5)
+    plans = _plans(
+        fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 50, "hysteresis": 3, "auto_cast": True},
+        zero_optimization={
+            "stage": 3,
+            "reduce_bucket_size": 1000,
+            "zero_quantized_weights": True,
+            "stage3_param_persistence_threshold": 7,
+        },
+        communication_data_type="bf16",
+        prescale_gradients=True,
+        gradient_clipping=0.5,
+    )
     p, z = plans.precision, plans.zero
     assert (p.param_dtype, p.grad_accum_dtype, p.master_dtype) == (torch.float16, torch.float32, torch.float32)
     ls = plans.loss_scale
@@ -65,11 +78,18 @@ def test_step_hooks_only_for_enabled_techniques():
     engine, *_ = zerospeed.initialize(model=_model(), config=BASE)
     assert engine.step_hooks == [] and engine.progressive_layer_drop is None
     assert engine.curriculum_scheduler_legacy is None and engine.compression_scheduler is None
-    curriculum = {"enabled": True, "curriculum_type": "seqlen", "min_difficulty": 8, "max_difficulty": 64,
-                  "schedule_type": "fixed_linear",
-                  "schedule_config": {"total_curriculum_step": 10, "difficulty_step": 8}}
-    engine, *_ = zerospeed.initialize(model=_model(), config={
-        **BASE, "curriculum_learning": curriculum, "progressive_layer_drop": {"enabled": True, "theta": 0.5}})
+    curriculum = {
+        "enabled": True,
+        "curriculum_type": "seqlen",
+        "min_difficulty": 8,
+        "max_difficulty": 64,
+        "schedule_type": "fixed_linear",
+        "schedule_config": {"total_curriculum_step": 10, "difficulty_step": 8},
+    }
+    engine, *_ = zerospeed.initialize(
+        model=_model(),
+        config={**BASE, "curriculum_learning": curriculum, "progressive_layer_drop": {"enabled": True, "theta": 0.5}},
+    )
     assert [type(h) for h in engine.step_hooks] == [LayerDropHook, CurriculumHook]
     assert engine.progressive_layer_drop is engine.step_hooks[0].scheduler and engine.get_pld_theta() == 1.0
     assert engine.curriculum_scheduler_legacy is engine.step_hooks[1].scheduler

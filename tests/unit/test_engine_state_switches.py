@@ -1,6 +1,7 @@
 """Two engine switches, one process: `bf16.check_grad_overflow` (an inf/nan bf16 gradient skips the step, as
 fp16's loss scaler does: the weights and optimizer states stay exactly as they were, against a control
 without the switch whose weights turn nan) and `dump_state` (the engine's state logged after initialisation)."""
+
 from __future__ import annotations
 
 import logging

@@ -1,14 +1,28 @@
 """Memory estimator: the ZeRO paper's example, DeepSpeed's documented tables, census, plan, CLI."""
+
 import json
 
 import pytest
 import torch
 
-from zerospeed.estimate import (ModelCensus, Option, Precision, Setup, census_of_config, census_of_module,
-                                estimate_zero3_model_states_mem_needs_all_cold,
-                                estimate_zero3_model_states_mem_needs_all_live, parse_count,
-                                placed_model_states, plan_rows, recommend, stage_bytes,
-                                transformer_activation_bytes, zero2_rows, zero3_rows)
+from zerospeed.estimate import (
+    ModelCensus,
+    Option,
+    Precision,
+    Setup,
+    census_of_config,
+    census_of_module,
+    estimate_zero3_model_states_mem_needs_all_cold,
+    estimate_zero3_model_states_mem_needs_all_live,
+    parse_count,
+    placed_model_states,
+    plan_rows,
+    recommend,
+    stage_bytes,
+    transformer_activation_bytes,
+    zero2_rows,
+    zero3_rows,
+)
 from zerospeed.estimate.cli import main
 from zoo.models import GPT, GPTConfig
 
@@ -25,17 +39,27 @@ def test_zero_paper_7_5b_on_64_devices(stage, expected_gb):
 def test_stage_components_by_hand():
     # P=1000, N=4, fp16 Adam: stage 3 = (2 + 2 + 4 + 8)/4 per param
     assert stage_bytes(1000, 4, 3, Precision.of("fp16")) == {
-        "parameters": 500.0, "gradients": 500.0, "master_weights": 1000.0, "optimizer_states": 2000.0}
+        "parameters": 500.0,
+        "gradients": 500.0,
+        "master_weights": 1000.0,
+        "optimizer_states": 2000.0,
+    }
     assert stage_bytes(1000, 4, 1, Precision.of("fp32", "sgd")) == {
-        "parameters": 4000, "gradients": 4000, "master_weights": 0.0, "optimizer_states": 0.0}
+        "parameters": 4000,
+        "gradients": 4000,
+        "master_weights": 0.0,
+        "optimizer_states": 0.0,
+    }
 
 
 def test_deepspeed_documented_zero3_table():
     rows = zero3_rows(2_851_000_000, 32_000_000, num_gpus_per_node=8, num_nodes=1)
     got = [(round(r.host_bytes / GIB, 2), round(r.device_bytes / GIB, 2)) for r in rows]
     assert got == [(71.69, 0.12), (127.45, 0.12), (63.72, 0.78), (127.45, 0.78), (1.43, 6.09), (127.45, 6.09)]
-    assert [r.options for r in rows][:2] == ["offload_param=cpu , offload_optimizer=cpu , zero_init=1",
-                                             "offload_param=cpu , offload_optimizer=cpu , zero_init=0"]
+    assert [r.options for r in rows][:2] == [
+        "offload_param=cpu , offload_optimizer=cpu , zero_init=1",
+        "offload_param=cpu , offload_optimizer=cpu , zero_init=0",
+    ]
 
 
 def test_deepspeed_zero2_rule():
@@ -62,19 +86,36 @@ def test_census_counts_tied_weights_once_and_config_agrees_with_module():
     assert c.total_params == model.num_parameters() == 120_576
     assert c.largest_layer_params == 64 * 256 + 256  # the MLP's fc layer
     from dataclasses import asdict
+
     cc = census_of_config(asdict(cfg))
     assert (cc.total_params, cc.largest_layer_params, cc.layers, cc.hidden, cc.heads) == (120_576, 16_640, 2, 64, 2)
 
 
 def test_census_transformers_config_and_errors():
     # GPT-2 small style (bias, tied): 124,439,808 parameters with 1024 positions
-    c = census_of_config({"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
-                          "vocab_size": 50257, "max_position_embeddings": 1024})
+    c = census_of_config(
+        {
+            "hidden_size": 768,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+            "vocab_size": 50257,
+            "max_position_embeddings": 1024,
+        }
+    )
     assert c.total_params == 124_439_808
     # Llama-2-7B (gated SiLU MLP, RMSNorm without bias, untied head): its published 6,738,415,616
-    llama = census_of_config({"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-                              "vocab_size": 32000, "intermediate_size": 11008, "model_type": "llama",
-                              "hidden_act": "silu", "tie_word_embeddings": False})
+    llama = census_of_config(
+        {
+            "hidden_size": 4096,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "vocab_size": 32000,
+            "intermediate_size": 11008,
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+        }
+    )
     assert llama.total_params == 6_738_415_616
     with pytest.raises(ValueError, match="lacks hidden_size, vocab_size"):
         census_of_config({"num_hidden_layers": 2, "num_attention_heads": 2})
@@ -90,12 +131,15 @@ def test_offload_placement():
     prec = Precision.of("bf16")
     placed = placed_model_states(1000, 4, Option(2, True), prec)
     # stage 2: gradients reduce straight into the host's fp32 partition (zero/sharded.py `_host_grads`)
-    assert placed["device"] == {"parameters": 2000, "gradients": 0.0, "master_weights": 0.0,
-                                "optimizer_states": 0.0}
+    assert placed["device"] == {"parameters": 2000, "gradients": 0.0, "master_weights": 0.0, "optimizer_states": 0.0}
     # stage 1 keeps its whole gradient buffer on the device until the step (bf16: 2 bytes x 1000)
     assert placed_model_states(1000, 4, Option(1, True), prec)["device"]["gradients"] == 2000.0
-    assert placed["host"] == {"parameters": 0.0, "gradients": 1000.0, "master_weights": 1000.0,
-                              "optimizer_states": 2000.0}
+    assert placed["host"] == {
+        "parameters": 0.0,
+        "gradients": 1000.0,
+        "master_weights": 1000.0,
+        "optimizer_states": 2000.0,
+    }
     p3 = placed_model_states(1000, 4, Option(3, True, True), prec, largest_layer_params=100)
     assert p3["device"]["parameters"] == 200.0 and p3["host"]["parameters"] == 500.0
     with pytest.raises(ValueError, match="offload_param needs stage 3"):
@@ -109,8 +153,9 @@ def test_activation_formula():
     per_layer = 2048 * 4096 * 114
     shape = dict(layers=2, hidden=4096, heads=32, seq_len=2048, micro_batch=1)
     assert transformer_activation_bytes(**shape, checkpointing=False, attention="eager") == 2 * per_layer
-    assert transformer_activation_bytes(**shape, checkpointing=True, attention="eager") == \
-        2 * 2 * 2048 * 4096 + per_layer
+    assert (
+        transformer_activation_bytes(**shape, checkpointing=True, attention="eager") == 2 * 2 * 2048 * 4096 + per_layer
+    )
     # fused attention (the default) keeps no scores: s*b*h*34
     assert transformer_activation_bytes(**shape, checkpointing=False) == 2 * 2048 * 4096 * 34
     with pytest.raises(ValueError, match="attention must be 'sdpa' or 'eager'"):

@@ -3,15 +3,22 @@
 The comparison with a measured run is tests/dist/test_estimate_peak.py; here: the parameter layout
 against the torch module itself, the activation counts and one stage's phases by hand, and the plan
 choosing by the peak."""
+
 import pytest
-import torch
 
 from zerospeed.estimate import ModelCensus, Setup, plan_rows, recommend
 from zerospeed.estimate.census import census_of_config
 from zerospeed.estimate.formulas import Option, Precision
 from zerospeed.estimate.layout import TransformerShape
-from zerospeed.estimate.peak import (EngineKnobs, Workload, block_working_set, module_params, peak_terms,
-                                     persistent_units, saved_activations)
+from zerospeed.estimate.peak import (
+    EngineKnobs,
+    Workload,
+    block_working_set,
+    module_params,
+    peak_terms,
+    persistent_units,
+    saved_activations,
+)
 from zoo.models import GPT, GPTConfig
 
 SHAPE = TransformerShape(layers=2, hidden=8, vocab=16, heads=2, positions=4)
@@ -55,8 +62,10 @@ def test_stage0_phases_by_hand():
 
 def test_persistent_units_respect_both_thresholds():
     assert persistent_units([10, 200, 30, 5], EngineKnobs(param_persistence_threshold=50)) == 45
-    assert persistent_units([10, 200, 30, 5], EngineKnobs(param_persistence_threshold=50,
-                                                          model_persistence_threshold=40)) == 40
+    assert (
+        persistent_units([10, 200, 30, 5], EngineKnobs(param_persistence_threshold=50, model_persistence_threshold=40))
+        == 40
+    )
 
 
 def test_offloaded_step_has_no_device_temporaries():

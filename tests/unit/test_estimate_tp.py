@@ -6,31 +6,54 @@ Megatron / AutoTP layout (column and row splits, replicated norms and row biases
 embedding and head); the same counts are checked against a census of real tp 2 shards in
 tests/dist/test_estimate_profiler_tp.py.
 """
+
 import json
 
 import pytest
 
-from zerospeed.estimate import ModelCensus, Precision, Setup, census_of_config, plan_rows, stage_bytes
-from zerospeed.estimate import transformer_activation_bytes
+from zerospeed.estimate import (
+    ModelCensus,
+    Precision,
+    Setup,
+    census_of_config,
+    plan_rows,
+    stage_bytes,
+    transformer_activation_bytes,
+)
 from zerospeed.estimate.cli import main
-from zerospeed.estimate.layout import (TransformerShape, check_layout, in_flight, largest_module_params,
-                                       layer_activation_bytes, layer_modules, stage_activation_bytes,
-                                       stage_layers, stage_params, total_params, valid_tp)
+from zerospeed.estimate.layout import (
+    TransformerShape,
+    check_layout,
+    in_flight,
+    largest_module_params,
+    layer_activation_bytes,
+    layer_modules,
+    stage_activation_bytes,
+    stage_layers,
+    stage_params,
+    total_params,
+    valid_tp,
+)
 from zerospeed.estimate.plan import layout_rows
 
 # GPT-style: 4 layers, h 8, 2 heads (d 4), MLP 32, vocabulary 10, 6 positions, tied, biased.
 GPT = TransformerShape(layers=4, hidden=8, vocab=10, heads=2, positions=6)
 # Llama-style: 2 layers, h 16, 4 heads, 1 kv head, MLP 32 gated, vocabulary 37, untied, no biases.
-LLAMA = TransformerShape(layers=2, hidden=16, vocab=37, heads=4, kv_heads=1, ffn=32, tied=False, bias=False,
-                         gated=True)
+LLAMA = TransformerShape(layers=2, hidden=16, vocab=37, heads=4, kv_heads=1, ffn=32, tied=False, bias=False, gated=True)
 
 
 def test_gpt_layer_layout_by_hand():
     # tp 1: qkv 24*(8+1), out 8*8+8, fc 32*(8+1), proj 32*8+8, two LayerNorms 2*8 each = 12h^2 + 13h
     assert sum(a + r for a, r in layer_modules(GPT).values()) == 216 + 72 + 288 + 264 + 32 == 12 * 64 + 13 * 8
     # tp 2: q, k, v one head (4 rows) each; row biases and norms stay whole
-    assert layer_modules(GPT, 2) == {"attn.qkv": (12 * 9, 0), "attn.out": (4 * 8, 8), "mlp.fc": (16 * 9, 0),
-                                     "mlp.proj": (16 * 8, 8), "norm_1": (0, 16), "norm_2": (0, 16)}
+    assert layer_modules(GPT, 2) == {
+        "attn.qkv": (12 * 9, 0),
+        "attn.out": (4 * 8, 8),
+        "mlp.fc": (16 * 9, 0),
+        "mlp.proj": (16 * 8, 8),
+        "norm_1": (0, 16),
+        "norm_2": (0, 16),
+    }
 
 
 def test_gpt_stage_params_by_hand():
@@ -49,17 +72,35 @@ def test_llama_gqa_layout_by_hand():
     # tp 1: q 16*16, k and v 4*16 (one kv head), o 16*16, gate/up/down 32*16, two RMSNorms 16
     assert total_params(LLAMA) == 2 * (256 + 64 + 64 + 256 + 3 * 512 + 32) + 2 * 37 * 16 + 16
     # tp 4 > 1 kv head: every rank keeps the one kv head (4 rows each), q/o one head, MLP 8 rows
-    assert layer_modules(LLAMA, 4) == {"attn.q": (64, 0), "attn.k": (64, 0), "attn.v": (64, 0), "attn.o": (64, 0),
-                                       "mlp.gate": (128, 0), "mlp.up": (128, 0), "mlp.down": (128, 0),
-                                       "norm_1": (0, 16), "norm_2": (0, 16)}
+    assert layer_modules(LLAMA, 4) == {
+        "attn.q": (64, 0),
+        "attn.k": (64, 0),
+        "attn.v": (64, 0),
+        "attn.o": (64, 0),
+        "mlp.gate": (128, 0),
+        "mlp.up": (128, 0),
+        "mlp.down": (128, 0),
+        "norm_1": (0, 16),
+        "norm_2": (0, 16),
+    }
     # untied head: embedding and head each ceil(37/4) = 10 rows on rank 0
     assert stage_params(LLAMA, tp=4) == [2 * 672 + 2 * 10 * 16 + 16]
 
 
 def test_census_of_config_carries_the_shape():
-    c = census_of_config({"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
-                          "num_key_value_heads": 1, "intermediate_size": 32, "vocab_size": 37,
-                          "model_type": "llama", "hidden_act": "silu", "tie_word_embeddings": False})
+    c = census_of_config(
+        {
+            "hidden_size": 16,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "intermediate_size": 32,
+            "vocab_size": 37,
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+        }
+    )
     assert c.shape == LLAMA and c.total_params == total_params(LLAMA)
     gpt = census_of_config({"n_embd": 8, "n_layer": 4, "n_head": 2, "vocab_size": 10, "n_positions": 6})
     assert gpt.shape == GPT and gpt.total_params == 3632
@@ -78,14 +119,24 @@ def test_activation_formulas_by_hand():
     # 32 layers over pp 4: stage 0 holds 8 layers x 4 micro-batches (1F1B warm-up), the last stage 1
     assert stage_layers(32, 4) == [8, 8, 8, 8] and stage_layers(10, 4) == [3, 3, 2, 2]
     assert [in_flight(i, 4) for i in range(4)] == [4, 3, 2, 1] and in_flight(0, 4, micro_batches=2) == 2
-    assert stage_activation_bytes(layers=8, **one, checkpointing=False, tp=4, micro_batches_in_flight=4) \
+    assert (
+        stage_activation_bytes(layers=8, **one, checkpointing=False, tp=4, micro_batches_in_flight=4)
         == 8 * 4 * 36 * sbh
+    )
     # checkpointing: each layer keeps its 16-bit input (split by tp under SP) per micro-batch in flight,
     # plus one layer recomputed
-    assert stage_activation_bytes(layers=8, **one, checkpointing=True, tp=4, sequence_parallel=True,
-                                  micro_batches_in_flight=4) == 8 * 4 * 2 * sbh / 4 + sbh * 114 / 4
-    assert transformer_activation_bytes(layers=2, hidden=h, heads=a, seq_len=s, micro_batch=b, checkpointing=False,
-                                        tp=4, attention="eager") == 2 * 36 * sbh
+    assert (
+        stage_activation_bytes(
+            layers=8, **one, checkpointing=True, tp=4, sequence_parallel=True, micro_batches_in_flight=4
+        )
+        == 8 * 4 * 2 * sbh / 4 + sbh * 114 / 4
+    )
+    assert (
+        transformer_activation_bytes(
+            layers=2, hidden=h, heads=a, seq_len=s, micro_batch=b, checkpointing=False, tp=4, attention="eager"
+        )
+        == 2 * 36 * sbh
+    )
 
 
 def test_plan_rows_per_rank_with_tp_and_pp():
@@ -112,8 +163,11 @@ def test_layout_errors_name_the_flag_and_valid_values():
     gpt2 = TransformerShape(layers=12, hidden=768, vocab=50257, heads=12, positions=1024)
     assert check_layout(gpt2, 8, 2, 2) == 2
     assert valid_tp(gpt2, limit=16) == [1, 2, 3, 4, 6, 12]
-    with pytest.raises(ValueError, match=r"--tp 3 must divide the 8 devices .* 12 query heads .*valid --tp with "
-                                         r"--pp 1: \[1, 2, 4\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"--tp 3 must divide the 8 devices .* 12 query heads .*valid --tp with "
+        r"--pp 1: \[1, 2, 4\]",
+    ):
         check_layout(gpt2, 8, 3, 1)
     with pytest.raises(ValueError, match=r"--tp 8 .*valid --tp with --pp 1: \[1, 2, 4\]"):
         check_layout(gpt2, 8, 8, 1)
@@ -141,16 +195,47 @@ def test_layout_rows_list_every_valid_choice():
 def test_cli_tp_pp(capsys, tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}))
-    assert main(["--model-config", str(cfg), "--devices-per-node", "8", "--tp", "2", "--pp", "2",
-                 "--seq-len", "1024", "--micro-batch", "4"]) == 0
+    assert (
+        main(
+            [
+                "--model-config",
+                str(cfg),
+                "--devices-per-node",
+                "8",
+                "--tp",
+                "2",
+                "--pp",
+                "2",
+                "--seq-len",
+                "1024",
+                "--micro-batch",
+                "4",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "layout: dp 2 x tp 2 x pp 2;" in out and "stage 1 [pipeline stage 0]" in out
     assert main(["--model-config", str(cfg), "--devices-per-node", "8", "--tp", "3"]) == 2
     assert "--tp 3 must divide" in capsys.readouterr().err
     assert main(["--params", "1B", "--devices-per-node", "2", "--tp", "2"]) == 2
     assert "give --model-config" in capsys.readouterr().err
-    assert main(["--model-config", str(cfg), "--devices-per-node", "8", "--seq-len", "1024", "--layouts",
-                 "--device-memory", "4"]) == 0
+    assert (
+        main(
+            [
+                "--model-config",
+                str(cfg),
+                "--devices-per-node",
+                "8",
+                "--seq-len",
+                "1024",
+                "--layouts",
+                "--device-memory",
+                "4",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "dp x tp x pp" in out and "1 x 4 x 2" in out
     assert main(["--model-config", str(cfg), "--layouts"]) == 2

@@ -1,4 +1,5 @@
 """The pure stage-3 fetch policy: prefetch choices and reuse decisions, exact values, no processes."""
+
 from __future__ import annotations
 
 from zerospeed.zero.stage3.fetch_policy import FetchSchedule

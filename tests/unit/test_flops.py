@@ -1,5 +1,6 @@
 """Flops profiler: exact analytic counts (2*m*n*k per matmul, 1 per bias/elementwise/activation,
 5 per element for an affine norm, both attention matmuls + softmax), module attribution, report."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,8 +30,18 @@ def gpt_forward_flops(B, T, D, H, V, L):
     N = B * T
     lin = lambda i, o, bias=True: 2 * N * i * o + (N * o if bias else 0)
     attn = 2 * (B * H * T * T * (D // H)) * 2 + B * H * T * T  # q k^T and p v, then softmax
-    block = (5 * N * D + lin(D, 3 * D) + attn + lin(D, D) + N * D  # ln_1, qkv, sdpa, proj, residual
-             + 5 * N * D + lin(D, 4 * D) + 4 * N * D + lin(4 * D, D) + N * D)  # ln_2, fc, gelu, proj, residual
+    block = (
+        5 * N * D
+        + lin(D, 3 * D)
+        + attn
+        + lin(D, D)
+        + N * D  # ln_1, qkv, sdpa, proj, residual
+        + 5 * N * D
+        + lin(D, 4 * D)
+        + 4 * N * D
+        + lin(4 * D, D)
+        + N * D
+    )  # ln_2, fc, gelu, proj, residual
     return N * D + L * block + 5 * N * D + lin(D, V, bias=False)  # wte + wpe, blocks, ln_f, tied head
 
 
@@ -130,9 +141,13 @@ def test_helpers():
 def test_zero3_sharded_model_counts_full_parameters():
     import zerospeed
     from zerospeed.estimate import census_of_module
+
     torch.manual_seed(0)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
     engine, *_ = zerospeed.initialize(model=GPT(GPTConfig()), config=cfg)
     assert sum(p.numel() for p in engine.module.parameters()) == 0  # released shards outside forward
     prof = FlopsProfiler(engine.module)
@@ -150,8 +165,11 @@ def test_tp_size_counts_replicated_work_once_and_labels_per_rank():
     prof.start_profile()
     model(torch.randn(3, 16))
     prof.stop_profile()
-    assert prof.model_totals() == (prof.get_total_flops(), prof.get_total_macs(), prof.get_total_params()) \
+    assert (
+        prof.model_totals()
+        == (prof.get_total_flops(), prof.get_total_macs(), prof.get_total_params())
         == (11_160, 5_376, 1_864)
+    )
     text = format_profile(prof, detailed=True)
     assert "tensor-parallel size:          2" in text and "forward FLOPs of model:        11.16 KFLOPs" in text
     assert "forward FLOPs per rank:        11.16 KFLOPs" in text and "inclusive of children, this rank" in text

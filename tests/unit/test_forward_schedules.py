@@ -1,6 +1,7 @@
 """The legacy curriculum scheduler and progressive layer drop: their formulas by hand, and what the engine
 passes to a training forward, step by step, against a plain PyTorch loop that truncates its batches by
 the same formula (the step hooks, runtime/hooks.py, Note [forward schedules])."""
+
 from __future__ import annotations
 
 import math
@@ -11,14 +12,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerospeed
-from zerospeed.utils.errors import ConfigError
-from zerospeed.runtime.data_pipeline import CurriculumScheduler
 from zerospeed.data.progressive_layer_drop import ProgressiveLayerDrop
+from zerospeed.runtime.data_pipeline import CurriculumScheduler
+from zerospeed.utils.errors import ConfigError
 
 
 def scheduler(kind, **schedule):
-    return CurriculumScheduler({"min_difficulty": 8, "max_difficulty": 64, "schedule_type": kind,
-                                "schedule_config": schedule})
+    return CurriculumScheduler(
+        {"min_difficulty": 8, "max_difficulty": 64, "schedule_type": kind, "schedule_config": schedule}
+    )
 
 
 def test_fixed_linear_and_fixed_root_by_hand():
@@ -41,15 +43,31 @@ def test_fixed_discrete_and_custom_and_the_cap():
     assert custom.get_current_difficulty() == 64 and custom.get_state()["current_difficulty"] == 64
 
 
-@pytest.mark.parametrize("config, key", [
-    ({"max_difficulty": 64, "schedule_type": "fixed_linear"}, "curriculum_learning.min_difficulty"),
-    ({"min_difficulty": 8, "max_difficulty": 64, "schedule_type": "steps"}, "curriculum_learning.schedule_type"),
-    ({"min_difficulty": 8, "max_difficulty": 64, "schedule_type": "fixed_root",
-      "schedule_config": {"total_curriculum_step": 10, "difficulty_step": 8}},
-     "curriculum_learning.schedule_config.root_degree"),
-    ({"min_difficulty": 8, "max_difficulty": 64, "schedule_type": "fixed_discrete",
-      "schedule_config": {"difficulty": [8, 16], "max_step": [5, 10]}}, "fixed_discrete needs one more difficulty"),
-])
+@pytest.mark.parametrize(
+    "config, key",
+    [
+        ({"max_difficulty": 64, "schedule_type": "fixed_linear"}, "curriculum_learning.min_difficulty"),
+        ({"min_difficulty": 8, "max_difficulty": 64, "schedule_type": "steps"}, "curriculum_learning.schedule_type"),
+        (
+            {
+                "min_difficulty": 8,
+                "max_difficulty": 64,
+                "schedule_type": "fixed_root",
+                "schedule_config": {"total_curriculum_step": 10, "difficulty_step": 8},
+            },
+            "curriculum_learning.schedule_config.root_degree",
+        ),
+        (
+            {
+                "min_difficulty": 8,
+                "max_difficulty": 64,
+                "schedule_type": "fixed_discrete",
+                "schedule_config": {"difficulty": [8, 16], "max_step": [5, 10]},
+            },
+            "fixed_discrete needs one more difficulty",
+        ),
+    ],
+)
 def test_config_errors_name_the_key(config, key):
     with pytest.raises(ConfigError, match=key):
         CurriculumScheduler(config)
@@ -64,8 +82,14 @@ def test_progressive_layer_drop_theta_by_hand():
 
 # -- through the engine --------------------------------------------------------------------------------
 V, T, MICRO, GAS, STEPS = 32, 16, 2, 2, 6
-CURRICULUM = {"enabled": True, "curriculum_type": "seqlen", "min_difficulty": 4, "max_difficulty": 16,
-              "schedule_type": "fixed_linear", "schedule_config": {"total_curriculum_step": 4, "difficulty_step": 4}}
+CURRICULUM = {
+    "enabled": True,
+    "curriculum_type": "seqlen",
+    "min_difficulty": 4,
+    "max_difficulty": 16,
+    "schedule_type": "fixed_linear",
+    "schedule_config": {"total_curriculum_step": 4, "difficulty_step": 4},
+}
 
 
 class TruncatingLM(nn.Module):
@@ -98,9 +122,14 @@ def test_engine_passes_the_schedules_to_training_forwards_like_a_plain_loop():
     model = TruncatingLM()
     reference = TruncatingLM()
     reference.load_state_dict(model.state_dict())
-    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.0,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "curriculum_learning": CURRICULUM,
-              "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.1}}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+        "curriculum_learning": CURRICULUM,
+        "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.1},
+    }
     engine, *_ = zerospeed.initialize(model=model, config=config)
     assert engine.curriculum_enabled_legacy() and engine.curriculum_params_legacy()["max_difficulty"] == 16
     losses = []
@@ -110,8 +139,11 @@ def test_engine_passes_the_schedules_to_training_forwards_like_a_plain_loop():
         engine.step()
         losses.append(loss.item())
     # forward of global step k (k = 0, 1, ...): the curriculum at k + 1, theta(k - 1) (1.0 for k = 0)
-    want = [(_seqlen(k + 1), True, 1.0 if k == 0 else 0.5 * math.exp(-0.1 * (k - 1)) + 0.5)
-            for k in range(STEPS) for _ in range(GAS)]
+    want = [
+        (_seqlen(k + 1), True, 1.0 if k == 0 else 0.5 * math.exp(-0.1 * (k - 1)) + 0.5)
+        for k in range(STEPS)
+        for _ in range(GAS)
+    ]
     assert [s[:2] for s in model.seen] == [w[:2] for w in want]
     assert [s[2] for s in model.seen] == pytest.approx([w[2] for w in want], rel=1e-12)
     assert engine.get_pld_theta() == pytest.approx(0.5 * math.exp(-0.1 * (STEPS - 1)) + 0.5, rel=1e-12)
@@ -123,7 +155,7 @@ def test_engine_passes_the_schedules_to_training_forwards_like_a_plain_loop():
     ref_losses, batches = [], _batches()
     for k in range(STEPS):
         opt.zero_grad()
-        for batch in batches[k * GAS:(k + 1) * GAS]:
+        for batch in batches[k * GAS : (k + 1) * GAS]:
             loss = reference(batch[:, :-1], batch[:, 1:], curriculum_seqlen=_seqlen(k + 1))
             (loss / GAS).backward()
             ref_losses.append(loss.item())
@@ -133,7 +165,9 @@ def test_engine_passes_the_schedules_to_training_forwards_like_a_plain_loop():
 
 def test_the_pipeline_engine_refuses_layer_drop_by_name():
     from zerospeed.parallel.pipeline import PipelineModule
+
     module = PipelineModule([nn.Linear(2, 2)], num_stages=1, loss_fn=nn.MSELoss())
     with pytest.raises(ConfigError, match="progressive_layer_drop.enabled=true with a PipelineModule"):
-        zerospeed.initialize(model=module, config={"train_micro_batch_size_per_gpu": 1,
-                                                   "progressive_layer_drop": {"enabled": True}})
+        zerospeed.initialize(
+            model=module, config={"train_micro_batch_size_per_gpu": 1, "progressive_layer_drop": {"enabled": True}}
+        )

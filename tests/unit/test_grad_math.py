@@ -1,10 +1,11 @@
 """Exact values of the gradient arithmetic used at the optimizer step."""
+
 import math
 
 import torch
 
-from zerospeed.zero.grad_math import clip_coefficient, global_norm, reduction_factors
 from harness import split_global_batch
+from zerospeed.zero.grad_math import clip_coefficient, global_norm, reduction_factors
 
 
 def test_global_norm_over_tensors():

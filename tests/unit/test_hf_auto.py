@@ -1,4 +1,5 @@
 """The transformers Trainer's "auto" rules and mismatch check (pure; no processes, no Trainer)."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from zerospeed.config import ConfigError, parse_config  # noqa: E402
-from zerospeed.integrations.hf_auto import (check_mismatches, hf_auto_values, hidden_size_of,  # noqa: E402
-                                            resolve_hf_config)
+from zerospeed.integrations.hf_auto import check_mismatches, hf_auto_values, hidden_size_of, resolve_hf_config  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "configs"
 
@@ -22,9 +22,19 @@ SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "configs"
 @pytest.fixture(scope="module")
 def args():
     return transformers.TrainingArguments(
-        output_dir="/tmp/zs-hf-auto", use_cpu=True, report_to=[], per_device_train_batch_size=3,
-        gradient_accumulation_steps=5, max_grad_norm=0.7, learning_rate=2e-4, adam_beta1=0.8, adam_beta2=0.95,
-        adam_epsilon=1e-7, weight_decay=0.03, warmup_steps=0.1)
+        output_dir="/tmp/zs-hf-auto",
+        use_cpu=True,
+        report_to=[],
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=5,
+        max_grad_norm=0.7,
+        learning_rate=2e-4,
+        adam_beta1=0.8,
+        adam_beta2=0.95,
+        adam_epsilon=1e-7,
+        weight_decay=0.03,
+        warmup_steps=0.1,
+    )
 
 
 GPT2 = SimpleNamespace(hidden_size=64)
@@ -57,17 +67,27 @@ def test_every_auto_rule_gives_the_exact_value(args):
 
 
 def test_warmup_is_at_least_one_step_and_absent_before_the_total_is_known(args):
-    no_warmup = transformers.TrainingArguments(output_dir="/tmp/zs-hf-auto", use_cpu=True, report_to=[],
-                                               warmup_steps=0)
+    no_warmup = transformers.TrainingArguments(output_dir="/tmp/zs-hf-auto", use_cpu=True, report_to=[], warmup_steps=0)
     assert _values(no_warmup)["scheduler.params.warmup_num_steps"] == 1
     before = _values(args, total=None)
     assert "scheduler.params.total_num_steps" not in before and "scheduler.params.warmup_num_steps" not in before
 
 
 def test_precision_follows_fp16_bf16_and_their_full_eval_variants():
-    fake = SimpleNamespace(per_device_train_batch_size=1, gradient_accumulation_steps=1, max_grad_norm=1.0,
-                           learning_rate=1e-3, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
-                           weight_decay=0.0, fp16=False, fp16_full_eval=True, bf16=True, bf16_full_eval=False)
+    fake = SimpleNamespace(
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=1,
+        max_grad_norm=1.0,
+        learning_rate=1e-3,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        weight_decay=0.0,
+        fp16=False,
+        fp16_full_eval=True,
+        bf16=True,
+        bf16_full_eval=False,
+    )
     v = _values(fake, total=None)
     assert v["fp16.enabled"] is True and v["bf16.enabled"] is True
 
@@ -81,38 +101,70 @@ def test_hidden_size_from_hidden_size_n_embd_hidden_sizes_or_text_config():
 
 
 def test_all_auto_config_resolves_to_the_arguments(args):
-    auto = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                      "weight_decay": "auto"}},
-            "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                              "warmup_num_steps": "auto",
-                                                              "total_num_steps": "auto"}},
-            "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
-            "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-                                  "stage3_param_persistence_threshold": "auto"}}
+    auto = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        },
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_min_lr": "auto",
+                "warmup_max_lr": "auto",
+                "warmup_num_steps": "auto",
+                "total_num_steps": "auto",
+            },
+        },
+        "fp16": {"enabled": "auto"},
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+        },
+    }
     cfg = resolve_hf_config(auto, args, GPT2, 4, 95)
     assert "auto" not in json.dumps(cfg)
     assert cfg["optimizer"]["params"] == {"lr": 2e-4, "betas": [0.8, 0.95], "eps": 1e-7, "weight_decay": 0.03}
-    assert cfg["scheduler"]["params"] == {"warmup_min_lr": 0, "warmup_max_lr": 2e-4, "warmup_num_steps": 10,
-                                          "total_num_steps": 95}
+    assert cfg["scheduler"]["params"] == {
+        "warmup_min_lr": 0,
+        "warmup_max_lr": 2e-4,
+        "warmup_num_steps": 10,
+        "total_num_steps": 95,
+    }
     assert cfg["fp16"] == {"enabled": False} and cfg["gradient_clipping"] == 0.7
     assert cfg["zero_optimization"]["stage3_prefetch_bucket_size"] == 3686
     parsed = parse_config(cfg, world_size=4)
-    assert (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps) == \
-        (60, 3, 5)
+    assert (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu, parsed.gradient_accumulation_steps) == (
+        60,
+        3,
+        5,
+    )
 
 
 def test_absent_batch_keys_come_from_the_arguments(args):
     cfg = resolve_hf_config({"zero_optimization": {"stage": 2}}, args, GPT2, 2, 10)
-    assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == \
-        (30, 3, 5)
+    assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (
+        30,
+        3,
+        5,
+    )
 
 
 def test_six_mismatches_are_raised_as_one_error(args):
-    wrong = {"train_micro_batch_size_per_gpu": 4, "train_batch_size": 64, "gradient_accumulation_steps": 4,
-             "gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 2e-4, "betas": [0.9, 0.999]}},
-             "fp16": {"enabled": True}}
+    wrong = {
+        "train_micro_batch_size_per_gpu": 4,
+        "train_batch_size": 64,
+        "gradient_accumulation_steps": 4,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-4, "betas": [0.9, 0.999]}},
+        "fp16": {"enabled": True},
+    }
     found = check_mismatches(wrong, args, world_size=4)
     assert found == [
         "ds train_micro_batch_size_per_gpu=4 vs hf per_device_train_batch_size=3",
@@ -129,9 +181,14 @@ def test_six_mismatches_are_raised_as_one_error(args):
 
 
 def test_agreeing_explicit_values_are_not_mismatches(args):
-    agree = {"train_micro_batch_size_per_gpu": 3, "train_batch_size": 60, "gradient_accumulation_steps": 5,
-             "gradient_clipping": 0.7, "optimizer": {"type": "AdamW", "params": {"betas": (0.8, 0.95)}},
-             "fp16": {"enabled": False}}
+    agree = {
+        "train_micro_batch_size_per_gpu": 3,
+        "train_batch_size": 60,
+        "gradient_accumulation_steps": 5,
+        "gradient_clipping": 0.7,
+        "optimizer": {"type": "AdamW", "params": {"betas": (0.8, 0.95)}},
+        "fp16": {"enabled": False},
+    }
     assert check_mismatches(agree, args, world_size=4) == []
 
 
@@ -161,10 +218,12 @@ def test_shared_tutorial_configs_resolve(args, name):
 
 
 def test_the_integration_imports_without_the_deepspeed_package():
-    code = ("import sys; sys.modules['deepspeed'] = None\n"
-            "from zerospeed.integrations.transformers import Trainer, TrainingArguments\n"
-            "a = TrainingArguments(output_dir='/tmp/zs-hf-auto', deepspeed={'zero_optimization': {'stage': 2}}, "
-            "report_to=[])\n"
-            "assert a.deepspeed == {'zero_optimization': {'stage': 2}} and a.deepspeed_plugin is None\n")
+    code = (
+        "import sys; sys.modules['deepspeed'] = None\n"
+        "from zerospeed.integrations.transformers import Trainer, TrainingArguments\n"
+        "a = TrainingArguments(output_dir='/tmp/zs-hf-auto', deepspeed={'zero_optimization': {'stage': 2}}, "
+        "report_to=[])\n"
+        "assert a.deepspeed == {'zero_optimization': {'stage': 2}} and a.deepspeed_plugin is None\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

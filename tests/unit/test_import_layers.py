@@ -50,8 +50,13 @@ def imports() -> list[tuple[str, str, bool, int]]:
     found = []
     for name, path in known.items():
         tree = ast.parse(path.read_text(), str(path))
-        local = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                 for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
+        local = {
+            id(n)
+            for f in ast.walk(tree)
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for n in ast.walk(f)
+            if isinstance(n, (ast.Import, ast.ImportFrom))
+        }
         for node in ast.walk(tree):
             if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
@@ -175,10 +180,12 @@ def test_function_local_imports_are_only_for_optional_dependencies():
 
 if __name__ == "__main__":
     counts = defaultdict(int)
-    for src, dst, local, _ in imports():
+    for src, dst, _local, _ in imports():
         if package_of(src) != package_of(dst):
             counts[(package_of(src), package_of(dst))] += 1
     for (a, b), n in sorted(counts.items()):
         print(f"{a:>14} -> {b:<14} {n}")
-    print(f"{len(arrows_against_order())} imports against the order; {len(cycles())} cycles; "
-          f"{sum(1 for *_, local, _ in imports() if local)} function-local imports of zerospeed modules")
+    print(
+        f"{len(arrows_against_order())} imports against the order; {len(cycles())} cycles; "
+        f"{sum(1 for *_, local, _ in imports() if local)} function-local imports of zerospeed modules"
+    )

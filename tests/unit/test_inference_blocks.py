@@ -1,10 +1,10 @@
 """Paged KV cache bookkeeping without tensors: block math, the allocator, the continuous-batching scheduler."""
+
 from __future__ import annotations
 
 import pytest
 
-from zerospeed.inference.paged.blocks import (BlockAllocator, OutOfBlocks, blocks_needed, grow, slot, slots,
-                                              wasted_slots)
+from zerospeed.inference.paged.blocks import BlockAllocator, OutOfBlocks, blocks_needed, grow, slot, slots, wasted_slots
 from zerospeed.inference.paged.scheduler import Scheduler, Sequence
 
 

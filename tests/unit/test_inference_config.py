@@ -1,4 +1,5 @@
 """`init_inference`'s config: DeepSpeed 0.19's fields, defaults and aliases; conflicts and unknown keys are errors."""
+
 from __future__ import annotations
 
 import json
@@ -6,11 +7,11 @@ import json
 import pytest
 import torch
 
-from zerospeed.utils.errors import ConfigError
 from zerospeed.inference.api import merge_config
 from zerospeed.inference.config import DeepSpeedInferenceConfig, validate_inference_config
 from zerospeed.inference.injection import policy_partition_config, unmatched_policy_names
 from zerospeed.parallel.tensor.plan import PRESETS
+from zerospeed.utils.errors import ConfigError
 
 
 def parse(config=None, **kwargs) -> DeepSpeedInferenceConfig:
@@ -34,8 +35,17 @@ def test_dtype_spellings(value):
 
 
 def test_aliases():
-    c = parse({"tp": {"tp_size": 2}, "kernel_inject": True, "max_tokens": 64, "min_tokens": 2, "tm": False,
-               "ckpt_config": {"checkpoint_dir": "/x"}, "moe": {"num_experts": [4]}})
+    c = parse(
+        {
+            "tp": {"tp_size": 2},
+            "kernel_inject": True,
+            "max_tokens": 64,
+            "min_tokens": 2,
+            "tm": False,
+            "ckpt_config": {"checkpoint_dir": "/x"},
+            "moe": {"num_experts": [4]},
+        }
+    )
     assert c.tensor_parallel.tp_size == 2 and c.replace_with_kernel_inject and c.max_out_tokens == 64
     assert c.min_out_tokens == 2 and not c.triangular_masking and c.checkpoint_config.checkpoint_dir == "/x"
     assert c.moe.moe_experts == [4]
@@ -64,28 +74,35 @@ def test_config_and_kwarg_conflict_names_both(tmp_path):
         parse(kernel_inject=True, replace_with_kernel_inject=True)
 
 
-@pytest.mark.parametrize("config,message", [
-    ({"tensor_paralel": {}}, "tensor_paralel: unknown key — did you mean tensor_parallel?"),
-    ({"tp": {"tp_siz": 2}}, "tensor_parallel.tp_siz: unknown key — did you mean tp_size?"),
-    ({"max_out_tokens": 0}, "max_out_tokens: expected a positive integer, got 0"),
-    ({"dtype": "fp8"}, "dtype: expected torch.float16"),
-    ({"zero": {"stage": 3, "offload_parm": {}}}, "zero.offload_parm: unknown key — did you mean offload_param?"),
-    ({"replace_with_kernel_inject": "yes"}, "replace_with_kernel_inject: expected true or false"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"tensor_paralel": {}}, "tensor_paralel: unknown key — did you mean tensor_parallel?"),
+        ({"tp": {"tp_siz": 2}}, "tensor_parallel.tp_siz: unknown key — did you mean tp_size?"),
+        ({"max_out_tokens": 0}, "max_out_tokens: expected a positive integer, got 0"),
+        ({"dtype": "fp8"}, "dtype: expected torch.float16"),
+        ({"zero": {"stage": 3, "offload_parm": {}}}, "zero.offload_parm: unknown key — did you mean offload_param?"),
+        ({"replace_with_kernel_inject": "yes"}, "replace_with_kernel_inject: expected true or false"),
+    ],
+)
 def test_bad_values_name_the_key(config, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
         parse(config)
 
 
-@pytest.mark.parametrize("config,message", [
-    ({"dtype": "int8"}, "dtype: int8 .* not implemented"),
-    ({"enable_cuda_graph": True}, "enable_cuda_graph: true is not implemented"),
-    ({"moe": {"ep_size": 2}}, "moe.ep_size: 2: expert parallelism at inference is not implemented"),
-    ({"zero": {"stage": 2}}, "zero.stage: 2: ZeRO-Inference is stage 3"),
-    ({"kernel_inject": True, "injection_dict": {"Block": "attn.o"}}, "give one"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"dtype": "int8"}, "dtype: int8 .* not implemented"),
+        ({"enable_cuda_graph": True}, "enable_cuda_graph: true is not implemented"),
+        ({"moe": {"ep_size": 2}}, "moe.ep_size: 2: expert parallelism at inference is not implemented"),
+        ({"zero": {"stage": 2}}, "zero.stage: 2: ZeRO-Inference is stage 3"),
+        ({"kernel_inject": True, "injection_dict": {"Block": "attn.o"}}, "give one"),
+    ],
+)
 def test_parsed_but_not_implemented_is_named(config, message):
     import re
+
     problems = "; ".join(parse(config).unsupported())
     assert re.search(message, problems), problems
 
@@ -99,11 +116,17 @@ def test_injection_policy_becomes_partition_rules():
     linears = ["h.0.attn.c_attn", "h.0.attn.c_proj", "h.0.mlp.c_fc", "h.0.mlp.c_proj", "score"]
     cfg = policy_partition_config(linears, {"h.0": ("attn.c_proj", "mlp.c_proj")}, PRESETS["gpt2"])
     kinds = [(s["patterns"][0], s["partition_type"], s.get("shape")) for s in cfg["layer_specs"]]
-    assert kinds == [(r"^h\.0\.attn\.c_attn\.weight$", "column", [3, -1]),  # fused shape kept from the preset
-                     (r"^h\.0\.attn\.c_proj\.weight$", "row", None), (r"^h\.0\.mlp\.c_fc\.weight$", "column", None),
-                     (r"^h\.0\.mlp\.c_proj\.weight$", "row", None), (r"^score\.weight$", "skip", None)]
+    assert kinds == [
+        (r"^h\.0\.attn\.c_attn\.weight$", "column", [3, -1]),  # fused shape kept from the preset
+        (r"^h\.0\.attn\.c_proj\.weight$", "row", None),
+        (r"^h\.0\.mlp\.c_fc\.weight$", "column", None),
+        (r"^h\.0\.mlp\.c_proj\.weight$", "row", None),
+        (r"^score\.weight$", "skip", None),
+    ]
     assert cfg["use_default_specs"] is False
-    assert unmatched_policy_names(["h.0", "h.0.attn", "h.0.attn.c_proj"], {"h.0": ("attn.c_proj", "mlp.out")}) == ["mlp.out"]
+    assert unmatched_policy_names(["h.0", "h.0.attn", "h.0.attn.c_proj"], {"h.0": ("attn.c_proj", "mlp.out")}) == [
+        "mlp.out"
+    ]
     with pytest.raises(ConfigError, match="injection_policy"):
         parse(injection_policy=["attn.c_proj"])
 

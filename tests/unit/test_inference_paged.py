@@ -5,6 +5,7 @@ output lengths join while others are decoding (continuous batching); a cache too
 at once forces preemption by recompute. Each request's tokens must equal `generate` on that prompt
 alone. Block waste (allocated-but-empty KV slots over allocated slots, summed over steps) < 4%.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -19,9 +20,19 @@ NEW = (60, 30, 81, 20, 48, 50, 33, 70)
 
 def build_model():
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=1)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=1,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -34,9 +45,10 @@ def generate_each(model, prompts):
     """transformers' greedy `generate` on each prompt alone (on the model's device)."""
     out = []
     for p, n in zip(prompts, NEW):
-        ids = model.generate(torch.tensor([p], device=model.device), max_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-        out.append(ids[0, len(p):].tolist())
+        ids = model.generate(
+            torch.tensor([p], device=model.device), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        out.append(ids[0, len(p) :].tolist())
     return out
 
 
@@ -89,5 +101,6 @@ def test_paged_server_preempts_and_recomputes(model, prompts, reference):
 
 def test_other_architectures_are_refused_by_name():
     from transformers import GPT2Config, GPT2LMHeadModel
+
     with pytest.raises(TypeError, match="the paged server runs Llama-family models .* GPT2LMHeadModel"):
         PagedServer(GPT2LMHeadModel(GPT2Config(vocab_size=11, n_embd=8, n_layer=1, n_head=2)))

@@ -1,5 +1,6 @@
 """Weight-only group-wise int8 / int4 quantization: the math (error bound, packing), the layer, the memory,
 and a model served through `init_inference(quant={"weight": {"post_init_quant": ...}})`."""
+
 from __future__ import annotations
 
 import math
@@ -8,9 +9,9 @@ import pytest
 import torch
 
 import zerospeed
-from zerospeed.utils.errors import ConfigError
 from zerospeed.compression.weight_quant import QuantizedLinear, dequantize, quantize
 from zerospeed.compression.weight_quant.groupwise import _pack4, _unpack4
+from zerospeed.utils.errors import ConfigError
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -46,9 +47,17 @@ def test_layer_memory(bits, smaller):
 
 def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -58,8 +67,11 @@ def test_quantized_model_through_init_inference(bits, bound):
     ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = _llama()(ids, labels=ids)
-    engine = zerospeed.init_inference(_llama(), dtype=torch.float32, quant={
-        "weight": {"post_init_quant": {"layers.": {"num_bits": bits, "group_size": 64}}}})
+    engine = zerospeed.init_inference(
+        _llama(),
+        dtype=torch.float32,
+        quant={"weight": {"post_init_quant": {"layers.": {"num_bits": bits, "group_size": 64}}}},
+    )
     assert len(engine.quantized) == 14 and set(engine.quantized.values()) == {bits}  # 7 linears x 2 layers, no head
     got = engine(ids, labels=ids)
     rel = (got.logits - want.logits).abs().max() / want.logits.abs().max()
@@ -69,22 +81,32 @@ def test_quantized_model_through_init_inference(bits, bound):
 
 def test_quantization_settings_errors_name_the_key():
     with pytest.raises(ConfigError, match="quant.weight: .*num_bits = 3"):
-        zerospeed.init_inference(_llama(), dtype=torch.float32, quant={"weight": {"quantized_initialization": {
-            "num_bits": 3, "group_size": 64}}})
+        zerospeed.init_inference(
+            _llama(),
+            dtype=torch.float32,
+            quant={"weight": {"quantized_initialization": {"num_bits": 3, "group_size": 64}}},
+        )
 
 
 def test_gpt2_conv1d_layers_quantize():
     from transformers import GPT2Config, GPT2LMHeadModel
+
     def gpt2():
         torch.manual_seed(0)
         return GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=64, n_layer=1, n_head=4)).eval()
+
     ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = gpt2()(ids).logits
-    engine = zerospeed.init_inference(gpt2(), dtype=torch.float32, quant={"weight": {"quantized_initialization": {
-        "num_bits": 8, "group_size": 64}}})
-    assert sorted(engine.quantized) == ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj",
-                                        "transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"]  # not the tied head
+    engine = zerospeed.init_inference(
+        gpt2(), dtype=torch.float32, quant={"weight": {"quantized_initialization": {"num_bits": 8, "group_size": 64}}}
+    )
+    assert sorted(engine.quantized) == [
+        "transformer.h.0.attn.c_attn",
+        "transformer.h.0.attn.c_proj",
+        "transformer.h.0.mlp.c_fc",
+        "transformer.h.0.mlp.c_proj",
+    ]  # not the tied head
     rel = (engine(ids).logits - want).abs().max() / want.abs().max()
     assert rel <= 0.02, rel
 
@@ -94,9 +116,18 @@ def _trained_llama(steps: int = 50):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from zoo.data import stdlib_corpus
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg)
     corpus = stdlib_corpus(200_000 + 16 * 64 + 1)
     train, held = corpus[:200_000], corpus[200_000:]
@@ -104,12 +135,12 @@ def _trained_llama(steps: int = 50):
     g = torch.Generator().manual_seed(2)
     for _ in range(steps):
         starts = torch.randint(0, train.numel() - 65, (8,), generator=g)
-        x = torch.stack([train[s:s + 65] for s in starts.tolist()])
+        x = torch.stack([train[s : s + 65] for s in starts.tolist()])
         loss = model(x[:, :-1], labels=x[:, :-1]).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return model.eval(), held[:16 * 64].reshape(16, 64)
+    return model.eval(), held[: 16 * 64].reshape(16, 64)
 
 
 # measured on this model (50 steps, held-out perplexity 12.0, max |logit| 5.5): int8 max |logit diff| 0.0075,
@@ -121,8 +152,9 @@ def test_int8_logits_close_on_a_trained_model():
         want = model(held, labels=held)
     served = _trained_llama(0)[0]
     served.load_state_dict(state)
-    engine = zerospeed.init_inference(served, dtype=torch.float32, quant={
-        "weight": {"quantized_initialization": {"num_bits": 8, "group_size": 64}}})
+    engine = zerospeed.init_inference(
+        served, dtype=torch.float32, quant={"weight": {"quantized_initialization": {"num_bits": 8, "group_size": 64}}}
+    )
     got = engine(held, labels=held)
     diff = (got.logits - want.logits).abs().max()
     assert diff <= 0.03, f"int8: max |logit diff| {diff:.4f}"
@@ -141,12 +173,21 @@ def test_training_config_weight_quantization_below_stage3_quantizes_the_linear_l
                 m.weight.copy_(dequantize(quantize(m.weight, 8, 64, False)))
         want = ref(ids).logits
     model = _llama()
-    engine, *_ = zerospeed.initialize(model=model, config={
-        "train_micro_batch_size_per_gpu": 1, "weight_quantization": {"post_init_quant": {
-            "layers.": {"num_bits": 8, "group_size": 64}}}})
+    engine, *_ = zerospeed.initialize(
+        model=model,
+        config={
+            "train_micro_batch_size_per_gpu": 1,
+            "weight_quantization": {"post_init_quant": {"layers.": {"num_bits": 8, "group_size": 64}}},
+        },
+    )
     assert sum(isinstance(m, QuantizedLinear) for m in model.modules()) == 14
     with torch.no_grad():
         torch.testing.assert_close(engine(ids).logits, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ConfigError, match="weight_quantization: quantization settings for .*num_bits = 3"):
-        zerospeed.initialize(model=_llama(), config={"train_micro_batch_size_per_gpu": 1, "weight_quantization": {
-            "quantized_initialization": {"num_bits": 3}}})
+        zerospeed.initialize(
+            model=_llama(),
+            config={
+                "train_micro_batch_size_per_gpu": 1,
+                "weight_quantization": {"quantized_initialization": {"num_bits": 3}},
+            },
+        )

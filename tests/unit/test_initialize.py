@@ -1,4 +1,5 @@
 """zerospeed.initialize in one process: API mis-use errors, argument parsing, a one-rank parity run."""
+
 import argparse
 import json
 
@@ -57,8 +58,12 @@ def test_one_rank_engine_matches_plain_pytorch():
     torch.manual_seed(0)
     ref, model = TinyMLP(), TinyMLP()
     model.load_state_dict(ref.state_dict())
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3, "gradient_clipping": 0.5,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 3,
+        "gradient_clipping": 0.5,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+    }
     engine, optimizer, _, _ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1)
@@ -82,10 +87,16 @@ def test_one_rank_engine_matches_plain_pytorch():
 def test_monitors_timers_and_progress_line_are_wired_through_the_config(tmp_path, caplog):
     import csv
     import logging
+
     torch.manual_seed(0)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 1,
-           "wall_clock_breakdown": True, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "run"}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 1,
+        "wall_clock_breakdown": True,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "csv_monitor": {"enabled": True, "output_path": str(tmp_path), "job_name": "run"},
+    }
     engine, *_ = zerospeed.initialize(model=TinyMLP(), config=cfg)
     losses = []
     with caplog.at_level(logging.INFO):

@@ -1,4 +1,5 @@
 """The command line: splitting launcher flags from the user command, flag errors, the launch plan."""
+
 import pytest
 
 from zerospeed.autotuning.command import TrialWorld
@@ -12,31 +13,57 @@ from zerospeed.launcher.plan import LaunchPlan, make_plan
 VALUED = {"--num_gpus", "-H", "--hostfile", "--include"}
 
 
-@pytest.mark.parametrize("argv, ours, user", [
-    (["--num_gpus", "2", "train.py", "--num_gpus", "3"], ["--num_gpus", "2"], ["train.py", "--num_gpus", "3"]),
-    (["--num_gpus=2", "train.py"], ["--num_gpus=2"], ["train.py"]),
-    (["--module", "pkg.main", "-m"], ["--module"], ["pkg.main", "-m"]),
-    (["-H", "hf", "--include", "a:0", "t.py", "--", "x"], ["-H", "hf", "--include", "a:0"], ["t.py", "--", "x"]),
-    (["--num_gpus", "2", "--", "-weird.py", "a"], ["--num_gpus", "2"], ["-weird.py", "a"]),
-    (["train.py"], [], ["train.py"]),
-    (["--num_gpus", "2"], ["--num_gpus", "2"], []),
-    (["--bogus", "t.py"], ["--bogus"], ["t.py"]),
-])
+@pytest.mark.parametrize(
+    "argv, ours, user",
+    [
+        (["--num_gpus", "2", "train.py", "--num_gpus", "3"], ["--num_gpus", "2"], ["train.py", "--num_gpus", "3"]),
+        (["--num_gpus=2", "train.py"], ["--num_gpus=2"], ["train.py"]),
+        (["--module", "pkg.main", "-m"], ["--module"], ["pkg.main", "-m"]),
+        (["-H", "hf", "--include", "a:0", "t.py", "--", "x"], ["-H", "hf", "--include", "a:0"], ["t.py", "--", "x"]),
+        (["--num_gpus", "2", "--", "-weird.py", "a"], ["--num_gpus", "2"], ["-weird.py", "a"]),
+        (["train.py"], [], ["train.py"]),
+        (["--num_gpus", "2"], ["--num_gpus", "2"], []),
+        (["--bogus", "t.py"], ["--bogus"], ["t.py"]),
+    ],
+)
 def test_split_argv(argv, ours, user):
     assert split_argv(argv, VALUED) == (ours, user)
 
 
 def test_parse_deepspeed_style_line():
-    args, command = parse_command_line(["--num_gpus=8", "--num_nodes", "4", "--master_addr=HOST", "train.py",
-                                        "--deepspeed", "ds_config.json", "--num_gpus", "1", "a 'b' \"c\""])
+    args, command = parse_command_line(
+        [
+            "--num_gpus=8",
+            "--num_nodes",
+            "4",
+            "--master_addr=HOST",
+            "train.py",
+            "--deepspeed",
+            "ds_config.json",
+            "--num_gpus",
+            "1",
+            "a 'b' \"c\"",
+        ]
+    )
     assert (args.num_gpus, args.num_nodes, args.master_addr, args.master_port) == (8, 4, "HOST", 29500)
     assert (args.hostfile, args.launcher, args.include, args.exclude, args.node_rank) == (None, "pdsh", "", "", None)
     assert command == UserCommand("train.py", ("--deepspeed", "ds_config.json", "--num_gpus", "1", "a 'b' \"c\""))
 
 
 def test_parse_aliases_and_switches():
-    args, command = parse_command_line(["--num_accelerators", "2", "--module", "--no_local_rank", "--save_pid",
-                                        "--force_multi", "--enable_each_rank_log", "/logs", "pkg.train"])
+    args, command = parse_command_line(
+        [
+            "--num_accelerators",
+            "2",
+            "--module",
+            "--no_local_rank",
+            "--save_pid",
+            "--force_multi",
+            "--enable_each_rank_log",
+            "/logs",
+            "pkg.train",
+        ]
+    )
     assert (args.num_gpus, args.save_pid, args.force_multi, args.enable_each_rank_log) == (2, True, True, "/logs")
     assert command == UserCommand("pkg.train", (), module=True, no_local_rank=True)
 
@@ -52,25 +79,39 @@ def no_gpu_probe(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--num_gpus", "2"], "missing the training script: zerospeed [options] user_script [user_args ...]"),
-    (["--module", "--no_python", "t.py"], "--module and --no_python cannot be used together: a module needs python"),
-    (["--include", "localhost:0", "--exclude", "localhost:1", "t.py"],
-     "--include and --exclude are mutually exclusive; use one of them"),
-    (["--num_gpus", "1", "--include", "localhost:0", "t.py"],
-     "--num_nodes/--num_gpus cannot be combined with --include/--exclude; select hosts and slots with one "
-     "or the other"),
-    (["--include", "localhost:5", "t.py"], "--include names slot 5 on host 'localhost', whose slots are 0,1"),
-    (["--num_gpus", "0", "t.py"], "--num_gpus must be >= 1, got 0"),
-    (["--num_nodes", "-3", "t.py"], "--num_nodes must be >= 1, got -3"),
-    (["--launcher", "torchrun", "t.py"],
-     "--launcher 'torchrun' is not one of pdsh, ssh, openmpi, mvapich, mpich, impi, slurm, local"),
-    (["--max_restarts", "-1", "t.py"], "--max_restarts must be >= 0, got -1"),
-    (["--node_rank", "1", "t.py"], "--node_rank 1 needs --num_nodes > 1 (or a hostfile)"),
-    (["--num_nodes", "2", "--master_addr", "h", "t.py"],
-     "--num_nodes 2 without a hostfile starts one node per invocation: run it on every node with --node_rank "
-     "(0..N-1) and --master_addr of node 0, or give a --hostfile"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num_gpus", "2"], "missing the training script: zerospeed [options] user_script [user_args ...]"),
+        (
+            ["--module", "--no_python", "t.py"],
+            "--module and --no_python cannot be used together: a module needs python",
+        ),
+        (
+            ["--include", "localhost:0", "--exclude", "localhost:1", "t.py"],
+            "--include and --exclude are mutually exclusive; use one of them",
+        ),
+        (
+            ["--num_gpus", "1", "--include", "localhost:0", "t.py"],
+            "--num_nodes/--num_gpus cannot be combined with --include/--exclude; select hosts and slots with one "
+            "or the other",
+        ),
+        (["--include", "localhost:5", "t.py"], "--include names slot 5 on host 'localhost', whose slots are 0,1"),
+        (["--num_gpus", "0", "t.py"], "--num_gpus must be >= 1, got 0"),
+        (["--num_nodes", "-3", "t.py"], "--num_nodes must be >= 1, got -3"),
+        (
+            ["--launcher", "torchrun", "t.py"],
+            "--launcher 'torchrun' is not one of pdsh, ssh, openmpi, mvapich, mpich, impi, slurm, local",
+        ),
+        (["--max_restarts", "-1", "t.py"], "--max_restarts must be >= 0, got -1"),
+        (["--node_rank", "1", "t.py"], "--node_rank 1 needs --num_nodes > 1 (or a hostfile)"),
+        (
+            ["--num_nodes", "2", "--master_addr", "h", "t.py"],
+            "--num_nodes 2 without a hostfile starts one node per invocation: run it on every node with --node_rank "
+            "(0..N-1) and --master_addr of node 0, or give a --hostfile",
+        ),
+    ],
+)
 def test_flag_errors_exit_2_with_message(argv, message, no_gpu_probe, capsys):
     assert main(argv) == 2
     assert capsys.readouterr().err == f"zerospeed: error: {message}\n"
@@ -80,8 +121,10 @@ def test_hostfile_errors_exit_2(tmp_path, capsys):
     path = tmp_path / "hf"
     path.write_text("w0 slots=2\nw0 slots=2\n")
     assert main(["--hostfile", str(path), "t.py"]) == 2
-    assert capsys.readouterr().err == (f"zerospeed: error: {path}:2: host 'w0' is listed twice (first on line 1); "
-                                       "list each host once with its total slot count\n")
+    assert capsys.readouterr().err == (
+        f"zerospeed: error: {path}:2: host 'w0' is listed twice (first on line 1); "
+        "list each host once with its total slot count\n"
+    )
 
 
 def test_unknown_flag_is_an_argparse_error(capsys):
@@ -104,7 +147,8 @@ def _never() -> int:
 
 def test_plan_single_node_num_gpus():
     assert make_plan(_flags("--num_gpus", "2"), None, "", _never) == LaunchPlan(
-        {"localhost": [0, 1]}, 0, "127.0.0.1", "pdsh")
+        {"localhost": [0, 1]}, 0, "127.0.0.1", "pdsh"
+    )
 
 
 def test_plan_single_node_all_gpus_or_one_cpu_process():
@@ -117,15 +161,17 @@ def test_plan_single_node_include_exclude_on_visible_devices():
 
 
 def test_plan_torchrun_style_node():
-    plan = make_plan(_flags("--num_gpus", "2", "--num_nodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1"),
-                     None, "", _never)
+    plan = make_plan(
+        _flags("--num_gpus", "2", "--num_nodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1"), None, "", _never
+    )
     assert plan == LaunchPlan({"node-0": [0, 1], "node-1": [0, 1]}, 1, "10.0.0.1", "pdsh")
 
 
 def test_plan_torchrun_style_node_rank_out_of_range():
     with pytest.raises(LauncherError) as info:
-        make_plan(_flags("--num_nodes", "2", "--node_rank", "2", "--master_addr", "h", "--num_gpus", "1"),
-                  None, "", _never)
+        make_plan(
+            _flags("--num_nodes", "2", "--node_rank", "2", "--master_addr", "h", "--num_gpus", "1"), None, "", _never
+        )
     assert str(info.value) == "--node_rank 2 is outside 0..1 for a job of 2 node(s)"
 
 
@@ -134,7 +180,8 @@ HOSTFILE = {"w0": 2, "w1": 2, "w2": 1}
 
 def test_plan_hostfile_uses_the_runner_and_first_host_as_master():
     assert make_plan(_flags("--launcher", "SSH"), HOSTFILE, "", _never) == LaunchPlan(
-        {"w0": [0, 1], "w1": [0, 1], "w2": [0]}, None, "w0", "ssh")
+        {"w0": [0, 1], "w1": [0, 1], "w2": [0]}, None, "w0", "ssh"
+    )
 
 
 def test_plan_hostfile_local_runner_masters_on_loopback():
@@ -149,7 +196,8 @@ def test_plan_hostfile_include_and_master_addr():
 
 def test_plan_hostfile_single_host_runs_here_unless_forced():
     assert make_plan(_flags("--include", "w1"), HOSTFILE, "", _never) == LaunchPlan(
-        {"w1": [0, 1]}, 0, "127.0.0.1", "pdsh")
+        {"w1": [0, 1]}, 0, "127.0.0.1", "pdsh"
+    )
     assert make_plan(_flags("--include", "w1", "--force_multi"), HOSTFILE, "", _never).node_rank is None
 
 
@@ -168,10 +216,14 @@ def test_pid_file_is_deepspeeds():
     assert cli.DEFAULT_MASTER_PORT == 29500
 
 
-@pytest.mark.parametrize("flags, world", [
-    (["--hostfile", "{hostfile}", "--include", "w0:0,1@w1"], TrialWorld((2, 2), hostfile=True)),
-    (["--hostfile", "{hostfile}", "--num_nodes", "1"], TrialWorld((4,), hostfile=True)),
-    (["--num_gpus", "3"], TrialWorld((3,), hostfile=False))])
+@pytest.mark.parametrize(
+    "flags, world",
+    [
+        (["--hostfile", "{hostfile}", "--include", "w0:0,1@w1"], TrialWorld((2, 2), hostfile=True)),
+        (["--hostfile", "{hostfile}", "--num_nodes", "1"], TrialWorld((4,), hostfile=True)),
+        (["--num_gpus", "3"], TrialWorld((3,), hostfile=False)),
+    ],
+)
 def test_autotuning_gets_the_launchers_world(tmp_path, monkeypatch, flags, world):
     """The autotuner reads no hostfile: the launcher resolves hosts and slots and passes them on."""
     hostfile = tmp_path / "hostfile"

@@ -1,12 +1,12 @@
 """Rank arithmetic, the per-rank environment and argv, and the world encoding."""
+
 import base64
 
 import pytest
 
 from zerospeed.launcher.environment import UserCommand, omp_num_threads, rank_argv, rank_environment
 from zerospeed.launcher.errors import LauncherError
-from zerospeed.launcher.world import (NodeLayout, decode_world_info, encode_world_info, node_layout,
-                                      uniform_world)
+from zerospeed.launcher.world import NodeLayout, decode_world_info, encode_world_info, node_layout, uniform_world
 
 
 def test_layout_one_node_of_two():
@@ -59,43 +59,72 @@ BASE = {"PATH": "/usr/bin", "HOME": "/root"}
 
 def test_environment_one_node_two_ranks():
     layout = node_layout({"localhost": [0, 1]}, 0)
-    envs = [rank_environment(layout, lr, master_addr="127.0.0.1", master_port=29500, cpu_count=8, base_env=BASE)
-            for lr in range(2)]
-    common = {"PATH": "/usr/bin", "HOME": "/root", "WORLD_SIZE": "2", "LOCAL_SIZE": "2", "CROSS_RANK": "0",
-              "CROSS_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
-              "CUDA_VISIBLE_DEVICES": "0,1", "OMP_NUM_THREADS": "4",  # 8 cores // 2 processes
-              "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1"}  # torch's names too
+    envs = [
+        rank_environment(layout, lr, master_addr="127.0.0.1", master_port=29500, cpu_count=8, base_env=BASE)
+        for lr in range(2)
+    ]
+    common = {
+        "PATH": "/usr/bin",
+        "HOME": "/root",
+        "WORLD_SIZE": "2",
+        "LOCAL_SIZE": "2",
+        "CROSS_RANK": "0",
+        "CROSS_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "CUDA_VISIBLE_DEVICES": "0,1",
+        "OMP_NUM_THREADS": "4",  # 8 cores // 2 processes
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+    }  # torch's names too
     assert envs[0] == {**common, "RANK": "0", "LOCAL_RANK": "0"}
     assert envs[1] == {**common, "RANK": "1", "LOCAL_RANK": "1"}
 
 
 def test_environment_node_rank_one_of_two_nodes_of_two():
     layout = node_layout({"w0": [0, 1], "w1": [2, 3]}, 1)
-    envs = [rank_environment(layout, lr, master_addr="10.1.2.3", master_port=6000, cpu_count=2, base_env={})
-            for lr in range(2)]
-    common = {"WORLD_SIZE": "4", "LOCAL_SIZE": "2", "CROSS_RANK": "1", "CROSS_SIZE": "2",
-              "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "6000", "CUDA_VISIBLE_DEVICES": "2,3",
-              "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2"}
+    envs = [
+        rank_environment(layout, lr, master_addr="10.1.2.3", master_port=6000, cpu_count=2, base_env={})
+        for lr in range(2)
+    ]
+    common = {
+        "WORLD_SIZE": "4",
+        "LOCAL_SIZE": "2",
+        "CROSS_RANK": "1",
+        "CROSS_SIZE": "2",
+        "MASTER_ADDR": "10.1.2.3",
+        "MASTER_PORT": "6000",
+        "CUDA_VISIBLE_DEVICES": "2,3",
+        "OMP_NUM_THREADS": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "2",
+    }
     assert envs[0] == {**common, "RANK": "2", "LOCAL_RANK": "0"}
     assert envs[1] == {**common, "RANK": "3", "LOCAL_RANK": "1"}
 
 
 def test_environment_overrides_stale_launch_variables():
     layout = node_layout({"localhost": [0]}, 0)
-    env = rank_environment(layout, 0, master_addr="h", master_port=1, cpu_count=1,
-                           base_env={"RANK": "7", "WORLD_SIZE": "9", "CUDA_VISIBLE_DEVICES": "3"})
+    env = rank_environment(
+        layout,
+        0,
+        master_addr="h",
+        master_port=1,
+        cpu_count=1,
+        base_env={"RANK": "7", "WORLD_SIZE": "9", "CUDA_VISIBLE_DEVICES": "3"},
+    )
     assert (env["RANK"], env["WORLD_SIZE"], env["CUDA_VISIBLE_DEVICES"]) == ("0", "1", "0")
 
 
 def test_user_omp_num_threads_is_kept():
     layout = node_layout({"localhost": [0, 1]}, 0)
-    env = rank_environment(layout, 0, master_addr="h", master_port=1, cpu_count=64,
-                           base_env={"OMP_NUM_THREADS": "6"})
+    env = rank_environment(layout, 0, master_addr="h", master_port=1, cpu_count=64, base_env={"OMP_NUM_THREADS": "6"})
     assert env["OMP_NUM_THREADS"] == "6"
 
 
-@pytest.mark.parametrize("cpus, procs, expected", [(2, 2, 1), (8, 2, 4), (7, 2, 3), (1, 4, 1), (2, 3, 1),
-                                                   (16, 1, 16)])
+@pytest.mark.parametrize("cpus, procs, expected", [(2, 2, 1), (8, 2, 4), (7, 2, 3), (1, 4, 1), (2, 3, 1), (16, 1, 16)])
 def test_omp_num_threads(cpus, procs, expected):
     assert omp_num_threads(cpus, procs) == expected
 

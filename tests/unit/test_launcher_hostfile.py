@@ -1,10 +1,11 @@
 """Hostfile parsing: accepted forms and every error with its message."""
+
 import pytest
 
-from zerospeed.utils.errors import ConfigError
 from zerospeed.launcher import hostfile
 from zerospeed.launcher.errors import LauncherError
 from zerospeed.launcher.hostfile import parse_hostfile, read_hostfile
+from zerospeed.utils.errors import ConfigError
 
 FORMAT = "expected 'HOSTNAME slots=N' with N >= 1 (e.g. 'worker-0 slots=8'); '#' starts a comment"
 
@@ -24,8 +25,19 @@ def test_ip_addresses_and_fqdn_hosts():
     assert parse_hostfile("10.0.0.1 slots=1\nnode.example.com slots=3") == {"10.0.0.1": 1, "node.example.com": 3}
 
 
-@pytest.mark.parametrize("line", ["worker-0", "worker-0 slots=", "worker-0 slots=x", "worker-0 slots=4 gpus=2",
-                                  "slots=4", "worker-0 slot=4", "worker-0 slots=-1", "worker-0 slots=0"])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "worker-0",
+        "worker-0 slots=",
+        "worker-0 slots=x",
+        "worker-0 slots=4 gpus=2",
+        "slots=4",
+        "worker-0 slot=4",
+        "worker-0 slots=-1",
+        "worker-0 slots=0",
+    ],
+)
 def test_bad_line_names_source_line_and_format(line):
     with pytest.raises(LauncherError) as info:
         parse_hostfile(f"# header\nok slots=1\n{line}\n", source="/etc/ds_hosts")
@@ -35,8 +47,9 @@ def test_bad_line_names_source_line_and_format(line):
 def test_duplicate_host_names_both_lines():
     with pytest.raises(LauncherError) as info:
         parse_hostfile("a slots=1\nb slots=2\n\na slots=2\n")
-    assert str(info.value) == ("hostfile:4: host 'a' is listed twice (first on line 1); "
-                               "list each host once with its total slot count")
+    assert str(info.value) == (
+        "hostfile:4: host 'a' is listed twice (first on line 1); list each host once with its total slot count"
+    )
 
 
 @pytest.mark.parametrize("text", ["", "\n\n", "# nothing here\n   # nor here\n"])

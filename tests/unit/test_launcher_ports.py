@@ -1,4 +1,5 @@
 """zerospeed.utils.ports: free ports outside the kernel's ephemeral range (Note in the module)."""
+
 import socket
 
 import pytest

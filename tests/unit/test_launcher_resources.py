@@ -1,12 +1,14 @@
 """Include/exclude filters, node/GPU limits and local slot detection (DeepSpeed semantics)."""
+
 import pytest
 
 from zerospeed.launcher.errors import LauncherError
 from zerospeed.launcher.resources import filter_resources, limit_resources, local_slots, parse_node_specs
 
 POOL = {"a": 2, "b": [0, 1, 2]}
-SPEC_FORMAT = ("expected NODE_SPEC[@NODE_SPEC ...] with NODE_SPEC = HOST[:SLOT[,SLOT ...]] "
-               "(e.g. 'worker-0:0,2@worker-1')")
+SPEC_FORMAT = (
+    "expected NODE_SPEC[@NODE_SPEC ...] with NODE_SPEC = HOST[:SLOT[,SLOT ...]] (e.g. 'worker-0:0,2@worker-1')"
+)
 
 
 def test_no_filter_expands_slot_counts():
@@ -19,13 +21,16 @@ def test_deepspeed_help_example():
     assert filter_resources(pool, exclude="worker-1:0") == {"worker-0": [0, 1, 2, 3], "worker-1": [1, 2, 3]}
 
 
-@pytest.mark.parametrize("include, expected", [
-    ("b", {"b": [0, 1, 2]}),                      # a host alone: all its slots
-    ("a:1@b:0,2", {"a": [1], "b": [0, 2]}),       # host:slots
-    ("b:2,0,2", {"b": [0, 2]}),                   # sorted, duplicates dropped
-    ("b:1@b:0", {"b": [0, 1]}),                   # a host named twice: union
-    ("b:1@b", {"b": [0, 1, 2]}),                  # ... whole host wins
-])
+@pytest.mark.parametrize(
+    "include, expected",
+    [
+        ("b", {"b": [0, 1, 2]}),  # a host alone: all its slots
+        ("a:1@b:0,2", {"a": [1], "b": [0, 2]}),  # host:slots
+        ("b:2,0,2", {"b": [0, 2]}),  # sorted, duplicates dropped
+        ("b:1@b:0", {"b": [0, 1]}),  # a host named twice: union
+        ("b:1@b", {"b": [0, 1, 2]}),  # ... whole host wins
+    ],
+)
 def test_include(include, expected):
     result = filter_resources(POOL, include=include)
     assert result == expected
@@ -35,12 +40,15 @@ def test_include_keeps_pool_host_order():
     assert list(filter_resources(POOL, include="b@a:0")) == ["a", "b"]
 
 
-@pytest.mark.parametrize("exclude, expected", [
-    ("a", {"b": [0, 1, 2]}),                      # a host alone: the whole host
-    ("b:1", {"a": [0, 1], "b": [0, 2]}),          # just those slots
-    ("a:0,1@b:2", {"b": [0, 1]}),                 # a host left without slots is dropped
-    ("b:0@b", {"a": [0, 1]}),
-])
+@pytest.mark.parametrize(
+    "exclude, expected",
+    [
+        ("a", {"b": [0, 1, 2]}),  # a host alone: the whole host
+        ("b:1", {"a": [0, 1], "b": [0, 2]}),  # just those slots
+        ("a:0,1@b:2", {"b": [0, 1]}),  # a host left without slots is dropped
+        ("b:0@b", {"a": [0, 1]}),
+    ],
+)
 def test_exclude(exclude, expected):
     assert filter_resources(POOL, exclude=exclude) == expected
 
@@ -130,5 +138,7 @@ def test_cpu_only_machine_runs_one_process():
 def test_uuid_visible_devices_are_rejected():
     with pytest.raises(LauncherError) as info:
         local_slots(None, "GPU-8a1b", _no_torch)
-    assert str(info.value) == ("CUDA_VISIBLE_DEVICES='GPU-8a1b' is not a list of integer ids; "
-                               "unset it and select GPUs with --include localhost:0,1")
+    assert str(info.value) == (
+        "CUDA_VISIBLE_DEVICES='GPU-8a1b' is not a list of integer ids; "
+        "unset it and select GPUs with --include localhost:0,1"
+    )

@@ -1,5 +1,6 @@
 """zerospeed.utils.logging: DeepSpeed's `log_dist` semantics and the rank-0 filter on set-up loggers
 (Note [rank-0 logging]). The rank is simulated with $RANK, or with torch.distributed's answers."""
+
 import logging
 
 import pytest
@@ -13,11 +14,13 @@ from zerospeed.utils.logging import current_rank, get_logger
 @pytest.fixture
 def rank(monkeypatch):
     """rank(r): make this process look like global rank r of a job launched with $RANK (None: no job)."""
+
     def set_rank(r):
         if r is None:
             monkeypatch.delenv("RANK", raising=False)
         else:
             monkeypatch.setenv("RANK", str(r))
+
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     return set_rank
 
@@ -26,16 +29,19 @@ def logged(caplog, name="zerospeed"):
     return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == name]
 
 
-@pytest.mark.parametrize("r, ranks, expected", [
-    (None, None, "[Rank -1] hi"),   # a single process always logs, as rank -1 (DeepSpeed)
-    (None, [3], "[Rank -1] hi"),
-    (0, [0], "[Rank 0] hi"),
-    (1, [0], None),
-    (1, [0, 1], "[Rank 1] hi"),
-    (1, [-1], "[Rank 1] hi"),       # -1: every rank
-    (0, None, None),                # distributed and no ranks: nowhere, as in DeepSpeed
-    (0, [], None),
-])
+@pytest.mark.parametrize(
+    "r, ranks, expected",
+    [
+        (None, None, "[Rank -1] hi"),  # a single process always logs, as rank -1 (DeepSpeed)
+        (None, [3], "[Rank -1] hi"),
+        (0, [0], "[Rank 0] hi"),
+        (1, [0], None),
+        (1, [0, 1], "[Rank 1] hi"),
+        (1, [-1], "[Rank 1] hi"),  # -1: every rank
+        (0, None, None),  # distributed and no ranks: nowhere, as in DeepSpeed
+        (0, [], None),
+    ],
+)
 def test_log_dist_follows_deepspeed(caplog, rank, r, ranks, expected):
     rank(r)
     with caplog.at_level(logging.INFO, logger="zerospeed"):
@@ -75,9 +81,19 @@ def test_filtered_logger_passes_rank_0_rank_specific_records_and_errors(caplog, 
             log.info("for rank 1 %s", r, extra={"ranks": [1]})
             log.error("failed %s", r)
     assert [m for _, m in logged(caplog, "zerospeed.test_logging")] == [
-        "set-up 0", "warning 0", "mine 0", "failed 0",
-        "mine 1", "for rank 1 1", "failed 1",
-        "set-up None", "warning None", "mine None", "for rank 1 None", "failed None"]
+        "set-up 0",
+        "warning 0",
+        "mine 0",
+        "failed 0",
+        "mine 1",
+        "for rank 1 1",
+        "failed 1",
+        "set-up None",
+        "warning None",
+        "mine None",
+        "for rank 1 None",
+        "failed None",
+    ]
 
 
 def test_the_package_logger_is_filtered_too(caplog, rank):

@@ -4,13 +4,13 @@ import types
 
 import pytest
 
-from zerospeed.utils.errors import ConfigError
 from zerospeed.precision import (
     DynamicLossScaler,
     LossScaleUnderflowError,
     StaticLossScaler,
     loss_scaler_from_config,
 )
+from zerospeed.utils.errors import ConfigError
 
 T, F = True, False
 S = 1024.0

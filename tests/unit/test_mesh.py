@@ -1,5 +1,6 @@
 """The parallel mesh without processes: the rank layout against an independent numpy layout, DeepSpeed's
 literal expert-group and topology examples, the single layout error, and a one-rank mesh."""
+
 from itertools import product
 
 import numpy as np
@@ -8,10 +9,13 @@ from torch import nn
 
 from zerospeed.comm import MESH_AXES, ParallelMesh, RankGrid, layout_problems
 from zerospeed.comm.mpu import expert_size
-from zerospeed.utils.errors import ConfigError
 from zerospeed.parallel.pipeline import LayerSpec, PipelineModule
-from zerospeed.parallel.pipeline.topology import (PipeDataParallelTopology, PipeModelDataParallelTopology,
-                                                  ProcessTopology)
+from zerospeed.parallel.pipeline.topology import (
+    PipeDataParallelTopology,
+    PipeModelDataParallelTopology,
+    ProcessTopology,
+)
+from zerospeed.utils.errors import ConfigError
 
 
 def _shapes(max_world=16):
@@ -35,9 +39,17 @@ def _expected_groups(pp, dp, sp, tp, ep):
     split into (edp, ep), so the index d * sp + s = edp * ep + e."""
     ranks = np.arange(pp * dp * sp * tp).reshape(pp, dp, sp, tp)
     experts = ranks.reshape(pp, dp * sp // ep, ep, tp)  # axes: pp edp ep tp
-    return {"pp": _rows(ranks, [0]), "dp": _rows(ranks, [1]), "sp": _rows(ranks, [2]), "tp": _rows(ranks, [3]),
-            "ep": _rows(experts, [2]), "edp": _rows(experts, [1]), "dp_sp": _rows(ranks, [1, 2]),
-            "mp": _rows(ranks, [3]), "world": [list(range(ranks.size))]}
+    return {
+        "pp": _rows(ranks, [0]),
+        "dp": _rows(ranks, [1]),
+        "sp": _rows(ranks, [2]),
+        "tp": _rows(ranks, [3]),
+        "ep": _rows(experts, [2]),
+        "edp": _rows(experts, [1]),
+        "dp_sp": _rows(ranks, [1, 2]),
+        "mp": _rows(ranks, [3]),
+        "world": [list(range(ranks.size))],
+    }
 
 
 def test_shapes_cover_many_layouts():
@@ -104,27 +116,41 @@ def _assert_lists(message, problems):
 def test_one_error_lists_every_violation():
     with pytest.raises(ValueError) as err:
         RankGrid(pp=0, dp=4, tp=-1, ep=3)
-    _assert_lists(str(err.value), [
-        "pp size must be >= 1, got 0: use 1 to leave the pp axis unsplit",
-        "tp size must be >= 1, got -1: use 1 to leave the tp axis unsplit",
-        "ep=3 does not divide the data-parallel size dp=4: expert-parallel groups split each data-parallel "
-        "group, so choose ep among [1, 2, 4]"])
+    _assert_lists(
+        str(err.value),
+        [
+            "pp size must be >= 1, got 0: use 1 to leave the pp axis unsplit",
+            "tp size must be >= 1, got -1: use 1 to leave the tp axis unsplit",
+            "ep=3 does not divide the data-parallel size dp=4: expert-parallel groups split each data-parallel "
+            "group, so choose ep among [1, 2, 4]",
+        ],
+    )
     with pytest.raises(ValueError) as err:
         RankGrid.for_world(12, pp=5, ep=0)
-    _assert_lists(str(err.value), [
-        "ep size must be >= 1, got 0: use 1 to leave the ep axis unsplit",
-        "world size 12 is not divisible by pp*sp*tp = 5*1*1 = 5: run on a multiple of 5 ranks, or choose "
-        "pp*sp*tp among the divisors of 12: [1, 2, 3, 4, 6, 12]"])
+    _assert_lists(
+        str(err.value),
+        [
+            "ep size must be >= 1, got 0: use 1 to leave the ep axis unsplit",
+            "world size 12 is not divisible by pp*sp*tp = 5*1*1 = 5: run on a multiple of 5 ranks, or choose "
+            "pp*sp*tp among the divisors of 12: [1, 2, 3, 4, 6, 12]",
+        ],
+    )
     with pytest.raises(ValueError) as err:
         RankGrid.for_world(8, sp=2.0, tp="2")
-    _assert_lists(str(err.value), ["sp size must be an integer, got 2.0: pass a whole number such as 1 or 2",
-                                   "tp size must be an integer, got '2': pass a whole number such as 1 or 2"])
+    _assert_lists(
+        str(err.value),
+        [
+            "sp size must be an integer, got 2.0: pass a whole number such as 1 or 2",
+            "tp size must be an integer, got '2': pass a whole number such as 1 or 2",
+        ],
+    )
 
 
 def test_layout_problems_single_and_none():
     assert layout_problems(world_size=16, pp=2, tp=2, ep=4) == []
     assert layout_problems(world_size=8, pp=2, dp=2, tp=1) == [
-        "pp*dp*sp*tp = 2*2*1*1 = 4 ranks but the world has 8: leave dp out to let data parallelism fill the rest"]
+        "pp*dp*sp*tp = 2*2*1*1 = 4 ranks but the world has 8: leave dp out to let data parallelism fill the rest"
+    ]
     with pytest.raises(ValueError, match=r"^ep=2 does not divide the data-parallel size dp=3"):
         RankGrid.for_world(12, pp=2, tp=2, ep=2)
 
@@ -132,11 +158,15 @@ def test_layout_problems_single_and_none():
 def test_build_reports_every_violation_at_once():
     with pytest.raises(ValueError) as err:
         ParallelMesh.build(tp=3, ep=0, world_size=2)
-    _assert_lists(str(err.value), [
-        "world_size=2 but the job has 1 ranks: launch 2 processes or leave world_size out",
-        "ep size must be >= 1, got 0: use 1 to leave the ep axis unsplit",
-        "world size 1 is not divisible by pp*sp*tp = 1*1*3 = 3: run on a multiple of 3 ranks, or choose "
-        "pp*sp*tp among the divisors of 1: [1]"])
+    _assert_lists(
+        str(err.value),
+        [
+            "world_size=2 but the job has 1 ranks: launch 2 processes or leave world_size out",
+            "ep size must be >= 1, got 0: use 1 to leave the ep axis unsplit",
+            "world size 1 is not divisible by pp*sp*tp = 1*1*3 = 3: run on a multiple of 3 ranks, or choose "
+            "pp*sp*tp among the divisors of 1: [1]",
+        ],
+    )
 
 
 def test_one_rank_mesh():
@@ -179,8 +209,11 @@ class _MegatronStyleMpu:
 def test_from_mpu_errors():
     with pytest.raises(TypeError, match="object is not an mpu: it has no get_data_parallel_group()"):
         ParallelMesh.from_mpu(object())
-    with pytest.raises(ValueError, match=r"mpu.get_tensor_model_parallel_world_size\(\)/rank\(\) say 2/0 but its "
-                                         "group has 1 ranks"):
+    with pytest.raises(
+        ValueError,
+        match=r"mpu.get_tensor_model_parallel_world_size\(\)/rank\(\) say 2/0 but its "
+        "group has 1 ranks",
+    ):
         ParallelMesh.from_mpu(_MegatronStyleMpu())
 
 
@@ -191,6 +224,7 @@ def test_expert_group_names():
 
 
 # -- DeepSpeed's ProcessTopology ----------------------------------------------------------------------
+
 
 def test_pipe_model_data_topology_matches_deepspeed_examples():
     topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
@@ -243,8 +277,9 @@ def test_topology_without_grid_equivalent():
 
 
 def test_deepspeed_paths_export_the_topologies():
-    import zerospeed.pipe
     import zerospeed.parallel.pipeline.topology as ds_path
+    import zerospeed.pipe
+
     for name in ("ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology"):
         assert getattr(zerospeed.pipe, name) is getattr(ds_path, name)
 

@@ -15,6 +15,7 @@ def _gpt(seed: int = 0, **kw) -> GPT:
 
 # --- TinyMLP -----------------------------------------------------------------------------
 
+
 def test_tiny_mlp_logits_shape_and_layer_count():
     torch.manual_seed(0)
     model = TinyMLP(d_in=16, d_hidden=32, d_out=8, n_layers=3)
@@ -48,6 +49,7 @@ def test_tiny_mlp_deterministic_under_seed():
 
 # --- GPT ---------------------------------------------------------------------------------
 
+
 def test_gpt_logits_shape():
     model = _gpt()
     idx = torch.randint(0, 256, (3, 10))
@@ -76,11 +78,11 @@ def test_gpt_num_parameters_counts_tied_weight_once():
     model = _gpt(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=64, bias=True)
     V, T, D, L = 256, 64, 64, 2
     per_block = (
-        2 * (D + D)                # two LayerNorms (weight + bias)
-        + (D * 3 * D + 3 * D)      # qkv
-        + (D * D + D)              # attention projection
-        + (D * 4 * D + 4 * D)      # mlp fc
-        + (4 * D * D + D)          # mlp projection
+        2 * (D + D)  # two LayerNorms (weight + bias)
+        + (D * 3 * D + 3 * D)  # qkv
+        + (D * D + D)  # attention projection
+        + (D * 4 * D + 4 * D)  # mlp fc
+        + (4 * D * D + D)  # mlp projection
     )
     expected = V * D + T * D + L * per_block + (D + D)  # wte (shared with head), wpe, blocks, ln_f
     assert model.num_parameters() == expected == 120_576

@@ -1,6 +1,7 @@
 """AutoEP without processes: the dispatch plan, the expert split, detection, the config's refusals,
 and (ep = 1, one process) the converted model equal to stock transformers. The expert-parallel
 exchange itself is tested on 4 ranks in tests/dist/test_moe_autoep_parity.py."""
+
 from __future__ import annotations
 
 import copy
@@ -30,18 +31,37 @@ transformers = pytest.importorskip("transformers")
 
 
 def mixtral(**kw):
-    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                     num_experts_per_tok=2, max_position_embeddings=32, **kw)
+    cfg = transformers.MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        **kw,
+    )
     torch.manual_seed(0)
     return transformers.MixtralForCausalLM(cfg)
 
 
 def qwen2_moe():
-    cfg = transformers.Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
-                                      shared_expert_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-                                      max_position_embeddings=32, mlp_only_layers=[1])
+    cfg = transformers.Qwen2MoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        mlp_only_layers=[1],
+    )
     torch.manual_seed(0)
     return transformers.Qwen2MoeForCausalLM(cfg)
 
@@ -101,9 +121,12 @@ def test_converted_model_equals_stock_at_ep1_with_aux_loss(build):
     stock = build()
     stock.config.output_router_logits = True
     ours = copy.deepcopy(stock)
-    params = apply_autoep_config(ours, ParallelMesh.data_parallel(), parse_config(
-        {"train_batch_size": 1, "expert_parallel": {"enabled": True, "autoep_size": 1}}),
-        model_parameters=[{"params": list(ours.parameters()), "weight_decay": 0.1}])
+    params = apply_autoep_config(
+        ours,
+        ParallelMesh.data_parallel(),
+        parse_config({"train_batch_size": 1, "expert_parallel": {"enabled": True, "autoep_size": 1}}),
+        model_parameters=[{"params": list(ours.parameters()), "weight_decay": 0.1}],
+    )
     assert {id(p) for p in params[0]["params"]} == {id(p) for p in ours.parameters()}
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
     ref, out = stock(input_ids=ids, labels=ids), ours(input_ids=ids, labels=ids)
@@ -119,31 +142,47 @@ def test_preset_and_patterns_select_blocks():
     model = mixtral()
     spec, expect = autoep_settings(ep_section(preset_model="mixtral", top_k=2, route_norm=True), model)
     assert spec.moe_layer_pattern == r"model\.layers\.\d+\.mlp" and expect == {
-        "top_k": 2, "route_norm": True, "num_experts": 4}
+        "top_k": 2,
+        "route_norm": True,
+        "num_experts": 4,
+    }
     spec, _ = autoep_settings(ep_section(moe_layer_pattern=r"model\.layers\.1\.mlp"), model)
     assert [n for n, _ in find_moe_blocks(model, spec)] == ["model.layers.1.mlp"]
     with pytest.raises(ConfigError, match="preset_model='qwen3_moe' but the model's config.model_type is 'mixtral'"):
         autoep_settings(ep_section(preset_model="qwen3_moe"), model)
 
 
-@pytest.mark.parametrize("keys, match", [
-    ({"expert_tensor_parallel_size": 2}, "expert_parallel.expert_tensor_parallel_size=2: expert tensor parallelism"),
-    ({"comm_backend": "deepep"}, "expert_parallel.comm_backend='deepep'"),
-    ({"load_balance_coeff": 0.001}, "expert_parallel.load_balance_coeff=0.001"),
-    ({"num_expert_groups": 2}, "expert_parallel.num_expert_groups=2: group-limited routing"),
-    ({"route_scale": 2.0}, "expert_parallel.route_scale=2.0"),
-    ({"routed_scaling_factor": 2.5}, "expert_parallel.routed_scaling_factor=2.5"),
-    ({"expert_w3": "up_proj"}, "expert_parallel.expert_w3='up_proj'"),
-    ({"preset_model": "deepseek_v3"}, "expert_parallel.preset_model='deepseek_v3': the deepseek_v3 preset"),
-    ({"top_k_attr": "nope"}, "expert_parallel.top_k_attr='nope': model.config has no attribute"),
-])
+@pytest.mark.parametrize(
+    "keys, match",
+    [
+        (
+            {"expert_tensor_parallel_size": 2},
+            "expert_parallel.expert_tensor_parallel_size=2: expert tensor parallelism",
+        ),
+        ({"comm_backend": "deepep"}, "expert_parallel.comm_backend='deepep'"),
+        ({"load_balance_coeff": 0.001}, "expert_parallel.load_balance_coeff=0.001"),
+        ({"num_expert_groups": 2}, "expert_parallel.num_expert_groups=2: group-limited routing"),
+        ({"route_scale": 2.0}, "expert_parallel.route_scale=2.0"),
+        ({"routed_scaling_factor": 2.5}, "expert_parallel.routed_scaling_factor=2.5"),
+        ({"expert_w3": "up_proj"}, "expert_parallel.expert_w3='up_proj'"),
+        ({"preset_model": "deepseek_v3"}, "expert_parallel.preset_model='deepseek_v3': the deepseek_v3 preset"),
+        ({"top_k_attr": "nope"}, "expert_parallel.top_k_attr='nope': model.config has no attribute"),
+    ],
+)
 def test_unimplemented_keys_are_errors_naming_them(keys, match):
     with pytest.raises(ConfigError, match=match.replace("(", r"\(").replace(".", r"\.")):
         autoep_settings(ep_section(**keys), mixtral())
 
 
-@pytest.mark.parametrize("keys, key", [({"top_k": 1}, "top_k"), ({"score_func": "sigmoid"}, "score_func"),
-                                       ({"route_norm": False}, "route_norm"), ({"score_apply": "pre"}, "score_apply")])
+@pytest.mark.parametrize(
+    "keys, key",
+    [
+        ({"top_k": 1}, "top_k"),
+        ({"score_func": "sigmoid"}, "score_func"),
+        ({"route_norm": False}, "route_norm"),
+        ({"score_apply": "pre"}, "score_apply"),
+    ],
+)
 def test_routing_that_differs_from_the_models_router_is_refused(keys, key):
     model = mixtral()
     spec, expect = autoep_settings(ep_section(**keys), model)
@@ -157,10 +196,16 @@ def test_initialize_level_refusals():
     with pytest.raises(ConfigError, match="client optimizer instance"):
         apply_autoep_config(model, ParallelMesh.data_parallel(), cfg, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ConfigError, match="use_data_before_expert_parallelism=true"):
-        apply_autoep_config(model, ParallelMesh.data_parallel(),
-                            parse_config({"train_batch_size": 1, "use_data_before_expert_parallelism": True}))
-    dense = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4))
+        apply_autoep_config(
+            model,
+            ParallelMesh.data_parallel(),
+            parse_config({"train_batch_size": 1, "use_data_before_expert_parallelism": True}),
+        )
+    dense = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4
+        )
+    )
     with pytest.raises(ConfigError, match="the model has no sparse-MoE block"):
         apply_autoep_config(dense, ParallelMesh.data_parallel(), cfg)
 
@@ -186,8 +231,13 @@ class _Mesh:
         return self.dp if axis in ("dp", "dp_sp") else 1
 
 
-@pytest.mark.parametrize("dp, ep, match", [(4, 3, "autoep_size=3 does not divide the data-parallel size 4"),
-                                           (8, 8, "autoep_size=8 does not divide the model's 4 experts")])
+@pytest.mark.parametrize(
+    "dp, ep, match",
+    [
+        (4, 3, "autoep_size=3 does not divide the data-parallel size 4"),
+        (8, 8, "autoep_size=8 does not divide the model's 4 experts"),
+    ],
+)
 def test_bad_sizes_are_refused_before_any_block_changes(dp, ep, match):
     model = mixtral()
     with pytest.raises(ConfigError, match=match):

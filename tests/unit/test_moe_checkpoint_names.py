@@ -1,4 +1,5 @@
 """Global expert names in checkpoints (Note [global expert names]), without processes."""
+
 from torch import nn
 
 from zerospeed.checkpoint.experts import (
@@ -44,9 +45,11 @@ def test_stacked_expert_pieces_are_addressed_in_the_whole_tensor():
 
     from zerospeed.checkpoint.experts import CheckpointNames
     from zerospeed.zero.shards import Piece, ShardEntry
+
     key = "model.layers.0.mlp.experts.gate_up_proj"
-    span = ExpertSpan(layer=0, prefix="model.layers.0.mlp.experts", first=4, local=2, writer=False, stacked=(key,),
-                      total=8)
+    span = ExpertSpan(
+        layer=0, prefix="model.layers.0.mlp.experts", first=4, local=2, writer=False, stacked=(key,), total=8
+    )
     assert span.globalize(key) == key and span.localize(key) == key and is_expert_key(key, [span])
     assert span.globalize("model.layers.0.mlp.gate.weight") is None
     names = CheckpointNames([span], {}, {key: {"shape": [8, 6, 3]}}, [key], {key: 4 * 18})

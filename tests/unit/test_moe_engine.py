@@ -1,6 +1,7 @@
 """An MoE model through a one-process engine: param groups are split for the user (as DeepSpeed does),
 a client optimizer with experts in dense groups is refused, and the monitors get each layer's aux loss
 and per-expert token counts."""
+
 import csv
 
 import pytest

@@ -1,16 +1,13 @@
 """MoE gating without processes: capacity, top-1 / top-2 / top-k routing, l_aux, exp_counts and their
 gradients against independent per-token loops (harness.moe_reference); the random parts
 (RTS, RSample, Jitter, second-expert sampling) by their properties."""
+
 import copy
 
 import pytest
 import torch
 from torch import nn
 
-from zerospeed.moe import utils as moe_utils
-from zerospeed.moe.gating import capacity, top1gating, top2gating, topkgating
-from zerospeed.moe.layer import MoE
-from zerospeed.moe.sharded_moe import TopKGate
 from harness.moe_reference import (
     ref_capacity,
     ref_counts,
@@ -18,6 +15,10 @@ from harness.moe_reference import (
     ref_moe_forward,
     ref_routes,
 )
+from zerospeed.moe import utils as moe_utils
+from zerospeed.moe.gating import capacity, top1gating, top2gating, topkgating
+from zerospeed.moe.layer import MoE
+from zerospeed.moe.sharded_moe import TopKGate
 
 
 def _logits(S=12, E=4, seed=0):
@@ -40,9 +41,18 @@ def _check_slots(combine, dispatch, cap):
     assert torch.equal(dispatch, combine != 0)
 
 
-@pytest.mark.parametrize("S,E,cf,minc,want", [(12, 4, 1.0, 4, 4), (12, 4, 1.0, 0, 3), (8, 4, 2.0, 0, 4),
-                                              (25, 1, 1.2, 0, 31), (50, 1, 1.1, 0, 55), (3, 4, 1.0, 0, 1),
-                                              (100, 8, 1.25, 4, 16)])
+@pytest.mark.parametrize(
+    "S,E,cf,minc,want",
+    [
+        (12, 4, 1.0, 4, 4),
+        (12, 4, 1.0, 0, 3),
+        (8, 4, 2.0, 0, 4),
+        (25, 1, 1.2, 0, 31),
+        (50, 1, 1.1, 0, 55),
+        (3, 4, 1.0, 0, 1),
+        (100, 8, 1.25, 4, 16),
+    ],
+)
 def test_capacity(S, E, cf, minc, want):
     assert capacity(S, E, cf, minc) == want == ref_capacity(S, E, cf, minc)
 
@@ -212,9 +222,17 @@ def test_gate_computes_in_fp32():
 
 def _moe(k, drop, E=4, M=6, residual=False):
     torch.manual_seed(0)
-    layer = MoE(M, nn.Sequential(nn.Linear(M, 5), nn.Tanh(), nn.Linear(5, M)), num_experts=E, k=k,
-                min_capacity=0, drop_tokens=drop, use_rts=False, top2_2nd_expert_sampling=False,
-                use_residual=residual)
+    layer = MoE(
+        M,
+        nn.Sequential(nn.Linear(M, 5), nn.Tanh(), nn.Linear(5, M)),
+        num_experts=E,
+        k=k,
+        min_capacity=0,
+        drop_tokens=drop,
+        use_rts=False,
+        top2_2nd_expert_sampling=False,
+        use_residual=residual,
+    )
     with torch.no_grad():  # distinct experts (DeepSpeed starts them as equal copies)
         for j, expert in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
             for p in expert.parameters():
@@ -262,7 +280,8 @@ def test_expert_registry_and_param_groups():
     assert moe_utils.has_moe_layers(nn.Sequential(layer)) == (True, 4)
     assert moe_utils.has_moe_layers(nn.Linear(2, 2)) == (False, 0)
     groups = moe_utils.split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(layer.parameters()), "name": "all", "lr": 0.1}, max_group_size=40)
+        {"params": list(layer.parameters()), "name": "all", "lr": 0.1}, max_group_size=40
+    )
     assert groups[0]["name"] == "all" and groups[0]["params"] == [layer.deepspeed_moe.gate.wg.weight]
     moe_groups = groups[1:]
     assert all(g["moe"] and g["name"] == "ep_size_1" and g["lr"] == 0.1 for g in moe_groups)
@@ -297,6 +316,7 @@ def test_dropless_packing_on_one_rank():
     the padded buffer wherever a slot is used, and zeros elsewhere."""
     from zerospeed import comm
     from zerospeed.moe.dropless import run_dropless
+
     layer = _moe(1, False)
     experts = layer.deepspeed_moe.experts.deepspeed_experts
     slots = torch.randn(4, 3, 6, generator=torch.Generator().manual_seed(3))

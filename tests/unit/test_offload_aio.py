@@ -1,5 +1,6 @@
 """NVMe offload I/O without processes: AsyncIO round trips (O_DIRECT and buffered), piece planning,
 swap-file layout and cleanup, the nvme_path checks, buffer pools and injected I/O errors."""
+
 from __future__ import annotations
 
 import errno
@@ -72,10 +73,14 @@ def _no_direct_here(monkeypatch):
 # ----------------------------------------------------------------------------------------------------
 # Pure pieces
 
+
 def test_plan_pieces_splits_aligned_blocks_and_a_buffered_tail():
     plan = aio_mod.plan_pieces(10_000, address=8192, offset=4096, block_size=4096, direct=True)
     assert [(p.start, p.length, p.file_offset, p.direct) for p in plan] == [
-        (0, 4096, 4096, True), (4096, 4096, 8192, True), (8192, 1808, 12288, False)]
+        (0, 4096, 4096, True),
+        (4096, 4096, 8192, True),
+        (8192, 1808, 12288, False),
+    ]
     # block_size not a page multiple is rounded up for direct I/O; a sub-page request is all tail
     plan = aio_mod.plan_pieces(9000, address=0, offset=0, block_size=5000, direct=True)
     assert [(p.start, p.length, p.direct) for p in plan] == [(0, 8192, True), (8192, 808, False)]
@@ -108,8 +113,14 @@ def test_slot_nbytes_rounds_to_pages():
 
 
 def test_from_config_takes_the_larger_thread_knob():
-    cfg = AioConfig(block_size=262_144, queue_depth=4, thread_count=2, intra_op_parallelism=3,
-                    single_submit=True, overlap_events=False)
+    cfg = AioConfig(
+        block_size=262_144,
+        queue_depth=4,
+        thread_count=2,
+        intra_op_parallelism=3,
+        single_submit=True,
+        overlap_events=False,
+    )
     with AsyncIO.from_plan(aio_plan(cfg)) as aio:
         assert (aio.block_size, aio.queue_depth, aio.thread_count) == (262_144, 4, 3)
         assert aio.single_submit and not aio.overlap_events
@@ -119,11 +130,18 @@ def test_from_config_takes_the_larger_thread_knob():
 # ----------------------------------------------------------------------------------------------------
 # Round trips
 
+
 @pytest.mark.parametrize("use_direct", [None, False], ids=["direct", "buffered"])
 @pytest.mark.parametrize("single_submit,overlap_events", [(False, True), (True, True), (False, False)])
 def test_swapfile_round_trip_many_keys_concurrently(tmp_path, spy_pwrite, use_direct, single_submit, overlap_events):
-    with AsyncIO(block_size=64 * 1024, queue_depth=4, thread_count=2, use_direct=use_direct,
-                 single_submit=single_submit, overlap_events=overlap_events) as aio:
+    with AsyncIO(
+        block_size=64 * 1024,
+        queue_depth=4,
+        thread_count=2,
+        use_direct=use_direct,
+        single_submit=single_submit,
+        overlap_events=overlap_events,
+    ) as aio:
         swap = SwapFile(tmp_path, "rank0-optimizer", aio)
         tensors = {}
         for i, (numel, dtype) in enumerate((n, d) for n in ODD_SIZES for d in DTYPES[:4]):
@@ -133,7 +151,9 @@ def test_swapfile_round_trip_many_keys_concurrently(tmp_path, spy_pwrite, use_di
         swap.allocate()
         assert swap.path.stat().st_size == swap.nbytes == sum(slot_nbytes(t.numel(), t.dtype) for t in tensors.values())
         # write from aligned buffers and from plain tensors alike, all requests in flight together
-        sources = {k: (aligned_empty(t.numel(), t.dtype).copy_(t) if i % 2 else t) for i, (k, t) in enumerate(tensors.items())}
+        sources = {
+            k: (aligned_empty(t.numel(), t.dtype).copy_(t) if i % 2 else t) for i, (k, t) in enumerate(tensors.items())
+        }
         for req in [swap.write(k, t) for k, t in sources.items()]:
             req.wait()
         outs = {k: aligned_empty(t.numel(), t.dtype).fill_(0) for k, t in tensors.items()}
@@ -228,6 +248,7 @@ def test_overlap_events_false_finishes_earlier_requests_before_submitting(tmp_pa
 # ----------------------------------------------------------------------------------------------------
 # Swap-file layout, names and cleanup
 
+
 def test_slots_are_aligned_disjoint_and_file_grows_on_late_reserve(tmp_path):
     with AsyncIO() as aio:
         swap = SwapFile(tmp_path, "rank3-optimizer", aio)
@@ -307,7 +328,7 @@ KEY = "zero_optimization.offload_optimizer.nvme_path"
 
 
 def test_check_nvme_path_accepts_a_writable_directory(tmp_path):
-    assert check_nvme_path(str(tmp_path / "." ), 1 << 20, key=KEY) == tmp_path.resolve()
+    assert check_nvme_path(str(tmp_path / "."), 1 << 20, key=KEY) == tmp_path.resolve()
 
 
 @pytest.mark.parametrize("value", [None, "", "   "])
@@ -337,12 +358,15 @@ def test_check_nvme_path_not_writable(tmp_path, monkeypatch):
 
 
 def test_check_nvme_path_not_enough_space(tmp_path):
-    with pytest.raises(ConfigError, match=r"free \(\d+ bytes\) but NVMe offload needs 1024.00 TiB \(1125899906842624 bytes\)"):
+    with pytest.raises(
+        ConfigError, match=r"free \(\d+ bytes\) but NVMe offload needs 1024.00 TiB \(1125899906842624 bytes\)"
+    ):
         check_nvme_path(tmp_path, 1 << 50, key=KEY)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Injected I/O errors surface in wait() with the path and the offset
+
 
 def test_reading_a_deleted_swap_file_names_it(tmp_path):
     with AsyncIO() as aio:
@@ -352,7 +376,9 @@ def test_reading_a_deleted_swap_file_names_it(tmp_path):
         swap.write("b", torch.ones(100)).wait()
         os.unlink(swap.path)  # someone cleans the scratch dir mid-run
         req = swap.read("b", torch.empty(100))
-        with pytest.raises(AsyncIOError, match=rf"async read of 400 bytes at offset 4096 of '{swap.path}'.*No such file") as info:
+        with pytest.raises(
+            AsyncIOError, match=rf"async read of 400 bytes at offset 4096 of '{swap.path}'.*No such file"
+        ) as info:
             req.wait()
         assert info.value.errno == errno.ENOENT
         swap.close()
@@ -381,7 +407,10 @@ def test_device_error_mid_write_surfaces_in_wait_with_offset(tmp_path, monkeypat
     path = tmp_path / "eio.bin"
     with AsyncIO(block_size=8192, queue_depth=2) as aio:
         req = aio.write(aligned_empty(6 * 8192, torch.uint8), path)  # submitting does not raise
-        with pytest.raises(AsyncIOError, match=rf"async write \(O_DIRECT\) of 8192 bytes at offset 24576 of '{path}' failed: Input/output error") as info:
+        with pytest.raises(
+            AsyncIOError,
+            match=rf"async write \(O_DIRECT\) of 8192 bytes at offset 24576 of '{path}' failed: Input/output error",
+        ) as info:
             req.wait()
         assert info.value.errno == errno.EIO and req.done()
         assert calls[0] == 6  # the other pieces still ran: no descriptor closed under a running piece
@@ -401,16 +430,26 @@ def test_host_tensor_required():
 # ----------------------------------------------------------------------------------------------------
 # BufferPool
 
+
 def test_buffer_pool_hands_out_aligned_views_and_names_the_keys():
-    pool = BufferPool(2, 1000, torch.float32, size_key="zero_optimization.offload_param.buffer_size",
-                      count_key="zero_optimization.offload_param.buffer_count")
+    pool = BufferPool(
+        2,
+        1000,
+        torch.float32,
+        size_key="zero_optimization.offload_param.buffer_size",
+        count_key="zero_optimization.offload_param.buffer_count",
+    )
     assert pool.nbytes == 8000
     a, b = pool.acquire(1000), pool.acquire(10)
     assert a.numel() == 1000 and b.numel() == 10 and a.data_ptr() % 4096 == 0 and b.data_ptr() % 4096 == 0
     assert a.data_ptr() != b.data_ptr()
-    with pytest.raises(RuntimeError, match=r"all 2 swap buffers are in use.*raise zero_optimization.offload_param.buffer_count"):
+    with pytest.raises(
+        RuntimeError, match=r"all 2 swap buffers are in use.*raise zero_optimization.offload_param.buffer_count"
+    ):
         pool.acquire(1)
-    with pytest.raises(ConfigError, match=r"1001 elements.*raise zero_optimization.offload_param.buffer_size to at least 1001"):
+    with pytest.raises(
+        ConfigError, match=r"1001 elements.*raise zero_optimization.offload_param.buffer_size to at least 1001"
+    ):
         pool.acquire(1001)
     pool.release(b)
     with pytest.raises(ValueError, match="released twice"):
@@ -441,7 +480,7 @@ def test_runs_of_consecutive_slots_move_as_one_request(tmp_path):
         padded = torch.zeros(5 * 1024)
         values = [_random(n, torch.float32, k) for k, n in enumerate(sizes)]
         for start, v in zip([0, 1024, 4096], values):
-            padded[start:start + v.numel()] = v
+            padded[start : start + v.numel()] = v
         swap.write_run([0, 1, 2], padded).wait()
         for k, v in enumerate(values):  # each slot holds its own values
             out = torch.empty_like(v)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from zerospeed.utils.errors import ConfigError
 from zerospeed.optim import Lamb, Lion, build_optimizer, is_zero_tested_optimizer
+from zerospeed.utils.errors import ConfigError
 
 
 def params(n=2):
@@ -85,12 +85,21 @@ def test_mup_optimizers_not_implemented(name):
         build_optimizer(name, {}, params())
 
 
-@pytest.mark.parametrize("name,cls,key,default", [("OneBitAdam", "OnebitAdam", "freeze_step", 100000),
-                                                  ("ZeroOneAdam", "ZeroOneAdam", "var_freeze_step", 100000),
-                                                  ("OneBitLamb", "OnebitLamb", "freeze_step", 100000)])
+@pytest.mark.parametrize(
+    "name,cls,key,default",
+    [
+        ("OneBitAdam", "OnebitAdam", "freeze_step", 100000),
+        ("ZeroOneAdam", "ZeroOneAdam", "var_freeze_step", 100000),
+        ("OneBitLamb", "OnebitLamb", "freeze_step", 100000),
+    ],
+)
 def test_one_bit_optimizers_by_config_name_with_deepspeed_defaults(name, cls, key, default):
-    opt = build_optimizer(name, {"lr": 1e-3, "betas": [0.9, 0.99], "comm_backend_name": "nccl", "cuda_aware": False},
-                          params(), allow_untested=False)
+    opt = build_optimizer(
+        name,
+        {"lr": 1e-3, "betas": [0.9, 0.99], "comm_backend_name": "nccl", "cuda_aware": False},
+        params(),
+        allow_untested=False,
+    )
     assert type(opt).__name__ == cls and getattr(opt, key) == default
     assert opt.param_groups[0]["betas"] == (0.9, 0.99)
     with pytest.raises(ConfigError, match="max_grad_norm"):
@@ -103,6 +112,7 @@ def test_one_bit_optimizers_by_config_name_with_deepspeed_defaults(name, cls, ke
 def test_one_bit_adam_warm_up_is_adam(bias_correction):
     """Before freeze_step, on one process: torch's Adam (bias-corrected), or DeepSpeed's m / (sqrt(v) + eps)."""
     from zerospeed.optim.onebit import OnebitAdam
+
     torch.manual_seed(0)
     w0 = torch.randn(5, 3)
     a, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
@@ -110,7 +120,7 @@ def test_one_bit_adam_warm_up_is_adam(bias_correction):
     torch_adam = torch.optim.Adam([b], lr=0.01)
     m = v = torch.zeros_like(w0)
     manual = w0.clone()
-    for t in range(1, 6):
+    for _t in range(1, 6):
         g = torch.randn(5, 3)
         a.grad, b.grad = g.clone(), g.clone()
         ours.step()

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from zerospeed.utils.errors import ConfigError
 from zerospeed.optim import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_lr_scheduler
+from zerospeed.utils.errors import ConfigError
 
 
 def sgd(lr=0.5):

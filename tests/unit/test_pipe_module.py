@@ -1,4 +1,5 @@
 """PipelineModule and PipelineEngine in one process (one stage): layers, errors, parity, checkpointing."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,16 +7,20 @@ import torch
 from torch import nn
 
 import zerospeed
-from zerospeed.utils.errors import ConfigError
-from zerospeed.parallel.pipeline import PipelineError
-from zoo.gpt_layers import gpt_layer_specs, lm_loss
-from zerospeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from harness import reference_train
+from zerospeed.parallel.pipeline import PipelineError
+from zerospeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from zerospeed.utils.errors import ConfigError
+from zoo.gpt_layers import gpt_layer_specs, lm_loss
 from zoo.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=1, n_embd=8)
-TRAIN = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
-         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}}
+TRAIN = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 0.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+}
 
 
 def gpt() -> GPT:
@@ -25,8 +30,9 @@ def gpt() -> GPT:
 
 def batches(steps=3):
     g = torch.Generator().manual_seed(3)
-    return [(torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g))
-            for _ in range(steps)]
+    return [
+        (torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g)) for _ in range(steps)
+    ]
 
 
 def test_one_stage_module_computes_the_same_logits_as_the_gpt():
@@ -57,11 +63,13 @@ def test_one_stage_engine_matches_plain_training():
 
 def test_activation_checkpointing_keeps_the_losses_and_saves_less():
     def run(interval):
-        module = PipelineModule(gpt_layer_specs(CFG, gpt()), num_stages=1, loss_fn=lm_loss,
-                                activation_checkpoint_interval=interval)
+        module = PipelineModule(
+            gpt_layer_specs(CFG, gpt()), num_stages=1, loss_fn=lm_loss, activation_checkpoint_interval=interval
+        )
         engine, *_ = zerospeed.initialize(model=module, config=TRAIN)
         losses = [engine.train_batch(iter([(x[:2], y[:2]), (x[2:], y[2:])])).item() for x, y in batches(2)]
         return losses, engine.activation_stats["peak_bytes"]
+
     plain, plain_bytes = run(0)
     ckpt, ckpt_bytes = run(2)
     assert max(abs(a - b) for a, b in zip(plain, ckpt)) <= 1e-6
@@ -85,13 +93,17 @@ def test_plain_modules_and_functions_are_layers():
     torch.testing.assert_close(module(x), module.layer_modules["2"](torch.relu(lin(x))))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(num_stages=2), "num_stages=2: world size 1 is not divisible"),
-    (dict(), "give num_stages or topology"),
-    (dict(num_stages=1, chunks=2), "chunks=2: interleaving needs"),
-    (dict(num_stages=1, activation_checkpoint_interval=-1), "activation_checkpoint_interval must be >= 0"),
-    (dict(topology=zerospeed.comm.RankGrid(pp=2)), "topology (2, 1, 1, 1) has 2 ranks but the job has 1"),
-    (dict(num_stages=1, partition_method="type:Conv"), "'type:Conv': 0 layer(s) match")])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_stages=2), "num_stages=2: world size 1 is not divisible"),
+        (dict(), "give num_stages or topology"),
+        (dict(num_stages=1, chunks=2), "chunks=2: interleaving needs"),
+        (dict(num_stages=1, activation_checkpoint_interval=-1), "activation_checkpoint_interval must be >= 0"),
+        (dict(topology=zerospeed.comm.RankGrid(pp=2)), "topology (2, 1, 1, 1) has 2 ranks but the job has 1"),
+        (dict(num_stages=1, partition_method="type:Conv"), "'type:Conv': 0 layer(s) match"),
+    ],
+)
 def test_module_errors(kwargs, message):
     with pytest.raises(ConfigError) as err:
         PipelineModule([LayerSpec(nn.Linear, 2, 2)], **kwargs)
@@ -105,8 +117,9 @@ def test_spec_and_engine_misuse_errors():
     with pytest.raises(ConfigError) as err:
         PipelineModule([], num_stages=1)
     assert "`layers` is empty" in str(err.value)
-    module = PipelineModule([TiedLayerSpec("w", nn.Linear, 2, 2)], num_stages=1,
-                            loss_fn=lambda out, y: (out - y).pow(2).mean())
+    module = PipelineModule(
+        [TiedLayerSpec("w", nn.Linear, 2, 2)], num_stages=1, loss_fn=lambda out, y: (out - y).pow(2).mean()
+    )
     with pytest.raises(ConfigError) as err:
         zerospeed.initialize(model=module, config={**TRAIN, "zero_optimization": {"stage": 3}})
     assert "zero_optimization.stage=3 cannot be combined with pipeline parallelism" in str(err.value)

@@ -1,14 +1,13 @@
 """Layer partitioning (pure) and the message layout codec of the stage transport."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
+from zerospeed.parallel.pipeline.partition import partition, partition_balanced, partition_by_type, partition_uniform
+from zerospeed.parallel.pipeline.transport import META_LEN, MessageMeta, TensorMeta, decode, describe, encode
 from zerospeed.utils.errors import ConfigError
-from zerospeed.parallel.pipeline.partition import (partition, partition_balanced, partition_by_type,
-                                                   partition_uniform)
-from zerospeed.parallel.pipeline.transport import (META_LEN, MessageMeta, TensorMeta, decode, describe,
-                                                   encode)
 
 
 def test_uniform_gives_the_remainder_to_the_first_parts():
@@ -39,12 +38,18 @@ def test_dispatch_and_parameters_alias_best():
     assert partition("type:[BC]", class_names=names, param_counts=counts, num_parts=2) == [0, 2, 3]
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: partition_uniform(2, 3), "cannot split 2 layers into 3 pipeline parts"),
-    (lambda: partition_balanced([1.0], 2), "cannot split 1 layers into 2 pipeline parts"),
-    (lambda: partition_by_type(["A", "Block"], "block", 2), "'type:block': 1 layer(s) match"),
-    (lambda: partition("greedy", class_names=["A"], param_counts=[1], num_parts=1),
-     "partition_method='greedy': unknown method")])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: partition_uniform(2, 3), "cannot split 2 layers into 3 pipeline parts"),
+        (lambda: partition_balanced([1.0], 2), "cannot split 1 layers into 2 pipeline parts"),
+        (lambda: partition_by_type(["A", "Block"], "block", 2), "'type:block': 1 layer(s) match"),
+        (
+            lambda: partition("greedy", class_names=["A"], param_counts=[1], num_parts=1),
+            "partition_method='greedy': unknown method",
+        ),
+    ],
+)
 def test_partition_errors(call, message):
     with pytest.raises(ConfigError) as err:
         call()
@@ -55,8 +60,9 @@ def test_message_layout_round_trip():
     x = torch.zeros(2, 3, requires_grad=True)
     mask = torch.ones(2, 3, 4, dtype=torch.bool)
     meta = describe((x, mask), "test")
-    assert meta == MessageMeta(True, (TensorMeta(torch.float32, True, (2, 3)),
-                                      TensorMeta(torch.bool, False, (2, 3, 4))))
+    assert meta == MessageMeta(
+        True, (TensorMeta(torch.float32, True, (2, 3)), TensorMeta(torch.bool, False, (2, 3, 4)))
+    )
     buf = encode(meta)
     assert buf.shape == (META_LEN,) and buf[:8].tolist() == [2, 1, 0, 1, 2, 2, 3, 9]
     assert decode(buf) == meta

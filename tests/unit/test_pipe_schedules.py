@@ -1,13 +1,26 @@
 """Pipeline schedules (exact instruction orders) and the matching / deadlock simulator."""
+
 from __future__ import annotations
 
 import pytest
 
-from zerospeed.parallel.pipeline.schedules import (BackwardPass as B, ForwardPass as F, LoadMicroBatch as L,
-                                                   OptimizerStep, RecvActivation as RA, RecvGrad as RG,
-                                                   ReduceGrads, ReduceTiedGrads, SendActivation as SA,
-                                                   SendGrad as SG, fill_drain, interleaved_1f1b, one_f_one_b,
-                                                   peak_in_flight, warmup_forwards)
+from zerospeed.parallel.pipeline.schedules import BackwardPass as B
+from zerospeed.parallel.pipeline.schedules import ForwardPass as F
+from zerospeed.parallel.pipeline.schedules import LoadMicroBatch as L
+from zerospeed.parallel.pipeline.schedules import (
+    OptimizerStep,
+    ReduceGrads,
+    ReduceTiedGrads,
+    fill_drain,
+    interleaved_1f1b,
+    one_f_one_b,
+    peak_in_flight,
+    warmup_forwards,
+)
+from zerospeed.parallel.pipeline.schedules import RecvActivation as RA
+from zerospeed.parallel.pipeline.schedules import RecvGrad as RG
+from zerospeed.parallel.pipeline.schedules import SendActivation as SA
+from zerospeed.parallel.pipeline.schedules import SendGrad as SG
 from zerospeed.parallel.pipeline.simulate import ScheduleError, simulate
 
 STEP = [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
@@ -16,26 +29,89 @@ STEP = [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
 def test_1f1b_two_stages_three_micro_batches_by_hand():
     # stage 0: one warm-up forward, then forward/backward pairs, then the last backward
     assert list(one_f_one_b(0, 2, 3)) == [
-        L(0), F(0), SA(0), L(1), F(1), SA(1), RG(0), B(0), L(2), F(2), SA(2), RG(1), B(1), RG(2), B(2), *STEP]
+        L(0),
+        F(0),
+        SA(0),
+        L(1),
+        F(1),
+        SA(1),
+        RG(0),
+        B(0),
+        L(2),
+        F(2),
+        SA(2),
+        RG(1),
+        B(1),
+        RG(2),
+        B(2),
+        *STEP,
+    ]
     # the last stage loads labels; its receive comes before the load (see Note [where communication sits])
     assert list(one_f_one_b(1, 2, 3)) == [
-        RA(0), L(0), F(0), B(0), SG(0), RA(1), L(1), F(1), B(1), SG(1), RA(2), L(2), F(2), B(2), SG(2), *STEP]
+        RA(0),
+        L(0),
+        F(0),
+        B(0),
+        SG(0),
+        RA(1),
+        L(1),
+        F(1),
+        B(1),
+        SG(1),
+        RA(2),
+        L(2),
+        F(2),
+        B(2),
+        SG(2),
+        *STEP,
+    ]
 
 
 def test_fill_drain_eval_and_train_by_hand():
     assert list(fill_drain(0, 2, 2)) == [L(0), F(0), SA(0), L(1), F(1), SA(1)]
     assert list(fill_drain(1, 2, 2)) == [RA(0), L(0), F(0), RA(1), L(1), F(1)]
     assert list(fill_drain(1, 2, 2, train=True)) == [
-        RA(0), L(0), F(0), RA(1), L(1), F(1), B(0), SG(0), B(1), SG(1), *STEP]
+        RA(0),
+        L(0),
+        F(0),
+        RA(1),
+        L(1),
+        F(1),
+        B(0),
+        SG(0),
+        B(1),
+        SG(1),
+        *STEP,
+    ]
 
 
 def test_interleaved_two_stages_two_chunks_by_hand():
     # m == p: all four chunk-forwards are warm-up; chunk 1 of stage 0 is virtual stage 2
     assert list(interleaved_1f1b(0, 2, 2, 2)) == [
-        L(0, 0), F(0, 0), SA(0, 0), L(1, 0), F(1, 0), SA(1, 0),
-        RA(0, 1), F(0, 1), SA(0, 1), RA(1, 1), F(1, 1), SA(1, 1),
-        RG(0, 1), B(0, 1), SG(0, 1), RG(1, 1), B(1, 1), SG(1, 1),
-        RG(0, 0), B(0, 0), RG(1, 0), B(1, 0), *STEP]
+        L(0, 0),
+        F(0, 0),
+        SA(0, 0),
+        L(1, 0),
+        F(1, 0),
+        SA(1, 0),
+        RA(0, 1),
+        F(0, 1),
+        SA(0, 1),
+        RA(1, 1),
+        F(1, 1),
+        SA(1, 1),
+        RG(0, 1),
+        B(0, 1),
+        SG(0, 1),
+        RG(1, 1),
+        B(1, 1),
+        SG(1, 1),
+        RG(0, 0),
+        B(0, 0),
+        RG(1, 0),
+        B(1, 0),
+        *STEP,
+    ]
 
 
 def test_interleaved_steady_state_posts_receives_before_and_sends_after_each_pair():
@@ -43,15 +119,23 @@ def test_interleaved_steady_state_posts_receives_before_and_sends_after_each_pai
     # forwards (mb, chunk): (0,0) (1,0) | (0,1) (1,1) (2,0) ...; backwards: (0,1) (1,1) (0,0) ...
     # warm-up 2 forwards; the third pair is F(2, 0) with B(0, 0), both on virtual stage 1
     i = sched.index(F(2, 0))
-    assert sched[i - 3:i + 4] == [SG(1, 1), RA(2, 0), RG(0, 0), F(2, 0), B(0, 0), SA(2, 0), SG(0, 0)]
+    assert sched[i - 3 : i + 4] == [SG(1, 1), RA(2, 0), RG(0, 0), F(2, 0), B(0, 0), SA(2, 0), SG(0, 0)]
     # the first pair, on the last virtual stage (3): the label load sits after the receive
     assert sched[:6] == [RA(0, 0), F(0, 0), SA(0, 0), RA(1, 0), F(1, 0), SA(1, 0)]
     assert sched[6:11] == [RA(0, 1), L(0, 1), F(0, 1), B(0, 1), SG(0, 1)]
 
 
-@pytest.mark.parametrize("stage, stages, m, chunks, expected", [
-    (0, 4, 8, 1, 3), (3, 4, 8, 1, 0), (0, 4, 2, 1, 2),
-    (0, 2, 4, 2, (2 - 0 - 1) * 2 + (2 - 1) * 2), (1, 2, 4, 2, 2), (0, 2, 2, 2, 4)])
+@pytest.mark.parametrize(
+    "stage, stages, m, chunks, expected",
+    [
+        (0, 4, 8, 1, 3),
+        (3, 4, 8, 1, 0),
+        (0, 4, 2, 1, 2),
+        (0, 2, 4, 2, (2 - 0 - 1) * 2 + (2 - 1) * 2),
+        (1, 2, 4, 2, 2),
+        (0, 2, 2, 2, 4),
+    ],
+)
 def test_warmup_forwards(stage, stages, m, chunks, expected):
     assert warmup_forwards(stage, stages, m, chunks) == expected
 
@@ -61,12 +145,16 @@ def test_peak_in_flight_1f1b_versus_fill_drain():
     assert [peak_in_flight(list(fill_drain(s, 4, 8, train=True))) for s in range(4)] == [8, 8, 8, 8]
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(stage=2, stages=2, micro_batches=1), "stage 2 outside a pipeline of 2"),
-    (dict(stage=0, stages=0, micro_batches=1), "at least 1 stage"),
-    (dict(stage=0, stages=2, micro_batches=0), "at least 1 micro-batch"),
-    (dict(stage=0, stages=1, micro_batches=2, chunks=2), "needs at least 2 pipeline stages"),
-    (dict(stage=0, stages=2, micro_batches=3, chunks=2), "divisible by the number of stages (2)")])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(stage=2, stages=2, micro_batches=1), "stage 2 outside a pipeline of 2"),
+        (dict(stage=0, stages=0, micro_batches=1), "at least 1 stage"),
+        (dict(stage=0, stages=2, micro_batches=0), "at least 1 micro-batch"),
+        (dict(stage=0, stages=1, micro_batches=2, chunks=2), "needs at least 2 pipeline stages"),
+        (dict(stage=0, stages=2, micro_batches=3, chunks=2), "divisible by the number of stages (2)"),
+    ],
+)
 def test_schedule_argument_errors(kw, message):
     with pytest.raises(ValueError) as err:
         list(one_f_one_b(**kw))

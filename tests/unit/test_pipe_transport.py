@@ -10,14 +10,27 @@ Groups are built exactly as `Transport.run` builds them (`plan`), from the batch
 engine forms out of each schedule (consecutive communication instructions, keyed as in
 `PipelineEngine._communicate`).
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from zerospeed.parallel.pipeline import schedules as S
-from zerospeed.parallel.pipeline.transport import (META_LEN, RecvOp, SendOp, Transfer, channel_code, decode,
-                                                   describe, encode, pack, packed_offsets, plan, unpack)
+from zerospeed.parallel.pipeline.transport import (
+    META_LEN,
+    RecvOp,
+    SendOp,
+    Transfer,
+    channel_code,
+    decode,
+    describe,
+    encode,
+    pack,
+    packed_offsets,
+    plan,
+    unpack,
+)
 
 
 def engine_batches(stage: int, stages: int, schedule, mode: str) -> list[list[tuple]]:
@@ -181,15 +194,22 @@ def test_once_every_key_is_known_each_batch_is_one_group():
 def test_first_use_parts_follow_the_steady_state_group():
     # stage 0 of 1F1B on 2 stages, 1 micro-batch: send activation 0, receive gradient 0, both new
     ops = [SendOp(("act", 0, "train"), None, 1), RecvOp(("grad", 1, "train"), 1)]
-    assert plan(ops, set(), set()) == [[], [Transfer("send", "layout", 0)], [Transfer("send", "data", 0)],
-                                       [Transfer("recv", "layout", 1)], [Transfer("recv", "data", 1)]]
+    assert plan(ops, set(), set()) == [
+        [],
+        [Transfer("send", "layout", 0)],
+        [Transfer("send", "data", 0)],
+        [Transfer("recv", "layout", 1)],
+        [Transfer("recv", "data", 1)],
+    ]
     # steady state (both known): the one group
     known = plan(ops, {("act", 0, "train")}, {("grad", 1, "train")})
     assert known == [[Transfer("send", "data", 0), Transfer("recv", "data", 1)], [], [], [], []]
     # a key met twice in one batch carries one layout
     twice = [RecvOp(("act", 0, "eval"), 0), RecvOp(("act", 0, "eval"), 0)]
-    assert plan(twice, set(), set())[3:] == [[Transfer("recv", "layout", 0)],
-                                             [Transfer("recv", "data", 0), Transfer("recv", "data", 1)]]
+    assert plan(twice, set(), set())[3:] == [
+        [Transfer("recv", "layout", 0)],
+        [Transfer("recv", "data", 0), Transfer("recv", "data", 1)],
+    ]
 
 
 def _old_plan(ops, sent, received):
@@ -205,14 +225,23 @@ def _old_plan(ops, sent, received):
 
 def _layouts_first_plan(ops, sent, received):
     """The obvious alternative: every new layout in one group before the batch, then all its data."""
-    layouts = [Transfer("send" if isinstance(op, SendOp) else "recv", "layout", i) for i, op in enumerate(ops)
-               if op.key not in (sent if isinstance(op, SendOp) else received)]
+    layouts = [
+        Transfer("send" if isinstance(op, SendOp) else "recv", "layout", i)
+        for i, op in enumerate(ops)
+        if op.key not in (sent if isinstance(op, SendOp) else received)
+    ]
     return layouts, [Transfer("send" if isinstance(op, SendOp) else "recv", "data", i) for i, op in enumerate(ops)]
 
 
-@pytest.mark.parametrize("split, mode, stages, m", [(_old_plan, "epochs", 2, 1), (_old_plan, "independent", 2, 2),
-                                                    (_layouts_first_plan, "epochs", 2, 1),
-                                                    (_layouts_first_plan, "independent", 2, 1)])
+@pytest.mark.parametrize(
+    "split, mode, stages, m",
+    [
+        (_old_plan, "epochs", 2, 1),
+        (_old_plan, "independent", 2, 2),
+        (_layouts_first_plan, "epochs", 2, 1),
+        (_layouts_first_plan, "independent", 2, 1),
+    ],
+)
 def test_the_models_find_the_deadlocks_of_the_rejected_designs(split, mode, stages, m):
     scheds, key_mode = _schedules("1f1b", stages, m, 1)
     batches = [engine_batches(s, stages, scheds[s], key_mode) for s in range(stages)]

@@ -1,5 +1,6 @@
 """Tests for the matplotlib plots (zerospeed.monitor.plot): the Figure carries the data and labels asked
 for, and the PNG written is that Figure, at the requested pixel size, written atomically."""
+
 import math
 import sys
 
@@ -13,6 +14,7 @@ from zerospeed.monitor.plot import bar_figure, line_figure, save_bar_chart, save
 def rendered(fig) -> np.ndarray:
     """The figure's RGBA pixels as Agg draws them (what savefig encodes)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())
@@ -34,8 +36,9 @@ def test_default_xs_count_from_zero():
 
 
 def test_several_series_get_one_line_each_and_a_legend():
-    fig = line_figure({"rank 0": [1.0, 2.0], "rank 1": [1.5, 2.5, 3.5]},
-                      xs={"rank 0": [4, 8], "rank 1": [4, 8, 12]}, ylabel="MiB")
+    fig = line_figure(
+        {"rank 0": [1.0, 2.0], "rank 1": [1.5, 2.5, 3.5]}, xs={"rank 0": [4, 8], "rank 1": [4, 8, 12]}, ylabel="MiB"
+    )
     ax = fig.axes[0]
     assert [line.get_label() for line in ax.lines] == ["rank 0", "rank 1"]
     assert [list(line.get_ydata()) for line in ax.lines] == [[1.0, 2.0], [1.5, 2.5, 3.5]]
@@ -72,6 +75,7 @@ def test_write_is_atomic_and_creates_parents(tmp_path):
 
 def test_a_failing_write_keeps_the_old_file(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
+
     path = tmp_path / "loss.png"
     save_line_plot(path, [1.0, 2.0])
     before = path.read_bytes()
@@ -86,18 +90,25 @@ def test_a_failing_write_keeps_the_old_file(tmp_path, monkeypatch):
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["loss.png"]
 
 
-@pytest.mark.parametrize("ys, kw, exc, message", [
-    ([], {}, ValueError, "nothing to plot: ys has no finite values"),
-    ([math.nan, math.inf], {}, ValueError, "nothing to plot"),
-    ([1.0, 2.0], {"xs": [0.0]}, ValueError, r"xs and ys differ in length: 1 != 2"),
-    ({"a": [1.0], "b": [1.0, 2.0]}, {"xs": {"a": [0], "b": [0]}}, ValueError,
-     r"xs and ys of series 'b' differ in length: 1 != 2"),
-    ({"a": [1.0]}, {"xs": {"b": [0]}}, ValueError, r"xs and ys name different series: \['b'\] != \['a'\]"),
-    ({"a": [1.0]}, {"xs": [0]}, TypeError, "xs must be None or a mapping too"),
-    ([1.0], {"xs": {"a": [0]}}, TypeError, "xs is a mapping but ys is a single series"),
-    ([1.0], {"width": 159}, ValueError, r"a 159x400 image is too small for labelled axes; use at least 160x120"),
-    ([1.0], {"height": 119}, ValueError, r"a 640x119 image is too small"),
-])
+@pytest.mark.parametrize(
+    "ys, kw, exc, message",
+    [
+        ([], {}, ValueError, "nothing to plot: ys has no finite values"),
+        ([math.nan, math.inf], {}, ValueError, "nothing to plot"),
+        ([1.0, 2.0], {"xs": [0.0]}, ValueError, r"xs and ys differ in length: 1 != 2"),
+        (
+            {"a": [1.0], "b": [1.0, 2.0]},
+            {"xs": {"a": [0], "b": [0]}},
+            ValueError,
+            r"xs and ys of series 'b' differ in length: 1 != 2",
+        ),
+        ({"a": [1.0]}, {"xs": {"b": [0]}}, ValueError, r"xs and ys name different series: \['b'\] != \['a'\]"),
+        ({"a": [1.0]}, {"xs": [0]}, TypeError, "xs must be None or a mapping too"),
+        ([1.0], {"xs": {"a": [0]}}, TypeError, "xs is a mapping but ys is a single series"),
+        ([1.0], {"width": 159}, ValueError, r"a 159x400 image is too small for labelled axes; use at least 160x120"),
+        ([1.0], {"height": 119}, ValueError, r"a 640x119 image is too small"),
+    ],
+)
 def test_errors_write_nothing(tmp_path, ys, kw, exc, message):
     with pytest.raises(exc, match=message):
         save_line_plot(tmp_path / "x.png", ys, **kw)
@@ -138,6 +149,7 @@ def test_missing_matplotlib_names_the_extra(tmp_path, monkeypatch):
 
 def test_import_zerospeed_plot_does_not_import_matplotlib():
     import subprocess
+
     code = "import sys, zerospeed.monitor.plot; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -1,4 +1,5 @@
 """zerospeed.monitor.progress.Progress: a live tqdm bar on a terminal, a few whole lines in a file or log."""
+
 import io
 import os
 
@@ -30,8 +31,9 @@ def test_a_log_gets_a_few_whole_lines_not_a_redrawn_bar():
     assert "\r" not in text
     lines = text.splitlines()
     # every ceil(25 / 5) = 5 steps, the last included; the clock ticks once per line printed
-    assert [line.split(" [")[0] for line in lines] == [f"train: {p:3d}% {n}/25" for p, n in
-                                                       ((20, 5), (40, 10), (60, 15), (80, 20), (100, 25))]
+    assert [line.split(" [")[0] for line in lines] == [
+        f"train: {p:3d}% {n}/25" for p, n in ((20, 5), (40, 10), (60, 15), (80, 20), (100, 25))
+    ]
     assert lines[0] == "train:  20% 5/25 [00:01<00:04,  5.00step/s, loss 6]"
     assert lines[-1].endswith(", loss -14]")
 

@@ -38,9 +38,9 @@ def _shim():
 def test_deepspeed_names_are_the_same_objects(module):
     _shim()
     ours = importlib.import_module(module)
-    theirs = importlib.import_module("deepspeed" + module[len("zerospeed"):])
+    theirs = importlib.import_module("deepspeed" + module[len("zerospeed") :])
     if module != "zerospeed":  # the root is the shim's own package, a view of zerospeed
-        assert theirs is ours, f"deepspeed{module[len('zerospeed'):]} is a different module object than {module}"
+        assert theirs is ours, f"deepspeed{module[len('zerospeed') :]} is a different module object than {module}"
     for name in NAMES[module]:
         if module == "zerospeed" and name == "__version__":
             continue  # DeepSpeed's version number, which transformers checks (compat/alias.py)
@@ -53,8 +53,11 @@ def test_alias_paths_hold_no_code():
     from zerospeed import deepspeed_paths
 
     root = pathlib.Path(deepspeed_paths.__file__).parent
-    files = [key for key in deepspeed_paths.MODULES
-             if (root / (key.replace(".", "/") + ".py")).exists() or (root / key.replace(".", "/")).is_dir()]
+    files = [
+        key
+        for key in deepspeed_paths.MODULES
+        if (root / (key.replace(".", "/") + ".py")).exists() or (root / key.replace(".", "/")).is_dir()
+    ]
     assert not files, f"implementation files at alias paths: {files}"
 
 

@@ -1,4 +1,5 @@
 """Block quantizers of ZeRO++ (zerospeed.precision.quantize): pure tensor math, no processes."""
+
 from __future__ import annotations
 
 import math
@@ -6,8 +7,16 @@ import math
 import pytest
 import torch
 
-from zerospeed.precision.quantize import (dequantize_blocks, ds_quantizer, from_bytes, pack_int4,
-                                     quantize_blocks, to_bytes, unpack_int4, wire_bytes)
+from zerospeed.precision.quantize import (
+    dequantize_blocks,
+    ds_quantizer,
+    from_bytes,
+    pack_int4,
+    quantize_blocks,
+    to_bytes,
+    unpack_int4,
+    wire_bytes,
+)
 
 
 def _per_element(values_per_block: torch.Tensor, numel: int, block: int) -> torch.Tensor:
@@ -20,7 +29,7 @@ def test_symmetric_round_trip_within_half_a_step(bits, block):
     x = torch.randn(3001, generator=torch.Generator().manual_seed(bits + block)) * 3
     q = quantize_blocks(x, bits, block, symmetric=True)
     err = (dequantize_blocks(q) - x).abs()
-    absmax = torch.stack([x[i:i + block].abs().max() for i in range(0, 3001, block)])
+    absmax = torch.stack([x[i : i + block].abs().max() for i in range(0, 3001, block)])
     assert torch.allclose(q.scale, absmax / (2 ** (bits - 1) - 1))
     bound = _per_element(q.scale / 2, 3001, block)
     assert bool((err <= bound * (1 + 1e-5) + 1e-7).all()), (err - bound).max()
@@ -32,8 +41,8 @@ def test_asymmetric_round_trip_within_half_a_step(bits, block):
     x = torch.rand(1000, generator=torch.Generator().manual_seed(bits * block)) * 5 + 2  # all positive
     q = quantize_blocks(x, bits, block, symmetric=False)
     err = (dequantize_blocks(q) - x).abs()
-    spans = torch.stack([x[i:i + block].max() - x[i:i + block].min() for i in range(0, 1000, block)])
-    bound = _per_element(spans / (2 ** bits - 1) / 2, 1000, block)
+    spans = torch.stack([x[i : i + block].max() - x[i : i + block].min() for i in range(0, 1000, block)])
+    bound = _per_element(spans / (2**bits - 1) / 2, 1000, block)
     assert bool((err <= bound * (1 + 1e-5) + 1e-6).all()), (err - bound).max()
 
 
@@ -85,8 +94,9 @@ def test_stochastic_rounding_is_unbiased(bits):
     x = torch.randn(256, generator=torch.Generator().manual_seed(1))
     gen = torch.Generator().manual_seed(2)
     K = 2000
-    draws = torch.stack([dequantize_blocks(quantize_blocks(x, bits, 64, stochastic=True, generator=gen))
-                         for _ in range(K)])
+    draws = torch.stack(
+        [dequantize_blocks(quantize_blocks(x, bits, 64, stochastic=True, generator=gen)) for _ in range(K)]
+    )
     scale = _per_element(quantize_blocks(x, bits, 64).scale, 256, 64)
     assert bool(((draws - x).abs() < scale * (1 + 1e-5)).all())  # one step at most
     assert bool(((draws.mean(0) - x).abs() <= 5 * scale / (2 * math.sqrt(K))).all())
@@ -103,8 +113,11 @@ def test_wire_format_round_trips_and_has_the_formula_size(bits, symmetric, n):
     buf = to_bytes(q)
     per_block = 4 if symmetric else 8
     assert buf.dtype == torch.uint8
-    assert buf.numel() == wire_bytes(n, bits, 256, symmetric) == (n if bits == 8 else math.ceil(n / 2)) + \
-        math.ceil(n / 256) * per_block
+    assert (
+        buf.numel()
+        == wire_bytes(n, bits, 256, symmetric)
+        == (n if bits == 8 else math.ceil(n / 2)) + math.ceil(n / 256) * per_block
+    )
     padded = torch.cat([torch.zeros(3, dtype=torch.uint8), buf])[3:]  # an unaligned view
     back = from_bytes(padded, n, bits, 256, symmetric)
     assert torch.equal(dequantize_blocks(back), dequantize_blocks(q))
@@ -140,13 +153,14 @@ def test_ds_quantizer_fake_quantizes_by_groups():
 @pytest.mark.parametrize("n", [24, 29])  # whole blocks of 8, and a short last block
 def test_dequantize_into_a_buffer_is_the_block_formula(bits, symmetric, n):
     from zerospeed.precision.quantize import dequantize_blocks_into
+
     x = torch.randn(n, generator=torch.Generator().manual_seed(n))
     q = quantize_blocks(x, bits, 8, symmetric)
     codes = (unpack_int4(q.codes, n) if bits == 4 else q.codes).float()
     want = torch.empty(n)
     for b in range(math.ceil(n / 8)):  # per block: x' = (code - 2^(bits-1)) s, or code s + min
-        c = codes[8 * b:8 * b + 8]
-        want[8 * b:8 * b + 8] = (c - 2 ** (bits - 1)) * q.scale[b] if symmetric else c * q.scale[b] + q.minimum[b]
+        c = codes[8 * b : 8 * b + 8]
+        want[8 * b : 8 * b + 8] = (c - 2 ** (bits - 1)) * q.scale[b] if symmetric else c * q.scale[b] + q.minimum[b]
     out = torch.full((n,), float("nan"))
     dequantize_blocks_into(q, out)
     assert torch.equal(out, want)

@@ -1,6 +1,7 @@
 """Random-LTD (data/random_ltd): the fixed_linear schedule and the layer-token count by
 hand; the layer wrapper against the plain layer run on the kept tokens by indexing (outputs, gradients,
 both hidden-state layouts, the decoder / encoder mask cuts); the helpers; the config's refusals."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,30 +9,49 @@ import torch
 from torch import nn
 
 import zerospeed
-from zerospeed.utils.errors import ConfigError
 from zerospeed.config.parse import parse_config
-from zerospeed.data.random_ltd import (RandomLayerTokenDrop, RandomLTDScheduler,
-                                                          convert_to_random_ltd, remove_random_ltd_state_dict,
-                                                          save_without_random_ltd)
+from zerospeed.data.random_ltd import (
+    RandomLayerTokenDrop,
+    RandomLTDScheduler,
+    convert_to_random_ltd,
+    remove_random_ltd_state_dict,
+    save_without_random_ltd,
+)
 from zerospeed.data.random_ltd.helper import bind_random_ltd_layers
+from zerospeed.utils.errors import ConfigError
 
 
 def ltd_config(min_value=6, max_value=20, require_steps=7, seq_per_step=4, ids=(1, 3), total=4, **over):
-    return {"enabled": True, "total_layer_num": total, "random_ltd_layer_num": len(ids),
-            "random_ltd_layer_id": list(ids), "model_mask_name": None, "model_type": "decoder",
-            "hidden_state_order": "batch_seq_dim", "global_batch_size": 8, "micro_batch_size": 2,
-            "random_ltd_schedule": {"min_value": min_value, "max_value": max_value, "schedule_type": "fixed_linear",
-                                    "schedule_config": {"require_steps": require_steps, "seq_per_step": seq_per_step}},
-            **over}
+    return {
+        "enabled": True,
+        "total_layer_num": total,
+        "random_ltd_layer_num": len(ids),
+        "random_ltd_layer_id": list(ids),
+        "model_mask_name": None,
+        "model_type": "decoder",
+        "hidden_state_order": "batch_seq_dim",
+        "global_batch_size": 8,
+        "micro_batch_size": 2,
+        "random_ltd_schedule": {
+            "min_value": min_value,
+            "max_value": max_value,
+            "schedule_type": "fixed_linear",
+            "schedule_config": {"require_steps": require_steps, "seq_per_step": seq_per_step},
+        },
+        **over,
+    }
 
 
 # -- the schedule -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("schedule, want", [
-    # floor(6 + 14 t / 7) = 6 + 2t, down to a multiple of 4 (t=0: 6 -> 4, below min_value), at most 20
-    ((6, 20, 7, 4), {0: 4, 1: 8, 2: 8, 3: 12, 4: 12, 5: 16, 6: 16, 7: 20, 8: 20, 100: 20}),
-    # floor(5 + 10 t / 3): t=1 8.33 -> 8, t=2 11.67 -> 11 -> 10, t=3 15 -> 14, t=4 18.3 -> 18 -> 15 (the cap)
-    ((5, 15, 3, 2), {0: 4, 1: 8, 2: 10, 3: 14, 4: 15, 9: 15}),
-])
+@pytest.mark.parametrize(
+    "schedule, want",
+    [
+        # floor(6 + 14 t / 7) = 6 + 2t, down to a multiple of 4 (t=0: 6 -> 4, below min_value), at most 20
+        ((6, 20, 7, 4), {0: 4, 1: 8, 2: 8, 3: 12, 4: 12, 5: 16, 6: 16, 7: 20, 8: 20, 100: 20}),
+        # floor(5 + 10 t / 3): t=1 8.33 -> 8, t=2 11.67 -> 11 -> 10, t=3 15 -> 14, t=4 18.3 -> 18 -> 15 (the cap)
+        ((5, 15, 3, 2), {0: 4, 1: 8, 2: 10, 3: 14, 4: 15, 9: 15}),
+    ],
+)
 def test_fixed_linear_by_hand(schedule, want):
     lo, hi, steps, per = schedule
     sched = RandomLTDScheduler(ltd_config(lo, hi, steps, per))
@@ -48,8 +68,13 @@ def test_update_seq_counts_layer_tokens_once_per_step_and_stops_at_the_maximum()
     assert seen == [4, 4, 8, 8, 8, 12]
     # 8 * (r * 2 + 20 * 2) for r = 4, 8, 8, 12
     assert sched.state["consumed_layer_tokens"] == 384 + 448 + 448 + 512
-    assert sched.state_dict() == {"consumed_layer_tokens": 1792, "current_steps": 3, "current_value": 12,
-                                  "min_value": 6, "max_value": 20}
+    assert sched.state_dict() == {
+        "consumed_layer_tokens": 1792,
+        "current_steps": 3,
+        "current_value": 12,
+        "min_value": 6,
+        "max_value": 20,
+    }
     sched.set_current_seq(20)
     sched.update_seq(4)  # at max_value the schedule is no longer asked (it would say 12)
     assert sched.get_current_seq() == 20 and sched.state["consumed_layer_tokens"] == 1792 + 8 * 80
@@ -177,8 +202,9 @@ def test_decoder_mask_is_its_leading_block():
     out = ltd(x, attention_mask=causal)
     assert torch.equal(layer.masks[-1], causal[:, :, :R, :R])
     kept = sched.state["sample_idx"][0]
-    torch.testing.assert_close(out, by_indexing(layer, x, kept, attention_mask=causal[:, :, :R, :R]),
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        out, by_indexing(layer, x, kept, attention_mask=causal[:, :, :R, :R]), rtol=1e-6, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("shape", [(2, 1, 9, 9), (2, 1, 1, 9)])
@@ -242,10 +268,21 @@ def test_ids_match_a_whole_name_component():
 
 
 # -- the engine -----------------------------------------------------------------------------------------
-RANDOM_LTD = {"enabled": True, "total_layer_num": 4, "random_ltd_layer_num": 2, "random_ltd_layer_id": [1, 2],
-              "model_mask_name": None, "model_type": "decoder", "hidden_state_order": "batch_seq_dim",
-              "random_ltd_schedule": {"min_value": 2, "max_value": 6, "schedule_type": "fixed_linear",
-                                      "schedule_config": {"require_steps": 2, "seq_per_step": 2}}}
+RANDOM_LTD = {
+    "enabled": True,
+    "total_layer_num": 4,
+    "random_ltd_layer_num": 2,
+    "random_ltd_layer_id": [1, 2],
+    "model_mask_name": None,
+    "model_type": "decoder",
+    "hidden_state_order": "batch_seq_dim",
+    "random_ltd_schedule": {
+        "min_value": 2,
+        "max_value": 6,
+        "schedule_type": "fixed_linear",
+        "schedule_config": {"require_steps": 2, "seq_per_step": 2},
+    },
+}
 
 
 def efficiency(random_ltd=RANDOM_LTD, **over):
@@ -261,8 +298,12 @@ class TokenModel(Stack):
 
 def test_engine_api_moves_the_schedule_before_training_forwards_only():
     torch.manual_seed(7)
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "data_efficiency": efficiency()}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "data_efficiency": efficiency(),
+    }
     engine, *_ = zerospeed.initialize(model=TokenModel(), config=config)
     assert engine.random_ltd_enabled() and engine.random_ltd_scheduler.get_current_seq() == 2
     assert engine.random_ltd_config()["global_batch_size"] == 4 and engine.random_ltd_config()["micro_batch_size"] == 2
@@ -285,8 +326,11 @@ def test_engine_api_moves_the_schedule_before_training_forwards_only():
 def test_the_scheduler_resumes_from_the_checkpoint(tmp_path):
     """The checkpoint carries the scheduler's state (DeepSpeed's `random_ltd` entry of the model states);
     `module_state_dict()` gives the plain model's names."""
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "data_efficiency": efficiency()}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "data_efficiency": efficiency(),
+    }
 
     def engine():
         torch.manual_seed(8)
@@ -310,24 +354,49 @@ def test_the_scheduler_resumes_from_the_checkpoint(tmp_path):
 
 def test_refusals_name_the_key():
     base = {"train_batch_size": 1}
-    for key, block in [("data_efficiency.data_sampling.enabled", {"data_sampling": {"enabled": True}}),
-                       ("data_efficiency.data_sampling.curriculum_learning.enabled",
-                        {"data_sampling": {"curriculum_learning": {"enabled": True}}})]:
+    for key, block in [
+        ("data_efficiency.data_sampling.enabled", {"data_sampling": {"enabled": True}}),
+        (
+            "data_efficiency.data_sampling.curriculum_learning.enabled",
+            {"data_sampling": {"curriculum_learning": {"enabled": True}}},
+        ),
+    ]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.") + "=true: curriculum data sampling"):
             parse_config({**base, "data_efficiency": efficiency(**block)})
     lr = {**RANDOM_LTD, "layer_token_lr_schedule": {"enabled": True}}
     with pytest.raises(ConfigError, match=r"random_ltd\.layer_token_lr_schedule\.enabled=true"):
         parse_config({**base, "data_efficiency": efficiency(lr)})
-    with pytest.raises(ConfigError, match=r"random_ltd: enabled is true but model_type, random_ltd_schedule\."
-                                          r"schedule_config\.seq_per_step are not set"):
-        parse_config({**base, "data_efficiency": efficiency({
-            **RANDOM_LTD, "model_type": None,
-            "random_ltd_schedule": {**RANDOM_LTD["random_ltd_schedule"], "schedule_config": {"require_steps": 2}}})})
+    with pytest.raises(
+        ConfigError,
+        match=r"random_ltd: enabled is true but model_type, random_ltd_schedule\."
+        r"schedule_config\.seq_per_step are not set",
+    ):
+        parse_config(
+            {
+                **base,
+                "data_efficiency": efficiency(
+                    {
+                        **RANDOM_LTD,
+                        "model_type": None,
+                        "random_ltd_schedule": {
+                            **RANDOM_LTD["random_ltd_schedule"],
+                            "schedule_config": {"require_steps": 2},
+                        },
+                    }
+                ),
+            }
+        )
     with pytest.raises(ConfigError, match=r"random_ltd_layer_num \(3\) must equal the length of random_ltd_layer_id"):
         parse_config({**base, "data_efficiency": efficiency({**RANDOM_LTD, "random_ltd_layer_num": 3})})
     with pytest.raises(ConfigError, match=r"random_ltd\.random_ltd_schedule\.kind: unknown key"):
-        parse_config({**base, "data_efficiency": efficiency({
-            **RANDOM_LTD, "random_ltd_schedule": {**RANDOM_LTD["random_ltd_schedule"], "kind": 1}})})
+        parse_config(
+            {
+                **base,
+                "data_efficiency": efficiency(
+                    {**RANDOM_LTD, "random_ltd_schedule": {**RANDOM_LTD["random_ltd_schedule"], "kind": 1}}
+                ),
+            }
+        )
     assert parse_config({**base, "data_efficiency": efficiency()}).data_efficiency.data_routing.random_ltd.enabled
 
 
@@ -337,7 +406,9 @@ def test_random_ltd_layers_need_the_config_and_the_pipeline_engine_refuses_it():
     with pytest.raises(ConfigError, match="random_ltd.enabled=true"):
         convert_to_random_ltd(engine, Block)
     from zerospeed.parallel.pipeline import PipelineModule
+
     module = PipelineModule([nn.Linear(2, 2)], num_stages=1, loss_fn=nn.MSELoss())
     with pytest.raises(ConfigError, match="random_ltd.enabled=true with a PipelineModule"):
-        zerospeed.initialize(model=module, config={"train_micro_batch_size_per_gpu": 1,
-                                                   "data_efficiency": efficiency()})
+        zerospeed.initialize(
+            model=module, config={"train_micro_batch_size_per_gpu": 1, "data_efficiency": efficiency()}
+        )

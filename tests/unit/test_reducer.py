@@ -2,6 +2,7 @@
 and no cast to communication_data_type — stages 0-1 (fp32 accumulation buffers) hand the optimizer
 autograd's gradients exactly; stages 2-3 stage each micro-step's gradients in the communication
 dtype by design, so theirs are autograd's rounded to bf16 once. Against plain PyTorch gradients."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,10 +19,15 @@ def _net():
 
 
 def _config(stage, **over):
-    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
-            "communication_data_type": "bf16", "gradient_predivide_factor": 3.0,
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, **over}
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+        "communication_data_type": "bf16",
+        "gradient_predivide_factor": 3.0,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        **over,
+    }
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -1,4 +1,5 @@
 """The environment report: it runs here, has every section, and its probes give the right answers."""
+
 import pytest
 
 from zerospeed.env_report import collect, cpu_flags, format_report, main, o_direct_works, vector_extensions
@@ -8,6 +9,7 @@ SECTIONS = ["versions", "accelerator", "communication", "cpu", "pinned memory", 
 
 def test_report_sections_and_values(tmp_path):
     import torch
+
     report = collect(tmp_path)
     assert list(report) == SECTIONS
     assert report["versions"]["torch"] == torch.__version__
@@ -31,8 +33,13 @@ def test_cpu_flags_parsing():
     text = "processor: 0\nmodel name: X\nflags\t\t: fpu avx2 avx512f amx_tile\nprocessor: 1\nflags : sse\n"
     flags = cpu_flags(text)
     assert flags == {"fpu", "avx2", "avx512f", "amx_tile"}
-    assert vector_extensions(flags) == {"AVX2": "yes", "AVX-512F": "yes", "AVX-512 BF16": "no", "AMX tile": "yes",
-                                        "AMX BF16": "no"}
+    assert vector_extensions(flags) == {
+        "AVX2": "yes",
+        "AVX-512F": "yes",
+        "AVX-512 BF16": "no",
+        "AMX tile": "yes",
+        "AMX BF16": "no",
+    }
 
 
 def test_o_direct_probe(tmp_path):

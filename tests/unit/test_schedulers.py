@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from zerospeed.utils.errors import ConfigError
 from zerospeed.optim import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 from zerospeed.optim import lr_formulas as F
+from zerospeed.utils.errors import ConfigError
 
 approx = pytest.approx
 
@@ -255,7 +255,10 @@ def test_lr_range_test_continuous_and_staircase():
     # lr = 0.01 * (1 + 2 * (it + 1) / 10)
     assert lrs_at(sched, [0, 4, 19]) == approx({0: 0.012, 4: 0.02, 19: 0.05})
     stairs = LRRangeTest(
-        sgd(), lr_range_test_min_lr=0.01, lr_range_test_step_size=10, lr_range_test_step_rate=2.0,
+        sgd(),
+        lr_range_test_min_lr=0.01,
+        lr_range_test_step_size=10,
+        lr_range_test_step_rate=2.0,
         lr_range_test_staircase=True,
     )
     assert lrs_at(stairs, [0, 8, 9, 19]) == approx({0: 0.01, 8: 0.01, 9: 0.03, 19: 0.05})

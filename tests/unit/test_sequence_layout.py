@@ -1,4 +1,5 @@
 """Pure layout math of Ulysses (head splits, kv replication, padding, sharding) against hand-worked values."""
+
 from __future__ import annotations
 
 import pytest

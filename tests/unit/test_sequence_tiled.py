@@ -1,5 +1,6 @@
 """ALST tiled compute against the untiled computation in plain PyTorch: values, gradients, and — by a
 census of the tensors autograd saves — that the full intermediates are never kept."""
+
 from __future__ import annotations
 
 import torch
@@ -75,6 +76,7 @@ def test_tiled_cross_entropy_equals_full_logits_and_never_holds_them():
 
 def test_enable_tiled_mlp_on_a_transformers_llama_changes_nothing_but_memory():
     import pytest
+
     pytest.importorskip("transformers")
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -82,9 +84,18 @@ def test_enable_tiled_mlp_on_a_transformers_llama_changes_nothing_but_memory():
 
     def llama():
         torch.manual_seed(0)
-        return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=128, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, use_cache=False,
-                                            attn_implementation="sdpa")).double()
+        return LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                use_cache=False,
+                attn_implementation="sdpa",
+            )
+        ).double()
 
     ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
     ref, tiled = llama(), llama()

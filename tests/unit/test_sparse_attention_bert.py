@@ -10,22 +10,35 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")  # before the imports that need it
 
-import zerospeed
-from zerospeed.config import parse_config
-from zerospeed.ops.sparse_attention import (
-    BertSparseSelfAttention, DenseSparsityConfig, FixedSparsityConfig, SparseAttentionUtils,
-    TransformersBertSparseSelfAttention, build_sparsity_config,
+import zerospeed  # noqa: E402
+from zerospeed.config import parse_config  # noqa: E402
+from zerospeed.ops.sparse_attention import (  # noqa: E402
+    BertSparseSelfAttention,
+    DenseSparsityConfig,
+    FixedSparsityConfig,
+    SparseAttentionUtils,
+    TransformersBertSparseSelfAttention,
+    build_sparsity_config,
 )
 
 SEQ, BLOCK = 32, 8
 
 
 def bert_config(**overrides):
-    values = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "intermediate_size": 64, "max_position_embeddings": 64, "num_labels": 2, "attn_implementation": "eager",
-              "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+    values = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+        "max_position_embeddings": 64,
+        "num_labels": 2,
+        "attn_implementation": "eager",
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+    }
     return transformers.BertConfig(**{**values, **overrides})
 
 
@@ -62,7 +75,8 @@ def test_dense_layout_reproduces_the_transformers_model(attn_implementation):
         expected = model(input_ids=ids, attention_mask=mask).logits
     old = [layer.attention.self for layer in model.bert.encoder.layer]
     SparseAttentionUtils.replace_model_self_attention_with_sparse_self_attention(
-        model, max_position=64, sparsity_config=DenseSparsityConfig(4, block=BLOCK))
+        model, max_position=64, sparsity_config=DenseSparsityConfig(4, block=BLOCK)
+    )
     for layer, before in zip(model.bert.encoder.layer, old):
         assert isinstance(layer.attention.self, TransformersBertSparseSelfAttention)
         assert layer.attention.self.query.weight is before.query.weight  # the trained projections are kept
@@ -74,8 +88,15 @@ def test_dense_layout_reproduces_the_transformers_model(attn_implementation):
 
 
 def test_roberta_is_replaced_too():
-    config = transformers.RobertaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                        intermediate_size=64, max_position_embeddings=66, attn_implementation="eager")
+    config = transformers.RobertaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=66,
+        attn_implementation="eager",
+    )
     model = transformers.RobertaForMaskedLM(config)
     SparseAttentionUtils.replace_model_self_attention_with_sparse_self_attention(model, max_position=64)
     assert model.config.max_position_embeddings == 66
@@ -91,13 +112,15 @@ def test_pad_to_block_size_and_unpad():
     mask = torch.ones(2, 13, dtype=torch.long)
     types = torch.ones(2, 13, dtype=torch.long)
     pad, ids2, mask2, types2, pos2, embeds2 = SparseAttentionUtils.pad_to_block_size(
-        8, ids, mask, types, None, None, pad_token_id=0, model_embeddings=None)
+        8, ids, mask, types, None, None, pad_token_id=0, model_embeddings=None
+    )
     assert pad == 3 and ids2.shape == (2, 16) and pos2 is None and embeds2 is None
     assert ids2[:, 13:].eq(0).all() and mask2[:, 13:].eq(0).all() and types2[:, 13:].eq(0).all()
     assert torch.equal(SparseAttentionUtils.unpad_sequence_output(pad, ids2), ids)
     embeddings = torch.nn.Embedding(4, 5)
     pad, ids3, mask3, _, _, embeds3 = SparseAttentionUtils.pad_to_block_size(
-        8, None, None, None, None, torch.zeros(2, 13, 5), pad_token_id=1, model_embeddings=embeddings)
+        8, None, None, None, None, torch.zeros(2, 13, 5), pad_token_id=1, model_embeddings=embeddings
+    )
     assert ids3 is None and embeds3.shape == (2, 16, 5) and torch.equal(embeds3[0, 13], embeddings.weight[1].detach())
     assert mask3[:, :13].eq(1).all() and mask3[:, 13:].eq(0).all()  # a missing mask still hides the padding
     assert SparseAttentionUtils.pad_to_block_size(8, ids[:, :8], mask[:, :8], types[:, :8], None, None, 0, None)[0] == 0
@@ -109,21 +132,34 @@ def test_extend_position_embedding_bert_and_roberta():
     SparseAttentionUtils.extend_position_embedding(model, 80)
     weight = model.bert.embeddings.position_embeddings.weight
     assert weight.shape == (80, 32) and model.config.max_position_embeddings == 80
-    assert torch.equal(weight[:32], trained) and torch.equal(weight[32:64], trained) and torch.equal(weight[64:],
-                                                                                                      trained[:16])
+    assert (
+        torch.equal(weight[:32], trained)
+        and torch.equal(weight[32:64], trained)
+        and torch.equal(weight[64:], trained[:16])
+    )
     assert model(input_ids=torch.randint(0, 64, (1, 80))).logits.shape == (1, 2)  # the buffers grew too
     with pytest.raises(ValueError, match="must exceed"):
         SparseAttentionUtils.extend_position_embedding(model, 40)
 
-    roberta = transformers.RobertaModel(transformers.RobertaConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=34))
+    roberta = transformers.RobertaModel(
+        transformers.RobertaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=34,
+        )
+    )
     before = roberta.embeddings.position_embeddings.weight.detach().clone()
     SparseAttentionUtils.extend_position_embedding(roberta, 64)
     after = roberta.embeddings.position_embeddings.weight
     assert after.shape == (66, 32) and roberta.config.max_position_embeddings == 66
-    assert torch.equal(after[:2], before[:2]) and torch.equal(after[2:34], before[2:]) and torch.equal(
-        after[34:], before[2:])
+    assert (
+        torch.equal(after[:2], before[:2])
+        and torch.equal(after[2:34], before[2:])
+        and torch.equal(after[34:], before[2:])
+    )
 
 
 def test_update_tokenizer_model_max_length():
@@ -137,10 +173,16 @@ def test_bert_fine_tune_with_the_sparse_attention_config_block():
     torch.manual_seed(0)
     random.seed(0)
     ds_config = {
-        "train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": 16,
+        "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 5e-3}},
-        "sparse_attention": {"mode": "bigbird", "block": BLOCK, "num_random_blocks": 1,
-                             "num_sliding_window_blocks": 3, "num_global_blocks": 1},
+        "sparse_attention": {
+            "mode": "bigbird",
+            "block": BLOCK,
+            "num_random_blocks": 1,
+            "num_sliding_window_blocks": 3,
+            "num_global_blocks": 1,
+        },
     }
     config = bert_config()
     model = transformers.BertForSequenceClassification(config)

@@ -16,8 +16,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zerospeed.ops.sparse_attention import (
-    BigBirdSparsityConfig, BlockSparsePlan, BSLongformerSparsityConfig, DenseSparsityConfig, FixedSparsityConfig,
-    LocalSlidingWindowSparsityConfig, SparseSelfAttention, VariableSparsityConfig, block_sparse_attention,
+    BigBirdSparsityConfig,
+    BlockSparsePlan,
+    BSLongformerSparsityConfig,
+    DenseSparsityConfig,
+    FixedSparsityConfig,
+    LocalSlidingWindowSparsityConfig,
+    SparseSelfAttention,
+    VariableSparsityConfig,
+    block_sparse_attention,
 )
 from zerospeed.ops.sparse_attention.block_sparse import ScoreBias, flex_block_mask, flex_block_sparse_attention
 
@@ -50,7 +57,8 @@ def grads(out, tensors, seed=1):
 
 
 def assert_matches(out, ref, tensors):
-    """fp32 output and gradients within 1e-6 (+ 1e-6 relative) of the reference (the reference's own rounding included)."""
+    """fp32 output and gradients within 1e-6 (+ 1e-6 relative) of the reference (the reference's own rounding
+    included)."""
     torch.testing.assert_close(out, ref, **TOL)
     for got, want in zip(grads(out, tensors), grads(ref, tensors)):
         torch.testing.assert_close(got, want, **TOL)
@@ -62,11 +70,23 @@ def _configs():
         "dense": DenseSparsityConfig(H, block=BLOCK),
         "fixed": FixedSparsityConfig(H, block=BLOCK, num_local_blocks=2),
         "fixed_uni": FixedSparsityConfig(H, block=BLOCK, num_local_blocks=4, attention="unidirectional"),
-        "fixed_per_head": FixedSparsityConfig(H, block=BLOCK, num_local_blocks=4, num_global_blocks=2,
-                                              different_layout_per_head=True, num_different_global_patterns=2),
-        "variable": VariableSparsityConfig(H, block=BLOCK, num_random_blocks=1, local_window_blocks=[1, 3],
-                                           global_block_indices=[2], horizontal_global_attention=True,
-                                           different_layout_per_head=True),
+        "fixed_per_head": FixedSparsityConfig(
+            H,
+            block=BLOCK,
+            num_local_blocks=4,
+            num_global_blocks=2,
+            different_layout_per_head=True,
+            num_different_global_patterns=2,
+        ),
+        "variable": VariableSparsityConfig(
+            H,
+            block=BLOCK,
+            num_random_blocks=1,
+            local_window_blocks=[1, 3],
+            global_block_indices=[2],
+            horizontal_global_attention=True,
+            different_layout_per_head=True,
+        ),
         "bigbird": BigBirdSparsityConfig(H, block=BLOCK, num_random_blocks=2),
         "bigbird_uni": BigBirdSparsityConfig(H, block=BLOCK, num_random_blocks=1, attention="unidirectional"),
         "bslongformer": BSLongformerSparsityConfig(H, block=BLOCK, global_block_indices=[0, 5]),
@@ -78,7 +98,7 @@ CONFIGS = _configs()
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("chunk_elements", [200, 2 ** 21])  # many small chunks / one chunk
+@pytest.mark.parametrize("chunk_elements", [200, 2**21])  # many small chunks / one chunk
 def test_gather_path_equals_dense_attention(name, chunk_elements):
     layout = CONFIGS[name].make_layout(L)
     q, k, v = inputs()
@@ -110,8 +130,9 @@ def test_masks_equal_dense_attention(name, kp_mode, attn_mode):
     q, k, v = inputs(seed=4)
     kp, kp_bias = _padding(kp_mode)
     attn, attn_bias = _attn_mask(attn_mode)
-    module = SparseSelfAttention(CONFIGS[name], key_padding_mask_mode=kp_mode, attn_mask_mode=attn_mode,
-                                 max_seq_length=L)
+    module = SparseSelfAttention(
+        CONFIGS[name], key_padding_mask_mode=kp_mode, attn_mask_mode=attn_mode, max_seq_length=L
+    )
     layout = module.get_layout(L)  # random blocks: the module's own draw
     out = module(q, k, v, key_padding_mask=kp[:, None, None, :], attn_mask=attn)  # BERT's [B, 1, 1, L] form
     assert_matches(out, dense_reference(q, k, v, layout, BLOCK, kp_bias, attn_bias), (q, k, v))
@@ -154,10 +175,10 @@ def test_rows_with_nothing_to_attend_give_zeros_and_finite_gradients():
     kp = torch.ones(B, L)
     kp[0] = 0  # batch 0: every key masked
     out = block_sparse_attention(q, k, v, layout, BLOCK, key_padding_mask=kp, key_padding_mask_mode="mul")
-    assert torch.all(out[0] == 0) and torch.all(out[:, :, 2 * BLOCK:3 * BLOCK] == 0)
+    assert torch.all(out[0] == 0) and torch.all(out[:, :, 2 * BLOCK : 3 * BLOCK] == 0)
     ref = dense_reference(q[1:], k[1:], v[1:], layout, BLOCK)
     rows = torch.ones(L, dtype=torch.bool)
-    rows[2 * BLOCK:3 * BLOCK] = False
+    rows[2 * BLOCK : 3 * BLOCK] = False
     torch.testing.assert_close(out[1][:, rows], ref[0][:, rows], **TOL)
     assert all(torch.isfinite(g).all() for g in grads(out, (q, k, v)))
 
@@ -186,19 +207,21 @@ def test_bad_arguments():
 
 # --- flex_attention path (its eager reference on CPU: no backward there) ---------------------------------
 
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("block, seq_len", [(16, 256), (32, 96)])  # coarsened to 128-token tiles / own tiles
 def test_flex_path_forward_equals_dense_attention(block, seq_len):
     random.seed(1)
-    config = BigBirdSparsityConfig(H, block=block, num_random_blocks=1, different_layout_per_head=True,
-                                   attention="unidirectional")
+    config = BigBirdSparsityConfig(
+        H, block=block, num_random_blocks=1, different_layout_per_head=True, attention="unidirectional"
+    )
     layout = config.make_layout(seq_len)
     with torch.no_grad():
         q, k, v = inputs(seed=10, shape=(B, H, seq_len, D))
         kp = torch.zeros(B, seq_len)
         kp[1, -7:] = -10000.0
         bias = ScoreBias(B, H, seq_len, block, key_padding_mask=kp, causal=True)
-        out = flex_block_sparse_attention(q, k, v, BlockSparsePlan(layout, block), D ** -0.5, bias, compiled=False)
+        out = flex_block_sparse_attention(q, k, v, BlockSparsePlan(layout, block), D**-0.5, bias, compiled=False)
         causal = torch.zeros(seq_len, seq_len).masked_fill(torch.ones(seq_len, seq_len).tril() == 0, -math.inf)
         ref = dense_reference(q, k, v, layout, block, kp, causal)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
@@ -218,6 +241,7 @@ def test_flex_path_refuses_backward_on_cpu():
 
 
 # --- memory: nothing grows with L^2 --------------------------------------------------------------------
+
 
 class _LargestTensor(TorchDispatchMode):
     """Records the largest tensor any op returns (forward and backward)."""
@@ -245,7 +269,7 @@ def _largest_tensor(seq_len: int, chunk_elements: int) -> int:
 
 
 def test_no_tensor_grows_with_the_square_of_the_sequence():
-    small, large = _largest_tensor(1024, 2 ** 16), _largest_tensor(4096, 2 ** 16)
+    small, large = _largest_tensor(1024, 2**16), _largest_tensor(4096, 2**16)
     assert large < 4096 * 4096 // 64
     # BigBird's one global row holds every block (L x block scores); everything else is O(L x D).
     assert large <= 4 * small + 4096
@@ -257,7 +281,7 @@ def test_dense_layout_is_cut_into_row_chunks_too():
     layout = DenseSparsityConfig(1, block=32).make_layout(seq_len)
     q, k, v = inputs(shape=(1, 1, seq_len, 16))
     with _LargestTensor() as census:
-        out = block_sparse_attention(q, k, v, layout, 32, chunk_elements=2 ** 16)
+        out = block_sparse_attention(q, k, v, layout, 32, chunk_elements=2**16)
         out.sum().backward()
     assert census.largest < seq_len * seq_len // 8
     torch.testing.assert_close(out, dense_reference(q, k, v, layout, 32), **TOL)

@@ -1,5 +1,6 @@
 """The parameter accessors and stage 0's `.grad` view in one process: no double counting when autograd
 runs while `.grad` is the buffer's slot, clear errors, and None where DeepSpeed answers None."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,9 +27,14 @@ def _net():
 
 
 def _engine(stage, opt=("SGD", {"lr": 0.1}), gas=2, **over):
-    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
-           "optimizer": {"type": opt[0], "params": opt[1]},
-           "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, **over}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": opt[0], "params": opt[1]},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        **over,
+    }
     net = _net()
     engine, *_ = zerospeed.initialize(model=net, config=cfg)
     return engine, net

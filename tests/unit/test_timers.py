@@ -1,4 +1,5 @@
 """Phase timers (wall_clock_breakdown) with a fake clock, and the comm report on STATS snapshots."""
+
 import pytest
 
 from zerospeed.comm.stats import CommStats
@@ -18,8 +19,11 @@ def test_timers_accumulate_and_break_down_per_step():
     clock, syncs = FakeClock(), []
     timers = PhaseTimers(synchronize=lambda: syncs.append(1), clock=clock)
     for fwd, bwd in ((0.010, 0.020), (0.030, 0.040)):
-        timers.start("forward"); clock.t += fwd; timers.stop("forward")
-        timers.start("backward"); clock.t += bwd
+        timers.start("forward")
+        clock.t += fwd
+        timers.stop("forward")
+        timers.start("backward")
+        clock.t += bwd
         assert timers.stop("backward") == pytest.approx(bwd)
     assert timers.elapsed("forward") == pytest.approx(0.040) and timers.count("forward") == 2
     assert timers.breakdown(steps=2) == pytest.approx({"forward": 20.0, "backward": 30.0})
@@ -46,8 +50,9 @@ def test_comm_report_bandwidths():
     stats.record("all_gather", 400_000_000, 0.5, world_size=4)
     delta = diff_snapshots(stats.snapshot(), before)
     rows = {r["kind"]: r for r in comm_rows(delta)}
-    assert rows["all_reduce"] == pytest.approx({"kind": "all_reduce", "calls": 1, "MB": 1000.0, "mean_ms": 2000.0,
-                                                "algbw_GBps": 0.5, "busbw_GBps": 0.75})
+    assert rows["all_reduce"] == pytest.approx(
+        {"kind": "all_reduce", "calls": 1, "MB": 1000.0, "mean_ms": 2000.0, "algbw_GBps": 0.5, "busbw_GBps": 0.75}
+    )
     assert rows["all_gather"]["calls"] == 2 and rows["all_gather"]["busbw_GBps"] == pytest.approx(0.6)
     assert [r["kind"] for r in comm_rows(delta, kinds=["all_gather"])] == ["all_gather"]
     text = format_comm_report(delta)

@@ -2,6 +2,7 @@
 layouts split by gradient dtype (exact), the refusals DeepSpeed makes (naming the keys), which parameters
 travel in the low dtype, the forward's dtype under the engine, the loss scaler's rule, input casting.
 The 2-rank training parity is tests/dist/test_torch_autocast.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -45,7 +46,10 @@ def test_layouts_end_where_the_kind_changes_and_keep_the_bucket_bound():
     # sizes 3, 2, 4, 1, 5 with kinds a, a, b, b, a; bucket 6; world 1, no alignment padding
     got = build_layouts([3, 2, 4, 1, 5], 6, 1, align=1, kinds=["a", "a", "b", "b", "a"])
     assert [[(s.param, s.offset, s.numel) for s in lay.segments] for lay in got] == [
-        [(0, 0, 3), (1, 3, 2)], [(2, 0, 4), (3, 4, 1)], [(4, 0, 5)]]
+        [(0, 0, 3), (1, 3, 2)],
+        [(2, 0, 4), (3, 4, 1)],
+        [(4, 0, 5)],
+    ]
     got = build_layouts([3, 2, 4], 4, 1, align=1, kinds=["a", "a", "a"])  # the bound still splits one kind
     assert [[s.param for s in lay.segments] for lay in got] == [[0], [1], [2]]
     assert [[s.param for s in lay.segments] for lay in build_layouts([3, 2, 4], 100, 1, align=1)] == [[0, 1, 2]]
@@ -53,18 +57,29 @@ def test_layouts_end_where_the_kind_changes_and_keep_the_bucket_bound():
         build_layouts([3, 2, 4], 6, 1, kinds=["a", "b"])
 
 
-@pytest.mark.parametrize("sections, match", [
-    ({"torch_autocast": {"enabled": True}, "bf16": {"enabled": True}}, r"torch_autocast.enabled=true and bf16"),
-    ({"torch_autocast": {"enabled": True, "dtype": "fp16"}, "fp16": {"enabled": True}},
-     r"torch_autocast.enabled=true and fp16"),
-    ({"torch_autocast": {"enabled": True, "dtype": "fp32"}}, r"torch_autocast.dtype='fp32'.*bf16"),
-    ({"torch_autocast": {"enabled": True, "lower_precision_safe_modules": ["torch.nn.NoSuchLayer"]}},
-     r"lower_precision_safe_modules\[0\] = 'torch.nn.NoSuchLayer': cannot import"),
-    ({"torch_autocast": {"enabled": True, "lower_precision_safe_modules": ["torch.float16"]}},
-     r"lower_precision_safe_modules\[0\] = 'torch.float16' is not a torch.nn.Module class"),
-    ({"torch_autocast": {"enabled": True}, "zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
-     r"zero_quantized_weights"),
-])
+@pytest.mark.parametrize(
+    "sections, match",
+    [
+        ({"torch_autocast": {"enabled": True}, "bf16": {"enabled": True}}, r"torch_autocast.enabled=true and bf16"),
+        (
+            {"torch_autocast": {"enabled": True, "dtype": "fp16"}, "fp16": {"enabled": True}},
+            r"torch_autocast.enabled=true and fp16",
+        ),
+        ({"torch_autocast": {"enabled": True, "dtype": "fp32"}}, r"torch_autocast.dtype='fp32'.*bf16"),
+        (
+            {"torch_autocast": {"enabled": True, "lower_precision_safe_modules": ["torch.nn.NoSuchLayer"]}},
+            r"lower_precision_safe_modules\[0\] = 'torch.nn.NoSuchLayer': cannot import",
+        ),
+        (
+            {"torch_autocast": {"enabled": True, "lower_precision_safe_modules": ["torch.float16"]}},
+            r"lower_precision_safe_modules\[0\] = 'torch.float16' is not a torch.nn.Module class",
+        ),
+        (
+            {"torch_autocast": {"enabled": True}, "zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
+            r"zero_quantized_weights",
+        ),
+    ],
+)
 def test_deepspeeds_refusals_name_the_keys(sections, match):
     with pytest.raises(ConfigError, match=match):
         _engine(**sections)
@@ -85,22 +100,34 @@ def test_safe_modules_are_exact_classes_from_the_default_list_or_the_config():
     from zerospeed.runtime.plans import precision_policy
 
     def param_comm_dtypes_of(model, cfg):  # the config's dtype and safe-module list, as the engine's plans read them
-        return param_comm_dtypes(model, precision_policy(cfg).autocast_dtype,
-                                 cfg.torch_autocast.lower_precision_safe_modules)
+        return param_comm_dtypes(
+            model, precision_policy(cfg).autocast_dtype, cfg.torch_autocast.lower_precision_safe_modules
+        )
 
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), MyLinear(2, 2), torch.nn.Conv1d(1, 1, 1),
-                                torch.nn.LayerNorm(2), torch.nn.Embedding(3, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(2, 2), MyLinear(2, 2), torch.nn.Conv1d(1, 1, 1), torch.nn.LayerNorm(2), torch.nn.Embedding(3, 2)
+    )
     on = parse_config({**BASE, "torch_autocast": {"enabled": True, "dtype": "fp16"}})
     got = param_comm_dtypes_of(model, on)
     want = {id(p) for i in (0, 2) for p in model[i].parameters()}  # DeepSpeed compares classes exactly
     assert set(got) == want and set(got.values()) == {torch.float16}
-    custom = parse_config({**BASE, "torch_autocast": {
-        "enabled": True, "lower_precision_safe_modules": [f"{__name__}.MyLinear", "torch.nn.LayerNorm"]}})
+    custom = parse_config(
+        {
+            **BASE,
+            "torch_autocast": {
+                "enabled": True,
+                "lower_precision_safe_modules": [f"{__name__}.MyLinear", "torch.nn.LayerNorm"],
+            },
+        }
+    )
     assert set(param_comm_dtypes_of(model, custom)) == {id(p) for i in (1, 3) for p in model[i].parameters()}
     assert param_comm_dtypes_of(model, parse_config(BASE)) == {}
     assert get_default_autocast_lower_precision_modules() == [
-        "torch.nn.modules.linear.Linear", "torch.nn.modules.conv.Conv1d", "torch.nn.modules.conv.Conv2d",
-        "torch.nn.modules.conv.Conv3d"]
+        "torch.nn.modules.linear.Linear",
+        "torch.nn.modules.conv.Conv1d",
+        "torch.nn.modules.conv.Conv2d",
+        "torch.nn.modules.conv.Conv3d",
+    ]
 
 
 def test_the_engine_forward_runs_under_autocast_and_overrides_an_outer_one():

@@ -1,4 +1,5 @@
 """AutoTP's decisions and errors in one process (tp = 1: every collective is the identity)."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,20 +7,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zerospeed.parallel.tensor import (full_state_dict, grad_norm_squared, replica_counts, shard_model,
-                                       tp_model_init, vocab_parallel_cross_entropy)
+from zerospeed.parallel.tensor import (
+    full_state_dict,
+    grad_norm_squared,
+    replica_counts,
+    shard_model,
+    tp_model_init,
+    vocab_parallel_cross_entropy,
+)
 
 
 def _tiny(arch: str):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
     if arch == "gpt2":
-        cfg = GPT2Config(vocab_size=37, n_positions=8, n_embd=16, n_layer=1, n_head=4, bos_token_id=0,
-                         eos_token_id=0)
+        cfg = GPT2Config(vocab_size=37, n_positions=8, n_embd=16, n_layer=1, n_head=4, bos_token_id=0, eos_token_id=0)
         return GPT2LMHeadModel(cfg)
-    cfg = LlamaConfig(vocab_size=37, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8, bos_token_id=0,
-                      eos_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=37,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -52,8 +67,17 @@ def test_a_model_without_rules_is_refused_by_layer_name():
 
 def test_an_unmatched_layer_is_named_with_the_rule_to_add():
     from transformers import LlamaConfig, LlamaForSequenceClassification
-    cfg = LlamaConfig(vocab_size=37, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, num_labels=3, pad_token_id=0)
+
+    cfg = LlamaConfig(
+        vocab_size=37,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_labels=3,
+        pad_token_id=0,
+    )
     with pytest.raises(ValueError, match=r"no rule matches for 1 layer\(s\): \['score'\]") as err:
         shard_model(LlamaForSequenceClassification(cfg), None)
     assert '{"patterns": ["^score\\\\.weight$"], "partition_type": "skip"}' in str(err.value)

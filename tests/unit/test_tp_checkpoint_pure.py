@@ -2,6 +2,7 @@
 which tp ranks write a parameter, local <-> canonical shapes, assembling a full tensor from tp pieces and
 cutting it to another tp degree (fused, GQA-replicated, uneven-vocabulary, row and Conv1D-transposed
 layouts), packing a flat entry, and the errors a reader gives for a checkpoint it cannot resolve."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,12 +12,30 @@ from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.layout import EntryLayout, RankFile
 from zerospeed.checkpoint.module_state import SavedModule, local_module_state
 from zerospeed.checkpoint.naming import is_model_states_name, model_states_name, optim_states_name
-from zerospeed.checkpoint.tensor_parallel import (TPLayout, assemble_full, canonical_shape, is_identity,
-                                                  layout_problem, layouts_from_json, layouts_to_json, local_shape,
-                                                  pack_pieces, reslice, writer_ranks, writes)
+from zerospeed.checkpoint.tensor_parallel import (
+    TPLayout,
+    assemble_full,
+    canonical_shape,
+    is_identity,
+    layout_problem,
+    layouts_from_json,
+    layouts_to_json,
+    local_shape,
+    pack_pieces,
+    reslice,
+    writer_ranks,
+    writes,
+)
 from zerospeed.checkpoint.universal import FP32, load_universal
-from zerospeed.parallel.tensor.partition import (column_spec, fused_spec, head_layout, heads_spec, row_spec, take,
-                                                 vocab_spec)
+from zerospeed.parallel.tensor.partition import (
+    column_spec,
+    fused_spec,
+    head_layout,
+    heads_spec,
+    row_spec,
+    take,
+    vocab_spec,
+)
 from zerospeed.zero.shards import Piece
 
 D, HEADS, KV, HD = 16, 4, 2, 4  # width, query heads, kv heads, head size
@@ -38,8 +57,12 @@ def row(tp, n=4 * D):
     return TPLayout(tuple(row_spec(n, tp, r) for r in range(tp)))
 
 
-CASES = {"fused_conv1d": (fused, [D, 3 * D]), "gqa_kv": (kv, [KV * HD, D]), "vocab": (vocab, [37, D]),
-         "row": (row, [D, 4 * D])}
+CASES = {
+    "fused_conv1d": (fused, [D, 3 * D]),
+    "gqa_kv": (kv, [KV * HD, D]),
+    "vocab": (vocab, [37, D]),
+    "row": (row, [D, 4 * D]),
+}
 
 
 def test_writer_ranks_save_each_distinct_piece_once():
@@ -123,9 +146,14 @@ def _tp_checkpoint(tmp_path, *, drop_piece: bool = False):
     """A hand-made tp-2 checkpoint of one vocab-sharded weight "e" [37, 4] and one replicated "ln" [4]."""
     full, ln = torch.randn(37, 4), torch.randn(4)
     layout = vocab(2)
-    manifest = {"parameters": {"e": {"shape": [37, 4], "dtype": "float32", "trainable": True},
-                               "ln": {"shape": [4], "dtype": "float32", "trainable": True}},
-                "tied": {}, "parallel_layout": {"tensor_parallel": 2, "shard_specs": layouts_to_json({"e": layout})}}
+    manifest = {
+        "parameters": {
+            "e": {"shape": [37, 4], "dtype": "float32", "trainable": True},
+            "ln": {"shape": [4], "dtype": "float32", "trainable": True},
+        },
+        "tied": {},
+        "parallel_layout": {"tensor_parallel": 2, "shard_specs": layouts_to_json({"e": layout})},
+    }
     partition = []
     for r in writer_ranks(layout):
         local = reslice(full, layout, r).reshape(-1)
@@ -136,8 +164,10 @@ def _tp_checkpoint(tmp_path, *, drop_piece: bool = False):
         if r == 0:
             pieces.append(Piece("ln", 0, local.numel(), 4))
         master = torch.cat(masters)
-        torch.save({"entries": [{"master": master, "state": {"exp_avg": 2 * master, "step": torch.tensor(3.0)}}]},
-                   tmp_path / optim_states_name(0, r))
+        torch.save(
+            {"entries": [{"master": master, "state": {"exp_avg": 2 * master, "step": torch.tensor(3.0)}}]},
+            tmp_path / optim_states_name(0, r),
+        )
         entry = EntryLayout(0, master.numel(), tuple(pieces), ("exp_avg",), ("step",))
         partition.append(RankFile(0, optim_states_name(0, r), (entry,), r).to_json())
         module = {"e": reslice(full, layout, r), **({"ln": ln} if r == 0 else {})}

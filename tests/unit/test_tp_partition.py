@@ -1,4 +1,5 @@
 """Pure math of tensor-parallel slicing and AutoTP rule resolution: exact values, no processes."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,11 @@ def test_even_and_balanced_ranges():
 
 
 def test_not_divisible_lists_the_valid_tp_sizes():
-    with pytest.raises(ValueError, match=r"out_features = 12 is not divisible by the tensor-parallel size 5; "
-                                         r"valid tp sizes: \[1, 2, 3, 4, 6, 12\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"out_features = 12 is not divisible by the tensor-parallel size 5; "
+        r"valid tp sizes: \[1, 2, 3, 4, 6, 12\]",
+    ):
         P.column_spec(12, 5, 0, "out_features")
 
 
@@ -42,8 +46,12 @@ def test_gqa_head_layouts():
     assert P.head_layout(8, 2, 2, 1) == P.HeadLayout(4, 4, 1, 1, 1)
     # tp 4 > 2 kv heads: each kv head on two ranks; rank 2's q heads 4, 5 read kv head 1
     layouts = [P.head_layout(8, 2, 4, r) for r in range(4)]
-    assert [(lay.q_start, lay.q_heads, lay.kv_start, lay.kv_replicas) for lay in layouts] == \
-        [(0, 2, 0, 2), (2, 2, 0, 2), (4, 2, 1, 2), (6, 2, 1, 2)]
+    assert [(lay.q_start, lay.q_heads, lay.kv_start, lay.kv_replicas) for lay in layouts] == [
+        (0, 2, 0, 2),
+        (2, 2, 0, 2),
+        (4, 2, 1, 2),
+        (6, 2, 1, 2),
+    ]
     assert all(lay.kv_groups == 2 for lay in layouts)
     # every rank's q heads really use its kv head (q head h uses kv head h // (8 // 2))
     for lay in layouts:
@@ -53,8 +61,11 @@ def test_gqa_head_layouts():
 
 def test_head_counts_that_cannot_split_name_the_valid_sizes():
     assert P.valid_attention_tp_sizes(12, 4) == [1, 2, 4, 12]  # 3 divides 12 but neither divides nor is a multiple of 4
-    with pytest.raises(ValueError, match=r"12 query heads and 4 kv heads cannot be split over tp=3 ranks; "
-                                         r"valid tp sizes: \[1, 2, 4, 12\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"12 query heads and 4 kv heads cannot be split over tp=3 ranks; "
+        r"valid tp sizes: \[1, 2, 4, 12\]",
+    ):
         P.head_layout(12, 4, 3, 0)
 
 
@@ -100,7 +111,11 @@ def test_rule_priority():
 
 def test_parsed_config_section_is_accepted():
     from zerospeed.config.schema.parallel import TpPartitionConfig
-    parsed = TpPartitionConfig(layer_specs=[{"patterns": [r".*\.q\.weight$"], "partition_type": "column",
-                                             "shape": [3, -1], "partition_dim": 0}])
+
+    parsed = TpPartitionConfig(
+        layer_specs=[
+            {"patterns": [r".*\.q\.weight$"], "partition_type": "column", "shape": [3, -1], "partition_dim": 0}
+        ]
+    )
     rule = resolve_rules(partition_config=parsed)[0]
     assert rule.kind == "column" and rule.shape == (3, -1)

@@ -1,40 +1,44 @@
 """The ZeRO-3 leaf-module API (DeepSpeed's `deepspeed.utils.set_z3_leaf_modules` family) and the
 granularity rule of `stage3_module_granularity_threshold`, checked against counts worked out by hand."""
+
 import sys
 
 import pytest
-import torch
 from torch import nn
 
 import zerospeed.utils as zutils
 from zerospeed.config import ZeroSpeedConfig
-from zerospeed.zero.leaf_modules import (apply_leaf_module_config, module_granularity,
-                                            set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix,
-                                            set_z3_leaf_modules_by_threshold)
+from zerospeed.zero.leaf_modules import (
+    apply_leaf_module_config,
+    module_granularity,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    set_z3_leaf_modules_by_threshold,
+)
 
 
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
-        self.attn = nn.Linear(16, 16)                                        # 272
+        self.attn = nn.Linear(16, 16)  # 272
         self.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))  # 544 + 528
-        self.norm = nn.LayerNorm(16)                                         # 32
+        self.norm = nn.LayerNorm(16)  # 32
 
 
 class Experts(nn.Module):
     def __init__(self):
         super().__init__()
-        self.gate = nn.Linear(16, 4)                                         # 68
-        self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))    # 4 x 272
+        self.gate = nn.Linear(16, 4)  # 68
+        self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))  # 4 x 272
 
 
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
-        self.emb = nn.Embedding(100, 16)                                     # 1600
+        self.emb = nn.Embedding(100, 16)  # 1600
         self.blocks = nn.ModuleList([Block(), Block()])
         self.moe = Experts()
-        self.head = nn.Linear(16, 3)                                         # 51
+        self.head = nn.Linear(16, 3)  # 51
 
 
 def test_granularity_is_subtree_parameters_over_layers_by_hand():
@@ -94,8 +98,15 @@ def test_by_name_and_suffix_return_the_misses():
 
 
 def test_leaf_module_config_keys():
-    cfg = ZeroSpeedConfig.model_validate({"train_batch_size": 1, "zero_optimization": {
-        "stage": 3, "leaf_module": {"classes": ["Experts"], "names": ["blocks.0"], "name_suffixes": ["head"]}}})
+    cfg = ZeroSpeedConfig.model_validate(
+        {
+            "train_batch_size": 1,
+            "zero_optimization": {
+                "stage": 3,
+                "leaf_module": {"classes": ["Experts"], "names": ["blocks.0"], "name_suffixes": ["head"]},
+            },
+        }
+    )
     net = Net()
     flagged = apply_leaf_module_config(net, cfg.zero_optimization.leaf_module)
     assert {id(m) for m in flagged} == {id(net.moe), id(net.blocks[0]), id(net.head)}

@@ -1,4 +1,5 @@
 """Exact values of the ZeRO partition math: buckets, padding, chunks, rank segments, sub-groups, memory."""
+
 import pytest
 
 from zerospeed.zero.memory import model_state_bytes

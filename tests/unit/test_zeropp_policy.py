@@ -1,5 +1,6 @@
 """ZeRO++'s policy from the config (the engine's plans, runtime/plans.py): what is honoured, what is refused
 (no processes)."""
+
 import pytest
 
 from zerospeed.config import ConfigError, parse_config
@@ -12,8 +13,9 @@ def _zero(**keys):
 
 
 def test_stage3_switches_resolve():
-    p = zeropp_policy(_zero(stage=3, zero_quantized_weights=True, zero_hpz_partition_size=8,
-                          zero_quantized_gradients=True))
+    p = zeropp_policy(
+        _zero(stage=3, zero_quantized_weights=True, zero_hpz_partition_size=8, zero_quantized_gradients=True)
+    )
     assert p == ZeroPPPolicy(quantized_weights=True, hpz_size=8, quantized_gradients=True)
     assert zeropp_policy(_zero(stage=3, zero_hpz_partition_size=0)).hpz_size == 1
 
@@ -30,11 +32,14 @@ def test_hpz_refused_with_parameter_offload():
 
 
 def test_nontrainable_weights_at_stage3_only():
-    assert zeropp_policy(_zero(stage=3, zero_quantized_nontrainable_weights=True)) == \
-        ZeroPPPolicy(quantized_nontrainable=True)
-    assert zeropp_policy(_zero(stage=3, zero_quantized_nontrainable_weights=True),
-                         offload_param="cpu").quantized_nontrainable
+    assert zeropp_policy(_zero(stage=3, zero_quantized_nontrainable_weights=True)) == ZeroPPPolicy(
+        quantized_nontrainable=True
+    )
+    assert zeropp_policy(
+        _zero(stage=3, zero_quantized_nontrainable_weights=True), offload_param="cpu"
+    ).quantized_nontrainable
     with pytest.raises(ConfigError, match="zero_quantized_nontrainable_weights=true: .*stage is 2; set stage to 3"):
         zeropp_policy(_zero(stage=2, zero_quantized_nontrainable_weights=True))
-    assert zeropp_policy(_zero(stage=3, zero_quantized_nontrainable_weights=True),
-                         offload_param="nvme").quantized_nontrainable
+    assert zeropp_policy(
+        _zero(stage=3, zero_quantized_nontrainable_weights=True), offload_param="nvme"
+    ).quantized_nontrainable

@@ -11,6 +11,7 @@ forward's random state replayed (identical dropout masks). What happens to the k
 configured policy: partitioned over the model-parallel group, moved to host memory, copied into one
 reused buffer. ``configure`` may be skipped; plain checkpointing is the default.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,9 +35,21 @@ from zerospeed.config.schema.misc import ActivationCheckpointingConfig
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "CheckpointFunction", "CheckpointingPolicy", "RngStatesTracker", "checkpoint", "configure", "contiguous_buffer",
-    "current_policy", "get_cuda_rng_tracker", "is_configured", "model_parallel_cuda_manual_seed",
-    "partition_activations_in_checkpoint", "profile_report", "reset", "set_num_layers", "unconfigure",
+    "CheckpointFunction",
+    "CheckpointingPolicy",
+    "RngStatesTracker",
+    "checkpoint",
+    "configure",
+    "contiguous_buffer",
+    "current_policy",
+    "get_cuda_rng_tracker",
+    "is_configured",
+    "model_parallel_cuda_manual_seed",
+    "partition_activations_in_checkpoint",
+    "profile_report",
+    "reset",
+    "set_num_layers",
+    "unconfigure",
 ]
 
 
@@ -53,10 +66,16 @@ class _State:
 _STATE = _State()
 
 
-def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activations: bool | None = None,
-              contiguous_checkpointing: bool | None = None, num_checkpoints: int | None = None,
-              checkpoint_in_cpu: bool | None = None, synchronize: bool | None = None,
-              profile: bool | None = None) -> None:
+def configure(
+    mpu_: Any = None,
+    deepspeed_config: Any = None,
+    partition_activations: bool | None = None,
+    contiguous_checkpointing: bool | None = None,
+    num_checkpoints: int | None = None,
+    checkpoint_in_cpu: bool | None = None,
+    synchronize: bool | None = None,
+    profile: bool | None = None,
+) -> None:
     """Set the checkpointing policy, as ``deepspeed.checkpointing.configure``.
 
     ``deepspeed_config`` (dict, JSON path, base64 JSON or a parsed ``ZeroSpeedConfig``) supplies the
@@ -67,9 +86,14 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
     whose model-parallel group partition_activations splits over; an earlier mpu is kept when None.
     Raises ``ConfigError`` naming the key on bad input.
     """
-    overrides = {"partition_activations": partition_activations, "contiguous_checkpointing": contiguous_checkpointing,
-                 "num_checkpoints": num_checkpoints, "checkpoint_in_cpu": checkpoint_in_cpu,
-                 "synchronize": synchronize, "profile": profile}
+    overrides = {
+        "partition_activations": partition_activations,
+        "contiguous_checkpointing": contiguous_checkpointing,
+        "num_checkpoints": num_checkpoints,
+        "checkpoint_in_cpu": checkpoint_in_cpu,
+        "synchronize": synchronize,
+        "profile": profile,
+    }
     policy = resolve_policy(config_section(deepspeed_config), overrides)
     mpu = mpu_ if mpu_ is not None else _STATE.mpu
     mp = model_parallel_from(mpu)
@@ -80,10 +104,16 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
 def _log_configuration(policy: CheckpointingPolicy, mp: ModelParallel) -> None:
     if policy.partition_activations and not mp.partitions and not _STATE.warned_no_partition:
         _STATE.warned_no_partition = True
-        reason = "no model-parallel group (mpu) was given" if mp.group is None and mp.world_size == 1 else \
-            "the model-parallel world size is 1"
-        logger.warning("activation_checkpointing.partition_activations=true has no effect: %s, so every rank "
-                       "keeps whole checkpointed inputs", reason)
+        reason = (
+            "no model-parallel group (mpu) was given"
+            if mp.group is None and mp.world_size == 1
+            else "the model-parallel world size is 1"
+        )
+        logger.warning(
+            "activation_checkpointing.partition_activations=true has no effect: %s, so every rank "
+            "keeps whole checkpointed inputs",
+            reason,
+        )
     if comm.get_rank() == 0:
         logger.info("activation checkpointing: %s, model-parallel size %d", policy, mp.world_size)
 
@@ -116,6 +146,7 @@ def _fold_kwargs(function: Callable, args: tuple, kwargs: dict) -> tuple[Callabl
 
     def call(*all_args):
         return function(*all_args[:n], **dict(zip(keys, all_args[n:])))
+
     return call, args + tuple(kwargs.values())
 
 
@@ -136,8 +167,10 @@ def profile_report(log: bool = True) -> dict[str, dict[str, float]]:
     """Calls and seconds of checkpointed forwards, recomputes and backwards since configure(profile=True)."""
     report = _STATE.runtime.profile.report()
     if log:
-        logger.info("activation checkpointing profile: %s", ", ".join(
-            f"{phase} {v['calls']} calls {v['seconds'] * 1e3:.1f} ms" for phase, v in report.items()))
+        logger.info(
+            "activation checkpointing profile: %s",
+            ", ".join(f"{phase} {v['calls']} calls {v['seconds'] * 1e3:.1f} ms" for phase, v in report.items()),
+        )
     return report
 
 

@@ -12,6 +12,7 @@ more checkpoints than configured, or several forwards in flight before their bac
 served - the excess from ordinary allocations - and at the end of that cycle the buffer is
 reallocated once to the cycle's measured need. With steady shapes that happens at most once.
 """
+
 from __future__ import annotations
 
 import logging
@@ -69,7 +70,7 @@ class ContiguousArena:
         self._live += 1
         self._demand += size
         if self._cursor + size <= self.capacity:
-            view = self.buffer[self._cursor:self._cursor + nbytes].view(dtype)
+            view = self.buffer[self._cursor : self._cursor + nbytes].view(dtype)
             self._cursor += size
             return Slot(view, self, self._generation, in_buffer=True)
         self.overflow_allocations += 1
@@ -90,9 +91,13 @@ class ContiguousArena:
 
     def _end_cycle(self) -> None:
         if self._demand > self.capacity:
-            logger.info("activation checkpointing: contiguous buffer grown from %d to %d bytes (this step "
-                        "needed more than number_checkpoints=%d slots of the first input's size)",
-                        self.capacity, self._demand, self.slots)
+            logger.info(
+                "activation checkpointing: contiguous buffer grown from %d to %d bytes (this step "
+                "needed more than number_checkpoints=%d slots of the first input's size)",
+                self.capacity,
+                self._demand,
+                self.slots,
+            )
             self.grow_count += 1
             self._allocate(self._demand)
         self._cursor = self._demand = 0

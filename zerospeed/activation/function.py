@@ -5,6 +5,7 @@
 in the contiguous arena); its backward restores the inputs, replays the forward's random state,
 recomputes with grad enabled and backpropagates through the recomputed graph.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -134,13 +135,13 @@ class CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         if not torch.autograd._is_checkpoint_valid():
-            raise RuntimeError("zerospeed checkpoint() does not support torch.autograd.grad(); "
-                               "call .backward() on the loss instead")
+            raise RuntimeError(
+                "zerospeed checkpoint() does not support torch.autograd.grad(); call .backward() on the loss instead"
+            )
         runtime: Runtime = ctx.runtime
         with runtime.boundary("backward"):
             inputs = [s.restore(runtime.mp, i) if isinstance(s, SavedInput) else s for i, s in enumerate(ctx.saved)]
-            with runtime.profile.measure("recompute"), replay(ctx.rng), _autocast(ctx.autocast), \
-                    torch.enable_grad():
+            with runtime.profile.measure("recompute"), replay(ctx.rng), _autocast(ctx.autocast), torch.enable_grad():
                 outputs = ctx.run(*inputs)
             _backward_through(output_tensors(outputs), grads)
             _release(ctx)

@@ -6,6 +6,7 @@ chunk zero-padded, so any size works) and the recompute all-gathers the chunks.
 
 The index math is pure; only ``gather_partitions`` talks to the network (through zerospeed.comm).
 """
+
 from __future__ import annotations
 
 import torch

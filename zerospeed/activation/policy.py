@@ -5,6 +5,7 @@ JSON path, base64 JSON, or an already parsed ``ZeroSpeedConfig``), then explicit
 keyword arguments override them one by one. Everything downstream reads this policy object; no
 code path re-reads the config.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -13,11 +14,11 @@ from typing import Any
 
 from zerospeed import comm
 from zerospeed.config.aliases import apply_aliases
-from zerospeed.utils.errors import ConfigError
 from zerospeed.config.loader import load_raw
 from zerospeed.config.schema.misc import ActivationCheckpointingConfig
 from zerospeed.config.schema.root import ZeroSpeedConfig
 from zerospeed.config.validation import validate_config
+from zerospeed.utils.errors import ConfigError
 
 SECTION = "activation_checkpointing"
 
@@ -66,8 +67,10 @@ def _checked_override(kwarg: str, value: Any) -> Any:
     key = KWARG_TO_KEY[kwarg]
     if key == "number_checkpoints":
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"configure({kwarg}={value!r}) ({SECTION}.{key}): expected a positive integer "
-                              "(the number of checkpoint() calls in one forward)")
+            raise ConfigError(
+                f"configure({kwarg}={value!r}) ({SECTION}.{key}): expected a positive integer "
+                "(the number of checkpoint() calls in one forward)"
+            )
     elif not isinstance(value, bool):
         raise ConfigError(f"configure({kwarg}={value!r}) ({SECTION}.{key}): expected true or false")
     return value
@@ -78,7 +81,8 @@ def _check_contiguous(policy: CheckpointingPolicy) -> None:
         raise ConfigError(
             f"{SECTION}.contiguous_memory_optimization=true needs {SECTION}.number_checkpoints: the number of "
             "checkpoint() calls in one forward, which sizes the one preallocated buffer; set it (or pass "
-            "configure(num_checkpoints=N)), or set contiguous_memory_optimization to false")
+            "configure(num_checkpoints=N)), or set contiguous_memory_optimization to false"
+        )
 
 
 def resolve_policy(section: ActivationCheckpointingConfig, overrides: Mapping[str, Any]) -> CheckpointingPolicy:
@@ -106,8 +110,11 @@ class ModelParallel:
 
 
 _MPU_METHODS = {
-    "tensor": ("get_tensor_model_parallel_group", "get_tensor_model_parallel_rank",
-               "get_tensor_model_parallel_world_size"),
+    "tensor": (
+        "get_tensor_model_parallel_group",
+        "get_tensor_model_parallel_rank",
+        "get_tensor_model_parallel_world_size",
+    ),
     "model": ("get_model_parallel_group", "get_model_parallel_rank", "get_model_parallel_world_size"),
 }
 
@@ -119,8 +126,10 @@ def model_parallel_from(mpu: Any) -> ModelParallel:
     names = _MPU_METHODS["tensor" if hasattr(mpu, "get_tensor_model_parallel_rank") else "model"]
     missing = [n for n in names if not callable(getattr(mpu, n, None))]
     if missing:
-        raise ConfigError(f"configure(mpu_=...): {type(mpu).__name__} lacks {', '.join(missing)}(); pass a "
-                          "Megatron-style mpu with get_model_parallel_group/rank/world_size, or mpu_=None")
+        raise ConfigError(
+            f"configure(mpu_=...): {type(mpu).__name__} lacks {', '.join(missing)}(); pass a "
+            "Megatron-style mpu with get_model_parallel_group/rank/world_size, or mpu_=None"
+        )
     group, rank, world = (getattr(mpu, n)() for n in names)
     mp = ModelParallel(group, int(rank), int(world))
     _check_against_group(mp, names[0])
@@ -133,5 +142,7 @@ def _check_against_group(mp: ModelParallel, source: str) -> None:
         return
     actual = (comm.get_rank(mp.group), comm.get_world_size(mp.group))
     if actual != (mp.rank, mp.world_size):
-        raise ConfigError(f"configure(mpu_=...): the mpu says rank {mp.rank} of {mp.world_size}, but the group "
-                          f"from {source}() is rank {actual[0]} of {actual[1]}; fix the mpu")
+        raise ConfigError(
+            f"configure(mpu_=...): the mpu says rank {mp.rank} of {mp.world_size}, but the group "
+            f"from {source}() is rank {actual[0]} of {actual[1]}; fix the mpu"
+        )

@@ -1,4 +1,5 @@
 """Time spent in checkpointed code: the original forwards, the recomputes, and whole backwards."""
+
 from __future__ import annotations
 
 import contextlib

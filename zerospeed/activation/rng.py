@@ -6,6 +6,7 @@ forward records a snapshot (host generator, the accelerator generator of every d
 the tracker's named states); the recompute runs inside ``replay(snapshot)``, which installs it and
 restores the outer state afterwards.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,6 +21,7 @@ MODEL_PARALLEL_RNG = "model-parallel-rng"
 
 
 # -- accelerator generator access (zerospeed.accelerator holds the device specifics) -------------
+
 
 def device_rng_state(device: torch.device) -> torch.Tensor:
     return get_accelerator().get_rng_state(device.index)
@@ -54,6 +56,7 @@ def _tracked_seed(seed: int) -> None:
 
 
 # -- the model-parallel tracker --------------------------------------------------------------------
+
 
 class RngStatesTracker:
     """Named generator states; ``fork(name)`` runs a block on that stream and saves where it ended.
@@ -100,6 +103,7 @@ TRACKER = RngStatesTracker()
 
 
 # -- snapshots for recompute ------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class RngSnapshot:

@@ -6,6 +6,7 @@ contiguous arena, or a fresh tensor). With none of them the tensor is kept by re
 checkpointing does. Other tensors (integer ids, masks, parameters) are always kept by reference.
 ``SavedInput.restore`` runs the steps backwards for the recompute.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -60,8 +61,10 @@ class SavedInput:
 
     def _check_unmodified(self, index: int) -> None:
         if self.data._version != self.version:
-            raise RuntimeError(f"checkpoint(): tensor argument {index} was modified in place after checkpoint() "
-                               "saved it, so the recompute would see other values; clone it before modifying it")
+            raise RuntimeError(
+                f"checkpoint(): tensor argument {index} was modified in place after checkpoint() "
+                "saved it, so the recompute would see other values; clone it before modifying it"
+            )
 
 
 class Stasher:
@@ -75,8 +78,7 @@ class Stasher:
 
     def is_activation(self, t: torch.Tensor) -> bool:
         """Floating-point, not a parameter, and big enough to give every rank an element."""
-        return (t.is_floating_point() and not isinstance(t, torch.nn.Parameter)
-                and t.numel() >= self.mp.world_size)
+        return t.is_floating_point() and not isinstance(t, torch.nn.Parameter) and t.numel() >= self.mp.world_size
 
     def save(self, t: torch.Tensor) -> SavedInput:
         if not self.is_activation(t) or not self._copies(t):
@@ -107,8 +109,9 @@ class Stasher:
 
     def _arena(self, device: torch.device) -> ContiguousArena:
         if device not in self.arenas:
-            self.arenas[device] = ContiguousArena(self.policy.number_checkpoints,
-                                                  lambda nbytes: _empty(nbytes, torch.uint8, device))
+            self.arenas[device] = ContiguousArena(
+                self.policy.number_checkpoints, lambda nbytes: _empty(nbytes, torch.uint8, device)
+            )
         return self.arenas[device]
 
 

@@ -13,6 +13,7 @@ and trials that cannot hang the search.
 The trial side, what a training process measures when a trial started it, is a profiling tool
 (zerospeed/profiling/trial_probe.py) that the engine's observer runs; this package only reads its files.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -20,8 +21,13 @@ import importlib
 from zerospeed.deepspeed_paths import package_getattr
 
 __all__ = ["Autotuner", "AutotuningError", "TrialWorld", "TuneOutcome", "autotune"]
-_HOMES = {"Autotuner": "autotuner", "AutotuningError": "autotuner", "TuneOutcome": "autotuner",
-          "TrialWorld": "command", "autotune": "cli"}
+_HOMES = {
+    "Autotuner": "autotuner",
+    "AutotuningError": "autotuner",
+    "TuneOutcome": "autotuner",
+    "TrialWorld": "command",
+    "autotune": "cli",
+}
 _submodule = package_getattr(__name__)
 
 

@@ -9,6 +9,7 @@
 prune what cannot fit (`planner`), and then lets the search (`tuner`) pick trials, each a short profiled
 run of the script through the launcher in a process group of its own with a time limit (`trial`).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,9 +27,10 @@ from zerospeed.accelerator import get_accelerator
 from zerospeed.autotuning import command as cmdline
 from zerospeed.autotuning.command import TrialWorld
 from zerospeed.autotuning.planner import DOMINATED, MEMORY_HEADROOM, OK, ModelInfo, Planned, min_memory, plan
-from zerospeed.autotuning.results import NOT_RUN, Record, UNITS, best_record, write_optimal, write_results
+from zerospeed.autotuning.results import NOT_RUN, UNITS, Record, best_record, write_optimal, write_results
 from zerospeed.autotuning.space import Candidate, split_space, trial_config
-from zerospeed.autotuning.trial import CRASHED, OK as TRIAL_OK, TrialResult, run_trial, trial_timeout
+from zerospeed.autotuning.trial import CRASHED, TrialResult, run_trial, trial_timeout
+from zerospeed.autotuning.trial import OK as TRIAL_OK
 from zerospeed.autotuning.tuner import drive, make_search
 from zerospeed.config.loader import load_raw
 from zerospeed.config.validation import validate_config
@@ -39,7 +41,7 @@ from zerospeed.zero.memory import OPTIMIZER_STATE_BYTES
 
 logger = logging.getLogger(__name__)
 
-ENV_DEVICE_MEMORY = "ZEROSPEED_AUTOTUNING_DEVICE_MEMORY"   # a budget per rank, e.g. "2GiB": replaces detection
+ENV_DEVICE_MEMORY = "ZEROSPEED_AUTOTUNING_DEVICE_MEMORY"  # a budget per rank, e.g. "2GiB": replaces detection
 # seconds per trial ("600"), or "Nx": N times the slowest successful trial so far (default: 5x, at least 60 s)
 ENV_TRIAL_TIMEOUT = "ZEROSPEED_AUTOTUNING_TRIAL_TIMEOUT"
 DEFAULT_TIMEOUT_S = 1800.0  # until one trial has succeeded (trial.trial_timeout)
@@ -68,8 +70,15 @@ class TuneOutcome:
 def parse_bytes(text: str) -> float:
     """'2GiB', '512MiB', '1.5GB', '1e9' -> bytes."""
     t = text.strip().lower().replace(" ", "")
-    for suffix, scale in (("gib", 2**30), ("mib", 2**20), ("kib", 2**10), ("gb", 1e9), ("mb", 1e6), ("kb", 1e3),
-                          ("b", 1)):
+    for suffix, scale in (
+        ("gib", 2**30),
+        ("mib", 2**20),
+        ("kib", 2**10),
+        ("gb", 1e9),
+        ("mb", 1e6),
+        ("kb", 1e3),
+        ("b", 1),
+    ):
         if t.endswith(suffix):
             return float(t[: -len(suffix)]) * scale
     return float(t)
@@ -84,16 +93,26 @@ def _timeout_rule(given: float | None, env: str | None) -> tuple[float | None, f
     try:
         return (None, float(env[:-1]), 0.0) if env.endswith("x") else (float(env), 5.0, 60.0)
     except ValueError:
-        raise AutotuningError(f"{ENV_TRIAL_TIMEOUT}={env!r}: give seconds (600) or a multiple of the slowest "
-                              "successful trial (3x)") from None
+        raise AutotuningError(
+            f"{ENV_TRIAL_TIMEOUT}={env!r}: give seconds (600) or a multiple of the slowest successful trial (3x)"
+        ) from None
 
 
 class Autotuner:
     """Tune ZeRO stage, micro batch (and offload) for one script; see the module docstring."""
 
-    def __init__(self, launcher_flags: list[str], command, *, world: TrialWorld | None = None,
-                 device_memory: float | None = None, trial_timeout: float | None = None, exhaustive: bool = False,
-                 cwd: str | Path | None = None, python: str = sys.executable) -> None:
+    def __init__(
+        self,
+        launcher_flags: list[str],
+        command,
+        *,
+        world: TrialWorld | None = None,
+        device_memory: float | None = None,
+        trial_timeout: float | None = None,
+        exhaustive: bool = False,
+        cwd: str | Path | None = None,
+        python: str = sys.executable,
+    ) -> None:
         self.flags = list(launcher_flags)
         # the nodes and ranks of the trials: the launcher's resolution (`zerospeed --autotuning` passes it)
         self.world = world if world is not None else TrialWorld.from_flags(self.flags)
@@ -111,8 +130,9 @@ class Autotuner:
         script_values = cmdline.mapped_values(command.args, self.at.arg_mappings)
         self.base, self.space = split_space(self.raw, self.at, script_values=script_values)
         env_memory = os.environ.get(ENV_DEVICE_MEMORY)
-        self.device_memory = device_memory if device_memory is not None else (
-            parse_bytes(env_memory) if env_memory else None)
+        self.device_memory = (
+            device_memory if device_memory is not None else (parse_bytes(env_memory) if env_memory else None)
+        )
         self.timeout_rule = _timeout_rule(trial_timeout, os.environ.get(ENV_TRIAL_TIMEOUT))
         self.records: dict[Candidate, Record] = {}
         self.outcome: TuneOutcome | None = None
@@ -128,8 +148,10 @@ class Autotuner:
         budget = None if self.exhaustive else self._budget(info)
         planned = plan(self.space, info, budget, dp_size=self._dp_guess(), prune_dominated=not self.exhaustive)
         self._log_plan(planned, info, budget)
-        self.records = {p.candidate: Record(p.candidate, NOT_RUN if p.status == OK else p.status, p.device_bytes,
-                                            note=p.note) for p in planned}
+        self.records = {
+            p.candidate: Record(p.candidate, NOT_RUN if p.status == OK else p.status, p.device_bytes, note=p.note)
+            for p in planned
+        }
         cands = [p.candidate for p in planned if p.status == OK]
         if not cands:
             raise AutotuningError(self._nothing_fits(planned, budget))
@@ -146,14 +168,16 @@ class Autotuner:
         seconds = time.monotonic() - start
         dp = info.dp_size if info else self._dp_guess()
         text = write_results(self.results_dir, records, self.at.metric, seconds, dp)
-        self.outcome = TuneOutcome(records, best, seconds, text, info, profile_seconds=profile_s,
-                                   trials=list(self._trials))
+        self.outcome = TuneOutcome(
+            records, best, seconds, text, info, profile_seconds=profile_s, trials=list(self._trials)
+        )
         if best is not None:
             self._write_optimal(best)
         logger.info("autotuning summary (%s):\n%s", self.results_dir, text)
         if best is None:
-            logger.error("no trial succeeded: see the notes in %s/results.md and each trial's stderr.log",
-                         self.results_dir)
+            logger.error(
+                "no trial succeeded: see the notes in %s/results.md and each trial's stderr.log", self.results_dir
+            )
         return self.outcome
 
     def measure(self, c: Candidate) -> Record:
@@ -187,10 +211,13 @@ class Autotuner:
         if path:
             return ModelInfo.from_profile(json.loads(self._path(path).read_text()), self.at.mp_size), 0.0
         if mi.num_params is not None and not mi.profile:
-            logger.warning("autotuning.model_info gives num_params: no model-information run, so the planner "
-                           "counts no activation memory")
-            return ModelInfo(mi.num_params, 0, self._precision_from_config(), 0.0,
-                             max(1, self._dp_guess()), self._local_memory()), 0.0
+            logger.warning(
+                "autotuning.model_info gives num_params: no model-information run, so the planner "
+                "counts no activation memory"
+            )
+            return ModelInfo(
+                mi.num_params, 0, self._precision_from_config(), 0.0, max(1, self._dp_guess()), self._local_memory()
+            ), 0.0
         return self._profile_run()
 
     def _profile_run(self) -> tuple[ModelInfo, float]:
@@ -201,8 +228,10 @@ class Autotuner:
         path = rdir / "model_info.json"
         result = self._launch(PROFILE_RUN, cfg, rdir, {ENV_MODEL_INFO_PATH: str(path)}, path)
         if result.status != TRIAL_OK:
-            raise AutotuningError(f"the model-information run ({c.name}) {result.status}: {result.note}; see "
-                                  f"{rdir}/stderr.log — the script must train with its config before it can be tuned")
+            raise AutotuningError(
+                f"the model-information run ({c.name}) {result.status}: {result.note}; see "
+                f"{rdir}/stderr.log — the script must train with its config before it can be tuned"
+            )
         logger.info("model-information run: %s in %.1f s", json.dumps(result.metrics), result.seconds)
         return ModelInfo.from_profile(result.metrics, self.at.mp_size), result.seconds
 
@@ -212,8 +241,11 @@ class Autotuner:
         return None if info.device_memory_per_rank is None else info.device_memory_per_rank * MEMORY_HEADROOM
 
     def _precision_from_config(self) -> Precision:
-        dtype = "fp16" if (self.raw.get("fp16") or {}).get("enabled") is True else (
-            "bf16" if (self.raw.get("bf16") or {}).get("enabled") is True else "fp32")
+        dtype = (
+            "fp16"
+            if (self.raw.get("fp16") or {}).get("enabled") is True
+            else ("bf16" if (self.raw.get("bf16") or {}).get("enabled") is True else "fp32")
+        )
         kind = str((self.raw.get("optimizer") or {}).get("type", "adam")).lower()
         return Precision.of(dtype, kind if kind in OPTIMIZER_STATE_BYTES else "adam")
 
@@ -228,8 +260,9 @@ class Autotuner:
     # -- trials ----------------------------------------------------------------------------------------
     def _search(self, cands: list[Candidate]) -> None:
         tuner = "gridsearch" if self.exhaustive else self.at.tuner_type
-        search = make_search(tuner, cands, self.at.metric,
-                             early_stopping=None if self.exhaustive else self.at.tuner_early_stopping)
+        search = make_search(
+            tuner, cands, self.at.metric, early_stopping=None if self.exhaustive else self.at.tuner_early_stopping
+        )
         left = len(cands) if self.exhaustive else self.at.tuner_num_trials - len(self._trials)
         if left > 0:
             drive(search, self._evaluate, left)
@@ -241,9 +274,13 @@ class Autotuner:
         out = []
         for p in planned:
             c = p.candidate
-            if p.status == DOMINATED and p.dominated_by in failed and not any(
-                    f.tier < c.tier and (f.micro_batch, f.gas, f.knobs) == (c.micro_batch, c.gas, c.knobs)
-                    for f in fine):
+            if (
+                p.status == DOMINATED
+                and p.dominated_by in failed
+                and not any(
+                    f.tier < c.tier and (f.micro_batch, f.gas, f.knobs) == (c.micro_batch, c.gas, c.knobs) for f in fine
+                )
+            ):
                 self.records[p.candidate].status = NOT_RUN
                 self.records[p.candidate].note = f"revived: {p.dominated_by.name} {self.records[p.dominated_by].status}"
                 out.append(p.candidate)
@@ -260,8 +297,14 @@ class Autotuner:
         if result.status == TRIAL_OK and not reused:
             self._ok_seconds.append(result.seconds)
         record.status, record.metrics, record.seconds = result.status, result.metrics or None, result.seconds
-        record.note = "; ".join(n for n in (record.note if record.note.startswith("revived") else "",
-                                            "reused (overwrite: false)" if reused else result.note) if n)
+        record.note = "; ".join(
+            n
+            for n in (
+                record.note if record.note.startswith("revived") else "",
+                "reused (overwrite: false)" if reused else result.note,
+            )
+            if n
+        )
         record.order = len(self._trials)
         self._trials.append(record)
         value = record.value(self.at.metric)
@@ -280,14 +323,21 @@ class Autotuner:
             return None
         return TrialResult(TRIAL_OK, 0.0, 0, metrics) if same else None
 
-    def _launch(self, name: str, cfg: dict[str, Any], rdir: Path, env_extra: dict[str, str],
-                out_file: Path) -> TrialResult:
+    def _launch(
+        self, name: str, cfg: dict[str, Any], rdir: Path, env_extra: dict[str, str], out_file: Path
+    ) -> TrialResult:
         rdir.mkdir(parents=True, exist_ok=True)
         config_path = rdir / "ds_config.json"
         config_path.write_text(json.dumps(cfg, indent=2) + "\n")
         argv = self._argv(config_path, cfg, trial=True)
-        exp = {"name": name, "ds_config": cfg, "launcher_args": self.flags, "script": self.command.script,
-               "user_args": list(self.command.args), "result_dir": str(rdir)}
+        exp = {
+            "name": name,
+            "ds_config": cfg,
+            "launcher_args": self.flags,
+            "script": self.command.script,
+            "user_args": list(self.command.args),
+            "result_dir": str(rdir),
+        }
         write_json_atomic(self.exps_dir / f"{name}.json", exp)
         (rdir / "exp.json").write_text(json.dumps(exp, indent=2) + "\n")
         env = {**os.environ, **env_extra}
@@ -325,26 +375,44 @@ class Autotuner:
         argv = self._argv(path, cfg, trial=False)
         self.outcome.optimal_path = write_optimal(self.results_dir, cfg, argv)
         self.outcome.optimal_config = cfg
-        logger.info("best: %s (%s %.4g %s); wrote %s and cmd_optimal.txt", best.candidate.name, self.at.metric,
-                    best.value(self.at.metric), UNITS[self.at.metric], path)
+        logger.info(
+            "best: %s (%s %.4g %s); wrote %s and cmd_optimal.txt",
+            best.candidate.name,
+            self.at.metric,
+            best.value(self.at.metric),
+            UNITS[self.at.metric],
+            path,
+        )
 
     def _log_plan(self, planned: list[Planned], info: ModelInfo | None, budget: float | None) -> None:
         counts: dict[str, int] = {}
         for p in planned:
             counts[p.status] = counts.get(p.status, 0) + 1
         if info is not None:
-            logger.info("model: %s parameters, %.1f MiB of activations per sample, data-parallel size %d; "
-                        "device budget %s per rank", f"{info.num_params:,}", info.activation_bytes_per_sample / 2**20,
-                        info.dp_size, f"{budget / 2**30:.2f} GiB" if budget else "unlimited")
-        logger.info("tuning space: %d configurations: %s", len(planned),
-                    ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+            logger.info(
+                "model: %s parameters, %.1f MiB of activations per sample, data-parallel size %d; "
+                "device budget %s per rank",
+                f"{info.num_params:,}",
+                info.activation_bytes_per_sample / 2**20,
+                info.dp_size,
+                f"{budget / 2**30:.2f} GiB" if budget else "unlimited",
+            )
+        logger.info(
+            "tuning space: %d configurations: %s",
+            len(planned),
+            ", ".join(f"{n} {s}" for s, n in sorted(counts.items())),
+        )
 
     def _nothing_fits(self, planned: list[Planned], budget: float | None) -> str:
         if not planned:
-            return ("the tuning space is empty: check zero_optimization.stage, the offload devices and the "
-                    "micro-batch bounds (min/max_train_micro_batch_size_per_gpu, min/max_train_batch_size)")
+            return (
+                "the tuning space is empty: check zero_optimization.stage, the offload devices and the "
+                "micro-batch bounds (min/max_train_micro_batch_size_per_gpu, min/max_train_batch_size)"
+            )
         smallest = min(planned, key=lambda p: p.device_bytes)
-        return (f"no configuration fits the device: the smallest, {smallest.candidate.name}, needs "
-                f"{smallest.device_bytes / 2**30:.2f} GiB per rank, the budget is {(budget or 0) / 2**30:.2f} GiB; "
-                "allow higher ZeRO stages or offload (zero_optimization.stage: \"all\", offload_optimizer.device: "
-                "[\"none\", \"cpu\"]) or more ranks")
+        return (
+            f"no configuration fits the device: the smallest, {smallest.candidate.name}, needs "
+            f"{smallest.device_bytes / 2**30:.2f} GiB per rank, the budget is {(budget or 0) / 2**30:.2f} GiB; "
+            'allow higher ZeRO stages or offload (zero_optimization.stage: "all", offload_optimizer.device: '
+            '["none", "cpu"]) or more ranks'
+        )

@@ -3,6 +3,7 @@
 ``tune`` searches and writes ``results_dir`` (ds_config_optimal.json, cmd_optimal.txt, results.md,
 results.csv, summary.txt, one folder per trial); ``run`` tunes, then trains with the best config.
 """
+
 from __future__ import annotations
 
 import logging

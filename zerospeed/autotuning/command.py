@@ -1,6 +1,7 @@
 """Command lines of trials (pure): the launcher's flags without ``--autotuning``, the script's
 arguments with the trial's config path and the ``arg_mappings`` values in place, and the world the
 trials run on (`TrialWorld`)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ def _flag_at(args: Sequence[str], i: int, flag: str) -> str | None:
     """The value of ``flag`` when ``args[i]`` is ``flag VALUE`` or ``flag=VALUE``, else None."""
     word = args[i]
     if word.startswith(flag + "="):
-        return word[len(flag) + 1:]
+        return word[len(flag) + 1 :]
     if word == flag and i + 1 < len(args) and not args[i + 1].startswith("-"):
         return args[i + 1]
     return None
@@ -30,8 +31,10 @@ def find_config(args: Sequence[str]) -> str:
             value = _flag_at(args, i, flag)
             if value is not None:
                 return value
-    raise ConfigError("zerospeed --autotuning needs the script's config: pass it as --deepspeed CONFIG.json or "
-                      "--deepspeed_config CONFIG.json after the script name")
+    raise ConfigError(
+        "zerospeed --autotuning needs the script's config: pass it as --deepspeed CONFIG.json or "
+        "--deepspeed_config CONFIG.json after the script name"
+    )
 
 
 def set_flag(args: Sequence[str], flag: str, value: Any) -> list[str]:
@@ -85,7 +88,7 @@ def apply_mappings(args: Sequence[str], mappings: dict[str, str] | None, config:
 def launcher_flags(argv: Sequence[str], user_words: int) -> list[str]:
     """The launcher's own flags of ``argv`` (its last ``user_words`` words are the script and its
     arguments), without ``--autotuning MODE`` and a ``--`` separator."""
-    ours = list(argv[:len(argv) - user_words])
+    ours = list(argv[: len(argv) - user_words])
     if ours and ours[-1] == "--":
         ours.pop()
     out, i = [], 0
@@ -121,7 +124,7 @@ class TrialWorld:
     """
 
     ranks_per_node: tuple[int, ...] = (1,)  # processes of each node, in node order
-    hostfile: bool = False                  # the hosts come from a hostfile (the launcher's runners apply)
+    hostfile: bool = False  # the hosts come from a hostfile (the launcher's runners apply)
 
     @property
     def nodes(self) -> int:

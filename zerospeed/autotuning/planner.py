@@ -20,6 +20,7 @@ census] in probe.py) times the micro batch. Then:
 Per variant (stage, offload, knobs) the micro batches kept are `num_tuning_micro_batch_sizes` of the
 ladder's sizes that fit, spread from the smallest to the largest (`space.spread`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,8 +55,14 @@ class ModelInfo:
             memory /= max(1, int(info.get("local_size", 1)))
         prec = Precision(info["param_bytes"], info["grad_bytes"], info["master_bytes"], info["optim_bytes"])
         per_sample = info["activation_bytes"] / max(1, info["micro_batch"])
-        return cls(int(info["num_params"]), int(info.get("largest_layer_params", 0)), prec, per_sample,
-                   max(1, int(info["dp_world_size"]) // max(1, mp_size)), memory)
+        return cls(
+            int(info["num_params"]),
+            int(info.get("largest_layer_params", 0)),
+            prec,
+            per_sample,
+            max(1, int(info["dp_world_size"]) // max(1, mp_size)),
+            memory,
+        )
 
 
 @dataclass(frozen=True)
@@ -80,8 +87,9 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def plan(space: TuningSpace, info: ModelInfo | None, budget: float | None, *, dp_size: int = 1,
-         prune_dominated: bool = True) -> list[Planned]:
+def plan(
+    space: TuningSpace, info: ModelInfo | None, budget: float | None, *, dp_size: int = 1, prune_dominated: bool = True
+) -> list[Planned]:
     """Every candidate of ``space``: estimated, pruned when it cannot fit ``budget`` bytes, dominated
     (Note [dominated candidates]); in the gridsearch order (`grid_order`). Without ``info`` (an
     exhaustive grid) nothing is estimated; without ``budget`` nothing is pruned."""
@@ -107,12 +115,20 @@ def _mark_dominated(rows: list[Planned]) -> list[Planned]:
     out = []
     for r in rows:
         c = r.candidate
-        faster = [f for f in fitting if f.tier < c.tier and f.micro_batch == c.micro_batch and f.gas == c.gas
-                  and f.knobs == c.knobs]
+        faster = [
+            f
+            for f in fitting
+            if f.tier < c.tier and f.micro_batch == c.micro_batch and f.gas == c.gas and f.knobs == c.knobs
+        ]
         if r.status == OK and faster:
             best = min(faster, key=lambda f: (f.tier, f.stage))
-            r = Planned(c, r.device_bytes, DOMINATED, f"{best.name} fits the same micro batch and moves less "
-                                                       f"({_moves(best)} vs {_moves(c)})", best)
+            r = Planned(
+                c,
+                r.device_bytes,
+                DOMINATED,
+                f"{best.name} fits the same micro batch and moves less ({_moves(best)} vs {_moves(c)})",
+                best,
+            )
         out.append(r)
     return out
 
@@ -124,9 +140,17 @@ def _moves(c: Candidate) -> str:
 
 def grid_order(rows: list[Planned]) -> list[Planned]:
     """Fastest expected first: tier, then the largest micro batch, then the lowest stage."""
-    return sorted(rows, key=lambda r: (r.candidate.tier, -r.candidate.micro_batch, r.candidate.stage,
-                                       r.candidate.offload_optimizer, r.candidate.offload_param,
-                                       repr(r.candidate.knobs)))
+    return sorted(
+        rows,
+        key=lambda r: (
+            r.candidate.tier,
+            -r.candidate.micro_batch,
+            r.candidate.stage,
+            r.candidate.offload_optimizer,
+            r.candidate.offload_param,
+            repr(r.candidate.knobs),
+        ),
+    )
 
 
 def min_memory(space: TuningSpace) -> Candidate:

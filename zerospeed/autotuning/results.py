@@ -5,6 +5,7 @@ the planner (pruned: does not fit; dominated: a faster tier fits the same micro 
 (the search ended first). ``results.csv`` and ``results.md`` list them all; ``summary.txt`` is
 DeepSpeed's per-space summary (best per ZeRO stage and overall).
 """
+
 from __future__ import annotations
 
 import csv
@@ -21,8 +22,22 @@ from zerospeed.autotuning.tuner import better
 NOT_RUN = "not run"
 METRIC_KEYS = {"throughput": "throughput", "latency": "latency", "flops": "FLOPS_per_gpu"}
 UNITS = {"throughput": "samples/s", "latency": "ms/step", "flops": "FLOPS/GPU"}
-COLUMNS = ("exp", "stage", "micro_batch", "gas", "train_batch_size", "offload_optimizer", "offload_param",
-           "estimate_mib", "status", "throughput", "latency_ms", "flops_per_gpu", "seconds", "note")
+COLUMNS = (
+    "exp",
+    "stage",
+    "micro_batch",
+    "gas",
+    "train_batch_size",
+    "offload_optimizer",
+    "offload_param",
+    "estimate_mib",
+    "status",
+    "throughput",
+    "latency_ms",
+    "flops_per_gpu",
+    "seconds",
+    "note",
+)
 
 
 @dataclass
@@ -65,14 +80,24 @@ def table_rows(records: list[Record], dp_size: int) -> list[dict[str, str]]:
     rows = []
     for r in sorted(records, key=lambda r: (r.order is None, r.order or 0)):
         c, m = r.candidate, r.metrics or {}
-        rows.append({
-            "exp": c.name, "stage": str(c.stage), "micro_batch": str(c.micro_batch), "gas": str(c.gas),
-            "train_batch_size": str(c.micro_batch * c.gas * dp_size), "offload_optimizer": c.offload_optimizer,
-            "offload_param": c.offload_param,
-            "estimate_mib": f"{r.estimate_bytes / 2**20:.1f}" if r.estimate_bytes else "",
-            "status": r.status, "throughput": _fmt(m.get("throughput")), "latency_ms": _fmt(m.get("latency")),
-            "flops_per_gpu": _fmt(m.get("FLOPS_per_gpu")), "seconds": _fmt(r.seconds, 3), "note": r.note,
-        })
+        rows.append(
+            {
+                "exp": c.name,
+                "stage": str(c.stage),
+                "micro_batch": str(c.micro_batch),
+                "gas": str(c.gas),
+                "train_batch_size": str(c.micro_batch * c.gas * dp_size),
+                "offload_optimizer": c.offload_optimizer,
+                "offload_param": c.offload_param,
+                "estimate_mib": f"{r.estimate_bytes / 2**20:.1f}" if r.estimate_bytes else "",
+                "status": r.status,
+                "throughput": _fmt(m.get("throughput")),
+                "latency_ms": _fmt(m.get("latency")),
+                "flops_per_gpu": _fmt(m.get("FLOPS_per_gpu")),
+                "seconds": _fmt(r.seconds, 3),
+                "note": r.note,
+            }
+        )
     return rows
 
 
@@ -110,14 +135,25 @@ def summary(records: list[Record], metric: str, seconds: float) -> str:
     rows = []
     for name, rs in sorted(spaces.items()):
         b = best_record(rs, metric)
-        rows.append({head[0]: name, head[1]: str(len(rs)), head[2]: _fmt(b.value(metric)) if b else "",
-                     head[3]: b.candidate.name if b else "(none succeeded)"})
+        rows.append(
+            {
+                head[0]: name,
+                head[1]: str(len(rs)),
+                head[2]: _fmt(b.value(metric)) if b else "",
+                head[3]: b.candidate.name if b else "(none succeeded)",
+            }
+        )
     b = best_record(tried, metric)
-    rows.append({head[0]: "global", head[1]: str(len(tried)), head[2]: _fmt(b.value(metric)) if b else "",
-                 head[3]: b.candidate.name if b else "(none succeeded)"})
+    rows.append(
+        {
+            head[0]: "global",
+            head[1]: str(len(tried)),
+            head[2]: _fmt(b.value(metric)) if b else "",
+            head[3]: b.candidate.name if b else "(none succeeded)",
+        }
+    )
     took = datetime.timedelta(seconds=round(seconds))
-    return (to_markdown(rows, head) + f"\n\nTuning completed in {took}. Total number of experiments: "
-            f"{len(tried)}.\n")
+    return to_markdown(rows, head) + f"\n\nTuning completed in {took}. Total number of experiments: {len(tried)}.\n"
 
 
 def write_results(results_dir: Path, records: list[Record], metric: str, seconds: float, dp_size: int) -> str:
@@ -126,8 +162,9 @@ def write_results(results_dir: Path, records: list[Record], metric: str, seconds
     rows = table_rows(records, dp_size)
     text = summary(records, metric, seconds)
     (results_dir / "results.csv").write_text(to_csv(rows))
-    (results_dir / "results.md").write_text(f"# Autotuning results (metric: {metric}, {UNITS[metric]})\n\n"
-                                            + to_markdown(rows) + "\n\n" + text)
+    (results_dir / "results.md").write_text(
+        f"# Autotuning results (metric: {metric}, {UNITS[metric]})\n\n" + to_markdown(rows) + "\n\n" + text
+    )
     (results_dir / "summary.txt").write_text(text)
     return text
 

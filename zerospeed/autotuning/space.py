@@ -18,6 +18,7 @@ concrete `Candidate`s; `trial_config` writes one candidate back into a plain con
 ladder is geometric (doubling from the smallest size), not DeepSpeed's constant stride: a step's cost
 changes with the log of the batch, and the sizes that fit are found by the estimator, not by trials.
 """
+
 from __future__ import annotations
 
 import copy
@@ -109,8 +110,9 @@ def _stages(zero: dict[str, Any]) -> tuple[int, ...]:
         values = [0, 1, 2, 3]
     bad = [s for s in values if isinstance(s, bool) or s not in (0, 1, 2, 3)]
     if bad or not values:
-        raise ConfigError(f"zero_optimization.stage={stage!r}: the autotuner takes a stage 0-3, a list of them, "
-                          'or "all"')
+        raise ConfigError(
+            f'zero_optimization.stage={stage!r}: the autotuner takes a stage 0-3, a list of them, or "all"'
+        )
     return tuple(sorted(set(values)))
 
 
@@ -133,8 +135,9 @@ def _positive_int(value: Any, key: str) -> int:
     return value
 
 
-def split_space(raw: dict[str, Any], at, *,
-                script_values: dict[str, Any] | None = None) -> tuple[dict[str, Any], TuningSpace]:
+def split_space(
+    raw: dict[str, Any], at, *, script_values: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], TuningSpace]:
     """(the config without its tuning lists, the space they describe). ``at`` is the parsed
     ``AutotuningConfig``; ``script_values`` the script's values of mapped arguments (by config key)."""
     script_values = script_values or {}
@@ -147,8 +150,10 @@ def split_space(raw: dict[str, Any], at, *,
     knobs = tuple((k, tuple(v)) for k, v in zero.items() if isinstance(v, list) and k != "stage")
     if knobs and at.fast:
         names = ", ".join(f"zero_optimization.{k}" for k, _ in knobs)
-        raise ConfigError(f"{names}: a list there is a knob to tune, which needs autotuning.fast: false "
-                          "(fast mode tunes only the ZeRO stage, the micro batch and listed offload devices)")
+        raise ConfigError(
+            f"{names}: a list there is a knob to tune, which needs autotuning.fast: false "
+            "(fast mode tunes only the ZeRO stage, the micro batch and listed offload devices)"
+        )
     gas = _gas(base, script_values)
     micro = base.get("train_micro_batch_size_per_gpu", "auto")
     explicit = None
@@ -174,9 +179,19 @@ def split_space(raw: dict[str, Any], at, *,
             zero.pop(key, None)
     if "zero_optimization" in base:
         base["zero_optimization"] = zero
-    space = TuningSpace(stages, explicit, minimum, maximum, gas, at.num_tuning_micro_batch_sizes,
-                        at.min_train_batch_size, at.max_train_batch_size, offload["offload_optimizer"],
-                        offload["offload_param"], knobs)
+    space = TuningSpace(
+        stages,
+        explicit,
+        minimum,
+        maximum,
+        gas,
+        at.num_tuning_micro_batch_sizes,
+        at.min_train_batch_size,
+        at.max_train_batch_size,
+        offload["offload_optimizer"],
+        offload["offload_param"],
+        knobs,
+    )
     return base, space
 
 
@@ -192,8 +207,11 @@ def _gas(raw: dict[str, Any], script_values: dict[str, Any]) -> int:
 def micro_batches(space: TuningSpace, dp_size: int) -> list[int]:
     """The micro batches to consider: the explicit list or the ladder, within the train-batch bounds
     (``min_train_batch_size`` <= micro x gas x data-parallel size <= ``max_train_batch_size``)."""
-    sizes = list(space.micro_batches) if space.micro_batches else micro_batch_ladder(space.min_micro_batch,
-                                                                                      space.max_micro_batch)
+    sizes = (
+        list(space.micro_batches)
+        if space.micro_batches
+        else micro_batch_ladder(space.min_micro_batch, space.max_micro_batch)
+    )
     lo, hi = space.min_train_batch, space.max_train_batch
     return [m for m in sizes if lo <= m * space.gas * dp_size and (hi is None or m * space.gas * dp_size <= hi)]
 

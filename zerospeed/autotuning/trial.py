@@ -7,6 +7,7 @@ belongs to nothing else. A trial past its time limit gets SIGTERM on that group 
 its ranks), then SIGKILL on the group and on every process still descending from it, so a hanging
 rank can neither block the search (DeepSpeed's autotuner waits forever, deepspeed#4100) nor outlive it.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,8 +71,15 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def run_trial(argv: list[str], result_dir: Path, *, env: dict[str, str], timeout: float,
-              metric_file: Path | None, cwd: str | None = None) -> TrialResult:
+def run_trial(
+    argv: list[str],
+    result_dir: Path,
+    *,
+    env: dict[str, str],
+    timeout: float,
+    metric_file: Path | None,
+    cwd: str | None = None,
+) -> TrialResult:
     """Run ``argv`` with stdout / stderr in ``result_dir``; read ``metric_file`` when it exits 0."""
     result_dir.mkdir(parents=True, exist_ok=True)
     (result_dir / "cmd.txt").write_text(" ".join(argv) + "\n")
@@ -84,8 +92,12 @@ def run_trial(argv: list[str], result_dir: Path, *, env: dict[str, str], timeout
             rc = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             kill_tree(proc)
-            return TrialResult(TIMED_OUT, time.monotonic() - start, None,
-                               note=f"killed after {timeout:.0f} s (the whole process group)")
+            return TrialResult(
+                TIMED_OUT,
+                time.monotonic() - start,
+                None,
+                note=f"killed after {timeout:.0f} s (the whole process group)",
+            )
         finally:
             if proc.poll() is None:  # interrupted (Ctrl-C, SIGTERM): leave nothing behind
                 kill_tree(proc)
@@ -97,8 +109,13 @@ def run_trial(argv: list[str], result_dir: Path, *, env: dict[str, str], timeout
     try:
         metrics = json.loads(metric_file.read_text())
     except (OSError, json.JSONDecodeError):
-        return TrialResult(NO_METRIC, seconds, rc, note=f"exit code 0 but no {metric_file.name}: did the script stop "
-                                                         "before end_profile_step, or not use zerospeed.initialize?")
+        return TrialResult(
+            NO_METRIC,
+            seconds,
+            rc,
+            note=f"exit code 0 but no {metric_file.name}: did the script stop "
+            "before end_profile_step, or not use zerospeed.initialize?",
+        )
     return TrialResult(OK, seconds, rc, metrics)
 
 

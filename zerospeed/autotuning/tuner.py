@@ -20,6 +20,7 @@ are tested without processes.
   ZeRO stages. A slower tier is searched only while it improves on the faster ones; with dominated
   candidates removed it holds only micro batches the faster tiers cannot fit.
 """
+
 from __future__ import annotations
 
 import random
@@ -92,8 +93,9 @@ def tier_index(tier: list[Candidate], variant: tuple) -> int:
     return next(i for i, c in enumerate(tier) if c.variant == variant)
 
 
-def make_search(tuner_type: str, cands: list[Candidate], metric: str, *, early_stopping: int | None,
-                seed: int = 0) -> Search:
+def make_search(
+    tuner_type: str, cands: list[Candidate], metric: str, *, early_stopping: int | None, seed: int = 0
+) -> Search:
     """The search of ``tuner_type`` over ``cands`` (in the planner's order)."""
     if tuner_type == "gridsearch":
         return ordered(cands, metric, early_stopping)
@@ -106,7 +108,7 @@ def make_search(tuner_type: str, cands: list[Candidate], metric: str, *, early_s
     raise ValueError(f"tuner_type must be one of {', '.join(TUNER_TYPES)}, got {tuner_type!r}")
 
 
-def drive(search: Search, evaluate: Callable[[Candidate], "float | None"], max_trials: int) -> list[Candidate]:
+def drive(search: Search, evaluate: Callable[[Candidate], float | None], max_trials: int) -> list[Candidate]:
     """Run ``search`` with ``evaluate`` for at most ``max_trials`` trials; the candidates tried, in order."""
     tried: list[Candidate] = []
     try:

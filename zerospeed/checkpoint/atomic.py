@@ -9,6 +9,7 @@ moves the old one to `.{tag}.previous`, renames the new one in and deletes the o
 those two renames leaves no `{tag}` but a complete `.{tag}.previous`, which loading falls back to;
 at every moment a complete copy of the tag exists under one of the two names.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,7 +20,11 @@ from pathlib import Path
 import torch
 
 from zerospeed.utils.files import (  # noqa: F401 (the standard-library part, where torch-free tools reach it)
-    atomic_write, atomic_write_bytes, atomic_write_named, atomic_write_text, fsync_dir,
+    atomic_write,
+    atomic_write_bytes,
+    atomic_write_named,
+    atomic_write_text,
+    fsync_dir,
 )
 
 

@@ -8,6 +8,7 @@
 model.safetensors with --safe-serialization; DeepSpeed's spellings of the options (--max_shard_size,
 --safe_serialization, -t/--tag, --exclude_frozen_parameters) work too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,13 +33,28 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("dir", help="checkpoint folder")
     conv.add_argument("out", help="output folder")
     conv.add_argument("-t", "--tag", default=None, help="tag to convert (default: the one `latest` names)")
-    conv.add_argument("--max-shard-size", "--max_shard_size", dest="max_shard_size", default="5GB",
-                      help="largest output file, e.g. 5GB, 500MB (default 5GB)")
-    conv.add_argument("--safe-serialization", "--safe_serialization", dest="safe_serialization",
-                      action=argparse.BooleanOptionalAction, default=False,
-                      help="write model.safetensors instead of pytorch_model.bin (torch.save), as DeepSpeed's flag")
-    conv.add_argument("--exclude-frozen-parameters", "--exclude_frozen_parameters", dest="exclude_frozen_parameters",
-                      action="store_true", help="leave frozen parameters out")
+    conv.add_argument(
+        "--max-shard-size",
+        "--max_shard_size",
+        dest="max_shard_size",
+        default="5GB",
+        help="largest output file, e.g. 5GB, 500MB (default 5GB)",
+    )
+    conv.add_argument(
+        "--safe-serialization",
+        "--safe_serialization",
+        dest="safe_serialization",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="write model.safetensors instead of pytorch_model.bin (torch.save), as DeepSpeed's flag",
+    )
+    conv.add_argument(
+        "--exclude-frozen-parameters",
+        "--exclude_frozen_parameters",
+        dest="exclude_frozen_parameters",
+        action="store_true",
+        help="leave frozen parameters out",
+    )
     return parser
 
 
@@ -54,14 +70,16 @@ def summary(tag_dir, manifest: dict) -> str:
     params = manifest["parameters"]
     trainable = sum(prod(s["shape"]) for s in params.values() if s["trainable"])
     frozen = sum(prod(s["shape"]) for s in params.values() if not s["trainable"])
-    lines = [f"checkpoint        {tag_dir}",
-             f"tag               {manifest['tag']}",
-             f"zerospeed         {manifest['zerospeed_version']} (torch {manifest['torch_version']})",
-             f"layout            ZeRO stage {manifest['zero_stage']}, data parallel {manifest['dp_world_size']}, "
-             f"{_tensor_parallel(manifest)}world {manifest['world_size']}, params {manifest['param_dtype']}",
-             f"progress          step {manifest['global_steps']}, {manifest['global_samples']} samples",
-             f"optimizer         {manifest['optimizer']['type']} ({manifest['optimizer']['param_groups']} groups)",
-             f"parameters        {len(params)} tensors: {trainable:,} trainable, {frozen:,} frozen elements"]
+    lines = [
+        f"checkpoint        {tag_dir}",
+        f"tag               {manifest['tag']}",
+        f"zerospeed         {manifest['zerospeed_version']} (torch {manifest['torch_version']})",
+        f"layout            ZeRO stage {manifest['zero_stage']}, data parallel {manifest['dp_world_size']}, "
+        f"{_tensor_parallel(manifest)}world {manifest['world_size']}, params {manifest['param_dtype']}",
+        f"progress          step {manifest['global_steps']}, {manifest['global_samples']} samples",
+        f"optimizer         {manifest['optimizer']['type']} ({manifest['optimizer']['param_groups']} groups)",
+        f"parameters        {len(params)} tensors: {trainable:,} trainable, {frozen:,} frozen elements",
+    ]
     if manifest["tied"]:
         lines.append("tied              " + ", ".join(f"{a} -> {n}" for a, n in manifest["tied"].items()))
     lines.append("files")
@@ -83,8 +101,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"verified {len(manifest['files'])} files")
             return 0
         written = convert_zero_checkpoint_to_fp32_state_dict(
-            args.dir, args.out, max_shard_size=args.max_shard_size, safe_serialization=args.safe_serialization,
-            tag=args.tag, exclude_frozen_parameters=args.exclude_frozen_parameters)
+            args.dir,
+            args.out,
+            max_shard_size=args.max_shard_size,
+            safe_serialization=args.safe_serialization,
+            tag=args.tag,
+            exclude_frozen_parameters=args.exclude_frozen_parameters,
+        )
         for path in written:
             print(path)
         return 0

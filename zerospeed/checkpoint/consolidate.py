@@ -9,6 +9,7 @@ transformers model reads with `from_pretrained` once exported (`convert_zero_che
 plus the model's config.json). Peak memory is about one fp32 copy of the trainable parameters
 plus the pages of the file being read.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,9 +42,9 @@ def resolve_checkpoint(checkpoint_dir, tag: str | None = None) -> tuple[Path, di
     return tag_dir, read_manifest(tag_dir)
 
 
-def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag: str | None = None,
-                                             exclude_frozen_parameters: bool = False,
-                                             lazy_mode: bool = False) -> dict[str, torch.Tensor]:
+def get_fp32_state_dict_from_zero_checkpoint(
+    checkpoint_dir, tag: str | None = None, exclude_frozen_parameters: bool = False, lazy_mode: bool = False
+) -> dict[str, torch.Tensor]:
     """The model's full state dict with fp32 master weights, from a checkpoint of any world size and stage.
 
     Trainable parameters are the fp32 masters; frozen parameters (unless excluded) and buffers are as
@@ -56,8 +57,9 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag: str | None = N
     if (problem := verify_files(tag_dir, manifest, list(manifest["files"]))) is not None:
         raise CheckpointError(problem)
     masters = {n: t[FP32] for n, t in load_universal(tag_dir, manifest, keys={FP32}).tensors.items()}
-    saved = SavedModule(tag_dir, manifest,
-                        torch.load(tag_dir / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False))
+    saved = SavedModule(
+        tag_dir, manifest, torch.load(tag_dir / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False)
+    )
     params, tied = manifest["parameters"], manifest["tied"]
     out: dict[str, torch.Tensor] = {}
     for key in manifest["module_keys"]:
@@ -73,14 +75,22 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag: str | None = N
             raise CheckpointError(f"checkpoint {tag_dir}: {key!r} is in neither the rank files nor {MODEL_STATES}")
     del saved
     if manifest.get("excluded_frozen") and not exclude_frozen_parameters:
-        logger.warning("checkpoint %s was saved without its frozen parameters (%s); they are absent here",
-                       tag_dir, ", ".join(manifest["excluded_frozen"][:8]))
+        logger.warning(
+            "checkpoint %s was saved without its frozen parameters (%s); they are absent here",
+            tag_dir,
+            ", ".join(manifest["excluded_frozen"][:8]),
+        )
     return out
 
 
-def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_shard_size: int | str = "5GB",
-                                               safe_serialization: bool = False, tag: str | None = None,
-                                               exclude_frozen_parameters: bool = False) -> list[Path]:
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir,
+    output_dir,
+    max_shard_size: int | str = "5GB",
+    safe_serialization: bool = False,
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+) -> list[Path]:
     """Write the fp32 state dict as pytorch_model.bin (torch.save), or model.safetensors with
     `safe_serialization`, sharded with an index json when larger than `max_shard_size`.
 
@@ -92,8 +102,9 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_s
     return export_state_dict(sd, output_dir, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
 
 
-def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir, tag: str | None = None, *,
-                                         strict: bool = False) -> torch.nn.Module:
+def load_state_dict_from_zero_checkpoint(
+    model: torch.nn.Module, checkpoint_dir, tag: str | None = None, *, strict: bool = False
+) -> torch.nn.Module:
     """Load the consolidated fp32 weights into `model`, moved to the CPU (values are copied into the
     dtypes of its tensors); returns the model.
 
@@ -104,7 +115,10 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir,
     model = model.cpu()
     result = model.load_state_dict(sd, strict=strict)
     if result.missing_keys or result.unexpected_keys:
-        logger.warning("load_state_dict_from_zero_checkpoint: the checkpoint does not match the model: "
-                       "missing %s, unexpected %s (pass strict=True to make this an error)",
-                       result.missing_keys[:8], result.unexpected_keys[:8])
+        logger.warning(
+            "load_state_dict_from_zero_checkpoint: the checkpoint does not match the model: "
+            "missing %s, unexpected %s (pass strict=True to make this an error)",
+            result.missing_keys[:8],
+            result.unexpected_keys[:8],
+        )
     return model

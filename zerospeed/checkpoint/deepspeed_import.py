@@ -26,6 +26,7 @@ DeepSpeed pickles a few of its own classes into these files (its loss scaler, `Z
 error naming the file: tensor / pipeline-parallel checkpoints, MoE, bf16 checkpoints of DeepSpeed's
 stage-0/1 `BF16_Optimizer` (`bf16_zero_pp_rank_*` files), universal-checkpoint folders.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,11 +41,31 @@ from zerospeed.checkpoint.universal import FP32, UniversalState
 
 MODEL = "mp_rank_00_model_states.pt"
 # DeepSpeed's top-level model-states keys; any other key is the user's client_state
-RESERVED = frozenset({
-    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-    "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-    "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
-    "ds_version", "checkpoint_parallel_dimensions", "mp_rank", "iteration"})
+RESERVED = frozenset(
+    {
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "frozen_param_fragments",
+        "lr_scheduler",
+        "data_sampler",
+        "random_ltd",
+        "sparse_tensor_module_names",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "ds_config",
+        "ds_version",
+        "checkpoint_parallel_dimensions",
+        "mp_rank",
+        "iteration",
+    }
+)
 
 
 class _Record:
@@ -87,14 +108,16 @@ def _load(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PickleModule, mmap=True)
     except Exception as exc:  # noqa: BLE001 — name the file whatever went wrong
-        raise CheckpointError(f"{path}: cannot read it as a DeepSpeed checkpoint file ({type(exc).__name__}: "
-                              f"{exc})") from exc
+        raise CheckpointError(
+            f"{path}: cannot read it as a DeepSpeed checkpoint file ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def is_deepspeed_tag(tag_dir: Path) -> bool:
     """DeepSpeed's files and no zerospeed manifest."""
     return not (tag_dir / "zerospeed_manifest.json").exists() and (
-        (tag_dir / MODEL).exists() or (tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt").exists())
+        (tag_dir / MODEL).exists() or (tag_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt").exists()
+    )
 
 
 @dataclass
@@ -109,8 +132,9 @@ class DeepSpeedCheckpoint:
     client_state: dict = field(default_factory=dict)
 
 
-def read_deepspeed_checkpoint(tag_dir: Path, names: set[str] | None = None,
-                              group_names: list[list[str]] | None = None) -> DeepSpeedCheckpoint:
+def read_deepspeed_checkpoint(
+    tag_dir: Path, names: set[str] | None = None, group_names: list[list[str]] | None = None
+) -> DeepSpeedCheckpoint:
     """The universal form of a DeepSpeed checkpoint (the named trainable parameters only, all when None).
     `group_names`: the trainable parameters' names per optimizer param group, in order; a ZeRO-0
     checkpoint records no names for its optimizer's states (they are indexed by position), which
@@ -125,28 +149,36 @@ def read_deepspeed_checkpoint(tag_dir: Path, names: set[str] | None = None,
     elif group_names is not None:
         shapes = [{n: tuple(model["module"][n].shape) for n in g} for g in group_names]
     else:
-        raise CheckpointError(f"{tag_dir}: a ZeRO-0 DeepSpeed checkpoint names no parameters for its optimizer "
-                              "states; load it through engine.load_checkpoint (which knows the model's order)")
+        raise CheckpointError(
+            f"{tag_dir}: a ZeRO-0 DeepSpeed checkpoint names no parameters for its optimizer "
+            "states; load it through engine.load_checkpoint (which knows the model's order)"
+        )
     if stage3:
         ckpt = _read_stage3(tag_dir, model, dp, shapes, names)
     elif model.get("optimizer") is not None or not (tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt").exists():
         ckpt = _read_stage0(tag_dir, model, shapes, names)
     else:
         ckpt = _read_stage12(tag_dir, model, dp, shapes, names)
-    ckpt.meta = {k: model.get(k) for k in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler",
-                                           "ds_config", "ds_version")} | ckpt.meta
+    ckpt.meta = {
+        k: model.get(k)
+        for k in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "ds_config", "ds_version")
+    } | ckpt.meta
     ckpt.client_state = {k: v for k, v in model.items() if k not in RESERVED}
     return ckpt
 
 
 def _refuse(tag_dir: Path, model: dict) -> None:
     if int(model.get("mp_world_size") or 1) > 1 or any(tag_dir.glob("*mp_rank_01*")):
-        raise CheckpointError(f"{tag_dir}: a tensor-parallel DeepSpeed checkpoint (mp_world_size "
-                              f"{model.get('mp_world_size')}); only data-parallel DeepSpeed checkpoints are read: "
-                              "convert it with DeepSpeed's zero_to_fp32.py and load the weights")
+        raise CheckpointError(
+            f"{tag_dir}: a tensor-parallel DeepSpeed checkpoint (mp_world_size "
+            f"{model.get('mp_world_size')}); only data-parallel DeepSpeed checkpoints are read: "
+            "convert it with DeepSpeed's zero_to_fp32.py and load the weights"
+        )
     if any(tag_dir.glob("layer_*")) or any(tag_dir.glob("bf16_zero_pp_rank_*")) or any(tag_dir.glob("*expp_rank*")):
-        raise CheckpointError(f"{tag_dir}: a pipeline, BF16_Optimizer or MoE DeepSpeed checkpoint is not read here; "
-                              "convert it with DeepSpeed's zero_to_fp32.py and load the weights")
+        raise CheckpointError(
+            f"{tag_dir}: a pipeline, BF16_Optimizer or MoE DeepSpeed checkpoint is not read here; "
+            "convert it with DeepSpeed's zero_to_fp32.py and load the weights"
+        )
 
 
 def _optim_files(tag_dir: Path, dp: int) -> list[dict]:
@@ -182,9 +214,15 @@ def _loss_scale(record) -> dict:
     """DeepSpeed's loss scaler as zerospeed's `DynamicLossScaler.state_dict()` (None when static)."""
     if record is None or not getattr(record, "dynamic", False):
         return {}
-    return {"loss_scaler": {"dynamic": True, "scale": float(record.cur_scale), "cur_iter": int(record.cur_iter),
-                            "last_overflow_iter": int(record.last_overflow_iter),
-                            "cur_hysteresis": int(getattr(record, "cur_hysteresis", 1))}}
+    return {
+        "loss_scaler": {
+            "dynamic": True,
+            "scale": float(record.cur_scale),
+            "cur_iter": int(record.cur_iter),
+            "last_overflow_iter": int(record.last_overflow_iter),
+            "cur_hysteresis": int(getattr(record, "cur_hysteresis", 1)),
+        }
+    }
 
 
 def _read_stage0(tag_dir: Path, model: dict, shapes: list[dict], names) -> DeepSpeedCheckpoint:
@@ -203,8 +241,9 @@ def _read_stage0(tag_dir: Path, model: dict, shapes: list[dict], names) -> DeepS
             state = opt["state"].get(key, {})
             uni.tensors[name] = {FP32: value, **_elementwise(state, value.numel())}
             uni.scalars[name], uni.groups[name] = _scalars(state), gi
-    return DeepSpeedCheckpoint(tag_dir, 0, int(model.get("dp_world_size") or 1), uni, module,
-                               _hyperparameters(opt["param_groups"]))
+    return DeepSpeedCheckpoint(
+        tag_dir, 0, int(model.get("dp_world_size") or 1), uni, module, _hyperparameters(opt["param_groups"])
+    )
 
 
 def _read_stage12(tag_dir: Path, model: dict, dp: int, shapes: list[dict], names) -> DeepSpeedCheckpoint:
@@ -214,16 +253,16 @@ def _read_stage12(tag_dir: Path, model: dict, dp: int, shapes: list[dict], names
     uni = UniversalState()
     for gi, group in enumerate(shapes):
         pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
-        for r, osd in enumerate(ranks):
+        for _r, osd in enumerate(ranks):
             fp32 = osd["single_partition_of_fp32_groups"][gi]
             state = osd["base_optimizer_state"]["state"].get(gi, {})
             states = {k: v.reshape(-1) for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0}
             for name, frag in osd["param_slice_mappings"][gi].items():
                 numel, start = _fragment(frag)
                 slot = pieces.setdefault(name, {FP32: []})
-                slot[FP32].append(fp32[start:start + numel])
+                slot[FP32].append(fp32[start : start + numel])
                 for k, v in states.items():
-                    slot.setdefault(k, []).append(v[start:start + numel])
+                    slot.setdefault(k, []).append(v[start : start + numel])
         for name, shape in group.items():
             if names is not None and name not in names:
                 continue
@@ -231,14 +270,22 @@ def _read_stage12(tag_dir: Path, model: dict, dp: int, shapes: list[dict], names
                 raise CheckpointError(f"{tag_dir}: no rank's param_slice_mappings holds {name}")
             full = {k: torch.cat(v) for k, v in pieces[name].items()}
             if full[FP32].numel() != math.prod(shape):
-                raise CheckpointError(f"{tag_dir}: the fragments of {name} hold {full[FP32].numel()} elements, its "
-                                      f"shape {tuple(shape)} needs {math.prod(shape)}")
+                raise CheckpointError(
+                    f"{tag_dir}: the fragments of {name} hold {full[FP32].numel()} elements, its "
+                    f"shape {tuple(shape)} needs {math.prod(shape)}"
+                )
             uni.tensors[name] = full
             uni.scalars[name] = _scalars(first["base_optimizer_state"]["state"].get(gi, {}))
             uni.groups[name] = gi
-    return DeepSpeedCheckpoint(tag_dir, int(first.get("zero_stage", 2)), dp, uni, dict(model["module"]),
-                               _hyperparameters(base["param_groups"]),
-                               meta=_loss_scale(first.get("loss_scaler")))
+    return DeepSpeedCheckpoint(
+        tag_dir,
+        int(first.get("zero_stage", 2)),
+        dp,
+        uni,
+        dict(model["module"]),
+        _hyperparameters(base["param_groups"]),
+        meta=_loss_scale(first.get("loss_scaler")),
+    )
 
 
 def _read_stage3(tag_dir: Path, model: dict, dp: int, shapes: list[dict], names) -> DeepSpeedCheckpoint:
@@ -256,21 +303,24 @@ def _read_stage3(tag_dir: Path, model: dict, dp: int, shapes: list[dict], names)
             numel = math.prod(shape)
             part = math.ceil(numel / dp)
             if names is None or name in names:
-                uni.tensors[name] = {FP32: torch.cat([f[offset:offset + part] for f in flats])[:numel]}
+                uni.tensors[name] = {FP32: torch.cat([f[offset : offset + part] for f in flats])[:numel]}
                 for k in states[0]:
-                    uni.tensors[name][k] = torch.cat([s[k][offset:offset + part] for s in states])[:numel]
+                    uni.tensors[name][k] = torch.cat([s[k][offset : offset + part] for s in states])[:numel]
                 uni.scalars[name], uni.groups[name] = dict(scalars), gi
             offset += part
     if offset > flats[0].numel():
-        raise CheckpointError(f"{tag_dir}: its parameters need {offset} elements per rank, the flat groups hold "
-                              f"{flats[0].numel()}")
+        raise CheckpointError(
+            f"{tag_dir}: its parameters need {offset} elements per rank, the flat groups hold {flats[0].numel()}"
+        )
     module = {n: t for n, t in model["module"].items() if n in set(model.get("buffer_names") or [])}
     frozen = model.get("frozen_param_shapes") or {}
     if frozen:
-        frags = [_load(tag_dir / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")["frozen_param_fragments"]
-                 for r in range(dp)]
+        frags = [
+            _load(tag_dir / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")["frozen_param_fragments"] for r in range(dp)
+        ]
         for name, shape in frozen.items():
-            module[name] = torch.cat([f[name].reshape(-1) for f in frags])[:math.prod(shape)].view(shape)
+            module[name] = torch.cat([f[name].reshape(-1) for f in frags])[: math.prod(shape)].view(shape)
     hyper = _hyperparameters(ranks[0]["optimizer_state_dict"]["param_groups"])
-    return DeepSpeedCheckpoint(tag_dir, 3, dp, uni, module, hyper[:len(shapes)],
-                               meta=_loss_scale(ranks[0].get("loss_scaler")))
+    return DeepSpeedCheckpoint(
+        tag_dir, 3, dp, uni, module, hyper[: len(shapes)], meta=_loss_scale(ranks[0].get("loss_scaler"))
+    )

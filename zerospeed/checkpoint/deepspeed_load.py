@@ -6,6 +6,7 @@ masters and optimizer states from their full tensors (as for a resharded zerospe
 the buffers and frozen weights into the module, and restores the optimizer's hyperparameters, the LR
 scheduler, the counters and the loss scale. DeepSpeed saves no RNG state: each rank keeps its own.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,14 +25,17 @@ from zerospeed.utils.logging import get_logger
 logger = get_logger(__name__)
 
 
-def load_deepspeed_checkpoint(state: TrainingState, tag_dir: Path, *, strict: bool, with_optimizer: bool,
-                              with_scheduler: bool, module_only: bool):
+def load_deepspeed_checkpoint(
+    state: TrainingState, tag_dir: Path, *, strict: bool, with_optimizer: bool, with_scheduler: bool, module_only: bool
+):
     """Collective. Returns (the model-states file, client_state) as `load_checkpoint` does."""
     check_supported(state, experts_ok=False)
     place = placement(state)
     if place.tp > 1:
-        raise CheckpointError(f"loading the DeepSpeed checkpoint {tag_dir} at tensor-parallel size {place.tp}: "
-                              "DeepSpeed checkpoints load without tensor parallelism only")
+        raise CheckpointError(
+            f"loading the DeepSpeed checkpoint {tag_dir} at tensor-parallel size {place.tp}: "
+            "DeepSpeed checkpoints load without tensor parallelism only"
+        )
     names = checkpoint_names(state, place)
     entries = state.zero.shard_entries(names.params)
     wanted = {p.name for e in entries for p in e.pieces}
@@ -45,16 +49,28 @@ def load_deepspeed_checkpoint(state: TrainingState, tag_dir: Path, *, strict: bo
     except CheckpointError as exc:
         error = str(exc)
     except Exception as exc:  # noqa: BLE001 — every rank must learn of it before the collectives below
-        error = f"rank {comm.get_rank()}: loading the DeepSpeed checkpoint {tag_dir} failed: {type(exc).__name__}: {exc}"
+        error = (
+            f"rank {comm.get_rank()}: loading the DeepSpeed checkpoint {tag_dir} failed: {type(exc).__name__}: {exc}"
+        )
     raise_if_any_rank_failed(error)
     state.zero.sync_params_from_masters()
     if not module_only:  # DeepSpeed saves no micro-step count nor RNG state: both start afresh
-        restore_training_state(state, {"optimizer_param_groups": ckpt.param_groups, **ckpt.meta},
-                               with_optimizer=with_optimizer, with_scheduler=with_scheduler)
+        restore_training_state(
+            state,
+            {"optimizer_param_groups": ckpt.param_groups, **ckpt.meta},
+            with_optimizer=with_optimizer,
+            with_scheduler=with_scheduler,
+        )
     comm.barrier()
-    logger.info("loaded DeepSpeed %s checkpoint %s (ZeRO-%d, %d ranks) into ZeRO-%d on %d ranks",
-                ckpt.meta.get("ds_version"), tag_dir, ckpt.stage, ckpt.dp, state.zero.stage,
-                state.mesh.size("dp_sp"))
+    logger.info(
+        "loaded DeepSpeed %s checkpoint %s (ZeRO-%d, %d ranks) into ZeRO-%d on %d ranks",
+        ckpt.meta.get("ds_version"),
+        tag_dir,
+        ckpt.stage,
+        ckpt.dp,
+        state.zero.stage,
+        state.mesh.size("dp_sp"),
+    )
     files = sorted(tag_dir.glob("*model_states.pt"))
     return str(tag_dir / MODEL if (tag_dir / MODEL).exists() else files[0]), ckpt.client_state
 
@@ -62,19 +78,25 @@ def load_deepspeed_checkpoint(state: TrainingState, tag_dir: Path, *, strict: bo
 def _check_matches(state: TrainingState, ckpt, specs: dict, wanted: set[str], with_optimizer: bool) -> None:
     missing = sorted(wanted - set(ckpt.universal.tensors))
     if missing:
-        raise CheckpointError(f"{ckpt.tag_dir}: the DeepSpeed checkpoint has no weights for {missing[:5]}"
-                              f"{' ...' if len(missing) > 5 else ''} ({len(missing)} trainable parameters of "
-                              "this model); is it a checkpoint of this model?")
+        raise CheckpointError(
+            f"{ckpt.tag_dir}: the DeepSpeed checkpoint has no weights for {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''} ({len(missing)} trainable parameters of "
+            "this model); is it a checkpoint of this model?"
+        )
     for name in wanted:
         have, want = ckpt.universal.tensors[name][FP32].numel(), math.prod(specs[name]["shape"])
         if have != want:
-            raise CheckpointError(f"{ckpt.tag_dir}: {name} has {have} elements in the DeepSpeed checkpoint, "
-                                  f"{want} in this model (shape {tuple(specs[name]['shape'])})")
+            raise CheckpointError(
+                f"{ckpt.tag_dir}: {name} has {have} elements in the DeepSpeed checkpoint, "
+                f"{want} in this model (shape {tuple(specs[name]['shape'])})"
+            )
     opt = state.optimizer
     if with_optimizer and opt is not None and len(ckpt.param_groups) != len(opt.param_groups):
-        raise CheckpointError(f"{ckpt.tag_dir}: the DeepSpeed checkpoint has {len(ckpt.param_groups)} optimizer param "
-                              f"groups, this engine {len(opt.param_groups)}; pass "
-                              "load_optimizer_states=False to load the weights only")
+        raise CheckpointError(
+            f"{ckpt.tag_dir}: the DeepSpeed checkpoint has {len(ckpt.param_groups)} optimizer param "
+            f"groups, this engine {len(opt.param_groups)}; pass "
+            "load_optimizer_states=False to load the weights only"
+        )
 
 
 @torch.no_grad()
@@ -86,16 +108,19 @@ def _load_module(state: TrainingState, ckpt, strict: bool) -> None:
     expected = set(module.state_dict().keys())
     saved = set(ckpt.module) | set(ckpt.universal.tensors)
     if strict:
-        problems = [f"missing {sorted(expected - saved - trainable)[:5]}" if expected - saved - trainable else "",
-                    f"unexpected {sorted(set(ckpt.module) - expected)[:5]}" if set(ckpt.module) - expected else ""]
+        problems = [
+            f"missing {sorted(expected - saved - trainable)[:5]}" if expected - saved - trainable else "",
+            f"unexpected {sorted(set(ckpt.module) - expected)[:5]}" if set(ckpt.module) - expected else "",
+        ]
         problems = [p for p in problems if p]
         if problems:
-            raise CheckpointError(f"{ckpt.tag_dir}: the DeepSpeed checkpoint does not fit this model: "
-                                  f"{'; '.join(problems)} (pass load_module_strict=False to skip them)")
+            raise CheckpointError(
+                f"{ckpt.tag_dir}: the DeepSpeed checkpoint does not fit this model: "
+                f"{'; '.join(problems)} (pass load_module_strict=False to skip them)"
+            )
     values = {k: v for k, v in ckpt.module.items() if k in expected and k not in trainable and k not in sharded}
     module.load_state_dict(values, strict=False)
     params = dict(module.named_parameters(remove_duplicate=False))
     frozen = {id(params[n]): ckpt.module[n] for n in sharded if n in ckpt.module and n not in trainable}
     if frozen:
         state.zero.load_frozen(frozen)
-

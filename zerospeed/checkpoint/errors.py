@@ -1,4 +1,5 @@
 """The checkpoint error, and how a failure on one rank becomes the same error on every rank."""
+
 from __future__ import annotations
 
 from zerospeed import comm

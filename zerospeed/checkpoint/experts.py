@@ -24,6 +24,7 @@ shards of all ep ranks together describe every expert once, consolidate to trans
 and a loading rank cuts its own rows out at any ep size. The expert files hold one row (expert e's
 matrix) under the parameter's name; blocks count in module order with `MoE` layers.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,7 +60,7 @@ class ExpertSpan:
             return key if key in self.stacked else None
         if not key.startswith(self.prefix + "."):
             return None
-        j, _, rest = key[len(self.prefix) + 1:].partition(".")
+        j, _, rest = key[len(self.prefix) + 1 :].partition(".")
         return f"{self.prefix}.{self.first + int(j)}.{rest}"
 
     def localize(self, key: str) -> str | None:
@@ -68,12 +69,12 @@ class ExpertSpan:
             return key if key in self.stacked else None
         if not key.startswith(self.prefix + "."):
             return None
-        e, _, rest = key[len(self.prefix) + 1:].partition(".")
+        e, _, rest = key[len(self.prefix) + 1 :].partition(".")
         j = int(e) - self.first
         return f"{self.prefix}.{j}.{rest}" if 0 <= j < self.local else None
 
     def expert_of(self, global_key: str) -> int:
-        return int(global_key[len(self.prefix) + 1:].partition(".")[0])
+        return int(global_key[len(self.prefix) + 1 :].partition(".")[0])
 
 
 def expert_file_name(layer: int, expert: int) -> str:
@@ -90,8 +91,17 @@ def expert_spans(module: torch.nn.Module) -> list[ExpertSpan]:
     for name, m in module.named_modules():
         if isinstance(m, HoldsExperts):
             share = m.checkpoint_experts()
-            spans.append(ExpertSpan(len(spans), _qualified(name, share.experts), share.first, share.local,
-                                    share.writer, tuple(_qualified(name, p) for p in share.stacked), share.total))
+            spans.append(
+                ExpertSpan(
+                    len(spans),
+                    _qualified(name, share.experts),
+                    share.first,
+                    share.local,
+                    share.writer,
+                    tuple(_qualified(name, p) for p in share.stacked),
+                    share.total,
+                )
+            )
     return spans
 
 
@@ -125,8 +135,18 @@ class CheckpointNames:
         [stacked expert checkpoints]); the others as they are."""
         if not self.offsets:
             return entries
-        return [ShardEntry(e.master, [dataclasses.replace(p, param_offset=p.param_offset + self.offsets[p.name])
-                                      if p.name in self.offsets else p for p in e.pieces]) for e in entries]
+        return [
+            ShardEntry(
+                e.master,
+                [
+                    dataclasses.replace(p, param_offset=p.param_offset + self.offsets[p.name])
+                    if p.name in self.offsets
+                    else p
+                    for p in e.pieces
+                ],
+            )
+            for e in entries
+        ]
 
 
 def checkpoint_names(module: torch.nn.Module) -> CheckpointNames:
@@ -158,8 +178,9 @@ def _merge(per_rank: list[tuple[dict, list]]) -> tuple[dict, list]:
     return specs, keys
 
 
-def write_expert_files(module: torch.nn.Module, spans: list[ExpertSpan], directory: Path
-                       ) -> tuple[dict[str, dict], str | None]:
+def write_expert_files(
+    module: torch.nn.Module, spans: list[ExpertSpan], directory: Path
+) -> tuple[dict[str, dict], str | None]:
     """Collective (stage 3 gathers each expert over its expert-dp group, so every rank goes through
     every expert even after a failed write): (the files this rank wrote, name -> record; an error)."""
     state = dict(module.named_parameters())
@@ -177,16 +198,18 @@ def write_expert_files(module: torch.nn.Module, spans: list[ExpertSpan], directo
                     continue
                 name = expert_file_name(span.layer, span.first + j)
                 try:
-                    atomic_torch_save({span.globalize(k): state[k].detach().cpu().clone() for k in keys},
-                                      directory / name)
+                    atomic_torch_save(
+                        {span.globalize(k): state[k].detach().cpu().clone() for k in keys}, directory / name
+                    )
                     files[name] = file_record(directory / name)
                 except OSError as exc:
                     error = f"rank {comm.get_rank()} could not write expert file {directory / name}: {exc}"
     return files, error
 
 
-def _write_stacked(span: ExpertSpan, state: dict, directory: Path, files: dict, error: str | None
-                   ) -> tuple[dict, str | None]:
+def _write_stacked(
+    span: ExpertSpan, state: dict, directory: Path, files: dict, error: str | None
+) -> tuple[dict, str | None]:
     """One file per expert of an AutoEP block: row j of each stacked parameter (Note [stacked expert
     checkpoints]); collective at stage 3 like `write_expert_files`."""
     with GatheredParameters([state[k] for k in span.stacked]):
@@ -214,8 +237,12 @@ def load_expert_files(module: torch.nn.Module, spans: list[ExpertSpan], tag_dir:
     state.update(module.named_buffers())
     for span in spans:
         for j in range(span.local):
-            saved = torch.load(Path(tag_dir) / expert_file_name(span.layer, span.first + j), map_location="cpu",
-                               mmap=True, weights_only=True)
+            saved = torch.load(
+                Path(tag_dir) / expert_file_name(span.layer, span.first + j),
+                map_location="cpu",
+                mmap=True,
+                weights_only=True,
+            )
             for key, value in saved.items():
                 local = span.localize(key)
                 if local is None or local not in state or local in skip:

@@ -9,6 +9,7 @@ under its first name, and listed in the file metadata and the index ("tied": {al
 torch.save keeps the sharing by itself, so a .bin shard holds both names. See Note [safetensors and
 shared memory] for views that overlap without being aliases.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,18 @@ import torch
 from zerospeed.checkpoint.atomic import atomic_torch_save, atomic_write_text
 from zerospeed.checkpoint.safetensors_io import read_safetensors, write_safetensors
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_size(size: int | str) -> int:
@@ -71,8 +82,9 @@ def split_aliases(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.
     first: dict[tuple, str] = {}
     unique, aliases = {}, {}
     for k, v in state_dict.items():
-        key = ((v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype) if v.numel()
-               else ("empty", k))
+        key = (
+            (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.dtype) if v.numel() else ("empty", k)
+        )
         if key in first:
             aliases[k] = first[key]
         else:
@@ -102,8 +114,13 @@ def clone_overlapping(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
-def export_state_dict(state_dict: dict[str, torch.Tensor], output_dir, *, max_shard_size: int | str | None = "5GB",
-                      safe_serialization: bool = False) -> list[Path]:
+def export_state_dict(
+    state_dict: dict[str, torch.Tensor],
+    output_dir,
+    *,
+    max_shard_size: int | str | None = "5GB",
+    safe_serialization: bool = False,
+) -> list[Path]:
     """Write `state_dict` into `output_dir` (torch.save by default, safetensors with `safe_serialization`,
     DeepSpeed's defaults); `max_shard_size=None` never shards. Returns the paths written (the index
     last, when sharded)."""
@@ -122,8 +139,11 @@ def export_state_dict(state_dict: dict[str, torch.Tensor], output_dir, *, max_sh
         tied_here = {a: c for a, c in aliases.items() if c in members}
         path = out / files[i]
         if safe_serialization:
-            write_safetensors(path, clone_overlapping({k: unique[k] for k in names}),
-                              {"format": "pt", **({"tied": json.dumps(tied_here)} if tied_here else {})})
+            write_safetensors(
+                path,
+                clone_overlapping({k: unique[k] for k in names}),
+                {"format": "pt", **({"tied": json.dumps(tied_here)} if tied_here else {})},
+            )
         else:
             atomic_torch_save({k: v for k, v in state_dict.items() if k in members or k in tied_here}, path)
         written.append(path)
@@ -132,8 +152,10 @@ def export_state_dict(state_dict: dict[str, torch.Tensor], output_dir, *, max_sh
         weight_map = dict(owner)
         if not safe_serialization:
             weight_map.update({a: owner[c] for a, c in aliases.items()})
-        body = {"metadata": {"total_size": sum(v.nbytes for v in unique.values()), "tied": aliases},
-                "weight_map": weight_map}
+        body = {
+            "metadata": {"total_size": sum(v.nbytes for v in unique.values()), "tied": aliases},
+            "weight_map": weight_map,
+        }
         atomic_write_text(index, json.dumps(body, indent=1) + "\n")
         written.append(index)
         (out / f"{stem}.{ext}").unlink(missing_ok=True)  # a stale single file would shadow the shards

@@ -6,6 +6,7 @@ with one value per master element, e.g. Adam's exp_avg) and its scalar state (e.
 manifest stores each entry's `EntryLayout`, so a reader knows where every parameter element is
 without opening the files.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,15 +25,20 @@ class EntryLayout:
     scalars: tuple[str, ...] = ()  # all other optimizer state keys
 
     def to_json(self) -> dict:
-        return {"group": self.group, "numel": self.numel,
-                "pieces": [[p.name, p.param_offset, p.offset, p.numel] for p in self.pieces],
-                "elementwise": list(self.elementwise), "scalars": list(self.scalars)}
+        return {
+            "group": self.group,
+            "numel": self.numel,
+            "pieces": [[p.name, p.param_offset, p.offset, p.numel] for p in self.pieces],
+            "elementwise": list(self.elementwise),
+            "scalars": list(self.scalars),
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> EntryLayout:
         pieces = tuple(Piece(n, int(a), int(b), int(c)) for n, a, b, c in d["pieces"])
-        return cls(int(d["group"]), int(d["numel"]), pieces, tuple(d.get("elementwise", ())),
-                   tuple(d.get("scalars", ())))
+        return cls(
+            int(d["group"]), int(d["numel"]), pieces, tuple(d.get("elementwise", ())), tuple(d.get("scalars", ()))
+        )
 
 
 @dataclass(frozen=True)
@@ -52,8 +58,9 @@ class RankFile:
 
     @classmethod
     def from_json(cls, d: dict) -> RankFile:
-        return cls(int(d["rank"]), d["file"], tuple(EntryLayout.from_json(e) for e in d["entries"]),
-                   int(d.get("tp_rank", 0)))
+        return cls(
+            int(d["rank"]), d["file"], tuple(EntryLayout.from_json(e) for e in d["entries"]), int(d.get("tp_rank", 0))
+        )
 
 
 def partition_from_manifest(manifest: dict) -> list[RankFile]:

@@ -8,6 +8,7 @@ universal.py) of just the parameters its entries touch, cut to this rank's tenso
 (Note [canonical tensors] in tensor_parallel.py) — so a checkpoint loads at any tp degree as well.
 Masters are then written back into the model on every rank.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,20 +24,29 @@ from zerospeed.checkpoint.deepspeed_load import load_deepspeed_checkpoint
 from zerospeed.checkpoint.errors import CheckpointError, raise_if_any_rank_failed
 from zerospeed.checkpoint.experts import CheckpointNames, is_expert_key, load_expert_files, local_expert_files
 from zerospeed.checkpoint.layout import RankFile, entry_groups, partition_from_manifest
-from zerospeed.checkpoint.manifest import (check_model_compat, read_manifest, saved_layouts, tied_aliases,
-                                           verify_files)
+from zerospeed.checkpoint.manifest import check_model_compat, read_manifest, saved_layouts, tied_aliases, verify_files
 from zerospeed.checkpoint.module_state import SavedModule, local_module_state
-from zerospeed.checkpoint.naming import (MODEL_STATES, CheckpointPaths, check_load_dir, is_model_states_name,
-                                         optim_states_name)
-from zerospeed.checkpoint.placement import (Placement, check_supported, checkpoint_names, placement,
-                                            sharded_param_names)
+from zerospeed.checkpoint.naming import (
+    MODEL_STATES,
+    CheckpointPaths,
+    check_load_dir,
+    is_model_states_name,
+    optim_states_name,
+)
+from zerospeed.checkpoint.placement import Placement, check_supported, checkpoint_names, placement, sharded_param_names
 from zerospeed.checkpoint.rng import restore_rng_state
 from zerospeed.checkpoint.save import RESERVED_KEYS
 from zerospeed.checkpoint.state import TrainingState, restore_training_state
-from zerospeed.checkpoint.tensor_parallel import layout_problem, reslice
 from zerospeed.checkpoint.tags import agree_on_tag, read_latest, resolve_tag_dir
-from zerospeed.checkpoint.universal import (FP32, fill_from_universal, files_holding, load_universal,
-                                            scalar_state, state_dtype)
+from zerospeed.checkpoint.tensor_parallel import layout_problem, reslice
+from zerospeed.checkpoint.universal import (
+    FP32,
+    files_holding,
+    fill_from_universal,
+    load_universal,
+    scalar_state,
+    state_dtype,
+)
 from zerospeed.zero.shards import ShardEntry
 
 logger = logging.getLogger(__name__)
@@ -58,12 +68,14 @@ def _matching_file(manifest: dict, entries: list[ShardEntry], place: Placement) 
     if saved_layouts(manifest) != place.layouts:
         return None
     dp_rank = 0 if manifest["replicated"] else place.dp_rank
-    candidate = next((rf for rf in partition_from_manifest(manifest)
-                      if rf.rank == dp_rank and rf.tp_rank == place.tp_rank), None)
+    candidate = next(
+        (rf for rf in partition_from_manifest(manifest) if rf.rank == dp_rank and rf.tp_rank == place.tp_rank), None
+    )
     if candidate is None:
         return None
     same = len(candidate.entries) == len(entries) and all(
-        lay.numel == e.master.numel() and lay.pieces == tuple(e.pieces) for lay, e in zip(candidate.entries, entries))
+        lay.numel == e.master.numel() and lay.pieces == tuple(e.pieces) for lay, e in zip(candidate.entries, entries)
+    )
     return candidate if same else None
 
 
@@ -79,9 +91,11 @@ def _check_layouts(manifest: dict, place: Placement, tag_dir: Path) -> None:
     for name, layout in place.layouts.items():
         saved = manifest["parameters"].get(name)
         if saved is not None and (problem := layout_problem(name, saved["shape"], layout, place.tp)) is not None:
-            raise CheckpointError(f"checkpoint {tag_dir}: {problem} (its full shape in the checkpoint is "
-                                  f"{saved['shape']}); build the model as it was when saved (the same model config "
-                                  "and tensor_parallel.partition_config)")
+            raise CheckpointError(
+                f"checkpoint {tag_dir}: {problem} (its full shape in the checkpoint is "
+                f"{saved['shape']}); build the model as it was when saved (the same model config "
+                "and tensor_parallel.partition_config)"
+            )
 
 
 def _weights_in_shards(state: TrainingState, manifest: dict) -> bool:
@@ -89,8 +103,17 @@ def _weights_in_shards(state: TrainingState, manifest: dict) -> bool:
     return state.zero.weights_in_shards or manifest["weights_in_shards"]
 
 
-def _read_list(state: TrainingState, tag_dir: Path, manifest: dict, *, strict: bool, with_optimizer: bool,
-               module_only: bool, names: CheckpointNames, place: Placement) -> _ReadList:
+def _read_list(
+    state: TrainingState,
+    tag_dir: Path,
+    manifest: dict,
+    *,
+    strict: bool,
+    with_optimizer: bool,
+    module_only: bool,
+    names: CheckpointNames,
+    place: Placement,
+) -> _ReadList:
     check_model_compat(manifest, state.module, strict=strict, where=tag_dir, specs=names.specs)
     _check_layouts(manifest, place, tag_dir)
     entries = names.global_entries(state.zero.shard_entries(names.params))
@@ -116,20 +139,31 @@ def _check_optimizer(optimizer, manifest: dict, tag_dir: Path) -> None:
     if optimizer is None:
         return
     if saved["type"] is not None and saved["type"] != type(optimizer).__name__:
-        raise CheckpointError(f"checkpoint {tag_dir} holds {saved['type']} optimizer state, this engine uses "
-                              f"{type(optimizer).__name__}; pass load_optimizer_states=False to load the weights only")
+        raise CheckpointError(
+            f"checkpoint {tag_dir} holds {saved['type']} optimizer state, this engine uses "
+            f"{type(optimizer).__name__}; pass load_optimizer_states=False to load the weights only"
+        )
     if saved["param_groups"] != len(optimizer.param_groups):
-        raise CheckpointError(f"checkpoint {tag_dir} has {saved['param_groups']} optimizer param groups, this "
-                              f"engine {len(optimizer.param_groups)}; pass load_optimizer_states=False to load "
-                              "the weights only")
+        raise CheckpointError(
+            f"checkpoint {tag_dir} has {saved['param_groups']} optimizer param groups, this "
+            f"engine {len(optimizer.param_groups)}; pass load_optimizer_states=False to load "
+            "the weights only"
+        )
 
 
-def _load_module(state: TrainingState, states: dict, manifest: dict, strict: bool, where: Path, spans,
-                 place: Placement) -> None:
+def _load_module(
+    state: TrainingState, states: dict, manifest: dict, strict: bool, where: Path, spans, place: Placement
+) -> None:
     module = state.module
     sharded = sharded_param_names(module)  # stage 3: filled from the shards, not the module state
-    module_state = local_module_state(SavedModule(where, manifest, states), layouts=place.layouts,
-                                      tp_rank=place.tp_rank, tp=place.tp, tied=tied_aliases(module), skip=sharded)
+    module_state = local_module_state(
+        SavedModule(where, manifest, states),
+        layouts=place.layouts,
+        tp_rank=place.tp_rank,
+        tp=place.tp,
+        tied=tied_aliases(module),
+        skip=sharded,
+    )
     result = module.load_state_dict(module_state, strict=False)
     _load_frozen(state, SavedModule(where, manifest, states), place, sharded)
     if spans:  # Note [global expert names]: this rank's experts come from their own files
@@ -140,20 +174,31 @@ def _load_module(state: TrainingState, states: dict, manifest: dict, strict: boo
         excluded |= {n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
     missing = [k for k in result.missing_keys if k not in excluded]
     if strict and (missing or result.unexpected_keys):
-        raise CheckpointError(f"checkpoint {where}: module state does not match the model — missing {missing}, "
-                              f"unexpected {list(result.unexpected_keys)} (load_module_strict=False to allow)")
+        raise CheckpointError(
+            f"checkpoint {where}: module state does not match the model — missing {missing}, "
+            f"unexpected {list(result.unexpected_keys)} (load_module_strict=False to allow)"
+        )
 
 
 def _load_frozen(state: TrainingState, saved: SavedModule, place: Placement, sharded: set[str]) -> None:
     """Stage 3's partitioned frozen parameters: each rank cuts its chunk out of the whole values the
     model states hold (Note [partitioned frozen parameters], zero/stage3/strategy.py)."""
     module = state.module
-    frozen = {n for n, p in module.named_parameters(remove_duplicate=False)
-              if n in sharded and not p.requires_grad and n in saved}
+    frozen = {
+        n
+        for n, p in module.named_parameters(remove_duplicate=False)
+        if n in sharded and not p.requires_grad and n in saved
+    }
     if not frozen:
         return
-    values = local_module_state(saved, layouts=place.layouts, tp_rank=place.tp_rank, tp=place.tp,
-                                tied=tied_aliases(module), skip=set(saved.keys()) - frozen)
+    values = local_module_state(
+        saved,
+        layouts=place.layouts,
+        tp_rank=place.tp_rank,
+        tp=place.tp,
+        tied=tied_aliases(module),
+        skip=set(saved.keys()) - frozen,
+    )
     params = dict(module.named_parameters(remove_duplicate=False))
     state.zero.load_frozen({id(params[n]): v for n, v in values.items()})
 
@@ -167,15 +212,18 @@ def _load_direct(reads: _ReadList, optimizer, with_optimizer: bool) -> None:
         if with_optimizer and optimizer is not None:
             group = optimizer.param_groups[gi] if gi >= 0 else {}
             optimizer.state[entry.master] = {
-                k: (v.to(entry.master.device, state_dtype(v.dtype, entry.master)).view(entry.master.shape).clone()
-                    if k in layout.elementwise else scalar_state(v, entry.master, group))
-                for k, v in record["state"].items()}
+                k: (
+                    v.to(entry.master.device, state_dtype(v.dtype, entry.master)).view(entry.master.shape).clone()
+                    if k in layout.elementwise
+                    else scalar_state(v, entry.master, group)
+                )
+                for k, v in record["state"].items()
+            }
 
 
 @torch.no_grad()
 def _load_resharded(reads: _ReadList, optimizer, with_optimizer: bool) -> None:
-    uni = load_universal(reads.tag_dir, reads.manifest, names=reads.names,
-                         keys=None if with_optimizer else {FP32})
+    uni = load_universal(reads.tag_dir, reads.manifest, names=reads.names, keys=None if with_optimizer else {FP32})
     place = reads.place
     for name, full in uni.tensors.items():  # this rank's tensor-parallel piece of each full tensor
         uni.tensors[name] = {k: reslice(t, place.layouts.get(name), place.tp_rank) for k, t in full.items()}
@@ -187,23 +235,36 @@ def _restore_rng(reads: _ReadList) -> None:
         rng = torch.load(reads.tag_dir / reads.rng_file, map_location="cpu", mmap=True, weights_only=True)["rng"]
         restore_rng_state(rng)
     else:
-        logger.warning("checkpoint %s was saved by %d ranks: rank %d has no saved RNG state and keeps its own",
-                       reads.tag_dir, reads.manifest["world_size"], comm.get_rank())
+        logger.warning(
+            "checkpoint %s was saved by %d ranks: rank %d has no saved RNG state and keeps its own",
+            reads.tag_dir,
+            reads.manifest["world_size"],
+            comm.get_rank(),
+        )
 
 
 def _resolve(state: TrainingState, root: Path, tag) -> str | None:
     if tag is None:
         tag = read_latest(root)
         if not all(t is not None for t in comm.all_gather_object(tag)):
-            logger.warning("load_checkpoint: there is no %s file naming a tag; nothing loaded (pass tag= to "
-                           "load a specific checkpoint)", root / "latest")
+            logger.warning(
+                "load_checkpoint: there is no %s file naming a tag; nothing loaded (pass tag= to "
+                "load a specific checkpoint)",
+                root / "latest",
+            )
             return None
     return agree_on_tag(str(tag), state.tag_validation)
 
 
-def load_checkpoint(state: TrainingState, load_dir, tag=None, load_module_strict: bool = True,
-                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                    load_module_only: bool = False):
+def load_checkpoint(
+    state: TrainingState,
+    load_dir,
+    tag=None,
+    load_module_strict: bool = True,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+):
     """Collective: restore a checkpoint saved at any world size, tensor-parallel degree and ZeRO stage 0-3
     into `state` (the engine's `TrainingState`).
 
@@ -217,10 +278,14 @@ def load_checkpoint(state: TrainingState, load_dir, tag=None, load_module_strict
         return None, None
     paths = CheckpointPaths(root, tag)
     if paths.dir.is_dir() and is_deepspeed_tag(paths.dir):  # Note [DeepSpeed checkpoints]
-        return load_deepspeed_checkpoint(state, paths.dir, strict=load_module_strict,
-                                         with_optimizer=load_optimizer_states and not load_module_only,
-                                         with_scheduler=load_lr_scheduler_states and not load_module_only,
-                                         module_only=load_module_only)
+        return load_deepspeed_checkpoint(
+            state,
+            paths.dir,
+            strict=load_module_strict,
+            with_optimizer=load_optimizer_states and not load_module_only,
+            with_scheduler=load_lr_scheduler_states and not load_module_only,
+            module_only=load_module_only,
+        )
     place = placement(state)
     names = checkpoint_names(state, place)  # collective with MoE layers (Note [global expert names])
     start = time.perf_counter()
@@ -229,8 +294,16 @@ def load_checkpoint(state: TrainingState, load_dir, tag=None, load_module_strict
     try:
         tag_dir = resolve_tag_dir(CheckpointPaths(root, tag))
         manifest = read_manifest(tag_dir)
-        reads = _read_list(state, tag_dir, manifest, strict=load_module_strict, with_optimizer=with_optimizer,
-                           module_only=load_module_only, names=names, place=place)
+        reads = _read_list(
+            state,
+            tag_dir,
+            manifest,
+            strict=load_module_strict,
+            with_optimizer=with_optimizer,
+            module_only=load_module_only,
+            names=names,
+            place=place,
+        )
         if (problem := verify_files(tag_dir, manifest, reads.files)) is not None:
             raise CheckpointError(problem)
     except CheckpointError as exc:
@@ -244,14 +317,24 @@ def load_checkpoint(state: TrainingState, load_dir, tag=None, load_module_strict
         restore_training_state(state, states, with_optimizer=with_optimizer, with_scheduler=load_lr_scheduler_states)
         _restore_rng(reads)
     comm.barrier()
-    logger.info("loaded checkpoint %s (%s) in %.2fs", reads.tag_dir,
-                "same layout" if reads.direct is not None else "resharded", time.perf_counter() - start)
+    logger.info(
+        "loaded checkpoint %s (%s) in %.2fs",
+        reads.tag_dir,
+        "same layout" if reads.direct is not None else "resharded",
+        time.perf_counter() - start,
+    )
     client_state = {k: v for k, v in states.items() if k not in RESERVED_KEYS}
     return str(reads.tag_dir / MODEL_STATES), client_state
 
 
-def _load_states(state: TrainingState, reads: _ReadList, with_optimizer: bool, load_module_only: bool,
-                 load_module_strict: bool, spans=()):
+def _load_states(
+    state: TrainingState,
+    reads: _ReadList,
+    with_optimizer: bool,
+    load_module_only: bool,
+    load_module_strict: bool,
+    spans=(),
+):
     states, error = None, None
     try:
         states = torch.load(reads.tag_dir / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False)

@@ -6,6 +6,7 @@ and each file's size and sha256. Loading checks files against it, so a missing, 
 corrupted file is named instead of surfacing as an unpickling error, and compares the parameters
 with the model, so a checkpoint of another model names the parameters that differ.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,12 +14,11 @@ from pathlib import Path
 
 import torch
 
-from zerospeed.zero.tags import full_shape
-
 from zerospeed.checkpoint.atomic import atomic_write_text, sha256_file
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.naming import MANIFEST
 from zerospeed.checkpoint.tensor_parallel import Layouts, layouts_from_json
+from zerospeed.zero.tags import full_shape
 
 FORMAT = "zerospeed-checkpoint"
 FORMAT_VERSION = 2
@@ -34,8 +34,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def param_specs(module: torch.nn.Module) -> dict[str, dict]:
     """name -> {shape, dtype, trainable} for each distinct parameter (a tied one under its first name)."""
-    return {n: {"shape": list(full_shape(p)), "dtype": dtype_name(p.dtype), "trainable": p.requires_grad}
-            for n, p in module.named_parameters()}
+    return {
+        n: {"shape": list(full_shape(p)), "dtype": dtype_name(p.dtype), "trainable": p.requires_grad}
+        for n, p in module.named_parameters()
+    }
 
 
 def tied_aliases(module: torch.nn.Module) -> dict[str, str]:
@@ -68,15 +70,19 @@ def model_mismatches(saved: dict[str, dict], current: dict[str, dict], *, strict
             problems.append(f"missing from the checkpoint: {_listing(missing)}")
         if extra:
             problems.append(f"in the checkpoint but not in the model: {_listing(extra)}")
-    shapes = [f"{n} (checkpoint {saved[n]['shape']}, model {current[n]['shape']})"
-              for n in current if n in saved and list(saved[n]["shape"]) != list(current[n]["shape"])]
+    shapes = [
+        f"{n} (checkpoint {saved[n]['shape']}, model {current[n]['shape']})"
+        for n in current
+        if n in saved and list(saved[n]["shape"]) != list(current[n]["shape"])
+    ]
     if shapes:
         problems.append(f"shape mismatch: {_listing(shapes)}")
     return problems
 
 
-def check_model_compat(manifest: dict, module: torch.nn.Module, *, strict: bool, where: Path,
-                       specs: dict[str, dict] | None = None) -> None:
+def check_model_compat(
+    manifest: dict, module: torch.nn.Module, *, strict: bool, where: Path, specs: dict[str, dict] | None = None
+) -> None:
     """`specs`: the model's as the checkpoint names them (param_specs(module) when None; with MoE layers,
     every rank's experts under global names — checkpoint/experts.py)."""
     current = param_specs(module) if specs is None else specs
@@ -123,8 +129,10 @@ def read_manifest(tag_dir: Path) -> dict:
     """The manifest of a tag directory; CheckpointError naming the path when absent or unreadable."""
     path = Path(tag_dir) / MANIFEST
     if not path.is_file():
-        raise CheckpointError(f"{path} is missing: {tag_dir} is not a complete zerospeed checkpoint (a save that "
-                              "did not finish, or a checkpoint written by another library)")
+        raise CheckpointError(
+            f"{path} is missing: {tag_dir} is not a complete zerospeed checkpoint (a save that "
+            "did not finish, or a checkpoint written by another library)"
+        )
     try:
         manifest = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -132,8 +140,10 @@ def read_manifest(tag_dir: Path) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a zerospeed checkpoint manifest")
     if manifest.get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointError(f"{path} has format version {manifest['format_version']}; this zerospeed reads "
-                              f"up to {FORMAT_VERSION} — upgrade zerospeed")
+        raise CheckpointError(
+            f"{path} has format version {manifest['format_version']}; this zerospeed reads "
+            f"up to {FORMAT_VERSION} — upgrade zerospeed"
+        )
     return _upgraded(manifest)
 
 

@@ -6,6 +6,7 @@ tp rank 0 writes every name (it holds a piece of every sharded tensor, and the r
 its keys are the checkpoint's, and a sharded tensor is assembled from the writer ranks' files, which
 are opened (memory-mapped) only when a sharded tensor needs them.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,8 +35,9 @@ class SavedModule:
 
     def _module(self, tp_rank: int) -> dict:
         if tp_rank not in self._modules:
-            self._modules[tp_rank] = torch.load(self.tag_dir / model_states_name(tp_rank), map_location="cpu",
-                                                mmap=True, weights_only=False)["module"]
+            self._modules[tp_rank] = torch.load(
+                self.tag_dir / model_states_name(tp_rank), map_location="cpu", mmap=True, weights_only=False
+            )["module"]
         return self._modules[tp_rank]
 
     def full(self, key: str) -> torch.Tensor:
@@ -47,14 +49,17 @@ class SavedModule:
         for r in writer_ranks(layout):
             module = self._module(r)
             if key not in module:
-                raise CheckpointError(f"checkpoint file {self.tag_dir / model_states_name(r)} lacks tp rank {r}'s "
-                                      f"piece of {key!r}; the checkpoint is incomplete — save it again")
+                raise CheckpointError(
+                    f"checkpoint file {self.tag_dir / model_states_name(r)} lacks tp rank {r}'s "
+                    f"piece of {key!r}; the checkpoint is incomplete — save it again"
+                )
             pieces[r] = module[key]
         return assemble_full(pieces, layout)
 
 
-def local_module_state(saved: SavedModule, *, layouts: Layouts, tp_rank: int, tp: int, tied: dict[str, str],
-                       skip: set[str]) -> dict[str, torch.Tensor]:
+def local_module_state(
+    saved: SavedModule, *, layouts: Layouts, tp_rank: int, tp: int, tied: dict[str, str], skip: set[str]
+) -> dict[str, torch.Tensor]:
     """The saved module tensors cut to this rank's tensor-parallel pieces (`layouts`: the loading model's;
     `tied`: its aliases), without the names in `skip`."""
     out = {}
@@ -68,8 +73,10 @@ def local_module_state(saved: SavedModule, *, layouts: Layouts, tp_rank: int, tp
         name = tied.get(key, key)
         layout = layouts.get(name)
         if (problem := layout_problem(name, list(full.shape), layout, tp)) is not None:
-            raise CheckpointError(f"checkpoint {saved.tag_dir}: {problem} (the tensor saved under {key!r} has full "
-                                  f"shape {list(full.shape)}); build the model as it was when saved (the same model "
-                                  "config and tensor_parallel.partition_config)")
+            raise CheckpointError(
+                f"checkpoint {saved.tag_dir}: {problem} (the tensor saved under {key!r} has full "
+                f"shape {list(full.shape)}); build the model as it was when saved (the same model "
+                "config and tensor_parallel.partition_config)"
+            )
         out[key] = reslice(full, layout, tp_rank)
     return out

@@ -10,6 +10,7 @@
 A save is staged in `{dir}/.{tag}.partial` and renamed to `{dir}/{tag}` when complete (see Note
 [tag directory swap] in atomic.py); `.{tag}.previous` briefly holds the tag it replaces.
 """
+
 from __future__ import annotations
 
 import re
@@ -57,8 +58,10 @@ def check_save_dir(save_dir: object) -> Path:
     """`save_dir` as a Path. "" and None are DeepSpeed's ValueError (its test, `not save_dir`, word for
     word): an empty string would otherwise write the checkpoint into the working directory."""
     if not save_dir:
-        raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r} (pass the folder that "
-                         "holds `latest` and the tag directories)")
+        raise ValueError(
+            f"save_dir must be a non-empty string, got {save_dir!r} (pass the folder that "
+            "holds `latest` and the tag directories)"
+        )
     return Path(save_dir)
 
 
@@ -66,8 +69,9 @@ def check_load_dir(load_dir: object) -> Path:
     """`load_dir` as a Path; None is a TypeError, the type DeepSpeed raises (from os.path.join), with a
     message that names the argument. "" is the working directory, as in DeepSpeed."""
     if load_dir is None:
-        raise TypeError("load_dir must be a str or path, got None (pass the folder that holds `latest` and "
-                        "the tag directories)")
+        raise TypeError(
+            "load_dir must be a str or path, got None (pass the folder that holds `latest` and the tag directories)"
+        )
     return Path(load_dir)
 
 

@@ -5,6 +5,7 @@ format cannot describe, `placement` gives this rank's data- and tensor-parallel 
 parallel layouts of the model's parameters, and `checkpoint_names` how its parameters are named in
 the checkpoint (global expert names, canonical full shapes).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zerospeed.checkpoint.experts import CheckpointNames, checkpoint_names as module_names, expert_spans
+from zerospeed.checkpoint.experts import CheckpointNames, expert_spans
+from zerospeed.checkpoint.experts import checkpoint_names as module_names
 from zerospeed.checkpoint.protocols import has_tensor_parallel_layers, model_layouts
 from zerospeed.checkpoint.state import TrainingState
 from zerospeed.checkpoint.tensor_parallel import Layouts, canonical_shape, writes
@@ -27,29 +29,37 @@ def check_supported(state: TrainingState, experts_ok: bool = False) -> None:
     mesh = state.mesh
     tp = mesh.size("tp")
     if mesh.size("pp") > 1:
-        raise NotImplementedError("this engine has pipeline stages: its checkpoints are the pipeline engine's "
-                                  "(zerospeed.parallel.pipeline.checkpoint), not these")
+        raise NotImplementedError(
+            "this engine has pipeline stages: its checkpoints are the pipeline engine's "
+            "(zerospeed.parallel.pipeline.checkpoint), not these"
+        )
     if mesh.world_size != zero_dp_size(state) * tp:
-        raise NotImplementedError(f"checkpoints of this engine's layout are not supported: world size "
-                                  f"{mesh.world_size} != sequence-data-parallel size {zero_dp_size(state)} x "
-                                  f"tensor-parallel size {tp}")
+        raise NotImplementedError(
+            f"checkpoints of this engine's layout are not supported: world size "
+            f"{mesh.world_size} != sequence-data-parallel size {zero_dp_size(state)} x "
+            f"tensor-parallel size {tp}"
+        )
     if tp > 1:
         _check_tensor_parallel(state, tp)
         return
     # Note [MiCS]: shard-group partitions are whole dense partitions, each written by every replica alike
     mics = any(u.replicas > 1 for u in state.zero.units)
     if not state.zero.uniform_reduction and not mics and not (experts_ok and expert_spans(state.module)):
-        raise NotImplementedError("checkpoints of models whose param groups reduce over different groups (expert "
-                                  "param groups, 'moe': True) are not supported yet: expert weights differ across "
-                                  "expert-parallel ranks and would be saved under one name")
+        raise NotImplementedError(
+            "checkpoints of models whose param groups reduce over different groups (expert "
+            "param groups, 'moe': True) are not supported yet: expert weights differ across "
+            "expert-parallel ranks and would be saved under one name"
+        )
 
 
 def _check_tensor_parallel(state: TrainingState, tp: int) -> None:
     if not has_tensor_parallel_layers(state.module):
-        raise NotImplementedError(f"checkpoints of a tensor-parallel engine (tp={tp}) whose model is split by its own "
-                                  "code: without zerospeed's tensor-parallel layers (AutoTP's "
-                                  '"tensor_parallel": {"autotp_size": N}, or zerospeed.parallel.tensor) the checkpoint '
-                                  "cannot know how each parameter is split; use those layers")
+        raise NotImplementedError(
+            f"checkpoints of a tensor-parallel engine (tp={tp}) whose model is split by its own "
+            "code: without zerospeed's tensor-parallel layers (AutoTP's "
+            '"tensor_parallel": {"autotp_size": N}, or zerospeed.parallel.tensor) the checkpoint '
+            "cannot know how each parameter is split; use those layers"
+        )
     groups = state.optimizer.param_groups if state.optimizer is not None else []
     if expert_spans(state.module) or any(g.get("moe") for g in groups):
         raise NotImplementedError("checkpoints of tensor-parallel models with MoE layers are not supported yet")
@@ -91,8 +101,10 @@ def checkpoint_names(state: TrainingState, place: Placement) -> CheckpointNames:
     names = module_names(state.module)  # collective with MoE layers (Note [global expert names])
     if not place.layouts:
         return names
-    specs = {n: {**s, "shape": canonical_shape(s["shape"], place.layouts.get(n), place.tp_rank)}
-             for n, s in names.specs.items()}
+    specs = {
+        n: {**s, "shape": canonical_shape(s["shape"], place.layouts.get(n), place.tp_rank)}
+        for n, s in names.specs.items()
+    }
     return dataclasses.replace(names, specs=specs)
 
 

@@ -11,6 +11,7 @@ protocols here, and the checkpoint asks every module of the model whether it doe
 - `TensorParallelLayer` (zerospeed.parallel.tensor's layers, AutoTP's replacements): also how each of
   its parameters is split over the tensor-parallel group (Note [canonical tensors] in tensor_parallel.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -5,6 +5,7 @@ ever sees half a file); a file that cannot be read raises `SafetensorsError` nam
 Read tensors are the package's copy-on-write maps of the file: reading costs page cache, not a second
 copy in memory, and writing to a tensor never changes the file.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -36,8 +37,10 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
         if not (exc.args and isinstance(exc.args[0], torch.dtype)):
             raise
         names = [k for k, v in packed.items() if v.dtype == exc.args[0]]
-        raise TypeError(f"{path}: safetensors cannot store {names} of dtype {exc.args[0]}; "
-                        "convert them (e.g. .float()) or save with torch.save") from None
+        raise TypeError(
+            f"{path}: safetensors cannot store {names} of dtype {exc.args[0]}; "
+            "convert them (e.g. .float()) or save with torch.save"
+        ) from None
 
 
 def read_safetensors(path: Path, names: Iterable[str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -48,9 +51,13 @@ def read_safetensors(path: Path, names: Iterable[str] | None = None) -> tuple[di
         with safe_open(str(path), framework="pt") as f:
             wanted = f.keys() if names is None else list(names)
             if missing := sorted(set(wanted) - set(f.keys())):
-                raise SafetensorsError(f"{path} holds no tensor {', '.join(map(repr, missing))} (it holds "
-                                       f"{len(f.keys())}); check the names, or that this is the right file")
+                raise SafetensorsError(
+                    f"{path} holds no tensor {', '.join(map(repr, missing))} (it holds "
+                    f"{len(f.keys())}); check the names, or that this is the right file"
+                )
             return {n: f.get_tensor(n) for n in wanted}, f.metadata() or {}
     except SafetensorError as exc:
-        raise SafetensorsError(f"{path} is not a readable safetensors file ({exc}): it is truncated or corrupt; "
-                               "write it again, or copy it again from where it came from") from None
+        raise SafetensorsError(
+            f"{path} is not a readable safetensors file ({exc}): it is truncated or corrupt; "
+            "write it again, or copy it again from where it came from"
+        ) from None

@@ -10,6 +10,7 @@ Order of a save (each step finishes on every rank before the next begins):
   4. after a barrier, rank 0 rewrites `latest`.
 A process killed at any point leaves `latest` naming a complete checkpoint.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,34 +19,72 @@ from pathlib import Path
 
 import torch
 
-from zerospeed.version import __version__
 from zerospeed import comm
 from zerospeed.checkpoint.atomic import atomic_torch_save, atomic_write_text, fresh_dir, swap_in_dir
 from zerospeed.checkpoint.errors import raise_if_any_rank_failed
 from zerospeed.checkpoint.experts import CheckpointNames, expert_spans, is_expert_key, write_expert_files
 from zerospeed.checkpoint.layout import EntryLayout, RankFile, entry_groups, split_state
-from zerospeed.checkpoint.manifest import (FORMAT, FORMAT_VERSION, PLAIN_FORMAT_VERSION, dtype_name, file_record,
-                                           tied_aliases, write_manifest)
-from zerospeed.checkpoint.naming import (CheckpointPaths, check_save_dir, default_tag, model_states_name,
-                                         optim_states_name)
-from zerospeed.checkpoint.placement import (Placement, check_supported, checkpoint_names, placement,
-                                            sharded_param_names, zero_dp_size)
+from zerospeed.checkpoint.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    PLAIN_FORMAT_VERSION,
+    dtype_name,
+    file_record,
+    tied_aliases,
+    write_manifest,
+)
+from zerospeed.checkpoint.naming import (
+    CheckpointPaths,
+    check_save_dir,
+    default_tag,
+    model_states_name,
+    optim_states_name,
+)
+from zerospeed.checkpoint.placement import (
+    Placement,
+    check_supported,
+    checkpoint_names,
+    placement,
+    sharded_param_names,
+    zero_dp_size,
+)
 from zerospeed.checkpoint.protocols import full_model_state
 from zerospeed.checkpoint.rng import capture_rng_state
 from zerospeed.checkpoint.state import TrainingState, training_state_dict
 from zerospeed.checkpoint.tags import agree_on_tag
 from zerospeed.checkpoint.tensor_parallel import layouts_to_json, pack_pieces
+from zerospeed.version import __version__
 from zerospeed.zero import GatheredParameters
 from zerospeed.zero.tags import full_shape
 
 logger = logging.getLogger(__name__)
 
 # Keys of the model states file that are not client state (DeepSpeed merges client_state at top level).
-RESERVED_KEYS = frozenset({
-    "module", "buffer_names", "param_shapes", "frozen_param_shapes", "shared_params", "optimizer_type",
-    "optimizer_param_groups", "lr_scheduler", "loss_scaler", "data_sampler", "global_steps", "global_samples",
-    "skipped_steps", "micro_steps", "gradient_accumulation_steps", "dp_world_size", "mp_world_size",
-    "zero_stage", "ds_config", "ds_version", "random_ltd"})
+RESERVED_KEYS = frozenset(
+    {
+        "module",
+        "buffer_names",
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "optimizer_type",
+        "optimizer_param_groups",
+        "lr_scheduler",
+        "loss_scaler",
+        "data_sampler",
+        "global_steps",
+        "global_samples",
+        "skipped_steps",
+        "micro_steps",
+        "gradient_accumulation_steps",
+        "dp_world_size",
+        "mp_world_size",
+        "zero_stage",
+        "ds_config",
+        "ds_version",
+        "random_ltd",
+    }
+)
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:
@@ -76,16 +115,25 @@ def _frozen_names(module: torch.nn.Module) -> list[str]:
     return [n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad]
 
 
-def _model_states(state: TrainingState, client_state: dict, exclude_frozen: bool, spans=(),
-                  place: Placement | None = None, frozen: dict | None = None) -> dict:
+def _model_states(
+    state: TrainingState,
+    client_state: dict,
+    exclude_frozen: bool,
+    spans=(),
+    place: Placement | None = None,
+    frozen: dict | None = None,
+) -> dict:
     """`frozen`: id(parameter) -> full value of stage 3's partitioned frozen parameters, which the model
     states hold whole (`state.zero.frozen_values`, gathered by every rank beforehand)."""
     module = state.module
     sharded = sharded_param_names(module)  # stage 3: empty placeholders, the shards hold the values
     params = dict(module.named_parameters(remove_duplicate=False))
     frozen = frozen or {}
-    sd = {k: (frozen[id(params[k])] if k in sharded else v) for k, v in module.state_dict().items()
-          if k not in sharded or id(params[k]) in frozen}
+    sd = {
+        k: (frozen[id(params[k])] if k in sharded else v)
+        for k, v in module.state_dict().items()
+        if k not in sharded or id(params[k]) in frozen
+    }
     if place is not None and place.tp > 1:  # each distinct piece once: replicated tensors from tp rank 0
         tied = tied_aliases(module)
         sd = {k: v for k, v in sd.items() if place.writes(tied.get(k, k))}
@@ -102,9 +150,11 @@ def _model_states(state: TrainingState, client_state: dict, exclude_frozen: bool
         "frozen_param_shapes": {n: list(full_shape(p)) for n, p in module.named_parameters() if not p.requires_grad},
         "shared_params": tied_aliases(module),
         **training_state_dict(state),
-        "dp_world_size": zero_dp_size(state), "mp_world_size": state.mesh.size("tp"),
+        "dp_world_size": zero_dp_size(state),
+        "mp_world_size": state.mesh.size("tp"),
         "zero_stage": state.zero.stage,
-        "ds_config": state.ds_config, "ds_version": __version__,
+        "ds_config": state.ds_config,
+        "ds_version": __version__,
     }
     states.update(client_state)
     return states
@@ -128,14 +178,25 @@ def _rank_states(state: TrainingState, place: Placement, names: CheckpointNames)
         if not keep and entry.pieces:
             continue  # every piece is another tp rank's to save
         master, pieces = pack_pieces(entry.master.reshape(-1), entry.pieces, keep)
-        records.append({"master": compact(master),
-                        "state": {**{k: compact(pack_pieces(saved[k].reshape(-1), entry.pieces, keep)[0])
-                                     for k in elementwise},
-                                  **{k: saved[k] for k in scalars}}})
+        records.append(
+            {
+                "master": compact(master),
+                "state": {
+                    **{k: compact(pack_pieces(saved[k].reshape(-1), entry.pieces, keep)[0]) for k in elementwise},
+                    **{k: saved[k] for k in scalars},
+                },
+            }
+        )
         layouts.append(EntryLayout(group, master.numel(), tuple(pieces), tuple(elementwise), tuple(scalars)))
-    return {"rank": place.dp_rank, "tp_rank": place.tp_rank, "dp_world_size": zero_dp_size(state),
-            "zero_stage": state.zero.stage, "entries": records, "rng": capture_rng_state(),
-            "ds_version": __version__}, layouts
+    return {
+        "rank": place.dp_rank,
+        "tp_rank": place.tp_rank,
+        "dp_world_size": zero_dp_size(state),
+        "zero_stage": state.zero.stage,
+        "entries": records,
+        "rng": capture_rng_state(),
+        "ds_version": __version__,
+    }, layouts
 
 
 def _writes_replicated(entry, rank: int, spans) -> bool:
@@ -154,21 +215,39 @@ def _parallel_layout(state: TrainingState, place: Placement) -> dict:
     return layout
 
 
-def _manifest(state: TrainingState, tag: str, files: dict, partition: list[RankFile], excluded: list[str],
-              names: CheckpointNames, place: Placement) -> dict:
+def _manifest(
+    state: TrainingState,
+    tag: str,
+    files: dict,
+    partition: list[RankFile],
+    excluded: list[str],
+    names: CheckpointNames,
+    place: Placement,
+) -> dict:
     opt, zero = state.optimizer, state.zero
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION if place.layouts else PLAIN_FORMAT_VERSION,
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION if place.layouts else PLAIN_FORMAT_VERSION,
         "zerospeed_version": __version__,
-        "torch_version": torch.__version__, "tag": tag, "created_unix": time.time(),
-        "world_size": state.mesh.world_size, "dp_world_size": zero_dp_size(state), "zero_stage": zero.stage,
+        "torch_version": torch.__version__,
+        "tag": tag,
+        "created_unix": time.time(),
+        "world_size": state.mesh.world_size,
+        "dp_world_size": zero_dp_size(state),
+        "zero_stage": zero.stage,
         "parallel_layout": _parallel_layout(state, place),
-        "param_dtype": dtype_name(state.param_dtype), "master_dtype": dtype_name(state.master_dtype),
-        "global_steps": state.counters.global_steps, "global_samples": state.counters.global_samples,
-        "optimizer": {"type": type(opt).__name__ if opt is not None else None,
-                      "param_groups": len(opt.param_groups) if opt is not None else 0},
-        "parameters": names.specs, "tied": tied_aliases(state.module),
-        "module_keys": names.module_keys, "excluded_frozen": excluded,
+        "param_dtype": dtype_name(state.param_dtype),
+        "master_dtype": dtype_name(state.master_dtype),
+        "global_steps": state.counters.global_steps,
+        "global_samples": state.counters.global_samples,
+        "optimizer": {
+            "type": type(opt).__name__ if opt is not None else None,
+            "param_groups": len(opt.param_groups) if opt is not None else 0,
+        },
+        "parameters": names.specs,
+        "tied": tied_aliases(state.module),
+        "module_keys": names.module_keys,
+        "excluded_frozen": excluded,
         # rank 0's entries stand for every rank (not with experts: each expert's come from its own ranks)
         "replicated": zero.replicated_state and not names.has_experts,
         "weights_in_shards": zero.weights_in_shards,  # the module state holds no trainable weights
@@ -177,8 +256,14 @@ def _manifest(state: TrainingState, tag: str, files: dict, partition: list[RankF
     }
 
 
-def save_checkpoint(state: TrainingState, save_dir, tag=None, client_state=None, save_latest: bool = True,
-                    exclude_frozen_parameters: bool = False) -> bool:
+def save_checkpoint(
+    state: TrainingState,
+    save_dir,
+    tag=None,
+    client_state=None,
+    save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
+) -> bool:
     """Collective: save the full training state under `save_dir/tag` (default global_step{N}).
 
     Every rank must call it. The checkpoint loads at any world size, tensor-parallel degree and ZeRO
@@ -192,13 +277,14 @@ def save_checkpoint(state: TrainingState, save_dir, tag=None, client_state=None,
     client_state = dict(client_state or {})
     clash = sorted(RESERVED_KEYS & set(client_state))
     if clash:
-        raise ValueError(f"save_checkpoint: client_state keys {clash} are reserved for the checkpoint's own "
-                         "contents; rename them")
+        raise ValueError(
+            f"save_checkpoint: client_state keys {clash} are reserved for the checkpoint's own contents; rename them"
+        )
     if state.counters.micro_steps % state.gradient_accumulation_steps != 0:
-        logger.warning("save_checkpoint in the middle of a gradient accumulation window: the partial "
-                       "gradients are not saved")
-    tag = agree_on_tag(str(tag) if tag is not None else default_tag(state.counters.global_steps),
-                       state.tag_validation)
+        logger.warning(
+            "save_checkpoint in the middle of a gradient accumulation window: the partial gradients are not saved"
+        )
+    tag = agree_on_tag(str(tag) if tag is not None else default_tag(state.counters.global_steps), state.tag_validation)
     paths = CheckpointPaths(root, tag)
     rank = comm.get_rank()
     start = time.perf_counter()
@@ -216,8 +302,7 @@ def save_checkpoint(state: TrainingState, save_dir, tag=None, client_state=None,
     frozen = state.zero.frozen_values(keep=place.dp_rank == 0) if not exclude_frozen_parameters else {}
     try:
         if place.dp_rank == 0:
-            model_states = _model_states(state, client_state, exclude_frozen_parameters, names.spans, place,
-                                         frozen)
+            model_states = _model_states(state, client_state, exclude_frozen_parameters, names.spans, place, frozen)
             name = model_states_name(place.tp_rank)
             atomic_torch_save(model_states, paths.staging / name)
             del model_states
@@ -239,9 +324,13 @@ def save_checkpoint(state: TrainingState, save_dir, tag=None, client_state=None,
     if rank == 0:
         try:
             all_files = {k: v for f, *_ in gathered for k, v in f.items()}
-            partition = sorted((RankFile.from_json({"rank": d, "tp_rank": t, "file": optim_states_name(d, t),
-                                                    "entries": lay}) for _, lay, d, t in gathered),
-                               key=lambda rf: (rf.tp_rank, rf.rank))
+            partition = sorted(
+                (
+                    RankFile.from_json({"rank": d, "tp_rank": t, "file": optim_states_name(d, t), "entries": lay})
+                    for _, lay, d, t in gathered
+                ),
+                key=lambda rf: (rf.tp_rank, rf.rank),
+            )
             excluded = _frozen_names(state.module) if exclude_frozen_parameters else []
             write_manifest(paths.staging, _manifest(state, tag, all_files, partition, excluded, names, place))
             swap_in_dir(paths.staging, paths.dir, paths.previous)
@@ -251,8 +340,9 @@ def save_checkpoint(state: TrainingState, save_dir, tag=None, client_state=None,
     if save_latest and rank == 0:
         atomic_write_text(paths.latest, tag)
     comm.barrier()
-    logger.info("saved checkpoint %s (%d rank files) in %.2fs", paths.dir, state.mesh.world_size,
-                time.perf_counter() - start)
+    logger.info(
+        "saved checkpoint %s (%d rank files) in %.2fs", paths.dir, state.mesh.world_size, time.perf_counter() - start
+    )
     return True
 
 
@@ -288,8 +378,9 @@ def _full_16bit_state(state: TrainingState) -> dict:
     return {k: on_host[id(v)] if isinstance(v, torch.Tensor) else v for k, v in full.items()}
 
 
-def save_16bit_model(state: TrainingState, save_dir, save_filename: str = "pytorch_model.bin",
-                     exclude_frozen_parameters: bool = False) -> bool:
+def save_16bit_model(
+    state: TrainingState, save_dir, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+) -> bool:
     """Collective: rank 0 writes the module's state dict, in its training dtype, to save_dir/save_filename
     (without parameters that do not require grad, with `exclude_frozen_parameters`)."""
     check_supported(state, experts_ok=_autoep_only(state))

@@ -8,6 +8,7 @@ checkpoint reads what the parallel layers write without importing them.
 
 Pure functions of integers and tensors in hand: no process group is consulted.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,8 +44,10 @@ Specs = tuple[ShardSpec, ...]
 def take(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     """The local piece of `full` (a new contiguous tensor)."""
     if full.shape[spec.dim] != spec.full_size:
-        raise ValueError(f"tensor of shape {tuple(full.shape)} has {full.shape[spec.dim]} entries along dim "
-                         f"{spec.dim}, but its shard layout expects {spec.full_size}")
+        raise ValueError(
+            f"tensor of shape {tuple(full.shape)} has {full.shape[spec.dim]} entries along dim "
+            f"{spec.dim}, but its shard layout expects {spec.full_size}"
+        )
     parts = [full.narrow(spec.dim, start, n) for start, n in spec.segments]
     return torch.cat(parts, dim=spec.dim).contiguous()
 
@@ -60,7 +63,7 @@ def assemble(pieces: list[torch.Tensor], specs: list[ShardSpec]) -> torch.Tensor
         offset = 0
         for start, n in spec.segments:
             full.narrow(spec.dim, start, n).copy_(piece.narrow(spec.dim, offset, n))
-            covered[start:start + n] = True
+            covered[start : start + n] = True
             offset += n
     if not bool(covered.all()):
         raise ValueError(f"shard layouts {specs} do not cover all {spec0.full_size} entries of dim {spec0.dim}")

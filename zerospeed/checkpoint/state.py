@@ -9,6 +9,7 @@ Note [live counters]: the counters are an object the engine keeps counting on (`
 itself, or whatever holds its step counts), not a copy: a load writes the restored counts into it,
 so the engine continues from them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -70,11 +71,16 @@ def training_state_dict(state: TrainingState) -> dict:
     return {
         "optimizer_type": type(opt).__name__ if opt is not None else None,
         "optimizer_param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        if opt is not None else [],
-        "lr_scheduler": _state_of(state.lr_scheduler), "loss_scaler": _state_of(state.loss_scaler),
-        "data_sampler": _state_of(state.data_sampler), "random_ltd": _state_of(state.random_ltd),
-        "global_steps": counters.global_steps, "global_samples": counters.global_samples,
-        "skipped_steps": counters.skipped_steps, "micro_steps": counters.micro_steps,
+        if opt is not None
+        else [],
+        "lr_scheduler": _state_of(state.lr_scheduler),
+        "loss_scaler": _state_of(state.loss_scaler),
+        "data_sampler": _state_of(state.data_sampler),
+        "random_ltd": _state_of(state.random_ltd),
+        "global_steps": counters.global_steps,
+        "global_samples": counters.global_samples,
+        "skipped_steps": counters.skipped_steps,
+        "micro_steps": counters.micro_steps,
         "gradient_accumulation_steps": state.gradient_accumulation_steps,
     }
 

@@ -1,4 +1,5 @@
 """Tag resolution: `latest`, and checking that every rank names the same tag (checkpoint.tag_validation)."""
+
 from __future__ import annotations
 
 import logging
@@ -51,7 +52,11 @@ def resolve_tag_dir(paths: CheckpointPaths) -> Path:
     if paths.dir.is_dir():
         return paths.dir
     if paths.previous.is_dir():
-        logger.warning("checkpoint %s is missing but %s holds its previous complete copy (a save of this tag "
-                       "was interrupted); loading that", paths.dir, paths.previous)
+        logger.warning(
+            "checkpoint %s is missing but %s holds its previous complete copy (a save of this tag "
+            "was interrupted); loading that",
+            paths.dir,
+            paths.previous,
+        )
         return paths.previous
     raise CheckpointError(f"checkpoint directory {paths.dir} does not exist")

@@ -18,6 +18,7 @@ with the loading engine's layout (`reslice`) — any tp degree, without an offli
 
 Everything here is a function of layouts, shapes and tensors in hand (no process group).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,14 +42,30 @@ class TPLayout:
         return len(self.specs)
 
     def to_json(self) -> dict:
-        return {"transposed": self.transposed,
-                "specs": [{"dim": s.dim, "full_size": s.full_size, "segments": [list(g) for g in s.segments],
-                           "replicas": s.replicas} for s in self.specs]}
+        return {
+            "transposed": self.transposed,
+            "specs": [
+                {
+                    "dim": s.dim,
+                    "full_size": s.full_size,
+                    "segments": [list(g) for g in s.segments],
+                    "replicas": s.replicas,
+                }
+                for s in self.specs
+            ],
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> TPLayout:
-        specs = tuple(ShardSpec(int(s["dim"]), int(s["full_size"]), tuple((int(a), int(n)) for a, n in s["segments"]),
-                                int(s.get("replicas", 1))) for s in d["specs"])
+        specs = tuple(
+            ShardSpec(
+                int(s["dim"]),
+                int(s["full_size"]),
+                tuple((int(a), int(n)) for a, n in s["segments"]),
+                int(s.get("replicas", 1)),
+            )
+            for s in d["specs"]
+        )
         return cls(specs, bool(d.get("transposed", False)))
 
 
@@ -100,8 +117,10 @@ def local_shape(canonical: list[int], layout: TPLayout | None, rank: int) -> lis
     shape = _layer_shape(canonical, layout)
     spec = layout.specs[rank]
     if spec.dim >= len(shape) or shape[spec.dim] != spec.full_size:
-        raise ValueError(f"full shape {list(canonical)} (layer layout {shape}) does not have {spec.full_size} "
-                         f"entries along dim {spec.dim}, as its shard layout says")
+        raise ValueError(
+            f"full shape {list(canonical)} (layer layout {shape}) does not have {spec.full_size} "
+            f"entries along dim {spec.dim}, as its shard layout says"
+        )
     shape[spec.dim] = spec.local_size
     return shape
 
@@ -146,7 +165,7 @@ def pack_pieces(flat: torch.Tensor, pieces: list[Piece], keep: set[str]) -> tupl
         return flat, list(pieces)
     parts, out, offset = [], [], 0
     for p in kept:
-        parts.append(flat[p.offset:p.offset + p.numel])
+        parts.append(flat[p.offset : p.offset + p.numel])
         out.append(Piece(p.name, p.param_offset, offset, p.numel))
         offset += p.numel
     packed = torch.cat(parts) if parts else flat.new_empty(0)

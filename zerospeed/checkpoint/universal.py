@@ -9,6 +9,7 @@ Peak memory is the requested full tensors plus the pages of one file being copie
 tensor-parallel checkpoint, the tp ranks' local pieces of them until each full tensor is assembled:
 Note [canonical tensors] in tensor_parallel.py).
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,12 +52,16 @@ class UniversalState:
 
 def files_holding(manifest: dict, names: set[str] | None) -> list[str]:
     """Rank files with at least one piece of the named parameters (all trainable ones when None)."""
-    return [rf.file for rf in partition_from_manifest(manifest)
-            if any(names is None or p.name in names for e in rf.entries for p in e.pieces)]
+    return [
+        rf.file
+        for rf in partition_from_manifest(manifest)
+        if any(names is None or p.name in names for e in rf.entries for p in e.pieces)
+    ]
 
 
-def load_universal(tag_dir: Path, manifest: dict, *, names: set[str] | None = None,
-                   keys: set[str] | None = None) -> UniversalState:
+def load_universal(
+    tag_dir: Path, manifest: dict, *, names: set[str] | None = None, keys: set[str] | None = None
+) -> UniversalState:
     """Full (canonical) tensors of the named trainable parameters (all when None) for `keys` (FP32 and
     every elementwise optimizer state when None), assembled from the rank files of `tag_dir`: each tp
     rank's local tensor from its data-parallel pieces, then the full tensor from the tp ranks' pieces."""
@@ -66,8 +71,7 @@ def load_universal(tag_dir: Path, manifest: dict, *, names: set[str] | None = No
     local: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # (name, tp rank) -> key -> flat local tensor
     spans: dict[tuple[str, int, str], list[tuple[int, int]]] = defaultdict(list)
     for rf in partition_from_manifest(manifest):
-        wanted = [(i, e) for i, e in enumerate(rf.entries)
-                  if any(names is None or p.name in names for p in e.pieces)]
+        wanted = [(i, e) for i, e in enumerate(rf.entries) if any(names is None or p.name in names for p in e.pieces)]
         if not wanted:
             continue
         data = torch.load(Path(tag_dir) / rf.file, map_location="cpu", mmap=True, weights_only=True)
@@ -84,8 +88,9 @@ def load_universal(tag_dir: Path, manifest: dict, *, names: set[str] | None = No
                     if key not in flat:
                         shape = local_shape(specs[piece.name]["shape"], layouts.get(piece.name), rf.tp_rank)
                         flat[key] = torch.zeros(prod(shape), dtype=src.dtype)
-                    flat[key][piece.param_offset:piece.param_offset + piece.numel].copy_(
-                        src[piece.offset:piece.offset + piece.numel])
+                    flat[key][piece.param_offset : piece.param_offset + piece.numel].copy_(
+                        src[piece.offset : piece.offset + piece.numel]
+                    )
                     spans[piece.name, rf.tp_rank, key].append((piece.param_offset, piece.param_offset + piece.numel))
                 out.scalars.setdefault(piece.name, {k: _own(record["state"][k]) for k in layout.scalars})
                 out.groups.setdefault(piece.name, layout.group)
@@ -102,8 +107,12 @@ def _assembled(local: dict, name: str, shape: list[int], layout) -> dict[str, to
     ranks = writer_ranks(layout)
     per_rank = [local.pop((name, r), {}) for r in ranks]
     common = set.intersection(*(set(d) for d in per_rank))
-    return {key: assemble_full({r: d[key].view(local_shape(shape, layout, r)) for r, d in zip(ranks, per_rank)},
-                               layout).view(shape) for key in sorted(common)}
+    return {
+        key: assemble_full(
+            {r: d[key].view(local_shape(shape, layout, r)) for r, d in zip(ranks, per_rank)}, layout
+        ).view(shape)
+        for key in sorted(common)
+    }
 
 
 def _own(value):
@@ -121,13 +130,20 @@ def _check_coverage(local, spans, specs, layouts, names, keys, tag_dir) -> None:
             flat = local.get((name, r), {})
             where = f"tp rank {r}'s piece of parameter {name!r}" if layout is not None else f"parameter {name!r}"
             if (keys is None or FP32 in keys) and (gaps := uncovered(spans[name, r, FP32], numel)):
-                raise CheckpointError(f"checkpoint {tag_dir}: elements {gaps} of {where} are in no rank file (its "
-                                      f"pieces belong in zero_pp_rank_*_mp_rank_{r:02d}_optim_states.pt) — the "
-                                      "partition map does not cover it; the checkpoint is incomplete, save it again")
+                raise CheckpointError(
+                    f"checkpoint {tag_dir}: elements {gaps} of {where} are in no rank file (its "
+                    f"pieces belong in zero_pp_rank_*_mp_rank_{r:02d}_optim_states.pt) — the "
+                    "partition map does not cover it; the checkpoint is incomplete, save it again"
+                )
             for key in [k for k in flat if k != FP32]:
                 if gaps := uncovered(spans[name, r, key], numel):
-                    logger.warning("checkpoint %s: optimizer state %r of %s misses elements %s; dropping it",
-                                   tag_dir, key, where, gaps)
+                    logger.warning(
+                        "checkpoint %s: optimizer state %r of %s misses elements %s; dropping it",
+                        tag_dir,
+                        key,
+                        where,
+                        gaps,
+                    )
                     del flat[key]
 
 

@@ -1,4 +1,5 @@
 """DeepSpeed's `deepspeed.checkpoint.utils.clone_tensors_for_torch_save`."""
+
 from __future__ import annotations
 
 import torch

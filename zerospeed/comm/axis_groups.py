@@ -4,6 +4,7 @@ The bricks of `ParallelMesh` (comm/mesh.py), of the mpu adapter (comm/mpu.py) an
 sub-groups (comm/zeropp.py): a group is made by every rank together, in the same order, and a group
 already made for the same ranks is reused (Note [size-1 axes] in comm/mesh.py for one-rank groups).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ class AxisGroup:
     """The group's global ranks, in group-rank order."""
 
     @classmethod
-    def of(cls, handle) -> "AxisGroup":
+    def of(cls, handle) -> AxisGroup:
         """This rank's view of a process group made elsewhere."""
         size = backend.get_world_size(handle)
         return cls(handle, size, backend.get_rank(handle), tuple(backend.global_rank(handle, i) for i in range(size)))

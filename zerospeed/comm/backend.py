@@ -4,11 +4,12 @@ Only this package imports torch.distributed. Every collective takes an explicit 
 the default world group) and returns a `Handle` when `async_op=True`, so callers can overlap
 communication with computation and wait later.
 """
+
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import logging
-import atexit
 import os
 import time
 from typing import Any
@@ -42,9 +43,15 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def init_distributed(dist_backend: str | None = None, timeout: _dt.timedelta = DEFAULT_TIMEOUT,
-                     init_method: str | None = None, rank: int = -1, world_size: int = -1,
-                     auto_mpi_discovery: bool = False, dist_init_required: bool | None = None) -> None:
+def init_distributed(
+    dist_backend: str | None = None,
+    timeout: _dt.timedelta = DEFAULT_TIMEOUT,
+    init_method: str | None = None,
+    rank: int = -1,
+    world_size: int = -1,
+    auto_mpi_discovery: bool = False,
+    dist_init_required: bool | None = None,
+) -> None:
     """Join the process group described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT.
 
     Works under our launcher and torchrun alike. Without those variables (a plain `python train.py`)
@@ -55,13 +62,17 @@ def init_distributed(dist_backend: str | None = None, timeout: _dt.timedelta = D
         _bind_device()  # initialised by the caller: the object collectives still need this rank's GPU current
         return
     if dist_init_required is False:
-        raise RuntimeError("dist_init_required=False but torch.distributed is not initialised; "
-                           "initialise it yourself or pass dist_init_required=None/True")
+        raise RuntimeError(
+            "dist_init_required=False but torch.distributed is not initialised; "
+            "initialise it yourself or pass dist_init_required=None/True"
+        )
     backend = dist_backend or get_accelerator().communication_backend_name()
     if backend == "nccl" and get_accelerator().name != "cuda":
-        raise RuntimeError("init_distributed(dist_backend='nccl') on the cpu accelerator: NCCL moves GPU tensors "
-                           "only, and zerospeed would place every tensor on the host; use dist_backend='gloo' or "
-                           "unset ZEROSPEED_ACCELERATOR=cpu on a machine with GPUs")
+        raise RuntimeError(
+            "init_distributed(dist_backend='nccl') on the cpu accelerator: NCCL moves GPU tensors "
+            "only, and zerospeed would place every tensor on the host; use dist_backend='gloo' or "
+            "unset ZEROSPEED_ACCELERATOR=cpu on a machine with GPUs"
+        )
     env_rank, env_world = _env_int("RANK"), _env_int("WORLD_SIZE")
     rank = rank if rank >= 0 else (env_rank if env_rank is not None else 0)
     world_size = world_size if world_size > 0 else (env_world if env_world is not None else 1)
@@ -73,8 +84,9 @@ def init_distributed(dist_backend: str | None = None, timeout: _dt.timedelta = D
     else:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
-                                world_size=world_size, timeout=timeout)
+        dist.init_process_group(
+            backend, init_method=init_method or "env://", rank=rank, world_size=world_size, timeout=timeout
+        )
     logger.info("initialised %s process group: rank %d of %d", backend, rank, world_size)
     atexit.register(_destroy_at_exit)
 
@@ -106,8 +118,12 @@ def backend_availability() -> dict[str, str]:
     """Which communication backends this torch build offers (for the environment report)."""
     if not dist.is_available():
         return {"torch.distributed": "not available"}
-    return {"torch.distributed": "available", "gloo": str(dist.is_gloo_available()),
-            "nccl": str(dist.is_nccl_available()), "mpi": str(dist.is_mpi_available())}
+    return {
+        "torch.distributed": "available",
+        "gloo": str(dist.is_gloo_available()),
+        "nccl": str(dist.is_nccl_available()),
+        "mpi": str(dist.is_mpi_available()),
+    }
 
 
 def is_initialized() -> bool:
@@ -174,10 +190,12 @@ def _check_tensors(kind: str, group, *tensors: torch.Tensor) -> None:
         return
     for t in tensors:
         if t.device.type != "cuda" or not t.is_contiguous():
-            raise ValueError(f"NCCL {kind}: every tensor must be contiguous and on this rank's GPU, got a "
-                             f"{'non-contiguous ' if not t.is_contiguous() else ''}{t.dtype} tensor of shape "
-                             f"{tuple(t.shape)} on {t.device}; create it with device=<the engine's device> "
-                             "(or .to(device).contiguous() it) before the collective")
+            raise ValueError(
+                f"NCCL {kind}: every tensor must be contiguous and on this rank's GPU, got a "
+                f"{'non-contiguous ' if not t.is_contiguous() else ''}{t.dtype} tensor of shape "
+                f"{tuple(t.shape)} on {t.device}; create it with device=<the engine's device> "
+                "(or .to(device).contiguous() it) before the collective"
+            )
 
 
 def new_group(ranks: list[int]):
@@ -243,8 +261,13 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
         # gloo has no AVG; dividing first keeps one code path for every backend.
         tensor.div_(get_world_size(group))
         op = "sum"
-    return _issue("all_reduce", tensor.nbytes, group, async_op,
-                  lambda: dist.all_reduce(tensor, op=_op(op), group=group, async_op=async_op))
+    return _issue(
+        "all_reduce",
+        tensor.nbytes,
+        group,
+        async_op,
+        lambda: dist.all_reduce(tensor, op=_op(op), group=group, async_op=async_op),
+    )
 
 
 @_eager
@@ -253,8 +276,13 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = F
     _check_tensors("broadcast", group, tensor)
     if get_world_size(group) == 1:
         return Handle() if async_op else None
-    return _issue("broadcast", tensor.nbytes, group, async_op,
-                  lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op))
+    return _issue(
+        "broadcast",
+        tensor.nbytes,
+        group,
+        async_op,
+        lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op),
+    )
 
 
 def _is_gloo(group) -> bool:
@@ -270,10 +298,20 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
         output.copy_(input.reshape(output.shape))
         return Handle() if async_op else None
     if _is_gloo(group):  # Note [gloo all-gathers as exchanges]
-        return _issue("all_gather", output.nbytes, group, async_op,
-                      lambda: _exchange_gather(output, input, group, world, async_op))
-    return _issue("all_gather", output.nbytes, group, async_op,
-                  lambda: _all_gather_tensor(output, input, group=group, async_op=async_op))
+        return _issue(
+            "all_gather",
+            output.nbytes,
+            group,
+            async_op,
+            lambda: _exchange_gather(output, input, group, world, async_op),
+        )
+    return _issue(
+        "all_gather",
+        output.nbytes,
+        group,
+        async_op,
+        lambda: _all_gather_tensor(output, input, group=group, async_op=async_op),
+    )
 
 
 # Note [gloo all-gathers as exchanges]: on gloo a collective's fixed cost, not its bytes, dominates the
@@ -343,7 +381,7 @@ def all_gather_coalesced(outputs: list[torch.Tensor], inputs: list[torch.Tensor]
             offset = 0
             for piece in pieces:
                 n = piece.shape[1]
-                piece[(rank - k) % world].copy_(rows[k - 1, offset:offset + n])
+                piece[(rank - k) % world].copy_(rows[k - 1, offset : offset + n])
                 offset += n
         elapsed = time.perf_counter() - start
         for o in outputs:
@@ -411,8 +449,9 @@ def _exchange_gather(output: torch.Tensor, input: torch.Tensor, group, world: in
 
 
 @_eager
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "sum", group=None,
-                          async_op: bool = False):
+def reduce_scatter_tensor(
+    output: torch.Tensor, input: torch.Tensor, op: str = "sum", group=None, async_op: bool = False
+):
     """Reduce `input` across ranks and leave rank r's equal slice r in `output`."""
     _check_tensors("reduce_scatter_tensor", group, output, input)
     if get_world_size(group) == 1:
@@ -422,21 +461,43 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: str = "
         input.div_(get_world_size(group))
         op = "sum"
     if _is_gloo(group) and get_world_size(group) == 2:  # Note [gloo all-gathers as exchanges]
-        return _issue("reduce_scatter", input.nbytes, group, async_op,
-                      lambda: _exchange_reduce_scatter(output, input, op, group, async_op))
+        return _issue(
+            "reduce_scatter",
+            input.nbytes,
+            group,
+            async_op,
+            lambda: _exchange_reduce_scatter(output, input, op, group, async_op),
+        )
     if _is_gloo(group):
         # gloo's list reduce-scatter is ~1.5x faster than its tensor form (measured, 4M floats).
         world = get_world_size(group)
-        return _issue("reduce_scatter", input.nbytes, group, async_op,
-                      lambda: dist.reduce_scatter(output.view(-1), list(input.view(-1).chunk(world)), op=_op(op),
-                                                  group=group, async_op=async_op))
-    return _issue("reduce_scatter", input.nbytes, group, async_op,
-                  lambda: _reduce_scatter_tensor(output, input, op=_op(op), group=group, async_op=async_op))
+        return _issue(
+            "reduce_scatter",
+            input.nbytes,
+            group,
+            async_op,
+            lambda: dist.reduce_scatter(
+                output.view(-1), list(input.view(-1).chunk(world)), op=_op(op), group=group, async_op=async_op
+            ),
+        )
+    return _issue(
+        "reduce_scatter",
+        input.nbytes,
+        group,
+        async_op,
+        lambda: _reduce_scatter_tensor(output, input, op=_op(op), group=group, async_op=async_op),
+    )
 
 
 @_eager
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
-                      input_split_sizes: list[int] | None = None, group=None, async_op: bool = False):
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group=None,
+    async_op: bool = False,
+):
     """Send slice j of `input` (along dim 0) to rank j and receive rank j's slice for this rank into slice j of
     `output`. Without split sizes the slices are equal (dim 0 divisible by the group size); with them, uneven.
 
@@ -449,16 +510,17 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     rows = input.shape[0]
     if input_split_sizes is None:
         if rows % world:
-            raise ValueError(f"all_to_all_single: dim 0 of the input ({rows}) is not divisible by the group size "
-                             f"{world}; pass input_split_sizes / output_split_sizes for uneven slices")
+            raise ValueError(
+                f"all_to_all_single: dim 0 of the input ({rows}) is not divisible by the group size "
+                f"{world}; pass input_split_sizes / output_split_sizes for uneven slices"
+            )
         own = rows // world
     else:
         own = input_split_sizes[get_rank(group)]
     per_row = input.nbytes // rows if rows else 0
     wire = (rows - own) * per_row
     start = time.perf_counter()
-    work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
-                                  async_op=async_op)
+    work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
     def record():
         STATS.record("all_to_all", input.nbytes, time.perf_counter() - start, world, wire_bytes=wire)

@@ -20,6 +20,7 @@ through the gateway (`all_to_all_single`, `all_gather_into_tensor`), which count
 on whatever backend the job runs (gloo, NCCL). `compressed_allreduce_many` compresses several tensors
 (each with its own scales and errors, as if alone) in the same four collectives.
 """
+
 from __future__ import annotations
 
 import math
@@ -60,16 +61,18 @@ def _scale(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x) / math.sqrt(x.numel())
 
 
-def compressed_allreduce(buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
-                         group=None) -> torch.Tensor:
+def compressed_allreduce(
+    buffer: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor, group=None
+) -> torch.Tensor:
     """The 1-bit estimate of the mean of `buffer` over `group` (a new tensor shaped like `buffer`);
     `worker_error` (padded size) and `server_error` (padded size / world) are updated in place.
     Collective: every rank of the group calls it with the same shapes."""
     return compressed_allreduce_many([buffer], [worker_error], [server_error], group)[0]
 
 
-def compressed_allreduce_many(buffers: list[torch.Tensor], worker_errors: list[torch.Tensor],
-                              server_errors: list[torch.Tensor], group=None) -> list[torch.Tensor]:
+def compressed_allreduce_many(
+    buffers: list[torch.Tensor], worker_errors: list[torch.Tensor], server_errors: list[torch.Tensor], group=None
+) -> list[torch.Tensor]:
     """`compressed_allreduce` of each buffer (its own scales and errors), all in the same four collectives:
     rank r's chunks of every tensor travel together, and the scales as one vector per rank."""
     world = backend.get_world_size(group)
@@ -78,9 +81,11 @@ def compressed_allreduce_many(buffers: list[torch.Tensor], worker_errors: list[t
     for buf, worker, server in zip(buffers, worker_errors, server_errors, strict=True):
         n, padded = buf.numel(), worker.numel()
         if padded != padded_size(n, world) or server.numel() != padded // world:
-            raise ValueError(f"compressed_allreduce: a tensor of {n} elements over {world} ranks needs a worker error "
-                             f"of {padded_size(n, world)} and a server error of {padded_size(n, world) // world} "
-                             f"elements, got {padded} and {server.numel()}")
+            raise ValueError(
+                f"compressed_allreduce: a tensor of {n} elements over {world} ranks needs a worker error "
+                f"of {padded_size(n, world)} and a server error of {padded_size(n, world) // world} "
+                f"elements, got {padded} and {server.numel()}"
+            )
         x = torch.zeros(padded, dtype=torch.float32, device=device)
         x[:n] = buf.reshape(-1)
         x += worker
@@ -100,7 +105,7 @@ def compressed_allreduce_many(buffers: list[torch.Tensor], worker_errors: list[t
     all_scales = all_scales.reshape(world, k)
     ys, server_scales = [], []
     for i, (piece, server) in enumerate(zip(from_ranks, server_errors)):
-        y = (unpack_signs(piece.reshape(-1)).reshape(world, -1) * all_scales[:, i:i + 1]).sum(dim=0) / world
+        y = (unpack_signs(piece.reshape(-1)).reshape(world, -1) * all_scales[:, i : i + 1]).sum(dim=0) / world
         y += server
         s = _scale(y)
         server.copy_(y - s * signs(y))
@@ -115,16 +120,18 @@ def compressed_allreduce_many(buffers: list[torch.Tensor], worker_errors: list[t
     gathered_scales = gathered_scales.reshape(world, k)
     outs = []
     for i, (piece, buf) in enumerate(zip(chunks.reshape(world, -1).split(chunk_bytes, dim=1), buffers)):
-        out = unpack_signs(piece.reshape(-1)).reshape(world, -1) * gathered_scales[:, i:i + 1]
-        outs.append(out.reshape(-1)[:buf.numel()].reshape(buf.shape).to(buf.dtype))
+        out = unpack_signs(piece.reshape(-1)).reshape(world, -1) * gathered_scales[:, i : i + 1]
+        outs.append(out.reshape(-1)[: buf.numel()].reshape(buf.shape).to(buf.dtype))
     return outs
 
 
 def error_buffers(numel: int, world: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Zeroed (worker_error, server_error) for a tensor of `numel` elements over `world` ranks."""
     padded = padded_size(numel, world)
-    return (torch.zeros(padded, dtype=torch.float32, device=device),
-            torch.zeros(padded // world, dtype=torch.float32, device=device))
+    return (
+        torch.zeros(padded, dtype=torch.float32, device=device),
+        torch.zeros(padded // world, dtype=torch.float32, device=device),
+    )
 
 
 class CompressedBackend:
@@ -138,8 +145,13 @@ class CompressedBackend:
         self.rank = backend.get_rank(self.world_group)
         self.size = backend.get_world_size(self.world_group)
 
-    def compressed_allreduce(self, buffer_m: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
-                             local_rank: int | None = None) -> torch.Tensor:
+    def compressed_allreduce(
+        self,
+        buffer_m: torch.Tensor,
+        worker_error: torch.Tensor,
+        server_error: torch.Tensor,
+        local_rank: int | None = None,
+    ) -> torch.Tensor:
         """The 1-bit mean of `buffer_m` over the group, written back into it and returned (DeepSpeed's
         contract); the errors (padded sizes, as DeepSpeed allocates them) are updated in place."""
         buffer_m.copy_(compressed_allreduce(buffer_m, worker_error, server_error, self.world_group))

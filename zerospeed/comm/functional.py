@@ -8,6 +8,7 @@ Note [all-to-all conjugate]: an all-to-all is a permutation of slices between ra
 the inverse permutation, i.e. the all-to-all with the split sizes swapped (uneven) or the scatter and
 gather dimensions swapped (the sequence form). No reduction is involved, so the backward is exact.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,8 +32,9 @@ class _AllToAllSingle(torch.autograd.Function):
         return _AllToAllSingle.apply(grad, ctx.group, in_splits, out_splits), None, None, None
 
 
-def all_to_all(x: torch.Tensor, group=None, output_split_sizes: list[int] | None = None,
-               input_split_sizes: list[int] | None = None) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor, group=None, output_split_sizes: list[int] | None = None, input_split_sizes: list[int] | None = None
+) -> torch.Tensor:
     """Rows of `x` (dim 0) to the ranks of `group`: slice j goes to rank j; the result holds the slices
     received, in rank order. Equal slices without split sizes; uneven with them. Differentiable."""
     if backend.get_world_size(group) == 1:
@@ -55,8 +57,10 @@ class _SeqAllToAll(torch.autograd.Function):
 def _exchange(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     world = backend.get_world_size(group)
     if x.shape[scatter_dim] % world:
-        raise ValueError(f"all-to-all: dimension {scatter_dim} of a {tuple(x.shape)} tensor is not divisible by the "
-                         f"group size {world}; pad it to a multiple of {world} first")
+        raise ValueError(
+            f"all-to-all: dimension {scatter_dim} of a {tuple(x.shape)} tensor is not divisible by the "
+            f"group size {world}; pad it to a multiple of {world} first"
+        )
     send_P = torch.stack(x.chunk(world, dim=scatter_dim)).contiguous()  # [P, ...]: slice j for rank j
     recv_P = torch.empty_like(send_P)
     backend.all_to_all_single(recv_P, send_P, group=group)

@@ -1,4 +1,5 @@
 """`ParallelGroups`: the grid-axis view of a ParallelMesh that `PipelineModule` keeps as `.groups`."""
+
 from __future__ import annotations
 
 from zerospeed.comm.mesh import ParallelMesh
@@ -12,7 +13,7 @@ class ParallelGroups:
         self.mesh = mesh
 
     @classmethod
-    def build(cls, grid: RankGrid) -> "ParallelGroups":
+    def build(cls, grid: RankGrid) -> ParallelGroups:
         """Create every group of every axis (all ranks must call this together)."""
         return cls(ParallelMesh.from_grid(grid))
 

@@ -23,6 +23,7 @@ and a real one-rank group is a collective `new_group` per rank: W of them for ev
 data-parallel engine.) Groups of two or more ranks are made once per mesh (`GroupMaker` reuses a
 group already made for the same ranks), every rank asking for every group in the same order.
 """
+
 from __future__ import annotations
 
 from zerospeed.comm import backend
@@ -35,8 +36,9 @@ from zerospeed.utils.errors import ConfigError
 class ParallelMesh:
     """The parallel layout of the job and this rank's process group along each axis (module docstring)."""
 
-    def __init__(self, axes: dict[str, AxisGroup | None], *, grid: RankGrid | None = None,
-                 maker: GroupMaker | None = None):
+    def __init__(
+        self, axes: dict[str, AxisGroup | None], *, grid: RankGrid | None = None, maker: GroupMaker | None = None
+    ):
         self.rank, self.world_size = backend.get_rank(), backend.get_world_size()
         self.grid = grid
         """The RankGrid, or None when the mesh wraps groups made elsewhere (`from_mpu`)."""
@@ -48,8 +50,9 @@ class ParallelMesh:
 
     # -- constructors (collective) -----------------------------------------------------------------
     @classmethod
-    def build(cls, *, pp: int = 1, tp: int = 1, sp: int = 1, ep: int = 1,
-              world_size: int | None = None) -> "ParallelMesh":
+    def build(
+        cls, *, pp: int = 1, tp: int = 1, sp: int = 1, ep: int = 1, world_size: int | None = None
+    ) -> ParallelMesh:
         """The mesh with these sizes; data parallelism fills the rest of the world.
 
         `world_size`, when given, must be the job's (a check for scripts that assume one).
@@ -58,13 +61,16 @@ class ParallelMesh:
         world = backend.get_world_size()
         problems = layout_problems(world_size=world, pp=pp, sp=sp, tp=tp, ep=ep)
         if world_size is not None and world_size != world:
-            problems.insert(0, f"world_size={world_size} but the job has {world} ranks: launch "
-                               f"{world_size} processes or leave world_size out")
+            problems.insert(
+                0,
+                f"world_size={world_size} but the job has {world} ranks: launch "
+                f"{world_size} processes or leave world_size out",
+            )
         raise_problems(problems)
         return cls.from_grid(RankGrid.for_world(world, pp=pp, sp=sp, tp=tp, ep=ep))
 
     @classmethod
-    def from_grid(cls, grid: RankGrid) -> "ParallelMesh":
+    def from_grid(cls, grid: RankGrid) -> ParallelMesh:
         """The mesh of `grid`, making every group of every axis once (every rank must call this)."""
         rank, world = backend.get_rank(), backend.get_world_size()
         if grid.world_size != world:
@@ -73,17 +79,29 @@ class ParallelMesh:
         return cls({axis: maker.axis(grid.groups(axis)) for axis in MESH_AXES}, grid=grid, maker=maker)
 
     @classmethod
-    def data_parallel(cls, group=None) -> "ParallelMesh":
+    def data_parallel(cls, group=None) -> ParallelMesh:
         """Plain data parallelism over `group` (None = the world); every other axis has size 1."""
         if group is None:
             return cls.from_grid(RankGrid(dp=backend.get_world_size()))
         maker = GroupMaker(backend.get_rank(), backend.get_world_size())
         dp, one = AxisGroup.of(group), maker.singletons()
-        return cls({"pp": one, "dp": dp, "sp": one, "tp": one, "ep": one, "edp": dp, "dp_sp": dp, "mp": one,
-                    "world": maker.axis([list(range(maker.world))])}, maker=maker)
+        return cls(
+            {
+                "pp": one,
+                "dp": dp,
+                "sp": one,
+                "tp": one,
+                "ep": one,
+                "edp": dp,
+                "dp_sp": dp,
+                "mp": one,
+                "world": maker.axis([list(range(maker.world))]),
+            },
+            maker=maker,
+        )
 
     @classmethod
-    def from_mpu(cls, mpu) -> "ParallelMesh":
+    def from_mpu(cls, mpu) -> ParallelMesh:
         """Wrap a Megatron/DeepSpeed-style `mpu` (its groups are used as they are; `grid` is None)."""
         maker = GroupMaker(backend.get_rank(), backend.get_world_size())
         mesh = cls(mesh_axes_from_mpu(mpu, maker), maker=maker)
@@ -96,9 +114,11 @@ class ParallelMesh:
             raise ValueError(f"unknown parallel axis {axis!r}; expected one of {MESH_AXES}")
         found = self._axes.get(axis)
         if found is None:
-            raise ValueError(f"this mesh does not know its {axis!r} group: the mpu it wraps has no "
-                             "get_sequence_data_parallel_group(); add that method to the mpu, or build the "
-                             "mesh with ParallelMesh.build(sp=...)")
+            raise ValueError(
+                f"this mesh does not know its {axis!r} group: the mpu it wraps has no "
+                "get_sequence_data_parallel_group(); add that method to the mpu, or build the "
+                "mesh with ParallelMesh.build(sp=...)"
+            )
         return found
 
     def group(self, axis: str):
@@ -155,11 +175,13 @@ class ParallelMesh:
         if shard_size not in self._mics:
             dp = self.size("dp_sp")
             if shard_size > dp or dp % shard_size:
-                raise ConfigError(f"zero_optimization.mics_shard_size={shard_size} must divide the data-parallel "
-                                  f"size {dp} (the ranks of a shard group partition the model; choose a divisor "
-                                  "of it, usually the GPUs per node)")
+                raise ConfigError(
+                    f"zero_optimization.mics_shard_size={shard_size} must divide the data-parallel "
+                    f"size {dp} (the ranks of a shard group partition the model; choose a divisor "
+                    "of it, usually the GPUs per node)"
+                )
             groups = self._all_dp_groups(shard_size)
-            shards = [g[i:i + shard_size] for g in groups for i in range(0, len(g), shard_size)]
+            shards = [g[i : i + shard_size] for g in groups for i in range(0, len(g), shard_size)]
             replicas = [g[j::shard_size] for g in groups for j in range(shard_size)]
             self._mics[shard_size] = (self._maker.axis(shards), self._maker.axis(replicas))
         return self._mics[shard_size]
@@ -169,9 +191,11 @@ class ParallelMesh:
         Note [expert layout]), learnt from the ranks themselves (one all-gather)."""
         asked = backend.all_gather_object((ep_size, self.members("dp_sp")))
         if len({size for size, _ in asked}) > 1:
-            raise ValueError(f"ranks asked for expert groups of different sizes at the same point: "
-                             f"{[size for size, _ in asked]} (by rank); every rank must request the same "
-                             "ep sizes in the same order")
+            raise ValueError(
+                f"ranks asked for expert groups of different sizes at the same point: "
+                f"{[size for size, _ in asked]} (by rank); every rank must request the same "
+                "ep sizes in the same order"
+            )
         groups = sorted({tuple(members) for _, members in asked})
         if sorted(r for g in groups for r in g) != list(range(self.world_size)):
             raise ValueError(f"the data-parallel groups {groups} do not partition the {self.world_size} ranks")

@@ -1,25 +1,39 @@
 """Megatron/DeepSpeed `mpu` objects and the mesh: `MeshMpu` offers a ParallelMesh as an mpu, and
 `mesh_axes_from_mpu` reads an mpu's groups into mesh axes (for `ParallelMesh.from_mpu`)."""
+
 from __future__ import annotations
 
 from zerospeed.comm.axis_groups import AxisGroup, GroupMaker
 
-MPU_AXES = {"data": "dp", "model": "mp", "tensor_model": "tp", "pipeline_model": "pp", "pipe": "pp",
-            "sequence": "sp", "sequence_data": "dp_sp"}
+MPU_AXES = {
+    "data": "dp",
+    "model": "mp",
+    "tensor_model": "tp",
+    "pipeline_model": "pp",
+    "pipe": "pp",
+    "sequence": "sp",
+    "sequence_data": "dp_sp",
+}
 """The kind in mpu.get_<kind>_parallel_group() -> the mesh axis it names."""
 
 # Which mpu methods give each axis, the first one present winning: a Megatron mpu calls tensor
 # parallelism "tensor_model"; DeepSpeed's examples call it "model".
-_READ_ORDER = {"dp": ("data",), "tp": ("tensor_model", "model"), "mp": ("model", "tensor_model"),
-               "pp": ("pipeline_model", "pipe"), "sp": ("sequence",), "dp_sp": ("sequence_data",)}
+_READ_ORDER = {
+    "dp": ("data",),
+    "tp": ("tensor_model", "model"),
+    "mp": ("model", "tensor_model"),
+    "pp": ("pipeline_model", "pipe"),
+    "sp": ("sequence",),
+    "dp_sp": ("sequence_data",),
+}
 
 
 def expert_size(name: int | str) -> int:
     """The expert-parallel size in DeepSpeed's expert group name "ep_size_N" (an int passes through)."""
     if isinstance(name, int) and not isinstance(name, bool):
         return name
-    if isinstance(name, str) and name.startswith("ep_size_") and name[len("ep_size_"):].isdigit():
-        return int(name[len("ep_size_"):])
+    if isinstance(name, str) and name.startswith("ep_size_") and name[len("ep_size_") :].isdigit():
+        return int(name[len("ep_size_") :])
     raise ValueError(f"expert group name {name!r} is not DeepSpeed's 'ep_size_<N>' (e.g. 'ep_size_2')")
 
 
@@ -33,21 +47,26 @@ def _read_group(mpu, kind: str) -> AxisGroup | None:
     if not callable(get):
         return None
     seen = AxisGroup.of(get())
-    claims = [_claim(mpu, f"get_{kind}_parallel_world_size", seen.size),
-              _claim(mpu, f"get_{kind}_parallel_rank", seen.rank)]
+    claims = [
+        _claim(mpu, f"get_{kind}_parallel_world_size", seen.size),
+        _claim(mpu, f"get_{kind}_parallel_rank", seen.rank),
+    ]
     if claims != [seen.size, seen.rank]:
-        raise ValueError(f"mpu.get_{kind}_parallel_world_size()/rank() say {claims[0]}/{claims[1]} but its "
-                         f"group has {seen.size} ranks with this rank at {seen.rank}; make them agree")
+        raise ValueError(
+            f"mpu.get_{kind}_parallel_world_size()/rank() say {claims[0]}/{claims[1]} but its "
+            f"group has {seen.size} ranks with this rank at {seen.rank}; make them agree"
+        )
     return seen
 
 
 def mesh_axes_from_mpu(mpu, maker: GroupMaker) -> dict[str, AxisGroup | None]:
     """The mesh axes an mpu describes; axes it lacks have size 1 (dp_sp: unknown if sp > 1)."""
-    axes = {axis: next(filter(None, (_read_group(mpu, k) for k in kinds)), None)
-            for axis, kinds in _READ_ORDER.items()}
+    axes = {axis: next(filter(None, (_read_group(mpu, k) for k in kinds)), None) for axis, kinds in _READ_ORDER.items()}
     if axes["dp"] is None:
-        raise TypeError(f"{type(mpu).__name__} is not an mpu: it has no get_data_parallel_group(); give an "
-                        "object with Megatron's get_*_parallel_group() methods, or use ParallelMesh.build()")
+        raise TypeError(
+            f"{type(mpu).__name__} is not an mpu: it has no get_data_parallel_group(); give an "
+            "object with Megatron's get_*_parallel_group() methods, or use ParallelMesh.build()"
+        )
     one = maker.singletons()  # comm.SELF (Note [size-1 axes])
     axes.update({axis: axes[axis] or one for axis in ("pp", "sp", "tp", "mp")})
     if axes["dp_sp"] is None and axes["sp"].size == 1:

@@ -18,6 +18,7 @@ tensor contiguous and on this rank's GPU: anything else is refused here, by name
 group create its communicator together (PyTorch leaves a first call made by a subset of the ranks
 undefined).
 """
+
 from __future__ import annotations
 
 import time
@@ -43,9 +44,11 @@ def _is_nccl(group) -> bool:
 def _check_nccl(ops: list[P2POp]) -> None:
     for kind, t, peer in ops:
         if t.device.type != "cuda" or not t.is_contiguous():
-            raise ValueError(f"NCCL {kind} with rank {peer}: the tensor must be contiguous and on this rank's GPU, "
-                             f"got a {'non-contiguous ' if not t.is_contiguous() else ''}{t.dtype} tensor on "
-                             f"{t.device} of shape {tuple(t.shape)}; move it with .to(device) / .contiguous()")
+            raise ValueError(
+                f"NCCL {kind} with rank {peer}: the tensor must be contiguous and on this rank's GPU, "
+                f"got a {'non-contiguous ' if not t.is_contiguous() else ''}{t.dtype} tensor on "
+                f"{t.device} of shape {tuple(t.shape)}; move it with .to(device) / .contiguous()"
+            )
 
 
 def warm_up(group=None, device: torch.device | None = None) -> None:

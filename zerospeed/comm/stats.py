@@ -8,6 +8,7 @@ a rank keeps); a point-to-point send carries its payload once (a receive
 sends nothing). Time runs from issue to the moment the result is usable
 (`wait()` for async collectives), so overlapped collectives show their latency, not lost time.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -35,8 +36,7 @@ class KindStats:
 class CommStats:
     kinds: dict[str, KindStats] = field(default_factory=dict)
 
-    def record(self, kind: str, nbytes: int, seconds: float, world_size: int,
-               wire_bytes: float | None = None) -> None:
+    def record(self, kind: str, nbytes: int, seconds: float, world_size: int, wire_bytes: float | None = None) -> None:
         """Count one collective; `wire_bytes` overrides the ring estimate where the exact figure is known
         (an uneven all-to-all sends everything but the slice a rank keeps)."""
         k = self.kinds.setdefault(kind, KindStats())
@@ -52,9 +52,13 @@ class CommStats:
         """A plain-dict copy: {kind: {calls, payload_bytes, wire_bytes, seconds, algbw_GBps}}."""
         out = {}
         for kind, k in self.kinds.items():
-            out[kind] = {"calls": k.calls, "payload_bytes": k.payload_bytes, "wire_bytes": k.wire_bytes,
-                         "seconds": k.seconds,
-                         "algbw_GBps": k.payload_bytes / k.seconds / 1e9 if k.seconds > 0 else 0.0}
+            out[kind] = {
+                "calls": k.calls,
+                "payload_bytes": k.payload_bytes,
+                "wire_bytes": k.wire_bytes,
+                "seconds": k.seconds,
+                "algbw_GBps": k.payload_bytes / k.seconds / 1e9 if k.seconds > 0 else 0.0,
+            }
         return out
 
     def total_wire_bytes(self) -> float:

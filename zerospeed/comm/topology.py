@@ -23,6 +23,7 @@ over dp x sp (Note [sequence-parallel loss]: every sequence rank's gradient is a
 its replica's mean, so averaging over dp x sp gives the mean over replicas). The index split is then
 i = edp * ep_size + ep with i = d * sp + s. Without sequence parallelism nothing changes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -65,10 +66,15 @@ def layout_problems(*, world_size: int | None = None, pp=1, dp=None, sp=1, tp=1,
         if dp is None and not problems and world_size is not None:
             dp = world_size // (pp * sp * tp)
     if dp is not None and _is_size(dp) and _is_size(ep) and _is_size(sp) and (dp * sp) % ep:
-        what, group = (("data-parallel size dp", "data-parallel") if sp == 1 else
-                       (f"sequence-data-parallel size dp x sp = {dp}*{sp}", "sequence-data-parallel"))
-        problems.append(f"ep={ep} does not divide the {what}={dp * sp}: expert-parallel groups "
-                        f"split each {group} group, so choose ep among {_divisors(dp * sp)}")
+        what, group = (
+            ("data-parallel size dp", "data-parallel")
+            if sp == 1
+            else (f"sequence-data-parallel size dp x sp = {dp}*{sp}", "sequence-data-parallel")
+        )
+        problems.append(
+            f"ep={ep} does not divide the {what}={dp * sp}: expert-parallel groups "
+            f"split each {group} group, so choose ep among {_divisors(dp * sp)}"
+        )
     return problems
 
 
@@ -76,13 +82,17 @@ def _world_problems(world_size, pp, dp, sp, tp) -> list[str]:
     if world_size is None:
         return []
     if dp is not None and pp * dp * sp * tp != world_size:
-        return [f"pp*dp*sp*tp = {pp}*{dp}*{sp}*{tp} = {pp * dp * sp * tp} ranks but the world has {world_size}: "
-                "leave dp out to let data parallelism fill the rest"]
+        return [
+            f"pp*dp*sp*tp = {pp}*{dp}*{sp}*{tp} = {pp * dp * sp * tp} ranks but the world has {world_size}: "
+            "leave dp out to let data parallelism fill the rest"
+        ]
     other = pp * sp * tp
     if dp is None and world_size % other:
-        return [f"world size {world_size} is not divisible by pp*sp*tp = {pp}*{sp}*{tp} = {other}: run on a "
-                f"multiple of {other} ranks, or choose pp*sp*tp among the divisors of {world_size}: "
-                f"{_divisors(world_size)}"]
+        return [
+            f"world size {world_size} is not divisible by pp*sp*tp = {pp}*{sp}*{tp} = {other}: run on a "
+            f"multiple of {other} ranks, or choose pp*sp*tp among the divisors of {world_size}: "
+            f"{_divisors(world_size)}"
+        ]
     return []
 
 
@@ -96,8 +106,9 @@ def raise_problems(problems: list[str]) -> None:
     if len(problems) == 1:
         raise ValueError(problems[0])
     if problems:
-        raise ValueError(f"the parallel layout has {len(problems)} problems:\n" +
-                         "\n".join(f"  - {p}" for p in problems))
+        raise ValueError(
+            f"the parallel layout has {len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
 
 
 def expert_layout(dp_groups: list[list[int]], ep: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -110,7 +121,7 @@ def expert_layout(dp_groups: list[list[int]], ep: int) -> tuple[list[list[int]],
         if len(ranks) % ep:
             raise ValueError(f"ep={ep} does not divide the data-parallel group {ranks} (size {len(ranks)})")
         ranks = sorted(ranks)
-        ep_groups += [ranks[i:i + ep] for i in range(0, len(ranks), ep)]
+        ep_groups += [ranks[i : i + ep] for i in range(0, len(ranks), ep)]
         edp_groups += [ranks[i::ep] for i in range(ep)]
     return ep_groups, edp_groups
 
@@ -129,12 +140,12 @@ class RankGrid:
         validate_layout(pp=self.pp, dp=self.dp, sp=self.sp, tp=self.tp, ep=self.ep)
 
     @classmethod
-    def for_world(cls, world_size: int, pp: int = 1, sp: int = 1, tp: int = 1, ep: int = 1) -> "RankGrid":
+    def for_world(cls, world_size: int, pp: int = 1, sp: int = 1, tp: int = 1, ep: int = 1) -> RankGrid:
         """The grid whose data-parallel size fills the rest of `world_size`."""
         validate_layout(world_size=world_size, pp=pp, sp=sp, tp=tp, ep=ep)
         return cls(pp=pp, dp=world_size // (pp * sp * tp), sp=sp, tp=tp, ep=ep)
 
-    def with_ep(self, ep: int) -> "RankGrid":
+    def with_ep(self, ep: int) -> RankGrid:
         """The same grid with another expert-parallel size."""
         return replace(self, ep=ep)
 
@@ -193,8 +204,11 @@ class RankGrid:
         groups = []
         for fixed in product(*(range(sizes[a]) for a in fixed_axes)):
             base = dict(zip(fixed_axes, fixed))
-            groups.append(sorted(self.rank(**base, **dict(zip(varying, idx)))
-                                 for idx in product(*(range(sizes[a]) for a in varying))))
+            groups.append(
+                sorted(
+                    self.rank(**base, **dict(zip(varying, idx))) for idx in product(*(range(sizes[a]) for a in varying))
+                )
+            )
         return groups
 
     def group_of(self, rank: int, axis: str) -> list[int]:

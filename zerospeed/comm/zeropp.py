@@ -7,7 +7,8 @@ kind (and so per group):
 
 | kind                      | collective                              | payload bytes                    |
 |---------------------------|-----------------------------------------|----------------------------------|
-| `all_gather_int8`         | qwZ all-gather over the whole group (also of int8-stored frozen shards) | N x wire_bytes(chunk, 8) |
+| `all_gather_int8`         | qwZ all-gather over the whole group (also of int8-stored frozen
+|                           | shards)                                 | N x wire_bytes(chunk, 8)         |
 | `all_gather_int4`         | all-gather of int4-stored frozen shards (ZeRO-Inference) | N x wire_bytes(chunk, 4) |
 | `all_gather_hpz`          | hpZ secondary all-gather (sub-group)    | the full tensor, param dtype     |
 | `reduce_scatter_int4`     | qgZ all-to-all (single level)           | N x wire_bytes(chunk, 4)          |
@@ -23,6 +24,7 @@ plain data-parallel mesh, the ranks of one node), and the *inter* groups of the 
 same position in each block. Making them is collective over the world: every rank learns every
 rank's group (one all-gather of members) and all ranks create every sub-group in the same order.
 """
+
 from __future__ import annotations
 
 import time
@@ -33,8 +35,14 @@ import torch.distributed as dist
 from zerospeed.comm import backend
 from zerospeed.comm.axis_groups import GroupMaker
 from zerospeed.comm.backend import STATS, _check_tensors, _is_gloo, get_rank, get_world_size
-from zerospeed.precision.quantize import (dequantize_blocks, dequantize_blocks_into, from_bytes, quantize_blocks, to_bytes,
-                                     wire_bytes)
+from zerospeed.precision.quantize import (
+    dequantize_blocks,
+    dequantize_blocks_into,
+    from_bytes,
+    quantize_blocks,
+    to_bytes,
+    wire_bytes,
+)
 
 WEIGHT_BITS, WEIGHT_BLOCK = 8, 512  # qwZ: int8, one fp32 scale per 512 elements
 GRAD_BITS, GRAD_BLOCK = 4, 64  # qgZ: int4, one fp32 scale per 64 elements (Note [qgZ block size])
@@ -74,8 +82,9 @@ def _done(finish, async_op: bool):
     return _Decoding(None, None, None) if async_op else None
 
 
-def _launch(kind: str, payload: int, wire: float, group, launch, finish, async_op: bool,
-            finish_communicates: bool = False):
+def _launch(
+    kind: str, payload: int, wire: float, group, launch, finish, async_op: bool, finish_communicates: bool = False
+):
     """Issue `launch(async_op=True)` (a blocking caller waits here), count it, decode on wait."""
     start = time.perf_counter()
     world = get_world_size(group)
@@ -99,25 +108,46 @@ def _gather_bytes(recv: torch.Tensor, send: torch.Tensor, group, async_op: bool)
 
 
 # -- qwZ ---------------------------------------------------------------------------------------------
-def all_gather_quantized(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False,
-                         bits: int = WEIGHT_BITS, block_size: int = WEIGHT_BLOCK):
+def all_gather_quantized(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group=None,
+    async_op: bool = False,
+    bits: int = WEIGHT_BITS,
+    block_size: int = WEIGHT_BLOCK,
+):
     """`all_gather_into_tensor` of block-quantized shards: rank r's `input` (equal sizes on every rank),
     quantized symmetric to `bits` per element, lands dequantized in slice r of `output`. One group
     gathers exactly (no quantization) — nothing crosses a wire."""
     if get_world_size(group) == 1:
         return _done(lambda: output.view(-1).copy_(input.reshape(-1)), async_op)
-    return all_gather_packed(output, to_bytes(quantize_blocks(input, bits, block_size)), input.numel(), group,
-                             async_op, bits, block_size)
+    return all_gather_packed(
+        output, to_bytes(quantize_blocks(input, bits, block_size)), input.numel(), group, async_op, bits, block_size
+    )
 
 
-def decode_packed(packed: torch.Tensor, output: torch.Tensor, numel: int, bits: int = WEIGHT_BITS,
-                  block_size: int = WEIGHT_BLOCK, symmetric: bool = True) -> None:
+def decode_packed(
+    packed: torch.Tensor,
+    output: torch.Tensor,
+    numel: int,
+    bits: int = WEIGHT_BITS,
+    block_size: int = WEIGHT_BLOCK,
+    symmetric: bool = True,
+) -> None:
     """One rank's block-quantized `to_bytes` buffer of `numel` elements, dequantized into `output`."""
     dequantize_blocks_into(from_bytes(packed, numel, bits, block_size, symmetric), output)
 
 
-def all_gather_packed(output: torch.Tensor, packed: torch.Tensor, numel: int, group=None, async_op: bool = False,
-                      bits: int = WEIGHT_BITS, block_size: int = WEIGHT_BLOCK, symmetric: bool = True):
+def all_gather_packed(
+    output: torch.Tensor,
+    packed: torch.Tensor,
+    numel: int,
+    group=None,
+    async_op: bool = False,
+    bits: int = WEIGHT_BITS,
+    block_size: int = WEIGHT_BLOCK,
+    symmetric: bool = True,
+):
     """`all_gather_into_tensor` of shards already block-quantized (`to_bytes` buffers of `numel`
     elements, equal on every rank): exchanged as they are, rank r's dequantized into slice r of `output`.
     qwZ quantizes before calling it; `zero_quantized_nontrainable_weights` stores its shards so."""
@@ -132,8 +162,15 @@ def all_gather_packed(output: torch.Tensor, packed: torch.Tensor, numel: int, gr
         for r in range(world):
             dequantize_blocks_into(from_bytes(rows[r], numel, bits, block_size, symmetric), out[r])
 
-    return _launch(f"all_gather_int{bits}", recv.numel(), (world - 1) * packed.numel(), group,
-                   lambda a: _gather_bytes(recv, packed, group, a), finish, async_op)
+    return _launch(
+        f"all_gather_int{bits}",
+        recv.numel(),
+        (world - 1) * packed.numel(),
+        group,
+        lambda a: _gather_bytes(recv, packed, group, a),
+        finish,
+        async_op,
+    )
 
 
 # -- hpZ ---------------------------------------------------------------------------------------------
@@ -143,8 +180,15 @@ def all_gather_secondary(output: torch.Tensor, input: torch.Tensor, group=None, 
     if world == 1:
         return _done(lambda: output.view(-1).copy_(input.reshape(-1)), async_op)
     _check_tensors("all_gather_secondary", group, output, input)
-    return _launch("all_gather_hpz", output.nbytes, output.nbytes * (world - 1) / world, group,
-                   lambda a: _gather_bytes(output, input.reshape(-1), group, a), lambda: None, async_op)
+    return _launch(
+        "all_gather_hpz",
+        output.nbytes,
+        output.nbytes * (world - 1) / world,
+        group,
+        lambda a: _gather_bytes(output, input.reshape(-1), group, a),
+        lambda: None,
+        async_op,
+    )
 
 
 def hpz_groups(group, size: int):
@@ -154,9 +198,11 @@ def hpz_groups(group, size: int):
     everyone = sorted({tuple(m) for m in backend.all_gather_object(members)})
     problems = [g for g in everyone if len(g) % size]
     if problems:
-        raise ValueError(f"zero_hpz_partition_size={size} does not divide the data-parallel group size "
-                         f"{len(problems[0])}: choose a divisor of it (the ranks per node, usually)")
-    intra = [list(g[i:i + size]) for g in everyone for i in range(0, len(g), size)]
+        raise ValueError(
+            f"zero_hpz_partition_size={size} does not divide the data-parallel group size "
+            f"{len(problems[0])}: choose a divisor of it (the ranks per node, usually)"
+        )
+    intra = [list(g[i : i + size]) for g in everyone for i in range(0, len(g), size)]
     inter = [list(g[j::size]) for g in everyone for j in range(size)]
     maker = GroupMaker(backend.get_rank(), backend.get_world_size())
     return maker.axis(intra), maker.axis(inter)
@@ -168,8 +214,9 @@ def _quantized_rows(rows: torch.Tensor, bits: int, block_size: int) -> torch.Ten
     return torch.stack([to_bytes(quantize_blocks(row, bits, block_size)) for row in rows])
 
 
-def _decoded_sum(recv: torch.Tensor, c: int, bits: int, block_size: int, exact_row: torch.Tensor | None,
-                 own: int) -> torch.Tensor:
+def _decoded_sum(
+    recv: torch.Tensor, c: int, bits: int, block_size: int, exact_row: torch.Tensor | None, own: int
+) -> torch.Tensor:
     """Sum of the dequantized rows of `recv`, row `own` replaced by `exact_row` (this rank's own,
     never sent)."""
     total = exact_row.float().clone() if exact_row is not None else torch.zeros(c, device=recv.device)
@@ -179,17 +226,32 @@ def _decoded_sum(recv: torch.Tensor, c: int, bits: int, block_size: int, exact_r
     return total
 
 
-def _all_to_all_rows(kind: str, send: torch.Tensor, group, async_op: bool, finish_with,
-                     finish_communicates: bool = False):
+def _all_to_all_rows(
+    kind: str, send: torch.Tensor, group, async_op: bool, finish_with, finish_communicates: bool = False
+):
     recv = torch.empty_like(send)
     world = send.shape[0]
-    return _launch(kind, send.numel(), (world - 1) * send.shape[1], group,
-                   lambda a: dist.all_to_all_single(recv, send, group=group, async_op=a),
-                   lambda: finish_with(recv), async_op, finish_communicates)
+    return _launch(
+        kind,
+        send.numel(),
+        (world - 1) * send.shape[1],
+        group,
+        lambda a: dist.all_to_all_single(recv, send, group=group, async_op=a),
+        lambda: finish_with(recv),
+        async_op,
+        finish_communicates,
+    )
 
 
-def reduce_scatter_quantized(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False,
-                             bits: int = GRAD_BITS, block_size: int = GRAD_BLOCK, hierarchy=None):
+def reduce_scatter_quantized(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group=None,
+    async_op: bool = False,
+    bits: int = GRAD_BITS,
+    block_size: int = GRAD_BLOCK,
+    hierarchy=None,
+):
     """`reduce_scatter_tensor(op="sum")` as an all-to-all of block-quantized chunks: chunk j of
     `input` (rank-major, N equal chunks) is quantized and sent to rank j, which dequantizes what it
     receives and sums it with its own chunk (kept exact). `hierarchy`, an (intra, inter) pair of
@@ -227,18 +289,21 @@ def _two_level(output, rows_NC, hierarchy, bits, block_size, async_op):
 
     def finish_intra(recv):
         pieces = recv.view(H, M, n_bytes)
-        partial = torch.stack([_decoded_sum(pieces[:, m], c, bits, block_size, local[m], intra.rank)
-                               for m in range(M)])  # [M, c]: my block's sums for position intra.rank
+        partial = torch.stack(
+            [_decoded_sum(pieces[:, m], c, bits, block_size, local[m], intra.rank) for m in range(M)]
+        )  # [M, c]: my block's sums for position intra.rank
         mine = partial[inter.rank]
 
         def finish_inter(recv2):
             output.view(-1).copy_(_decoded_sum(recv2, c, bits, block_size, mine, inter.rank).to(output.dtype))
 
-        _all_to_all_rows("reduce_scatter_int4_inter", _quantized_rows(partial, bits, block_size), inter.handle,
-                         False, finish_inter)
+        _all_to_all_rows(
+            "reduce_scatter_int4_inter", _quantized_rows(partial, bits, block_size), inter.handle, False, finish_inter
+        )
 
-    return _all_to_all_rows("reduce_scatter_int4_intra", send, intra.handle, async_op, finish_intra,
-                            finish_communicates=True)
+    return _all_to_all_rows(
+        "reduce_scatter_int4_intra", send, intra.handle, async_op, finish_intra, finish_communicates=True
+    )
 
 
 def quantized_gather_bytes(chunk: int, world: int, bits: int = WEIGHT_BITS, block_size: int = WEIGHT_BLOCK) -> int:

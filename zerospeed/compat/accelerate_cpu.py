@@ -15,6 +15,7 @@ The adjustment is applied right after `accelerate.state` runs, by a post-import 
 interpreter start by the shim's .pth file, or when `deepspeed` is imported first (compat/import_hooks.py,
 which imports this module only then: Note [post-import hooks by name]), so no script changes.
 """
+
 from __future__ import annotations
 
 import os

@@ -14,6 +14,7 @@ install` refuses to install over a real one. What remains is a real DeepSpeed in
 sys.path entry (a user site, a PYTHONPATH dir): then whichever comes first would win silently, so
 `activate` refuses to import and names both.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -25,9 +26,15 @@ import types
 
 import zerospeed  # already imported: it is this package's parent (its __init__ imports no torch)
 from zerospeed.compat.distribution import (  # noqa: F401 (this module's names since the shim began)
-    DEEPSPEED_API_VERSION, SHIM_TAG, deepspeed_is_shim, foreign_deepspeeds, is_shim, location,
+    DEEPSPEED_API_VERSION,
+    SHIM_TAG,
+    deepspeed_is_shim,
+    foreign_deepspeeds,
+    is_shim,
+    location,
 )
 from zerospeed.compat.import_hooks import install_hook
+
 
 class _AliasLoader(importlib.abc.Loader):
     """Loads `deepspeed.<path>` by importing `zerospeed.<path>` and returning that module itself."""
@@ -48,15 +55,16 @@ class _DeepSpeedFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if not fullname.startswith("deepspeed."):
             return None
-        ours = "zerospeed." + fullname[len("deepspeed."):]
+        ours = "zerospeed." + fullname[len("deepspeed.") :]
         try:
             spec = importlib.util.find_spec(ours)
         except ModuleNotFoundError:
             return None
         if spec is None:
             return None
-        return importlib.util.spec_from_loader(fullname, _AliasLoader(ours),
-                                               is_package=spec.submodule_search_locations is not None)
+        return importlib.util.spec_from_loader(
+            fullname, _AliasLoader(ours), is_package=spec.submodule_search_locations is not None
+        )
 
 
 _FINDER = _DeepSpeedFinder()
@@ -67,10 +75,12 @@ def activate(name: str = "deepspeed") -> types.ModuleType:
     foreign = foreign_deepspeeds()
     if foreign:
         places = ", ".join(f"DeepSpeed {d.version} at {location(d)}" for d in foreign)
-        raise ImportError(f"`import deepspeed` is ambiguous: zerospeed's deepspeed shim is installed and so is "
-                          f"{places}. Keep one: `zerospeed-compat uninstall` to use the real DeepSpeed, or "
-                          "`pip uninstall deepspeed` in the other location to use zerospeed "
-                          "(Note [never shadow a real DeepSpeed] in zerospeed/compat/alias.py)")
+        raise ImportError(
+            f"`import deepspeed` is ambiguous: zerospeed's deepspeed shim is installed and so is "
+            f"{places}. Keep one: `zerospeed-compat uninstall` to use the real DeepSpeed, or "
+            "`pip uninstall deepspeed` in the other location to use zerospeed "
+            "(Note [never shadow a real DeepSpeed] in zerospeed/compat/alias.py)"
+        )
     install_hook()  # Note [accelerate on a CPU-only machine], for an environment without the .pth
 
     module = sys.modules[name]
@@ -89,8 +99,10 @@ def activate(name: str = "deepspeed") -> types.ModuleType:
         try:
             return getattr(zerospeed, attr)
         except AttributeError:
-            raise AttributeError(f"module 'deepspeed' (zerospeed) has no attribute {attr!r}; see docs/compat.md "
-                                 "for the DeepSpeed names zerospeed provides") from None
+            raise AttributeError(
+                f"module 'deepspeed' (zerospeed) has no attribute {attr!r}; see docs/compat.md "
+                "for the DeepSpeed names zerospeed provides"
+            ) from None
 
     module.__getattr__ = __getattr__
     module.__dir__ = lambda: sorted(set(dir(zerospeed)) | {"__version__"})

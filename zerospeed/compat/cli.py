@@ -6,6 +6,7 @@
 The shim's source (zerospeed/compat/shim) is copied to a temporary directory with its version filled
 in and installed by pip, so pip records it and `pip uninstall deepspeed` works as for any package.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +34,11 @@ def _refuse_real_deepspeed(target: Path | None) -> None:
     foreign = foreign_deepspeeds(_search_path(target))
     if foreign:
         where = "; ".join(f"DeepSpeed {d.version} at {d.locate_file('')}" for d in foreign)
-        raise SystemExit(f"zerospeed-compat: a real DeepSpeed is installed ({where}). Installing the shim would "
-                         "shadow it. Uninstall it first (`pip uninstall deepspeed`) or use a separate virtual "
-                         "environment for zerospeed.")
+        raise SystemExit(
+            f"zerospeed-compat: a real DeepSpeed is installed ({where}). Installing the shim would "
+            "shadow it. Uninstall it first (`pip uninstall deepspeed`) or use a separate virtual "
+            "environment for zerospeed."
+        )
 
 
 def install(target: Path | None = None, quiet: bool = True) -> None:
@@ -62,8 +65,10 @@ def uninstall() -> None:
         print("zerospeed-compat: the deepspeed shim is not installed in this environment")
         return
     if foreign_deepspeeds():
-        raise SystemExit("zerospeed-compat: a real DeepSpeed is installed too; uninstall with pip from the "
-                         "environment you mean, so the wrong one is not removed")
+        raise SystemExit(
+            "zerospeed-compat: a real DeepSpeed is installed too; uninstall with pip from the "
+            "environment you mean, so the wrong one is not removed"
+        )
     subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "deepspeed"], check=True)
 
 

@@ -3,13 +3,14 @@
 Standard library only: the shim's start-up hook (compat/startup.py) and `import deepspeed` ask this
 before anything heavy is imported.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
 import sys
 
 DEEPSPEED_API_VERSION = "0.19.8"  # the DeepSpeed release whose API (names, defaults) we mirror
-SHIM_TAG = "zerospeed"            # the shim's version is DEEPSPEED_API_VERSION + "+zerospeed.<our version>"
+SHIM_TAG = "zerospeed"  # the shim's version is DEEPSPEED_API_VERSION + "+zerospeed.<our version>"
 
 
 def is_shim(dist: importlib.metadata.Distribution) -> bool:

@@ -8,6 +8,7 @@ imported — by then the target has imported torch itself. The table is the one 
 reference is written, so a reader finds it at the top of this file, as with the alias table
 (zerospeed/deepspeed_paths.py).
 """
+
 from __future__ import annotations
 
 import importlib

@@ -7,19 +7,31 @@ keys, weight tying and optimizer parameter lists stay as they were. Its techniqu
 explicit fields set by ``init_compression``; ``set_step`` (called by the compression scheduler)
 moves it along its schedules.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zerospeed.compression.prune import (channel_l1_mask, expand_head_mask, head_l1_mask, row_l1_mask,
-                                         sparse_l1_mask, topk_mask_ste)
-from zerospeed.compression.quantize import (ActivationRange, activation_codes, bits_at_step, ste_quantize,
-                                            ste_quantize_activation)
+from zerospeed.compression.prune import (
+    channel_l1_mask,
+    expand_head_mask,
+    head_l1_mask,
+    row_l1_mask,
+    sparse_l1_mask,
+    topk_mask_ste,
+)
+from zerospeed.compression.quantize import (
+    ActivationRange,
+    activation_codes,
+    bits_at_step,
+    ste_quantize,
+    ste_quantize_activation,
+)
 from zerospeed.zero import GatheredParameters
 
 
@@ -71,7 +83,7 @@ class _Compressible:
         like = dict(device=self.weight.device, dtype=self.weight.dtype)
         if spec.method == "topk":
             scores = torch.empty(shape, **like)
-            nn.init.kaiming_uniform_(scores, a=5 ** 0.5)
+            nn.init.kaiming_uniform_(scores, a=5**0.5)
             self.register_parameter(f"{kind}_mask_scores", nn.Parameter(scores))
         else:
             # Note [l1 mask timing]: the mask is (re)computed from the weights when pruning turns on
@@ -132,8 +144,10 @@ class LinearLayer_Compress(_Compressible, nn.Linear):
     MASKS = {
         "sparse": (lambda m: tuple(m.weight.shape), lambda m, s: sparse_l1_mask(m.weight, s.dense_ratio)),
         "row": (lambda m: (m.out_features, 1), lambda m, s: row_l1_mask(m.weight, s.dense_ratio)),
-        "head": (lambda m: (1, m.specs["head"].num_heads),
-                 lambda m, s: head_l1_mask(m.weight, s.num_heads, s.dense_ratio)),
+        "head": (
+            lambda m: (1, m.specs["head"].num_heads),
+            lambda m, s: head_l1_mask(m.weight, s.num_heads, s.dense_ratio),
+        ),
     }
 
     def __init__(self, linear: nn.Linear):
@@ -178,21 +192,31 @@ class LinearLayer_Compress(_Compressible, nn.Linear):
         return F.linear(self.quantized_input(x), weight, bias)
 
     def extra_repr(self) -> str:
-        return (f"{super().extra_repr()}, weight_quant={self.weight_quant}, act_quant={self.act_quant}, "
-                f"pruning={self.specs}, step={self.training_steps}")
+        return (
+            f"{super().extra_repr()}, weight_quant={self.weight_quant}, act_quant={self.act_quant}, "
+            f"pruning={self.specs}, step={self.training_steps}"
+        )
 
 
 class Conv2dLayer_Compress(_Compressible, nn.Conv2d):
     """A Conv2d with optional channel pruning (output channels) and activation quantization."""
 
     SAMPLE_WISE = True
-    MASKS = {"channel": (lambda m: (m.out_channels, 1, 1, 1),
-                         lambda m, s: channel_l1_mask(m.weight, s.dense_ratio))}
+    MASKS = {"channel": (lambda m: (m.out_channels, 1, 1, 1), lambda m, s: channel_l1_mask(m.weight, s.dense_ratio))}
 
     def __init__(self, conv: nn.Conv2d):
-        super().__init__(conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride,
-                         padding=conv.padding, dilation=conv.dilation, groups=conv.groups,
-                         bias=conv.bias is not None, padding_mode=conv.padding_mode, device="meta")
+        super().__init__(
+            conv.in_channels,
+            conv.out_channels,
+            conv.kernel_size,
+            stride=conv.stride,
+            padding=conv.padding,
+            dilation=conv.dilation,
+            groups=conv.groups,
+            bias=conv.bias is not None,
+            padding_mode=conv.padding_mode,
+            device="meta",
+        )
         self.weight = conv.weight
         self.bias = conv.bias
         self._init_compression_state()
@@ -260,14 +284,24 @@ class QuantizedLinear(nn.Module):
 
     integer_matmul = False
 
-    def __init__(self, codes_OI: torch.Tensor, scale_O: torch.Tensor, zero_O: torch.Tensor,
-                 bias: torch.Tensor | None, symmetric: bool, bits: int = 8):
+    def __init__(
+        self,
+        codes_OI: torch.Tensor,
+        scale_O: torch.Tensor,
+        zero_O: torch.Tensor,
+        bias: torch.Tensor | None,
+        symmetric: bool,
+        bits: int = 8,
+    ):
         super().__init__()
         self.symmetric, self.width = symmetric, storage_width(bits)
         self.packed = self.width < 8
         self._in = codes_OI.shape[1]
-        codes = pack_codes(codes_OI, self.width, symmetric) if self.packed else codes_OI.to(
-            torch.int8 if symmetric else torch.uint8)
+        codes = (
+            pack_codes(codes_OI, self.width, symmetric)
+            if self.packed
+            else codes_OI.to(torch.int8 if symmetric else torch.uint8)
+        )
         self.register_buffer("weight_codes", codes)
         self.register_buffer("weight_scale", scale_O.float().contiguous())
         self.register_buffer("weight_zero", zero_O.float().contiguous() if not symmetric else None)
@@ -290,8 +324,9 @@ class QuantizedLinear(nn.Module):
 
     def codes(self) -> torch.Tensor:
         """The integer codes, [out, in] (unpacked when stored two per byte)."""
-        return unpack_codes(self.weight_codes, self._in, self.width, self.symmetric) if self.packed \
-            else self.weight_codes
+        return (
+            unpack_codes(self.weight_codes, self._in, self.width, self.symmetric) if self.packed else self.weight_codes
+        )
 
     def dequantized_weight(self) -> torch.Tensor:
         codes = self.codes().float()
@@ -314,8 +349,9 @@ class QuantizedLinear(nn.Module):
 
     def _w8a8(self) -> bool:
         a = self.act_quant
-        return (self.integer_matmul and a is not None and a.bits == 8 and a.symmetric and self.symmetric
-                and not self.packed)
+        return (
+            self.integer_matmul and a is not None and a.bits == 8 and a.symmetric and self.symmetric and not self.packed
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.act_quant
@@ -331,5 +367,7 @@ class QuantizedLinear(nn.Module):
         return F.linear(x, self.dequantized_weight().to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.weight_codes.dtype}"
-                f"{f', {self.width}-bit packed' if self.packed else ''}, act_quant={self.act_quant}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.weight_codes.dtype}"
+            f"{f', {self.width}-bit packed' if self.packed else ''}, act_quant={self.act_quant}"
+        )

@@ -1,6 +1,7 @@
 """``parse_compression_config``: the ``compression_training`` block out of whatever
 ``init_compression`` was given (a config dict, a parsed config, a JSON path or string), validated by
 the schema in ``zerospeed/config/schema/compression.py`` that the root config uses too."""
+
 from __future__ import annotations
 
 import json
@@ -9,10 +10,10 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from zerospeed.utils.errors import ConfigError
 from zerospeed.config.schema.base import show
 from zerospeed.config.schema.compression import ROOT_KEY, CompressionConfig
 from zerospeed.config.validation import translate
+from zerospeed.utils.errors import ConfigError
 
 __all__ = ["CompressionConfig", "ROOT_KEY", "parse_compression_config"]
 
@@ -29,8 +30,9 @@ def _raw_block(deepspeed_config: Any) -> dict:
                 text = f.read()
         deepspeed_config = json.loads(text)
     if not isinstance(deepspeed_config, dict):
-        raise ConfigError(f"{ROOT_KEY}: expected a config dict, a JSON path or a JSON string, "
-                          f"got {type(deepspeed_config).__name__}")
+        raise ConfigError(
+            f"{ROOT_KEY}: expected a config dict, a JSON path or a JSON string, got {type(deepspeed_config).__name__}"
+        )
     block = deepspeed_config.get(ROOT_KEY, {})
     if not isinstance(block, dict):
         raise ConfigError(f"{ROOT_KEY}: expected an object ({{...}}), got {show(block)}")

@@ -4,17 +4,19 @@ against its teacher (layer reduction, XTC), and ZeroQuant's layer-by-layer disti
 DeepSpeed leaves both to its examples; here they are library functions, so the recipes in
 docs/compression.md and ``benchmarks/compression.py`` are a few lines each.
 """
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
-                      temperature: float = 1.0) -> torch.Tensor:
+def distillation_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """Hinton's soft-target loss: ``T**2 * KL(softmax(teacher / T) || softmax(student / T))``, the
     mean over every position (all dimensions but the last, the classes)."""
     t = temperature
@@ -33,8 +35,11 @@ def _layer_io(teacher: nn.Module, layer: nn.Module, batch) -> tuple[tuple, dict,
     seen: dict = {}
 
     def hook(module, args, kwargs, output):
-        seen.update(args=tuple(a.detach() if torch.is_tensor(a) else a for a in args), kwargs=kwargs,
-                    output=_first(output).detach())
+        seen.update(
+            args=tuple(a.detach() if torch.is_tensor(a) else a for a in args),
+            kwargs=kwargs,
+            output=_first(output).detach(),
+        )
 
     handle = layer.register_forward_hook(hook, with_kwargs=True)
     try:
@@ -47,8 +52,14 @@ def _layer_io(teacher: nn.Module, layer: nn.Module, batch) -> tuple[tuple, dict,
     return seen["args"], seen["kwargs"], seen["output"]
 
 
-def layerwise_distill(student: nn.Module, teacher: nn.Module, module_name_prefix: str,
-                      batches: Iterable, steps_per_layer: int, lr: float = 1e-4) -> list[float]:
+def layerwise_distill(
+    student: nn.Module,
+    teacher: nn.Module,
+    module_name_prefix: str,
+    batches: Iterable,
+    steps_per_layer: int,
+    lr: float = 1e-4,
+) -> list[float]:
     """ZeroQuant's layer-by-layer knowledge distillation (arXiv 2206.01861, section 4.3).
 
     For each layer ``k`` of ``student.<module_name_prefix>`` in order: run the (unquantized) teacher
@@ -62,8 +73,10 @@ def layerwise_distill(student: nn.Module, teacher: nn.Module, module_name_prefix
     s_layers = student.get_submodule(module_name_prefix)
     t_layers = teacher.get_submodule(module_name_prefix)
     if len(s_layers) != len(t_layers):
-        raise ValueError(f"layerwise_distill: {module_name_prefix} has {len(s_layers)} student layers and "
-                         f"{len(t_layers)} teacher layers; LKD pairs them one to one")
+        raise ValueError(
+            f"layerwise_distill: {module_name_prefix} has {len(s_layers)} student layers and "
+            f"{len(t_layers)} teacher layers; LKD pairs them one to one"
+        )
     batches = list(batches)
     if not batches:
         raise ValueError("layerwise_distill: batches is empty")

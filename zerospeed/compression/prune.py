@@ -5,6 +5,7 @@ for row pruning, of each head's input columns of the attention output projection
 of each output channel's kernel for channel pruning. ``topk`` masks rank learnable scores of the
 same shape and pass their gradient straight through.
 """
+
 from __future__ import annotations
 
 import math

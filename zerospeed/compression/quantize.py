@@ -10,6 +10,7 @@ computes them). Each of ``groups`` contiguous chunks of the flattened weight has
 scale. The same codes are what ``redundancy_clean`` stores, so the stored model computes exactly
 what the QAT forward computed.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -30,13 +31,28 @@ class Codes(NamedTuple):
 _TINY = torch.finfo(torch.float32).tiny  # the scale's floor (Note [zero scale] in precision/quantize.py)
 
 
-def _grid(x_GN: torch.Tensor, bits: int, symmetric: bool, lo_G1: torch.Tensor | None = None,
-          hi_G1: torch.Tensor | None = None, stochastic: bool = False,
-          generator: torch.Generator | None = None) -> Codes:
+def _grid(
+    x_GN: torch.Tensor,
+    bits: int,
+    symmetric: bool,
+    lo_G1: torch.Tensor | None = None,
+    hi_G1: torch.Tensor | None = None,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+) -> Codes:
     """Codes of ``x_GN`` on the grid that spans each row's ``[min, max]``, or ``[lo, hi]`` when given (values
     outside are clamped): `precision.quantize`'s zero-point grid."""
-    g = quantize_grid(x_GN, bits, symmetric, zero_point=True, lo_B1=lo_G1, hi_B1=hi_G1, min_scale=_TINY,
-                      stochastic=stochastic, generator=generator)
+    g = quantize_grid(
+        x_GN,
+        bits,
+        symmetric,
+        zero_point=True,
+        lo_B1=lo_G1,
+        hi_B1=hi_G1,
+        min_scale=_TINY,
+        stochastic=stochastic,
+        generator=generator,
+    )
     return Codes(g.codes, g.scale, torch.zeros_like(g.scale) if symmetric else g.offset)
 
 
@@ -61,8 +77,14 @@ def _binary(x_GN: torch.Tensor) -> Codes:
     return Codes(codes, scale, torch.zeros_like(scale))
 
 
-def quantize_codes(w: torch.Tensor, bits: int, groups: int = 1, symmetric: bool = True,
-                   stochastic: bool = False, generator: torch.Generator | None = None) -> Codes:
+def quantize_codes(
+    w: torch.Tensor,
+    bits: int,
+    groups: int = 1,
+    symmetric: bool = True,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+) -> Codes:
     """The integer grid of ``w`` (see Note [quantizer formula]; 2 bits: ternary, 1 bit: binary, see
     Note [XTC ternary and binary])."""
     if w.numel() % groups:
@@ -80,14 +102,26 @@ def dequantize_codes(c: Codes, shape: torch.Size, dtype: torch.dtype = torch.flo
     return dequantize_grid(c.codes, c.scale, c.zero, zero_point=True).reshape(shape).to(dtype)
 
 
-def fake_quantize(w: torch.Tensor, bits: int, groups: int = 1, symmetric: bool = True,
-                  stochastic: bool = False, generator: torch.Generator | None = None) -> torch.Tensor:
+def fake_quantize(
+    w: torch.Tensor,
+    bits: int,
+    groups: int = 1,
+    symmetric: bool = True,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """``w`` rounded onto its ``bits``-bit grid, as a float tensor of ``w``'s shape and dtype (no grad)."""
     return dequantize_codes(quantize_codes(w, bits, groups, symmetric, stochastic, generator), w.shape, w.dtype)
 
 
-def ste_quantize(w: torch.Tensor, bits: int, groups: int = 1, symmetric: bool = True,
-                 stochastic: bool = False, generator: torch.Generator | None = None) -> torch.Tensor:
+def ste_quantize(
+    w: torch.Tensor,
+    bits: int,
+    groups: int = 1,
+    symmetric: bool = True,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Fake-quantized ``w`` whose gradient is the identity (straight-through estimator).
 
     Every weight lies inside the grid's range (the scale comes from the weight's own extremes), so
@@ -113,8 +147,13 @@ def bits_at_step(step: int, start_bits: int, target_bits: int, period: int) -> i
     return start_bits - drops
 
 
-def activation_codes(x: torch.Tensor, bits: int, symmetric: bool = True,
-                     x_range: tuple[torch.Tensor, torch.Tensor] | None = None, sample_wise: bool = False) -> Codes:
+def activation_codes(
+    x: torch.Tensor,
+    bits: int,
+    symmetric: bool = True,
+    x_range: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sample_wise: bool = False,
+) -> Codes:
     """The codes of activation ``x`` as rows ``(tokens or samples, n)`` (Note [activation ranges])."""
     flat = x.detach().float().reshape(x.shape[0], -1) if sample_wise else x.detach().float().reshape(-1, x.shape[-1])
     if x_range is None:
@@ -123,9 +162,13 @@ def activation_codes(x: torch.Tensor, bits: int, symmetric: bool = True,
     return _grid(flat, bits, symmetric, lo, hi)
 
 
-def ste_quantize_activation(x: torch.Tensor, bits: int, symmetric: bool = True,
-                            x_range: tuple[torch.Tensor, torch.Tensor] | None = None,
-                            sample_wise: bool = False) -> torch.Tensor:
+def ste_quantize_activation(
+    x: torch.Tensor,
+    bits: int,
+    symmetric: bool = True,
+    x_range: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sample_wise: bool = False,
+) -> torch.Tensor:
     """Fake-quantized activation ``x`` with the identity gradient (straight-through).
 
     Note [activation ranges]: with ``x_range=None`` (DeepSpeed's ``range_calibration: "dynamic"``)

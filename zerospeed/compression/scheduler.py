@@ -1,5 +1,6 @@
 """``compression_scheduler`` (DeepSpeed's name): advances every compressed layer with the engine's
 optimizer steps. The layers own their schedules; the scheduler only counts."""
+
 from __future__ import annotations
 
 from torch import nn

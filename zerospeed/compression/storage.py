@@ -6,6 +6,7 @@ pass it in; its weights are overwritten).
 The file holds the codes, scales and pruned weights as they are: an int8 layer is ~4x smaller than
 fp32 on disk, a packed int4 one ~8x, ternary ~16x, binary ~32x, a pruned one by the removed fraction.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,12 @@ import torch
 from torch import nn
 
 from zerospeed.checkpoint.atomic import atomic_write_named
-from zerospeed.compression.basic_layer import (ActivationQuantSpec, Conv2dLayer_Compress, LinearLayer_Compress,
-                                               QuantizedLinear)
+from zerospeed.compression.basic_layer import (
+    ActivationQuantSpec,
+    Conv2dLayer_Compress,
+    LinearLayer_Compress,
+    QuantizedLinear,
+)
 
 META_KEY = "zerospeed.compression"
 FORMAT = 1
@@ -30,12 +35,23 @@ def _act(module) -> dict | None:
 def _describe(module: nn.Module) -> dict | None:
     """What ``load_compressed`` needs to rebuild ``module`` before loading its tensors."""
     if isinstance(module, QuantizedLinear):
-        return {"kind": "QuantizedLinear", "in": module.in_features, "out": module.out_features,
-                "bits": module.width, "symmetric": module.symmetric,  # (3 bits are stored as 4)
-                "bias": module.bias is not None, "act": _act(module)}
+        return {
+            "kind": "QuantizedLinear",
+            "in": module.in_features,
+            "out": module.out_features,
+            "bits": module.width,
+            "symmetric": module.symmetric,  # (3 bits are stored as 4)
+            "bias": module.bias is not None,
+            "act": _act(module),
+        }
     if isinstance(module, nn.Linear):
-        return {"kind": "Linear", "in": module.in_features, "out": module.out_features,
-                "bias": module.bias is not None, "act": _act(module)}
+        return {
+            "kind": "Linear",
+            "in": module.in_features,
+            "out": module.out_features,
+            "bias": module.bias is not None,
+            "act": _act(module),
+        }
     if isinstance(module, nn.Conv2d):
         return {"kind": "Conv2d", "in": module.in_channels, "out": module.out_channels, "act": _act(module)}
     if isinstance(module, nn.BatchNorm2d):
@@ -46,9 +62,11 @@ def _describe(module: nn.Module) -> dict | None:
 def save_compressed(model: nn.Module, path: str | Path) -> int:
     """Write ``model`` (after ``redundancy_clean``) to ``path`` atomically; returns the file's bytes."""
     if any(isinstance(m, (LinearLayer_Compress, Conv2dLayer_Compress)) and m.specs for m in model.modules()):
-        raise ValueError("save_compressed: the model still holds masks in training form; call "
-                         "redundancy_clean(model, config) first")
+        raise ValueError(
+            "save_compressed: the model still holds masks in training form; call redundancy_clean(model, config) first"
+        )
     from safetensors.torch import save_model
+
     modules = {name: d for name, m in model.named_modules() if name and (d := _describe(m)) is not None}
     metadata = {META_KEY: json.dumps({"format": FORMAT, "modules": modules})}
     atomic_write_named(Path(path), lambda tmp: save_model(model, str(tmp), metadata=metadata))
@@ -60,17 +78,38 @@ def _rebuild(old: nn.Module, d: dict) -> nn.Module:
     if d["kind"] == "QuantizedLinear":
         codes = torch.zeros(d["out"], d["in"], dtype=torch.int16)
         zero = torch.zeros(d["out"])
-        new = QuantizedLinear(codes, torch.ones(d["out"]), zero, torch.zeros(d["out"]) if d["bias"] else None,
-                              d["symmetric"], bits=d["bits"])
+        new = QuantizedLinear(
+            codes,
+            torch.ones(d["out"]),
+            zero,
+            torch.zeros(d["out"]) if d["bias"] else None,
+            d["symmetric"],
+            bits=d["bits"],
+        )
     elif d["kind"] == "Linear":
         new = nn.Linear(d["in"], d["out"], bias=d["bias"], **like)
     elif d["kind"] == "Conv2d":
-        new = nn.Conv2d(d["in"], d["out"], old.kernel_size, stride=old.stride, padding=old.padding,
-                        dilation=old.dilation, groups=old.groups, bias=old.bias is not None,
-                        padding_mode=old.padding_mode, **like)
+        new = nn.Conv2d(
+            d["in"],
+            d["out"],
+            old.kernel_size,
+            stride=old.stride,
+            padding=old.padding,
+            dilation=old.dilation,
+            groups=old.groups,
+            bias=old.bias is not None,
+            padding_mode=old.padding_mode,
+            **like,
+        )
     else:
-        new = nn.BatchNorm2d(d["features"], eps=old.eps, momentum=old.momentum, affine=old.affine,
-                             track_running_stats=old.track_running_stats, **like)
+        new = nn.BatchNorm2d(
+            d["features"],
+            eps=old.eps,
+            momentum=old.momentum,
+            affine=old.affine,
+            track_running_stats=old.track_running_stats,
+            **like,
+        )
     act = d.get("act")
     if act is not None:
         spec = ActivationQuantSpec(act["bits"], act["symmetric"], act["static"], act["offset"])
@@ -86,11 +125,14 @@ def load_compressed(model: nn.Module, path: str | Path) -> nn.Module:
     at ``path`` (in place; returns it in eval mode). Tied weights stay tied where both users survive."""
     from safetensors import safe_open
     from safetensors.torch import load_model
+
     with safe_open(str(path), framework="pt") as f:
         header = (f.metadata() or {}).get(META_KEY)
     if header is None:
-        raise ValueError(f"{path}: not a zerospeed compressed model file (no {META_KEY!r} metadata); "
-                         "write it with zerospeed.compression.save_compressed")
+        raise ValueError(
+            f"{path}: not a zerospeed compressed model file (no {META_KEY!r} metadata); "
+            "write it with zerospeed.compression.save_compressed"
+        )
     info = json.loads(header)
     if info.get("format") != FORMAT:
         raise ValueError(f"{path}: compressed-model format {info.get('format')} (this zerospeed reads {FORMAT})")

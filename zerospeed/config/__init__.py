@@ -5,11 +5,11 @@ Use ``parse_config(path_or_dict, world_size=..., known=...)`` to get a ``ZeroSpe
 
 from zerospeed.config.auto import AutoValue, auto_values_from_hidden_size, resolve_auto
 from zerospeed.config.batch import resolve_batch_size
-from zerospeed.utils.errors import ConfigError
 from zerospeed.config.features import check_implemented
 from zerospeed.config.loader import load_raw
 from zerospeed.config.parse import parse_config
 from zerospeed.config.schema.root import ZeroSpeedConfig
+from zerospeed.utils.errors import ConfigError
 
 __all__ = [
     "AutoValue",

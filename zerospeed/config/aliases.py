@@ -37,15 +37,22 @@ class Rename:
 
 
 _STAGE3_SHORT_NAMES = (
-    "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
-    "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
-    "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential",
+    "prefetch_bucket_size",
+    "param_persistence_threshold",
+    "model_persistence_threshold",
+    "max_live_parameters",
+    "max_reuse_distance",
+    "gather_16bit_weights_on_model_save",
+    "module_granularity_threshold",
+    "use_all_reduce_for_fetch_params",
+    "allgather_sequential",
 )
 
 RENAMES: tuple[Rename, ...] = (
     Rename("", "bfloat16", "bf16", deprecated=True),
-    Rename(_ZERO, "stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
-           deprecated=True),
+    Rename(
+        _ZERO, "stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save", deprecated=True
+    ),
     *(Rename(_ZERO, short, f"stage3_{short}", deprecated=False) for short in _STAGE3_SHORT_NAMES),
     Rename("tensor_parallel", "tensor_parallel", "tp", deprecated=False),
     Rename("tensor_parallel", "replace_with_kernel_inject", "kernel_inject", deprecated=False),
@@ -76,8 +83,7 @@ def _announce(old: str, new: str, deprecated: bool, how: str = "") -> None:
 
 
 def _conflict(old: str, new: str) -> ConfigError:
-    return ConfigError(f"{old} and {new} are both given; {old} is another spelling of {new}, "
-                       f"so keep only {new}")
+    return ConfigError(f"{old} and {new} are both given; {old} is another spelling of {new}, so keep only {new}")
 
 
 def _container(raw: dict[str, Any], parent: str) -> dict[str, Any] | None:
@@ -148,8 +154,10 @@ def _cpu_offload_pin_memory(zero: dict[str, Any]) -> None:
     for name in targets:
         if "pin_memory" in zero[name]:
             raise _conflict(old_path, f"{_ZERO}.{name}.pin_memory")
-    new_paths = " and ".join(f"{_ZERO}.{name}.pin_memory" for name in targets) or \
-        f"{_ZERO}.offload_optimizer.pin_memory / offload_param.pin_memory"
+    new_paths = (
+        " and ".join(f"{_ZERO}.{name}.pin_memory" for name in targets)
+        or f"{_ZERO}.offload_optimizer.pin_memory / offload_param.pin_memory"
+    )
     _announce(old_path, new_paths, True, "" if targets else " (no offload section is set, so it has no effect)")
     for name in targets:
         zero[name]["pin_memory"] = pin

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from zerospeed.utils.errors import ConfigError
 from zerospeed.config.schema.root import BATCH_KEYS
+from zerospeed.utils.errors import ConfigError
 from zerospeed.utils.logging import get_logger
 
 logger = get_logger(__name__)  # Note [rank-0 logging]
@@ -25,17 +25,19 @@ logger = get_logger(__name__)  # Note [rank-0 logging]
 AUTO = "auto"
 
 # Keys whose DeepSpeed value may legitimately be the string "auto".
-LITERAL_AUTO_KEYS = frozenset({
-    "pipeline.stages",
-    "zero_optimization.zenflow.select_strategy",
-    "zero_optimization.zenflow.select_interval",
-    "zero_optimization.zenflow.update_interval",
-    "expert_parallel.top_k",
-    "expert_parallel.routed_scaling_factor",
-    "expert_parallel.score_func",
-    "expert_parallel.score_apply",
-    "expert_parallel.combine_impl",
-})
+LITERAL_AUTO_KEYS = frozenset(
+    {
+        "pipeline.stages",
+        "zero_optimization.zenflow.select_strategy",
+        "zero_optimization.zenflow.select_interval",
+        "zero_optimization.zenflow.update_interval",
+        "expert_parallel.top_k",
+        "expert_parallel.routed_scaling_factor",
+        "expert_parallel.score_func",
+        "expert_parallel.score_apply",
+        "expert_parallel.combine_impl",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -74,8 +76,10 @@ def _walk_autos(node: Any, path: str) -> list[tuple[str, Any, Any]]:
 
 
 def _unresolved_message(path: str) -> str:
-    return (f'{path} is "auto" but nothing supplies its value here; set a value, '
-            "or use the transformers Trainer integration which fills it")
+    return (
+        f'{path} is "auto" but nothing supplies its value here; set a value, '
+        "or use the transformers Trainer integration which fills it"
+    )
 
 
 def _fill_absent_batch_keys(out: dict[str, Any], known: Mapping[str, Any]) -> None:

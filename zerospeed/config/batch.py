@@ -36,14 +36,16 @@ def _all_three(train: int, micro: int, gas: int, world: int) -> None:
     raise ConfigError(
         f"{TRAIN} {train} != {MICRO} {micro} * {GAS} {gas} * {WORLD} {world} = {product}; "
         f"change them together, e.g. set {', or '.join(hints)}; "
-        "or give only two of the three and the third is derived")
+        "or give only two of the three and the third is derived"
+    )
 
 
 def _divide(train: int, divisor: int, divisor_text: str, derived: str) -> int:
     if train % divisor:
         raise ConfigError(
             f"{TRAIN} {train} is not divisible by {divisor_text} = {divisor}, so {derived} "
-            f"cannot be derived; choose {TRAIN} as a multiple of {divisor} or set {derived} as well")
+            f"cannot be derived; choose {TRAIN} as a multiple of {divisor} or set {derived} as well"
+        )
     return train // divisor
 
 
@@ -61,20 +63,27 @@ def _derive(train: int | None, micro: int | None, gas: int | None, world: int) -
     if micro is not None:
         return micro * world, micro, 1
     given = f"only {GAS} is set" if gas is not None else "none of the batch sizes is set"
-    raise ConfigError(f"{given}; set {TRAIN} or {MICRO} (or both), "
-                      f"optionally with {GAS}")
+    raise ConfigError(f"{given}; set {TRAIN} or {MICRO} (or both), optionally with {GAS}")
 
 
 def _auto_note(auto_keys: Collection[str]) -> str:
     if not auto_keys:
         return ""
     keys = ", ".join(auto_keys)
-    return (f' ({keys} {"was" if len(auto_keys) == 1 else "were"} "auto" and could not be derived '
-            "from the other batch keys; set numbers or pass them as known values)")
+    return (
+        f' ({keys} {"was" if len(auto_keys) == 1 else "were"} "auto" and could not be derived '
+        "from the other batch keys; set numbers or pass them as known values)"
+    )
 
 
-def resolve_batch_size(train_batch_size: int | None, micro_batch: int | None, grad_acc: int | None,
-                       world_size: int, *, auto_keys: Collection[str] = ()) -> tuple[int, int, int]:
+def resolve_batch_size(
+    train_batch_size: int | None,
+    micro_batch: int | None,
+    grad_acc: int | None,
+    world_size: int,
+    *,
+    auto_keys: Collection[str] = (),
+) -> tuple[int, int, int]:
     """Return ``(train_batch_size, micro_batch_per_gpu, gradient_accumulation_steps)``.
 
     Follows DeepSpeed's ``_set_batch_related_parameters`` and ``_batch_assertion``: all three

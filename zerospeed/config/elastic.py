@@ -53,9 +53,44 @@ DEEPSPEED_ELASTICITY_CONFIG = "DEEPSPEED_ELASTICITY_CONFIG"
 
 # The 38 smallest highly composite numbers (OEIS A002182): enough for batch sizes up to 720K.
 HCN_LIST = [
-    1, 2, 4, 6, 12, 24, 36, 48, 60, 120, 180, 240, 360, 720, 840, 1260, 1680, 2520, 5040, 7560, 10080, 15120,
-    20160, 25200, 27720, 45360, 50400, 55440, 83160, 110880, 166320, 221760, 277200, 332640, 498960, 554400,
-    665280, 720720,
+    1,
+    2,
+    4,
+    6,
+    12,
+    24,
+    36,
+    48,
+    60,
+    120,
+    180,
+    240,
+    360,
+    720,
+    840,
+    1260,
+    1680,
+    2520,
+    5040,
+    7560,
+    10080,
+    15120,
+    20160,
+    25200,
+    27720,
+    45360,
+    50400,
+    55440,
+    83160,
+    110880,
+    166320,
+    221760,
+    277200,
+    332640,
+    498960,
+    554400,
+    665280,
+    720720,
 ]
 
 
@@ -95,14 +130,18 @@ def check_block(block: ElasticityBlock) -> None:
             raise ElasticityConfigError(
                 f"{' and '.join(f'{ELASTICITY}.{k}' for k in missing)} missing: an enabled elasticity block must "
                 "give the largest acceptable global batch (max_train_batch_size) and the acceptable micro "
-                "batches (micro_batch_sizes), e.g. \"max_train_batch_size\": 2000, \"micro_batch_sizes\": [2, 4, 6]")
+                'batches (micro_batch_sizes), e.g. "max_train_batch_size": 2000, "micro_batch_sizes": [2, 4, 6]'
+            )
     micro = block.micro_batch_sizes
     if not micro or any(m < 1 for m in micro):
-        raise ElasticityConfigError(f"{ELASTICITY}.micro_batch_sizes must list positive integers (at least one), "
-                                    f"got {micro}")
+        raise ElasticityConfigError(
+            f"{ELASTICITY}.micro_batch_sizes must list positive integers (at least one), got {micro}"
+        )
     if block.min_gpus > block.max_gpus:
-        raise ElasticityConfigError(f"{ELASTICITY}.min_gpus {block.min_gpus} is greater than {ELASTICITY}.max_gpus "
-                                    f"{block.max_gpus}; make min_gpus <= max_gpus")
+        raise ElasticityConfigError(
+            f"{ELASTICITY}.min_gpus {block.min_gpus} is greater than {ELASTICITY}.max_gpus "
+            f"{block.max_gpus}; make min_gpus <= max_gpus"
+        )
 
 
 def validate_block(param_dict: Any) -> ElasticityBlock:
@@ -121,14 +160,19 @@ def check_version(block: ElasticityBlock) -> float:
     """The block's algorithm version (0.1 or 0.2), or ``ElasticityConfigError``."""
     version = float(block.version)
     if block.model_parallel_size > 1 and version != 0.2:
-        raise ElasticityConfigError(f"{ELASTICITY}.version {block.version} does not support model parallelism "
-                                    f"({ELASTICITY}.model_parallel_size {block.model_parallel_size}); use version 0.2")
+        raise ElasticityConfigError(
+            f"{ELASTICITY}.version {block.version} does not support model parallelism "
+            f"({ELASTICITY}.model_parallel_size {block.model_parallel_size}); use version 0.2"
+        )
     if version > LATEST_ELASTICITY_VERSION:
-        raise ElasticityConfigError(f"{ELASTICITY}.version {block.version} is newer than the newest elasticity "
-                                    f"version, {LATEST_ELASTICITY_VERSION}; use 0.1 or 0.2")
+        raise ElasticityConfigError(
+            f"{ELASTICITY}.version {block.version} is newer than the newest elasticity "
+            f"version, {LATEST_ELASTICITY_VERSION}; use 0.1 or 0.2"
+        )
     if version not in ELASTICITY_VERSIONS:
-        raise ElasticityConfigError(f"{ELASTICITY}.version {block.version} is not an elasticity version; "
-                                    "use 0.1 or 0.2")
+        raise ElasticityConfigError(
+            f"{ELASTICITY}.version {block.version} is not an elasticity version; use 0.1 or 0.2"
+        )
     return version
 
 
@@ -162,8 +206,9 @@ def _divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def get_valid_gpus(batch_size: int, micro_batches: Iterable[int], min_valid_gpus: int,
-                   max_valid_gpus: int) -> list[int]:
+def get_valid_gpus(
+    batch_size: int, micro_batches: Iterable[int], min_valid_gpus: int, max_valid_gpus: int
+) -> list[int]:
     """GPU counts n in [min, max] that train ``batch_size``: some micro batch m divides it and n divides it / m."""
     valid: set[int] = set()
     for micro in micro_batches:
@@ -172,8 +217,13 @@ def get_valid_gpus(batch_size: int, micro_batches: Iterable[int], min_valid_gpus
     return sorted(valid)
 
 
-def get_best_candidates(candidate_batch_sizes: Iterable[int], micro_batches: Sequence[int], min_gpus: int,
-                        max_gpus: int, prefer_larger: bool) -> tuple[int, list[int]]:
+def get_best_candidates(
+    candidate_batch_sizes: Iterable[int],
+    micro_batches: Sequence[int],
+    min_gpus: int,
+    max_gpus: int,
+    prefer_larger: bool,
+) -> tuple[int, list[int]]:
     """The candidate valid at the most GPU counts (ties: the larger, or with ``prefer_larger`` false the
     smaller batch) and its valid counts. The contest starts from (the smallest micro batch, no counts), so
     with no candidate valid anywhere the tie rule picks between those."""
@@ -191,12 +241,19 @@ def _check_micro_batches(micro_batches: Sequence[int], maximum: int, what: str) 
         raise ElasticityConfigError(f"{ELASTICITY}.micro_batch_sizes is empty; list at least one micro batch")
     too_big = [m for m in micro_batches if m > maximum]
     if too_big:
-        raise ElasticityConfigError(f"{ELASTICITY}.micro_batch_sizes {too_big} exceed {what} {maximum}: every micro "
-                                    "batch must fit in one global batch; raise max_train_batch_size or drop them")
+        raise ElasticityConfigError(
+            f"{ELASTICITY}.micro_batch_sizes {too_big} exceed {what} {maximum}: every micro "
+            "batch must fit in one global batch; raise max_train_batch_size or drop them"
+        )
 
 
-def _get_compatible_gpus_v01(micro_batches: Sequence[int], max_acceptable_batch_size: int, min_gpus: int | None = None,
-                             max_gpus: int | None = None, prefer_larger: bool = True) -> tuple[int, list[int]]:
+def _get_compatible_gpus_v01(
+    micro_batches: Sequence[int],
+    max_acceptable_batch_size: int,
+    min_gpus: int | None = None,
+    max_gpus: int | None = None,
+    prefer_larger: bool = True,
+) -> tuple[int, list[int]]:
     """Version 0.1: ``(batch size, valid GPU counts)``; a GPU bound of 0 or None means 1 / as many as fit."""
     _check_micro_batches(micro_batches, max_acceptable_batch_size, "max_train_batch_size")
     min_gpus = min_gpus or 1
@@ -215,30 +272,59 @@ def _microbatch_v02(batch: int, current_num_gpus: int, micro_batches: Sequence[i
     return max(fits) if prefer_larger else fits[0]
 
 
-def _get_compatible_gpus_v02(micro_batches: Sequence[int], max_acceptable_batch_size: int, current_num_gpus: int,
-                             min_gpus: int | None = None, max_gpus: int | None = None, prefer_larger: bool = True,
-                             num_gpus_per_node: int = 1,
-                             model_parallel_size: int = 1) -> tuple[int, list[int], int | None]:
+def _get_compatible_gpus_v02(
+    micro_batches: Sequence[int],
+    max_acceptable_batch_size: int,
+    current_num_gpus: int,
+    min_gpus: int | None = None,
+    max_gpus: int | None = None,
+    prefer_larger: bool = True,
+    num_gpus_per_node: int = 1,
+    model_parallel_size: int = 1,
+) -> tuple[int, list[int], int | None]:
     """Version 0.2: ``(batch size, valid data-parallel sizes, micro batch)`` at ``current_num_gpus`` GPUs."""
-    batch, valid, micro, _ = _plan_v02(micro_batches, max_acceptable_batch_size, current_num_gpus, min_gpus,
-                                       max_gpus, prefer_larger, num_gpus_per_node, model_parallel_size)
+    batch, valid, micro, _ = _plan_v02(
+        micro_batches,
+        max_acceptable_batch_size,
+        current_num_gpus,
+        min_gpus,
+        max_gpus,
+        prefer_larger,
+        num_gpus_per_node,
+        model_parallel_size,
+    )
     return batch, valid, micro
 
 
-def _plan_v02(micro_batches, max_acceptable_batch_size, current_num_gpus, min_gpus, max_gpus, prefer_larger,
-              num_gpus_per_node, model_parallel_size) -> tuple[int, list[int], int | None, bool]:
+def _plan_v02(
+    micro_batches,
+    max_acceptable_batch_size,
+    current_num_gpus,
+    min_gpus,
+    max_gpus,
+    prefer_larger,
+    num_gpus_per_node,
+    model_parallel_size,
+) -> tuple[int, list[int], int | None, bool]:
     """``_get_compatible_gpus_v02`` and whether it fell back to a batch for the current size only."""
     if num_gpus_per_node % model_parallel_size:
-        raise ElasticityError(f"elasticity version 0.2 needs {ELASTICITY}.num_gpus_per_node ({num_gpus_per_node}) "
-                              f"to be divisible by {ELASTICITY}.model_parallel_size ({model_parallel_size}): a model "
-                              "replica may not span nodes")
+        raise ElasticityError(
+            f"elasticity version 0.2 needs {ELASTICITY}.num_gpus_per_node ({num_gpus_per_node}) "
+            f"to be divisible by {ELASTICITY}.model_parallel_size ({model_parallel_size}): a model "
+            "replica may not span nodes"
+        )
     dp_per_node = num_gpus_per_node // model_parallel_size
     per_node_max = max_acceptable_batch_size // dp_per_node
-    _check_micro_batches(micro_batches, per_node_max,
-                         "max_train_batch_size / (num_gpus_per_node / model_parallel_size) =")
+    _check_micro_batches(
+        micro_batches, per_node_max, "max_train_batch_size / (num_gpus_per_node / model_parallel_size) ="
+    )
     node_batch, valid_nodes = _get_compatible_gpus_v01(
-        micro_batches, per_node_max, (min_gpus or 1) // num_gpus_per_node,
-        (max_gpus or 0) // num_gpus_per_node, prefer_larger=prefer_larger)
+        micro_batches,
+        per_node_max,
+        (min_gpus or 1) // num_gpus_per_node,
+        (max_gpus or 0) // num_gpus_per_node,
+        prefer_larger=prefer_larger,
+    )
     batch = node_batch * dp_per_node
     valid_dp = [n * dp_per_node for n in valid_nodes]
     if current_num_gpus // model_parallel_size in valid_dp:
@@ -251,7 +337,8 @@ def _plan_v02(micro_batches, max_acceptable_batch_size, current_num_gpus, min_gp
         raise ElasticityIncompatibleWorldSize(
             f"at {current_num_gpus} GPUs ({current_dp} data-parallel ranks) even the smallest micro batch "
             f"{min(micro_batches)} per rank exceeds {ELASTICITY}.max_train_batch_size {max_acceptable_batch_size}; "
-            "run on fewer GPUs or raise max_train_batch_size")
+            "run on fewer GPUs or raise max_train_batch_size"
+        )
     batch = int(max(positive) if prefer_larger else min(positive))
     return batch, [int(current_dp)], _microbatch_v02(batch, current_num_gpus, micro_batches, prefer_larger), True
 
@@ -262,19 +349,31 @@ def plan(block: ElasticityBlock, current_num_gpus: int) -> tuple[int, list[int],
     if check_version(block) == 0.1:
         batch, valid = _get_compatible_gpus_v01(micro, top, block.min_gpus, block.max_gpus, block.prefer_larger_batch)
         return int(batch), valid, None, False
-    return _plan_v02(micro, top, current_num_gpus, block.min_gpus, block.max_gpus, block.prefer_larger_batch,
-                     block.num_gpus_per_node, block.model_parallel_size)
+    return _plan_v02(
+        micro,
+        top,
+        current_num_gpus,
+        block.min_gpus,
+        block.max_gpus,
+        block.prefer_larger_batch,
+        block.num_gpus_per_node,
+        block.model_parallel_size,
+    )
 
 
 def micro_for_world(batch: int, world_size: int, valid: list[int], micro_batches: Iterable[int]) -> int:
     """The largest micro batch dividing ``batch / world_size``, or ElasticityIncompatibleWorldSize."""
     if world_size not in valid:
-        why = valid if valid else "none: no batch size within max_train_batch_size suits any GPU count in " \
-                                  "[min_gpus, max_gpus]"
+        why = (
+            valid
+            if valid
+            else "none: no batch size within max_train_batch_size suits any GPU count in [min_gpus, max_gpus]"
+        )
         raise ElasticityIncompatibleWorldSize(
             f"world size {world_size} is not valid for the elasticity block (train batch {batch}); valid world "
             f"sizes: {why}; run at one of them, or change {ELASTICITY}.max_train_batch_size / micro_batch_sizes / "
-            "min_gpus / max_gpus")
+            "min_gpus / max_gpus"
+        )
     return max(m for m in set(micro_batches) if batch // world_size % m == 0)
 
 
@@ -315,8 +414,10 @@ def ensure_immutable_elastic_config(runtime_elastic_config_dict: Mapping[str, An
     JSON: the elasticity block, or a whole config holding one) matches the one this job runs with."""
     text = os.environ.get(DEEPSPEED_ELASTICITY_CONFIG)
     if text is None:  # DeepSpeed warns; under torch's elastic agent there is no such scheduler, so: info
-        logger.info("[elasticity] $%s is not set: no resource scheduler's plan to check this elastic config "
-                    "against", DEEPSPEED_ELASTICITY_CONFIG)
+        logger.info(
+            "[elasticity] $%s is not set: no resource scheduler's plan to check this elastic config against",
+            DEEPSPEED_ELASTICITY_CONFIG,
+        )
         return
     try:
         scheduled = json.loads(text)
@@ -329,11 +430,13 @@ def ensure_immutable_elastic_config(runtime_elastic_config_dict: Mapping[str, An
         if getattr(planned, key) != getattr(running, key):
             raise ElasticityConfigError(
                 f"{ELASTICITY}.{key} is {getattr(running, key)} in this job's config but the resource scheduler "
-                f"planned with {getattr(planned, key)} (${DEEPSPEED_ELASTICITY_CONFIG}); give both the same block")
+                f"planned with {getattr(planned, key)} (${DEEPSPEED_ELASTICITY_CONFIG}); give both the same block"
+            )
 
 
-def resolve_elastic_batch_size(block: ElasticityBlock, world_size: int,
-                               given_keys: Iterable[str] = ()) -> tuple[int, int, int]:
+def resolve_elastic_batch_size(
+    block: ElasticityBlock, world_size: int, given_keys: Iterable[str] = ()
+) -> tuple[int, int, int]:
     """``(train_batch_size, micro_batch_per_gpu, gradient_accumulation_steps)`` for an enabled ``elasticity``
     block (``ZeroSpeedConfig.elasticity``) at ``world_size`` data-parallel ranks: DeepSpeed's runtime rule.
 
@@ -347,27 +450,54 @@ def resolve_elastic_batch_size(block: ElasticityBlock, world_size: int,
         raise ElasticityConfigError(
             f"{', '.join(given)} set outside the {ELASTICITY} block: an enabled {ELASTICITY} block sets the batch "
             f"sizes itself at every world size, so these would not be used; remove them, or set "
-            f"{ELASTICITY}.ignore_non_elastic_batch_info: true to have them ignored")
+            f"{ELASTICITY}.ignore_non_elastic_batch_info: true to have them ignored"
+        )
     ensure_immutable_elastic_config(block.model_dump(include=block.model_fields_set))
     chosen = batch_at_world_size(block, world_size)
     if chosen.fallback:
-        logger.warning("[elasticity] %d data-parallel ranks is not a size the elasticity block plans for, so version "
-                       "0.2 trains with train_batch_size %d here, which suits this size only: the global batch "
-                       "differs from that at the planned sizes", world_size, chosen.train_batch_size)
-    for key, value in zip(BATCH_KEYS, (chosen.train_batch_size, chosen.micro_batch_size,
-                                       chosen.gradient_accumulation_steps)):
+        logger.warning(
+            "[elasticity] %d data-parallel ranks is not a size the elasticity block plans for, so version "
+            "0.2 trains with train_batch_size %d here, which suits this size only: the global batch "
+            "differs from that at the planned sizes",
+            world_size,
+            chosen.train_batch_size,
+        )
+    for key, value in zip(
+        BATCH_KEYS, (chosen.train_batch_size, chosen.micro_batch_size, chosen.gradient_accumulation_steps)
+    ):
         if key in given:
             logger.warning("[elasticity] overriding %s from the config with %d", key, value)
-    logger.info("[elasticity] train_batch_size %d = micro batch %d x gradient_accumulation_steps %d x %d "
-                "data-parallel ranks; valid data-parallel sizes %s", chosen.train_batch_size, chosen.micro_batch_size,
-                chosen.gradient_accumulation_steps, world_size, list(chosen.valid_world_sizes))
+    logger.info(
+        "[elasticity] train_batch_size %d = micro batch %d x gradient_accumulation_steps %d x %d "
+        "data-parallel ranks; valid data-parallel sizes %s",
+        chosen.train_batch_size,
+        chosen.micro_batch_size,
+        chosen.gradient_accumulation_steps,
+        world_size,
+        list(chosen.valid_world_sizes),
+    )
     return chosen.train_batch_size, chosen.micro_batch_size, chosen.gradient_accumulation_steps
 
 
 __all__ = [
-    "DEEPSPEED_ELASTICITY_CONFIG", "ELASTICITY", "ELASTICITY_VERSIONS", "HCN_LIST", "LATEST_ELASTICITY_VERSION",
-    "ElasticBatch", "ElasticityConfigError", "ElasticityError", "ElasticityIncompatibleWorldSize",
-    "batch_at_world_size", "check_block", "check_version", "ensure_immutable_elastic_config",
-    "get_best_candidates", "get_candidate_batch_sizes", "get_valid_gpus", "micro_for_world", "plan",
-    "resolve_elastic_batch_size", "validate_block",
+    "DEEPSPEED_ELASTICITY_CONFIG",
+    "ELASTICITY",
+    "ELASTICITY_VERSIONS",
+    "HCN_LIST",
+    "LATEST_ELASTICITY_VERSION",
+    "ElasticBatch",
+    "ElasticityConfigError",
+    "ElasticityError",
+    "ElasticityIncompatibleWorldSize",
+    "batch_at_world_size",
+    "check_block",
+    "check_version",
+    "ensure_immutable_elastic_config",
+    "get_best_candidates",
+    "get_candidate_batch_sizes",
+    "get_valid_gpus",
+    "micro_for_world",
+    "plan",
+    "resolve_elastic_batch_size",
+    "validate_block",
 ]

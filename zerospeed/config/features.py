@@ -11,9 +11,9 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel
 
-from zerospeed.utils.errors import ConfigError
 from zerospeed.config.schema.base import show
 from zerospeed.config.schema.root import ZeroSpeedConfig
+from zerospeed.utils.errors import ConfigError
 
 Cfg = ZeroSpeedConfig
 
@@ -66,26 +66,40 @@ ROWS: list[Row] = [
     _switch("sparse_gradients", "sparse compression of dense embedding gradients" + _GONE),
     _switch("disable_allgather", "disabling the parameter all-gather"),
     _switch("graph_harvesting", "graph harvesting" + _GONE),
-    Row("managed_gradient_accumulation", lambda c: not c.managed_gradient_accumulation,
-        "caller-managed gradient accumulation", "true"),
+    Row(
+        "managed_gradient_accumulation",
+        lambda c: not c.managed_gradient_accumulation,
+        "caller-managed gradient accumulation",
+        "true",
+    ),
     _switch("disable_python_gc", "disabling Python's garbage collector"),
     # (compression_training: every technique is built, zerospeed/compression; it validates the block)
     # (weight_quantization: weight-only int8 / int4 of linear layers, compression/weight_quant/layer.py)
     # (data_efficiency.data_routing.random_ltd works: data/random_ltd; DeepSpeed's switches of
     # the curriculum data sampler are its two below)
-    _switch("data_efficiency.data_sampling.enabled",
-            "curriculum data sampling (the data efficiency library's data sampler and offline data analyzer)"),
-    _switch("data_efficiency.data_sampling.curriculum_learning.enabled",
-            "curriculum data sampling (the data efficiency library's data sampler and offline data analyzer)"),
-    _switch("data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled",
-            "random-LTD's layer-token learning-rate schedule (DeepSpeed refuses it too)"),
+    _switch(
+        "data_efficiency.data_sampling.enabled",
+        "curriculum data sampling (the data efficiency library's data sampler and offline data analyzer)",
+    ),
+    _switch(
+        "data_efficiency.data_sampling.curriculum_learning.enabled",
+        "curriculum data sampling (the data efficiency library's data sampler and offline data analyzer)",
+    ),
+    _switch(
+        "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled",
+        "random-LTD's layer-token learning-rate schedule (DeepSpeed refuses it too)",
+    ),
     _switch("eigenvalue.enabled", "eigenvalue computation" + _GONE),
     _switch("quantize_training.enabled", "MoQ quantize_training" + _GONE),
     Row("pipeline.stages", lambda c: c.pipeline.stages != "auto", "pipeline parallelism", '"auto"'),
     Row("pipeline.partition", lambda c: c.pipeline.partition != "best", "pipeline partitioning", '"best"'),
     _switch("pipeline.seed_layers", "pipeline layer seeding"),
-    Row("pipeline.activation_checkpoint_interval", lambda c: c.pipeline.activation_checkpoint_interval != 0,
-        "pipeline activation checkpointing", "0"),
+    Row(
+        "pipeline.activation_checkpoint_interval",
+        lambda c: c.pipeline.activation_checkpoint_interval != 0,
+        "pipeline activation checkpointing",
+        "0",
+    ),
     _switch("compile.deepcompile", "DeepCompile"),
     _switch("nebula.enabled", "Nebula checkpointing" + _GONE),
     _present("datastates_ckpt", "DataStates checkpointing"),
@@ -113,8 +127,10 @@ def _render(value: Any) -> str:
 
 def _message(row: Row, value: Any) -> str:
     feature = row.feature(value) if callable(row.feature) else row.feature
-    return (f"{row.key}={_render(value)}: {feature} is not implemented in zerospeed yet "
-            f"(tracked as a later issue); remove the key or set it to {row.default}")
+    return (
+        f"{row.key}={_render(value)}: {feature} is not implemented in zerospeed yet "
+        f"(tracked as a later issue); remove the key or set it to {row.default}"
+    )
 
 
 def check_implemented(cfg: ZeroSpeedConfig) -> None:

@@ -80,8 +80,7 @@ def _parse_json(text: str, source: str) -> dict[str, Any]:
 
 def _require_object(data: Any, source: str) -> dict[str, Any]:
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the config must be a JSON object at the top level, "
-                          f"got {type(data).__name__}")
+        raise ConfigError(f"{source}: the config must be a JSON object at the top level, got {type(data).__name__}")
     return data
 
 
@@ -122,8 +121,10 @@ def _load_string(text: str) -> dict[str, Any]:
         return _read_file(Path(text))
     decoded = _decode_base64(text)
     if decoded is None or not _looks_like_json(decoded):
-        raise ConfigError(f"config {_shorten(text)!r} is neither a file that exists nor base64-encoded JSON; "
-                          "pass a path to a .json file, a dict, or base64 of a JSON object")
+        raise ConfigError(
+            f"config {_shorten(text)!r} is neither a file that exists nor base64-encoded JSON; "
+            "pass a path to a .json file, a dict, or base64 of a JSON object"
+        )
     return _parse_json(decoded, "base64 config")
 
 
@@ -177,5 +178,6 @@ def load_raw(config: Any) -> dict[str, Any]:
         return _read_file(path)
     if isinstance(config, str):
         return _load_string(config)
-    raise ConfigError("config must be a dict, a path to a .json file, or base64-encoded JSON; "
-                      f"got {type(config).__name__}")
+    raise ConfigError(
+        f"config must be a dict, a path to a .json file, or base64-encoded JSON; got {type(config).__name__}"
+    )

@@ -13,11 +13,11 @@ from zerospeed.config.aliases import apply_aliases
 from zerospeed.config.auto import resolve_auto, unresolved_batch_keys
 from zerospeed.config.batch import resolve_batch_size
 from zerospeed.config.elastic import resolve_elastic_batch_size
-from zerospeed.utils.errors import ConfigError
 from zerospeed.config.features import check_implemented
 from zerospeed.config.loader import load_raw
 from zerospeed.config.schema.root import BATCH_KEYS, ZeroSpeedConfig
 from zerospeed.config.validation import validate_config
+from zerospeed.utils.errors import ConfigError
 
 
 def _check_api_rules(cfg: ZeroSpeedConfig) -> None:
@@ -27,28 +27,38 @@ def _check_api_rules(cfg: ZeroSpeedConfig) -> None:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; choose one precision mode")
     if cfg.gradient_allreduce_op == "sum" and cfg.zero_optimization.stage == 3:
         # DeepSpeed's DeepSpeedConfig._do_error_check refuses the pair too, with the first sentence.
-        raise ConfigError("gradient_allreduce_op='sum' is not supported with ZeRO stage 3 (as in DeepSpeed); "
-                          "set gradient_allreduce_op to \"mean\" (the default), or use zero_optimization.stage "
-                          "0, 1 or 2 to sum the gradients")
+        raise ConfigError(
+            "gradient_allreduce_op='sum' is not supported with ZeRO stage 3 (as in DeepSpeed); "
+            'set gradient_allreduce_op to "mean" (the default), or use zero_optimization.stage '
+            "0, 1 or 2 to sum the gradients"
+        )
 
 
-def _with_batch_sizes(cfg: ZeroSpeedConfig, world_size: int, auto_keys: list[str],
-                      given_keys: list[str]) -> ZeroSpeedConfig:
+def _with_batch_sizes(
+    cfg: ZeroSpeedConfig, world_size: int, auto_keys: list[str], given_keys: list[str]
+) -> ZeroSpeedConfig:
     if cfg.elasticity.enabled:  # the elasticity block owns the batch sizes (config/elastic.py, docs/elasticity.md)
         train, micro, gas = resolve_elastic_batch_size(cfg.elasticity, world_size, given_keys)
     else:
         train, micro, gas = resolve_batch_size(
-            cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
-            world_size, auto_keys=auto_keys)
-    return cfg.model_copy(update={
-        "train_batch_size": train, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
-    })
+            cfg.train_batch_size,
+            cfg.train_micro_batch_size_per_gpu,
+            cfg.gradient_accumulation_steps,
+            world_size,
+            auto_keys=auto_keys,
+        )
+    return cfg.model_copy(
+        update={
+            "train_batch_size": train,
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": gas,
+        }
+    )
 
 
 def _check_arguments(world_size: Any, known: Any) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world_size must be a positive integer (the data-parallel world size), "
-                          f"got {world_size!r}")
+        raise ConfigError(f"world_size must be a positive integer (the data-parallel world size), got {world_size!r}")
     if not isinstance(known, Mapping):
         raise ConfigError(f"known must be a mapping of dotted keys to values, got {type(known).__name__}")
 
@@ -64,8 +74,9 @@ def _parse(config: Any, world_size: int, known: Mapping[str, Any], check_feature
     return cfg
 
 
-def parse_config(config: Any, *, world_size: int = 1, known: Mapping[str, Any] | None = None,
-                 check_features: bool = True) -> ZeroSpeedConfig:
+def parse_config(
+    config: Any, *, world_size: int = 1, known: Mapping[str, Any] | None = None, check_features: bool = True
+) -> ZeroSpeedConfig:
     """Parse a DeepSpeed config into a validated ``ZeroSpeedConfig``.
 
     ``config`` is a dict, a path to a JSON file, or base64 JSON (see ``load_raw``).
@@ -81,5 +92,6 @@ def parse_config(config: Any, *, world_size: int = 1, known: Mapping[str, Any] |
     except ConfigError:
         raise
     except Exception as exc:  # a bug here must still surface as ConfigError, but recognisably
-        raise ConfigError(f"internal error while parsing the config ({type(exc).__name__}: {exc}); "
-                          "please report it") from exc
+        raise ConfigError(
+            f"internal error while parsing the config ({type(exc).__name__}: {exc}); please report it"
+        ) from exc

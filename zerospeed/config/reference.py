@@ -42,23 +42,37 @@ NO_EFFECT_STATUS = "accepted, no effect"
 # silence). Dotted keys; a section's key covers every key under it.
 NO_EFFECT: dict[str, str] = {
     "weight_quantization.num_bits": "each layer's bits come from quantized_initialization / post_init_quant, as in "
-                                    "DeepSpeed's group-wise weight quantization",
+    "DeepSpeed's group-wise weight quantization",
     "weight_quantization.q_type": "symmetry comes from quantized_initialization / post_init_quant (symmetric)",
     "weight_quantization.q_groups": "groups come from quantized_initialization / post_init_quant (group_size)",
-    "compression_training.weight_quantization.shared_parameters.quantizer_kernel":
-        "there is no CUDA quantizer kernel; the PyTorch quantizer computes the same thing",
-    "compression_training.weight_quantization.shared_parameters.quantize_weight_in_forward":
-        "weights are always fake-quantized in forward",
+    "compression_training.weight_quantization.shared_parameters.quantizer_kernel": (
+        "there is no CUDA quantizer kernel; the PyTorch quantizer computes the same thing"
+    ),
+    "compression_training.weight_quantization.shared_parameters.quantize_weight_in_forward": (
+        "weights are always fake-quantized in forward"
+    ),
     "compression_training.weight_quantization.shared_parameters.quantize_verbose": "bit changes are not logged",
-    "compression_training.weight_quantization.shared_parameters.fp16_mixed_quantize.quantize_change_ratio":
-        "fp16 mixed quantization is refused",
-    **{f"compression_training.sparse_pruning.shared_parameters.{name}": "only the refused snip_momentum method reads it"
-       for name in ("schedule_offset_end", "schedule_offset_stride", "block_pattern", "dense_ratio",
-                    "excluded_modules")},
+    "compression_training.weight_quantization.shared_parameters.fp16_mixed_quantize.quantize_change_ratio": (
+        "fp16 mixed quantization is refused"
+    ),
+    **{
+        f"compression_training.sparse_pruning.shared_parameters.{name}": (
+            "only the refused snip_momentum method reads it"
+        )
+        for name in (
+            "schedule_offset_end",
+            "schedule_offset_stride",
+            "block_pattern",
+            "dense_ratio",
+            "excluded_modules",
+        )
+    },
     "zero_force_ds_cpu_optimizer": "there is no DeepSpeed CPU optimizer (a compiled op) to require",
-    **{f"hybrid_engine.{name}": "it configures DeepSpeed's inference-kernel workspace; the hybrid engine generates "
-                                "with the model's own forward" for name in ("max_out_tokens", "release_inference_cache",
-                                                                              "tp_gather_partition_size", "enable_cuda_graph")},
+    **{
+        f"hybrid_engine.{name}": "it configures DeepSpeed's inference-kernel workspace; the hybrid engine generates "
+        "with the model's own forward"
+        for name in ("max_out_tokens", "release_inference_cache", "tp_gather_partition_size", "enable_cuda_graph")
+    },
     "log_level": "zerospeed logs through Python's logging module; set levels there",
     "vocabulary_size": "DeepSpeed only warns when it is not a multiple of 8; zerospeed does not check it",
     "bf16.immediate_grad_update": "bf16 gradients are accumulated in fp32 and applied at the step either way",
@@ -68,61 +82,89 @@ NO_EFFECT: dict[str, str] = {
     "zero_optimization.allgather_partitions": "updated partitions are always all-gathered, in buckets",
     "zero_optimization.load_from_fp32_weights": "fp32 masters are always restored from the checkpoint's fp32 copy",
     "zero_optimization.elastic_checkpoint": "checkpoints always load at any world size (resharded on load)",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save":
-        "save_16bit_model always gathers stage-3 weights unit by unit onto rank 0",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
+        "save_16bit_model always gathers stage-3 weights unit by unit onto rank 0"
+    ),
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": "stage-3 parameters are always fetched by all-gather",
     "zero_optimization.stage3_allgather_sequential": "stage-3 all-gathers are always coalesced per fetch",
     "zero_optimization.legacy_stage1": "there is one stage-1 implementation",
-    "zero_optimization.round_robin_gradients":
-        "it orders gradient copies for CPU offload; the partitioned layout already splits them evenly",
+    "zero_optimization.round_robin_gradients": (
+        "it orders gradient copies for CPU offload; the partitioned layout already splits them evenly"
+    ),
     "zero_optimization.zeropp_loco_param": "LoCo-ZeRO++ is not built; the value is ignored",
     "zero_optimization.memory_efficient_linear": "zerospeed never replaces torch.nn.functional.linear",
     "zero_optimization.pipeline_loading_checkpoint": "pipeline parallelism runs with ZeRO 0-2 (stage 3 is refused)",
     "zero_optimization.override_module_apply": "zerospeed never overrides nn.Module.apply",
-    "zero_optimization.log_trace_cache_warnings":
-        "the recorded stage-3 fetch order has no warning switch (Note [stage-3 prefetch order])",
+    "zero_optimization.log_trace_cache_warnings": (
+        "the recorded stage-3 fetch order has no warning switch (Note [stage-3 prefetch order])"
+    ),
     "zero_optimization.enable_sanity_checks": "there is no separate sanity-check mode",
-    "zero_optimization.compute_grad_norm":
-        "the global gradient norm is always computed at the step (clipping and overflow checks need it)",
+    "zero_optimization.compute_grad_norm": (
+        "the global gradient norm is always computed at the step (clipping and overflow checks need it)"
+    ),
     "zero_optimization.parameter_alignment": "flat buffers are always padded to 16-byte chunks",
     "zero_optimization.save_muon_momentum_buffer_in_memory": "zerospeed has no Muon optimizer",
     "zero_optimization.offload_param.max_in_cpu": "NVMe parameter shards are never cached in host memory beyond "
-                                                   "the buffer pool (docs/offload.md)",
+    "the buffer pool (docs/offload.md)",
     "zero_optimization.offload_optimizer.fast_init": "initialisation has no slow path to skip (docs/offload.md)",
     "zero_optimization.offload_optimizer.buffer_count": "the NVMe optimizer swapper sizes its buffer pool from "
-                                                        "pipeline_read / pipeline_write (docs/offload.md)",
-    "pipeline.pipe_partitioned": "with tensor parallelism inside stages every tp rank sends its whole activation; they are not split over tp ranks",
-    "pipeline.grad_partitioned": "with tensor parallelism inside stages every tp rank sends its whole gradient; they are not split over tp ranks",
+    "pipeline_read / pipeline_write (docs/offload.md)",
+    "pipeline.pipe_partitioned": (
+        "with tensor parallelism inside stages every tp rank sends its whole activation; they are "
+        "not split over tp ranks"
+    ),
+    "pipeline.grad_partitioned": (
+        "with tensor parallelism inside stages every tp rank sends its whole gradient; they are not split over tp ranks"
+    ),
     "seq_parallel_communication_data_type": "gradients of a sequence-parallel model reduce over "
-        "data x sequence ranks in one collective, in communication_data_type; the attention all-to-alls travel in the "
-        "activations' own dtype",
+    "data x sequence ranks in one collective, in communication_data_type; the attention all-to-alls travel in the "
+    "activations' own dtype",
     "tensor_parallel.tp_overlap_comm": "the tensor-parallel all-reduces run in order on the compute stream",
     "tensor_parallel.vocab_parallel_lm_head": "AutoTP always shards the embedding and the output head over the "
-                                               "vocabulary (a tied pair once)",
+    "vocabulary (a tied pair once)",
     "tensor_parallel.dtype": "the model's dtype comes from fp16 / bf16; AutoTP shards whatever dtype the model has",
     "tensor_parallel.keep_module_on_host": "the model is sharded where it lives; there is no load-time placement",
     "tensor_parallel.tp.tp_size": "inference-style setting; training takes the degree from autotp_size",
     "tensor_parallel.tp.tp_grain_size": "inference-style setting; splits are by whole heads and even columns",
     "aio.io_backend": "I/O always goes through zerospeed's thread-pool file I/O (zerospeed/offload/aio.py)",
     "timers.throughput": "samples/s is always measured for the progress line and monitors",
-    **{f"autotuning.model_info.{name}": "only DeepSpeed's bucket-size tuning space (fast: false) reads it; "
-       "zerospeed's autotuner tunes no bucket sizes by default (docs/autotuning.md)"
-       for name in ("hidden_size", "num_layers")},
+    **{
+        f"autotuning.model_info.{name}": "only DeepSpeed's bucket-size tuning space (fast: false) reads it; "
+        "zerospeed's autotuner tunes no bucket sizes by default (docs/autotuning.md)"
+        for name in ("hidden_size", "num_layers")
+    },
     "elasticity.min_time": "a hint for a resource scheduler (minutes to run before rescaling); the runtime, as "
-                           "DeepSpeed's, only checks it is >= 0",
+    "DeepSpeed's, only checks it is >= 0",
     "checkpoint.checkpoint_serialization": "checkpoints are always written with torch.save's default format",
-    **{f"expert_parallel.{name}": "AutoEP's experts run one matmul pair per local expert and move tokens by the comm "
-       "gateway's all-to-all (docs/moe.md); there is no grouped-GEMM kernel, DeepEP buffer or split-plan stream to tune"
-       for name in ("use_grouped_mm", "disable_triton_grouped_mm", "async_split_plan", "combine_impl", "comm_num_sm",
-                    "comm_qp_margin", "comm_max_tokens_per_rank")},
-    **{key: "DeepSpeed switches random-LTD by data_efficiency.data_routing.random_ltd.enabled alone (and the "
-       "curriculum data sampler, not built, by its own switches); zerospeed too, warning when random-LTD is on and "
-       "this is false" for key in ("data_efficiency.enabled", "data_efficiency.data_routing.enabled")},
-    **{f"data_efficiency.data_routing.random_ltd.{key}": f"the engine sets it to {value}, as DeepSpeed's does"
-       for key, value in (("micro_batch_size", "train_micro_batch_size_per_gpu"),
-                          ("global_batch_size", "train_batch_size"))},
+    **{
+        f"expert_parallel.{name}": "AutoEP's experts run one matmul pair per local expert and move tokens by the comm "
+        "gateway's all-to-all (docs/moe.md); there is no grouped-GEMM kernel, DeepEP buffer or "
+        "split-plan stream to tune"
+        for name in (
+            "use_grouped_mm",
+            "disable_triton_grouped_mm",
+            "async_split_plan",
+            "combine_impl",
+            "comm_num_sm",
+            "comm_qp_margin",
+            "comm_max_tokens_per_rank",
+        )
+    },
+    **{
+        key: "DeepSpeed switches random-LTD by data_efficiency.data_routing.random_ltd.enabled alone (and the "
+        "curriculum data sampler, not built, by its own switches); zerospeed too, warning when random-LTD is on and "
+        "this is false"
+        for key in ("data_efficiency.enabled", "data_efficiency.data_routing.enabled")
+    },
+    **{
+        f"data_efficiency.data_routing.random_ltd.{key}": f"the engine sets it to {value}, as DeepSpeed's does"
+        for key, value in (
+            ("micro_batch_size", "train_micro_batch_size_per_gpu"),
+            ("global_batch_size", "train_batch_size"),
+        )
+    },
     "expert_parallel.validate_folding_routing": "expert groups always split the data-parallel ranks (no folding onto "
-                                                "tensor-parallel ranks), so there is no folded routing to validate",
+    "tensor-parallel ranks), so there is no folded routing to validate",
 }
 
 # Keys that only configure a feature a features.ROWS row switches on: while that row exists the
@@ -134,17 +176,35 @@ GATES: dict[str, str] = {
     "amp": "amp.enabled",
     "torch_autocast": "torch_autocast.enabled",
     "hybrid_engine": "hybrid_engine.enabled",
-    **{f"compile.{name}": "compile.deepcompile" for name in (
-        "autoep_non_moe", "free_activation", "free_activation_threshold", "offload_activation",
-        "offload_activation_pin_memory", "offload_opt_states", "double_buffer", "symmetric_memory", "debug_log",
-        "offload_parameters", "sync_before_reduce", "sync_after_reduce", "sync_before_allgather",
-        "sync_after_allgather", "keep_int_input_tensors", "keep_all_input_tensors", "passes")},
+    **{
+        f"compile.{name}": "compile.deepcompile"
+        for name in (
+            "autoep_non_moe",
+            "free_activation",
+            "free_activation_threshold",
+            "offload_activation",
+            "offload_activation_pin_memory",
+            "offload_opt_states",
+            "double_buffer",
+            "symmetric_memory",
+            "debug_log",
+            "offload_parameters",
+            "sync_before_reduce",
+            "sync_after_reduce",
+            "sync_before_allgather",
+            "sync_after_allgather",
+            "keep_int_input_tensors",
+            "keep_all_input_tensors",
+            "passes",
+        )
+    },
     "nebula": "nebula.enabled",
     "curriculum_learning": "curriculum_learning.enabled",
     "data_efficiency.seed": "data_efficiency.data_sampling.enabled",
     "data_efficiency.data_sampling": "data_efficiency.data_sampling.enabled",
-    "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule":
-        "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled",
+    "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule": (
+        "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled"
+    ),
     "progressive_layer_drop": "progressive_layer_drop.enabled",
     "eigenvalue": "eigenvalue.enabled",
     "quantize_training": "quantize_training.enabled",
@@ -153,30 +213,53 @@ GATES: dict[str, str] = {
 # Keys refused outside features.ROWS (by the code that would use them): key -> (feature, where).
 REFUSED_ELSEWHERE: dict[str, tuple[str, str]] = {
     "compression_training.weight_quantization.shared_parameters.fp16_mixed_quantize.enabled": (
-        "fp16 mixed quantization", "true is a ConfigError from zerospeed/compression/compress.py"),
+        "fp16 mixed quantization",
+        "true is a ConfigError from zerospeed/compression/compress.py",
+    ),
     "compression_training.sparse_pruning.shared_parameters.method": (
-        'the "snip_momentum" method', '"snip_momentum" is a ConfigError from zerospeed/compression/compress.py; '
-        '"l1" and "topk" work'),
-    "use_data_before_expert_parallelism": ("the data-major expert layout",
-                                           "true is a ConfigError from zerospeed/moe/autoep.py"),
-    **{f"expert_parallel.{name}": (what, "a value other than the default is a ConfigError from zerospeed/moe/autoep.py")
-       for name, what in (("expert_tensor_parallel_size", "expert tensor parallelism"),
-                          ("comm_backend", "the DeepEP all-to-all backend"),
-                          ("load_balance_coeff", "auxiliary-loss-free load balancing"),
-                          ("num_expert_groups", "group-limited routing"), ("num_limited_groups", "group-limited routing"),
-                          ("route_scale", "scaling router scores"),
-                          ("routed_scaling_factor", "scaling routed expert outputs"),
-                          ("expert_w3", "separate gate / up expert weights"))},
-    **{f"expert_parallel.{name}": ("routing other than the model's own",
-                                   "AutoEP keeps the model's router: a value that differs from what it does is a "
-                                   "ConfigError from zerospeed/moe/autoep.py")
-       for name in ("route_norm", "score_func", "score_apply", "top_k")},
-    "torch_autocast.dtype": ("autocast to fp32", '"fp32" is a ConfigError from zerospeed/precision/autocast.py; '
-                             '"bf16" and "fp16" work'),
-    "hybrid_engine.inference_tp_size": ("tensor-sliced generation in the hybrid engine",
-                                        "a value above 1 is a ConfigError from zerospeed/runtime/hybrid_engine.py"),
-    "comms_logger.debug": ("naming the calling function of each collective",
-                           "true with comms_logger.enabled is a ConfigError from zerospeed/profiling/observer.py"),
+        'the "snip_momentum" method',
+        '"snip_momentum" is a ConfigError from zerospeed/compression/compress.py; "l1" and "topk" work',
+    ),
+    "use_data_before_expert_parallelism": (
+        "the data-major expert layout",
+        "true is a ConfigError from zerospeed/moe/autoep.py",
+    ),
+    **{
+        f"expert_parallel.{name}": (
+            what,
+            "a value other than the default is a ConfigError from zerospeed/moe/autoep.py",
+        )
+        for name, what in (
+            ("expert_tensor_parallel_size", "expert tensor parallelism"),
+            ("comm_backend", "the DeepEP all-to-all backend"),
+            ("load_balance_coeff", "auxiliary-loss-free load balancing"),
+            ("num_expert_groups", "group-limited routing"),
+            ("num_limited_groups", "group-limited routing"),
+            ("route_scale", "scaling router scores"),
+            ("routed_scaling_factor", "scaling routed expert outputs"),
+            ("expert_w3", "separate gate / up expert weights"),
+        )
+    },
+    **{
+        f"expert_parallel.{name}": (
+            "routing other than the model's own",
+            "AutoEP keeps the model's router: a value that differs from what it does is a "
+            "ConfigError from zerospeed/moe/autoep.py",
+        )
+        for name in ("route_norm", "score_func", "score_apply", "top_k")
+    },
+    "torch_autocast.dtype": (
+        "autocast to fp32",
+        '"fp32" is a ConfigError from zerospeed/precision/autocast.py; "bf16" and "fp16" work',
+    ),
+    "hybrid_engine.inference_tp_size": (
+        "tensor-sliced generation in the hybrid engine",
+        "a value above 1 is a ConfigError from zerospeed/runtime/hybrid_engine.py",
+    ),
+    "comms_logger.debug": (
+        "naming the calling function of each collective",
+        "true with comms_logger.enabled is a ConfigError from zerospeed/profiling/observer.py",
+    ),
 }
 
 # "auto" sources other than LITERAL_AUTO_KEYS (see zerospeed/config/auto.py and initialize).
@@ -205,6 +288,7 @@ class SectionDoc:
 
 
 # --- schema walking ---------------------------------------------------------------------------
+
 
 def _ordered_fields(model: type[BaseModel]) -> list[tuple[str, FieldInfo]]:
     """Fields in the order they are written: bases left to right, then the class's own.
@@ -255,13 +339,16 @@ def iter_sections(model: type[BaseModel] = ZeroSpeedConfig, path: str = "") -> I
 
 def leaf_keys(model: type[BaseModel] = ZeroSpeedConfig) -> list[str]:
     """Dotted keys of every field that is not itself a config block, in schema order."""
-    return [_child_path(path, name)
-            for path, block in iter_sections(model)
-            for name, field in _ordered_fields(block)
-            if _model_of(field.annotation)[0] is None]
+    return [
+        _child_path(path, name)
+        for path, block in iter_sections(model)
+        for name, field in _ordered_fields(block)
+        if _model_of(field.annotation)[0] is None
+    ]
 
 
 # --- types ----------------------------------------------------------------------------------
+
 
 def _validator(field_or_metadata: Any) -> Any:
     """The function of the single ``BeforeValidator`` in pydantic metadata, or None."""
@@ -326,8 +413,10 @@ def _from_validator(key: str, func: Any, annotation: Any) -> tuple[str, bool]:
         return '"auto" or int >= 1', False
     if func.__name__ == "check" and env.get("kind") in ("int", "num"):
         return '"auto" or ' + ("int >= 1" if env["kind"] == "int" else "float"), False
-    raise TypeError(f"{key}: zerospeed/config/reference.py does not know the field type built by "
-                    f"{func.__qualname__}; teach _from_validator about it")
+    raise TypeError(
+        f"{key}: zerospeed/config/reference.py does not know the field type built by "
+        f"{func.__qualname__}; teach _from_validator about it"
+    )
 
 
 def _annotated_type(key: str, annotation: Any) -> tuple[str, bool]:
@@ -347,8 +436,9 @@ def _annotated_type(key: str, annotation: Any) -> tuple[str, bool]:
         if isinstance(value, type) and issubclass(value, BaseModel):
             keys = ", ".join(name for name, _ in _ordered_fields(value))
             return f"object of name -> {{{keys}}}", nullable
-    raise TypeError(f"{key}: zerospeed/config/reference.py cannot describe the type {annotation!r}; "
-                    "teach _annotated_type about it")
+    raise TypeError(
+        f"{key}: zerospeed/config/reference.py cannot describe the type {annotation!r}; teach _annotated_type about it"
+    )
 
 
 def _auto_note(key: str) -> str:
@@ -357,7 +447,7 @@ def _auto_note(key: str) -> str:
     if key in BATCH_KEYS:
         return '; "auto" allowed (derived by the batch-size rules)'
     if key in _HIDDEN_SIZE_AUTO:
-        return "; \"auto\" allowed (filled from the model's hidden size)"
+        return '; "auto" allowed (filled from the model\'s hidden size)'
     return ""
 
 
@@ -368,14 +458,16 @@ def field_type(key: str, field: FieldInfo) -> str:
         text, nullable = ("list[object]" if is_list else "object"), _strip_none(field.annotation)[1]
     else:
         func = _validator(field.metadata)
-        text, nullable = (_from_validator(key, func, field.annotation) if func is not None
-                          else _annotated_type(key, field.annotation))
+        text, nullable = (
+            _from_validator(key, func, field.annotation) if func is not None else _annotated_type(key, field.annotation)
+        )
     if nullable:
         text += " or null"
     return text + _auto_note(key)
 
 
 # --- defaults and descriptions ----------------------------------------------------------------
+
 
 def field_default(field: FieldInfo) -> str:
     """The default as JSON; a block that defaults to its all-default model shows ``{}``."""
@@ -395,6 +487,7 @@ def field_description(field: FieldInfo) -> str:
 
 # --- status -----------------------------------------------------------------------------------
 
+
 def _covers(prefix: str, key: str) -> bool:
     return key == prefix or key.startswith(prefix + ".") or key.startswith(prefix + "[]")
 
@@ -409,9 +502,12 @@ def key_status(key: str) -> str:
     ``GATES`` row, else ``works``."""
     rows = [row for row in ROWS if _covers(row.key, key)]
     if rows:
-        return "; ".join(f"{NOT_YET}: {_feature_name(row)} (allowed: {row.default})"
-                         if row.key == key else f"{NOT_YET}: {_feature_name(row)} (see {row.key})"
-                         for row in rows)
+        return "; ".join(
+            f"{NOT_YET}: {_feature_name(row)} (allowed: {row.default})"
+            if row.key == key
+            else f"{NOT_YET}: {_feature_name(row)} (see {row.key})"
+            for row in rows
+        )
     if key in REFUSED_ELSEWHERE:
         feature, where = REFUSED_ELSEWHERE[key]
         return f"{NOT_YET}: {feature} ({where})"
@@ -419,7 +515,7 @@ def key_status(key: str) -> str:
     if reasons:
         return f"{NO_EFFECT_STATUS} ({reasons[0]})"
     gates = [(prefix, gate) for prefix, gate in GATES.items() if _covers(prefix, key) and key != gate]
-    for prefix, gate in gates:
+    for _prefix, gate in gates:
         row = next((r for r in ROWS if r.key == gate), None)
         if row is not None:
             return f"{NO_EFFECT_STATUS} (configures {_feature_name(row)}, not built yet: see {gate})"
@@ -427,6 +523,7 @@ def key_status(key: str) -> str:
 
 
 # --- rendering --------------------------------------------------------------------------------
+
 
 def _anchor(path: str) -> str:
     """GitHub's heading anchor for ``## `path```: lower case, punctuation other than - and _ dropped."""
@@ -441,8 +538,9 @@ def _row(path: str, name: str, field: FieldInfo) -> KeyDoc:
         target = key + ("[]" if is_list else "")
         link = f"block: see [{target}](#{_anchor(target)})"
         status = link if status == WORKS else f"{status}; {link}"
-    return KeyDoc(key, field_type(key, field), field_default(field), field_description(field), status,
-                  section=model is not None)
+    return KeyDoc(
+        key, field_type(key, field), field_default(field), field_description(field), status, section=model is not None
+    )
 
 
 def _summary(model: type[BaseModel]) -> str:
@@ -452,8 +550,10 @@ def _summary(model: type[BaseModel]) -> str:
 
 def sections() -> list[SectionDoc]:
     """Every config block with its rows, in schema order."""
-    return [SectionDoc(path, _summary(model), tuple(_row(path, name, f) for name, f in _ordered_fields(model)))
-            for path, model in iter_sections()]
+    return [
+        SectionDoc(path, _summary(model), tuple(_row(path, name, f) for name, f in _ordered_fields(model)))
+        for path, model in iter_sections()
+    ]
 
 
 def _cell(text: str) -> str:
@@ -502,6 +602,19 @@ def render_reference() -> str:
 
 
 __all__ = [
-    "COMMAND", "GATES", "KeyDoc", "NO_EFFECT", "REFUSED_ELSEWHERE", "REFERENCE_PATH", "SectionDoc", "field_default", "field_description",
-    "field_type", "iter_sections", "key_status", "leaf_keys", "render_reference", "sections",
+    "COMMAND",
+    "GATES",
+    "KeyDoc",
+    "NO_EFFECT",
+    "REFUSED_ELSEWHERE",
+    "REFERENCE_PATH",
+    "SectionDoc",
+    "field_default",
+    "field_description",
+    "field_type",
+    "iter_sections",
+    "key_status",
+    "leaf_keys",
+    "render_reference",
+    "sections",
 ]

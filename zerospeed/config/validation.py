@@ -14,9 +14,9 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from zerospeed.utils.errors import ConfigError
 from zerospeed.config.schema.base import ERROR_KIND, show
 from zerospeed.config.schema.root import ZeroSpeedConfig
+from zerospeed.utils.errors import ConfigError
 
 _MAX_LISTED_KEYS = 15
 

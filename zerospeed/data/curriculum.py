@@ -17,18 +17,22 @@ as functions of the global step t:
 Once the difficulty reaches `max_difficulty` it stays there (`update_difficulty` stops asking). The
 state is a function of the step, so a resumed run recomputes it from `global_steps`.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from zerospeed.utils.errors import ConfigError
 from zerospeed.utils.logging import logger
 
 SCHEDULES = ("fixed_linear", "fixed_root", "fixed_discrete", "custom")
-_NEEDS = {"fixed_linear": ("total_curriculum_step", "difficulty_step"),
-          "fixed_root": ("total_curriculum_step", "difficulty_step", "root_degree"),
-          "fixed_discrete": ("difficulty", "max_step"), "custom": ()}
+_NEEDS = {
+    "fixed_linear": ("total_curriculum_step", "difficulty_step"),
+    "fixed_root": ("total_curriculum_step", "difficulty_step", "root_degree"),
+    "fixed_discrete": ("difficulty", "max_step"),
+    "custom": (),
+}
 
 
 class CurriculumScheduler:
@@ -45,19 +49,27 @@ class CurriculumScheduler:
         schedule = dict(config.get("schedule_config") or {})
         for key in _NEEDS[kind]:
             if key not in schedule:
-                raise ConfigError(f"curriculum_learning.schedule_config.{key} is required by schedule_type "
-                                  f"{kind!r}")
-        if kind == "fixed_discrete" and (not schedule["max_step"]
-                                         or len(schedule["difficulty"]) != len(schedule["max_step"]) + 1):
-            raise ConfigError("curriculum_learning.schedule_config: fixed_discrete needs one more difficulty than "
-                              f"max_step (got {len(schedule['difficulty'])} and {len(schedule['max_step'])})")
+                raise ConfigError(f"curriculum_learning.schedule_config.{key} is required by schedule_type {kind!r}")
+        if kind == "fixed_discrete" and (
+            not schedule["max_step"] or len(schedule["difficulty"]) != len(schedule["max_step"]) + 1
+        ):
+            raise ConfigError(
+                "curriculum_learning.schedule_config: fixed_discrete needs one more difficulty than "
+                f"max_step (got {len(schedule['difficulty'])} and {len(schedule['max_step'])})"
+            )
         if kind in ("fixed_linear", "fixed_root") and schedule["difficulty_step"] % 8:
-            logger.warning("curriculum_learning.schedule_config.difficulty_step=%s is not a multiple of 8: with "
-                           "the seqlen metric, sequence lengths that are not keep 16-bit tensor cores idle",
-                           schedule["difficulty_step"])
-        self.state = {"min_difficulty": config["min_difficulty"], "max_difficulty": config["max_difficulty"],
-                      "current_difficulty": config["min_difficulty"], "schedule_type": kind,
-                      "schedule_config": schedule}
+            logger.warning(
+                "curriculum_learning.schedule_config.difficulty_step=%s is not a multiple of 8: with "
+                "the seqlen metric, sequence lengths that are not keep 16-bit tensor cores idle",
+                schedule["difficulty_step"],
+            )
+        self.state = {
+            "min_difficulty": config["min_difficulty"],
+            "max_difficulty": config["max_difficulty"],
+            "current_difficulty": config["min_difficulty"],
+            "schedule_type": kind,
+            "schedule_config": schedule,
+        }
         self.custom_get_difficulty: Callable[[int], int] | None = None
 
     # -- DeepSpeed's accessors ------------------------------------------------------------------------
@@ -81,12 +93,15 @@ class CurriculumScheduler:
         """The schedule's difficulty at `global_steps` (module docstring)."""
         kind, s = self.state["schedule_type"], self.state["schedule_config"]
         if kind == "fixed_discrete":
-            return next((d for d, last in zip(s["difficulty"], s["max_step"]) if global_steps <= last),
-                        s["difficulty"][-1])
+            return next(
+                (d for d, last in zip(s["difficulty"], s["max_step"]) if global_steps <= last), s["difficulty"][-1]
+            )
         if kind == "custom":
             if self.custom_get_difficulty is None:
-                raise RuntimeError("curriculum_learning.schedule_type 'custom' needs a schedule: call "
-                                   "engine.curriculum_scheduler_legacy.set_custom_get_difficulty(fn) first")
+                raise RuntimeError(
+                    "curriculum_learning.schedule_type 'custom' needs a schedule: call "
+                    "engine.curriculum_scheduler_legacy.set_custom_get_difficulty(fn) first"
+                )
             return self.custom_get_difficulty(global_steps)
         degree = 1 if kind == "fixed_linear" else s["root_degree"]
         lo, hi = self.state["min_difficulty"], self.state["max_difficulty"]

@@ -12,6 +12,7 @@ r, r + world, ... `build_training_loader` makes the same choices, so the first e
 for index. After it ours reshuffles per epoch (`set_epoch`); DeepSpeed never calls `set_epoch`, so it
 repeats the first epoch's order (see docs/migrating_from_deepspeed.md, "Where zerospeed differs on purpose").
 """
+
 from __future__ import annotations
 
 import itertools
@@ -25,8 +26,9 @@ from zerospeed.utils.logging import get_logger
 logger = get_logger(__name__)  # Note [rank-0 logging]
 
 
-def resume_position(batches: int, micro_batch: int, world_size: int, new_micro_batch: int,
-                    new_world_size: int) -> tuple[int, bool]:
+def resume_position(
+    batches: int, micro_batch: int, world_size: int, new_micro_batch: int, new_world_size: int
+) -> tuple[int, bool]:
     """Micro-batches per rank to skip so a resumed epoch continues where a saved one stopped.
 
     Every rank of a DistributedSampler takes every world_size-th index of one shuffled order, so
@@ -67,20 +69,39 @@ class ShardedDataLoader:
     load) continues that epoch with the next micro-batch.
     """
 
-    def __init__(self, dataset: Dataset, micro_batch: int, *, rank: int, world_size: int,
-                 collate_fn: Callable | None = None, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False):
+    def __init__(
+        self,
+        dataset: Dataset,
+        micro_batch: int,
+        *,
+        rank: int,
+        world_size: int,
+        collate_fn: Callable | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+    ):
         self.micro_batch = micro_batch
         self.world_size = world_size
         self.drop_last = drop_last
         # drop_last pads the sampler, then drops the short micro-batch (Note [DeepSpeed's training_data order])
-        self.sampler = _ResumableSampler(DistributedSampler(dataset, num_replicas=world_size, rank=rank,
-                                                            shuffle=shuffle, seed=seed, drop_last=False))
+        self.sampler = _ResumableSampler(
+            DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
+        )
         # An own generator: creating an iterator draws a worker base seed, which must not advance the
         # global torch RNG (a resumed run creates its iterator at another moment than the original).
-        self.loader = DataLoader(dataset, batch_size=micro_batch, sampler=self.sampler, collate_fn=collate_fn,
-                                 drop_last=drop_last, num_workers=num_workers, pin_memory=pin_memory,
-                                 generator=torch.Generator().manual_seed(seed))
+        self.loader = DataLoader(
+            dataset,
+            batch_size=micro_batch,
+            sampler=self.sampler,
+            collate_fn=collate_fn,
+            drop_last=drop_last,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            generator=torch.Generator().manual_seed(seed),
+        )
         self.epoch = 0  # the epoch the next pass starts
         self._pass_epoch: int | None = None  # the epoch being handed out
         self._position = 0  # micro-batches of it handed out
@@ -112,8 +133,13 @@ class ShardedDataLoader:
             epoch, position = self._pass_epoch, self._position
         else:
             epoch, position = self.epoch, 0
-        return {"epoch": epoch, "position": position, "micro_batch": self.micro_batch,
-                "world_size": self.world_size, "num_samples": len(self.sampler.base.dataset)}
+        return {
+            "epoch": epoch,
+            "position": position,
+            "micro_batch": self.micro_batch,
+            "world_size": self.world_size,
+            "num_samples": len(self.sampler.base.dataset),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at the saved epoch and micro-batch (converted when micro batch or world size changed)."""
@@ -121,25 +147,52 @@ class ShardedDataLoader:
         micro, world = int(state.get("micro_batch", self.micro_batch)), int(state.get("world_size", self.world_size))
         saved_n, n = state.get("num_samples"), len(self.sampler.base.dataset)
         if saved_n is not None and saved_n != n:
-            logger.warning("data sampler state is for a dataset of %d samples, this one has %d: the resumed "
-                           "order will differ", saved_n, n)
+            logger.warning(
+                "data sampler state is for a dataset of %d samples, this one has %d: the resumed order will differ",
+                saved_n,
+                n,
+            )
         position, exact = resume_position(batches, micro, world, self.micro_batch, self.world_size)
         if not exact:
-            logger.warning("data sampler: %d samples of epoch %d were consumed at micro batch %d x %d ranks, "
-                           "which micro batch %d x %d ranks cannot continue exactly; resuming at micro-batch "
-                           "%d (a few samples repeat)", batches * micro * world, epoch, micro, world,
-                           self.micro_batch, self.world_size, position)
+            logger.warning(
+                "data sampler: %d samples of epoch %d were consumed at micro batch %d x %d ranks, "
+                "which micro batch %d x %d ranks cannot continue exactly; resuming at micro-batch "
+                "%d (a few samples repeat)",
+                batches * micro * world,
+                epoch,
+                micro,
+                world,
+                self.micro_batch,
+                self.world_size,
+                position,
+            )
         self._resume = (epoch, position)
         self.epoch = epoch
         self._version += 1
 
 
-def build_training_loader(dataset: Dataset, micro_batch: int, *, rank: int, world_size: int, pipeline: bool,
-                          collate_fn: Callable | None = None, drop_last: bool = False) -> ShardedDataLoader:
+def build_training_loader(
+    dataset: Dataset,
+    micro_batch: int,
+    *,
+    rank: int,
+    world_size: int,
+    pipeline: bool,
+    collate_fn: Callable | None = None,
+    drop_last: bool = False,
+) -> ShardedDataLoader:
     """The loader of `initialize(training_data=...)`, sampled as DeepSpeed samples it: shuffled (seed 0)
     for the plain engine, in order for a pipeline (Note [DeepSpeed's training_data order])."""
-    return ShardedDataLoader(dataset, micro_batch, rank=rank, world_size=world_size, collate_fn=collate_fn,
-                             shuffle=not pipeline, seed=0, drop_last=drop_last)
+    return ShardedDataLoader(
+        dataset,
+        micro_batch,
+        rank=rank,
+        world_size=world_size,
+        collate_fn=collate_fn,
+        shuffle=not pipeline,
+        seed=0,
+        drop_last=drop_last,
+    )
 
 
 class _Pass:

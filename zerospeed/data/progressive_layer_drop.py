@@ -7,6 +7,7 @@ and passes `progressive_layer_drop=True, pld_theta=theta(t)` to every training f
 decides what to drop with it (DeepSpeed's PLD BERT keeps layer i with a probability falling with
 depth); the engine drops nothing itself.
 """
+
 from __future__ import annotations
 
 import math

@@ -6,6 +6,7 @@ checked by ``zerospeed.config.elastic`` (Note [elastic block checks] there), whi
 parsed. ``ElasticityConfig(param_dict)`` here is DeepSpeed's view of a checked block, under DeepSpeed's
 attribute names (``max_acceptable_batch_size``, ``micro_batches``, ``prefer_larger_batch_size``).
 """
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from zerospeed.config.elastic import (
-    ElasticityConfigError, ElasticityError, ElasticityIncompatibleWorldSize, check_block, validate_block,
+    ElasticityConfigError,
+    ElasticityError,
+    ElasticityIncompatibleWorldSize,
+    check_block,
+    validate_block,
 )
 from zerospeed.config.schema.misc import ElasticityConfig as ElasticityBlock
 
@@ -32,7 +37,7 @@ class ElasticityConfig:
         self._assign(validate_block(param_dict))
 
     @classmethod
-    def from_block(cls, block: ElasticityBlock) -> "ElasticityConfig":
+    def from_block(cls, block: ElasticityBlock) -> ElasticityConfig:
         """The object for a block the config schema has already typed (``ZeroSpeedConfig.elasticity``)."""
         check_block(block)
         config = cls.__new__(cls)
@@ -56,5 +61,11 @@ class ElasticityConfig:
         return json.dumps(self.__dict__, sort_keys=True, indent=4)
 
 
-__all__ = ["ElasticityConfig", "ElasticityConfigError", "ElasticityError", "ElasticityIncompatibleWorldSize",
-           "check_block", "validate_block"]
+__all__ = [
+    "ElasticityConfig",
+    "ElasticityConfigError",
+    "ElasticityError",
+    "ElasticityIncompatibleWorldSize",
+    "check_block",
+    "validate_block",
+]

@@ -3,10 +3,14 @@
 The defaults are read off the config schema (``zerospeed.config.schema.misc.ElasticityConfig``), the one
 place they are written, so the two cannot disagree.
 """
+
 from __future__ import annotations
 
 from zerospeed.config.elastic import (  # noqa: F401 (re-exported; the plan's own names, written there)
-    DEEPSPEED_ELASTICITY_CONFIG, ELASTICITY, ELASTICITY_VERSIONS, LATEST_ELASTICITY_VERSION,
+    DEEPSPEED_ELASTICITY_CONFIG,
+    ELASTICITY,
+    ELASTICITY_VERSIONS,
+    LATEST_ELASTICITY_VERSION,
 )
 from zerospeed.config.schema.misc import ElasticityConfig as _Block
 

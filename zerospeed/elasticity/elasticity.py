@@ -7,6 +7,7 @@ the target-version check, the world size from ``$WORLD_SIZE`` where DeepSpeed re
 in DeepSpeed's shapes. Its building blocks (``get_candidate_batch_sizes``, ``get_valid_gpus``, ...) are
 served under this module's names too.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,12 +16,26 @@ from collections.abc import Mapping
 from typing import Any
 
 from zerospeed.config.elastic import (  # noqa: F401 (DeepSpeed's module also has the v01/v02 helpers)
-    HCN_LIST, ElasticBatch, _get_compatible_gpus_v01, _get_compatible_gpus_v02, batch_at_world_size,
-    check_version, ensure_immutable_elastic_config, get_best_candidates, get_candidate_batch_sizes, get_valid_gpus,
-    micro_for_world, plan, resolve_elastic_batch_size, validate_block,
+    HCN_LIST,
+    ElasticBatch,
+    _get_compatible_gpus_v01,
+    _get_compatible_gpus_v02,
+    batch_at_world_size,
+    check_version,
+    ensure_immutable_elastic_config,
+    get_best_candidates,
+    get_candidate_batch_sizes,
+    get_valid_gpus,
+    micro_for_world,
+    plan,
+    resolve_elastic_batch_size,
+    validate_block,
 )
 from zerospeed.elasticity.config import (
-    ElasticityConfig, ElasticityConfigError, ElasticityError, ElasticityIncompatibleWorldSize,
+    ElasticityConfig,
+    ElasticityConfigError,
+    ElasticityError,
+    ElasticityIncompatibleWorldSize,
 )
 from zerospeed.elasticity.constants import ELASTICITY, ENABLED, ENABLED_DEFAULT, MINIMUM_DEEPSPEED_VERSION
 from zerospeed.utils.logging import get_logger
@@ -41,8 +56,10 @@ def _compatible_ds_version_check(target_deepspeed_version: str) -> bool:
     minimum = _version_tuple(MINIMUM_DEEPSPEED_VERSION, "MINIMUM_DEEPSPEED_VERSION")
     pad = max(len(target), len(minimum))
     if target + (0,) * (pad - len(target)) < minimum + (0,) * (pad - len(minimum)):
-        raise ElasticityError(f"target_deepspeed_version {target_deepspeed_version} has no elasticity: it needs "
-                              f"DeepSpeed {MINIMUM_DEEPSPEED_VERSION} or newer")
+        raise ElasticityError(
+            f"target_deepspeed_version {target_deepspeed_version} has no elasticity: it needs "
+            f"DeepSpeed {MINIMUM_DEEPSPEED_VERSION} or newer"
+        )
     return True
 
 
@@ -58,12 +75,15 @@ def _current_num_gpus(world_size: int) -> int:
     env = os.environ.get("WORLD_SIZE")
     if env is not None and env.isnumeric() and int(env) > 0:
         return int(env)
-    raise ElasticityConfigError("elasticity version 0.2 needs the current world size to choose a batch size: pass "
-                                f"world_size to compute_elastic_config or set $WORLD_SIZE (it is {env!r})")
+    raise ElasticityConfigError(
+        "elasticity version 0.2 needs the current world size to choose a batch size: pass "
+        f"world_size to compute_elastic_config or set $WORLD_SIZE (it is {env!r})"
+    )
 
 
-def compute_elastic_config(ds_config: dict, target_deepspeed_version: str, world_size: int = 0,
-                           return_microbatch: bool = False):
+def compute_elastic_config(
+    ds_config: dict, target_deepspeed_version: str, world_size: int = 0, return_microbatch: bool = False
+):
     """DeepSpeed's elasticity API: the global batch size and the GPU counts it can train at.
 
     ``ds_config`` is a DeepSpeed config dict with an enabled ``elasticity`` block;
@@ -79,8 +99,10 @@ def compute_elastic_config(ds_config: dict, target_deepspeed_version: str, world
     if not isinstance(ds_config, dict):
         raise ElasticityConfigError(f"ds_config must be a dict (a DeepSpeed config), got {type(ds_config).__name__}")
     if ELASTICITY not in ds_config:
-        raise ElasticityConfigError(f"the config has no '{ELASTICITY}' block; add one (with \"enabled\": true, "
-                                    "max_train_batch_size and micro_batch_sizes) to run an elastic job")
+        raise ElasticityConfigError(
+            f"the config has no '{ELASTICITY}' block; add one (with \"enabled\": true, "
+            "max_train_batch_size and micro_batch_sizes) to run an elastic job"
+        )
     block = validate_block(ds_config[ELASTICITY])
     if not block.enabled:
         raise ElasticityConfigError(f"{ELASTICITY}.enabled is false; set it to true to run an elastic job")
@@ -94,11 +116,14 @@ def compute_elastic_config(ds_config: dict, target_deepspeed_version: str, world
     if not return_microbatch:
         return batch, valid
     if version == 0.1:
-        raise ElasticityConfigError("version 0.1 chooses the micro batch for a world size: pass world_size > 0 "
-                                    "with return_microbatch")
+        raise ElasticityConfigError(
+            "version 0.1 chooses the micro batch for a world size: pass world_size > 0 with return_microbatch"
+        )
     if v02_micro is None:
-        raise ElasticityIncompatibleWorldSize(f"no micro batch in {block.micro_batch_sizes} divides the per-GPU batch "
-                                              f"of train batch {batch} at {_current_num_gpus(0)} GPUs")
+        raise ElasticityIncompatibleWorldSize(
+            f"no micro batch in {block.micro_batch_sizes} divides the per-GPU batch "
+            f"of train batch {batch} at {_current_num_gpus(0)} GPUs"
+        )
     return batch, valid, v02_micro
 
 
@@ -117,7 +142,14 @@ def elastic_batch(config: ElasticityConfig, dp_world_size: int) -> ElasticBatch:
 
 
 __all__ = [
-    "HCN_LIST", "ElasticBatch", "compute_elastic_config", "elastic_batch", "elasticity_enabled",
+    "HCN_LIST",
+    "ElasticBatch",
+    "compute_elastic_config",
+    "elastic_batch",
+    "elasticity_enabled",
     "resolve_elastic_batch_size",
-    "ensure_immutable_elastic_config", "get_best_candidates", "get_candidate_batch_sizes", "get_valid_gpus",
+    "ensure_immutable_elastic_config",
+    "get_best_candidates",
+    "get_candidate_batch_sizes",
+    "get_valid_gpus",
 ]

@@ -1,4 +1,5 @@
 """DeepSpeed's ``deepspeed.elasticity.utils``."""
+
 from __future__ import annotations
 
 

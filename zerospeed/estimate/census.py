@@ -4,6 +4,7 @@ The estimator needs three numbers: total parameters, the largest layer's paramet
 one layer at a time) and, for activations, the transformer shape (layers, hidden, heads). Tensor and
 pipeline parallelism need every layer's sizes: a census from a config carries its `TransformerShape`.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,39 +37,68 @@ def census_of_module(model) -> ModelCensus:
     return ModelCensus(total, largest)
 
 
-def transformer_params(*, layers: int, hidden: int, vocab: int, positions: int = 0, ffn: int | None = None,
-                       tied: bool = True, bias: bool = True, gated: bool = False, heads: int | None = None,
-                       kv_heads: int | None = None, head_dim: int | None = None) -> ModelCensus:
+def transformer_params(
+    *,
+    layers: int,
+    hidden: int,
+    vocab: int,
+    positions: int = 0,
+    ffn: int | None = None,
+    tied: bool = True,
+    bias: bool = True,
+    gated: bool = False,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+) -> ModelCensus:
     """Parameters of a standard decoder: attention 4h^2 (less with fewer kv heads), MLP 2*h*ffn
     (3*h*ffn gated), norms, embeddings; the count is `layout.total_params` of the shape."""
     shape = TransformerShape(layers, hidden, vocab, heads, kv_heads, ffn, positions, tied, bias, gated, head_dim)
-    return ModelCensus(total_params(shape), largest_module_params(shape), layers, hidden, heads,
-                       positions or None, shape)
+    return ModelCensus(
+        total_params(shape), largest_module_params(shape), layers, hidden, heads, positions or None, shape
+    )
 
 
 def census_of_config(config: dict[str, Any]) -> ModelCensus:
     """A census from a transformers config.json dict or a zerospeed GPTConfig dict (n_embd, n_layer...)."""
     if "n_embd" in config:  # zoo.models.GPTConfig (and GPT-2 style configs)
-        c = transformer_params(layers=config["n_layer"], hidden=config["n_embd"], vocab=config["vocab_size"],
-                               positions=config.get("block_size", config.get("n_positions", 0)),
-                               bias=config.get("bias", True), ffn=config.get("n_inner"), heads=config["n_head"],
-                               tied=config.get("tie_word_embeddings", True))
+        c = transformer_params(
+            layers=config["n_layer"],
+            hidden=config["n_embd"],
+            vocab=config["vocab_size"],
+            positions=config.get("block_size", config.get("n_positions", 0)),
+            bias=config.get("bias", True),
+            ffn=config.get("n_inner"),
+            heads=config["n_head"],
+            tied=config.get("tie_word_embeddings", True),
+        )
         return c
     needed = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
     missing = [k for k in needed if k not in config]
     if missing:
-        raise ValueError(f"model config lacks {', '.join(missing)}; give a transformers config.json "
-                         "(hidden_size, num_hidden_layers, num_attention_heads, vocab_size) or a GPT config "
-                         "(n_embd, n_layer, n_head, vocab_size), or pass --params")
+        raise ValueError(
+            f"model config lacks {', '.join(missing)}; give a transformers config.json "
+            "(hidden_size, num_hidden_layers, num_attention_heads, vocab_size) or a GPT config "
+            "(n_embd, n_layer, n_head, vocab_size), or pass --params"
+        )
     # Llama-family models: gated SiLU MLP (3 matrices), RMSNorm without bias, rotary positions.
-    gated = (config.get("model_type") in ("llama", "mistral", "qwen2", "gemma")
-             or config.get("hidden_act") in ("silu", "swiglu"))
-    c = transformer_params(layers=config["num_hidden_layers"], hidden=config["hidden_size"],
-                           vocab=config["vocab_size"], ffn=config.get("intermediate_size"),
-                           tied=config.get("tie_word_embeddings", True), bias=not gated, gated=gated,
-                           positions=0 if gated else config.get("max_position_embeddings", 0),
-                           heads=config["num_attention_heads"], kv_heads=config.get("num_key_value_heads"),
-                           head_dim=config.get("head_dim"))
+    gated = config.get("model_type") in ("llama", "mistral", "qwen2", "gemma") or config.get("hidden_act") in (
+        "silu",
+        "swiglu",
+    )
+    c = transformer_params(
+        layers=config["num_hidden_layers"],
+        hidden=config["hidden_size"],
+        vocab=config["vocab_size"],
+        ffn=config.get("intermediate_size"),
+        tied=config.get("tie_word_embeddings", True),
+        bias=not gated,
+        gated=gated,
+        positions=0 if gated else config.get("max_position_embeddings", 0),
+        heads=config["num_attention_heads"],
+        kv_heads=config.get("num_key_value_heads"),
+        head_dim=config.get("head_dim"),
+    )
     return _with(c, seq_len=config.get("max_position_embeddings"))
 
 

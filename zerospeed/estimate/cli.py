@@ -1,11 +1,12 @@
 """`zerospeed-estimate`: memory per device and per host for every ZeRO option, and a recommendation.
 
-    zerospeed-estimate --params 7.5B --devices-per-node 8 --nodes 8
-    zerospeed-estimate --model-config config.json --micro-batch 4 --seq-len 2048 --device-memory 80
-    zerospeed-estimate --model-config config.json --devices-per-node 8 --tp 4 --pp 2 --seq-len 2048
-    zerospeed-estimate --model-config config.json --devices-per-node 8 --device-memory 80 --layouts
-    zerospeed-estimate --measure --ranks 2
+zerospeed-estimate --params 7.5B --devices-per-node 8 --nodes 8
+zerospeed-estimate --model-config config.json --micro-batch 4 --seq-len 2048 --device-memory 80
+zerospeed-estimate --model-config config.json --devices-per-node 8 --tp 4 --pp 2 --seq-len 2048
+zerospeed-estimate --model-config config.json --devices-per-node 8 --device-memory 80 --layouts
+zerospeed-estimate --measure --ranks 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,11 @@ GB = 1e9
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zerospeed-estimate", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="zerospeed-estimate",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--params", help="total parameters, e.g. 7.5B, 350M")
     src.add_argument("--model-config", help="a transformers config.json or a zerospeed GPT config (JSON)")
@@ -40,23 +44,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, help="attention heads (with --params, for activations)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (needs --model-config)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (needs --model-config)")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="Megatron sequence parallelism with --tp: activations all / tp")
-    p.add_argument("--micro-batches", type=int,
-                   help="micro-batches per step (gradient accumulation); with --pp, 1F1B holds min(pp, this)")
-    p.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
-                   help="collectives' backend for the peak's staging terms (gloo on CPU-only machines)")
-    p.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
-                   help="sdpa (fused attention, PyTorch's and transformers' default: no s x s scores kept for "
-                        "backward) or eager (the scores, softmax and dropout mask are kept: + 5*a*s/h per token "
-                        "and hidden unit)")
-    p.add_argument("--layouts", action="store_true",
-                   help="with --device-memory: every valid dp x tp x pp and its fastest option that fits")
+    p.add_argument(
+        "--sequence-parallel", action="store_true", help="Megatron sequence parallelism with --tp: activations all / tp"
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        help="micro-batches per step (gradient accumulation); with --pp, 1F1B holds min(pp, this)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("nccl", "gloo"),
+        default="nccl",
+        help="collectives' backend for the peak's staging terms (gloo on CPU-only machines)",
+    )
+    p.add_argument(
+        "--attention",
+        choices=("sdpa", "eager"),
+        default="sdpa",
+        help="sdpa (fused attention, PyTorch's and transformers' default: no s x s scores kept for "
+        "backward) or eager (the scores, softmax and dropout mask are kept: + 5*a*s/h per token "
+        "and hidden unit)",
+    )
+    p.add_argument(
+        "--layouts",
+        action="store_true",
+        help="with --device-memory: every valid dp x tp x pp and its fastest option that fits",
+    )
     p.add_argument("--device-memory", type=float, help="GB (1e9 bytes) per device, for the recommendation")
     p.add_argument("--host-memory", type=float, help="GB (1e9 bytes) per node, for the recommendation")
-    p.add_argument("--measure", action="store_true",
-                   help="run the engine (bf16, AdamW, 1M-parameter MLP) on --ranks processes and print predicted vs "
-                        "measured model-state bytes per rank, stages 0-3")
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="run the engine (bf16, AdamW, 1M-parameter MLP) on --ranks processes and print predicted vs "
+        "measured model-state bytes per rank, stages 0-3",
+    )
     p.add_argument("--ranks", type=int, default=2, help="processes for --measure")
     return p
 
@@ -78,32 +100,55 @@ def run(args) -> str:
     if args.measure:
         return format_measurements(measure(world=args.ranks, stages=(0, 1, 2, 3)))
     census = _census(args)
-    setup = Setup(args.devices_per_node, args.nodes, args.precision, args.optimizer, args.grad_dtype,
-                  args.micro_batch, args.seq_len, tp=args.tp, pp=args.pp, sequence_parallel=args.sequence_parallel,
-                  micro_batches=args.micro_batches, backend=args.backend, attention=args.attention)
+    setup = Setup(
+        args.devices_per_node,
+        args.nodes,
+        args.precision,
+        args.optimizer,
+        args.grad_dtype,
+        args.micro_batch,
+        args.seq_len,
+        tp=args.tp,
+        pp=args.pp,
+        sequence_parallel=args.sequence_parallel,
+        micro_batches=args.micro_batches,
+        backend=args.backend,
+        attention=args.attention,
+    )
     if args.layouts:
         if not args.device_memory:
             raise ValueError("--layouts needs --device-memory (GB per device) to pick an option per layout")
-        return format_layouts(layout_rows(census, setup, args.device_memory * GB,
-                                          args.host_memory * GB if args.host_memory else None), GB, "GB")
+        return format_layouts(
+            layout_rows(census, setup, args.device_memory * GB, args.host_memory * GB if args.host_memory else None),
+            GB,
+            "GB",
+        )
     rows = plan_rows(census, setup)
-    out = [f"model: {census.total_params:,} parameters (largest layer {census.largest_layer_params:,}); "
-           f"{setup.nodes} node(s) x {setup.devices_per_node} device(s); {setup.precision}, {setup.optimizer}"]
+    out = [
+        f"model: {census.total_params:,} parameters (largest layer {census.largest_layer_params:,}); "
+        f"{setup.nodes} node(s) x {setup.devices_per_node} device(s); {setup.precision}, {setup.optimizer}"
+    ]
     if setup.tp * setup.pp > 1:
-        out.append(f"layout: dp {rows[0].dp} x tp {setup.tp} x pp {setup.pp}"
-                   + (" (sequence parallel)" if setup.sequence_parallel else "")
-                   + "; bytes per rank: tp rank 0 of the pipeline stage with the largest total")
+        out.append(
+            f"layout: dp {rows[0].dp} x tp {setup.tp} x pp {setup.pp}"
+            + (" (sequence parallel)" if setup.sequence_parallel else "")
+            + "; bytes per rank: tp rank 0 of the pipeline stage with the largest total"
+        )
     out.append(format_plan(rows, GB, "GB"))
     if any(r.peak is not None for r in rows):
-        out.append("peak: the step's predicted peak per device (model states + activations, logits, the live "
-                   "parameter window, reduce buckets, optimizer temporaries; zerospeed.estimate.peak), with the "
-                   "largest single contribution at that moment and its phase; the recommendation uses it")
+        out.append(
+            "peak: the step's predicted peak per device (model states + activations, logits, the live "
+            "parameter window, reduce buckets, optimizer temporaries; zerospeed.estimate.peak), with the "
+            "largest single contribution at that moment and its phase; the recommendation uses it"
+        )
     if not any(r.device["activations"] for r in rows):
         out.append("activations: not estimated (give --model-config, or --layers/--hidden/--heads and --seq-len)")
     if args.device_memory:
         best = recommend(rows, args.device_memory * GB, args.host_memory * GB if args.host_memory else None)
-        out.append(f"recommendation for {args.device_memory:g} GB per device: "
-                   + (best.label() if best else "nothing fits; add devices or shrink the micro-batch"))
+        out.append(
+            f"recommendation for {args.device_memory:g} GB per device: "
+            + (best.label() if best else "nothing fits; add devices or shrink the micro-batch")
+        )
     return "\n".join(out)
 
 

@@ -7,6 +7,7 @@ device to the host (see `placed_model_states`).
 `estimate_zero{2,3}_model_states_mem_needs` tables (1.5x buffer factor on host memory), so their
 numbers can be compared one to one. No function here touches torch or a process group.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ class Precision:
     optim: int
 
     @classmethod
-    def of(cls, dtype: str = "fp16", optimizer: str = "adam", grad_dtype: str | None = None) -> "Precision":
+    def of(cls, dtype: str = "fp16", optimizer: str = "adam", grad_dtype: str | None = None) -> Precision:
         """`dtype` of the model (fp32/fp16/bf16), optimizer name, gradient dtype (default: the model's)."""
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"precision must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
@@ -41,8 +42,15 @@ class Precision:
 
 def stage_bytes(num_params: int, world_size: int, stage: int, prec: Precision) -> dict[str, float]:
     """Per-device bytes of parameters, gradients, masters and optimizer states at ZeRO `stage` 0-3."""
-    return model_state_bytes(num_params, world_size, stage, param_bytes=prec.param, grad_bytes=prec.grad,
-                             master_bytes=prec.master, optim_bytes=prec.optim)
+    return model_state_bytes(
+        num_params,
+        world_size,
+        stage,
+        param_bytes=prec.param,
+        grad_bytes=prec.grad,
+        master_bytes=prec.master,
+        optim_bytes=prec.optim,
+    )
 
 
 @dataclass(frozen=True)
@@ -64,12 +72,21 @@ class Option:
 
 # Every option, fastest first: stages 0-2 move the same bytes per step (the paper's result), stage 3
 # adds 50% traffic, and host offload adds PCIe transfers plus a CPU optimizer step.
-OPTIONS = (Option(0), Option(1), Option(2), Option(3), Option(1, True), Option(2, True), Option(3, True),
-           Option(3, True, True))
+OPTIONS = (
+    Option(0),
+    Option(1),
+    Option(2),
+    Option(3),
+    Option(1, True),
+    Option(2, True),
+    Option(3, True),
+    Option(3, True, True),
+)
 
 
-def placed_model_states(num_params: int, world_size: int, option: Option, prec: Precision,
-                        largest_layer_params: int = 0) -> dict[str, dict[str, float]]:
+def placed_model_states(
+    num_params: int, world_size: int, option: Option, prec: Precision, largest_layer_params: int = 0
+) -> dict[str, dict[str, float]]:
     """Per-rank model-state bytes split into {"device": {...}, "host": {...}} for `option`.
 
     Optimizer offload (ZeRO-Offload) keeps the rank's shard of fp32 masters, optimizer states and its
@@ -102,10 +119,20 @@ def placed_model_states(num_params: int, world_size: int, option: Option, prec: 
     return {"device": dev, "host": host}
 
 
-def transformer_activation_bytes(*, layers: int, hidden: int, heads: int, seq_len: int, micro_batch: int,
-                                 checkpointing: bool, act_bytes: int = 2, tp: int = 1,
-                                 sequence_parallel: bool = False, micro_batches_in_flight: int = 1,
-                                 attention: str = "sdpa") -> float:
+def transformer_activation_bytes(
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    seq_len: int,
+    micro_batch: int,
+    checkpointing: bool,
+    act_bytes: int = 2,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    micro_batches_in_flight: int = 1,
+    attention: str = "sdpa",
+) -> float:
     """Activation memory of one rank's micro-batch(es) through `layers` GPT-style layers.
 
     Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models") count
@@ -116,26 +143,44 @@ def transformer_activation_bytes(*, layers: int, hidden: int, heads: int, seq_le
     activations are live again while it is recomputed. `act_bytes` 4 doubles everything (fp32
     activations); a pipeline stage multiplies by the micro-batches it holds (`layout.in_flight`).
     """
-    return stage_activation_bytes(layers=layers, seq_len=seq_len, micro_batch=micro_batch, hidden=hidden,
-                                  heads=heads, checkpointing=checkpointing, tp=tp,
-                                  sequence_parallel=sequence_parallel,
-                                  micro_batches_in_flight=micro_batches_in_flight, act_bytes=act_bytes,
-                                  attention=attention)
+    return stage_activation_bytes(
+        layers=layers,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        hidden=hidden,
+        heads=heads,
+        checkpointing=checkpointing,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        micro_batches_in_flight=micro_batches_in_flight,
+        act_bytes=act_bytes,
+        attention=attention,
+    )
 
 
-def deepspeed_zero2_bytes(total_params: int, num_gpus_per_node: int, num_nodes: int,
-                          cpu_offload: bool) -> tuple[float, float]:
+def deepspeed_zero2_bytes(
+    total_params: int, num_gpus_per_node: int, num_nodes: int, cpu_offload: bool
+) -> tuple[float, float]:
     """(host, device) bytes by the rule of DeepSpeed's ZeRO-2 estimator (mixed-precision Adam)."""
     total_gpus = num_gpus_per_node * num_nodes
     if cpu_offload:
         return total_params * max(4 * total_gpus, 16) * HOST_BUFFER_FACTOR, 2.0 * total_params
     # Host: every local rank holds an fp32 copy of the model while it is loaded ("all cold" start).
-    return (total_params * 4 * num_gpus_per_node * HOST_BUFFER_FACTOR,
-            4 * total_params + int(16 * total_params / total_gpus))
+    return (
+        total_params * 4 * num_gpus_per_node * HOST_BUFFER_FACTOR,
+        4 * total_params + int(16 * total_params / total_gpus),
+    )
 
 
-def deepspeed_zero3_bytes(total_params: int, largest_layer_params: int, num_gpus_per_node: int, num_nodes: int,
-                          offload_optimizer: bool, offload_param: bool, zero_init: bool) -> tuple[float, float]:
+def deepspeed_zero3_bytes(
+    total_params: int,
+    largest_layer_params: int,
+    num_gpus_per_node: int,
+    num_nodes: int,
+    offload_optimizer: bool,
+    offload_param: bool,
+    zero_init: bool,
+) -> tuple[float, float]:
     """(host, device) bytes by the rule of DeepSpeed's ZeRO-3 estimator (mixed-precision Adam).
 
     The device always needs the largest layer gathered in fp32-sized room (4 bytes/param). With

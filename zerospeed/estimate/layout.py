@@ -18,6 +18,7 @@ Note [kv heads under tp]: with grouped-query attention and tp > kv heads every r
 Note [tied head under pp]: with pp > 1 the last stage keeps its own copy of a tied embedding for
 the head (DeepSpeed's TiedLayerSpec, Megatron's word-embedding copy), so it is counted on both ends.
 """
+
 from __future__ import annotations
 
 import math
@@ -77,11 +78,22 @@ def layer_modules(shape: TransformerShape, tp: int = 1) -> dict[str, tuple[int, 
     ffn = shape.ffn_size // tp
     column = lambda rows: (rows * (h + b), 0)  # weight [rows, h] and bias [rows], both split
     if shape.gated:
-        mods = {"attn.q": column(q), "attn.k": column(kv), "attn.v": column(kv), "attn.o": (q * h, b * h),
-                "mlp.gate": column(ffn), "mlp.up": column(ffn), "mlp.down": (ffn * h, b * h)}
+        mods = {
+            "attn.q": column(q),
+            "attn.k": column(kv),
+            "attn.v": column(kv),
+            "attn.o": (q * h, b * h),
+            "mlp.gate": column(ffn),
+            "mlp.up": column(ffn),
+            "mlp.down": (ffn * h, b * h),
+        }
     else:
-        mods = {"attn.qkv": column(q + 2 * kv), "attn.out": (q * h, b * h), "mlp.fc": column(ffn),
-                "mlp.proj": (ffn * h, b * h)}
+        mods = {
+            "attn.qkv": column(q + 2 * kv),
+            "attn.out": (q * h, b * h),
+            "mlp.fc": column(ffn),
+            "mlp.proj": (ffn * h, b * h),
+        }
     return {**mods, "norm_1": (0, shape.norm_params), "norm_2": (0, shape.norm_params)}
 
 
@@ -124,8 +136,17 @@ def total_params(shape: TransformerShape) -> int:
 
 
 # -- activations ---------------------------------------------------------------------------------------
-def layer_activation_bytes(*, seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
-                           sequence_parallel: bool = False, act_bytes: int = 2, attention: str = "sdpa") -> float:
+def layer_activation_bytes(
+    *,
+    seq_len: int,
+    micro_batch: int,
+    hidden: int,
+    heads: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    act_bytes: int = 2,
+    attention: str = "sdpa",
+) -> float:
     """Bytes one transformer layer keeps for backward (Korthikanti et al. 2022, 16-bit activations):
 
         no tp                   s*b*h*(34 + 5*a*s/h)
@@ -157,17 +178,35 @@ def in_flight(stage: int, pp: int, micro_batches: int | None = None) -> int:
     return n if micro_batches is None else max(1, min(n, micro_batches))
 
 
-def stage_activation_bytes(*, layers: int, seq_len: int, micro_batch: int, hidden: int, heads: int,
-                           checkpointing: bool, tp: int = 1, sequence_parallel: bool = False,
-                           micro_batches_in_flight: int = 1, act_bytes: int = 2, attention: str = "sdpa") -> float:
+def stage_activation_bytes(
+    *,
+    layers: int,
+    seq_len: int,
+    micro_batch: int,
+    hidden: int,
+    heads: int,
+    checkpointing: bool,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    micro_batches_in_flight: int = 1,
+    act_bytes: int = 2,
+    attention: str = "sdpa",
+) -> float:
     """Activations of a stage of `layers` layers holding `micro_batches_in_flight` micro-batches.
 
     With full activation checkpointing each layer keeps only its 16-bit input, 2*s*b*h (split by tp
     under sequence parallelism), per micro-batch in flight, and one layer's activations are live again
     while it is recomputed."""
-    per_layer = layer_activation_bytes(seq_len=seq_len, micro_batch=micro_batch, hidden=hidden, heads=heads,
-                                       tp=tp, sequence_parallel=sequence_parallel, act_bytes=act_bytes,
-                                       attention=attention)
+    per_layer = layer_activation_bytes(
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        hidden=hidden,
+        heads=heads,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        act_bytes=act_bytes,
+        attention=attention,
+    )
     if not checkpointing:
         return layers * per_layer * micro_batches_in_flight
     kept = 2 * seq_len * micro_batch * hidden * act_bytes / 2 / (tp if sequence_parallel else 1)
@@ -181,30 +220,45 @@ def valid_tp(shape: TransformerShape, limit: int = 64) -> list[int]:
     return [t for t in valid_tp_sizes(shape.ffn_size, limit=limit) if t in by_heads]
 
 
-def check_layout(shape: TransformerShape | None, world: int, tp: int, pp: int, *, seq_len: int | None = None,
-                 sequence_parallel: bool = False) -> int:
+def check_layout(
+    shape: TransformerShape | None,
+    world: int,
+    tp: int,
+    pp: int,
+    *,
+    seq_len: int | None = None,
+    sequence_parallel: bool = False,
+) -> int:
     """Validate a (tp, pp) choice for `world` devices; return dp. Errors name the flag and valid values."""
     for flag, v in (("--tp", tp), ("--pp", pp)):
         if v < 1:
             raise ValueError(f"{flag} must be >= 1, got {v}")
     if tp * pp > 1 and shape is None:
-        raise ValueError("--tp/--pp need the model's layer shapes: give --model-config (a transformers or "
-                         "GPT config.json)")
+        raise ValueError(
+            "--tp/--pp need the model's layer shapes: give --model-config (a transformers or GPT config.json)"
+        )
     if tp > 1 and shape.heads is None:
         raise ValueError("--tp needs the attention head count: the model config lacks it")
     if shape is not None and pp > shape.layers:
         raise ValueError(f"--pp {pp} exceeds the model's {shape.layers} layers; valid --pp: 1 to {shape.layers}")
     if world % pp:
         pps = [p for p in valid_tp_sizes(world, limit=world) if shape is None or p <= shape.layers]
-        raise ValueError(f"--pp {pp} does not divide the {world} devices (--devices-per-node x --nodes); "
-                         f"valid --pp: {pps}")
+        raise ValueError(
+            f"--pp {pp} does not divide the {world} devices (--devices-per-node x --nodes); valid --pp: {pps}"
+        )
     model_tps = valid_tp(shape, limit=world) if tp > 1 else [1]
     fits = [t for t in valid_tp_sizes(world // pp, limit=world) if t == 1 or t in model_tps]
     if tp not in fits:
-        model = (f" and the model's {shape.n_heads} query heads ({shape.n_kv_heads} kv heads; more tp ranks than "
-                 f"kv heads replicate them) and MLP width {shape.ffn_size}" if shape is not None else "")
-        raise ValueError(f"--tp {tp} must divide the {world // pp} devices of a pipeline stage (--devices-per-node x "
-                         f"--nodes / --pp {pp}){model}; valid --tp with --pp {pp}: {fits}")
+        model = (
+            f" and the model's {shape.n_heads} query heads ({shape.n_kv_heads} kv heads; more tp ranks than "
+            f"kv heads replicate them) and MLP width {shape.ffn_size}"
+            if shape is not None
+            else ""
+        )
+        raise ValueError(
+            f"--tp {tp} must divide the {world // pp} devices of a pipeline stage (--devices-per-node x "
+            f"--nodes / --pp {pp}){model}; valid --tp with --pp {pp}: {fits}"
+        )
     if sequence_parallel and seq_len and seq_len % tp:
         raise ValueError(f"--sequence-parallel needs --seq-len divisible by --tp {tp}, got {seq_len}")
     return world // (tp * pp)

@@ -4,6 +4,7 @@ The garbage collector's view of every live ``torch.Tensor``, deduplicated by sto
 Parameter and its ``.data`` share one storage and count once. What the engine believes it holds is
 not consulted, so comparing this census with the formulas checks both.
 """
+
 from __future__ import annotations
 
 import gc

@@ -7,6 +7,7 @@ Offload rows are not measured here: on a CPU-only machine host and device are th
 census cannot tell offloaded state apart (tests/dist/test_offload.py checks placement and NVMe
 swap-file bytes instead).
 """
+
 from __future__ import annotations
 
 import gc
@@ -66,8 +67,12 @@ def _probe(stage: int, precision: str, width: int, layers: int, grad_accum: int 
     zero = {"stage": stage, "overlap_comm": True}
     if stage == 3:  # every unit freed after each use, so no gathered weights outlive the step
         zero["stage3_max_reuse_distance"] = 0
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": grad_accum,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": zero}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": grad_accum,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": zero,
+    }
     if precision != "fp32":
         cfg[precision] = {"enabled": True}
     engine, *_ = initialize(model=BiasFreeMLP(width, layers), config=cfg)
@@ -86,23 +91,43 @@ def _probe_stages(stages: tuple[int, ...], precision: str, width: int, layers: i
     return [_probe(s, precision, width, layers) for s in stages]
 
 
-def measure(world: int = 2, stages: tuple[int, ...] = (1, 2, 3), precision: str = "bf16", width: int = 512,
-            layers: int = 4, timeout: float = 240.0) -> list[Measurement]:
+def measure(
+    world: int = 2,
+    stages: tuple[int, ...] = (1, 2, 3),
+    precision: str = "bf16",
+    width: int = 512,
+    layers: int = 4,
+    timeout: float = 240.0,
+) -> list[Measurement]:
     """Run the probe on `world` ranks; one Measurement per (stage, rank)."""
     unknown = [s for s in stages if s not in IMPLEMENTED_STAGES]
     if unknown:
         raise ValueError(f"--measure covers ZeRO stages {IMPLEMENTED_STAGES}, got stage {unknown[0]}")
     per_rank = run_on_ranks(_probe_stages, world, tuple(stages), precision, width, layers, timeout=timeout)
-    return [Measurement(rank, r["stage"], world, precision, r["params"],
-                        predict(r["params"], world, r["stage"], precision), r["measured"])
-            for rank, rows in enumerate(per_rank) for r in rows]
+    return [
+        Measurement(
+            rank,
+            r["stage"],
+            world,
+            precision,
+            r["params"],
+            predict(r["params"], world, r["stage"], precision),
+            r["measured"],
+        )
+        for rank, rows in enumerate(per_rank)
+        for r in rows
+    ]
 
 
 def format_measurements(rows: list[Measurement]) -> str:
     """A markdown table of predicted vs measured MB per rank."""
-    lines = ["| ranks | rank | precision | stage | params | predicted MB/rank | measured MB/rank "
-             "| measured/predicted |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {m.world} | {m.rank} | {m.precision} | {m.stage} | {m.params:,} | {m.predicted / 1e6:.2f} | "
-              f"{m.measured / 1e6:.2f} | {m.ratio:.4f} |" for m in rows]
+    lines = [
+        "| ranks | rank | precision | stage | params | predicted MB/rank | measured MB/rank | measured/predicted |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {m.world} | {m.rank} | {m.precision} | {m.stage} | {m.params:,} | {m.predicted / 1e6:.2f} | "
+        f"{m.measured / 1e6:.2f} | {m.ratio:.4f} |"
+        for m in rows
+    ]
     return "\n".join(lines)

@@ -79,7 +79,8 @@ Note [peak: optimizer temporaries]: torch's single-tensor Adam/AdamW (the CPU de
 size, so the peak is twice the largest stepped tensor — the largest parameter at stage 0, the
 largest flat chunk at stages 1-3. The foreach form (the CUDA default) keeps one temporary per
 element of the whole step at once (a sub-group, `sub_group_size`). An offloaded step runs on the
-host in torch's fused CPU kernel (no device temporaries; Note [peak: offload on a CPU-only machine]). After the step, stages 1-2 all-gather every
+host in torch's fused CPU kernel (no device temporaries; Note [peak: offload on a CPU-only machine]). After the
+step, stages 1-2 all-gather every
 layout's updated chunk (up to `allgather_bucket_size` in flight); on gloo each running all-gather
 stages its flat output (a layout) in the backend: measured, at most GLOO_STAGED at once.
 
@@ -92,6 +93,7 @@ kernel: no temporaries). `EngineKnobs.host_is_device` says so; the device/host s
 split, a CPU-only offload run was predicted 6-23% high (the host's master and gradient copies,
 8*P/N bytes, do not exist there).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -103,7 +105,6 @@ from zerospeed.zero.budgets import bounded_budgets
 from zerospeed.zero.partition import build_layouts, padded_size
 from zerospeed.zero.reducer import MAX_IN_FLIGHT_BUCKETS
 from zerospeed.zero.stage3.flat_param import DIRECT_GATHER
-
 
 _ZERO_DEFAULTS = {name: f.default for name, f in ZeroConfig.model_fields.items()}  # DeepSpeed's, from the schema
 
@@ -125,18 +126,23 @@ class EngineKnobs:
     host_is_device: bool = False  # a CPU-only run: Note [peak: offload on a CPU-only machine]
 
     @classmethod
-    def from_config(cls, zero: dict, *, backend: str = "gloo", foreach_step: bool | None = None) -> "EngineKnobs":
+    def from_config(cls, zero: dict, *, backend: str = "gloo", foreach_step: bool | None = None) -> EngineKnobs:
         """From a `zero_optimization` dict (missing keys: DeepSpeed's defaults)."""
         d = cls()
         pick = lambda key, default: int(zero.get(key, default))
-        return cls(pick("reduce_bucket_size", d.reduce_bucket_size), pick("allgather_bucket_size", d.allgather_bucket_size),
-                   pick("stage3_prefetch_bucket_size", d.prefetch_bucket_size),
-                   pick("stage3_max_live_parameters", d.max_live_parameters),
-                   pick("stage3_param_persistence_threshold", d.param_persistence_threshold),
-                   pick("stage3_model_persistence_threshold", d.model_persistence_threshold),
-                   pick("sub_group_size", d.sub_group_size), zero.get("overlap_comm"),
-                   1 if backend == "gloo" else 0, backend != "gloo" if foreach_step is None else foreach_step,
-                   host_is_device=backend == "gloo")
+        return cls(
+            pick("reduce_bucket_size", d.reduce_bucket_size),
+            pick("allgather_bucket_size", d.allgather_bucket_size),
+            pick("stage3_prefetch_bucket_size", d.prefetch_bucket_size),
+            pick("stage3_max_live_parameters", d.max_live_parameters),
+            pick("stage3_param_persistence_threshold", d.param_persistence_threshold),
+            pick("stage3_model_persistence_threshold", d.model_persistence_threshold),
+            pick("sub_group_size", d.sub_group_size),
+            zero.get("overlap_comm"),
+            1 if backend == "gloo" else 0,
+            backend != "gloo" if foreach_step is None else foreach_step,
+            host_is_device=backend == "gloo",
+        )
 
 
 @dataclass(frozen=True)
@@ -196,8 +202,12 @@ def module_params(shape: TransformerShape) -> list[tuple[str, list[int]]]:
     bias = h if shape.bias else 0
     block = layer_modules(shape, 1)
     # a block's modules in registration order: norm, attention, norm, MLP
-    names = ["norm_1"] + [k for k in block if k.startswith("attn.")] + ["norm_2"] + [k for k in block
-                                                                                 if k.startswith("mlp.")]
+    names = (
+        ["norm_1"]
+        + [k for k in block if k.startswith("attn.")]
+        + ["norm_2"]
+        + [k for k in block if k.startswith("mlp.")]
+    )
     for i in range(shape.layers):
         for name in names:
             sharded, replicated = block[name]
@@ -259,7 +269,7 @@ def _block_full(shape: TransformerShape, w: Workload) -> float:
     """One block's saved activations without checkpointing (Note [peak: saved activations])."""
     sbh = w.seq_len * w.micro_batch * shape.hidden
     extra_mlp = 3 * 4 * sbh if w.mlp_activation == "gelu_new" else 0
-    eager = shape.n_heads * w.seq_len ** 2 * w.micro_batch if w.attention == "eager" else 0
+    eager = shape.n_heads * w.seq_len**2 * w.micro_batch if w.attention == "eager" else 0
     return 16 * sbh + extra_mlp + eager
 
 
@@ -274,8 +284,9 @@ def _fused_buckets(sizes: list[int], cap: int) -> list[int]:
     return out + ([run] if run else [])
 
 
-def _bucket_moment(buckets: list[int], flights: int, per_element: float, shape: TransformerShape,
-                   w: Workload) -> tuple[int, int]:
+def _bucket_moment(
+    buckets: list[int], flights: int, per_element: float, shape: TransformerShape, w: Workload
+) -> tuple[int, int]:
     """(elements of the buckets in flight, blocks whose backward has run) at the worst launch: `flights`
     consecutive buckets in flight when the last of them launches, which is after the backward of every
     unit in it and before — the head and final norm first, then the blocks from the last — so the blocks
@@ -284,8 +295,8 @@ def _bucket_moment(buckets: list[int], flights: int, per_element: float, shape: 
     gradient share, count as blocks too)."""
     best, where = None, (0, 0)
     for i in range(len(buckets)):
-        inflight = sum(buckets[i:i + flights])
-        done = min(shape.layers, int(sum(buckets[:i + flights]) // max(1, _block_params(shape))))
+        inflight = sum(buckets[i : i + flights])
+        done = min(shape.layers, int(sum(buckets[: i + flights]) // max(1, _block_params(shape))))
         value = inflight * per_element - done * _block_saved(shape, w) * w.act_bytes
         if best is None or value > best:
             best, where = value, (inflight, done)
@@ -293,8 +304,14 @@ def _bucket_moment(buckets: list[int], flights: int, per_element: float, shape: 
 
 
 # -- the peak ----------------------------------------------------------------------------------------
-def peak_terms(shape: TransformerShape, world: int, option: Option, prec: Precision, workload: Workload,
-               knobs: EngineKnobs = EngineKnobs()) -> Peak:
+def peak_terms(
+    shape: TransformerShape,
+    world: int,
+    option: Option,
+    prec: Precision,
+    workload: Workload,
+    knobs: EngineKnobs = EngineKnobs(),
+) -> Peak:
     """Per-rank peak bytes of a training step at `option` on `world` data-parallel ranks.
 
     The moments are `PHASE_TERMS` (see the module docstring); terms are bytes, a negative one is
@@ -307,8 +324,12 @@ def peak_terms(shape: TransformerShape, world: int, option: Option, prec: Precis
     # Note [peak: offload on a CPU-only machine]
     placed = Option(stage) if knobs.host_is_device else option
     states = placed_model_states(total, n, placed, prec, max(sum(ps) for _, ps in mods))["device"]
-    budgets = bounded_budgets(total, reduce_bucket_size=knobs.reduce_bucket_size,
-                              prefetch_bucket_size=knobs.prefetch_bucket_size, max_reuse_distance=0)
+    budgets = bounded_budgets(
+        total,
+        reduce_bucket_size=knobs.reduce_bucket_size,
+        prefetch_bucket_size=knobs.prefetch_bucket_size,
+        max_reuse_distance=0,
+    )
     overlap = stage == 3 if knobs.overlap_comm is None else knobs.overlap_comm
     flights = MAX_IN_FLIGHT_BUCKETS + 1 if overlap else 1
     copies = knobs.collective_copies
@@ -326,8 +347,9 @@ def peak_terms(shape: TransformerShape, world: int, option: Option, prec: Precis
     loss_grads = max(2 * lb, lb + a) * sbv
     t["head_gradients"] = max(loss_grads, sbv * a + head_weight_grad)
     t["block_working_set"] = t["block_working_set_at_buckets"] = block_working_set(shape, workload) * a
-    t["tied_head_gradient"] = t["tied_head_gradient_at_buckets"] = \
+    t["tied_head_gradient"] = t["tied_head_gradient_at_buckets"] = (
         shape.vocab * shape.hidden * 4.0 if shape.tied else 0.0
+    )
     # the final norm's input/output and the log-probabilities
     t["head_freed"] = -(2 * sbh * a + sbv * lb)
     if stage == 3:
@@ -341,8 +363,13 @@ def peak_terms(shape: TransformerShape, world: int, option: Option, prec: Precis
         window = _live_window([units[i] for i in order], live_cap, knobs.param_persistence_threshold)
         # Note [large units gather alone]: only a block's small units travel in a batch whose receive
         # buffer and concatenated send exist while it is copied out
-        small = sum(padded_size(sum(ps), n) for name, ps in mods if name.startswith("0.")
-                    and padded_size(sum(ps), n) < DIRECT_GATHER and padded_size(sum(ps), n) > knobs.param_persistence_threshold)
+        small = sum(
+            padded_size(sum(ps), n)
+            for name, ps in mods
+            if name.startswith("0.")
+            and padded_size(sum(ps), n) < DIRECT_GATHER
+            and padded_size(sum(ps), n) > knobs.param_persistence_threshold
+        )
         batch = min(window, small)
         t["live_window"] = (units[head_unit] + window + batch * (1 + 1 / n)) * pb
         # the loss's gradient with respect to the log-probabilities is freed before the head's backward
@@ -387,19 +414,35 @@ def peak_terms(shape: TransformerShape, world: int, option: Option, prec: Precis
     stepped = min(total / (n if stage else 1), knobs.sub_group_size)
     # Note [peak: optimizer temporaries]; an offloaded step runs on the host with torch's fused CPU
     # Adam (optim/sub_group_step.use_fused_cpu_step), which allocates no temporaries of the device's
-    t["optimizer_temporaries"] = 0.0 if option.offload_optimizer else (
-        stepped if knobs.foreach_step else 2 * chunk) * 4.0
+    t["optimizer_temporaries"] = (
+        0.0 if option.offload_optimizer else (stepped if knobs.foreach_step else 2 * chunk) * 4.0
+    )
     base = sum(states.values()) + t["persistent_parameters"]
-    phases = {p: base + (sum(t[x] for x in ts) if p != "step" else max(t[x] for x in ts))
-              for p, ts in PHASE_TERMS.items()}
+    phases = {
+        p: base + (sum(t[x] for x in ts) if p != "step" else max(t[x] for x in ts)) for p, ts in PHASE_TERMS.items()
+    }
     return Peak(states, t, phases, PHASE_TERMS)
 
 
-TERMS = ("activations", "logits", "head_gradients", "block_working_set", "tied_head_gradient", "head_freed",
-         "head_unit_released",
-         "first_staging", "blocks_freed_before_buckets", "block_working_set_at_buckets", "tied_head_gradient_at_buckets",
-         "live_window_at_buckets",
-         "persistent_parameters", "live_window", "reduce_buckets", "optimizer_temporaries", "allgather_staging")
+TERMS = (
+    "activations",
+    "logits",
+    "head_gradients",
+    "block_working_set",
+    "tied_head_gradient",
+    "head_freed",
+    "head_unit_released",
+    "first_staging",
+    "blocks_freed_before_buckets",
+    "block_working_set_at_buckets",
+    "tied_head_gradient_at_buckets",
+    "live_window_at_buckets",
+    "persistent_parameters",
+    "live_window",
+    "reduce_buckets",
+    "optimizer_temporaries",
+    "allgather_staging",
+)
 # Note [peak: optimizer temporaries]: measured on gloo (tests/dist/test_estimate_peak.py, the allocator's
 # record): at most three layout-sized flat outputs exist at once, however many all-gathers were issued
 # (gloo runs a group's collectives on a few worker threads; the count is measured, not derived).
@@ -407,11 +450,25 @@ GLOO_STAGED = 3
 PHASE_TERMS = {
     "forward": ("activations", "logits", "live_window"),
     "backward_start": ("activations", "head_gradients", "live_window"),
-    "backward_first_gradient": ("activations", "head_freed", "block_working_set", "tied_head_gradient",
-                                "live_window", "head_unit_released", "first_staging"),
-    "backward_buckets": ("activations", "head_freed", "blocks_freed_before_buckets", "block_working_set_at_buckets",
-                         "tied_head_gradient_at_buckets", "live_window_at_buckets", "head_unit_released",
-                         "reduce_buckets"),
+    "backward_first_gradient": (
+        "activations",
+        "head_freed",
+        "block_working_set",
+        "tied_head_gradient",
+        "live_window",
+        "head_unit_released",
+        "first_staging",
+    ),
+    "backward_buckets": (
+        "activations",
+        "head_freed",
+        "blocks_freed_before_buckets",
+        "block_working_set_at_buckets",
+        "tied_head_gradient_at_buckets",
+        "live_window_at_buckets",
+        "head_unit_released",
+        "reduce_buckets",
+    ),
     "step": ("optimizer_temporaries", "allgather_staging"),
 }
 PHASES = tuple(PHASE_TERMS)
@@ -449,5 +506,17 @@ def precision_for_peak(dtype: str, optimizer: str = "adamw") -> Precision:
     return Precision.of(dtype, optimizer, grad_dtype="fp32")
 
 
-__all__ = ["EngineKnobs", "PHASES", "Peak", "TERMS", "Workload", "block_working_set", "module_params", "peak_terms",
-           "persistent_units", "precision_for_peak", "saved_activations", "stage3_units"]
+__all__ = [
+    "EngineKnobs",
+    "PHASES",
+    "Peak",
+    "TERMS",
+    "Workload",
+    "block_working_set",
+    "module_params",
+    "peak_terms",
+    "persistent_units",
+    "precision_for_peak",
+    "saved_activations",
+    "stage3_units",
+]

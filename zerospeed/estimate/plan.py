@@ -10,14 +10,21 @@ and its activations with the micro-batches 1F1B keeps in flight) and a row repor
 largest device total. `layout_rows` lists every valid (dp, tp, pp) of the world with its fastest fitting
 option.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from zerospeed.estimate.census import ModelCensus
 from zerospeed.estimate.formulas import OPTIONS, Option, Precision, placed_model_states, transformer_activation_bytes
-from zerospeed.estimate.layout import (check_layout, in_flight, largest_module_params, stage_layers, stage_params,
-                                       valid_tp)
+from zerospeed.estimate.layout import (
+    check_layout,
+    in_flight,
+    largest_module_params,
+    stage_layers,
+    stage_params,
+    valid_tp,
+)
 from zerospeed.estimate.peak import EngineKnobs, Peak, Workload, peak_terms
 
 
@@ -91,11 +98,19 @@ def activation_bytes(census: ModelCensus, setup: Setup, checkpointing: bool, sta
     if not (census.layers and census.hidden and census.heads and seq):
         return 0.0
     layers = stage_layers(census.layers, setup.pp)[stage]
-    return transformer_activation_bytes(layers=layers, hidden=census.hidden, heads=census.heads,
-                                        seq_len=seq, micro_batch=setup.micro_batch, checkpointing=checkpointing,
-                                        act_bytes=4 if setup.precision == "fp32" else 2, tp=setup.tp,
-                                        sequence_parallel=setup.sequence_parallel, attention=setup.attention,
-                                        micro_batches_in_flight=in_flight(stage, setup.pp, setup.micro_batches))
+    return transformer_activation_bytes(
+        layers=layers,
+        hidden=census.hidden,
+        heads=census.heads,
+        seq_len=seq,
+        micro_batch=setup.micro_batch,
+        checkpointing=checkpointing,
+        act_bytes=4 if setup.precision == "fp32" else 2,
+        tp=setup.tp,
+        sequence_parallel=setup.sequence_parallel,
+        attention=setup.attention,
+        micro_batches_in_flight=in_flight(stage, setup.pp, setup.micro_batches),
+    )
 
 
 def row_peak(census: ModelCensus, setup: Setup, option: Option, checkpointing: bool, dp: int) -> Peak | None:
@@ -108,11 +123,18 @@ def row_peak(census: ModelCensus, setup: Setup, option: Option, checkpointing: b
     prec = Precision.of(setup.precision, setup.optimizer, setup.grad_dtype or "fp32")
     act = 4 if setup.precision == "fp32" else 2
     # a model config is a transformers model's: its loss (ForCausalLMLoss) upcasts the logits to fp32
-    return peak_terms(census.shape, dp, option, prec, Workload(setup.micro_batch, seq, checkpointing,
-                                                               attention=setup.attention, act_bytes=act,
-                                                               loss_upcast=True),
-                      EngineKnobs(collective_copies=1 if setup.backend == "gloo" else 0, host_is_device=setup.backend == "gloo",
-                                  foreach_step=setup.backend != "gloo"))
+    return peak_terms(
+        census.shape,
+        dp,
+        option,
+        prec,
+        Workload(setup.micro_batch, seq, checkpointing, attention=setup.attention, act_bytes=act, loss_upcast=True),
+        EngineKnobs(
+            collective_copies=1 if setup.backend == "gloo" else 0,
+            host_is_device=setup.backend == "gloo",
+            foreach_step=setup.backend != "gloo",
+        ),
+    )
 
 
 def rank_params(census: ModelCensus, setup: Setup) -> tuple[list[int], int]:
@@ -124,8 +146,14 @@ def rank_params(census: ModelCensus, setup: Setup) -> tuple[list[int], int]:
 
 def plan_rows(census: ModelCensus, setup: Setup) -> list[PlanRow]:
     """Every option x {no checkpointing, checkpointing}, fastest first; per row the largest stage."""
-    dp = check_layout(census.shape, setup.world_size, setup.tp, setup.pp, seq_len=setup.seq_len or census.seq_len,
-                      sequence_parallel=setup.sequence_parallel)
+    dp = check_layout(
+        census.shape,
+        setup.world_size,
+        setup.tp,
+        setup.pp,
+        seq_len=setup.seq_len or census.seq_len,
+        sequence_parallel=setup.sequence_parallel,
+    )
     prec = Precision.of(setup.precision, setup.optimizer, setup.grad_dtype)
     per_stage, largest = rank_params(census, setup)
     rows = []
@@ -135,14 +163,27 @@ def plan_rows(census: ModelCensus, setup: Setup) -> list[PlanRow]:
             for stage, params in enumerate(per_stage):
                 placed = placed_model_states(params, dp, option, prec, largest)
                 device = dict(placed["device"], activations=activation_bytes(census, setup, ckpt, stage))
-                candidates.append(PlanRow(option, ckpt, device, placed["host"], setup.devices_per_node, stage,
-                                          setup.tp, setup.pp, dp, peak=row_peak(census, setup, option, ckpt, dp)))
+                candidates.append(
+                    PlanRow(
+                        option,
+                        ckpt,
+                        device,
+                        placed["host"],
+                        setup.devices_per_node,
+                        stage,
+                        setup.tp,
+                        setup.pp,
+                        dp,
+                        peak=row_peak(census, setup, option, ckpt, dp),
+                    )
+                )
             rows.append(max(candidates, key=lambda r: (r.device_total, -r.stage)))
     return rows
 
 
-def layout_rows(census: ModelCensus, setup: Setup, device_memory: float,
-                host_memory: float | None = None) -> list[tuple[Setup, PlanRow | None]]:
+def layout_rows(
+    census: ModelCensus, setup: Setup, device_memory: float, host_memory: float | None = None
+) -> list[tuple[Setup, PlanRow | None]]:
     """Every valid (tp, pp) for the setup's world, tp within a node (its all-reduces are per layer),
     with the fastest option that fits (None when nothing does); most data parallelism first."""
     out = []
@@ -180,17 +221,22 @@ def format_plan(rows: list[PlanRow], unit: float = 2**30, unit_name: str = "GiB"
     """A table: option | per-device params, grads, optimizer (masters + states), activations, total | host;
     with the peak (zerospeed.estimate.peak) where known: the peak and the term that dominates it."""
     peaks = any(r.peak is not None for r in rows)
-    head = (f"{'option':<75} | {'params':>8} | {'grads':>8} | {'optim':>8} | {'activ':>8} | "
-            f"{'device':>8} | {'host/node':>9}" + (f" | {'peak':>8} | {'dominant (phase)':<40}" if peaks else "")
-            + f"   ({unit_name})")
+    head = (
+        f"{'option':<75} | {'params':>8} | {'grads':>8} | {'optim':>8} | {'activ':>8} | "
+        f"{'device':>8} | {'host/node':>9}"
+        + (f" | {'peak':>8} | {'dominant (phase)':<40}" if peaks else "")
+        + f"   ({unit_name})"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         d = r.device
         optim = d["master_weights"] + d["optimizer_states"]
         label = r.label() + (f" [pipeline stage {r.stage}]" if r.pp > 1 else "")
-        lines.append(f"{label:<75} | {d['parameters'] / unit:8.2f} | {d['gradients'] / unit:8.2f} | "
-                     f"{optim / unit:8.2f} | {d['activations'] / unit:8.2f} | {r.device_total / unit:8.2f} | "
-                     f"{r.host_total / unit:9.2f}" + (_peak_cells(r, unit) if peaks else ""))
+        lines.append(
+            f"{label:<75} | {d['parameters'] / unit:8.2f} | {d['gradients'] / unit:8.2f} | "
+            f"{optim / unit:8.2f} | {d['activations'] / unit:8.2f} | {r.device_total / unit:8.2f} | "
+            f"{r.host_total / unit:9.2f}" + (_peak_cells(r, unit) if peaks else "")
+        )
     return "\n".join(lines)
 
 

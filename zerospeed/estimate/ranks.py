@@ -4,6 +4,7 @@ Each rank is a fresh interpreter (the "spawn" start method: nothing of the calle
 with the environment variables ``init_distributed`` reads; results come back pickled, in rank order.
 A rank that raises stops the job and its traceback becomes the error; so does a job past its timeout.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -25,9 +26,17 @@ class RanksFailed(RuntimeError):
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, results) -> None:
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "LOCAL_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "ZEROSPEED_ACCELERATOR": "cpu"})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "ZEROSPEED_ACCELERATOR": "cpu",
+        }
+    )
     try:
         torch.set_num_threads(1)  # N ranks share the machine's cores
         comm.init_distributed(dist_backend="gloo")
@@ -43,8 +52,9 @@ def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, args, results), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, r, world, port, args, results), daemon=True) for r in range(world)
+    ]
     for p in procs:
         p.start()
     try:
@@ -68,8 +78,9 @@ def _gather(procs: list, results, timeout: float) -> list[Any]:
             rank, ok, payload = results.get(timeout=0.2)
         except queue.Empty:
             if time.monotonic() > deadline:
-                raise RanksFailed(f"ranks {sorted(set(range(len(procs))) - set(out))} did not finish within "
-                                  f"{timeout:.0f} s") from None
+                raise RanksFailed(
+                    f"ranks {sorted(set(range(len(procs))) - set(out))} did not finish within {timeout:.0f} s"
+                ) from None
             dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
             if dead and results.empty():
                 time.sleep(0.5)  # a report sent just before dying may still be in the pipe

@@ -6,6 +6,7 @@ Two kinds, as in DeepSpeed 0.19: aliases (``tp`` for ``tensor_parallel``, ``max_
 DeprecationWarning. Giving both spellings of one setting is an error naming both: which one wins would
 otherwise be an accident of dict order.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -46,8 +47,10 @@ def _rename(table: dict[str, Any], alias: str, field: str, where: str) -> None:
     if alias not in table:
         return
     if field in table:
-        raise ConfigError(f"{where}{alias} and {where}{field} are the same setting ({alias} is DeepSpeed's alias "
-                          f"of {field}); give only {where}{field}")
+        raise ConfigError(
+            f"{where}{alias} and {where}{field} are the same setting ({alias} is DeepSpeed's alias "
+            f"of {field}); give only {where}{field}"
+        )
     table[field] = table.pop(alias)
 
 
@@ -73,10 +76,8 @@ def apply_inference_aliases(raw: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(target, dict):
             continue  # the section's own validation reports it
         if field in target:
-            raise ConfigError(f"{old} (deprecated) and {section}.{field} were both given; give only "
-                              f"{section}.{field}")
-        warnings.warn(f"inference config: {old} is deprecated, use {section}.{field}", DeprecationWarning,
-                      stacklevel=3)
+            raise ConfigError(f"{old} (deprecated) and {section}.{field} were both given; give only {section}.{field}")
+        warnings.warn(f"inference config: {old} is deprecated, use {section}.{field}", DeprecationWarning, stacklevel=3)
         target[field] = out.pop(old)
     zero = _section(out, "zero")
     if zero is not None:  # the training config's ZeRO spellings (stage3_ prefixes, cpu_offload, ...)

@@ -5,6 +5,7 @@ config keys. A key given both ways with different values is an error naming both
 the comparison is made after each side's aliases are resolved, so `tp={...}` in the config and
 `tensor_parallel={...}` as a keyword argument are recognised as the same key.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,11 +14,11 @@ from typing import Any
 
 import torch
 
-from zerospeed.utils.errors import ConfigError
 from zerospeed.config.schema.base import show
 from zerospeed.inference.aliases import apply_inference_aliases
-from zerospeed.inference.config import DeepSpeedInferenceConfig, _DTYPES, validate_inference_config
+from zerospeed.inference.config import _DTYPES, DeepSpeedInferenceConfig, validate_inference_config
 from zerospeed.inference.engine import InferenceEngine
+from zerospeed.utils.errors import ConfigError
 
 
 def _as_dict(config: Any) -> dict[str, Any]:
@@ -30,14 +31,17 @@ def _as_dict(config: Any) -> dict[str, Any]:
             return json.load(f)
     if isinstance(config, dict):
         return config
-    raise ConfigError(f"init_inference: config must be a dict, a path to a JSON file or a DeepSpeedInferenceConfig, "
-                      f"got {type(config).__name__}")
+    raise ConfigError(
+        f"init_inference: config must be a dict, a path to a JSON file or a DeepSpeedInferenceConfig, "
+        f"got {type(config).__name__}"
+    )
 
 
 def _same(a: Any, b: Any) -> bool:
     def norm(v):  # "fp16" and torch.float16 are the same dtype
         key = v.lower() if isinstance(v, str) else v
         return _DTYPES.get(key, v) if isinstance(key, (str, torch.dtype)) else v
+
     try:
         return bool(norm(a) == norm(b))
     except Exception:  # tensors, groups: only the same object counts as the same value
@@ -50,8 +54,10 @@ def merge_config(config: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     extra = apply_inference_aliases(kwargs)
     for key in sorted(set(base) & set(extra)):
         if not _same(base[key], extra[key]):
-            raise ConfigError(f"init_inference: {key} is given twice with different values: config[{key!r}] = "
-                              f"{show(base[key])} and the keyword argument {key}={show(extra[key])}; give it once")
+            raise ConfigError(
+                f"init_inference: {key} is given twice with different values: config[{key!r}] = "
+                f"{show(base[key])} and the keyword argument {key}={show(extra[key])}; give it once"
+            )
     return {**base, **extra}
 
 

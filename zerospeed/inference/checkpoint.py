@@ -7,6 +7,7 @@ file names are relative to `base_dir` (or the JSON's own directory). The weights
 full model before AutoTP slices it; for a model built on the meta device, shard_load.py reads only
 each rank's slices instead.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,7 +29,7 @@ def _files_of(checkpoint: Any, base_dir: str) -> list[str]:
     if isinstance(checkpoint, dict):
         names = checkpoint.get("checkpoints")
         if not names:
-            raise ConfigError("checkpoint: a checkpoint description needs a non-empty \"checkpoints\" list of files")
+            raise ConfigError('checkpoint: a checkpoint description needs a non-empty "checkpoints" list of files')
         names = [names] if isinstance(names, str) else list(names)
         return [os.path.join(base_dir, n) for n in names]
     path = os.fspath(checkpoint)
@@ -49,6 +50,7 @@ def _files_of(checkpoint: Any, base_dir: str) -> list[str]:
 def _read(path: str) -> dict[str, torch.Tensor]:
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
+
         return load_file(path)
     state = torch.load(path, map_location="cpu", weights_only=True)
     for key in ("module", "model"):  # DeepSpeed's engine checkpoints keep the weights under one of these
@@ -66,8 +68,10 @@ def load_checkpoint(model: nn.Module, checkpoint: Any, base_dir: str = "") -> No
     tied = {n for n in result.missing_keys if _is_tied(model, n)}
     missing = [n for n in result.missing_keys if n not in tied]
     if missing or result.unexpected_keys:
-        raise ConfigError(f"checkpoint: does not match the model: missing {missing[:5]}, unexpected "
-                          f"{result.unexpected_keys[:5]}; is it this model's checkpoint?")
+        raise ConfigError(
+            f"checkpoint: does not match the model: missing {missing[:5]}, unexpected "
+            f"{result.unexpected_keys[:5]}; is it this model's checkpoint?"
+        )
 
 
 def _is_tied(model: nn.Module, name: str) -> bool:

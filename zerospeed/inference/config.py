@@ -10,6 +10,7 @@ DeepSpeed's deprecated top-level keys are rewritten first (aliases.py).
 Fields that hold Python objects (a tp group, an mpu, an injection policy keyed by module classes) are
 accepted as given: `init_inference` takes them as keyword arguments, not from JSON.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -18,22 +19,44 @@ from typing import Annotated, Any
 import torch
 from pydantic import BeforeValidator, ConfigDict, ValidationError, model_validator
 
-from zerospeed.utils.errors import ConfigError
 from zerospeed.config.schema.base import (
-    Bool, IntList, OptStr, PosInt, StrictModel, Str, choice_type, ds_field, ds_section, fail, int_type, show,
+    Bool,
+    IntList,
+    OptStr,
+    PosInt,
+    Str,
+    StrictModel,
+    choice_type,
+    ds_field,
+    ds_section,
+    fail,
+    int_type,
+    show,
 )
 from zerospeed.config.schema.zero import ZeroConfig
 from zerospeed.config.validation import dotted, model_at
 from zerospeed.inference.aliases import apply_inference_aliases
+from zerospeed.utils.errors import ConfigError
 
 _DTYPES = {
-    torch.float16: torch.float16, "torch.float16": torch.float16, "fp16": torch.float16, "float16": torch.float16,
+    torch.float16: torch.float16,
+    "torch.float16": torch.float16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
     "half": torch.float16,
-    torch.float32: torch.float32, "torch.float32": torch.float32, "fp32": torch.float32, "float32": torch.float32,
+    torch.float32: torch.float32,
+    "torch.float32": torch.float32,
+    "fp32": torch.float32,
+    "float32": torch.float32,
     "float": torch.float32,
-    torch.bfloat16: torch.bfloat16, "torch.bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16, "bfloat": torch.bfloat16,
-    torch.int8: torch.int8, "torch.int8": torch.int8, "int8": torch.int8,
+    torch.bfloat16: torch.bfloat16,
+    "torch.bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "bfloat": torch.bfloat16,
+    torch.int8: torch.int8,
+    "torch.int8": torch.int8,
+    "int8": torch.int8,
 }
 
 
@@ -41,7 +64,7 @@ def _dtype(value: Any) -> torch.dtype:
     key = value.lower() if isinstance(value, str) else value
     if isinstance(key, (str, torch.dtype)) and key in _DTYPES:
         return _DTYPES[key]
-    raise fail("torch.float16, torch.bfloat16, torch.float32 or torch.int8 (or a name such as \"fp16\")", value)
+    raise fail('torch.float16, torch.bfloat16, torch.float32 or torch.int8 (or a name such as "fp16")', value)
 
 
 Dtype = Annotated[Any, BeforeValidator(_dtype)]
@@ -62,7 +85,7 @@ def _injection_policy(value: Any) -> Any:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise fail("an object {ModuleClass: (\"attn.out_proj\", \"mlp.down_proj\")}", value)
+        raise fail('an object {ModuleClass: ("attn.out_proj", "mlp.down_proj")}', value)
     out = {}
     for key, names in value.items():
         if not (isinstance(key, str) or isinstance(key, type) and issubclass(key, torch.nn.Module)):
@@ -112,9 +135,11 @@ class WeightQuantConfig(ActivationQuantConfig):
     """``quant.weight``."""
 
     quantized_initialization: dict[str, Any] = ds_field(
-        {}, "Weight-only quantization of every linear layer: {num_bits: 4|8, group_size, symmetric}.")
+        {}, "Weight-only quantization of every linear layer: {num_bits: 4|8, group_size, symmetric}."
+    )
     post_init_quant: dict[str, Any] = ds_field(
-        {}, "Weight-only quantization per layer-name substring: {\"mlp\": {num_bits, group_size, symmetric}}.")
+        {}, 'Weight-only quantization per layer-name substring: {"mlp": {num_bits, group_size, symmetric}}.'
+    )
 
 
 class QKVQuantConfig(StrictModel):
@@ -146,7 +171,8 @@ class DeepSpeedInferenceConfig(StrictModel):
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
     replace_with_kernel_inject: Bool = ds_field(
-        False, "Inject fused kernels (alias kernel_inject). zerospeed has none: the model runs its own forward.")
+        False, "Inject fused kernels (alias kernel_inject). zerospeed has none: the model runs its own forward."
+    )
     dtype: Dtype = ds_field(torch.float16, "Data type the model is converted to.")
     tensor_parallel: TPConfig = ds_section(TPConfig, "Tensor parallelism (alias tp).")
     enable_cuda_graph: Bool = ds_field(False, "Capture the forward in a CUDA graph.")
@@ -158,7 +184,8 @@ class DeepSpeedInferenceConfig(StrictModel):
     keep_module_on_host: Bool = ds_field(False, "Leave the model on the host instead of moving it to the device.")
     quant: QuantConfig = ds_section(QuantConfig, "MoQ quantization settings (with dtype int8).")
     checkpoint: Annotated[Any, BeforeValidator(_checkpoint)] = ds_field(
-        None, "Checkpoint to load: a file, a directory, or DeepSpeed's checkpoint JSON (path or object).")
+        None, "Checkpoint to load: a file, a directory, or DeepSpeed's checkpoint JSON (path or object)."
+    )
     base_dir: Str = ds_field("", "Root directory the checkpoint JSON's file names are relative to.")
     set_empty_params: Bool = ds_field(False, "Build the injected modules with empty tensors.")
     save_mp_checkpoint_path: OptStr = ds_field(None, "Save the tp-sharded model here after loading.")
@@ -167,7 +194,8 @@ class DeepSpeedInferenceConfig(StrictModel):
     training_mp_size: PosInt = ds_field(1, "Model-parallel size the checkpoint was trained with.")
     replace_method: Str = ds_field("auto", "Deprecated; no longer needed.")
     injection_policy: Annotated[Any, BeforeValidator(_injection_policy)] = ds_field(
-        None, "{module class: its row-parallel linear names}: manual TP (alias injection_dict).")
+        None, "{module class: its row-parallel linear names}: manual TP (alias injection_dict)."
+    )
     injection_policy_tuple: Annotated[Any, BeforeValidator(lambda v: v)] = ds_field(None, "Internal to DeepSpeed.")
     config: Annotated[Any, BeforeValidator(lambda v: v)] = ds_field(None, "Model config for injection (alias args).")
     max_out_tokens: PosInt = ds_field(1024, "Most tokens (prompt and output) per sequence (alias max_tokens).")
@@ -189,28 +217,38 @@ class DeepSpeedInferenceConfig(StrictModel):
         """Settings that parse but that zerospeed does not do: one line each, naming the key and the way out."""
         problems = []
         if self.dtype is torch.int8:
-            problems.append("dtype: int8 (MoQ int8 inference) is not implemented; use torch.float16, "
-                            "torch.bfloat16 or torch.float32")
+            problems.append(
+                "dtype: int8 (MoQ int8 inference) is not implemented; use torch.float16, "
+                "torch.bfloat16 or torch.float32"
+            )
         for key in ("enable_cuda_graph", "use_triton", "triton_autotune"):
             if getattr(self, key):
-                problems.append(f"{key}: true is not implemented (zerospeed has no CUDA-graph or Triton inference "
-                                "path); remove it")
+                problems.append(
+                    f"{key}: true is not implemented (zerospeed has no CUDA-graph or Triton inference path); remove it"
+                )
         if self.moe.ep_size > 1:
-            problems.append(f"moe.ep_size: {self.moe.ep_size}: expert parallelism at inference is not implemented; "
-                            "use 1 (the experts stay whole on every rank)")
+            problems.append(
+                f"moe.ep_size: {self.moe.ep_size}: expert parallelism at inference is not implemented; "
+                "use 1 (the experts stay whole on every rank)"
+            )
         if self.save_mp_checkpoint_path or self.checkpoint_config.save_mp_checkpoint_path:
-            problems.append("save_mp_checkpoint_path: saving tp-sharded inference checkpoints is not implemented; "
-                            "remove it")
+            problems.append(
+                "save_mp_checkpoint_path: saving tp-sharded inference checkpoints is not implemented; remove it"
+            )
         if self.set_empty_params:
             problems.append("set_empty_params: true is not implemented; remove it")
         if self.training_mp_size != 1:
-            problems.append(f"training_mp_size: {self.training_mp_size}: loading a model-parallel training "
-                            "checkpoint is not implemented; consolidate it first (zerospeed.checkpoint)")
+            problems.append(
+                f"training_mp_size: {self.training_mp_size}: loading a model-parallel training "
+                "checkpoint is not implemented; consolidate it first (zerospeed.checkpoint)"
+            )
         if self.replace_with_kernel_inject and self.injection_policy:
             problems.append("replace_with_kernel_inject and injection_policy: give one (DeepSpeed refuses both too)")
         if self.zero.stage not in (0, 3):
-            problems.append(f"zero.stage: {self.zero.stage}: ZeRO-Inference is stage 3 (with offload_param); "
-                            "use 3 or leave zero out")
+            problems.append(
+                f"zero.stage: {self.zero.stage}: ZeRO-Inference is stage 3 (with offload_param); "
+                "use 3 or leave zero out"
+            )
         return problems
 
 

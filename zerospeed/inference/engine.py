@@ -13,6 +13,7 @@ cache (which holds this rank's heads under TP) and every sampling option meaning
 changes nothing (the model keeps its PyTorch forward; with tp_size > 1, AutoTP still shards it). The
 engine says so once in the log rather than failing a DeepSpeed script that sets it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,12 +23,12 @@ from torch import nn
 
 from zerospeed.accelerator import get_accelerator
 from zerospeed.compression.weight_quant import quantize_model, settings_from_config
-from zerospeed.utils.errors import ConfigError
 from zerospeed.inference import tp as tp_mod
 from zerospeed.inference.checkpoint import checkpoint_files, load_checkpoint
 from zerospeed.inference.config import DeepSpeedInferenceConfig
 from zerospeed.inference.shard_load import is_meta_model, load_shards
 from zerospeed.inference.zero import zero_inference_engine
+from zerospeed.utils.errors import ConfigError
 from zerospeed.utils.logging import log_dist
 
 
@@ -45,9 +46,12 @@ class InferenceEngine(nn.Module):
         self.shard_report = None
         self.zero_engine = None
         if config.replace_with_kernel_inject:
-            log_dist("init_inference: replace_with_kernel_inject has no effect in zerospeed (no fused kernels); "
-                     "the model runs its own forward" + (", sharded by AutoTP" if self.tp_size > 1 else ""),
-                     ranks=[0], level=logging.INFO)
+            log_dist(
+                "init_inference: replace_with_kernel_inject has no effect in zerospeed (no fused kernels); "
+                "the model runs its own forward" + (", sharded by AutoTP" if self.tp_size > 1 else ""),
+                ranks=[0],
+                level=logging.INFO,
+            )
         self._load_and_shard(model, config)
         self.quantized: dict[str, int] = {}
         if config.weight_quantization() and config.zero.stage != 3:  # (ZeRO-Inference: its shards, zero.py)
@@ -66,8 +70,10 @@ class InferenceEngine(nn.Module):
     def _load_and_shard(self, model: nn.Module, config: DeepSpeedInferenceConfig) -> None:
         if is_meta_model(model):  # shard-on-load: only this rank's slices are ever read (shard_load.py)
             if config.checkpoint is None:
-                raise ConfigError("init_inference: the model is on the meta device; give `checkpoint` (safetensors "
-                                  "files) to load its weights from")
+                raise ConfigError(
+                    "init_inference: the model is on the meta device; give `checkpoint` (safetensors "
+                    "files) to load its weights from"
+                )
             self._shard(model, config)
             load_shards(model, checkpoint_files(config.checkpoint, config.base_dir))
             return
@@ -94,9 +100,11 @@ class InferenceEngine(nn.Module):
         are refused, as in DeepSpeed."""
         ids = kwargs.get("input_ids", inputs[0] if inputs else None)
         if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[-1] > self._config.max_out_tokens:
-            raise ConfigError(f"generate: the prompt has {ids.shape[-1]} tokens but max_out_tokens is "
-                              f"{self._config.max_out_tokens}; raise max_out_tokens (alias max_tokens) in the "
-                              "inference config")
+            raise ConfigError(
+                f"generate: the prompt has {ids.shape[-1]} tokens but max_out_tokens is "
+                f"{self._config.max_out_tokens}; raise max_out_tokens (alias max_tokens) in the "
+                "inference config"
+            )
         if not hasattr(self.module, "generate"):
             raise TypeError(f"{type(self.module).__name__} has no generate(); call the engine as the model instead")
         with torch.no_grad():  # not inference_mode: ZeRO-3 gathers into tensors autograd versions

@@ -7,6 +7,7 @@ TP splits exactly what the policy covers). A column layer keeps the fused `shape
 gives it (GPT-2's c_attn is [q | k | v]: a plain column split would hand a rank some of q and none of
 v). Pure: names and rules in, a `partition_config` dict out.
 """
+
 from __future__ import annotations
 
 import re
@@ -14,8 +15,9 @@ import re
 from zerospeed.parallel.tensor.plan import Rule, first_match
 
 
-def policy_partition_config(linears: list[str], policy_layers: dict[str, tuple[str, ...]],
-                            default_rules: tuple[Rule, ...] = ()) -> dict:
+def policy_partition_config(
+    linears: list[str], policy_layers: dict[str, tuple[str, ...]], default_rules: tuple[Rule, ...] = ()
+) -> dict:
     """`linears`: every linear module's name; `policy_layers`: {policy layer's module name: its row-parallel
     names}. Returns DeepSpeed's partition_config (use_default_specs false) covering every linear."""
     specs = []
@@ -25,7 +27,7 @@ def policy_partition_config(linears: list[str], policy_layers: dict[str, tuple[s
         if owner is None:
             specs.append({"patterns": [pattern], "partition_type": "skip"})
             continue
-        inner = name[len(owner) + 1:]
+        inner = name[len(owner) + 1 :]
         if any(inner == r or inner.endswith("." + r) for r in policy_layers[owner]):
             specs.append({"patterns": [pattern], "partition_type": "row"})
             continue
@@ -41,6 +43,6 @@ def unmatched_policy_names(module_names: list[str], policy_layers: dict[str, tup
     """Row-parallel names of the policy that name no module in their layer (DeepSpeed refuses them too)."""
     missing = []
     for owner, rows in policy_layers.items():
-        inside = [n[len(owner) + 1:] for n in module_names if n.startswith(owner + ".")]
+        inside = [n[len(owner) + 1 :] for n in module_names if n.startswith(owner + ".")]
         missing += [r for r in rows if not any(i == r or i.endswith("." + r) for i in inside) and r not in missing]
     return missing

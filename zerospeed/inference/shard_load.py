@@ -4,6 +4,7 @@ The loader is shared with training (`tp_model_init(..., checkpoint=...)`) and li
 zerospeed/parallel/tensor/load.py; the inference engine shards the meta model for generation
 (inference/tp.py) and then calls `load_shards` with the files of its `checkpoint` setting.
 """
+
 from zerospeed.parallel.tensor.load import is_meta_model, load_shards
 
 __all__ = ["is_meta_model", "load_shards"]

@@ -11,6 +11,7 @@ Note [tp sampling]: every tp rank runs the same generation loop on the same gath
 must draw the same token on every rank or the ranks' caches diverge. The engine gives the tp ranks one
 seed (rank 0's) at start-up, as DeepSpeed broadcasts its RNG state.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,12 +20,12 @@ import torch
 from torch import nn
 
 from zerospeed import comm
-from zerospeed.utils.errors import ConfigError
 from zerospeed.inference.config import DeepSpeedInferenceConfig
 from zerospeed.inference.injection import policy_partition_config, unmatched_policy_names
 from zerospeed.parallel.tensor import shard_model
 from zerospeed.parallel.tensor.autotp import is_linear_layer, text_config_of, tp_plans_of
 from zerospeed.parallel.tensor.plan import resolve_rules
+from zerospeed.utils.errors import ConfigError
 
 
 def resolve_group(config: DeepSpeedInferenceConfig):
@@ -36,25 +37,33 @@ def resolve_group(config: DeepSpeedInferenceConfig):
     if group is not None:
         size = comm.get_world_size(group)
         if tp.tp_size not in (1, size):
-            raise ConfigError(f"tensor_parallel.tp_size = {tp.tp_size} but the given tp group has {size} ranks; "
-                              "give one of them")
+            raise ConfigError(
+                f"tensor_parallel.tp_size = {tp.tp_size} but the given tp group has {size} ranks; give one of them"
+            )
         return group, size
     size = tp.tp_size if tp.enabled else 1
     if size == 1:
         return None, 1
     if not comm.is_initialized() or comm.get_world_size() % size:
         world = comm.get_world_size() if comm.is_initialized() else 1
-        raise ConfigError(f"tensor_parallel.tp_size = {size} needs a multiple of {size} ranks, but this job has "
-                          f"{world}; launch with `zerospeed --num_gpus {size}` (or torchrun) and call "
-                          "zerospeed.init_distributed() first")
+        raise ConfigError(
+            f"tensor_parallel.tp_size = {size} needs a multiple of {size} ranks, but this job has "
+            f"{world}; launch with `zerospeed --num_gpus {size}` (or torchrun) and call "
+            "zerospeed.init_distributed() first"
+        )
     return comm.ParallelMesh.build(tp=size).group("tp"), size
 
 
 def _policy_layers(model: nn.Module, policy: dict) -> dict[str, tuple[str, ...]]:
     def matches(module, key):
         return type(module) is key if isinstance(key, type) else type(module).__name__ == key
-    layers = {name: tuple(rows) for key, rows in policy.items()
-              for name, module in model.named_modules() if matches(module, key)}
+
+    layers = {
+        name: tuple(rows)
+        for key, rows in policy.items()
+        for name, module in model.named_modules()
+        if matches(module, key)
+    }
     if not layers:
         names = [getattr(k, "__name__", k) for k in policy]
         raise ConfigError(f"injection_policy: no module of the model is one of {names}")

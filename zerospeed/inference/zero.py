@@ -25,6 +25,7 @@ multiple of group_size). With NVMe offload the swap file holds the stored bytes,
 (offload/param_swap.py). The tied output head is the embedding's unit, and the embedding is not a
 linear layer: it stays unquantized, as without ZeRO.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,18 +36,26 @@ from zerospeed.inference.config import DeepSpeedInferenceConfig
 from zerospeed.runtime.initialize import initialize
 from zerospeed.utils.errors import ConfigError
 
-_PRECISION = {torch.float16: {"fp16": {"enabled": True}}, torch.bfloat16: {"bf16": {"enabled": True}},
-              torch.float32: {}}
+_PRECISION = {
+    torch.float16: {"fp16": {"enabled": True}},
+    torch.bfloat16: {"bf16": {"enabled": True}},
+    torch.float32: {},
+}
 
 
 def zero_inference_engine(model: nn.Module, config: DeepSpeedInferenceConfig):
     """A stage-3 `Engine` over `model` (parameters sharded / offloaded as `config.zero` says) and the
     {layer name: bits} of the layers whose shards are stored quantized."""
     if config.tensor_parallel.tp_size > 1:
-        raise ConfigError("zero.stage: 3 with tensor_parallel.tp_size > 1: ZeRO-Inference and tensor-parallel "
-                          "inference together are not implemented; use one of them")
-    ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": config.zero.model_dump(exclude_unset=True),
-                 **_PRECISION[config.dtype]}
+        raise ConfigError(
+            "zero.stage: 3 with tensor_parallel.tp_size > 1: ZeRO-Inference and tensor-parallel "
+            "inference together are not implemented; use one of them"
+        )
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": config.zero.model_dump(exclude_unset=True),
+        **_PRECISION[config.dtype],
+    }
     model.requires_grad_(False)  # frozen units: the shard only
     engine, *_ = initialize(model=model, config=ds_config)
     quantized = {}

@@ -5,6 +5,7 @@ imports deepspeed and lets it own the process group). Ours keep the value where 
 (`args.deepspeed`), hide it from those two set-up steps, and instead join the process group through
 `zerospeed.comm` before accelerate looks, so accelerate sees an initialised group and reuses it.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -10,6 +10,7 @@ and ``resolve_hf_config`` raises them together as one ``ConfigError``.
 Nothing here imports transformers: ``args`` is anything with the ``TrainingArguments`` attributes
 used below, ``model_config`` anything with a hidden size, so the rules are tested without a Trainer.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,9 +47,10 @@ def _batch_values(args: Any, world_size: int) -> dict[str, AutoValue]:
     return {
         "train_micro_batch_size_per_gpu": AutoValue(micro, "TrainingArguments.per_device_train_batch_size"),
         "gradient_accumulation_steps": AutoValue(gas, "TrainingArguments.gradient_accumulation_steps"),
-        "train_batch_size": AutoValue(world_size * micro * gas,
-                                      f"world_size {world_size} x per_device_train_batch_size {micro} x "
-                                      f"gradient_accumulation_steps {gas}"),
+        "train_batch_size": AutoValue(
+            world_size * micro * gas,
+            f"world_size {world_size} x per_device_train_batch_size {micro} x gradient_accumulation_steps {gas}",
+        ),
     }
 
 
@@ -56,8 +58,9 @@ def _optimizer_values(args: Any) -> dict[str, AutoValue]:
     return {
         "gradient_clipping": AutoValue(args.max_grad_norm, "TrainingArguments.max_grad_norm"),
         "optimizer.params.lr": AutoValue(args.learning_rate, "TrainingArguments.learning_rate"),
-        "optimizer.params.betas": AutoValue([args.adam_beta1, args.adam_beta2],
-                                            "TrainingArguments.adam_beta1, adam_beta2"),
+        "optimizer.params.betas": AutoValue(
+            [args.adam_beta1, args.adam_beta2], "TrainingArguments.adam_beta1, adam_beta2"
+        ),
         "optimizer.params.eps": AutoValue(args.adam_epsilon, "TrainingArguments.adam_epsilon"),
         "optimizer.params.weight_decay": AutoValue(args.weight_decay, "TrainingArguments.weight_decay"),
     }
@@ -71,8 +74,9 @@ def _scheduler_values(args: Any, total_steps: int | None) -> dict[str, AutoValue
     if total_steps is not None:
         out["scheduler.params.total_num_steps"] = AutoValue(total_steps, "the Trainer's number of training steps")
         # Our WarmupLR (like DeepSpeed >= 0.19.6) rejects 0 warm-up steps; transformers clamps to 1 too.
-        out["scheduler.params.warmup_num_steps"] = AutoValue(max(1, args.get_warmup_steps(total_steps)),
-                                                             "TrainingArguments.get_warmup_steps(total steps)")
+        out["scheduler.params.warmup_num_steps"] = AutoValue(
+            max(1, args.get_warmup_steps(total_steps)), "TrainingArguments.get_warmup_steps(total steps)"
+        )
     return out
 
 
@@ -90,8 +94,12 @@ def hf_auto_values(args: Any, model_config: Any, world_size: int, total_steps: i
     keys that need it are then absent. The bucket sizes need the model's hidden size and are absent
     without one (a config that says ``"auto"`` for them then fails in ``resolve_auto``).
     """
-    values = {**_batch_values(args, world_size), **_optimizer_values(args),
-              **_scheduler_values(args, total_steps), **_precision_values(args)}
+    values = {
+        **_batch_values(args, world_size),
+        **_optimizer_values(args),
+        **_scheduler_values(args, total_steps),
+        **_precision_values(args),
+    }
     hidden = hidden_size_of(model_config)
     if hidden is not None:
         for key, value in auto_values_from_hidden_size(hidden).items():
@@ -128,8 +136,11 @@ def _lookup(raw: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
 
 def _same(config_value: Any, hf_value: Any) -> bool:
     if isinstance(hf_value, list):
-        return (isinstance(config_value, (list, tuple)) and len(config_value) == len(hf_value)
-                and all(_same(a, b) for a, b in zip(config_value, hf_value)))
+        return (
+            isinstance(config_value, (list, tuple))
+            and len(config_value) == len(hf_value)
+            and all(_same(a, b) for a, b in zip(config_value, hf_value))
+        )
     if isinstance(hf_value, bool) or isinstance(config_value, bool):
         return config_value is hf_value
     if isinstance(config_value, (int, float)) and isinstance(hf_value, (int, float)):
@@ -137,8 +148,9 @@ def _same(config_value: Any, hf_value: Any) -> bool:
     return config_value == hf_value
 
 
-def check_mismatches(raw_cfg: Mapping[str, Any], args: Any, world_size: int,
-                     total_steps: int | None = None) -> list[str]:
+def check_mismatches(
+    raw_cfg: Mapping[str, Any], args: Any, world_size: int, total_steps: int | None = None
+) -> list[str]:
     """Every explicit (not ``"auto"``) config value that disagrees with ``args``, one line each, as
     ``ds <key>=<value> vs hf <arg>=<value>``. Keys absent from the config never mismatch."""
     known = hf_auto_values(args, None, world_size, total_steps)
@@ -156,8 +168,10 @@ def check_mismatches(raw_cfg: Mapping[str, Any], args: Any, world_size: int,
 def mismatch_error(mismatches: list[str], source: str = "the DeepSpeed config") -> ConfigError:
     """One error listing every disagreement, with the fix."""
     lines = "\n  ".join(mismatches)
-    return ConfigError(f"{source} disagrees with the TrainingArguments in {len(mismatches)} place(s):\n  {lines}\n"
-                       'Set these keys to "auto" (the Trainer then fills them) or change the arguments to match.')
+    return ConfigError(
+        f"{source} disagrees with the TrainingArguments in {len(mismatches)} place(s):\n  {lines}\n"
+        'Set these keys to "auto" (the Trainer then fills them) or change the arguments to match.'
+    )
 
 
 def load_hf_config(config: Any) -> dict[str, Any]:
@@ -165,13 +179,15 @@ def load_hf_config(config: Any) -> dict[str, Any]:
     return apply_aliases(load_raw(config))
 
 
-def resolve_hf_config(config: Any, args: Any, model_config: Any, world_size: int,
-                      total_steps: int | None) -> dict[str, Any]:
+def resolve_hf_config(
+    config: Any, args: Any, model_config: Any, world_size: int, total_steps: int | None
+) -> dict[str, Any]:
     """The config with every Trainer-known ``"auto"`` filled in, after checking that no explicit
     value disagrees with ``args`` (all disagreements are raised together)."""
     raw = load_hf_config(config)
     mismatches = check_mismatches(raw, args, world_size, total_steps)
     if mismatches:
-        raise mismatch_error(mismatches, f"the DeepSpeed config {config!r}" if isinstance(config, str) else
-                             "the DeepSpeed config")
+        raise mismatch_error(
+            mismatches, f"the DeepSpeed config {config!r}" if isinstance(config, str) else "the DeepSpeed config"
+        )
     return resolve_auto(raw, hf_auto_values(args, model_config, world_size, total_steps))

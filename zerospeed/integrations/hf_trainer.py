@@ -26,6 +26,7 @@ one, and the "auto" batch sizes count data-parallel ranks only. The Trainer pass
 number of processes; the loss then divides this rank's token-loss sum by that count, so the engine's
 average over data x sequence ranks yields the gradient of the whole batch's mean exactly.
 """
+
 from __future__ import annotations
 
 import logging
@@ -112,8 +113,10 @@ class LoopModel(torch.nn.Module):
 
 def _require_our_arguments(args: Any) -> None:
     if getattr(args, "deepspeed_plugin", None) is not None and not isinstance(args, TrainingArguments):
-        raise ConfigError("transformers.TrainingArguments(deepspeed=...) sets up the deepspeed package; use "
-                          "zerospeed.integrations.transformers.TrainingArguments instead (same fields)")
+        raise ConfigError(
+            "transformers.TrainingArguments(deepspeed=...) sets up the deepspeed package; use "
+            "zerospeed.integrations.transformers.TrainingArguments instead (same fields)"
+        )
 
 
 class Trainer(transformers.Trainer):
@@ -136,8 +139,9 @@ class Trainer(transformers.Trainer):
     def zerospeed_config(self, total_steps: int | None) -> dict[str, Any]:
         """The user's config with the Trainer's values for every "auto" (see `hf_auto`)."""
         dp_world = comm.get_world_size() // self._sequence_parallel_size()
-        cfg = resolve_hf_config(self.args.deepspeed, self.args, getattr(self.model, "config", None),
-                                dp_world, total_steps)
+        cfg = resolve_hf_config(
+            self.args.deepspeed, self.args, getattr(self.model, "config", None), dp_world, total_steps
+        )
         if "optimizer" not in cfg:
             # the Trainer's optimizer (AdamW by default) is what the user asked for; as in transformers'
             # DeepSpeed integration it is allowed with ZeRO without a separate opt-in
@@ -156,7 +160,8 @@ class Trainer(transformers.Trainer):
             return self._sp_mpu
         implementation = getattr(self.model.config, "_attn_implementation", None) or "sdpa"
         self._sp_mpu = UlyssesSPAttentionHF.register_with_transformers(
-            self.model, implementation, sp, self.args.per_device_train_batch_size)
+            self.model, implementation, sp, self.args.per_device_train_batch_size
+        )
         install_sequence_parallel_loss(self.model, self._sp_mpu.get_sequence_parallel_group())
         return self._sp_mpu
 
@@ -166,23 +171,31 @@ class Trainer(transformers.Trainer):
         if mpu is None:
             return loader
         pad = getattr(self.model.config, "pad_token_id", None)
-        return UlyssesSPDataLoaderAdapter(loader, mpu.get_sequence_parallel_rank(), mpu.get_sequence_parallel_group(),
-                                          mpu.get_sequence_parallel_world_size(), self.args.device,
-                                          pad_token_id=pad if isinstance(pad, int) else 0)
+        return UlyssesSPDataLoaderAdapter(
+            loader,
+            mpu.get_sequence_parallel_rank(),
+            mpu.get_sequence_parallel_group(),
+            mpu.get_sequence_parallel_world_size(),
+            self.args.device,
+            pad_token_id=pad if isinstance(pad, int) else 0,
+        )
 
     def _trainer_scheduler(self, total_steps: int):
         """A callable(optimizer) -> the Trainer's scheduler on the engine's optimizer."""
+
         def build(optimizer):
             self.lr_scheduler = None
             return self.create_scheduler(num_training_steps=total_steps, optimizer=optimizer)
+
         return build
 
     def _build_engine(self, total_steps: int):
         cfg = self.zerospeed_config(total_steps)
         optimizer = None if "optimizer" in cfg else self.create_optimizer()
         scheduler = None if "scheduler" in cfg else self._trainer_scheduler(total_steps)
-        engine, opt, _, sched = initialize(model=self.model, config=cfg, optimizer=optimizer,
-                                           lr_scheduler=scheduler, mpu=self._sequence_parallel_mpu())
+        engine, opt, _, sched = initialize(
+            model=self.model, config=cfg, optimizer=optimizer, lr_scheduler=scheduler, mpu=self._sequence_parallel_mpu()
+        )
         self.engine = engine
         self.optimizer = EngineOptimizer(opt)
         self.lr_scheduler = EngineScheduler(sched) if sched is not None else None
@@ -205,8 +218,10 @@ class Trainer(transformers.Trainer):
         if self.engine is not None:
             return self.engine  # evaluation runs through the engine: at stage 3 its forward gathers
         if self.zerospeed_enabled and not training and self.engine is None and _zero_stage(self.args.deepspeed) == 3:
-            raise ConfigError("evaluate()/predict() before train() at ZeRO stage 3: the engine that gathers the "
-                              "sharded parameters is built by train(); call train() first (max_steps=0 is enough)")
+            raise ConfigError(
+                "evaluate()/predict() before train() at ZeRO stage 3: the engine that gathers the "
+                "sharded parameters is built by train(); call train() first (max_steps=0 is enough)"
+            )
         return super()._wrap_model(model, training, dataloader)
 
     # -- the step --------------------------------------------------------------------------------------
@@ -234,8 +249,9 @@ class Trainer(transformers.Trainer):
         # (the model took `num_items_in_batch`) or by the user's loss function is not divided again
         if self.loss_is_scaled_for_ga is not None:
             return bool(self.loss_is_scaled_for_ga)
-        return bool((self.model_accepts_loss_kwargs and num_items_in_batch is not None)
-                    or self.compute_loss_func is not None)
+        return bool(
+            (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
+        )
 
     def _clip_grad_norm(self, model):
         if not self.zerospeed_enabled:
@@ -274,8 +290,10 @@ class Trainer(transformers.Trainer):
     def _load_engine_checkpoint(self, checkpoint: str) -> None:
         path, _ = self.engine.load_checkpoint(checkpoint)
         if path is None:
-            raise ValueError(f"resume_from_checkpoint={checkpoint!r}: no zerospeed checkpoint there (no 'latest' "
-                             "file); it must be a checkpoint-N dir written by this Trainer with a deepspeed config")
+            raise ValueError(
+                f"resume_from_checkpoint={checkpoint!r}: no zerospeed checkpoint there (no 'latest' "
+                "file); it must be a checkpoint-N dir written by this Trainer with a deepspeed config"
+            )
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if not self.zerospeed_enabled:
@@ -291,11 +309,11 @@ class Trainer(transformers.Trainer):
             return super()._load_best_model()
         best = self.state.best_model_checkpoint
         logger.info("loading the best model from %s (score %s)", best, self.state.best_metric)
-        self.engine.load_checkpoint(best, load_optimizer_states=False, load_lr_scheduler_states=False,
-                                    load_module_only=True)
+        self.engine.load_checkpoint(
+            best, load_optimizer_states=False, load_lr_scheduler_states=False, load_module_only=True
+        )
 
 
 def _zero_stage(config: Any) -> int:
     stage = load_hf_config(config).get("zero_optimization", {}).get("stage", 0)
     return int(stage) if not isinstance(stage, str) else 0
-

@@ -9,6 +9,7 @@ patching transformers (DESIGN principle 3 says no), so `from_pretrained_zero3` d
 in the open: build from the saved config under our `Init`, then copy the saved weights in one
 module at a time, each gathered only while it is written.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,7 @@ from zerospeed.zero import GatheredParameters, Init, tags
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["from_pretrained_zero3", "is_zero3_sharded", "load_weights_zero3", "read_saved_weights",
-           "zero3_numel"]
+__all__ = ["from_pretrained_zero3", "is_zero3_sharded", "load_weights_zero3", "read_saved_weights", "zero3_numel"]
 
 
 def _owners(model: torch.nn.Module) -> dict[int, Any]:
@@ -53,6 +53,7 @@ def read_saved_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
     """The tensors of a `save_pretrained` dir: `model.safetensors`, its sharded index, or
     `pytorch_model.bin`."""
     from safetensors.torch import load_file
+
     d = Path(model_dir)
     if (d / "model.safetensors").is_file():
         return load_file(str(d / "model.safetensors"))
@@ -64,8 +65,10 @@ def read_saved_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
         return out
     if (d / "pytorch_model.bin").is_file():
         return torch.load(d / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{d}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin; "
-                            "pass a directory written by save_pretrained / Trainer.save_model")
+    raise FileNotFoundError(
+        f"{d}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin; "
+        "pass a directory written by save_pretrained / Trainer.save_model"
+    )
 
 
 @torch.no_grad()
@@ -78,8 +81,10 @@ def load_weights_zero3(model: torch.nn.Module, state_dict: dict[str, torch.Tenso
     names = {id(p): n for n, p in model.named_parameters()}  # tied parameters: their first name
     missing = [n for n in names.values() if n not in state_dict]
     if strict and missing:
-        raise KeyError(f"load_weights_zero3: the saved weights lack {missing}; pass strict=False to keep "
-                       "those parameters as initialised")
+        raise KeyError(
+            f"load_weights_zero3: the saved weights lack {missing}; pass strict=False to keep "
+            "those parameters as initialised"
+        )
     for module in model.modules():
         own = [p for p in module.parameters(recurse=False) if names.get(id(p)) in state_dict]
         if not own:
@@ -94,8 +99,9 @@ def load_weights_zero3(model: torch.nn.Module, state_dict: dict[str, torch.Tenso
             buf.copy_(state_dict[name])
 
 
-def from_pretrained_zero3(model_cls: Any, model_dir: str | Path, config_dict_or_path: Any = None,
-                          strict: bool = True, **config_kwargs: Any) -> torch.nn.Module:
+def from_pretrained_zero3(
+    model_cls: Any, model_dir: str | Path, config_dict_or_path: Any = None, strict: bool = True, **config_kwargs: Any
+) -> torch.nn.Module:
     """`model_cls.from_pretrained(model_dir)` for ZeRO stage 3: built under `zero.Init` (each rank
     holds 1/N of the parameters from the start) and loaded from the local dir without a full copy.
 
@@ -104,6 +110,7 @@ def from_pretrained_zero3(model_cls: Any, model_dir: str | Path, config_dict_or_
     downloaded: `model_dir` must be a local `save_pretrained` directory.
     """
     from transformers import AutoConfig
+
     config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True, **config_kwargs)
     build = getattr(model_cls, "from_config", None) or model_cls._from_config
     with Init(config_dict_or_path=config_dict_or_path):

@@ -7,6 +7,7 @@ and meets the other nodes' agents in a c10d rendezvous whose store node 0 hosts 
 in ``rendezvous.py``), and messages that name the failing rank with its traceback, or the node that
 never arrived.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,9 +30,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WORKER_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
-GRACE_S = 3          # SIGTERM first; SIGKILL what is still running after this (the agent's shutdown timeout)
+GRACE_S = 3  # SIGTERM first; SIGKILL what is still running after this (the agent's shutdown timeout)
 EXIT_BARRIER_S = 60  # Note [short exit barrier]
-MONITOR_S = 0.1      # how often the agent checks its workers; bounds the reaction time to a failure
+MONITOR_S = 0.1  # how often the agent checks its workers; bounds the reaction time to a failure
 
 
 def exit_code(exitcode: int) -> int:
@@ -77,11 +78,11 @@ class AgentJob:
 
     plan: RendezvousPlan
     local_world_size: int
-    worker_spec: str                  # JSON for worker.py: node.worker_spec(...)
+    worker_spec: str  # JSON for worker.py: node.worker_spec(...)
     max_restarts: int = 0
-    log_dir: str | None = None        # --enable_each_rank_log
+    log_dir: str | None = None  # --enable_each_rank_log
     log_prefix: str = ""
-    name: str = "zerospeed"           # starts every message
+    name: str = "zerospeed"  # starts every message
 
 
 def run_agent(job: AgentJob, *, watch_stdin: bool = False) -> int:
@@ -105,8 +106,11 @@ def run_agent(job: AgentJob, *, watch_stdin: bool = False) -> int:
         # Note [no shutdown on a signal]: as torch's launch_agent does, the rendezvous stays open so
         # that, with elasticity, the other nodes can go on without this one.
         shutdown = False
-        reason = "lost the job's launcher (stdin closed)" if stdin_lost and stdin_lost.is_set() else \
-            f"received {sig.sigval.name}"
+        reason = (
+            "lost the job's launcher (stdin closed)"
+            if stdin_lost and stdin_lost.is_set()
+            else f"received {sig.sigval.name}"
+        )
         print(f"{job.name}: {reason}; stopped {job.local_world_size} process(es)", file=sys.stderr, flush=True)
         return 128 + int(sig.sigval)
     finally:
@@ -132,14 +136,24 @@ def _make_agent(job: AgentJob, rdzv: Any, error_dir: str) -> Any:
 
     os.environ[SPEC_VAR] = job.worker_spec  # the agent starts every worker with this process's environment
     # The ranks' MASTER_ADDR/MASTER_PORT come from rdzv (Note [the ranks' store] in rendezvous.py).
-    spec = WorkerSpec(role="rank", local_world_size=job.local_world_size, entrypoint=sys.executable,
-                      args=("-u", WORKER_FILE), rdzv_handler=rdzv, max_restarts=job.max_restarts,
-                      monitor_interval=MONITOR_S)
+    spec = WorkerSpec(
+        role="rank",
+        local_world_size=job.local_world_size,
+        entrypoint=sys.executable,
+        args=("-u", WORKER_FILE),
+        rdzv_handler=rdzv,
+        max_restarts=job.max_restarts,
+        monitor_interval=MONITOR_S,
+    )
     # Note [short exit barrier]: a node whose ranks finished waits at torch's exit barrier for the other
     # nodes (300 s by default), ignoring SIGTERM meanwhile; when a peer failed, that is minutes of a
     # launcher with no ranks. A minute covers nodes finishing at different times (a final checkpoint).
-    return LocalElasticAgent(spec, logs_specs=DefaultLogsSpecs(log_dir=error_dir), shutdown_timeout=GRACE_S,
-                             exit_barrier_timeout=EXIT_BARRIER_S)
+    return LocalElasticAgent(
+        spec,
+        logs_specs=DefaultLogsSpecs(log_dir=error_dir),
+        shutdown_timeout=GRACE_S,
+        exit_barrier_timeout=EXIT_BARRIER_S,
+    )
 
 
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torch's TORCHELASTIC_SIGNALS_TO_HANDLE default

@@ -6,6 +6,7 @@
 
 Everything after the script name is passed to the script untouched, even flags named like ours.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,14 +29,17 @@ from zerospeed.launcher.runners import LAUNCHERS
 logger = logging.getLogger(__name__)
 
 DEFAULT_MASTER_PORT = 29500  # torch.distributed's default, as in DeepSpeed
-ELASTIC_MAX_RESTARTS = 100   # DeepSpeed's fixed value for its elastic agent
+ELASTIC_MAX_RESTARTS = 100  # DeepSpeed's fixed value for its elastic agent
 
 
 def _build_parser() -> tuple[argparse.ArgumentParser, set[str]]:
     """The launcher's flags, and the option strings that take a value."""
     p = argparse.ArgumentParser(
-        prog="zerospeed", allow_abbrev=False, usage="%(prog)s [options] user_script [user_args ...]",
-        description="Launch a (multi-node) multi-process training job, DeepSpeed-style.")
+        prog="zerospeed",
+        allow_abbrev=False,
+        usage="%(prog)s [options] user_script [user_args ...]",
+        description="Launch a (multi-node) multi-process training job, DeepSpeed-style.",
+    )
     valued: set[str] = set()
 
     def value(*names: str, **kw: object) -> None:
@@ -45,15 +49,35 @@ def _build_parser() -> tuple[argparse.ArgumentParser, set[str]]:
     def flag(*names: str, help: str) -> None:  # noqa: A002 (argparse's name)
         p.add_argument(*names, action="store_true", help=help)
 
-    value("-H", "--hostfile", default=None, help=f"MPI-style hostfile, lines 'HOST slots=N' "
-          f"(default {DEFAULT_HOSTFILE}; when that is missing, run on this machine)")
-    value("-i", "--include", default="", help="hosts/slots to use: NODE_SPEC[@NODE_SPEC...], "
-          "NODE_SPEC=HOST[:SLOT[,SLOT...]], e.g. 'worker-0:0,2@worker-1'")
+    value(
+        "-H",
+        "--hostfile",
+        default=None,
+        help=f"MPI-style hostfile, lines 'HOST slots=N' "
+        f"(default {DEFAULT_HOSTFILE}; when that is missing, run on this machine)",
+    )
+    value(
+        "-i",
+        "--include",
+        default="",
+        help="hosts/slots to use: NODE_SPEC[@NODE_SPEC...], "
+        "NODE_SPEC=HOST[:SLOT[,SLOT...]], e.g. 'worker-0:0,2@worker-1'",
+    )
     value("-e", "--exclude", default="", help="hosts/slots not to use (same syntax as --include)")
-    value("--num_nodes", type=int, default=None, help="use the first N hosts; without a hostfile, "
-          "the number of separately launched nodes (with --node_rank and --master_addr)")
-    value("--num_gpus", "--num_accelerators", type=int, default=None,
-          help="processes per node, on slots 0..N-1 (CPU processes on a machine without GPUs)")
+    value(
+        "--num_nodes",
+        type=int,
+        default=None,
+        help="use the first N hosts; without a hostfile, "
+        "the number of separately launched nodes (with --node_rank and --master_addr)",
+    )
+    value(
+        "--num_gpus",
+        "--num_accelerators",
+        type=int,
+        default=None,
+        help="processes per node, on slots 0..N-1 (CPU processes on a machine without GPUs)",
+    )
     value("--master_addr", default="", help="address of the node with rank 0")
     value("--master_port", type=int, default=DEFAULT_MASTER_PORT, help="port for torch.distributed")
     value("--node_rank", type=int, default=None, help="launch only this node (0..N-1) of the job")
@@ -70,20 +94,41 @@ def _build_parser() -> tuple[argparse.ArgumentParser, set[str]]:
     flag("--no_ssh_check", help="accepted for DeepSpeed compatibility (no ssh check is made)")
     flag("--force_multi", help="use the multi-node runner even for a single node")
     flag("--save_pid", help="write the launcher's pid to /tmp/<pid of this command>.deepspeed")
-    flag("--bind_cores_to_rank", help="give each local rank its own block of CPU cores (and OMP_NUM_THREADS = "
-         "its size)")
-    value("--bind_core_list", default=None, help="the cores --bind_cores_to_rank splits, e.g. 0,2-4,6 "
-          "(default: every physical core)")
-    value("--max_restarts", type=int, default=None, help="restart every rank up to N times after a rank fails "
-          "(torch's elastic agent; default 0: the job ends with the first failure; 100 with --elastic_training)")
-    flag("--elastic_training", help="elastic membership: the job runs on --min_elastic_nodes to "
-         "--max_elastic_nodes nodes, restarting its ranks when nodes leave or join")
+    flag(
+        "--bind_cores_to_rank", help="give each local rank its own block of CPU cores (and OMP_NUM_THREADS = its size)"
+    )
+    value(
+        "--bind_core_list",
+        default=None,
+        help="the cores --bind_cores_to_rank splits, e.g. 0,2-4,6 (default: every physical core)",
+    )
+    value(
+        "--max_restarts",
+        type=int,
+        default=None,
+        help="restart every rank up to N times after a rank fails "
+        "(torch's elastic agent; default 0: the job ends with the first failure; 100 with --elastic_training)",
+    )
+    flag(
+        "--elastic_training",
+        help="elastic membership: the job runs on --min_elastic_nodes to "
+        "--max_elastic_nodes nodes, restarting its ranks when nodes leave or join",
+    )
     value("--min_elastic_nodes", type=int, default=-1, help="fewest nodes of an elastic job (default 1)")
-    value("--max_elastic_nodes", type=int, default=-1, help="most nodes of an elastic job (default: --num_nodes "
-          "or the hostfile's)")
-    value("--autotuning", default=None, choices=("tune", "run"), help="tune: search ZeRO stages and micro batches "
-          "with short trials of the script and write autotuning_results/ds_config_optimal.json; run: tune, then "
-          "train with it (the config's autotuning block, docs/autotuning.md)")
+    value(
+        "--max_elastic_nodes",
+        type=int,
+        default=-1,
+        help="most nodes of an elastic job (default: --num_nodes or the hostfile's)",
+    )
+    value(
+        "--autotuning",
+        default=None,
+        choices=("tune", "run"),
+        help="tune: search ZeRO stages and micro batches "
+        "with short trials of the script and write autotuning_results/ds_config_optimal.json; run: tune, then "
+        "train with it (the config's autotuning block, docs/autotuning.md)",
+    )
     return p, valued
 
 
@@ -97,7 +142,7 @@ def split_argv(argv: Sequence[str], valued: set[str]) -> tuple[list[str], list[s
     while i < len(argv):
         word = argv[i]
         if word == "--":
-            return list(argv[:i]), list(argv[i + 1:])
+            return list(argv[:i]), list(argv[i + 1 :])
         if not word.startswith("-") or word == "-":
             break
         name = word.split("=", 1)[0]
@@ -121,8 +166,9 @@ def parse_command_line(argv: Sequence[str]) -> tuple[argparse.Namespace, UserCom
     if not user:
         raise LauncherError("missing the training script: zerospeed [options] user_script [user_args ...]")
     _normalize(args)
-    command = UserCommand(user[0], tuple(user[1:]), module=args.module, no_python=args.no_python,
-                          no_local_rank=args.no_local_rank)
+    command = UserCommand(
+        user[0], tuple(user[1:]), module=args.module, no_python=args.no_python, no_local_rank=args.no_local_rank
+    )
     return args, command
 
 
@@ -169,15 +215,30 @@ def _launch(args: argparse.Namespace, command: UserCommand) -> int:
         logger.info("ignoring CUDA_VISIBLE_DEVICES=%s because --num_gpus is given", visible)
     plan = make_plan(args, read_hostfile(args.hostfile), visible, detect_device_count)
     if plan.node_rank is not None:
-        options = NodeOptions(plan.master_addr, args.master_port, args.enable_each_rank_log,
-                              save_pid=os.getpid() if args.save_pid else None,
-                              bind_cores_to_rank=args.bind_cores_to_rank, bind_core_list=args.bind_core_list,
-                              **_agent_flags(args))
+        options = NodeOptions(
+            plan.master_addr,
+            args.master_port,
+            args.enable_each_rank_log,
+            save_pid=os.getpid() if args.save_pid else None,
+            bind_cores_to_rank=args.bind_cores_to_rank,
+            bind_core_list=args.bind_core_list,
+            **_agent_flags(args),
+        )
         return run_node(plan.world, plan.node_rank, command, options)
-    return run_multinode(plan, command, master_port=args.master_port, each_rank_log=args.enable_each_rank_log,
-                         save_pid=args.save_pid, launcher_args=args.launcher_args, ssh_port=args.ssh_port,
-                         comment=args.comment, account=args.account, bind_cores_to_rank=args.bind_cores_to_rank,
-                         bind_core_list=args.bind_core_list, **_agent_flags(args))
+    return run_multinode(
+        plan,
+        command,
+        master_port=args.master_port,
+        each_rank_log=args.enable_each_rank_log,
+        save_pid=args.save_pid,
+        launcher_args=args.launcher_args,
+        ssh_port=args.ssh_port,
+        comment=args.comment,
+        account=args.account,
+        bind_cores_to_rank=args.bind_cores_to_rank,
+        bind_core_list=args.bind_core_list,
+        **_agent_flags(args),
+    )
 
 
 def _agent_flags(args: argparse.Namespace) -> dict[str, object]:
@@ -189,6 +250,9 @@ def _agent_flags(args: argparse.Namespace) -> dict[str, object]:
     if not args.elastic_training and (args.min_elastic_nodes, args.max_elastic_nodes) != (-1, -1):
         logger.warning("--min_elastic_nodes/--max_elastic_nodes have no effect without --elastic_training")
     unset = (None, -1)
-    return {"max_restarts": args.max_restarts, "elastic_training": args.elastic_training,
-            "min_elastic_nodes": None if args.min_elastic_nodes in unset else args.min_elastic_nodes,
-            "max_elastic_nodes": None if args.max_elastic_nodes in unset else args.max_elastic_nodes}
+    return {
+        "max_restarts": args.max_restarts,
+        "elastic_training": args.elastic_training,
+        "min_elastic_nodes": None if args.min_elastic_nodes in unset else args.min_elastic_nodes,
+        "max_elastic_nodes": None if args.max_elastic_nodes in unset else args.max_elastic_nodes,
+    }

@@ -1,4 +1,5 @@
 """What each rank process runs: its argv and its environment (pure functions)."""
+
 from __future__ import annotations
 
 import os
@@ -15,11 +16,11 @@ from zerospeed.launcher.world import NodeLayout
 class UserCommand:
     """The user's training program and how to start it."""
 
-    script: str                   # path, module name (module=True) or executable (no_python=True)
-    args: tuple[str, ...] = ()    # passed through verbatim
-    module: bool = False          # run as ``python -m script``
-    no_python: bool = False       # run ``script`` itself as an executable
-    no_local_rank: bool = False   # do not append ``--local_rank=N``
+    script: str  # path, module name (module=True) or executable (no_python=True)
+    args: tuple[str, ...] = ()  # passed through verbatim
+    module: bool = False  # run as ``python -m script``
+    no_python: bool = False  # run ``script`` itself as an executable
+    no_local_rank: bool = False  # do not append ``--local_rank=N``
 
     def __post_init__(self) -> None:
         if self.module and self.no_python:
@@ -71,14 +72,27 @@ def node_variables(layout: NodeLayout, *, cpu_count: int, base_env: Mapping[str,
 
 def agent_variables(layout: NodeLayout, local_rank: int, *, master_addr: str, master_port: int) -> dict[str, str]:
     """The variables torch's elastic agent sets for a worker of a fixed world (those zerospeed reads)."""
-    return {"RANK": str(layout.global_rank(local_rank)), "LOCAL_RANK": str(local_rank),
-            "WORLD_SIZE": str(layout.world_size), "LOCAL_WORLD_SIZE": str(layout.local_size),
-            "GROUP_RANK": str(layout.node_rank), "GROUP_WORLD_SIZE": str(layout.num_nodes),
-            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+    return {
+        "RANK": str(layout.global_rank(local_rank)),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(layout.world_size),
+        "LOCAL_WORLD_SIZE": str(layout.local_size),
+        "GROUP_RANK": str(layout.node_rank),
+        "GROUP_WORLD_SIZE": str(layout.num_nodes),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    }
 
 
-def rank_environment(layout: NodeLayout, local_rank: int, *, master_addr: str, master_port: int,
-                     cpu_count: int, base_env: Mapping[str, str]) -> dict[str, str]:
+def rank_environment(
+    layout: NodeLayout,
+    local_rank: int,
+    *,
+    master_addr: str,
+    master_port: int,
+    cpu_count: int,
+    base_env: Mapping[str, str],
+) -> dict[str, str]:
     """The full environment of one rank of a fixed world: ``base_env`` plus the distributed setup.
 
     ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``LOCAL_SIZE``, ``CROSS_RANK``/``CROSS_SIZE`` (node index

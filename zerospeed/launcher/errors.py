@@ -1,4 +1,5 @@
 """The launcher's error type."""
+
 from zerospeed.utils.errors import ConfigError
 
 

@@ -1,4 +1,5 @@
 """Hostfile parsing: the MPI-style list of hosts and their slot counts (``worker-0 slots=8``)."""
+
 from __future__ import annotations
 
 import os
@@ -35,7 +36,8 @@ def parse_hostfile(text: str, *, source: str = "hostfile") -> dict[str, int]:
         if host in hosts:
             raise LauncherError(
                 f"{source}:{lineno}: host {host!r} is listed twice (first on line {first_line[host]}); "
-                "list each host once with its total slot count")
+                "list each host once with its total slot count"
+            )
         hosts[host] = int(match["slots"])
         first_line[host] = lineno
     if not hosts:

@@ -8,6 +8,7 @@ The rules: when a child exits non-zero, every other child is stopped within seco
 launcher exits with that child's code; a SIGINT/SIGTERM/SIGHUP to the launcher is forwarded to all
 children; nothing is left running when the launcher returns.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -23,8 +24,8 @@ from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
-GRACE_S = 3.0          # SIGTERM/SIGINT first; SIGKILL whatever is still alive after this
-POLL_S = 0.1           # how often exits are checked; bounds the reaction time to a failure
+GRACE_S = 3.0  # SIGTERM/SIGINT first; SIGKILL whatever is still alive after this
+POLL_S = 0.1  # how often exits are checked; bounds the reaction time to a failure
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -33,10 +34,10 @@ _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 class ChildSpec:
     """One process to start."""
 
-    label: str                      # how messages name it: "node 0 on worker-0 (ranks 0-1)", "pdsh"
+    label: str  # how messages name it: "node 0 on worker-0 (ranks 0-1)", "pdsh"
     argv: Sequence[str]
     env: dict[str, str]
-    stdin: str = "inherit"          # "inherit", "devnull" or "pipe" (kept open until the child ends)
+    stdin: str = "inherit"  # "inherit", "devnull" or "pipe" (kept open until the child ends)
 
 
 @dataclass
@@ -58,8 +59,13 @@ class _Stop:
     saved: dict[int, object] = field(default_factory=dict)
 
 
-def run_children(specs: Sequence[ChildSpec], *, grace_s: float = GRACE_S,
-                 on_stop: Callable[[], None] | None = None, name: str = "zerospeed") -> int:
+def run_children(
+    specs: Sequence[ChildSpec],
+    *,
+    grace_s: float = GRACE_S,
+    on_stop: Callable[[], None] | None = None,
+    name: str = "zerospeed",
+) -> int:
     """Start ``specs``, supervise them and return the exit code for the launcher.
 
     ``on_stop`` runs once when the children are being stopped early (the pdsh runner uses it to
@@ -87,8 +93,9 @@ def run_children(specs: Sequence[ChildSpec], *, grace_s: float = GRACE_S,
 
 def _spawn(spec: ChildSpec) -> subprocess.Popen:
     stdin = {"inherit": None, "devnull": subprocess.DEVNULL, "pipe": subprocess.PIPE}[spec.stdin]
-    popen = subprocess.Popen(list(spec.argv), env=spec.env, stdin=stdin, start_new_session=True,
-                             preexec_fn=_die_with_parent_hook())
+    popen = subprocess.Popen(
+        list(spec.argv), env=spec.env, stdin=stdin, start_new_session=True, preexec_fn=_die_with_parent_hook()
+    )
     logger.debug("started %s (pid %d): %s", spec.label, popen.pid, list(spec.argv))
     return popen
 
@@ -157,8 +164,11 @@ def _fail(children: list[_Child], failed: _Child, cfg: _Settings) -> int:
     _stop_all(children, signal.SIGTERM, cfg.grace_s)
     code = failed.popen.returncode
     how = f"was killed by signal {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
-    print(f"{cfg.name}: {failed.spec.label} (pid {failed.popen.pid}) {how}; "
-          f"stopped the other {len(others)} process(es)", file=sys.stderr, flush=True)
+    print(
+        f"{cfg.name}: {failed.spec.label} (pid {failed.popen.pid}) {how}; stopped the other {len(others)} process(es)",
+        file=sys.stderr,
+        flush=True,
+    )
     return 128 - code if code < 0 else code
 
 

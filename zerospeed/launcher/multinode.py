@@ -1,4 +1,5 @@
 """Running a multi-node plan: build the chosen runner's commands and supervise them."""
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,15 @@ from zerospeed.launcher.world import decode_world_info, encode_world_info, node_
 
 logger = logging.getLogger(__name__)
 
-BACKEND_BINARY = {"pdsh": "pdsh", "ssh": "ssh", "openmpi": "mpirun", "mvapich": "mpirun", "mpich": "mpirun",
-                  "impi": "mpirun", "slurm": "srun"}
+BACKEND_BINARY = {
+    "pdsh": "pdsh",
+    "ssh": "ssh",
+    "openmpi": "mpirun",
+    "mvapich": "mpirun",
+    "mpich": "mpirun",
+    "impi": "mpirun",
+    "slurm": "srun",
+}
 # Node launchers get this long to stop their ranks (GRACE_S) before we SIGKILL them.
 NODE_GRACE_S = GRACE_S + 2.0
 # The remote kill commands' own wait (NODE_GRACE_S) plus connecting to every node.
@@ -29,25 +37,50 @@ ENV_FILE_NAME = os.environ.get("DS_ENV_FILE", ".deepspeed_env")  # DeepSpeed's p
 ENV_FILE_DIRS = (os.path.expanduser("~"), ".")
 
 
-def run_multinode(plan: LaunchPlan, command: UserCommand, *, master_port: int, each_rank_log: str | None,
-                  save_pid: bool, launcher_args: str = "", ssh_port: int | None = None, comment: str = "",
-                  account: str = "", bind_cores_to_rank: bool = False, bind_core_list: str | None = None,
-                  max_restarts: int = 0, elastic_training: bool = False, min_elastic_nodes: int | None = None,
-                  max_elastic_nodes: int | None = None) -> int:
+def run_multinode(
+    plan: LaunchPlan,
+    command: UserCommand,
+    *,
+    master_port: int,
+    each_rank_log: str | None,
+    save_pid: bool,
+    launcher_args: str = "",
+    ssh_port: int | None = None,
+    comment: str = "",
+    account: str = "",
+    bind_cores_to_rank: bool = False,
+    bind_core_list: str | None = None,
+    max_restarts: int = 0,
+    elastic_training: bool = False,
+    min_elastic_nodes: int | None = None,
+    max_elastic_nodes: int | None = None,
+) -> int:
     """Start one node launcher per node of ``plan.world`` with ``plan.launcher``; return the exit code."""
     r.check_runner_world(plan.launcher, plan.world)
     remote = plan.launcher != "local"
-    nc = r.NodeCommand(encode_world_info(plan.world), plan.master_addr, master_port, command, each_rank_log,
-                       save_pid=os.getpid() if save_pid and remote else None,
-                       bind_cores_to_rank=bind_cores_to_rank, bind_core_list=bind_core_list,
-                       max_restarts=max_restarts, elastic_training=elastic_training,
-                       min_elastic_nodes=min_elastic_nodes, max_elastic_nodes=max_elastic_nodes)
+    nc = r.NodeCommand(
+        encode_world_info(plan.world),
+        plan.master_addr,
+        master_port,
+        command,
+        each_rank_log,
+        save_pid=os.getpid() if save_pid and remote else None,
+        bind_cores_to_rank=bind_cores_to_rank,
+        bind_core_list=bind_core_list,
+        max_restarts=max_restarts,
+        elastic_training=elastic_training,
+        min_elastic_nodes=min_elastic_nodes,
+        max_elastic_nodes=max_elastic_nodes,
+    )
     hosts = list(plan.world)
-    logger.info("%s runner: %d node(s) %s, master %s:%d", plan.launcher, len(hosts), plan.world,
-                plan.master_addr, master_port)
+    logger.info(
+        "%s runner: %d node(s) %s, master %s:%d", plan.launcher, len(hosts), plan.world, plan.master_addr, master_port
+    )
     if not remote:
-        specs = [ChildSpec(node_label(plan.world, i), argv, dict(os.environ))
-                 for i, argv in enumerate(r.local_commands(hosts, nc))]
+        specs = [
+            ChildSpec(node_label(plan.world, i), argv, dict(os.environ))
+            for i, argv in enumerate(r.local_commands(hosts, nc))
+        ]
         with saved_pid(os.getpid() if save_pid else None):
             return run_children(specs, grace_s=NODE_GRACE_S)
     _check_backend(plan.launcher)
@@ -57,9 +90,17 @@ def run_multinode(plan: LaunchPlan, command: UserCommand, *, master_port: int, e
     return _run_remote(plan.launcher, hosts, nc, env, exports, args, ssh_port, comment, account)
 
 
-def _run_remote(launcher: str, hosts: list[str], nc: r.NodeCommand, env: dict[str, str],
-                exports: dict[str, str], args: list[str], ssh_port: int | None, comment: str,
-                account: str) -> int:
+def _run_remote(
+    launcher: str,
+    hosts: list[str],
+    nc: r.NodeCommand,
+    env: dict[str, str],
+    exports: dict[str, str],
+    args: list[str],
+    ssh_port: int | None,
+    comment: str,
+    account: str,
+) -> int:
     cwd = os.path.abspath(".")
     world = nc_world(nc)
     if launcher == "ssh":
@@ -77,8 +118,14 @@ def _run_remote(launcher: str, hosts: list[str], nc: r.NodeCommand, env: dict[st
         cmd = r.slurm_command(hosts, nc, launcher_args=args, comment=comment, account=account)
         env = r.slurm_env(env, exports)
     elif launcher == "openmpi":
-        cmd = r.openmpi_command(hosts, nc, exports=exports, launcher_args=args, ssh_port=ssh_port,
-                                inherited_rsh_args=env.get("OMPI_MCA_plm_rsh_args", ""))
+        cmd = r.openmpi_command(
+            hosts,
+            nc,
+            exports=exports,
+            launcher_args=args,
+            ssh_port=ssh_port,
+            inherited_rsh_args=env.get("OMPI_MCA_plm_rsh_args", ""),
+        )
     else:
         cmd = r.hydra_command(hosts, nc, exports=exports, launcher_args=args)
     return run_children([ChildSpec(launcher, cmd, env)], grace_s=NODE_GRACE_S)
@@ -100,8 +147,10 @@ def nc_world(nc: r.NodeCommand) -> dict[str, list[int]]:
 def _check_backend(launcher: str) -> None:
     binary = BACKEND_BINARY[launcher]
     if shutil.which(binary) is None:
-        raise LauncherError(f"--launcher {launcher} needs '{binary}' on PATH, which is missing; install it "
-                            f"or choose another of {', '.join(r.LAUNCHERS)}")
+        raise LauncherError(
+            f"--launcher {launcher} needs '{binary}' on PATH, which is missing; install it "
+            f"or choose another of {', '.join(r.LAUNCHERS)}"
+        )
 
 
 def _remote_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -136,8 +185,20 @@ def _run_quietly(cmds: list[list[str]], env: dict[str, str]) -> None:
     procs = []
     for cmd in cmds:
         try:  # own session: a second Ctrl-C must not interrupt the clean-up
-            procs.append((cmd, subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                                stderr=subprocess.STDOUT, text=True, start_new_session=True)))
+            procs.append(
+                (
+                    cmd,
+                    subprocess.Popen(
+                        cmd,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        text=True,
+                        start_new_session=True,
+                    ),
+                )
+            )
         except OSError as err:
             logger.warning("could not stop the remote processes with %s: %s", shlex.join(cmd), err)
     deadline = time.monotonic() + KILL_TIMEOUT_S
@@ -148,5 +209,4 @@ def _run_quietly(cmds: list[list[str]], env: dict[str, str]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
-            logger.warning("could not stop the remote processes within %.0f s with %s", KILL_TIMEOUT_S,
-                           shlex.join(cmd))
+            logger.warning("could not stop the remote processes within %.0f s with %s", KILL_TIMEOUT_S, shlex.join(cmd))

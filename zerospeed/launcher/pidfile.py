@@ -4,6 +4,7 @@ DeepSpeed writes ``/tmp/<main-pid>.deepspeed`` holding the pid of the process th
 the ranks, where ``<main-pid>`` is the pid of the ``deepspeed`` command the program started. A
 program can then find and signal that process. The same name is kept so such programs keep working.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,8 +35,10 @@ def saved_pid(main_pid: int | None, directory: str = PID_FILE_DIR) -> Iterator[N
         with open(path, "x") as f:
             f.write(str(os.getpid()))
     except FileExistsError:
-        raise LauncherError(f"--save_pid: {path} already exists; another launch with the same "
-                            "main pid is running, or a stale file needs removing") from None
+        raise LauncherError(
+            f"--save_pid: {path} already exists; another launch with the same "
+            "main pid is running, or a stale file needs removing"
+        ) from None
     print(f"launcher pid: {os.getpid()}", flush=True)
     try:
         yield

@@ -1,4 +1,5 @@
 """Turning the command-line flags into a launch plan: the world, and where to run what (pure)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -9,7 +10,6 @@ from zerospeed.launcher.errors import LauncherError
 from zerospeed.launcher.resources import filter_resources, limit_resources, local_slots
 from zerospeed.launcher.runners import LAUNCHERS
 from zerospeed.launcher.world import uniform_world
-
 
 LOCAL_MASTER_ADDR = "127.0.0.1"
 
@@ -32,14 +32,15 @@ class LaunchFlags(Protocol):
 class LaunchPlan:
     """What to launch."""
 
-    world: dict[str, list[int]]   # every node of the job and its slots, in rank order
-    node_rank: int | None         # start only this node's ranks, here; None: use the runner
+    world: dict[str, list[int]]  # every node of the job and its slots, in rank order
+    node_rank: int | None  # start only this node's ranks, here; None: use the runner
     master_addr: str
-    launcher: str                 # the multi-node runner (used when node_rank is None)
+    launcher: str  # the multi-node runner (used when node_rank is None)
 
 
-def make_plan(flags: LaunchFlags, hostfile: dict[str, int] | None, visible_devices: str,
-              device_count: Callable[[], int]) -> LaunchPlan:
+def make_plan(
+    flags: LaunchFlags, hostfile: dict[str, int] | None, visible_devices: str, device_count: Callable[[], int]
+) -> LaunchPlan:
     """Resolve flags, hostfile contents and local devices into a ``LaunchPlan``.
 
     ``device_count`` is called only when nothing else says how many processes to start.
@@ -48,15 +49,18 @@ def make_plan(flags: LaunchFlags, hostfile: dict[str, int] | None, visible_devic
     if launcher not in LAUNCHERS:
         raise LauncherError(f"--launcher {flags.launcher!r} is not one of {', '.join(LAUNCHERS)}")
     if (flags.num_nodes is not None or flags.num_gpus is not None) and (flags.include or flags.exclude):
-        raise LauncherError("--num_nodes/--num_gpus cannot be combined with --include/--exclude; "
-                            "select hosts and slots with one or the other")
+        raise LauncherError(
+            "--num_nodes/--num_gpus cannot be combined with --include/--exclude; "
+            "select hosts and slots with one or the other"
+        )
     if hostfile is None:
         return _plan_without_hostfile(flags, launcher, visible_devices, device_count)
     return _plan_with_hostfile(flags, launcher, hostfile)
 
 
-def _plan_without_hostfile(flags: LaunchFlags, launcher: str, visible: str,
-                           device_count: Callable[[], int]) -> LaunchPlan:
+def _plan_without_hostfile(
+    flags: LaunchFlags, launcher: str, visible: str, device_count: Callable[[], int]
+) -> LaunchPlan:
     slots = local_slots(flags.num_gpus, visible, device_count)
     slots = filter_resources({"localhost": slots}, flags.include, flags.exclude)["localhost"]
     num_nodes = flags.num_nodes or 1
@@ -67,9 +71,11 @@ def _plan_without_hostfile(flags: LaunchFlags, launcher: str, visible: str,
         return LaunchPlan({"localhost": slots}, node_rank, flags.master_addr or LOCAL_MASTER_ADDR, launcher)
     # torchrun style: this invocation is one of num_nodes identical nodes, started separately.
     if flags.node_rank is None or not flags.master_addr:
-        raise LauncherError(f"--num_nodes {num_nodes} without a hostfile starts one node per invocation: "
-                            "run it on every node with --node_rank (0..N-1) and --master_addr of node 0, "
-                            "or give a --hostfile")
+        raise LauncherError(
+            f"--num_nodes {num_nodes} without a hostfile starts one node per invocation: "
+            "run it on every node with --node_rank (0..N-1) and --master_addr of node 0, "
+            "or give a --hostfile"
+        )
     world = uniform_world(num_nodes, slots)
     _check_node_rank(flags.node_rank, world)
     return LaunchPlan(world, flags.node_rank, flags.master_addr, launcher)
@@ -94,5 +100,4 @@ def _plan_with_hostfile(flags: LaunchFlags, launcher: str, hostfile: dict[str, i
 
 def _check_node_rank(node_rank: int, world: dict[str, list[int]]) -> None:
     if not 0 <= node_rank < len(world):
-        raise LauncherError(f"--node_rank {node_rank} is outside 0..{len(world) - 1} "
-                            f"for a job of {len(world)} node(s)")
+        raise LauncherError(f"--node_rank {node_rank} is outside 0..{len(world) - 1} for a job of {len(world)} node(s)")

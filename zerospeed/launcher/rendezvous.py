@@ -5,6 +5,7 @@
 names the nodes that never came, (2) without elasticity, give each node its place in the world
 (hostfile order) as its group rank, and (3) tell the ranks which store to meet in.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,10 +22,10 @@ if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousInfo
     from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
-DEFAULT_RDZV_TIMEOUT_S = 600        # DynamicRendezvousHandler's join timeout
-DEFAULT_LAST_CALL_S = 30            # ... and its wait for more nodes once min_nodes joined (elastic only)
-DEFAULT_KEEP_ALIVE_S = 5            # ... and its heartbeat interval: a node silent for 3 of them is dropped
-RDZV_TIMEOUT_VAR = "ZEROSPEED_RDZV_TIMEOUT"            # seconds; exported to every node by the runners
+DEFAULT_RDZV_TIMEOUT_S = 600  # DynamicRendezvousHandler's join timeout
+DEFAULT_LAST_CALL_S = 30  # ... and its wait for more nodes once min_nodes joined (elastic only)
+DEFAULT_KEEP_ALIVE_S = 5  # ... and its heartbeat interval: a node silent for 3 of them is dropped
+RDZV_TIMEOUT_VAR = "ZEROSPEED_RDZV_TIMEOUT"  # seconds; exported to every node by the runners
 LAST_CALL_VAR = "ZEROSPEED_RDZV_LAST_CALL_TIMEOUT"
 KEEP_ALIVE_VAR = "ZEROSPEED_RDZV_KEEP_ALIVE_INTERVAL"
 RUN_ID_VAR = "ZEROSPEED_RUN_ID"
@@ -34,15 +35,15 @@ RUN_ID_VAR = "ZEROSPEED_RUN_ID"
 class RendezvousPlan:
     """How this node meets the others (pure data; ``rendezvous_plan`` makes it)."""
 
-    master_addr: str            # the c10d store, hosted by node 0's agent, is on master_addr:master_port
+    master_addr: str  # the c10d store, hosted by node 0's agent, is on master_addr:master_port
     master_port: int
     run_id: str
     min_nodes: int
     max_nodes: int
     node_rank: int
-    num_nodes: int              # nodes of the world (hostfile); with elasticity, the most expected
-    is_host: bool               # this node's agent hosts the store
-    pinned: bool                # node order is the world's (non-elastic); else the rendezvous's
+    num_nodes: int  # nodes of the world (hostfile); with elasticity, the most expected
+    is_host: bool  # this node's agent hosts the store
+    pinned: bool  # node order is the world's (non-elastic); else the rendezvous's
     join_timeout_s: int
     last_call_timeout_s: int
     keep_alive_s: int = DEFAULT_KEEP_ALIVE_S  # heartbeat interval; a lost node is noticed after 3 of them
@@ -54,11 +55,19 @@ class RendezvousPlan:
 
     def parameters(self) -> dict[str, Any]:
         """Keyword arguments of torch's ``RendezvousParameters``."""
-        return {"backend": "c10d", "endpoint": self.endpoint, "run_id": self.run_id, "min_nodes": self.min_nodes,
-                "max_nodes": self.max_nodes, "is_host": self.is_host, "join_timeout": self.join_timeout_s,
-                "last_call_timeout": self.last_call_timeout_s, "keep_alive_interval": self.keep_alive_s,
-                # a node waits for the store (node 0) as long as for the rendezvous itself
-                "read_timeout": self.join_timeout_s}
+        return {
+            "backend": "c10d",
+            "endpoint": self.endpoint,
+            "run_id": self.run_id,
+            "min_nodes": self.min_nodes,
+            "max_nodes": self.max_nodes,
+            "is_host": self.is_host,
+            "join_timeout": self.join_timeout_s,
+            "last_call_timeout": self.last_call_timeout_s,
+            "keep_alive_interval": self.keep_alive_s,
+            # a node waits for the store (node 0) as long as for the rendezvous itself
+            "read_timeout": self.join_timeout_s,
+        }
 
 
 def _seconds(env: Mapping[str, str], name: str, default: int) -> int:
@@ -79,16 +88,31 @@ def elastic_nodes(num_nodes: int, min_nodes: int | None, max_nodes: int | None) 
     return lo, hi
 
 
-def rendezvous_plan(*, master_addr: str, master_port: int, node_rank: int, num_nodes: int,
-                    elastic: tuple[int, int] | None, env: Mapping[str, str]) -> RendezvousPlan:
+def rendezvous_plan(
+    *,
+    master_addr: str,
+    master_port: int,
+    node_rank: int,
+    num_nodes: int,
+    elastic: tuple[int, int] | None,
+    env: Mapping[str, str],
+) -> RendezvousPlan:
     """The rendezvous of node ``node_rank``: all ``num_nodes`` nodes, or ``elastic`` = (min, max) of them."""
     lo, hi = elastic if elastic is not None else (num_nodes, num_nodes)
-    return RendezvousPlan(master_addr=master_addr, master_port=master_port, run_id=env.get(RUN_ID_VAR) or "zerospeed",
-                          min_nodes=lo, max_nodes=hi, node_rank=node_rank, num_nodes=num_nodes,
-                          is_host=node_rank == 0, pinned=elastic is None,
-                          join_timeout_s=_seconds(env, RDZV_TIMEOUT_VAR, DEFAULT_RDZV_TIMEOUT_S),
-                          last_call_timeout_s=_seconds(env, LAST_CALL_VAR, DEFAULT_LAST_CALL_S),
-                          keep_alive_s=_seconds(env, KEEP_ALIVE_VAR, DEFAULT_KEEP_ALIVE_S))
+    return RendezvousPlan(
+        master_addr=master_addr,
+        master_port=master_port,
+        run_id=env.get(RUN_ID_VAR) or "zerospeed",
+        min_nodes=lo,
+        max_nodes=hi,
+        node_rank=node_rank,
+        num_nodes=num_nodes,
+        is_host=node_rank == 0,
+        pinned=elastic is None,
+        join_timeout_s=_seconds(env, RDZV_TIMEOUT_VAR, DEFAULT_RDZV_TIMEOUT_S),
+        last_call_timeout_s=_seconds(env, LAST_CALL_VAR, DEFAULT_LAST_CALL_S),
+        keep_alive_s=_seconds(env, KEEP_ALIVE_VAR, DEFAULT_KEEP_ALIVE_S),
+    )
 
 
 def arrival_key(run_id: str, node_rank: int) -> str:
@@ -103,22 +127,31 @@ def missing_nodes(arrivals: Mapping[int, int], num_nodes: int, attempt: int) -> 
 
 def timeout_message(plan: RendezvousPlan, missing: Sequence[int]) -> str:
     """The error for a rendezvous that timed out, naming the nodes that did not come."""
-    who = (f"node(s) {', '.join(map(str, missing))} of {plan.num_nodes} never arrived" if missing
-           else f"fewer than {plan.min_nodes} node(s) were ready")
-    return (f"node {plan.node_rank}: the rendezvous at {plan.endpoint} timed out after {plan.join_timeout_s} s: "
-            f"{who}; start the missing node launchers (same --master_addr/--master_port), or wait longer "
-            f"with {RDZV_TIMEOUT_VAR}=SECONDS")
+    who = (
+        f"node(s) {', '.join(map(str, missing))} of {plan.num_nodes} never arrived"
+        if missing
+        else f"fewer than {plan.min_nodes} node(s) were ready"
+    )
+    return (
+        f"node {plan.node_rank}: the rendezvous at {plan.endpoint} timed out after {plan.join_timeout_s} s: "
+        f"{who}; start the missing node launchers (same --master_addr/--master_port), or wait longer "
+        f"with {RDZV_TIMEOUT_VAR}=SECONDS"
+    )
 
 
 def unreachable_message(plan: RendezvousPlan, err: BaseException) -> str:
     """The error for a node that could not reach node 0's store (or, on node 0, could not host it)."""
     if plan.is_host:
-        return (f"node 0 cannot host the rendezvous store on {plan.endpoint}: port {plan.master_port} is in use "
-                f"(another job?) or {plan.master_addr} is not an address of this host; choose another "
-                f"--master_port, or check --master_addr ({err})")
-    return (f"node {plan.node_rank}: cannot reach the rendezvous store at {plan.endpoint}, which node 0 hosts, "
-            f"within {plan.join_timeout_s} s: node 0 never arrived, or {plan.endpoint} is not reachable from "
-            f"this host (check --master_addr/--master_port and the firewall) ({err})")
+        return (
+            f"node 0 cannot host the rendezvous store on {plan.endpoint}: port {plan.master_port} is in use "
+            f"(another job?) or {plan.master_addr} is not an address of this host; choose another "
+            f"--master_port, or check --master_addr ({err})"
+        )
+    return (
+        f"node {plan.node_rank}: cannot reach the rendezvous store at {plan.endpoint}, which node 0 hosts, "
+        f"within {plan.join_timeout_s} s: node 0 never arrived, or {plan.endpoint} is not reachable from "
+        f"this host (check --master_addr/--master_port and the firewall) ({err})"
+    )
 
 
 class NodeRendezvous:
@@ -170,8 +203,10 @@ class NodeRendezvous:
         # hostfile's, or --node_rank): ranks, CROSS_RANK and the --master_addr host's rank 0 stay
         # where the user put them. Only the group rank changes; torch derives the global ranks from it.
         if info.world_size != self._plan.num_nodes:
-            raise LauncherError(f"node {self._plan.node_rank}: the rendezvous formed with {info.world_size} "
-                                f"node(s), but the job has {self._plan.num_nodes}")
+            raise LauncherError(
+                f"node {self._plan.node_rank}: the rendezvous formed with {info.world_size} "
+                f"node(s), but the job has {self._plan.num_nodes}"
+            )
 
     def _ranks_store(self, info: RendezvousInfo, group_rank: int) -> RendezvousStoreInfo:
         from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
@@ -257,5 +292,3 @@ def _torch_store_sharing_off() -> Iterator[None]:
             os.environ.pop(_NO_SHARING_VAR, None)
         else:
             os.environ[_NO_SHARING_VAR] = previous
-
-

@@ -3,14 +3,16 @@
 Everything here is a pure function of its arguments except ``detect_device_count`` (which asks
 torch, imported lazily because it costs seconds and most launches do not need it).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
 from zerospeed.launcher.errors import LauncherError
 
-SPEC_FORMAT = ("expected NODE_SPEC[@NODE_SPEC ...] with NODE_SPEC = HOST[:SLOT[,SLOT ...]] "
-               "(e.g. 'worker-0:0,2@worker-1')")
+SPEC_FORMAT = (
+    "expected NODE_SPEC[@NODE_SPEC ...] with NODE_SPEC = HOST[:SLOT[,SLOT ...]] (e.g. 'worker-0:0,2@worker-1')"
+)
 
 
 def parse_node_specs(text: str, flag: str = "--include") -> dict[str, list[int] | None]:
@@ -42,8 +44,9 @@ def _parse_one_spec(spec: str, text: str, flag: str) -> tuple[str, list[int] | N
     return host, slots
 
 
-def filter_resources(resources: Mapping[str, int | Sequence[int]], include: str = "",
-                     exclude: str = "") -> dict[str, list[int]]:
+def filter_resources(
+    resources: Mapping[str, int | Sequence[int]], include: str = "", exclude: str = ""
+) -> dict[str, list[int]]:
     """Apply DeepSpeed's ``--include`` / ``--exclude`` to ``{host: slot count or slot list}``.
 
     A host alone selects (or removes) all its slots, ``host:0,2`` only those slots; ``@`` separates
@@ -87,16 +90,19 @@ def _apply_exclude(specs: Mapping[str, list[int] | None], pool: Mapping[str, lis
 def _check_specs(specs: Mapping[str, list[int] | None], pool: Mapping[str, list[int]], flag: str) -> None:
     for host, slots in specs.items():
         if host not in pool:
-            raise LauncherError(f"{flag} names host {host!r}, which is not among the available hosts "
-                                f"({', '.join(pool)})")
+            raise LauncherError(
+                f"{flag} names host {host!r}, which is not among the available hosts ({', '.join(pool)})"
+            )
         for slot in slots or ():
             if slot not in pool[host]:
-                raise LauncherError(f"{flag} names slot {slot} on host {host!r}, whose slots are "
-                                    f"{','.join(map(str, pool[host]))}")
+                raise LauncherError(
+                    f"{flag} names slot {slot} on host {host!r}, whose slots are {','.join(map(str, pool[host]))}"
+                )
 
 
-def limit_resources(resources: Mapping[str, Sequence[int]], num_nodes: int | None,
-                    num_gpus: int | None) -> dict[str, list[int]]:
+def limit_resources(
+    resources: Mapping[str, Sequence[int]], num_nodes: int | None, num_gpus: int | None
+) -> dict[str, list[int]]:
     """Keep the first ``num_nodes`` hosts and slots ``0..num_gpus-1`` on each (``None``: no limit).
 
     Asking for more hosts or slots than the hostfile lists is an error rather than a silent
@@ -105,8 +111,9 @@ def limit_resources(resources: Mapping[str, Sequence[int]], num_nodes: int | Non
     hosts = list(resources)
     if num_nodes is not None:
         if num_nodes > len(hosts):
-            raise LauncherError(f"--num_nodes {num_nodes} but only {len(hosts)} host(s) are available "
-                                f"({', '.join(hosts)})")
+            raise LauncherError(
+                f"--num_nodes {num_nodes} but only {len(hosts)} host(s) are available ({', '.join(hosts)})"
+            )
         hosts = hosts[:num_nodes]
     if num_gpus is None:
         return {h: list(resources[h]) for h in hosts}
@@ -129,8 +136,10 @@ def local_slots(num_gpus: int | None, visible_devices: str, device_count: Callab
         try:
             return [int(d) for d in visible_devices.split(",")]
         except ValueError:
-            raise LauncherError(f"CUDA_VISIBLE_DEVICES={visible_devices!r} is not a list of integer ids; "
-                                "unset it and select GPUs with --include localhost:0,1") from None
+            raise LauncherError(
+                f"CUDA_VISIBLE_DEVICES={visible_devices!r} is not a list of integer ids; "
+                "unset it and select GPUs with --include localhost:0,1"
+            ) from None
     count = device_count()
     return list(range(count)) if count > 0 else [0]
 

@@ -5,6 +5,7 @@ node's ranks (see ``node.py``). Runners differ in how they reach the nodes and t
 its node index: pdsh, ssh and local bake it in (one command per node), and mpirun/srun set an
 environment variable that ``--node_rank_from_env`` reads.
 """
+
 from __future__ import annotations
 
 import re
@@ -34,16 +35,16 @@ RUNNER_EXPORTS = {"mvapich": {"MV2_ENABLE_AFFINITY": "0"}, "impi": {"I_MPI_PIN":
 class NodeCommand:
     """What every node launcher of a job is told."""
 
-    world_info: str                  # encode_world_info(world)
+    world_info: str  # encode_world_info(world)
     master_addr: str
     master_port: int
     command: UserCommand
     each_rank_log: str | None = None
     save_pid: int | None = None
-    python: str = sys.executable     # assumed to be the same path on every node, as DeepSpeed does
+    python: str = sys.executable  # assumed to be the same path on every node, as DeepSpeed does
     bind_cores_to_rank: bool = False
     bind_core_list: str | None = None
-    max_restarts: int = 0            # torch's elastic agent on every node (node.py)
+    max_restarts: int = 0  # torch's elastic agent on every node (node.py)
     elastic_training: bool = False
     min_elastic_nodes: int | None = None
     max_elastic_nodes: int | None = None
@@ -52,11 +53,27 @@ class NodeCommand:
 def node_launcher_argv(nc: NodeCommand, node_rank: int | str | None, *, watch_stdin: bool = False) -> list[str]:
     """argv of one node launcher; ``node_rank=None`` makes it read its index from MPI/Slurm variables."""
     rank_flag = "--node_rank_from_env" if node_rank is None else f"--node_rank={node_rank}"
-    argv = [nc.python, "-u", "-m", NODE_MODULE, f"--world_info={nc.world_info}", rank_flag,
-            f"--master_addr={nc.master_addr}", f"--master_port={nc.master_port}"]
+    argv = [
+        nc.python,
+        "-u",
+        "-m",
+        NODE_MODULE,
+        f"--world_info={nc.world_info}",
+        rank_flag,
+        f"--master_addr={nc.master_addr}",
+        f"--master_port={nc.master_port}",
+    ]
     cmd = nc.command
-    argv += [flag for flag, on in (("--module", cmd.module), ("--no_python", cmd.no_python),
-                                   ("--no_local_rank", cmd.no_local_rank), ("--watch_stdin", watch_stdin)) if on]
+    argv += [
+        flag
+        for flag, on in (
+            ("--module", cmd.module),
+            ("--no_python", cmd.no_python),
+            ("--no_local_rank", cmd.no_local_rank),
+            ("--watch_stdin", watch_stdin),
+        )
+        if on
+    ]
     if nc.each_rank_log:
         argv.append(f"--enable_each_rank_log={nc.each_rank_log}")
     if nc.save_pid is not None:
@@ -73,9 +90,14 @@ def _agent_flags(nc: NodeCommand) -> list[str]:
     flags = [f"--max_restarts={nc.max_restarts}"] if nc.max_restarts else []
     if nc.elastic_training:
         flags.append("--elastic_training")
-        flags += [f"--{name}={value}" for name, value in (("min_elastic_nodes", nc.min_elastic_nodes),
-                                                           ("max_elastic_nodes", nc.max_elastic_nodes))
-                  if value is not None]
+        flags += [
+            f"--{name}={value}"
+            for name, value in (
+                ("min_elastic_nodes", nc.min_elastic_nodes),
+                ("max_elastic_nodes", nc.max_elastic_nodes),
+            )
+            if value is not None
+        ]
     return flags
 
 
@@ -107,8 +129,9 @@ def remote_shell_command(exports: Mapping[str, str], cwd: str, argv: Sequence[st
     return " ".join(parts)
 
 
-def pdsh_commands(hosts: Sequence[str], nc: NodeCommand, *, exports: Mapping[str, str], cwd: str,
-                  launcher_args: Sequence[str] = ()) -> list[list[str]]:
+def pdsh_commands(
+    hosts: Sequence[str], nc: NodeCommand, *, exports: Mapping[str, str], cwd: str, launcher_args: Sequence[str] = ()
+) -> list[list[str]]:
     """One pdsh per host, each with its node index baked in.
 
     Note [one pdsh per node]: one ``pdsh -w all,hosts`` (DeepSpeed's, with ``%n`` for the index)
@@ -117,18 +140,27 @@ def pdsh_commands(hosts: Sequence[str], nc: NodeCommand, *, exports: Mapping[str
     With one pdsh per node the supervisor sees the first failure and stops the rest (pdsh 2.35's
     ``-k`` would do it for one pdsh; Debian 12 ships 2.34).
     """
-    return [[*_pdsh_prefix([host]), *launcher_args, remote_shell_command(exports, cwd, node_launcher_argv(nc, i))]
-            for i, host in enumerate(hosts)]
+    return [
+        [*_pdsh_prefix([host]), *launcher_args, remote_shell_command(exports, cwd, node_launcher_argv(nc, i))]
+        for i, host in enumerate(hosts)
+    ]
 
 
-def pdsh_kill_command(hosts: Sequence[str], nc: NodeCommand, launcher_args: Sequence[str] = (),
-                      grace_s: float = 5.0) -> list[str]:
+def pdsh_kill_command(
+    hosts: Sequence[str], nc: NodeCommand, launcher_args: Sequence[str] = (), grace_s: float = 5.0
+) -> list[str]:
     """pdsh line that stops this job's node launchers on every host (``kill_line``)."""
     return [*_pdsh_prefix(hosts), *launcher_args, kill_line(nc, grace_s)]
 
 
-def ssh_kill_commands(hosts: Sequence[str], nc: NodeCommand, *, ssh_port: int | None = None,
-                      launcher_args: Sequence[str] = (), grace_s: float = 5.0) -> list[list[str]]:
+def ssh_kill_commands(
+    hosts: Sequence[str],
+    nc: NodeCommand,
+    *,
+    ssh_port: int | None = None,
+    launcher_args: Sequence[str] = (),
+    grace_s: float = 5.0,
+) -> list[list[str]]:
     """One ssh per host that stops this job's node launcher there (``kill_line``)."""
     port = ["-p", str(ssh_port)] if ssh_port is not None else []
     return [["ssh", "-n", *port, *launcher_args, host, kill_line(nc, grace_s)] for host in hosts]
@@ -144,38 +176,72 @@ def kill_line(nc: NodeCommand, grace_s: float) -> str:
     the SIGKILL; its ranks then get SIGTERM from Linux (Note [ranks die with their node launcher]).
     The ``[z]`` keeps the pattern from matching the remote shell that runs this line.
     """
-    pattern = shlex.quote(rf"[z]erospeed\.launcher\.node --world_info={re.escape(nc.world_info)} "
-                          rf".*--master_port={nc.master_port} ")
+    pattern = shlex.quote(
+        rf"[z]erospeed\.launcher\.node --world_info={re.escape(nc.world_info)} "
+        rf".*--master_port={nc.master_port} "
+    )
     polls = max(1, round(grace_s / KILL_POLL_S))
-    return (f"pkill -f -- {pattern}; n=0; while [ $n -lt {polls} ] && pgrep -f -- {pattern} >/dev/null; "
-            f"do sleep {KILL_POLL_S}; n=$((n + 1)); done; pkill -KILL -f -- {pattern}; true")
+    return (
+        f"pkill -f -- {pattern}; n=0; while [ $n -lt {polls} ] && pgrep -f -- {pattern} >/dev/null; "
+        f"do sleep {KILL_POLL_S}; n=$((n + 1)); done; pkill -KILL -f -- {pattern}; true"
+    )
 
 
 def _pdsh_prefix(hosts: Sequence[str]) -> list[str]:
     return ["pdsh", "-S", "-f", str(PDSH_MAX_FAN_OUT), "-w", ",".join(hosts)]
 
 
-def ssh_commands(hosts: Sequence[str], nc: NodeCommand, *, exports: Mapping[str, str], cwd: str,
-                 ssh_port: int | None = None, launcher_args: Sequence[str] = ()) -> list[list[str]]:
+def ssh_commands(
+    hosts: Sequence[str],
+    nc: NodeCommand,
+    *,
+    exports: Mapping[str, str],
+    cwd: str,
+    ssh_port: int | None = None,
+    launcher_args: Sequence[str] = (),
+) -> list[list[str]]:
     """One ssh per host. Each node launcher watches its stdin: it closes when our ssh dies."""
     port = ["-p", str(ssh_port)] if ssh_port is not None else []
-    return [["ssh", *port, *launcher_args, host,
-             remote_shell_command(exports, cwd, node_launcher_argv(nc, i, watch_stdin=True))]
-            for i, host in enumerate(hosts)]
+    return [
+        [
+            "ssh",
+            *port,
+            *launcher_args,
+            host,
+            remote_shell_command(exports, cwd, node_launcher_argv(nc, i, watch_stdin=True)),
+        ]
+        for i, host in enumerate(hosts)
+    ]
 
 
-def openmpi_command(hosts: Sequence[str], nc: NodeCommand, *, exports: Mapping[str, str],
-                    launcher_args: Sequence[str] = (), ssh_port: int | None = None,
-                    inherited_rsh_args: str = "") -> list[str]:
+def openmpi_command(
+    hosts: Sequence[str],
+    nc: NodeCommand,
+    *,
+    exports: Mapping[str, str],
+    launcher_args: Sequence[str] = (),
+    ssh_port: int | None = None,
+    inherited_rsh_args: str = "",
+) -> list[str]:
     """mpirun (Open MPI) with one node launcher per host, in ``hosts`` order (rank i on host i).
 
     ``inherited_rsh_args`` is ``$OMPI_MCA_plm_rsh_args``, kept when ``ssh_port`` adds to it.
     """
-    return ["mpirun", "--allow-run-as-root", "-np", str(len(hosts)), "-H", ",".join(hosts),
-            "--map-by", "ppr:1:node", "--bind-to", "none",
-            *with_rsh_port(launcher_args, ssh_port, inherited_rsh_args),
-            *_flag_pairs("-x", (f"{k}={v}" for k, v in exports.items())),
-            *node_launcher_argv(nc, None)]
+    return [
+        "mpirun",
+        "--allow-run-as-root",
+        "-np",
+        str(len(hosts)),
+        "-H",
+        ",".join(hosts),
+        "--map-by",
+        "ppr:1:node",
+        "--bind-to",
+        "none",
+        *with_rsh_port(launcher_args, ssh_port, inherited_rsh_args),
+        *_flag_pairs("-x", (f"{k}={v}" for k, v in exports.items())),
+        *node_launcher_argv(nc, None),
+    ]
 
 
 def with_rsh_port(launcher_args: Sequence[str], ssh_port: int | None, inherited: str = "") -> list[str]:
@@ -196,16 +262,28 @@ def with_rsh_port(launcher_args: Sequence[str], ssh_port: int | None, inherited:
     return ["--mca", "plm_rsh_args", f"{inherited} -p {ssh_port}".strip(), *args]
 
 
-def hydra_command(hosts: Sequence[str], nc: NodeCommand, *, exports: Mapping[str, str],
-                  launcher_args: Sequence[str] = ()) -> list[str]:
+def hydra_command(
+    hosts: Sequence[str], nc: NodeCommand, *, exports: Mapping[str, str], launcher_args: Sequence[str] = ()
+) -> list[str]:
     """mpirun of the hydra family (MPICH, Intel MPI, MVAPICH2) with one node launcher per host."""
     genv = [w for k, v in exports.items() for w in ("-genv", k, v)]
-    return ["mpirun", "-n", str(len(hosts)), "-ppn", "1", "-hosts", ",".join(hosts), *launcher_args,
-            *genv, *node_launcher_argv(nc, None)]
+    return [
+        "mpirun",
+        "-n",
+        str(len(hosts)),
+        "-ppn",
+        "1",
+        "-hosts",
+        ",".join(hosts),
+        *launcher_args,
+        *genv,
+        *node_launcher_argv(nc, None),
+    ]
 
 
-def slurm_command(hosts: Sequence[str], nc: NodeCommand, *, launcher_args: Sequence[str] = (), comment: str = "",
-                  account: str = "") -> list[str]:
+def slurm_command(
+    hosts: Sequence[str], nc: NodeCommand, *, launcher_args: Sequence[str] = (), comment: str = "", account: str = ""
+) -> list[str]:
     """srun with one node launcher per host (SLURM_PROCID gives the node index).
 
     Note [srun exports]: ``--export=ALL`` sends srun's whole environment, so the exports go there
@@ -215,8 +293,22 @@ def slurm_command(hosts: Sequence[str], nc: NodeCommand, *, launcher_args: Seque
     """
     n = str(len(hosts))
     extra = [*(["--comment", comment] if comment else []), *(["--account", account] if account else [])]
-    return ["srun", "--nodes", n, "--ntasks", n, "--ntasks-per-node", "1", "--nodelist", ",".join(hosts),
-            "--kill-on-bad-exit=1", *launcher_args, *extra, "--export=ALL", *node_launcher_argv(nc, None)]
+    return [
+        "srun",
+        "--nodes",
+        n,
+        "--ntasks",
+        n,
+        "--ntasks-per-node",
+        "1",
+        "--nodelist",
+        ",".join(hosts),
+        "--kill-on-bad-exit=1",
+        *launcher_args,
+        *extra,
+        "--export=ALL",
+        *node_launcher_argv(nc, None),
+    ]
 
 
 def slurm_env(env: Mapping[str, str], exports: Mapping[str, str]) -> dict[str, str]:
@@ -232,9 +324,11 @@ def local_commands(hosts: Sequence[str], nc: NodeCommand) -> list[list[str]]:
 def check_runner_world(launcher: str, world: Mapping[str, Sequence[int]]) -> None:
     """srun numbers tasks in its own node order, not ours, so every node must look the same."""
     if launcher == "slurm" and len({tuple(s) for s in world.values()}) > 1:
-        raise LauncherError("--launcher slurm needs the same slots on every node, got "
-                            + ", ".join(f"{h}:{','.join(map(str, s))}" for h, s in world.items())
-                            + "; use --launcher pdsh or ssh for uneven nodes")
+        raise LauncherError(
+            "--launcher slurm needs the same slots on every node, got "
+            + ", ".join(f"{h}:{','.join(map(str, s))}" for h, s in world.items())
+            + "; use --launcher pdsh or ssh for uneven nodes"
+        )
 
 
 def _flag_pairs(flag: str, values: Iterable[str]) -> list[str]:

@@ -13,6 +13,7 @@ agent's supervision is unchanged):
 
 Stdlib only: a rank starts without importing zerospeed or torch.
 """
+
 import sys
 
 if __name__ == "__main__":
@@ -31,8 +32,11 @@ HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_hook")
 
 def zerospeed_variables(agent_env: Mapping[str, str]) -> dict[str, str]:
     """zerospeed's (DeepSpeed's) names for what the agent tells a worker under torch's names."""
-    return {"LOCAL_SIZE": agent_env["LOCAL_WORLD_SIZE"], "CROSS_RANK": agent_env["GROUP_RANK"],
-            "CROSS_SIZE": agent_env["GROUP_WORLD_SIZE"]}
+    return {
+        "LOCAL_SIZE": agent_env["LOCAL_WORLD_SIZE"],
+        "CROSS_RANK": agent_env["GROUP_RANK"],
+        "CROSS_SIZE": agent_env["GROUP_WORLD_SIZE"],
+    }
 
 
 def log_path(log_dir: str, prefix: str, rank: str) -> str:

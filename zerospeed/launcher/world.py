@@ -3,6 +3,7 @@
 A *world* is an ordered ``{host: [slot, ...]}``. Global ranks are numbered node by node in that
 order, and within a node in slot order; a rank's local rank is its index within its node.
 """
+
 from __future__ import annotations
 
 import base64
@@ -17,11 +18,11 @@ from zerospeed.launcher.errors import LauncherError
 class NodeLayout:
     """Where one node sits in the world, and what its processes are."""
 
-    node_rank: int            # index of this node in the world (CROSS_RANK)
-    num_nodes: int            # CROSS_SIZE
-    world_size: int           # total processes over all nodes
-    first_rank: int           # global rank of this node's local rank 0
-    slots: tuple[int, ...]    # device ids this node's processes use, in local-rank order
+    node_rank: int  # index of this node in the world (CROSS_RANK)
+    num_nodes: int  # CROSS_SIZE
+    world_size: int  # total processes over all nodes
+    first_rank: int  # global rank of this node's local rank 0
+    slots: tuple[int, ...]  # device ids this node's processes use, in local-rank order
 
     @property
     def local_size(self) -> int:
@@ -37,12 +38,18 @@ def node_layout(world: Mapping[str, Sequence[int]], node_rank: int) -> NodeLayou
     """Layout of node ``node_rank`` in ``world``."""
     hosts = list(world)
     if not 0 <= node_rank < len(hosts):
-        raise LauncherError(f"node rank {node_rank} is outside 0..{len(hosts) - 1} "
-                            f"(the world has {len(hosts)} node(s): {', '.join(hosts)})")
+        raise LauncherError(
+            f"node rank {node_rank} is outside 0..{len(hosts) - 1} "
+            f"(the world has {len(hosts)} node(s): {', '.join(hosts)})"
+        )
     first = sum(len(world[h]) for h in hosts[:node_rank])
-    return NodeLayout(node_rank=node_rank, num_nodes=len(hosts),
-                      world_size=sum(len(s) for s in world.values()),
-                      first_rank=first, slots=tuple(world[hosts[node_rank]]))
+    return NodeLayout(
+        node_rank=node_rank,
+        num_nodes=len(hosts),
+        world_size=sum(len(s) for s in world.values()),
+        first_rank=first,
+        slots=tuple(world[hosts[node_rank]]),
+    )
 
 
 def uniform_world(num_nodes: int, slots: Sequence[int]) -> dict[str, list[int]]:
@@ -65,8 +72,11 @@ def decode_world_info(text: str) -> dict[str, list[int]]:
         world = json.loads(base64.urlsafe_b64decode(text.encode()))
     except ValueError as err:
         raise LauncherError(f"--world_info is not base64-encoded JSON: {err}") from None
-    valid = isinstance(world, dict) and world and all(
-        isinstance(s, list) and s and all(isinstance(x, int) for x in s) for s in world.values())
+    valid = (
+        isinstance(world, dict)
+        and world
+        and all(isinstance(s, list) and s and all(isinstance(x, int) for x in s) for s in world.values())
+    )
     if not valid:
         raise LauncherError(f"--world_info must encode a non-empty {{host: [slot, ...]}}, got {world!r}")
     return world

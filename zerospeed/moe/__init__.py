@@ -2,6 +2,7 @@
 `moe.sharded_moe` (TopKGate, MOELayer, top1gating / top2gating / topkgating), `moe.experts.Experts`,
 `moe.utils` (param-group helpers), and AutoEP for transformers MoE models (`moe.autoep.apply_autoep`). See
 docs/moe.md."""
+
 from zerospeed.moe.autoep import apply_autoep
 from zerospeed.moe.experts import Experts
 from zerospeed.moe.layer import MoE, bind_expert_groups

@@ -28,6 +28,7 @@ of group "ep_size_N" made by AutoEP (Note [expert parameter tags], experts.py), 
 reduces them over their expert-data-parallel ranks, and their gradients are scaled by 1/ep
 (Note [expert gradient scale]).
 """
+
 from __future__ import annotations
 
 import re
@@ -41,21 +42,27 @@ from zerospeed import comm
 from zerospeed.checkpoint.export import export_state_dict
 from zerospeed.checkpoint.protocols import ExpertShare
 from zerospeed.comm.functional import all_to_all
-from zerospeed.utils.errors import ConfigError
 from zerospeed.moe.dropless import exchange_counts
 from zerospeed.moe.sharded_moe import _ScaleGrad
-from zerospeed.utils.logging import log_dist
 from zerospeed.optim.param_groups import substitute_parameters
+from zerospeed.utils.errors import ConfigError
+from zerospeed.utils.logging import log_dist
 from zerospeed.zero import GatheredParameters, tags
 
 # DeepSpeed's preset names. A preset fixes where the blocks are and which model.config attribute
 # counts the experts. Run against stock transformers (tests/dist/test_moe_autoep_parity.py): mixtral and
 # qwen3_moe by preset, qwen2_moe (no DeepSpeed preset) by the structural detection of find_moe_blocks.
 PRESETS: dict[str, dict] = {
-    "mixtral": {"moe_layer_pattern": r"model\.layers\.\d+\.mlp", "num_experts_attr": "num_local_experts",
-                "model_types": ("mixtral",)},
-    "qwen3_moe": {"moe_layer_pattern": r"model\.layers\.\d+\.mlp", "num_experts_attr": "num_experts",
-                  "model_types": ("qwen3_moe",)},
+    "mixtral": {
+        "moe_layer_pattern": r"model\.layers\.\d+\.mlp",
+        "num_experts_attr": "num_local_experts",
+        "model_types": ("mixtral",),
+    },
+    "qwen3_moe": {
+        "moe_layer_pattern": r"model\.layers\.\d+\.mlp",
+        "num_experts_attr": "num_experts",
+        "model_types": ("qwen3_moe",),
+    },
 }
 UNSUPPORTED_PRESETS = ("qwen3_5_moe", "deepseek_v2", "deepseek_v3", "llama4")
 
@@ -73,11 +80,14 @@ class AutoEPSpec:
 
 # -- pure helpers --------------------------------------------------------------------------------------
 
+
 def local_expert_range(num_experts: int, ep_size: int, ep_rank: int) -> range:
     """The global experts expert-parallel rank `ep_rank` holds (Note [expert parallel layout])."""
     if ep_size < 1 or num_experts % ep_size:
-        raise ConfigError(f"expert_parallel.autoep_size={ep_size} does not divide the model's {num_experts} experts; "
-                          "every expert-parallel rank holds num_experts / autoep_size of them")
+        raise ConfigError(
+            f"expert_parallel.autoep_size={ep_size} does not divide the model's {num_experts} experts; "
+            "every expert-parallel rank holds num_experts / autoep_size of them"
+        )
     local = num_experts // ep_size
     return range(ep_rank * local, (ep_rank + 1) * local)
 
@@ -105,8 +115,13 @@ def plan_dispatch(top_k_index_SK: torch.Tensor, num_experts: int, ep_size: int) 
 
 
 # config key each routing fact is asserted by
-_FACT_KEYS = {"score_func": "score_func", "score_apply": "score_apply", "top_k": "top_k", "route_norm": "route_norm",
-              "num_experts": "num_experts_attr"}
+_FACT_KEYS = {
+    "score_func": "score_func",
+    "score_apply": "score_apply",
+    "top_k": "top_k",
+    "route_norm": "route_norm",
+    "num_experts": "num_experts_attr",
+}
 
 
 _SOFTMAX_ROUTERS = ("Mixtral", "Qwen2Moe", "Qwen3Moe")  # router class name prefixes whose facts are known
@@ -118,13 +133,17 @@ def routing_facts(router: nn.Module, num_experts: int) -> dict:
     renormalises the top-k weights, Qwen-MoE when `norm_topk_prob`. For another router only its
     `top_k` and the expert count are known (None: a config value for it cannot be checked)."""
     known = type(router).__name__.startswith(_SOFTMAX_ROUTERS)
-    return {"score_func": "softmax" if known else None, "score_apply": "post" if known else None,
-            "top_k": getattr(router, "top_k", None),
-            "route_norm": bool(getattr(router, "norm_topk_prob", True)) if known else None,
-            "num_experts": num_experts}
+    return {
+        "score_func": "softmax" if known else None,
+        "score_apply": "post" if known else None,
+        "top_k": getattr(router, "top_k", None),
+        "route_norm": bool(getattr(router, "norm_topk_prob", True)) if known else None,
+        "num_experts": num_experts,
+    }
 
 
 # -- the expert-parallel container ---------------------------------------------------------------------
+
 
 class ExpertParallelExperts(nn.Module):
     """This rank's `E / ep` experts of one sparse-MoE block, with transformers' fused layout and the
@@ -132,9 +151,18 @@ class ExpertParallelExperts(nn.Module):
     default) and call signature:
     forward(hidden_states [S, H], top_k_index [S, k], top_k_weights [S, k]) -> [S, H]."""
 
-    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act_fn, num_experts: int,
-                 ep_size: int, ep_rank: int, ep_group, names: tuple[str, str] = ("gate_up_proj", "down_proj"),
-                 expert_data_parallel_group=None):
+    def __init__(
+        self,
+        gate_up_proj: torch.Tensor,
+        down_proj: torch.Tensor,
+        act_fn,
+        num_experts: int,
+        ep_size: int,
+        ep_rank: int,
+        ep_group,
+        names: tuple[str, str] = ("gate_up_proj", "down_proj"),
+        expert_data_parallel_group=None,
+    ):
         super().__init__()
         self.param_names = names
         span = local_expert_range(num_experts, ep_size, ep_rank)
@@ -142,13 +170,15 @@ class ExpertParallelExperts(nn.Module):
         self.first_expert, self.num_local_experts = span.start, len(span)
         self.ep_group = ep_group
         # the replicas of these experts: which one writes their checkpoint files (checkpoint/experts.py)
-        self.expert_data_parallel_group = expert_data_parallel_group if expert_data_parallel_group is not None \
-            else comm.SELF
+        self.expert_data_parallel_group = (
+            expert_data_parallel_group if expert_data_parallel_group is not None else comm.SELF
+        )
         self.expert_group_name = f"ep_size_{ep_size}"
         self.act_fn = act_fn
         for name, full in zip(names, (gate_up_proj, down_proj)):  # copies: the full tensors go with the old container
-            self.register_parameter(name, nn.Parameter(full[span.start:span.stop].detach().clone(),
-                                                       requires_grad=full.requires_grad))
+            self.register_parameter(
+                name, nn.Parameter(full[span.start : span.stop].detach().clone(), requires_grad=full.requires_grad)
+            )
         self._tag()
 
     @property
@@ -170,15 +200,21 @@ class ExpertParallelExperts(nn.Module):
         self._tag()
 
     def extra_repr(self) -> str:
-        return (f"experts {self.first_expert}..{self.first_expert + self.num_local_experts - 1} of "
-                f"{self.num_experts}, ep_size={self.ep_size}")
+        return (
+            f"experts {self.first_expert}..{self.first_expert + self.num_local_experts - 1} of "
+            f"{self.num_experts}, ep_size={self.ep_size}"
+        )
 
     # -- checkpoints (the checkpoint's `HoldsExperts` and `SplitParameters` protocols) -----------------
     def checkpoint_experts(self) -> ExpertShare:
         """Note [stacked expert checkpoints] (checkpoint/experts.py): rows first_expert.. of the whole tensors."""
-        return ExpertShare(first=self.first_expert, local=self.num_local_experts,
-                           writer=comm.get_rank(self.expert_data_parallel_group) == 0,
-                           stacked=tuple(self.param_names), total=self.num_experts)
+        return ExpertShare(
+            first=self.first_expert,
+            local=self.num_local_experts,
+            writer=comm.get_rank(self.expert_data_parallel_group) == 0,
+            stacked=tuple(self.param_names),
+            total=self.num_experts,
+        )
 
     def full_parameter(self, name: str) -> torch.Tensor | None:
         """Collective over the expert-parallel group: stacked parameter `name` with every expert's rows (None
@@ -212,8 +248,9 @@ class ExpertParallelExperts(nn.Module):
                 outs[r * local + j] = part
         return torch.cat(outs)
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         plan = plan_dispatch(top_k_index, self.num_experts, self.ep_size)
         rows = hidden_states[plan.token_N]
         if self.ep_size == 1:
@@ -233,22 +270,29 @@ class ExpertParallelExperts(nn.Module):
 
 # -- finding and replacing blocks --------------------------------------------------------------------
 
+
 def _fused_experts(experts: nn.Module, spec: AutoEPSpec, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     w1, w2 = getattr(experts, spec.w1, None), getattr(experts, spec.w2, None)
     if not isinstance(w1, torch.Tensor) or not isinstance(w2, torch.Tensor) or w1.dim() != 3 or w2.dim() != 3:
-        raise ConfigError(f"AutoEP: {name}.{spec.experts} has no 3-D `{spec.w1}` / `{spec.w2}` expert weights (got "
-                          f"{type(experts).__name__}); a model built under zero.Init (partitioned) or with per-expert "
-                          "modules is not supported: build the model outside zero.Init, with transformers >= 5's "
-                          "fused experts, or set expert_parallel.expert_w1 / expert_w2")
+        raise ConfigError(
+            f"AutoEP: {name}.{spec.experts} has no 3-D `{spec.w1}` / `{spec.w2}` expert weights (got "
+            f"{type(experts).__name__}); a model built under zero.Init (partitioned) or with per-expert "
+            "modules is not supported: build the model outside zero.Init, with transformers >= 5's "
+            "fused experts, or set expert_parallel.expert_w1 / expert_w2"
+        )
     others = [n for n, _ in experts.named_parameters() if n not in (spec.w1, spec.w2)]
     if others or getattr(experts, "has_bias", False) or getattr(experts, "is_transposed", False):
-        raise ConfigError(f"AutoEP: {name}.{spec.experts} ({type(experts).__name__}) has expert biases or a "
-                          f"transposed layout ({others or 'flags'}); only bias-free gate_up_proj [E, 2I, H] / "
-                          "down_proj [E, H, I] experts are supported")
+        raise ConfigError(
+            f"AutoEP: {name}.{spec.experts} ({type(experts).__name__}) has expert biases or a "
+            f"transposed layout ({others or 'flags'}); only bias-free gate_up_proj [E, 2I, H] / "
+            "down_proj [E, H, I] experts are supported"
+        )
     E, two_i, H = w1.shape
     if w2.shape != (E, H, two_i // 2) or two_i % 2:
-        raise ConfigError(f"AutoEP: {name}.{spec.experts}: {spec.w1} {tuple(w1.shape)} and {spec.w2} "
-                          f"{tuple(w2.shape)} are not a fused [E, 2I, H] / [E, H, I] pair")
+        raise ConfigError(
+            f"AutoEP: {name}.{spec.experts}: {spec.w1} {tuple(w1.shape)} and {spec.w2} "
+            f"{tuple(w2.shape)} are not a fused [E, 2I, H] / [E, H, I] pair"
+        )
     if not hasattr(experts, "act_fn"):
         raise ConfigError(f"AutoEP: {name}.{spec.experts} ({type(experts).__name__}) has no `act_fn`")
     return w1, w2
@@ -273,26 +317,33 @@ def find_moe_blocks(model: nn.Module, spec: AutoEPSpec = AutoEPSpec()) -> list[t
     return found
 
 
-def apply_autoep(model: nn.Module, mesh, ep_size: int, spec: AutoEPSpec = AutoEPSpec(),
-                 expect: dict | None = None) -> dict[int, nn.Parameter]:
+def apply_autoep(
+    model: nn.Module, mesh, ep_size: int, spec: AutoEPSpec = AutoEPSpec(), expect: dict | None = None
+) -> dict[int, nn.Parameter]:
     """Make every sparse-MoE block of `model` expert-parallel over `ep_size` ranks of `mesh`
     (collective: asks the mesh for the expert groups). Returns {id(replaced full parameter): this
     rank's new local parameter}. `expect` holds routing values the config asserted (checked against
     each block's router, Note [AutoEP keeps the model's router])."""
     if mesh.size("tp") > 1 or mesh.size("pp") > 1:
-        raise ConfigError(f"expert_parallel with tensor or pipeline parallelism (tp={mesh.size('tp')}, "
-                          f"pp={mesh.size('pp')}) is not supported yet; use tp = pp = 1")
+        raise ConfigError(
+            f"expert_parallel with tensor or pipeline parallelism (tp={mesh.size('tp')}, "
+            f"pp={mesh.size('pp')}) is not supported yet; use tp = pp = 1"
+        )
     blocks = find_moe_blocks(model, spec)
     if not blocks:
-        raise ConfigError("expert_parallel.enabled=true but the model has no sparse-MoE block (a module with a "
-                          f"`{spec.router}` router and a fused `{spec.experts}` container"
-                          + (f" named like {spec.moe_layer_pattern!r}" if spec.moe_layer_pattern else "")
-                          + "); check expert_parallel.preset_model / moe_layer_pattern / router_pattern / "
-                            "expert_pattern")
+        raise ConfigError(
+            "expert_parallel.enabled=true but the model has no sparse-MoE block (a module with a "
+            f"`{spec.router}` router and a fused `{spec.experts}` container"
+            + (f" named like {spec.moe_layer_pattern!r}" if spec.moe_layer_pattern else "")
+            + "); check expert_parallel.preset_model / moe_layer_pattern / router_pattern / "
+            "expert_pattern"
+        )
     if ep_size < 1 or mesh.size("dp_sp") % ep_size:  # Note [expert layout] (comm/topology.py)
-        raise ConfigError(f"expert_parallel.autoep_size={ep_size} does not divide the data-parallel size "
-                          f"{mesh.size('dp')} x sequence-parallel size {mesh.size('sp')}; expert-parallel groups "
-                          "split each sequence-data-parallel group")
+        raise ConfigError(
+            f"expert_parallel.autoep_size={ep_size} does not divide the data-parallel size "
+            f"{mesh.size('dp')} x sequence-parallel size {mesh.size('sp')}; expert-parallel groups "
+            "split each sequence-data-parallel group"
+        )
     checked = []
     for name, block in blocks:  # every block is checked before any is replaced
         experts, router = getattr(block, spec.experts), getattr(block, spec.router)
@@ -304,12 +355,16 @@ def apply_autoep(model: nn.Module, mesh, ep_size: int, spec: AutoEPSpec = AutoEP
     ep_rank = comm.get_rank(ep_axis.handle)
     replaced: dict[int, nn.Parameter] = {}
     for block, experts, w1, w2 in checked:
-        new = ExpertParallelExperts(w1, w2, experts.act_fn, w1.shape[0], ep_size, ep_rank, ep_axis.handle,
-                                    (spec.w1, spec.w2), edp_axis.handle)
+        new = ExpertParallelExperts(
+            w1, w2, experts.act_fn, w1.shape[0], ep_size, ep_rank, ep_axis.handle, (spec.w1, spec.w2), edp_axis.handle
+        )
         replaced[id(w1)], replaced[id(w2)] = new.w_in, new.w_out
         setattr(block, spec.experts, new)
-    log_dist(f"AutoEP: {len(blocks)} MoE blocks, {blocks[0][1].get_submodule(spec.experts).num_local_experts} "
-             f"experts per rank, expert parallel size {ep_size}", ranks=[0])
+    log_dist(
+        f"AutoEP: {len(blocks)} MoE blocks, {blocks[0][1].get_submodule(spec.experts).num_local_experts} "
+        f"experts per rank, expert parallel size {ep_size}",
+        ranks=[0],
+    )
     return replaced
 
 
@@ -317,19 +372,26 @@ def _check_routing(name: str, facts: dict, expect: dict) -> None:
     for key, value in expect.items():
         if facts.get(key) != value:
             if facts.get(key) is None:
-                raise ConfigError(f"expert_parallel.{_FACT_KEYS[key]}={value!r}: zerospeed cannot tell what {name}'s "
-                                  "router does there (AutoEP keeps the model's own router); remove the key")
-            raise ConfigError(f"expert_parallel.{_FACT_KEYS[key]}: the config asks for {key}={value!r} but {name} has "
-                              f"{key}={facts.get(key)!r}; "
-                              "zerospeed's AutoEP keeps the model's own router (docs/moe.md), so the key may only "
-                              "restate it: remove the key (or set it to \"auto\" / null)")
+                raise ConfigError(
+                    f"expert_parallel.{_FACT_KEYS[key]}={value!r}: zerospeed cannot tell what {name}'s "
+                    "router does there (AutoEP keeps the model's own router); remove the key"
+                )
+            raise ConfigError(
+                f"expert_parallel.{_FACT_KEYS[key]}: the config asks for {key}={value!r} but {name} has "
+                f"{key}={facts.get(key)!r}; "
+                "zerospeed's AutoEP keeps the model's own router (docs/moe.md), so the key may only "
+                'restate it: remove the key (or set it to "auto" / null)'
+            )
 
 
 # -- the config ----------------------------------------------------------------------------------------
 
+
 def _refuse(key: str, value, why: str) -> ConfigError:
-    return ConfigError(f"expert_parallel.{key}={value!r}: {why} is not implemented in zerospeed's AutoEP; remove the key "
-                       "or set it to its default")
+    return ConfigError(
+        f"expert_parallel.{key}={value!r}: {why} is not implemented in zerospeed's AutoEP; remove the key "
+        "or set it to its default"
+    )
 
 
 def autoep_settings(ep, model: nn.Module) -> tuple[AutoEPSpec, dict]:
@@ -357,16 +419,24 @@ def autoep_settings(ep, model: nn.Module) -> tuple[AutoEPSpec, dict]:
         if ep.preset_model in UNSUPPORTED_PRESETS:
             raise _refuse("preset_model", ep.preset_model, f"the {ep.preset_model} preset")
         if ep.preset_model not in PRESETS:
-            raise ConfigError(f"expert_parallel.preset_model={ep.preset_model!r} is not a DeepSpeed AutoEP preset; "
-                              f"choose one of {sorted(PRESETS)} or leave it null (blocks are then found by shape)")
+            raise ConfigError(
+                f"expert_parallel.preset_model={ep.preset_model!r} is not a DeepSpeed AutoEP preset; "
+                f"choose one of {sorted(PRESETS)} or leave it null (blocks are then found by shape)"
+            )
         preset = PRESETS[ep.preset_model]
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if model_type not in preset["model_types"]:
-            raise ConfigError(f"expert_parallel.preset_model={ep.preset_model!r} but the model's config.model_type is "
-                              f"{model_type!r}; pick the model's own preset or leave preset_model null")
-    spec = AutoEPSpec(moe_layer_pattern=ep.moe_layer_pattern or preset.get("moe_layer_pattern"),
-                      router=ep.router_pattern or "gate", experts=ep.expert_pattern or "experts",
-                      w1=ep.expert_w1 or "gate_up_proj", w2=ep.expert_w2 or "down_proj")
+            raise ConfigError(
+                f"expert_parallel.preset_model={ep.preset_model!r} but the model's config.model_type is "
+                f"{model_type!r}; pick the model's own preset or leave preset_model null"
+            )
+    spec = AutoEPSpec(
+        moe_layer_pattern=ep.moe_layer_pattern or preset.get("moe_layer_pattern"),
+        router=ep.router_pattern or "gate",
+        experts=ep.expert_pattern or "experts",
+        w1=ep.expert_w1 or "gate_up_proj",
+        w2=ep.expert_w2 or "down_proj",
+    )
     expect = {key: getattr(ep, key) for key in ("score_func", "score_apply") if getattr(ep, key) != "auto"}
     if ep.route_norm is not None:
         expect["route_norm"] = ep.route_norm
@@ -404,20 +474,26 @@ def apply_autoep_config(model: nn.Module, mesh, cfg, optimizer=None, model_param
     """`zerospeed.initialize`'s step: apply AutoEP when `cfg.expert_parallel.enabled`; returns
     `model_parameters` with every replaced expert parameter swapped for this rank's local one."""
     if cfg.use_data_before_expert_parallelism:
-        raise ConfigError("use_data_before_expert_parallelism=true (the data-major expert layout) is not implemented "
-                          "in zerospeed; remove the key: expert groups always split each data-parallel group")
+        raise ConfigError(
+            "use_data_before_expert_parallelism=true (the data-major expert layout) is not implemented "
+            "in zerospeed; remove the key: expert groups always split each data-parallel group"
+        )
     ep = cfg.expert_parallel
     if ep is None or not ep.enabled:
         return model_parameters
     if isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError("expert_parallel.enabled=true with a client optimizer instance: AutoEP replaces the expert "
-                          "weights the optimizer holds; give the optimizer in the config (or as a callable "
-                          "params -> optimizer) instead")
+        raise ConfigError(
+            "expert_parallel.enabled=true with a client optimizer instance: AutoEP replaces the expert "
+            "weights the optimizer holds; give the optimizer in the config (or as a callable "
+            "params -> optimizer) instead"
+        )
     done = converted_experts(model)
     if done:  # converted by hand (apply_autoep) already
         if any(m.ep_size != ep.autoep_size for _, m in done):
-            raise ConfigError(f"expert_parallel.autoep_size={ep.autoep_size} but the model was made expert-parallel "
-                              f"with ep_size={done[0][1].ep_size} (apply_autoep); make them agree")
+            raise ConfigError(
+                f"expert_parallel.autoep_size={ep.autoep_size} but the model was made expert-parallel "
+                f"with ep_size={done[0][1].ep_size} (apply_autoep); make them agree"
+            )
         return model_parameters
     spec, expect = autoep_settings(ep, model)
     return substitute_parameters(model_parameters, apply_autoep(model, mesh, ep.autoep_size, spec, expect))
@@ -430,8 +506,10 @@ def converted_experts(model: nn.Module) -> list[tuple[str, ExpertParallelExperts
 
 # -- a plain state dict --------------------------------------------------------------------------------
 
-def consolidated_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None
-                            ) -> dict[str, torch.Tensor]:
+
+def consolidated_state_dict(
+    model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """The state dict of the plain transformers model (every expert, transformers' key names) from an
     AutoEP model whose other weights are whole on this rank (ZeRO 0-2; under ZeRO-3 wrap the call in
     `zerospeed.zero.GatheredParameters(list(model.parameters()))`). Collective over each block's
@@ -443,8 +521,9 @@ def consolidated_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor
     return state
 
 
-def save_autoep_model(model: nn.Module, save_dir, *, safe_serialization: bool = True,
-                      max_shard_size: int | str | None = "5GB") -> list:
+def save_autoep_model(
+    model: nn.Module, save_dir, *, safe_serialization: bool = True, max_shard_size: int | str | None = "5GB"
+) -> list:
     """Write the plain transformers model (`consolidated_state_dict`, in the parameters' dtype, and
     `model.config`) to `save_dir` on rank 0, so that `<Model>.from_pretrained(save_dir)` loads it
     with no zerospeed at all. `model` is the AutoEP model or its engine. Collective (every rank

@@ -9,6 +9,7 @@ the concatenation of its tokens from all ranks, and the outputs travel back by t
 exchange. The result equals the padded computation exactly (padding rows carry weight 0); the bytes
 are 2 x (routed tokens leaving the rank) x M x element size per forward, plus the counts.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,15 +27,16 @@ def exchange_counts(counts_E: torch.Tensor, group, ep: int) -> torch.Tensor:
     return recv
 
 
-def run_dropless(slots_ECM: torch.Tensor, counts_E: list[int], experts: nn.ModuleList, group, ep: int,
-                 around_experts) -> torch.Tensor:
+def run_dropless(
+    slots_ECM: torch.Tensor, counts_E: list[int], experts: nn.ModuleList, group, ep: int, around_experts
+) -> torch.Tensor:
     """The experts' outputs for `slots_ECM` ([E, C, M], expert e's first counts_E[e] slots used), in the
     same layout (unused slots zero). `around_experts(fn, x)` wraps the expert computation (the gradient
     scale of Note [expert gradient scale])."""
     E, C, M = slots_ECM.shape
     local = E // ep
-    packed = torch.cat([slots_ECM[e, :counts_E[e]] for e in range(E)])
-    send_rows = [sum(counts_E[j * local:(j + 1) * local]) for j in range(ep)]
+    packed = torch.cat([slots_ECM[e, : counts_E[e]] for e in range(E)])
+    send_rows = [sum(counts_E[j * local : (j + 1) * local]) for j in range(ep)]
     recv_RL = exchange_counts(torch.tensor(counts_E), group, ep)
     recv_rows = recv_RL.sum(dim=1).tolist()
     received = all_to_all(packed, group, output_split_sizes=recv_rows, input_split_sizes=send_rows)

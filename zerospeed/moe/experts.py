@@ -8,6 +8,7 @@ this package: `Experts` tags its parameters when it is built, and again when it 
 unpickled (`__setstate__`: a parameter's copy has no tag). `expert_group_name(p)` also honours
 DeepSpeed's attributes on parameters someone else tagged, so hand-written experts keep working.
 """
+
 from __future__ import annotations
 
 import copy

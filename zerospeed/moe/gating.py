@@ -25,6 +25,7 @@ choose them. The only collective is the dropless maximum, made over `ep_group` t
 gateway (`ep_group`: a comm group handle, None the world group — zerospeed's convention — and the
 default `comm.SELF` this rank alone); on one rank every function is pure.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,9 @@ _EPS = torch.finfo(torch.float32).eps
 def capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int) -> int:
     """Slots per expert: ceil(tokens / experts * capacity_factor), at least `min_capacity`. The product is
     taken in fp32 (DeepSpeed's tensor arithmetic): 25 tokens x 1.2 give 31 slots, not 30."""
-    value = torch.tensor(num_tokens / num_experts, dtype=torch.float32) * torch.tensor(capacity_factor,
-                                                                                        dtype=torch.float32)
+    value = torch.tensor(num_tokens / num_experts, dtype=torch.float32) * torch.tensor(
+        capacity_factor, dtype=torch.float32
+    )
     return max(math.ceil(float(value)), int(min_capacity))
 
 
@@ -85,16 +87,26 @@ def _keep_top(mask_SE: torch.Tensor, priority_SE: torch.Tensor, cap: int) -> tor
     return mask_SE * chosen
 
 
-def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, used_token: torch.Tensor | None = None,
-               noisy_gate_policy: str | None = None, drop_tokens: bool = True, use_rts: bool = True, ep_group=comm.SELF,
-               use_tutel: bool = False):
+def top1gating(
+    logits: torch.Tensor,
+    capacity_factor: float,
+    min_capacity: int,
+    used_token: torch.Tensor | None = None,
+    noisy_gate_policy: str | None = None,
+    drop_tokens: bool = True,
+    use_rts: bool = True,
+    ep_group=comm.SELF,
+    use_tutel: bool = False,
+):
     """Top-1 (Switch) gating; see the module docstring. `used_token` [S] (0/1) masks padding tokens out;
     `noisy_gate_policy="RSample"` picks the expert by logits + Gumbel noise (the weight stays the clean
     gate). `use_tutel` is accepted and ignored (zerospeed has no Tutel path)."""
     S, E = logits.shape
     if S < min_capacity:
-        raise ValueError(f"top-1 gating: {S} tokens but min_capacity={min_capacity}; feed at least min_capacity "
-                         "tokens per rank or lower min_capacity")
+        raise ValueError(
+            f"top-1 gating: {S} tokens but min_capacity={min_capacity}; feed at least min_capacity "
+            "tokens per rank or lower min_capacity"
+        )
     gates_SE = F.softmax(logits, dim=1)
     scores = logits + gumbel_rsample(logits.shape, logits.device) if noisy_gate_policy == "RSample" else gates_SE
     mask_SE = F.one_hot(torch.argmax(scores, dim=1), num_classes=E)
@@ -115,8 +127,14 @@ def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
     return l_aux, combine, dispatch, exp_counts
 
 
-def top2gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep_group=comm.SELF, top2_2nd_expert_sampling: bool = True):
+def top2gating(
+    logits: torch.Tensor,
+    capacity_factor: float,
+    min_capacity: int,
+    drop_tokens: bool = True,
+    ep_group=comm.SELF,
+    top2_2nd_expert_sampling: bool = True,
+):
     """Top-2 (GShard) gating; the second expert is the best other one by logits (+ Gumbel noise when
     `top2_2nd_expert_sampling`). Second choices queue behind every first choice of their expert."""
     S, E = logits.shape
@@ -142,8 +160,15 @@ def top2gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
     return l_aux, c1 + c2, d1 | d2, exp_counts
 
 
-def topkgating(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep_group=comm.SELF, drop_policy: str = "probs"):
+def topkgating(
+    logits: torch.Tensor,
+    k: int,
+    capacity_factor: float,
+    min_capacity: int,
+    drop_tokens: bool = True,
+    ep_group=comm.SELF,
+    drop_policy: str = "probs",
+):
     """Top-k gating for any k. A full expert keeps its routed tokens of highest gate ("probs") or the
     first ones in order ("position"); kept gates are renormalised per token."""
     if drop_policy not in ("probs", "position"):

@@ -8,6 +8,7 @@ calls `bind_expert_groups(model, mesh)`, which asks the mesh for each layer's `e
 ep_size 1 needs no group and runs without initialize; one with ep_size > 1 that was never bound says
 so at its first forward. `moe.bind_mesh(mesh)` binds one layer by hand.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,28 +32,57 @@ class MoE(nn.Module):
     kernels here), `enable_expert_tensor_parallelism` is refused when the mesh has tensor parallelism.
     """
 
-    def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
-                 capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
-                 use_residual: bool = False, noisy_gate_policy: str | None = None, drop_tokens: bool = True,
-                 use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
-                 top2_2nd_expert_sampling: bool = True) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        expert: nn.Module,
+        num_experts: int = 1,
+        ep_size: int = 1,
+        k: int = 1,
+        capacity_factor: float = 1.0,
+        eval_capacity_factor: float = 1.0,
+        min_capacity: int = 4,
+        use_residual: bool = False,
+        noisy_gate_policy: str | None = None,
+        drop_tokens: bool = True,
+        use_rts: bool = True,
+        use_tutel: bool = False,
+        enable_expert_tensor_parallelism: bool = False,
+        top2_2nd_expert_sampling: bool = True,
+    ) -> None:
         super().__init__()
         if ep_size < 1 or num_experts % ep_size:
-            raise ValueError(f"MoE: num_experts={num_experts} is not divisible by ep_size={ep_size}; every "
-                             "expert-parallel rank holds num_experts / ep_size experts")
+            raise ValueError(
+                f"MoE: num_experts={num_experts} is not divisible by ep_size={ep_size}; every "
+                "expert-parallel rank holds num_experts / ep_size experts"
+            )
         self.use_residual = use_residual
         self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
         self.ep_size = ep_size
         self.expert_group_name = f"ep_size_{ep_size}"
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep_size
-        log_dist(f"MoE layer: {num_experts} experts, {self.num_local_experts} per rank, expert parallel size "
-                 f"{ep_size}", ranks=[0])
-        gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
-                        noisy_gate_policy, drop_tokens, use_rts, None, top2_2nd_expert_sampling)
+        log_dist(
+            f"MoE layer: {num_experts} experts, {self.num_local_experts} per rank, expert parallel size {ep_size}",
+            ranks=[0],
+        )
+        gate = TopKGate(
+            hidden_size,
+            num_experts,
+            k,
+            capacity_factor,
+            eval_capacity_factor,
+            min_capacity,
+            noisy_gate_policy,
+            drop_tokens,
+            use_rts,
+            None,
+            top2_2nd_expert_sampling,
+        )
         experts = Experts(expert, self.num_local_experts, self.expert_group_name)
-        self.deepspeed_moe = MOELayer(gate, experts, self.expert_group_name, ep_size, self.num_local_experts,
-                                      use_tutel=use_tutel)
+        self.deepspeed_moe = MOELayer(
+            gate, experts, self.expert_group_name, ep_size, self.num_local_experts, use_tutel=use_tutel
+        )
         self.expert_data_parallel_group = comm.SELF  # set with the expert-parallel group (bind_mesh)
         if use_residual:
             self.mlp = expert
@@ -62,8 +92,10 @@ class MoE(nn.Module):
     def bind_mesh(self, mesh) -> None:
         """Take this layer's expert-parallel group (size ep_size) from `mesh` (collective)."""
         if mesh.size("tp") > 1:
-            raise NotImplementedError(f"MoE with tensor parallelism (tp={mesh.size('tp')}) is not supported yet: "
-                                      "tokens are replicated over tensor-parallel ranks; use tp=1")
+            raise NotImplementedError(
+                f"MoE with tensor parallelism (tp={mesh.size('tp')}) is not supported yet: "
+                "tokens are replicated over tensor-parallel ranks; use tp=1"
+            )
         ep_axis, edp_axis = mesh.expert_axes(self.ep_size)  # Note [expert parallel layout] (sharded_moe.py)
         self.deepspeed_moe._set_ep_group(ep_axis.handle)
         self.expert_data_parallel_group = edp_axis.handle  # which replica writes an expert's checkpoint file
@@ -72,17 +104,22 @@ class MoE(nn.Module):
         """DeepSpeed's hook: groups over plain data parallelism of the whole world (a new mesh; collective).
         Under zerospeed.initialize this is done for you, from the engine's mesh."""
         if use_data_before_expert_parallel_:
-            raise NotImplementedError("use_data_before_expert_parallel_=True (the data-major expert layout) is not "
-                                      "supported; zerospeed uses DeepSpeed's default expert layout")
+            raise NotImplementedError(
+                "use_data_before_expert_parallel_=True (the data-major expert layout) is not "
+                "supported; zerospeed uses DeepSpeed's default expert layout"
+            )
         self.bind_mesh(ParallelMesh.data_parallel())
 
     # -- checkpoints (the checkpoint's `HoldsExperts` protocol) ---------------------------------------
     def checkpoint_experts(self) -> ExpertShare:
         """This rank's experts as checkpoints name them (Note [global expert names] in checkpoint/experts.py):
         global expert `ep_rank * num_local_experts + j` is local expert j."""
-        return ExpertShare(first=comm.get_rank(self.deepspeed_moe.ep_group) * self.num_local_experts,
-                           local=self.num_local_experts, writer=comm.get_rank(self.expert_data_parallel_group) == 0,
-                           experts="deepspeed_moe.experts.deepspeed_experts")
+        return ExpertShare(
+            first=comm.get_rank(self.deepspeed_moe.ep_group) * self.num_local_experts,
+            local=self.num_local_experts,
+            writer=comm.get_rank(self.expert_data_parallel_group) == 0,
+            experts="deepspeed_moe.experts.deepspeed_experts",
+        )
 
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None):

@@ -18,6 +18,7 @@ over all dp ranks' losses is therefore 1/ep of that sum: the experts' parameter 
 by 1/ep in backward (`_ScaleGrad` around the experts: x ep on the way in, 1/ep on the way out, so
 the gradient that flows back to the tokens is unchanged). DeepSpeed once got this wrong (#5618).
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,8 +41,17 @@ from zerospeed.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-__all__ = ["MOELayer", "TopKGate", "capacity", "dropless_capacity", "gumbel_rsample", "multiplicative_jitter",
-           "top1gating", "top2gating", "topkgating"]
+__all__ = [
+    "MOELayer",
+    "TopKGate",
+    "capacity",
+    "dropless_capacity",
+    "gumbel_rsample",
+    "multiplicative_jitter",
+    "top1gating",
+    "top2gating",
+    "topkgating",
+]
 
 
 class _Fp32Linear(nn.Linear):
@@ -60,9 +70,20 @@ class TopKGate(nn.Module):
     agreed over: None here means none (this rank alone, as in DeepSpeed); the layer sets the real
     one, where — zerospeed's convention — None is the world group."""
 
-    def __init__(self, model_dim: int, num_experts: int, k: int = 1, capacity_factor: float = 1.0,
-                 eval_capacity_factor: float = 1.0, min_capacity: int = 8, noisy_gate_policy: str | None = None,
-                 drop_tokens: bool = True, use_rts: bool = True, ep_group=None, top2_2nd_expert_sampling: bool = True):
+    def __init__(
+        self,
+        model_dim: int,
+        num_experts: int,
+        k: int = 1,
+        capacity_factor: float = 1.0,
+        eval_capacity_factor: float = 1.0,
+        min_capacity: int = 8,
+        noisy_gate_policy: str | None = None,
+        drop_tokens: bool = True,
+        use_rts: bool = True,
+        ep_group=None,
+        top2_2nd_expert_sampling: bool = True,
+    ):
         super().__init__()
         if noisy_gate_policy not in (None, "None", "Jitter", "RSample"):
             raise ValueError(f"noisy_gate_policy={noisy_gate_policy!r}; expected None, 'Jitter' or 'RSample'")
@@ -90,11 +111,13 @@ class TopKGate(nn.Module):
         cf = self.capacity_factor if self.training else self.eval_capacity_factor
         if self.k == 1:
             noise = self.noisy_gate_policy if self.training else None
-            return top1gating(logits, cf, self.min_capacity, used_token, noise, self.drop_tokens, self.use_rts,
-                              self.ep_group)
+            return top1gating(
+                logits, cf, self.min_capacity, used_token, noise, self.drop_tokens, self.use_rts, self.ep_group
+            )
         if self.k == 2:
-            return top2gating(logits, cf, self.min_capacity, self.drop_tokens, self.ep_group,
-                              self.top2_2nd_expert_sampling)
+            return top2gating(
+                logits, cf, self.min_capacity, self.drop_tokens, self.ep_group, self.top2_2nd_expert_sampling
+            )
         return topkgating(logits, self.k, cf, self.min_capacity, self.drop_tokens, self.ep_group)
 
 
@@ -115,8 +138,15 @@ class MOELayer(nn.Module):
     """Gate, dispatch, all-to-all, local experts, all-to-all, combine (module docstring). Sets `l_aux`
     and `exp_counts` on every forward."""
 
-    def __init__(self, gate: nn.Module, experts: nn.Module, ep_group_name: str, ep_size: int,
-                 num_local_experts: int, use_tutel: bool = False):
+    def __init__(
+        self,
+        gate: nn.Module,
+        experts: nn.Module,
+        ep_group_name: str,
+        ep_size: int,
+        num_local_experts: int,
+        use_tutel: bool = False,
+    ):
         super().__init__()
         self.gate, self.experts = gate, experts
         self.ep_group = comm.SELF
@@ -148,9 +178,11 @@ class MOELayer(nn.Module):
 
     def _check_bound(self) -> None:
         if not self._bound:
-            raise RuntimeError(f"MoE layer {self.ep_group_name!r} has no expert-parallel group yet: pass the model "
-                               "through zerospeed.initialize (which gives every MoE layer its groups from the mesh), "
-                               "or call moe.bind_mesh(mesh) first")
+            raise RuntimeError(
+                f"MoE layer {self.ep_group_name!r} has no expert-parallel group yet: pass the model "
+                "through zerospeed.initialize (which gives every MoE layer its groups from the mesh), "
+                "or call moe.bind_mesh(mesh) first"
+            )
 
     def _exchange(self, slots_ECM: torch.Tensor) -> torch.Tensor:
         if self.ep_size == 1:
@@ -174,8 +206,9 @@ class MOELayer(nn.Module):
         if self.ep_size > 1 and self._exact_dropless:  # Note [dropless exchange]
             self._check_bound()
             counts = dispatch_SEC.any(dim=2).sum(dim=0).tolist()
-            out_ECM = run_dropless(slots_ECM, counts, self.experts.deepspeed_experts, self.ep_group, self.ep_size,
-                                   self._scaled)
+            out_ECM = run_dropless(
+                slots_ECM, counts, self.experts.deepspeed_experts, self.ep_group, self.ep_size, self._scaled
+            )
         else:
             received = self._exchange(slots_ECM)  # Note [expert parallel layout]
             received = received.reshape(self.ep_size, self.num_local_experts, -1, d_model)

@@ -5,6 +5,7 @@ ZeRO state shards, over its expert-data-parallel ranks; Note [reduction groups] 
 Every name imports whether or not a model uses MoE. Which parameters are experts' comes from their
 tags (Note [expert parameter tags], moe/experts.py).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -77,8 +78,9 @@ def _chunks(params: list, max_group_size) -> list[list]:
     return runs + [run] if run else runs
 
 
-def split_params_into_different_moe_groups_for_optimizer(param_groups, max_group_size=DEFAULT_MAX_GROUP_SIZE
-                                                         ) -> list[dict[str, Any]]:
+def split_params_into_different_moe_groups_for_optimizer(
+    param_groups, max_group_size=DEFAULT_MAX_GROUP_SIZE
+) -> list[dict[str, Any]]:
     """Move the expert parameters of each group into groups of their own, one per (source group, expert
     group name), marked `"moe": True` and named after the expert group; the other keys (lr, weight
     decay, ...) are the source group's. Expert groups larger than `max_group_size` elements are split.
@@ -89,8 +91,10 @@ def split_params_into_different_moe_groups_for_optimizer(param_groups, max_group
     elif isinstance(param_groups, tuple):
         param_groups = list(param_groups)
     elif not isinstance(param_groups, list):
-        raise ValueError(f"split_params_into_different_moe_groups_for_optimizer: expected a param group dict or "  # noqa: TRY004 (DeepSpeed's type)
-                         f"a list/tuple of them, got {type(param_groups).__name__}")
+        raise ValueError(
+            f"split_params_into_different_moe_groups_for_optimizer: expected a param group dict or "  # noqa: TRY004 (DeepSpeed's type)
+            f"a list/tuple of them, got {type(param_groups).__name__}"
+        )
     expert_groups = []
     for group in param_groups:
         by_name: dict[str, list] = {}
@@ -112,13 +116,15 @@ def configure_moe_param_groups(model_parameters: list):
         raise TypeError("configure_moe_param_groups: model_parameters must be a list")
     for p in model_parameters:
         if not isinstance(p, (torch.Tensor, dict)):
-            raise TypeError("configure_moe_param_groups: expected tensors or param group dicts, got "
-                            f"{type(p).__name__}")
+            raise TypeError(
+                f"configure_moe_param_groups: expected tensors or param group dicts, got {type(p).__name__}"
+            )
     if not model_parameters:
         return model_parameters
     if isinstance(model_parameters[0], torch.Tensor):
-        return split_params_into_different_moe_groups_for_optimizer({"params": model_parameters,
-                                                                     "name": "dense-params"})
+        return split_params_into_different_moe_groups_for_optimizer(
+            {"params": model_parameters, "name": "dense-params"}
+        )
     if any("moe" in g for g in model_parameters):
         return model_parameters
     return split_params_into_different_moe_groups_for_optimizer(model_parameters)
@@ -132,9 +138,11 @@ def moe_param_groups(param_groups: list[dict], *, client_optimizer: bool) -> lis
     if not misplaced:
         return param_groups
     if client_optimizer:
-        raise ConfigError(f"initialize: the optimizer's param groups hold {len(misplaced)} expert parameters in "
-                          "groups without 'moe': True; build the optimizer from "
-                          "zerospeed.moe.utils.split_params_into_different_moe_groups_for_optimizer(groups)")
+        raise ConfigError(
+            f"initialize: the optimizer's param groups hold {len(misplaced)} expert parameters in "
+            "groups without 'moe': True; build the optimizer from "
+            "zerospeed.moe.utils.split_params_into_different_moe_groups_for_optimizer(groups)"
+        )
     logger.info("initialize: moving %d expert parameters into expert param groups ('moe': True)", len(misplaced))
     split = split_params_into_different_moe_groups_for_optimizer([dict(g) for g in param_groups])
     return [g for g in split if g["params"]]

@@ -1,4 +1,5 @@
 """Training monitors: CSV (no extra packages), TensorBoard (the `tensorboard` extra), WandB and Comet (optional)."""
+
 from zerospeed.monitor.writers import (
     CometMonitor,
     CsvMonitor,

@@ -9,6 +9,7 @@ written to a temporary file and renamed: a reader never sees half an image.
 `save_bar_chart` build and write it in one call. matplotlib is imported on first use, so
 `import zerospeed` does not pay for it.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,15 +36,17 @@ def _matplotlib_figure():
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise ImportError("zerospeed's plots need matplotlib: pip install 'zerospeed[plots]' "
-                          "(or pip install matplotlib)") from None
+        raise ImportError(
+            "zerospeed's plots need matplotlib: pip install 'zerospeed[plots]' (or pip install matplotlib)"
+        ) from None
     return Figure
 
 
 def _new_figure(width: int, height: int) -> Figure:
     if width < MIN_WIDTH or height < MIN_HEIGHT:
-        raise ValueError(f"a {width}x{height} image is too small for labelled axes; "
-                         f"use at least {MIN_WIDTH}x{MIN_HEIGHT} pixels")
+        raise ValueError(
+            f"a {width}x{height} image is too small for labelled axes; use at least {MIN_WIDTH}x{MIN_HEIGHT} pixels"
+        )
     return _matplotlib_figure()(figsize=(width / DPI, height / DPI), dpi=DPI, layout="constrained")
 
 
@@ -65,8 +68,9 @@ def _finite_or_nan(xs: Series, ys: Series) -> tuple[list[float], list[float]]:
     return out_x, out_y
 
 
-def _series(ys: Series | Mapping[str, Series],
-            xs: Series | Mapping[str, Series] | None) -> list[tuple[str | None, list[float], list[float]]]:
+def _series(
+    ys: Series | Mapping[str, Series], xs: Series | Mapping[str, Series] | None
+) -> list[tuple[str | None, list[float], list[float]]]:
     """(label, xs, ys) per series; a bare sequence is one unlabelled series."""
     if isinstance(ys, Mapping):
         if xs is not None and not isinstance(xs, Mapping):
@@ -90,9 +94,16 @@ def _series(ys: Series | Mapping[str, Series],
     return out
 
 
-def line_figure(ys: Series | Mapping[str, Series], *, xs: Series | Mapping[str, Series] | None = None,
-                title: str = "", xlabel: str = "step", ylabel: str = "", width: int = 640,
-                height: int = 400) -> Figure:
+def line_figure(
+    ys: Series | Mapping[str, Series],
+    *,
+    xs: Series | Mapping[str, Series] | None = None,
+    title: str = "",
+    xlabel: str = "step",
+    ylabel: str = "",
+    width: int = 640,
+    height: int = 400,
+) -> Figure:
     """A Figure with ``ys`` against ``xs`` (default 0..n-1) on labelled axes.
 
     ``ys`` is one series, or a mapping ``{label: series}`` drawn as several lines with a legend
@@ -108,6 +119,7 @@ def line_figure(ys: Series | Mapping[str, Series], *, xs: Series | Mapping[str, 
     _label_axes(ax, title, xlabel, ylabel)
     if all(v.is_integer() for _, x, _ in series for v in x if math.isfinite(v)):
         from matplotlib.ticker import MaxNLocator
+
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and samples: no 2.5 ticks
     ax.grid(True, alpha=0.3)
     if len(series) > 1:
@@ -119,13 +131,15 @@ def _fmt(v: float) -> str:
     return f"{v:.4g}" if abs(v) < 1e5 and (v == 0 or abs(v) >= 1e-3) else f"{v:.2e}"
 
 
-def bar_figure(labels: Sequence[str], values: Series, *, title: str = "", unit: str = "", xlabel: str = "",
-               width: int = 640) -> Figure:
+def bar_figure(
+    labels: Sequence[str], values: Series, *, title: str = "", unit: str = "", xlabel: str = "", width: int = 640
+) -> Figure:
     """A Figure of horizontal bars, one row per label (first on top), each followed by its value and
     ``unit``. The height grows with the number of bars."""
     if len(labels) != len(values) or not labels:
-        raise ValueError(f"need one value per label and at least one bar, got {len(labels)} labels and "
-                         f"{len(values)} values")
+        raise ValueError(
+            f"need one value per label and at least one bar, got {len(labels)} labels and {len(values)} values"
+        )
     if any(not math.isfinite(v) or v < 0 for v in values):
         raise ValueError(f"bar values must be finite and >= 0: {list(values)}")
     fig = _new_figure(width, max(MIN_HEIGHT, 90 + BAR_ROW_PX * len(labels)))
@@ -147,15 +161,32 @@ def save_figure(fig: Figure, path: str | os.PathLike) -> Path:
     return path
 
 
-def save_line_plot(path: str | os.PathLike, ys: Series | Mapping[str, Series], *,
-                   xs: Series | Mapping[str, Series] | None = None, title: str = "", xlabel: str = "step",
-                   ylabel: str = "", width: int = 640, height: int = 400) -> Path:
+def save_line_plot(
+    path: str | os.PathLike,
+    ys: Series | Mapping[str, Series],
+    *,
+    xs: Series | Mapping[str, Series] | None = None,
+    title: str = "",
+    xlabel: str = "step",
+    ylabel: str = "",
+    width: int = 640,
+    height: int = 400,
+) -> Path:
     """Write `line_figure(...)` as a PNG at ``path`` (atomically; see `save_figure`)."""
-    return save_figure(line_figure(ys, xs=xs, title=title, xlabel=xlabel, ylabel=ylabel, width=width,
-                                   height=height), path)
+    return save_figure(
+        line_figure(ys, xs=xs, title=title, xlabel=xlabel, ylabel=ylabel, width=width, height=height), path
+    )
 
 
-def save_bar_chart(path: str | os.PathLike, labels: Sequence[str], values: Series, *, title: str = "",
-                   unit: str = "", xlabel: str = "", width: int = 640) -> Path:
+def save_bar_chart(
+    path: str | os.PathLike,
+    labels: Sequence[str],
+    values: Series,
+    *,
+    title: str = "",
+    unit: str = "",
+    xlabel: str = "",
+    width: int = 640,
+) -> Path:
     """Write `bar_figure(...)` as a PNG at ``path`` (atomically; see `save_figure`)."""
     return save_figure(bar_figure(labels, values, title=title, unit=unit, xlabel=xlabel, width=width), path)

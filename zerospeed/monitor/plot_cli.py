@@ -5,6 +5,7 @@ Every `<tag>.csv` under RUN_DIR (header `step,<tag>`, as `csv_monitor` writes) b
 (`<tag>_rank<r>.csv`, e.g. memory) share one plot, `<tag>.png`, with a line per rank and a legend.
 The x axis is the monitors' step: samples seen, as DeepSpeed logs them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,14 @@ def _plot(png: Path, series: dict[int | None, tuple[str, list[float], list[float
         return
     tag = PER_RANK.sub(r"\g<base>", series[min(series)][0])
     ranks = sorted(series)
-    save_line_plot(png, {f"rank {r}": series[r][2] for r in ranks}, xs={f"rank {r}": series[r][1] for r in ranks},
-                   title=f"{tag} per rank", xlabel="samples", ylabel=_axis_name(tag))
+    save_line_plot(
+        png,
+        {f"rank {r}": series[r][2] for r in ranks},
+        xs={f"rank {r}": series[r][1] for r in ranks},
+        title=f"{tag} per rank",
+        xlabel="samples",
+        ylabel=_axis_name(tag),
+    )
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:

@@ -5,6 +5,7 @@ fragment of one endless line. So the bar is live only when its stream is a termi
 `Progress` prints a complete line (tqdm's own meter text, without the bar) every ``total / lines``
 updates and at the last one. Enable it on one rank (rank 0) to get one display per job.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,17 @@ def _is_terminal(stream: TextIO) -> bool:
 class Progress:
     """``update(postfix)`` once per step; ``close()`` (or use it as a context manager) at the end."""
 
-    def __init__(self, total: int, desc: str, *, enabled: bool = True, unit: str = "step", lines: int = 10,
-                 file: TextIO | None = None, clock=time.perf_counter):
+    def __init__(
+        self,
+        total: int,
+        desc: str,
+        *,
+        enabled: bool = True,
+        unit: str = "step",
+        lines: int = 10,
+        file: TextIO | None = None,
+        clock=time.perf_counter,
+    ):
         self.total, self.desc, self.unit, self.enabled = total, desc, unit, enabled
         self.file = file if file is not None else sys.stderr  # where tqdm writes by default
         self.live = enabled and _is_terminal(self.file)
@@ -39,8 +49,7 @@ class Progress:
         self.n = 0
         self._clock = clock
         self._start = clock()
-        self._bar = (tqdm(total=total, desc=desc, unit=unit, file=self.file, dynamic_ncols=True)
-                     if self.live else None)
+        self._bar = tqdm(total=total, desc=desc, unit=unit, file=self.file, dynamic_ncols=True) if self.live else None
 
     def update(self, postfix: str = "") -> None:
         self.n += 1
@@ -48,8 +57,15 @@ class Progress:
             self._bar.set_postfix_str(postfix, refresh=False)
             self._bar.update(1)
         elif self.enabled and (self.n % self.every == 0 or self.n == self.total):
-            line = tqdm.format_meter(self.n, self.total, self._clock() - self._start, prefix=self.desc,
-                                     unit=self.unit, postfix=postfix or None, bar_format=LINE_FORMAT)
+            line = tqdm.format_meter(
+                self.n,
+                self.total,
+                self._clock() - self._start,
+                prefix=self.desc,
+                unit=self.unit,
+                postfix=postfix or None,
+                bar_format=LINE_FORMAT,
+            )
             print(line, file=self.file, flush=True)
 
     def close(self) -> None:

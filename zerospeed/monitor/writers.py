@@ -4,6 +4,7 @@ CSV needs nothing installed. TensorBoard writes through `torch.utils.tensorboard
 (the `tensorboard` extra); WandB and Comet import their packages only when enabled. A missing
 package is a ConfigError naming what to install.
 """
+
 from __future__ import annotations
 
 import csv
@@ -44,8 +45,9 @@ def read_scalars(path: str | Path) -> list[Event]:
     try:
         from tensorboard.backend.event_processing import event_accumulator as ea
     except ImportError:
-        raise ImportError("reading TensorBoard event files needs tensorboard: "
-                          "pip install 'zerospeed[tensorboard]'") from None
+        raise ImportError(
+            "reading TensorBoard event files needs tensorboard: pip install 'zerospeed[tensorboard]'"
+        ) from None
     if not Path(path).exists():
         raise FileNotFoundError(f"no TensorBoard event file or run directory at {path}")
     acc = ea.EventAccumulator(str(path), size_guidance={ea.SCALARS: 0})  # 0: keep every event, no sampling
@@ -80,13 +82,16 @@ class CsvMonitor:
 def _require(module: str, section: str, package: str | None = None, pip: str | None = None):
     """Import `module` for the `section` monitor, or raise a ConfigError naming what to install."""
     import importlib
+
     try:
         return importlib.import_module(module)
     except ImportError:
         package = package or module
         pip = pip or package.replace("_", "-")
-        raise ConfigError(f"{section}.enabled=true but the `{package}` package is not installed; "
-                          f"`pip install {pip}` or set {section}.enabled to false") from None
+        raise ConfigError(
+            f"{section}.enabled=true but the `{package}` package is not installed; "
+            f"`pip install {pip}` or set {section}.enabled to false"
+        ) from None
 
 
 class WandbMonitor:
@@ -109,8 +114,14 @@ class CometMonitor:
 
     def __init__(self, cfg):
         comet_ml = _require("comet_ml", "comet")
-        self.experiment = comet_ml.start(api_key=cfg.api_key, project=cfg.project, workspace=cfg.workspace,
-                                         experiment_key=cfg.experiment_key, mode=cfg.mode, online=cfg.online)
+        self.experiment = comet_ml.start(
+            api_key=cfg.api_key,
+            project=cfg.project,
+            workspace=cfg.workspace,
+            experiment_key=cfg.experiment_key,
+            mode=cfg.mode,
+            online=cfg.online,
+        )
         if cfg.experiment_name:
             self.experiment.set_name(cfg.experiment_name)
         self.interval = cfg.samples_log_interval

@@ -55,7 +55,7 @@ def aligned_empty(numel: int, dtype: torch.dtype, alignment: int = DIRECT_ALIGN,
     do_pin = pin and get_accelerator().name == "cuda"
     raw = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=do_pin)
     start = (-raw.data_ptr()) % alignment
-    return raw[start:start + nbytes].view(dtype)
+    return raw[start : start + nbytes].view(dtype)
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
@@ -68,8 +68,10 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
 
 def _check_tensor(tensor: torch.Tensor, op: str) -> None:
     if tensor.device.type != "cpu":
-        raise ValueError(f"AsyncIO.{op}: the tensor is on {tensor.device}; file I/O needs a host tensor "
-                         "(copy it into a host buffer, e.g. from BufferPool.acquire, first)")
+        raise ValueError(
+            f"AsyncIO.{op}: the tensor is on {tensor.device}; file I/O needs a host tensor "
+            "(copy it into a host buffer, e.g. from BufferPool.acquire, first)"
+        )
     if not tensor.is_contiguous():
         raise ValueError(f"AsyncIO.{op}: the tensor is not contiguous; pass tensor.contiguous() or a flat buffer")
 
@@ -99,8 +101,12 @@ def probe_direct(directory: str | os.PathLike) -> bool:
             ok, why = _try_direct_write(key)
             _direct_support[key] = ok
             if not ok:
-                logger.warning("O_DIRECT is not supported in %s (%s); NVMe swap there uses buffered I/O, "
-                               "so data also passes through the page cache", key, why)
+                logger.warning(
+                    "O_DIRECT is not supported in %s (%s); NVMe swap there uses buffered I/O, "
+                    "so data also passes through the page cache",
+                    key,
+                    why,
+                )
         return _direct_support[key]
 
 
@@ -131,6 +137,7 @@ def _try_direct_write(directory: str) -> tuple[bool, str]:
 
 # --------------------------------------------------------------------------------------------------
 # Requests
+
 
 @dataclass(frozen=True)
 class _Piece:
@@ -170,8 +177,9 @@ class IORequest:
     """One asynchronous read or write. ``wait()`` blocks until every piece finished and re-raises the
     failure (the one at the lowest offset) as ``AsyncIOError`` naming the file and offset."""
 
-    def __init__(self, op: str, path: str, offset: int, nbytes: int, tensor: torch.Tensor | None,
-                 pieces: int, fds: list[int]) -> None:
+    def __init__(
+        self, op: str, path: str, offset: int, nbytes: int, tensor: torch.Tensor | None, pieces: int, fds: list[int]
+    ) -> None:
         self.op, self.path, self.offset, self.nbytes = op, path, offset, nbytes
         self._tensor = tensor  # keeps the memory the pieces point into alive until the last one ends
         self._fds = fds
@@ -232,7 +240,7 @@ def _write_piece(fd: int, view: memoryview, piece: _Piece) -> None:
     """pwrite the piece, looping over short writes (a signal or a full pipe can cut a write short)."""
     done = 0
     while done < piece.length:
-        chunk = view[piece.start + done:piece.start + piece.length]
+        chunk = view[piece.start + done : piece.start + piece.length]
         n = os.pwrite(fd, chunk, piece.file_offset + done)
         if n <= 0:
             raise OSError(errno.EIO, "pwrite wrote 0 bytes")
@@ -245,10 +253,12 @@ def _read_piece(fd: int, view: memoryview, piece: _Piece) -> None:
     A regular file returns fewer bytes than asked only at its end (and a retry of an O_DIRECT read at
     that unaligned point would fail with EINVAL), so a short read is reported as end of file.
     """
-    n = os.preadv(fd, [view[piece.start:piece.start + piece.length]], piece.file_offset)
+    n = os.preadv(fd, [view[piece.start : piece.start + piece.length]], piece.file_offset)
     if n < piece.length:
-        raise OSError(errno.EIO, f"unexpected end of file after {piece.file_offset + n} bytes "
-                                 "(the file is shorter than the data asked for)")
+        raise OSError(
+            errno.EIO,
+            f"unexpected end of file after {piece.file_offset + n} bytes (the file is shorter than the data asked for)",
+        )
 
 
 @dataclass(frozen=True)
@@ -283,8 +293,16 @@ class AsyncIO:
     ``direct`` is True while direct I/O is enabled and every directory used so far supports it.
     """
 
-    def __init__(self, *, block_size: int = 1 << 20, queue_depth: int = 8, thread_count: int = 1,
-                 single_submit: bool = False, overlap_events: bool = True, use_direct: bool | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        block_size: int = 1 << 20,
+        queue_depth: int = 8,
+        thread_count: int = 1,
+        single_submit: bool = False,
+        overlap_events: bool = True,
+        use_direct: bool | None = None,
+    ) -> None:
         for name, value in (("block_size", block_size), ("queue_depth", queue_depth), ("thread_count", thread_count)):
             if value < 1:
                 raise ValueError(f"AsyncIO: {name} must be >= 1 (aio.{name}), got {value}")
@@ -304,8 +322,14 @@ class AsyncIO:
     @classmethod
     def from_plan(cls, plan: AioPlan, *, use_direct: bool | None = None) -> AsyncIO:
         """An engine with the settings of `plan` (the resolved `aio` section)."""
-        return cls(block_size=plan.block_size, queue_depth=plan.queue_depth, thread_count=plan.thread_count,
-                   single_submit=plan.single_submit, overlap_events=plan.overlap_events, use_direct=use_direct)
+        return cls(
+            block_size=plan.block_size,
+            queue_depth=plan.queue_depth,
+            thread_count=plan.thread_count,
+            single_submit=plan.single_submit,
+            overlap_events=plan.overlap_events,
+            use_direct=use_direct,
+        )
 
     # -- public API ---------------------------------------------------------------------------------
 
@@ -322,8 +346,11 @@ class AsyncIO:
         if not ok:
             self.direct = False
             if self.use_direct:
-                raise AsyncIOError(errno.EINVAL, f"use_direct=True but {os.path.realpath(directory)} does not "
-                                                 "support O_DIRECT; use a local disk (ext4/xfs) or use_direct=None")
+                raise AsyncIOError(
+                    errno.EINVAL,
+                    f"use_direct=True but {os.path.realpath(directory)} does not "
+                    "support O_DIRECT; use a local disk (ext4/xfs) or use_direct=None",
+                )
         if os.path.isdir(directory):
             self._direct_paths[key] = ok
         return ok
@@ -366,8 +393,15 @@ class AsyncIO:
 
     # -- submission ---------------------------------------------------------------------------------
 
-    def _submit(self, op: str, tensor: torch.Tensor, path: str, offset: int, flags: int,
-                io: Callable[[int, memoryview, _Piece], None]) -> IORequest:
+    def _submit(
+        self,
+        op: str,
+        tensor: torch.Tensor,
+        path: str,
+        offset: int,
+        flags: int,
+        io: Callable[[int, memoryview, _Piece], None],
+    ) -> IORequest:
         if self._closed:
             raise RuntimeError(f"AsyncIO.{op}({path!r}): this AsyncIO is closed")
         if offset < 0:
@@ -382,8 +416,15 @@ class AsyncIO:
         except OSError as err:
             return IORequest.failed(op, path, offset, nbytes, _describe(op, path, offset, nbytes, err))
         view = _byte_view(tensor)
-        req = IORequest(op, path, offset, nbytes, tensor, len(pieces) if not self.single_submit else min(1, len(pieces)),
-                        list(fds.values()))
+        req = IORequest(
+            op,
+            path,
+            offset,
+            nbytes,
+            tensor,
+            len(pieces) if not self.single_submit else min(1, len(pieces)),
+            list(fds.values()),
+        )
         if self.single_submit and pieces:
             self._pool.submit(self._run_sequence, req, io, fds, view, pieces)
         else:
@@ -423,8 +464,9 @@ class AsyncIO:
         req._piece_done(error, piece.file_offset)
 
     @staticmethod
-    def _run_sequence(req: IORequest, io: Callable, fds: dict[bool, int], view: memoryview,
-                      pieces: list[_Piece]) -> None:
+    def _run_sequence(
+        req: IORequest, io: Callable, fds: dict[bool, int], view: memoryview, pieces: list[_Piece]
+    ) -> None:
         error = None
         for piece in pieces:
             try:
@@ -435,7 +477,9 @@ class AsyncIO:
         req._piece_done(error)
 
 
-def _describe(op: str, path: str, offset: int, nbytes: int, err: BaseException, *, direct: bool = False) -> AsyncIOError:
+def _describe(
+    op: str, path: str, offset: int, nbytes: int, err: BaseException, *, direct: bool = False
+) -> AsyncIOError:
     """Wrap a low-level failure so the message says what was being done where."""
     code = err.errno if isinstance(err, OSError) and err.errno else errno.EIO
     mode = " (O_DIRECT)" if direct else ""

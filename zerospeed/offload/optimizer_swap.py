@@ -14,6 +14,7 @@ them at an empty tensor again. Scalar state (Adam's `step`) stays in memory. Sta
 the optimizer itself on its first step (any elementwise optimizer works); they are written out
 right after, which creates one swap file per state name.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,8 +41,18 @@ def _padded(n: int) -> int:
 class NvmeOptimizerSwapper:
     kind = "nvme"
 
-    def __init__(self, masters: list[torch.nn.Parameter], sub_groups: list[list[int]], *, directory, rank: int,
-                 aio: AsyncIO, pipeline_read: bool = False, pipeline_write: bool = False, pin: bool = False):
+    def __init__(
+        self,
+        masters: list[torch.nn.Parameter],
+        sub_groups: list[list[int]],
+        *,
+        directory,
+        rank: int,
+        aio: AsyncIO,
+        pipeline_read: bool = False,
+        pipeline_write: bool = False,
+        pin: bool = False,
+    ):
         self.masters = masters
         self.numels = [m.numel() for m in masters]
         self.sub_groups = sub_groups
@@ -69,9 +80,14 @@ class NvmeOptimizerSwapper:
             swap.reserve(i, n, torch.float32)
         swap.allocate()
         self.swaps[kind] = swap
-        self.pools[kind] = BufferPool(self.sets, max(self.largest, 1), torch.float32, pin=self.pin,
-                                      size_key="zero_optimization.sub_group_size",
-                                      count_key="zero_optimization.offload_optimizer.buffer_count")
+        self.pools[kind] = BufferPool(
+            self.sets,
+            max(self.largest, 1),
+            torch.float32,
+            pin=self.pin,
+            size_key="zero_optimization.sub_group_size",
+            count_key="zero_optimization.offload_optimizer.buffer_count",
+        )
         if kind != MASTER:
             self.state_keys.append(kind)
 
@@ -87,7 +103,7 @@ class NvmeOptimizerSwapper:
                 continue
             off = 0
             for i in sub:
-                reqs.append(self.swaps[kind].read(i, buf[off:off + self.numels[i]]))
+                reqs.append(self.swaps[kind].read(i, buf[off : off + self.numels[i]]))
                 off += _padded(self.numels[i])
         return bufs, reqs
 
@@ -95,11 +111,11 @@ class NvmeOptimizerSwapper:
         off = 0
         for i in sub:
             n, m = self.numels[i], self.masters[i]
-            m.data = bufs[MASTER][off:off + n]
+            m.data = bufs[MASTER][off : off + n]
             state = optimizer.state.get(m) if optimizer is not None else None
             for key in self.state_keys:
                 if state is not None and key in state:
-                    state[key] = bufs[key][off:off + n]
+                    state[key] = bufs[key][off : off + n]
             off += _padded(n)
 
     def _detach(self, optimizer, sub: list[int]) -> None:
@@ -218,8 +234,12 @@ class NvmeOptimizerSwapper:
             if optimizer is not None:
                 for m in self.masters:  # a checkpoint load may have created state for new keys
                     for key, v in optimizer.state.get(m, {}).items():
-                        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == m.numel() \
-                                and key not in self.swaps:
+                        if (
+                            isinstance(v, torch.Tensor)
+                            and v.dim() > 0
+                            and v.numel() == m.numel()
+                            and key not in self.swaps
+                        ):
                             self._add_kind(key)
             reqs = self._write(optimizer, list(range(len(self.masters))))
             for r in reqs:

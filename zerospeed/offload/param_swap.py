@@ -1,7 +1,8 @@
 """ZeRO-Infinity parameter offload: stage-3 parameter shards live in an NVMe swap file.
 
 A shard comes into memory only to be all-gathered: the shards of one gather batch are read
-asynchronously (one request when their slots are consecutive), into one buffer of a fixed pool (`offload_param.buffer_count` buffers of
+asynchronously (one request when their slots are consecutive), into one buffer of a fixed pool
+(`offload_param.buffer_count` buffers of
 `offload_param.buffer_size` elements), and the buffer returns to the pool as soon as the collective
 completes (or, on an accelerator, as soon as the shards were copied to the device). After the
 optimizer step each updated shard is written back through a pool buffer. Memory for parameter
@@ -17,23 +18,36 @@ elements viewed as bytes), so a gather reads ~1/2 (int8) or ~1/4 (int4) of fp16'
 after the swap file was written (ZeRO-Inference quantizes once the engine exists), the unit's first
 slot stays reserved in the file, unread.
 """
+
 from __future__ import annotations
 
 import torch
 
-from zerospeed.utils.errors import ConfigError
 from zerospeed.offload.aio import DIRECT_ALIGN
 from zerospeed.offload.swap import BufferPool, SwapFile
+from zerospeed.utils.errors import ConfigError
 
 
 class NvmeParamSwapper:
     kind = "nvme"
 
-    def __init__(self, fps: list, *, directory, rank: int, aio, buffer_count: int, buffer_size: int,
-                 dtype: torch.dtype, pin: bool = False):
+    def __init__(
+        self,
+        fps: list,
+        *,
+        directory,
+        rank: int,
+        aio,
+        buffer_count: int,
+        buffer_size: int,
+        dtype: torch.dtype,
+        pin: bool = False,
+    ):
         if buffer_count < 1:
-            raise ConfigError("zero_optimization.offload_param.buffer_count=0: parameter offload to NVMe needs at "
-                              "least one buffer; set it to 1 or more (default 5)")
+            raise ConfigError(
+                "zero_optimization.offload_param.buffer_count=0: parameter offload to NVMe needs at "
+                "least one buffer; set it to 1 or more (default 5)"
+            )
         self._itemsize = torch.tensor([], dtype=dtype).element_size()
         self._align = max(1, DIRECT_ALIGN // self._itemsize)
         self.dtype = dtype
@@ -43,7 +57,8 @@ class NvmeParamSwapper:
             raise ConfigError(
                 f"zero_optimization.offload_param.buffer_size={buffer_size} is too small for the largest parameter "
                 f"shard ({worst.shard_numel} elements, {needed} once aligned to 4 KiB for O_DIRECT: flat parameter "
-                f"{worst.index}, shapes {[tuple(s) for s in worst.shapes][:3]}); set buffer_size to at least {needed}")
+                f"{worst.index}, shapes {[tuple(s) for s in worst.shapes][:3]}); set buffer_size to at least {needed}"
+            )
         self.buffer_size = buffer_size
         self.file = SwapFile(directory, f"rank{rank}_params", aio)
         for fp in fps:
@@ -94,7 +109,7 @@ class NvmeParamSwapper:
 
     def _view(self, fp, elems: torch.Tensor) -> torch.Tensor:
         """The pool elements reserved for `fp` as the tensor its slot reads into."""
-        return elems.view(torch.uint8)[:fp.stored_nbytes] if fp.stored is not None else elems
+        return elems.view(torch.uint8)[: fp.stored_nbytes] if fp.stored is not None else elems
 
     def read_shard(self, fp) -> torch.Tensor:
         """`fp`'s (unquantized) shard, read now."""
@@ -116,7 +131,7 @@ class NvmeParamSwapper:
         self.unlaunched.append(holder)
         views, off = [], 0
         for fp in fps:
-            views.append(self._view(fp, buf[off:off + self._elems(fp)]))
+            views.append(self._view(fp, buf[off : off + self._elems(fp)]))
             off += self._padded(self._elems(fp))
         keys = [self._slot(fp)[0] for fp in fps]
         if self.file.run_nbytes(keys) == off * buf.element_size():  # consecutive slots: one request
@@ -161,7 +176,7 @@ class NvmeParamSwapper:
             buf = self._acquire(total)
             off = 0
             for fp, v in run:
-                buf[off:off + fp.shard_numel].copy_(v.reshape(-1))
+                buf[off : off + fp.shard_numel].copy_(v.reshape(-1))
                 off += self._padded(fp.shard_numel)
             keys = [fp.index for fp, _ in run]
             if self.file.run_nbytes(keys) == total * buf.element_size():
@@ -169,7 +184,7 @@ class NvmeParamSwapper:
             else:
                 reqs, off = [], 0
                 for fp, _ in run:
-                    reqs.append(self.file.write(fp.index, buf[off:off + fp.shard_numel]))
+                    reqs.append(self.file.write(fp.index, buf[off : off + fp.shard_numel]))
                     off += self._padded(fp.shard_numel)
             pending.append((buf, reqs))
         for p in pending:

@@ -11,6 +11,7 @@ offload changes no tensor's device; what it changes is the step (the fused CPU o
 sub-group buffers) and, for 16-bit/fp32 aliasing, nothing else. NVMe offload is real everywhere:
 the bytes leave memory for the swap files (tests check the files and the tensor census).
 """
+
 from __future__ import annotations
 
 import functools
@@ -75,20 +76,31 @@ class OffloadPlan:
         """Human-readable placement of each kind of state (the engine's placement map builds on it)."""
         opt = f"nvme:{self.optimizer_nvme}" if self.optimizer == "nvme" else str(self.master_device)
         par = f"nvme:{self.param_nvme}" if self.param == "nvme" else str(self.shard_device)
-        return {"master_weights": opt, "optimizer_states": opt,
-                "gradients": str(self.master_device), "parameter_shards": par}
+        return {
+            "master_weights": opt,
+            "optimizer_states": opt,
+            "gradients": str(self.master_device),
+            "parameter_shards": par,
+        }
 
 
-def make_stepper(plan: OffloadPlan | None, masters: list[torch.nn.Parameter], sub_groups: list[list[int]],
-                 rank: int):
+def make_stepper(plan: OffloadPlan | None, masters: list[torch.nn.Parameter], sub_groups: list[list[int]], rank: int):
     """The optimizer stepper for this plan: in memory, or through NVMe swap files."""
     if plan is None or plan.optimizer != "nvme":
         return InMemoryStepper()
     numel = sum(m.numel() for m in masters)
     # fp32 masters + two Adam moments: the usual worst case of an elementwise optimizer
     check_nvme_path(plan.optimizer_nvme, 12 * numel, key="zero_optimization.offload_optimizer.nvme_path")
-    return NvmeOptimizerSwapper(masters, sub_groups, directory=plan.optimizer_nvme, rank=rank, aio=plan.io,
-                                pipeline_read=plan.pipeline_read, pipeline_write=plan.pipeline_write, pin=plan.pin)
+    return NvmeOptimizerSwapper(
+        masters,
+        sub_groups,
+        directory=plan.optimizer_nvme,
+        rank=rank,
+        aio=plan.io,
+        pipeline_read=plan.pipeline_read,
+        pipeline_write=plan.pipeline_write,
+        pin=plan.pin,
+    )
 
 
 def make_param_swapper(plan: OffloadPlan | None, fps: list, rank: int, dtype: torch.dtype):
@@ -97,6 +109,13 @@ def make_param_swapper(plan: OffloadPlan | None, fps: list, rank: int, dtype: to
         return None
     nbytes = sum(fp.shard_numel for fp in fps) * torch.tensor([], dtype=dtype).element_size()
     check_nvme_path(plan.param_nvme, nbytes, key="zero_optimization.offload_param.nvme_path")
-    return NvmeParamSwapper(fps, directory=plan.param_nvme, rank=rank, aio=plan.io,
-                            buffer_count=plan.param_buffer_count, buffer_size=plan.param_buffer_size,
-                            dtype=dtype, pin=plan.pin)
+    return NvmeParamSwapper(
+        fps,
+        directory=plan.param_nvme,
+        rank=rank,
+        aio=plan.io,
+        buffer_count=plan.param_buffer_count,
+        buffer_size=plan.param_buffer_size,
+        dtype=dtype,
+        pin=plan.pin,
+    )

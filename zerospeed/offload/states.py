@@ -15,6 +15,7 @@ while a reduction runs, so between steps there is none to free (the kind is acce
 Between the two calls the engine refuses forward, backward, step and checkpoints with an error naming
 `reload_states()`: a zero-byte storage would otherwise fail deep inside PyTorch, or not at all.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -23,6 +24,7 @@ from enum import Enum
 import torch
 
 from zerospeed.accelerator import get_accelerator
+
 
 class OffloadDeviceEnum(str, Enum):
     """Where offloaded tensors go."""
@@ -65,8 +67,14 @@ class StateOffloader:
         return bool(self.kinds)
 
     @torch.no_grad()
-    def offload(self, tensors: dict[OffloadStateTypeEnum, list[torch.Tensor]], include: Iterable,
-                device: str, pin_memory: bool, non_blocking: bool) -> None:
+    def offload(
+        self,
+        tensors: dict[OffloadStateTypeEnum, list[torch.Tensor]],
+        include: Iterable,
+        device: str,
+        pin_memory: bool,
+        non_blocking: bool,
+    ) -> None:
         accel = get_accelerator()
         for kind in include:
             keep_data = kind is not OffloadStateTypeEnum.contiguous_grad_buffer
@@ -107,7 +115,8 @@ def state_tensors(engine) -> dict[OffloadStateTypeEnum, list[torch.Tensor]]:
     out = {OffloadStateTypeEnum(k): v for k, v in engine.zero.state_tensors().items()}
     optimizer = engine.zero.optimizer_for_accessors() if engine.optimizer is not None else None
     out[OffloadStateTypeEnum.optim_states] = (
-        [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)] if optimizer else [])
+        [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)] if optimizer else []
+    )
     return out
 
 

@@ -22,7 +22,6 @@ from typing import Self
 
 import torch
 
-from zerospeed.utils.errors import ConfigError
 from zerospeed.offload.aio import (
     DIRECT_ALIGN,
     AsyncIO,
@@ -30,6 +29,7 @@ from zerospeed.offload.aio import (
     aligned_empty,
     round_up,
 )
+from zerospeed.utils.errors import ConfigError
 
 
 def _human(nbytes: int) -> str:
@@ -46,25 +46,35 @@ def check_nvme_path(path: str | os.PathLike | None, needed_bytes: int, *, key: s
     not writable by this process, or has less free space than ``needed_bytes``.
     """
     if path is None or not os.fspath(path).strip():
-        raise ConfigError(f"{key} is not set: NVMe offload needs a directory on a fast local disk; "
-                          f'set "{key}": "/local_nvme" (any existing, writable directory)')
+        raise ConfigError(
+            f"{key} is not set: NVMe offload needs a directory on a fast local disk; "
+            f'set "{key}": "/local_nvme" (any existing, writable directory)'
+        )
     p = pathlib.Path(os.fspath(path)).expanduser()
     if not p.exists():
         parent_file = next((a for a in p.parents if a.is_file()), None)
         hint = f" ({parent_file} is a file, not a directory)" if parent_file else ""
-        raise ConfigError(f"{key}={os.fspath(path)!r} does not exist{hint}: create it (mkdir -p) "
-                          f"or point {key} at an existing directory")
+        raise ConfigError(
+            f"{key}={os.fspath(path)!r} does not exist{hint}: create it (mkdir -p) "
+            f"or point {key} at an existing directory"
+        )
     if not p.is_dir():
-        raise ConfigError(f"{key}={os.fspath(path)!r} is not a directory: point {key} at a directory "
-                          "(swap files are created inside it)")
+        raise ConfigError(
+            f"{key}={os.fspath(path)!r} is not a directory: point {key} at a directory "
+            "(swap files are created inside it)"
+        )
     if not os.access(p, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}={os.fspath(path)!r} is not writable by this process (uid {os.getuid()}): "
-                          f"fix its permissions (chmod/chown) or point {key} at a writable directory")
+        raise ConfigError(
+            f"{key}={os.fspath(path)!r} is not writable by this process (uid {os.getuid()}): "
+            f"fix its permissions (chmod/chown) or point {key} at a writable directory"
+        )
     free = shutil.disk_usage(p).free
     if free < needed_bytes:
-        raise ConfigError(f"{key}={os.fspath(path)!r} has {_human(free)} free ({free} bytes) but NVMe offload "
-                          f"needs {_human(needed_bytes)} ({needed_bytes} bytes): free space there, point {key} "
-                          "at a larger disk, or offload less (e.g. offload_optimizer only, or more ranks)")
+        raise ConfigError(
+            f"{key}={os.fspath(path)!r} has {_human(free)} free ({free} bytes) but NVMe offload "
+            f"needs {_human(needed_bytes)} ({needed_bytes} bytes): free space there, point {key} "
+            "at a larger disk, or offload less (e.g. offload_optimizer only, or more ranks)"
+        )
     return p.resolve()
 
 
@@ -132,8 +142,10 @@ class SwapFile:
         old = self._slots.get(key)
         if old is not None:
             if (old.numel, old.dtype) != (numel, dtype):
-                raise ValueError(f"SwapFile {self._path.name}: key {key!r} is already reserved as "
-                                 f"{old.numel} x {old.dtype}, not {numel} x {dtype}")
+                raise ValueError(
+                    f"SwapFile {self._path.name}: key {key!r} is already reserved as "
+                    f"{old.numel} x {old.dtype}, not {numel} x {dtype}"
+                )
             return
         if numel < 0:
             raise ValueError(f"SwapFile {self._path.name}: key {key!r}: numel must be >= 0, got {numel}")
@@ -160,8 +172,11 @@ class SwapFile:
                     os.posix_fallocate(fd, 0, self._nbytes)
                 except OSError as err:
                     if err.errno == errno.ENOSPC:
-                        raise OSError(errno.ENOSPC, f"no space to allocate {self._nbytes} bytes for swap file "
-                                                    f"{self._path}; free space or use another nvme_path") from err
+                        raise OSError(
+                            errno.ENOSPC,
+                            f"no space to allocate {self._nbytes} bytes for swap file "
+                            f"{self._path}; free space or use another nvme_path",
+                        ) from err
                     os.ftruncate(fd, self._nbytes)  # filesystems without fallocate: a sparse file
         finally:
             os.close(fd)
@@ -203,8 +218,10 @@ class SwapFile:
         if nbytes is None:
             raise ValueError(f"SwapFile {self._path.name}.{op}: the slots of {keys[:3]}... are not consecutive")
         if tensor.numel() * tensor.element_size() != nbytes:
-            raise ValueError(f"SwapFile {self._path.name}.{op}: the tensor has "
-                             f"{tensor.numel() * tensor.element_size()} bytes, the slots {nbytes}")
+            raise ValueError(
+                f"SwapFile {self._path.name}.{op}: the tensor has "
+                f"{tensor.numel() * tensor.element_size()} bytes, the slots {nbytes}"
+            )
         return self._slot(keys[0]).offset
 
     def read(self, key: Hashable, out: torch.Tensor) -> IORequest:
@@ -244,14 +261,18 @@ class SwapFile:
         try:
             return self._slots[key]
         except KeyError:
-            raise KeyError(f"SwapFile {self._path.name}: no slot reserved for key {key!r}; call reserve() first") from None
+            raise KeyError(
+                f"SwapFile {self._path.name}: no slot reserved for key {key!r}; call reserve() first"
+            ) from None
 
     def _checked(self, key: Hashable, tensor: torch.Tensor, op: str) -> _Slot:
         self._check_open()
         slot = self._slot(key)
         if tensor.dtype != slot.dtype or tensor.numel() != slot.numel:
-            raise ValueError(f"SwapFile.{op}({key!r}): tensor is {tensor.numel()} x {tensor.dtype}, "
-                             f"the slot holds {slot.numel} x {slot.dtype}")
+            raise ValueError(
+                f"SwapFile.{op}({key!r}): tensor is {tensor.numel()} x {tensor.dtype}, "
+                f"the slot holds {slot.numel} x {slot.dtype}"
+            )
         return slot
 
     def _track(self, req: IORequest) -> IORequest:
@@ -268,12 +289,21 @@ class BufferPool:
     them without a bounce copy. ``size_key`` / ``count_key`` name the config keys to raise in errors.
     """
 
-    def __init__(self, count: int, numel: int, dtype: torch.dtype, *, pin: bool = False,
-                 size_key: str = "zero_optimization.offload_param.buffer_size",
-                 count_key: str = "zero_optimization.offload_param.buffer_count") -> None:
+    def __init__(
+        self,
+        count: int,
+        numel: int,
+        dtype: torch.dtype,
+        *,
+        pin: bool = False,
+        size_key: str = "zero_optimization.offload_param.buffer_size",
+        count_key: str = "zero_optimization.offload_param.buffer_count",
+    ) -> None:
         if count < 1 or numel < 1:
-            raise ConfigError(f"BufferPool needs count >= 1 ({count_key}) and numel >= 1 ({size_key}); "
-                              f"got count={count}, numel={numel}")
+            raise ConfigError(
+                f"BufferPool needs count >= 1 ({count_key}) and numel >= 1 ({size_key}); "
+                f"got count={count}, numel={numel}"
+            )
         self.count, self.numel, self.dtype = count, numel, dtype
         self.size_key, self.count_key = size_key, count_key
         self._buffers = [aligned_empty(numel, dtype, pin=pin) for _ in range(count)]
@@ -299,14 +329,18 @@ class BufferPool:
         ``release`` (up to ``timeout`` seconds, then raises).
         """
         if numel > self.numel:
-            raise ConfigError(f"a tensor of {numel} elements does not fit the NVMe swap buffers of {self.numel} "
-                              f"elements: raise {self.size_key} to at least {numel}")
+            raise ConfigError(
+                f"a tensor of {numel} elements does not fit the NVMe swap buffers of {self.numel} "
+                f"elements: raise {self.size_key} to at least {numel}"
+            )
         with self._cond:
             if not self._free and block:
                 self._cond.wait_for(lambda: bool(self._free), timeout)
             if not self._free:
-                raise RuntimeError(f"all {self.count} swap buffers are in use: release one first, or raise "
-                                   f"{self.count_key} (now {self.count})")
+                raise RuntimeError(
+                    f"all {self.count} swap buffers are in use: release one first, or raise "
+                    f"{self.count_key} (now {self.count})"
+                )
             index = self._free.pop()
         return self._buffers[index][:numel]
 

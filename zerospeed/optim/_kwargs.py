@@ -64,8 +64,9 @@ def _name(cls: Callable[..., Any]) -> str:
     return getattr(cls, "__name__", repr(cls))
 
 
-def check_common_hyperparams(name: str, *, lr: float, betas: tuple[float, float], weight_decay: float,
-                             eps: float | None = None) -> None:
+def check_common_hyperparams(
+    name: str, *, lr: float, betas: tuple[float, float], weight_decay: float, eps: float | None = None
+) -> None:
     """The range checks every Adam-family optimizer makes, with messages naming the optimizer."""
     if not lr >= 0.0:
         raise ValueError(f"{name}: invalid lr {lr} (must be >= 0)")
@@ -80,5 +81,7 @@ def check_common_hyperparams(name: str, *, lr: float, betas: tuple[float, float]
 
 def refuse_no_bias_correction(name: str, bias_correction: bool) -> None:
     if not bias_correction:
-        raise ValueError(f"{name}(bias_correction=False) is not supported: torch's Adam always bias-corrects; "
-                         "drop the argument (DeepSpeed's default is True)")
+        raise ValueError(
+            f"{name}(bias_correction=False) is not supported: torch's Adam always bias-corrects; "
+            "drop the argument (DeepSpeed's default is True)"
+        )

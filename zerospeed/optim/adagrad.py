@@ -1,5 +1,6 @@
 """DeepSpeed's `deepspeed.ops.adagrad.DeepSpeedCPUAdagrad`, as torch's Adagrad (Note [no compiled Adam]
 in zerospeed/ops/adam)."""
+
 from __future__ import annotations
 
 import torch

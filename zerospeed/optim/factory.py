@@ -28,8 +28,8 @@ from zerospeed.optim import onebit
 from zerospeed.optim._kwargs import check_params, closest_names
 from zerospeed.optim.lamb import Lamb
 from zerospeed.optim.lion import Lion
-from zerospeed.utils.errors import ConfigError
 from zerospeed.optim.param_groups import trainable_param_groups
+from zerospeed.utils.errors import ConfigError
 from zerospeed.utils.logging import get_logger
 
 logger = get_logger(__name__)  # Note [rank-0 logging]
@@ -106,7 +106,7 @@ def optimizer_for_groups(
     if opt_type is None:
         raise ConfigError(
             "optimizer.type: no optimizer configured and no client optimizer passed; set "
-            "optimizer.type (e.g. \"AdamW\") or pass optimizer= to initialize()"
+            'optimizer.type (e.g. "AdamW") or pass optimizer= to initialize()'
         )
     return _finish(_from_config(opt_type, dict(opt_params or {}), groups), None, allow_untested)
 
@@ -134,7 +134,7 @@ def _check_zero_tested(optimizer: Any) -> None:
     why = " (its per-tensor trust ratio is wrong on ZeRO shards)" if isinstance(optimizer, Lamb) else ""
     raise ConfigError(
         f"zero_allow_untested_optimizer: {type(optimizer).__name__} is not tested with ZeRO{why}; "
-        f"tested: {tested}. Set \"zero_allow_untested_optimizer\": true to use it anyway."
+        f'tested: {tested}. Set "zero_allow_untested_optimizer": true to use it anyway.'
     )
 
 

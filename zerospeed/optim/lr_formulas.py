@@ -49,9 +49,7 @@ def warmup_lr(step: int, min_lr: float, max_lr: float, warmup_num_steps: int, wa
     return min_lr + (max_lr - min_lr) * warmup_gamma(step, warmup_num_steps, warmup_type)
 
 
-def warmup_decay_gamma(
-    step: int, warmup_num_steps: int, total_num_steps: int, warmup_type: str = "log"
-) -> float:
+def warmup_decay_gamma(step: int, warmup_num_steps: int, total_num_steps: int, warmup_type: str = "log") -> float:
     """WarmupDecayLR's gamma: warmup as above, then ``(T - step) / (T - W)`` linearly down to 0."""
     n = effective_warmup_steps(warmup_num_steps)
     if step < n:

@@ -18,8 +18,9 @@ from zerospeed.utils.errors import ConfigError
 __all__ = ["substitute_parameters", "trainable_param_groups"]
 
 
-def trainable_param_groups(model_parameters: Iterable[Any], *, allow_empty: bool = False
-                           ) -> tuple[list[dict[str, Any]], bool]:
+def trainable_param_groups(
+    model_parameters: Iterable[Any], *, allow_empty: bool = False
+) -> tuple[list[dict[str, Any]], bool]:
     """Return ``(groups, was_flat)``: non-empty groups of trainable tensors, and whether the input
     was a flat iterable of tensors rather than of group dicts. Nothing trainable is an error, unless
     ``allow_empty`` (an engine around a frozen model): then ``groups`` is empty."""

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch.optim import lr_scheduler as torch_schedulers
 
-from zerospeed.utils.errors import ConfigError
 from zerospeed.optim._kwargs import check_params, closest_names
 from zerospeed.optim.schedulers import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from zerospeed.utils.errors import ConfigError
 from zerospeed.utils.logging import get_logger
 
 logger = get_logger(__name__)  # Note [rank-0 logging]

@@ -27,15 +27,20 @@ from typing import Any
 
 import torch
 
-from zerospeed.utils.errors import ConfigError
 from zerospeed.optim import lr_formulas as F
+from zerospeed.utils.errors import ConfigError
 from zerospeed.utils.logging import get_logger
 
 logger = get_logger(__name__)  # Note [rank-0 logging]
 
 # DeepSpeed's scheduler names (`deepspeed.runtime.lr_schedules`), which accelerate and transformers check types against
 LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR = (
-    "LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+    "LRRangeTest",
+    "OneCycle",
+    "WarmupLR",
+    "WarmupDecayLR",
+    "WarmupCosineLR",
+)
 VALID_LR_SCHEDULES = [LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR]
 
 __all__ = ["LRRangeTest", "OneCycle", "VALID_LR_SCHEDULES", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR"]
@@ -71,9 +76,13 @@ def _warmup_type(warmup_type: Any, scheduler: str) -> str:
     """DeepSpeed's fallback: an unknown warmup_type warms up as "log", with a warning."""
     if warmup_type in F.WARMUP_TYPES:
         return warmup_type
-    logger.warning("%s: scheduler.params.warmup_type %r is not one of %s; warming up as 'log' (DeepSpeed's "
-                   "fallback); set it to 'log' or 'linear' to silence this", scheduler, warmup_type,
-                   list(F.WARMUP_TYPES))
+    logger.warning(
+        "%s: scheduler.params.warmup_type %r is not one of %s; warming up as 'log' (DeepSpeed's "
+        "fallback); set it to 'log' or 'linear' to silence this",
+        scheduler,
+        warmup_type,
+        list(F.WARMUP_TYPES),
+    )
     return "log"
 
 
@@ -307,8 +316,11 @@ class OneCycle(_BatchScheduler):
         if isinstance(second, bool) or not isinstance(second, int) or second < 0:
             raise ConfigError(f"scheduler.params.cycle_second_step_size: must be an integer >= 0, got {second!r}")
         if second == 0:
-            logger.warning("OneCycle: cycle_second_step_size is 0: the lr climbs for %d steps and drops back to "
-                           "cycle_min_lr in one step (a sawtooth), as in DeepSpeed", first)
+            logger.warning(
+                "OneCycle: cycle_second_step_size is 0: the lr climbs for %d steps and drops back to "
+                "cycle_min_lr in one step (a sawtooth), as in DeepSpeed",
+                first,
+            )
         second_stairs = first_stairs if second_stairs is None else second_stairs
         for key, stairs in (("cycle_first_stair_count", first_stairs), ("cycle_second_stair_count", second_stairs)):
             if isinstance(stairs, bool) or not isinstance(stairs, int) or stairs < 0:
@@ -319,12 +331,17 @@ class OneCycle(_BatchScheduler):
     def _supports_momentum(self) -> bool:
         # DeepSpeed asks the optimizer's defaults; a wrapper without them answers through its groups.
         defaults = getattr(self.optimizer, "defaults", None)
-        has_betas = "betas" in defaults if isinstance(defaults, dict) else all(
-            "betas" in g for g in self.optimizer.param_groups)
+        has_betas = (
+            "betas" in defaults
+            if isinstance(defaults, dict)
+            else all("betas" in g for g in self.optimizer.param_groups)
+        )
         if not has_betas:
-            logger.warning("OneCycle: cycle_momentum is disabled: %s has no 'betas' (the momentum OneCycle cycles "
-                           "is betas[0], as in DeepSpeed); set cycle_momentum: false to silence this",
-                           type(self.optimizer).__name__)
+            logger.warning(
+                "OneCycle: cycle_momentum is disabled: %s has no 'betas' (the momentum OneCycle cycles "
+                "is betas[0], as in DeepSpeed); set cycle_momentum: false to silence this",
+                type(self.optimizer).__name__,
+            )
         return has_betas
 
     def _start(self) -> None:
@@ -352,8 +369,10 @@ class OneCycle(_BatchScheduler):
             return None
         step, groups = self.last_batch_iteration, self.optimizer.param_groups
         return [
-            (F.one_cycle_momentum(step, lo, hi, *self._cycle_args(), self.decay_mom_rate, self.decay_step_size),
-             group["betas"][1])
+            (
+                F.one_cycle_momentum(step, lo, hi, *self._cycle_args(), self.decay_mom_rate, self.decay_step_size),
+                group["betas"][1],
+            )
             for lo, hi, group in zip(self.min_moms, self.max_moms, groups)
         ]
 

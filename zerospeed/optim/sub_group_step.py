@@ -10,6 +10,7 @@ pass through a few host buffers, one sub-group at a time). A strategy hands eith
 (master, gradient) pairs and a callback that publishes a sub-group's updated masters to the
 parameters while they are resident.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,9 +22,13 @@ OnStepped = Callable[[list[int]], None]
 
 
 @torch.no_grad()
-def step_in_sub_groups(optimizer: torch.optim.Optimizer, grads: list[tuple[torch.Tensor, torch.Tensor]],
-                       coef: float, sub_groups: list[list[int]] | None = None,
-                       on_stepped: OnStepped | None = None) -> None:
+def step_in_sub_groups(
+    optimizer: torch.optim.Optimizer,
+    grads: list[tuple[torch.Tensor, torch.Tensor]],
+    coef: float,
+    sub_groups: list[list[int]] | None = None,
+    on_stepped: OnStepped | None = None,
+) -> None:
     """Multiply each (master, gradient) pair's gradient by `coef`, then step the optimizer.
 
     With `sub_groups` (lists of indices into `grads`) the optimizer steps one sub-group at a time:
@@ -83,6 +88,10 @@ def use_fused_cpu_step(optimizer: torch.optim.Optimizer | None) -> None:
     if optimizer is None or type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return
     for group in optimizer.param_groups:
-        if group.get("fused") is None and not group.get("foreach") and not group.get("differentiable") \
-                and not group.get("capturable"):
+        if (
+            group.get("fused") is None
+            and not group.get("foreach")
+            and not group.get("differentiable")
+            and not group.get("capturable")
+        ):
             group["fused"] = True

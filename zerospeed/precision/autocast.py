@@ -16,6 +16,7 @@ lists run in the lower dtype. Two things follow the config beyond the forward it
   engine's dynamic loss scaler follows `torch.amp.GradScaler`'s rule and defaults (start at 2**16,
   halve on an overflow and skip the step, double after 2000 clean steps), which DeepSpeed uses there.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,17 +56,22 @@ def safe_module_classes(names: list[str] | None) -> list[type]:
         try:
             cls = getattr(importlib.import_module(package), cls_name) if package else None
         except (ImportError, AttributeError) as e:
-            raise ConfigError(f"torch_autocast.lower_precision_safe_modules[{i}] = {name!r}: cannot import it "
-                              f"({e}); give a module class as 'package.module.Class', e.g. 'torch.nn.Linear'") from e
+            raise ConfigError(
+                f"torch_autocast.lower_precision_safe_modules[{i}] = {name!r}: cannot import it "
+                f"({e}); give a module class as 'package.module.Class', e.g. 'torch.nn.Linear'"
+            ) from e
         if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
-            raise ConfigError(f"torch_autocast.lower_precision_safe_modules[{i}] = {name!r} is not a torch.nn.Module "
-                              "class; give a module class as 'package.module.Class', e.g. 'torch.nn.Linear'")
+            raise ConfigError(
+                f"torch_autocast.lower_precision_safe_modules[{i}] = {name!r} is not a torch.nn.Module "
+                "class; give a module class as 'package.module.Class', e.g. 'torch.nn.Linear'"
+            )
         classes.append(cls)
     return classes
 
 
-def param_comm_dtypes(module: torch.nn.Module, dtype: torch.dtype | None,
-                      safe_modules: list[str] | None = None) -> dict[int, torch.dtype]:
+def param_comm_dtypes(
+    module: torch.nn.Module, dtype: torch.dtype | None, safe_modules: list[str] | None = None
+) -> dict[int, torch.dtype]:
     """id(parameter) -> `dtype` (the autocast dtype), for every parameter a safe module owns directly (Note
     [autocast gradient communication]); `safe_modules`: `torch_autocast.lower_precision_safe_modules`
     (None: DeepSpeed's default list). Empty when `dtype` is None (autocast off). Exact classes, as in
@@ -80,17 +86,27 @@ def check_autocast_settings(module: torch.nn.Module, *, quantized_weights: bool 
     """DeepSpeed's conditions for `torch_autocast` beyond the precision keys (`PrecisionPolicy.resolve`
     checks those): no ZeRO++ quantized weights, fp32 parameters."""
     if quantized_weights:
-        raise ConfigError("torch_autocast.enabled=true and zero_optimization.zero_quantized_weights=true cannot "
-                          "be combined (as in DeepSpeed); turn one off")
+        raise ConfigError(
+            "torch_autocast.enabled=true and zero_optimization.zero_quantized_weights=true cannot "
+            "be combined (as in DeepSpeed); turn one off"
+        )
     low = [n for n, p in module.named_parameters() if p.dtype != torch.float32]
     if low:
-        raise ConfigError(f"torch_autocast.enabled=true needs float32 parameters; {low[0]} is "
-                          f"{module.get_parameter(low[0]).dtype} ({len(low)} such): build the model in fp32 "
-                          "(autocast casts inside the forward)")
+        raise ConfigError(
+            f"torch_autocast.enabled=true needs float32 parameters; {low[0]} is "
+            f"{module.get_parameter(low[0]).dtype} ({len(low)} such): build the model in fp32 "
+            "(autocast casts inside the forward)"
+        )
 
 
-AUTOCAST_LOSS_SCALE = LossScalePlan(init_scale=2.0**16, scale_factor=2.0, scale_window=2000, min_scale=2.0**-24,
-                                    hysteresis=1, raise_error_at_min_scale=False)
+AUTOCAST_LOSS_SCALE = LossScalePlan(
+    init_scale=2.0**16,
+    scale_factor=2.0,
+    scale_window=2000,
+    min_scale=2.0**-24,
+    hysteresis=1,
+    raise_error_at_min_scale=False,
+)
 """fp16 autocast's loss scale: `torch.amp.GradScaler`'s rule and defaults (no hysteresis, no floor)."""
 
 
@@ -110,8 +126,11 @@ def forward_autocast(device_type: str, dtype: torch.dtype | None):
     outer = torch.is_autocast_enabled(device_type)
     if outer and not _warned_outer_autocast:
         _warned_outer_autocast = True
-        logger.warning("torch.autocast is open around the engine's forward; the engine follows its own "
-                       "torch_autocast section instead (%s)", "on" if dtype is not None else "off")
+        logger.warning(
+            "torch.autocast is open around the engine's forward; the engine follows its own "
+            "torch_autocast section instead (%s)",
+            "on" if dtype is not None else "off",
+        )
     if dtype is not None:
         with torch.autocast(device_type=device_type, dtype=dtype, enabled=True):
             yield

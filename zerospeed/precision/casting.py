@@ -1,4 +1,5 @@
 """Input casting: `fp16.auto_cast` casts the floating-point tensors among the forward's inputs to fp16."""
+
 from __future__ import annotations
 
 from typing import Any

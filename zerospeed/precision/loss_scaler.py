@@ -220,10 +220,15 @@ class LossScalePlan:
     def build(self) -> StaticLossScaler | DynamicLossScaler:
         if self.static_scale is not None:
             return StaticLossScaler(self.static_scale)
-        return DynamicLossScaler(init_scale=self.init_scale, scale_factor=self.scale_factor,
-                                 scale_window=self.scale_window, min_scale=self.min_scale, hysteresis=self.hysteresis,
-                                 consecutive_hysteresis=self.consecutive_hysteresis,
-                                 raise_error_at_min_scale=self.raise_error_at_min_scale)
+        return DynamicLossScaler(
+            init_scale=self.init_scale,
+            scale_factor=self.scale_factor,
+            scale_window=self.scale_window,
+            min_scale=self.min_scale,
+            hysteresis=self.hysteresis,
+            consecutive_hysteresis=self.consecutive_hysteresis,
+            raise_error_at_min_scale=self.raise_error_at_min_scale,
+        )
 
 
 def loss_scaler_from_config(fp16: Any) -> StaticLossScaler | DynamicLossScaler:
@@ -236,7 +241,10 @@ def loss_scaler_from_config(fp16: Any) -> StaticLossScaler | DynamicLossScaler:
     loss_scale = getattr(fp16, "loss_scale", 0)
     if loss_scale != 0:
         return LossScalePlan(static_scale=loss_scale).build()
-    return LossScalePlan(init_scale=2.0 ** getattr(fp16, "initial_scale_power", 16),
-                         scale_window=getattr(fp16, "loss_scale_window", 1000),
-                         min_scale=getattr(fp16, "min_loss_scale", 1.0), hysteresis=getattr(fp16, "hysteresis", 2),
-                         consecutive_hysteresis=getattr(fp16, "consecutive_hysteresis", False)).build()
+    return LossScalePlan(
+        init_scale=2.0 ** getattr(fp16, "initial_scale_power", 16),
+        scale_window=getattr(fp16, "loss_scale_window", 1000),
+        min_scale=getattr(fp16, "min_loss_scale", 1.0),
+        hysteresis=getattr(fp16, "hysteresis", 2),
+        consecutive_hysteresis=getattr(fp16, "consecutive_hysteresis", False),
+    ).build()

@@ -4,6 +4,7 @@ With bf16/fp16 the model holds low-precision parameters for compute while the op
 masters (its states are fp32 too); after each step the masters are written back to the model.
 In fp32 the "master" of a parameter is the parameter itself and nothing is copied.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,9 @@ class MasterWeights:
         self.model_params = params
         self.mixed = mixed
         if mixed:
-            self.masters = [torch.nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad)
-                            for p in params]
+            self.masters = [
+                torch.nn.Parameter(p.detach().clone().float(), requires_grad=p.requires_grad) for p in params
+            ]
         else:
             self.masters = list(params)
         self._master_of = {id(p): m for p, m in zip(params, self.masters)}

@@ -40,6 +40,7 @@ int4 codes are packed two to a byte (even element in the low nibble). On the wir
 quantized tensor is one uint8 buffer: the fp32 scales, the fp32 minimums (asymmetric only), then the
 codes — `wire_bytes` gives its length from integers alone.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -104,9 +105,18 @@ def _round_(v: torch.Tensor, stochastic: bool, generator: torch.Generator | None
     return v.add_(noise).floor_()
 
 
-def quantize_grid(x_BN: torch.Tensor, bits: int, symmetric: bool = True, *, zero_point: bool = False,
-                  lo_B1: torch.Tensor | None = None, hi_B1: torch.Tensor | None = None, min_scale: float = 0.0,
-                  stochastic: bool = False, generator: torch.Generator | None = None) -> Grid:
+def quantize_grid(
+    x_BN: torch.Tensor,
+    bits: int,
+    symmetric: bool = True,
+    *,
+    zero_point: bool = False,
+    lo_B1: torch.Tensor | None = None,
+    hi_B1: torch.Tensor | None = None,
+    min_scale: float = 0.0,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+) -> Grid:
     """The codes of each row of the float `x_BN` on its `bits`-bit grid (Note [block grids]): spanning
     the row's own [min, max], or [`lo_B1`, `hi_B1`] when given (broadcast against [blocks, 1]); the
     scale floored at `min_scale` (Note [zero scale]). `x_BN` itself is never written to."""
@@ -117,7 +127,7 @@ def quantize_grid(x_BN: torch.Tensor, bits: int, symmetric: bool = True, *, zero
         scale = torch.maximum(lo_B1.abs(), hi_B1.abs()) / top
         low, high = -top, top
     else:
-        low, high = 0, 2 ** bits - 1
+        low, high = 0, 2**bits - 1
         scale = (hi_B1 - lo_B1) / high
     if min_scale > 0:
         scale = scale.clamp_min(min_scale)
@@ -134,8 +144,14 @@ def quantize_grid(x_BN: torch.Tensor, bits: int, symmetric: bool = True, *, zero
     return Grid(v.clamp_(low, high), scale, offset)
 
 
-def decode_(v_BN: torch.Tensor, scale_B1: torch.Tensor, offset_B1: torch.Tensor | None = None, *,
-            zero_point: bool = False, shift: int = 0) -> torch.Tensor:
+def decode_(
+    v_BN: torch.Tensor,
+    scale_B1: torch.Tensor,
+    offset_B1: torch.Tensor | None = None,
+    *,
+    zero_point: bool = False,
+    shift: int = 0,
+) -> torch.Tensor:
     """Codes -> values in place on the float buffer `v_BN` (Note [block grids]): (v - shift) * scale
     symmetric (`shift` undoes the storage's unsigned offset), v * scale + minimum, or
     (v - zero) * scale with `zero_point`."""
@@ -146,8 +162,9 @@ def decode_(v_BN: torch.Tensor, scale_B1: torch.Tensor, offset_B1: torch.Tensor 
     return v_BN.mul_(scale_B1).add_(offset_B1)
 
 
-def dequantize_grid(codes_BN: torch.Tensor, scale_B1: torch.Tensor, offset_B1: torch.Tensor | None = None, *,
-                    zero_point: bool = False) -> torch.Tensor:
+def dequantize_grid(
+    codes_BN: torch.Tensor, scale_B1: torch.Tensor, offset_B1: torch.Tensor | None = None, *, zero_point: bool = False
+) -> torch.Tensor:
     """The values of `quantize_grid`'s codes (a new tensor in the scale's dtype)."""
     return decode_(codes_BN.to(scale_B1.dtype, copy=True), scale_B1, offset_B1, zero_point=zero_point)
 
@@ -163,24 +180,35 @@ def _blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return flat.view(blocks, block_size)
 
 
-def quantize_blocks(x: torch.Tensor, bits: int = 8, block_size: int = 512, symmetric: bool = True,
-                    stochastic: bool = False, generator: torch.Generator | None = None, *, min_scale: float = 0.0,
-                    scale_dtype: torch.dtype = torch.float32) -> BlockQuantized:
+def quantize_blocks(
+    x: torch.Tensor,
+    bits: int = 8,
+    block_size: int = 512,
+    symmetric: bool = True,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+    *,
+    min_scale: float = 0.0,
+    scale_dtype: torch.dtype = torch.float32,
+) -> BlockQuantized:
     """Quantize the flattened `x` block by block (Note [block grids], minimum form when asymmetric): uint8
     codes (int4 packed), the scale and minimum in `scale_dtype` (fp32 for `to_bytes`)."""
     _check(bits, block_size)
     numel = x.numel()
     if numel == 0:
         empty = torch.empty(0, dtype=scale_dtype, device=x.device)
-        return BlockQuantized(torch.empty(0, dtype=torch.uint8, device=x.device), empty,
-                              None if symmetric else empty, 0, bits, block_size)
-    g = quantize_grid(_blocks(x, block_size), bits, symmetric, min_scale=min_scale, stochastic=stochastic,
-                      generator=generator)
+        return BlockQuantized(
+            torch.empty(0, dtype=torch.uint8, device=x.device), empty, None if symmetric else empty, 0, bits, block_size
+        )
+    g = quantize_grid(
+        _blocks(x, block_size), bits, symmetric, min_scale=min_scale, stochastic=stochastic, generator=generator
+    )
     v = g.codes.add_(2 ** (bits - 1)) if symmetric else g.codes
     codes = v.nan_to_num_().to(torch.uint8).view(-1)[:numel]
     minimum = None if symmetric else g.offset.view(-1).to(scale_dtype)
-    return BlockQuantized(pack_int4(codes) if bits == 4 else codes, g.scale.view(-1).to(scale_dtype), minimum,
-                          numel, bits, block_size)
+    return BlockQuantized(
+        pack_int4(codes) if bits == 4 else codes, g.scale.view(-1).to(scale_dtype), minimum, numel, bits, block_size
+    )
 
 
 def dequantize_blocks(q: BlockQuantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -203,9 +231,9 @@ def dequantize_blocks_into(q: BlockQuantized, out: torch.Tensor) -> torch.Tensor
     flat.copy_(unpack_int4(q.codes, q.numel) if q.bits == 4 else q.codes)
     whole = q.numel // q.block_size
     tail = q.numel - whole * q.block_size
-    parts = [(flat[:whole * q.block_size].view(whole, q.block_size), slice(0, whole))]
+    parts = [(flat[: whole * q.block_size].view(whole, q.block_size), slice(0, whole))]
     if tail:
-        parts.append((flat[whole * q.block_size:].view(1, tail), slice(whole, whole + 1)))
+        parts.append((flat[whole * q.block_size :].view(1, tail), slice(whole, whole + 1)))
     shift = 2 ** (q.bits - 1) if q.symmetric else 0
     for v, rows in parts:
         decode_(v, q.scale[rows, None], None if q.minimum is None else q.minimum[rows, None], shift=shift)
@@ -233,8 +261,10 @@ def unpack_int4(packed: torch.Tensor, numel: int) -> torch.Tensor:
 def to_bytes(q: BlockQuantized) -> torch.Tensor:
     """One uint8 buffer of `q.nbytes`: scales, minimums (asymmetric), codes."""
     if q.scale.dtype != torch.float32:
-        raise ValueError(f"to_bytes: the wire format carries fp32 scales, got {q.scale.dtype}; quantize with "
-                         "scale_dtype=torch.float32")
+        raise ValueError(
+            f"to_bytes: the wire format carries fp32 scales, got {q.scale.dtype}; quantize with "
+            "scale_dtype=torch.float32"
+        )
     parts = [q.scale.contiguous().view(torch.uint8)]
     if q.minimum is not None:
         parts.append(q.minimum.contiguous().view(torch.uint8))
@@ -247,9 +277,9 @@ def from_bytes(buf: torch.Tensor, numel: int, bits: int, block_size: int, symmet
     blocks = num_blocks(numel, block_size)
     s = blocks * SCALE_BYTES
     scale = buf[:s].clone().view(torch.float32)  # clone: the slice may not be 4-byte aligned
-    minimum = None if symmetric else buf[s:2 * s].clone().view(torch.float32)
+    minimum = None if symmetric else buf[s : 2 * s].clone().view(torch.float32)
     start = s if symmetric else 2 * s
-    return BlockQuantized(buf[start:start + code_bytes(numel, bits)], scale, minimum, numel, bits, block_size)
+    return BlockQuantized(buf[start : start + code_bytes(numel, bits)], scale, minimum, numel, bits, block_size)
 
 
 def max_rounding_error(q: BlockQuantized) -> torch.Tensor:
@@ -257,12 +287,16 @@ def max_rounding_error(q: BlockQuantized) -> torch.Tensor:
     return q.scale / 2
 
 
-def ds_quantizer(input: torch.Tensor, groups: int = 1, bit_num: int = 8, sr: bool = False,
-                 asym: bool = False) -> torch.Tensor:
+def ds_quantizer(
+    input: torch.Tensor, groups: int = 1, bit_num: int = 8, sr: bool = False, asym: bool = False
+) -> torch.Tensor:
     """`input` rounded to `bit_num` bits per element with one scale per group (a new tensor)."""
     if groups < 1 or input.numel() % groups:
-        raise ValueError(f"ds_quantizer: {input.numel()} elements cannot be cut into groups={groups} equal groups; "
-                         "pass a groups value dividing the element count")
-    q = quantize_blocks(input, bits=bit_num, block_size=max(1, input.numel() // groups), symmetric=not asym,
-                        stochastic=sr)
+        raise ValueError(
+            f"ds_quantizer: {input.numel()} elements cannot be cut into groups={groups} equal groups; "
+            "pass a groups value dividing the element count"
+        )
+    q = quantize_blocks(
+        input, bits=bit_num, block_size=max(1, input.numel() // groups), symmetric=not asym, stochastic=sr
+    )
     return dequantize_blocks(q, input.dtype).view_as(input)

@@ -7,6 +7,7 @@ softmax / log_softmax / cross-entropy cost 1 per input element; an embedding loo
 Scaled-dot-product attention counts both matmuls in full (a causal mask is not credited) plus the
 softmax. Every rule returns (flops, macs).
 """
+
 from __future__ import annotations
 
 import math
@@ -85,9 +86,11 @@ def sdpa_counts(args, kwargs, out) -> Counts:
 
 def norm_rule(weight_position: int) -> Callable[..., Counts]:
     """Norms: 5 FLOPs per element with an affine weight, 4 without; `weight_position` is its argument index."""
+
     def rule(args, kwargs, out) -> Counts:
         weight = kwargs.get("weight", args[weight_position] if len(args) > weight_position else None)
         return _numel(args[0]) * (5 if weight is not None else 4), 0
+
     return rule
 
 
@@ -103,23 +106,71 @@ def zero(args, kwargs, out) -> Counts:
     return 0, 0
 
 
-_ELEMENTWISE = ("add", "sub", "mul", "div", "true_divide", "rsub", "pow", "sqrt", "rsqrt", "exp", "log",
-                "neg", "abs", "clamp", "square", "reciprocal")
-_ACTIVATIONS = ("relu", "relu_", "gelu", "silu", "sigmoid", "tanh", "leaky_relu", "elu", "selu", "softplus",
-                "hardswish", "hardsigmoid", "mish", "relu6", "glu", "prelu")
+_ELEMENTWISE = (
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "true_divide",
+    "rsub",
+    "pow",
+    "sqrt",
+    "rsqrt",
+    "exp",
+    "log",
+    "neg",
+    "abs",
+    "clamp",
+    "square",
+    "reciprocal",
+)
+_ACTIVATIONS = (
+    "relu",
+    "relu_",
+    "gelu",
+    "silu",
+    "sigmoid",
+    "tanh",
+    "leaky_relu",
+    "elu",
+    "selu",
+    "softplus",
+    "hardswish",
+    "hardsigmoid",
+    "mish",
+    "relu6",
+    "glu",
+    "prelu",
+)
 
 RULES: dict[str, Callable[..., Counts]] = {
-    "linear": linear_counts, "matmul": matmul_counts, "mm": matmul_counts, "bmm": matmul_counts,
-    "__matmul__": matmul_counts, "__rmatmul__": matmul_counts, "addmm": addmm_counts,
-    "baddbmm": addmm_counts, "einsum": einsum_counts,
-    "conv1d": conv_counts, "conv2d": conv_counts, "conv3d": conv_counts,
-    "conv_transpose1d": conv_transpose_counts, "conv_transpose2d": conv_transpose_counts,
-    "conv_transpose3d": conv_transpose_counts, "scaled_dot_product_attention": sdpa_counts,
+    "linear": linear_counts,
+    "matmul": matmul_counts,
+    "mm": matmul_counts,
+    "bmm": matmul_counts,
+    "__matmul__": matmul_counts,
+    "__rmatmul__": matmul_counts,
+    "addmm": addmm_counts,
+    "baddbmm": addmm_counts,
+    "einsum": einsum_counts,
+    "conv1d": conv_counts,
+    "conv2d": conv_counts,
+    "conv3d": conv_counts,
+    "conv_transpose1d": conv_transpose_counts,
+    "conv_transpose2d": conv_transpose_counts,
+    "conv_transpose3d": conv_transpose_counts,
+    "scaled_dot_product_attention": sdpa_counts,
     # layer_norm(x, shape, weight), group_norm(x, groups, weight), batch_norm(x, mean, var, weight), ...
-    "layer_norm": norm_rule(2), "group_norm": norm_rule(2), "rms_norm": norm_rule(2),
-    "batch_norm": norm_rule(3), "instance_norm": norm_rule(3),
-    "softmax": per_input, "log_softmax": per_input, "cross_entropy": per_input,
-    "embedding": zero, "dropout": zero,
+    "layer_norm": norm_rule(2),
+    "group_norm": norm_rule(2),
+    "rms_norm": norm_rule(2),
+    "batch_norm": norm_rule(3),
+    "instance_norm": norm_rule(3),
+    "softmax": per_input,
+    "log_softmax": per_input,
+    "cross_entropy": per_input,
+    "embedding": zero,
+    "dropout": zero,
 }
 for _name in _ELEMENTWISE:
     for _variant in (_name, _name + "_", f"__{_name}__", f"__r{_name}__", f"__i{_name}__"):

@@ -10,6 +10,7 @@ phase sets the peak and how much it adds on top of the steady state.
 "reduce" is the end of a backward: waiting for the gradient reductions still in flight (and at
 stage 3 releasing the last gathered units); the reductions that overlap backward count in "backward".
 """
+
 from __future__ import annotations
 
 PHASES = ("forward", "backward", "reduce", "step")
@@ -48,5 +49,9 @@ class PhasePeaks:
         if not self.peak:
             return "no phase measured"
         top = max(self.peak, key=self.peak.get)
-        return ", ".join(f"{p} {self.peak[p] / MIB:,.0f} MiB (+{(self.peak[p] - self.start[p]) / MIB:,.0f})"
-                         + ("*" if p == top else "") for p in PHASES if p in self.peak)
+        return ", ".join(
+            f"{p} {self.peak[p] / MIB:,.0f} MiB (+{(self.peak[p] - self.start[p]) / MIB:,.0f})"
+            + ("*" if p == top else "")
+            for p in PHASES
+            if p in self.peak
+        )

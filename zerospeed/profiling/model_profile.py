@@ -1,4 +1,5 @@
 """`get_model_profile`: profile one forward pass of a model outside training (DeepSpeed's name)."""
+
 from __future__ import annotations
 
 import logging
@@ -13,11 +14,23 @@ from zerospeed.profiling.report import format_profile, human
 logger = logging.getLogger(__name__)
 
 
-def get_model_profile(model: torch.nn.Module, input_shape: tuple[int, ...] | None = None, args=(), kwargs=None,
-                      print_profile: bool = True, detailed: bool = True, module_depth: int = -1,
-                      top_modules: int = 1, warm_up: int = 1, as_string: bool = True,
-                      output_file: str | None = None, ignore_modules=(), peak_flops: float | None = None,
-                      tp_group=NO_GROUP, tp_size: int | None = None):
+def get_model_profile(
+    model: torch.nn.Module,
+    input_shape: tuple[int, ...] | None = None,
+    args=(),
+    kwargs=None,
+    print_profile: bool = True,
+    detailed: bool = True,
+    module_depth: int = -1,
+    top_modules: int = 1,
+    warm_up: int = 1,
+    as_string: bool = True,
+    output_file: str | None = None,
+    ignore_modules=(),
+    peak_flops: float | None = None,
+    tp_group=NO_GROUP,
+    tp_size: int | None = None,
+):
     """Run `model(*args, **kwargs)` (or on a random `input_shape` tensor) and return (flops, macs, params).
 
     `warm_up` unprofiled passes run first. The numbers are strings like '1.23 GFLOPs' unless
@@ -43,8 +56,13 @@ def get_model_profile(model: torch.nn.Module, input_shape: tuple[int, ...] | Non
         finally:
             prof.stop_profile()
     if print_profile:
-        text = format_profile(prof, module_depth=module_depth, top_modules=top_modules, detailed=detailed,
-                              peak_flops=peak_flops or current_device_peak())
+        text = format_profile(
+            prof,
+            module_depth=module_depth,
+            top_modules=top_modules,
+            detailed=detailed,
+            peak_flops=peak_flops or current_device_peak(),
+        )
         if output_file:
             Path(output_file).write_text(text + "\n")
         else:

@@ -15,6 +15,7 @@ rank 0), phase timers (`wall_clock_breakdown`), the comm report
 tool off, `active` is False and each hook returns at once. When `zerospeed --autotuning` started the
 process, the observer also runs the autotuning trial's probe (`trial_probe.py`) after each step.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,7 +26,6 @@ from pathlib import Path
 import torch
 
 from zerospeed import comm
-from zerospeed.utils.errors import ConfigError
 from zerospeed.moe.layer import moe_monitor_events
 from zerospeed.monitor.writers import build_monitors
 from zerospeed.profiling.comms_report import diff_snapshots, format_comm_report
@@ -35,6 +35,7 @@ from zerospeed.profiling.profiler import FlopsProfiler
 from zerospeed.profiling.report import format_profile
 from zerospeed.profiling.timers import PhaseTimers, format_breakdown
 from zerospeed.profiling.trial_probe import TrialProbe, trial_probe_for
+from zerospeed.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 MIB = 2**20
@@ -62,17 +63,19 @@ class EngineObserver:
         self._clock = clock
         fp, cl = config.flops_profiler, config.comms_logger
         if cl.enabled and cl.debug:
-            raise ConfigError("comms_logger.debug=true: naming the calling function of each collective is not "
-                              "implemented in zerospeed yet; set it to false")
+            raise ConfigError(
+                "comms_logger.debug=true: naming the calling function of each collective is not "
+                "implemented in zerospeed yet; set it to false"
+            )
         self.profile = fp.enabled
         self.timing = config.wall_clock_breakdown or fp.enabled
         self.comms = cl.enabled
         self.monitors = build_monitors(config) if rank == 0 else []
-        self.monitoring = any((config.tensorboard.enabled, config.csv_monitor.enabled, config.wandb.enabled,
-                               config.comet.enabled))
+        self.monitoring = any(
+            (config.tensorboard.enabled, config.csv_monitor.enabled, config.wandb.enabled, config.comet.enabled)
+        )
         self.every = config.steps_per_print
-        self.active = any((self.profile, self.timing, self.comms, self.monitoring, self.every,
-                           config.memory_breakdown))
+        self.active = any((self.profile, self.timing, self.comms, self.monitoring, self.every, config.memory_breakdown))
         self.timers = PhaseTimers()
         self.profiler: FlopsProfiler | None = None
         self._losses: list[float] = []
@@ -103,8 +106,9 @@ class EngineObserver:
             self._last_time = self._clock()
         self._tokens += _tokens(inputs) or 0
         if self._profiling_now(engine) and self.profiler is None:
-            self.profiler = FlopsProfiler(engine.module, engine,
-                                          recompute_fwd_factor=self.config.flops_profiler.recompute_fwd_factor)
+            self.profiler = FlopsProfiler(
+                engine.module, engine, recompute_fwd_factor=self.config.flops_profiler.recompute_fwd_factor
+            )
             self.profiler.start_profile()
         if self.timing:
             self.timers.start("forward")
@@ -226,10 +230,16 @@ class EngineObserver:
             self.profiler.end_profile()
             self.profiler, self.profile = None, False
             return
-        text = format_profile(self.profiler, module_depth=fp.module_depth, top_modules=fp.top_modules,
-                              detailed=fp.detailed, peak_flops=current_device_peak(), step=self._step_at_start,
-                              batch_size=engine.train_micro_batch_size_per_gpu(),
-                              recompute_fwd_factor=fp.recompute_fwd_factor)
+        text = format_profile(
+            self.profiler,
+            module_depth=fp.module_depth,
+            top_modules=fp.top_modules,
+            detailed=fp.detailed,
+            peak_flops=current_device_peak(),
+            step=self._step_at_start,
+            batch_size=engine.train_micro_batch_size_per_gpu(),
+            recompute_fwd_factor=fp.recompute_fwd_factor,
+        )
         if fp.output_file:
             Path(fp.output_file).write_text(text + "\n")
         else:
@@ -271,13 +281,21 @@ class EngineObserver:
         if self.comms:
             now = comm.STATS.snapshot()
             if self.rank == 0 or self.config.comms_logger.verbose:
-                logger.info("rank %d communication, steps %d-%d:\n%s", self.rank,
-                            engine.global_steps - self._steps_since_print + 1, engine.global_steps,
-                            self.comm_report(diff_snapshots(now, self._comm_mark)))
+                logger.info(
+                    "rank %d communication, steps %d-%d:\n%s",
+                    self.rank,
+                    engine.global_steps - self._steps_since_print + 1,
+                    engine.global_steps,
+                    self.comm_report(diff_snapshots(now, self._comm_mark)),
+                )
         if self.config.memory_breakdown and self.rank == 0:
             phases = self.memory_phases.report() if self.memory_phases is not None else "-"
-            logger.info("memory: allocated %.1f MiB; peak by phase: %s; model states %s",
-                        engine.accelerator.memory_allocated() / MIB, phases, engine.memory_breakdown())
+            logger.info(
+                "memory: allocated %.1f MiB; peak by phase: %s; model states %s",
+                engine.accelerator.memory_allocated() / MIB,
+                phases,
+                engine.memory_breakdown(),
+            )
         self.timers.reset()
         self._comm_mark = comm.STATS.snapshot()
         self._steps_since_print = 0
@@ -287,8 +305,13 @@ class EngineObserver:
         the numbers zerospeed adds in the same `key=value` form."""
         groups = engine.optimizer.param_groups
         mom = [g["betas"] if "betas" in g else g.get("momentum", 0.0) for g in groups]  # DeepSpeed's get_mom
-        parts = [f"[Rank {self.rank}] step={engine.global_steps}", f"skipped={engine.skipped_steps}",
-                 f"lr={engine.get_lr()}", f"mom={mom}", f"samples={engine.global_samples}"]
+        parts = [
+            f"[Rank {self.rank}] step={engine.global_steps}",
+            f"skipped={engine.skipped_steps}",
+            f"lr={engine.get_lr()}",
+            f"mom={mom}",
+            f"samples={engine.global_samples}",
+        ]
         if "train_loss" in v:
             parts.append(f"loss={v['train_loss']:.4f}")
         if "grad_norm" in v:

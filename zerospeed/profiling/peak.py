@@ -3,6 +3,7 @@
 Values are the vendors' datasheet dense 16-bit tensor-core peaks (no sparsity). A CPU has no entry:
 its peak depends on cores, clocks and vector units, so the user passes `peak_flops` instead.
 """
+
 from __future__ import annotations
 
 import torch
@@ -10,9 +11,20 @@ import torch
 # Matched as a case-insensitive substring of torch.cuda.get_device_name(); first match wins, so
 # more specific names come first.
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
-    ("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("GH200", 989e12), ("B200", 2250e12),
-    ("A100", 312e12), ("A10G", 125e12), ("A10", 125e12), ("L40S", 362e12), ("L4", 121e12),
-    ("V100", 125e12), ("RTX 4090", 165e12), ("RTX 3090", 71e12), ("T4", 65e12),
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A10G", 125e12),
+    ("A10", 125e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("V100", 125e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+    ("T4", 65e12),
 )
 
 

@@ -11,6 +11,7 @@ Under tensor parallelism the counts are this rank's (its local shards: a split l
 group (`tensor_parallel.ReplicaTracker`): `get_total_flops()` and friends are per rank,
 `get_model_flops()` / `get_model_macs()` / `get_model_params()` are the whole model's.
 """
+
 from __future__ import annotations
 
 import time
@@ -21,9 +22,9 @@ from torch.overrides import TorchFunctionMode
 
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
+from zerospeed.parallel.tensor.state import replica_counts
 from zerospeed.profiling.flops import count
 from zerospeed.profiling.tensor_parallel import ReplicaTracker
-from zerospeed.parallel.tensor.state import replica_counts
 from zerospeed.zero import full_numel  # a ZeRO-3 parameter's full size, not its shard
 
 
@@ -43,7 +44,7 @@ class ModuleStats:
 
 
 class _CountingMode(TorchFunctionMode):
-    def __init__(self, profiler: "FlopsProfiler"):
+    def __init__(self, profiler: FlopsProfiler):
         super().__init__()
         self.profiler = profiler
 
@@ -79,8 +80,16 @@ class FlopsProfiler:
     and read them; `tp_size` alone (no communication) assumes every tp rank did the same work.
     """
 
-    def __init__(self, model: torch.nn.Module, ds_engine=None, recompute_fwd_factor: float = 0.0,
-                 ignore_modules: tuple[type, ...] = (), *, tp_group=NO_GROUP, tp_size: int | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ds_engine=None,
+        recompute_fwd_factor: float = 0.0,
+        ignore_modules: tuple[type, ...] = (),
+        *,
+        tp_group=NO_GROUP,
+        tp_size: int | None = None,
+    ):
         self.model = model
         self.ds_engine = ds_engine
         self.recompute_fwd_factor = recompute_fwd_factor
@@ -107,9 +116,16 @@ class FlopsProfiler:
     def start_profile(self) -> None:
         """Reset counters, attach hooks and begin counting."""
         self.end_profile()
-        self.stats = {id(m): ModuleStats(name or "(model)", type(m).__name__, name.count(".") + bool(name),
-                                         sum(full_numel(p) for p in m.parameters()))
-                      for name, m in self.model.named_modules() if not isinstance(m, self.ignore_modules)}
+        self.stats = {
+            id(m): ModuleStats(
+                name or "(model)",
+                type(m).__name__,
+                name.count(".") + bool(name),
+                sum(full_numel(p) for p in m.parameters()),
+            )
+            for name, m in self.model.named_modules()
+            if not isinstance(m, self.ignore_modules)
+        }
         for m in self.model.modules():
             if id(m) in self.stats:
                 self._hooks.append(m.register_forward_pre_hook(self._enter))

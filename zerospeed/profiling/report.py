@@ -1,4 +1,5 @@
 """Text report of a flops profile: totals, achieved FLOP/s and MFU, top modules per depth, module tree."""
+
 from __future__ import annotations
 
 from zerospeed.profiling.profiler import FlopsProfiler, ModuleStats
@@ -23,23 +24,35 @@ def top_modules_by_depth(stats: list[ModuleStats], top: int) -> dict[int, list[M
 def _line(s: ModuleStats, total_flops: int) -> str:
     share = 100 * s.flops / total_flops if total_flops else 0.0
     rate = s.flops / s.latency if s.latency else 0.0
-    return (f"{'  ' * s.depth}{s.name} ({s.kind}): {human(s.params)} params, {human(s.macs)}MACs, "
-            f"{human(s.flops)}FLOPs ({share:.2f}%), {s.latency * 1e3:.3f} ms, {human(rate)}FLOP/s")
+    return (
+        f"{'  ' * s.depth}{s.name} ({s.kind}): {human(s.params)} params, {human(s.macs)}MACs, "
+        f"{human(s.flops)}FLOPs ({share:.2f}%), {s.latency * 1e3:.3f} ms, {human(rate)}FLOP/s"
+    )
 
 
 def _tensor_parallel_lines(prof: FlopsProfiler) -> list[str]:
     """The model's totals over the tp group (collective with a tp_group: every tp rank formats)."""
     flops, macs, params = prof.model_totals()
-    return [f"tensor-parallel size:          {prof.tp_size} (numbers per rank are this rank's shards; "
-            "'of model' sums the tp ranks, replicated work once)",
-            f"params of model:               {human(params)}",
-            f"forward MACs of model:         {human(macs)}MACs",
-            f"forward FLOPs of model:        {human(flops)}FLOPs"]
+    return [
+        f"tensor-parallel size:          {prof.tp_size} (numbers per rank are this rank's shards; "
+        "'of model' sums the tp ranks, replicated work once)",
+        f"params of model:               {human(params)}",
+        f"forward MACs of model:         {human(macs)}MACs",
+        f"forward FLOPs of model:        {human(flops)}FLOPs",
+    ]
 
 
-def format_profile(prof: FlopsProfiler, *, module_depth: int = -1, top_modules: int = 1, detailed: bool = True,
-                   peak_flops: float | None = None, step: int | None = None, batch_size: int | None = None,
-                   recompute_fwd_factor: float = 0.0) -> str:
+def format_profile(
+    prof: FlopsProfiler,
+    *,
+    module_depth: int = -1,
+    top_modules: int = 1,
+    detailed: bool = True,
+    peak_flops: float | None = None,
+    step: int | None = None,
+    batch_size: int | None = None,
+    recompute_fwd_factor: float = 0.0,
+) -> str:
     """The whole report; `module_depth` -1 shows every depth in the tree."""
     flops, macs, secs = prof.get_total_flops(), prof.get_total_macs(), prof.get_total_duration()
     rate = flops / secs if secs else 0.0
@@ -52,13 +65,15 @@ def format_profile(prof: FlopsProfiler, *, module_depth: int = -1, top_modules: 
         lines.append(f"batch size per device:         {batch_size}")
     if prof.tp_size > 1:
         lines += _tensor_parallel_lines(prof)
-    lines += [f"params{per_rank}:{pad}{human(prof.get_total_params())}",
-              f"forward MACs{per_rank}:{pad[:-6]}{human(macs)}MACs",
-              f"forward FLOPs{per_rank}:{pad[:-7]}{human(flops)}FLOPs",
-              f"forward latency:               {secs * 1e3:.3f} ms",
-              f"forward FLOP/s{per_rank}:{pad[:-8]}{human(rate)}FLOP/s",
-              f"train step FLOPs{per_rank} (fwd + 2x bwd + {recompute_fwd_factor:g}x recompute): "
-              f"{human((3 + recompute_fwd_factor) * flops)}FLOPs"]
+    lines += [
+        f"params{per_rank}:{pad}{human(prof.get_total_params())}",
+        f"forward MACs{per_rank}:{pad[:-6]}{human(macs)}MACs",
+        f"forward FLOPs{per_rank}:{pad[:-7]}{human(flops)}FLOPs",
+        f"forward latency:               {secs * 1e3:.3f} ms",
+        f"forward FLOP/s{per_rank}:{pad[:-8]}{human(rate)}FLOP/s",
+        f"train step FLOPs{per_rank} (fwd + 2x bwd + {recompute_fwd_factor:g}x recompute): "
+        f"{human((3 + recompute_fwd_factor) * flops)}FLOPs",
+    ]
     if peak_flops:
         lines.append(f"MFU (forward, peak {human(peak_flops)}FLOP/s): {100 * rate / peak_flops:.2f}%")
     else:

@@ -21,6 +21,7 @@ Note [replicated bias]: a row-parallel layer all-reduces its partial products an
 see, so an op that reads a replicated parameter of the running tensor-parallel layer is credited as
 replicated work (not under sequence parallelism, where the bias meets a sequence slice).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -28,8 +29,12 @@ import weakref
 import torch
 from torch.utils._pytree import tree_flatten
 
-from zerospeed.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, TensorParallelModule
-from zerospeed.parallel.tensor.layers import VocabParallelEmbedding
+from zerospeed.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelModule,
+    VocabParallelEmbedding,
+)
 from zerospeed.parallel.tensor.state import replica_counts
 
 

@@ -4,6 +4,7 @@
 device first, so asynchronous kernels are charged to the phase that launched them). Elapsed times
 accumulate until `reset()`; `breakdown()` reports milliseconds per phase with per-step means.
 """
+
 from __future__ import annotations
 
 import time

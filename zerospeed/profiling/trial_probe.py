@@ -22,6 +22,7 @@ what stays alive between forward and backward on any device (CPU included, where
 keeps no statistics); temporaries freed inside the forward are not counted, which the planner's
 headroom covers.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,9 @@ def write_json_atomic(path: str | Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def step_metrics(step_seconds: list[float], train_batch_size: int, gas: int,
-                 forward_flops: int | None) -> dict[str, float]:
+def step_metrics(
+    step_seconds: list[float], train_batch_size: int, gas: int, forward_flops: int | None
+) -> dict[str, float]:
     """DeepSpeed's metrics from per-step wall times: latency (ms per optimizer step), throughput
     (samples/s), FLOPS_per_gpu (a forward's FLOPs x 3 for forward + backward x gas per step)."""
     if not step_seconds:
@@ -91,8 +93,9 @@ class _SavedTensorCensus:
 class TrialProbe:
     """Hooks one engine: forward hooks on its module, and `on_step` after every optimizer step."""
 
-    def __init__(self, engine, *, metric_path: str | None = None, model_info_path: str | None = None,
-                 clock=time.perf_counter) -> None:
+    def __init__(
+        self, engine, *, metric_path: str | None = None, model_info_path: str | None = None, clock=time.perf_counter
+    ) -> None:
         self.engine = engine
         self.metric_path = metric_path
         self.model_info_path = model_info_path
@@ -159,12 +162,18 @@ class TrialProbe:
     # -- results ------------------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
         e = self.engine
-        out: dict[str, Any] = step_metrics(self.step_seconds, e.train_batch_size(), e.gradient_accumulation_steps(),
-                                           self.forward_flops)
-        out.update(steps=[self.start, self.end], step_seconds=self.step_seconds, train_batch_size=e.train_batch_size(),
-                   train_micro_batch_size_per_gpu=e.train_micro_batch_size_per_gpu(),
-                   gradient_accumulation_steps=e.gradient_accumulation_steps(),
-                   zero_stage=e.zero_optimization_stage(), world_size=e.world_size)
+        out: dict[str, Any] = step_metrics(
+            self.step_seconds, e.train_batch_size(), e.gradient_accumulation_steps(), self.forward_flops
+        )
+        out.update(
+            steps=[self.start, self.end],
+            step_seconds=self.step_seconds,
+            train_batch_size=e.train_batch_size(),
+            train_micro_batch_size_per_gpu=e.train_micro_batch_size_per_gpu(),
+            gradient_accumulation_steps=e.gradient_accumulation_steps(),
+            zero_stage=e.zero_optimization_stage(),
+            world_size=e.world_size,
+        )
         return out
 
     def model_info(self, activation_bytes: int) -> dict[str, Any]:
@@ -173,15 +182,24 @@ class TrialProbe:
         size = lambda dtype: torch.tensor([], dtype=dtype).element_size()  # noqa: E731
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
         return {
-            "num_params": census.total_params, "largest_layer_params": census.largest_layer_params,
+            "num_params": census.total_params,
+            "largest_layer_params": census.largest_layer_params,
             "trainable_num_params": sum({id(p): p.numel() for p in e.module.parameters() if p.requires_grad}.values()),
-            "param_bytes": size(e.precision.param_dtype), "grad_bytes": size(e.precision.grad_accum_dtype),
+            "param_bytes": size(e.precision.param_dtype),
+            "grad_bytes": size(e.precision.grad_accum_dtype),
             "master_bytes": e.precision.master_bytes,
-            "optim_bytes": (OPTIMIZER_STATE_BYTES[optimizer_kind(e.optimizer)] * e.precision.master_dtype.itemsize // 4
-                            if e.optimizer else 0),
-            "activation_bytes": activation_bytes, "micro_batch": e.train_micro_batch_size_per_gpu(),
-            "dp_world_size": e.dp_world_size, "world_size": e.world_size, "local_size": local,
-            "device": e.accelerator.name, "device_memory": e.accelerator.total_memory(),
+            "optim_bytes": (
+                OPTIMIZER_STATE_BYTES[optimizer_kind(e.optimizer)] * e.precision.master_dtype.itemsize // 4
+                if e.optimizer
+                else 0
+            ),
+            "activation_bytes": activation_bytes,
+            "micro_batch": e.train_micro_batch_size_per_gpu(),
+            "dp_world_size": e.dp_world_size,
+            "world_size": e.world_size,
+            "local_size": local,
+            "device": e.accelerator.name,
+            "device_memory": e.accelerator.total_memory(),
         }
 
     def _now(self) -> float:

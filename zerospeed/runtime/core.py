@@ -9,6 +9,7 @@ strategy (`zerospeed.zero.ZeroStrategy`, built over the parallel mesh), the opti
 (`zerospeed.optim`), the loss scaler (a pure state machine), the step hooks (runtime/hooks.py) and the
 observer (timers, profiler, monitors).
 """
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,18 @@ class EngineCore(torch.nn.Module):
     """DeepSpeed's switch: False leaves each rank's gradients unreduced at the accumulation boundary (the
     1-bit optimizers' compressed stages; Note [the engine's backward all-reduce] in optim/onebit)."""
 
-    def __init__(self, module: torch.nn.Module, config, plans: EnginePlans, *, param_groups, optimizer_factory,
-                 scheduler_factory, mesh, training_dataloader=None):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        config,
+        plans: EnginePlans,
+        *,
+        param_groups,
+        optimizer_factory,
+        scheduler_factory,
+        mesh,
+        training_dataloader=None,
+    ):
         super().__init__()
         self.config = config  # DeepSpeed's `engine.config`: what the accessor facade reports
         self.plans = plans
@@ -64,8 +75,15 @@ class EngineCore(torch.nn.Module):
         self.param_group_names = param_group_names(module, param_groups)
         broadcast_model(self.module, param_groups, reduction, self.dp_group)
         # The strategy snapshots fp32 masters before the model is cast to 16-bit.
-        self.zero = build_strategy(plans.zero, param_groups, reduction, module=self.module, precision=self.precision,
-                                   device=self.device, norm_group=mesh.group("dp_sp"))
+        self.zero = build_strategy(
+            plans.zero,
+            param_groups,
+            reduction,
+            module=self.module,
+            precision=self.precision,
+            device=self.device,
+            norm_group=mesh.group("dp_sp"),
+        )
         weight_tensor_parallel_norm(self.module, self.zero, mesh)
         if self.precision.mixed:
             self.module.to(self.precision.param_dtype)
@@ -136,8 +154,9 @@ class EngineCore(torch.nn.Module):
         """Reduce, unscale, check overflow, clip, step, schedule, update the loss scale, zero gradients."""
         self._check_states_resident("engine.step")
         if self.optimizer is None:
-            raise RuntimeError("engine.step(): no optimizer — give initialize() an optimizer or an "
-                               "`optimizer` section in the config")
+            raise RuntimeError(
+                "engine.step(): no optimizer — give initialize() an optimizer or an `optimizer` section in the config"
+            )
         with self.observer.phase("step.reduce"):
             self.zero.finish_reduction()
         scale = self.loss_scale
@@ -157,11 +176,17 @@ class EngineCore(torch.nn.Module):
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow)
             if overflow:
-                logger.info("step %d: fp16 gradient overflow on some rank; step skipped, loss scale %g -> %g",
-                            self.global_steps, scale, self.loss_scaler.scale)
+                logger.info(
+                    "step %d: fp16 gradient overflow on some rank; step skipped, loss scale %g -> %g",
+                    self.global_steps,
+                    scale,
+                    self.loss_scaler.scale,
+                )
         elif overflow:
-            logger.info("step %d: inf/nan bf16 gradient on some rank (bf16.check_grad_overflow); step skipped",
-                        self.global_steps)
+            logger.info(
+                "step %d: inf/nan bf16 gradient on some rank (bf16.check_grad_overflow); step skipped",
+                self.global_steps,
+            )
         self.zero.zero_grads()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
@@ -186,12 +211,22 @@ class EngineCore(torch.nn.Module):
         """What a checkpoint saves and restores (zerospeed.checkpoint never sees the engine); the engine's
         own step counts are the live counters a load sets (Note [live counters] in checkpoint/state.py)."""
         return TrainingState(
-            module=self.module, zero=self.zero, optimizer=self.optimizer, mesh=self.mesh, counters=self,
+            module=self.module,
+            zero=self.zero,
+            optimizer=self.optimizer,
+            mesh=self.mesh,
+            counters=self,
             gradient_accumulation_steps=self.gradient_accumulation_steps(),
-            param_dtype=self.precision.param_dtype, master_dtype=self.precision.master_dtype,
-            ds_config=self.config.model_dump(mode="json"), tag_validation=self.config.checkpoint.tag_validation,
-            lr_scheduler=self.lr_scheduler, loss_scaler=self.loss_scaler, data_sampler=self.training_dataloader,
-            random_ltd=scheduler_of(self.step_hooks, RandomLTDHook), param_group_names=self.param_group_names)
+            param_dtype=self.precision.param_dtype,
+            master_dtype=self.precision.master_dtype,
+            ds_config=self.config.model_dump(mode="json"),
+            tag_validation=self.config.checkpoint.tag_validation,
+            lr_scheduler=self.lr_scheduler,
+            loss_scaler=self.loss_scaler,
+            data_sampler=self.training_dataloader,
+            random_ltd=scheduler_of(self.step_hooks, RandomLTDHook),
+            param_group_names=self.param_group_names,
+        )
 
     # -- module passthrough ------------------------------------------------------------------------
     def train(self, mode: bool = True):

@@ -14,6 +14,7 @@ documented meaning wins: `get_batch_info()` returns the three sizes, not the thr
 Accessors of features zerospeed does not build answer what the config says (so a script that only
 reads them runs), and the features themselves stay refused where the config asks for them.
 """
+
 from __future__ import annotations
 
 import gc
@@ -140,24 +141,43 @@ class DeepSpeedAPI:
         self.state_offloader.reload(non_blocking)
 
     # -- checkpoints and 16-bit saves (zerospeed.checkpoint does the work) -----------------------------
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False):
+    def save_checkpoint(
+        self, save_dir, tag=None, client_state=None, save_latest: bool = True, exclude_frozen_parameters: bool = False
+    ):
         self._check_states_resident("engine.save_checkpoint")
-        return checkpoint.save_checkpoint(self.checkpoint_state(), save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
-                                          exclude_frozen_parameters=exclude_frozen_parameters)
+        return checkpoint.save_checkpoint(
+            self.checkpoint_state(),
+            save_dir,
+            tag=tag,
+            client_state=client_state,
+            save_latest=save_latest,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
 
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False):
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ):
         """Restore a checkpoint (any world size, ZeRO stage 0-3); returns (load_path, client_state)."""
         self._check_states_resident("engine.load_checkpoint")
-        return checkpoint.load_checkpoint(self.checkpoint_state(), load_dir, tag=tag, load_module_strict=load_module_strict,
-                                          load_optimizer_states=load_optimizer_states,
-                                          load_lr_scheduler_states=load_lr_scheduler_states,
-                                          load_module_only=load_module_only)
+        return checkpoint.load_checkpoint(
+            self.checkpoint_state(),
+            load_dir,
+            tag=tag,
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+        )
 
-    def module_state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False,
-                          exclude_frozen_parameters: bool = False) -> dict:
+    def module_state_dict(
+        self, destination=None, prefix: str = "", keep_vars: bool = False, exclude_frozen_parameters: bool = False
+    ) -> dict:
         """DeepSpeed's: the module's own `state_dict` (at stage 3 its weights are this rank's empty
         placeholders, as in DeepSpeed; `_zero3_consolidated_16bit_state_dict` gathers them), without
         frozen parameters when `exclude_frozen_parameters`, and under the plain model's names when
@@ -171,8 +191,9 @@ class DeepSpeedAPI:
             sd = remove_random_ltd_state_dict(sd)
         return sd
 
-    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
-                         exclude_frozen_parameters: bool = False):
+    def save_16bit_model(
+        self, save_dir, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ):
         return checkpoint.save_16bit_model(self.checkpoint_state(), save_dir, save_filename, exclude_frozen_parameters)
 
     def save_fp16_model(self, save_dir, save_filename: str = "pytorch_model.bin"):
@@ -198,8 +219,10 @@ class DeepSpeedAPI:
         size stays); it must divide by micro batch x data-parallel size."""
         per_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
         if train_batch_size < 1 or train_batch_size % per_step:
-            raise ValueError(f"set_train_batch_size({train_batch_size}): the global batch must be a positive multiple "
-                             f"of train_micro_batch_size_per_gpu x data-parallel size = {per_step}")
+            raise ValueError(
+                f"set_train_batch_size({train_batch_size}): the global batch must be a positive multiple "
+                f"of train_micro_batch_size_per_gpu x data-parallel size = {per_step}"
+            )
         self.config.train_batch_size = train_batch_size
         self.config.gradient_accumulation_steps = train_batch_size // per_step
 
@@ -216,8 +239,16 @@ class DeepSpeedAPI:
     def dataloader_drop_last(self) -> bool:
         return self.config.dataloader_drop_last
 
-    def deepspeed_io(self, dataset, batch_size: int | None = None, route: str = "train", pin_memory: bool = True,
-                     data_sampler=None, collate_fn=None, num_local_io_workers: int | None = None):
+    def deepspeed_io(
+        self,
+        dataset,
+        batch_size: int | None = None,
+        route: str = "train",
+        pin_memory: bool = True,
+        data_sampler=None,
+        collate_fn=None,
+        num_local_io_workers: int | None = None,
+    ):
         """DeepSpeed's: a loader of this data-parallel rank's batches of `dataset` (micro batches by
         default). The train route shuffles as `initialize(training_data=...)` does; "eval" / "predict"
         keep the order; a given `data_sampler` is used as it is."""
@@ -226,13 +257,27 @@ class DeepSpeedAPI:
         batch_size = batch_size or self.train_micro_batch_size_per_gpu()
         workers = num_local_io_workers or 0
         if data_sampler is not None or self.is_iterable_style_dataset(dataset):
-            return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=data_sampler,
-                                               collate_fn=collate_fn, num_workers=workers, pin_memory=pin_memory,
-                                               drop_last=self.config.dataloader_drop_last)
-        return ShardedDataLoader(dataset, batch_size, rank=self.mesh.rank_in("dp"), world_size=self.dp_world_size,
-                                 collate_fn=collate_fn, shuffle=route == "train", seed=0,
-                                 drop_last=self.config.dataloader_drop_last, num_workers=workers,
-                                 pin_memory=pin_memory and torch.cuda.is_available())
+            return torch.utils.data.DataLoader(
+                dataset,
+                batch_size=batch_size,
+                sampler=data_sampler,
+                collate_fn=collate_fn,
+                num_workers=workers,
+                pin_memory=pin_memory,
+                drop_last=self.config.dataloader_drop_last,
+            )
+        return ShardedDataLoader(
+            dataset,
+            batch_size,
+            rank=self.mesh.rank_in("dp"),
+            world_size=self.dp_world_size,
+            collate_fn=collate_fn,
+            shuffle=route == "train",
+            seed=0,
+            drop_last=self.config.dataloader_drop_last,
+            num_workers=workers,
+            pin_memory=pin_memory and torch.cuda.is_available(),
+        )
 
     @staticmethod
     def is_map_style_dataset(obj) -> bool:
@@ -308,14 +353,18 @@ class DeepSpeedAPI:
         return self.config.fp16.loss_scale == 0
 
     def initial_dynamic_scale(self) -> float:
-        return 2 ** self.config.fp16.initial_scale_power
+        return 2**self.config.fp16.initial_scale_power
 
     def dynamic_loss_scale_args(self) -> dict:
         """DeepSpeed's dynamic loss scaler arguments, under its key names."""
         fp16 = self.config.fp16
-        return {"init_scale": 2 ** fp16.initial_scale_power, "scale_window": fp16.loss_scale_window,
-                "delayed_shift": fp16.hysteresis, "consecutive_hysteresis": fp16.consecutive_hysteresis,
-                "min_scale": fp16.min_loss_scale}
+        return {
+            "init_scale": 2**fp16.initial_scale_power,
+            "scale_window": fp16.loss_scale_window,
+            "delayed_shift": fp16.hysteresis,
+            "consecutive_hysteresis": fp16.consecutive_hysteresis,
+            "min_scale": fp16.min_loss_scale,
+        }
 
     def fp16_auto_cast(self) -> bool:
         return self.config.fp16.auto_cast
@@ -442,7 +491,6 @@ class DeepSpeedAPI:
     def zenflow_config(self):
         return self.config.zero_optimization.zenflow
 
-
     # -- rules of their own -----------------------------------------------------------------------------------
     def pld_params(self) -> dict:
         return self.config.progressive_layer_drop.model_dump(exclude={"enabled"})
@@ -510,17 +558,33 @@ class DeepSpeedAPI:
 def _zero_field(name: str, doc: str):
     def accessor(self):
         return getattr(self.config.zero_optimization, name)
+
     accessor.__name__ = accessor.__qualname__ = f"zero_{name}" if not name.startswith("zero") else name
     accessor.__doc__ = doc
     return accessor
 
 
 # the accessors DeepSpeed names after a zero_optimization key of the same name
-for _key in ("reduce_scatter", "overlap_comm", "sub_group_size", "reduce_bucket_size", "allgather_bucket_size",
-             "contiguous_gradients", "load_from_fp32_weights", "elastic_checkpoint", "legacy_stage1",
-             "ignore_unused_parameters", "allgather_partitions", "round_robin_gradients", "zero_hpz_partition_size",
-             "zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
-             "zeropp_loco_param", "save_muon_momentum_buffer_in_memory"):
+for _key in (
+    "reduce_scatter",
+    "overlap_comm",
+    "sub_group_size",
+    "reduce_bucket_size",
+    "allgather_bucket_size",
+    "contiguous_gradients",
+    "load_from_fp32_weights",
+    "elastic_checkpoint",
+    "legacy_stage1",
+    "ignore_unused_parameters",
+    "allgather_partitions",
+    "round_robin_gradients",
+    "zero_hpz_partition_size",
+    "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients",
+    "zeropp_loco_param",
+    "save_muon_momentum_buffer_in_memory",
+):
     _accessor = _zero_field(_key, f"zero_optimization.{_key}")
     setattr(DeepSpeedAPI, _accessor.__name__, _accessor)
 
@@ -533,6 +597,7 @@ def _section_field(path: str, name: str):
         for part in section.split(".") if section else ():
             value = getattr(value, part)
         return getattr(value, key)
+
     accessor.__name__ = accessor.__qualname__ = name
     accessor.__doc__ = path
     return accessor
@@ -540,24 +605,34 @@ def _section_field(path: str, name: str):
 
 # DeepSpeed accessor name -> the config key it reads
 _READS = {
-    "wall_clock_breakdown": "wall_clock_breakdown", "log_level": "log_level",
-    "graph_harvesting": "graph_harvesting", "sparse_gradients_enabled": "sparse_gradients",
+    "wall_clock_breakdown": "wall_clock_breakdown",
+    "log_level": "log_level",
+    "graph_harvesting": "graph_harvesting",
+    "sparse_gradients_enabled": "sparse_gradients",
     "managed_gradient_accumulation": "managed_gradient_accumulation",
-    "elasticity_enabled": "elasticity.enabled", "pld_enabled": "progressive_layer_drop.enabled",
-    "pld_theta": "progressive_layer_drop.theta", "pld_gamma": "progressive_layer_drop.gamma",
-    "eigenvalue_enabled": "eigenvalue.enabled", "eigenvalue_verbose": "eigenvalue.verbose",
-    "eigenvalue_max_iter": "eigenvalue.max_iter", "eigenvalue_tol": "eigenvalue.tol",
+    "elasticity_enabled": "elasticity.enabled",
+    "pld_enabled": "progressive_layer_drop.enabled",
+    "pld_theta": "progressive_layer_drop.theta",
+    "pld_gamma": "progressive_layer_drop.gamma",
+    "eigenvalue_enabled": "eigenvalue.enabled",
+    "eigenvalue_verbose": "eigenvalue.verbose",
+    "eigenvalue_max_iter": "eigenvalue.max_iter",
+    "eigenvalue_tol": "eigenvalue.tol",
     "eigenvalue_stability": "eigenvalue.stability",
     "eigenvalue_gas_boundary_resolution": "eigenvalue.gas_boundary_resolution",
-    "eigenvalue_layer_name": "eigenvalue.layer_name", "eigenvalue_layer_num": "eigenvalue.layer_num",
+    "eigenvalue_layer_name": "eigenvalue.layer_name",
+    "eigenvalue_layer_num": "eigenvalue.layer_num",
     "data_efficiency_enabled": "data_efficiency.enabled",
     "flops_profiler_recompute_fwd_factor": "flops_profiler.recompute_fwd_factor",
     "flops_profiler_module_depth": "flops_profiler.module_depth",
     "flops_profiler_top_modules": "flops_profiler.top_modules",
     "flops_profiler_output_file": "flops_profiler.output_file",
-    "autotuning_enabled": "autotuning.enabled", "autotuning_start_profile_step": "autotuning.start_profile_step",
-    "autotuning_end_profile_step": "autotuning.end_profile_step", "autotuning_metric": "autotuning.metric",
-    "tensor_parallel_config": "tensor_parallel", "autotp_size": "tensor_parallel.autotp_size",
+    "autotuning_enabled": "autotuning.enabled",
+    "autotuning_start_profile_step": "autotuning.start_profile_step",
+    "autotuning_end_profile_step": "autotuning.end_profile_step",
+    "autotuning_metric": "autotuning.metric",
+    "tensor_parallel_config": "tensor_parallel",
+    "autotp_size": "tensor_parallel.autotp_size",
     "use_node_local_storage": "checkpoint.use_node_local_storage",
     "load_universal_checkpoint": "checkpoint.load_universal",
     "aio_config": "aio",
@@ -566,7 +641,27 @@ for _name, _path in _READS.items():
     setattr(DeepSpeedAPI, _name, _section_field(_path, _name))
 
 
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
-           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-_DEEPSPEED_OPTIMIZERS = frozenset({"adagrad", "adam", "adamw", "lamb", "onebitadam", "onebitlamb", "zerooneadam",
-                                   "muadam", "muadamw", "musgd", "lion", "muon"})
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
+_DEEPSPEED_OPTIMIZERS = frozenset(
+    {
+        "adagrad",
+        "adam",
+        "adamw",
+        "lamb",
+        "onebitadam",
+        "onebitlamb",
+        "zerooneadam",
+        "muadam",
+        "muadamw",
+        "musgd",
+        "lion",
+        "muon",
+    }
+)

@@ -7,6 +7,7 @@ scheduler, loss scaler, hooks, counters — is the shared `EngineCore` (runtime/
 `PipelineEngine` is built on too; DeepSpeed's accessor surface is the `DeepSpeedAPI` facade over it
 (runtime/deepspeed_api.py).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,8 +52,10 @@ class Engine(DeepSpeedAPI, EngineCore):
         """Skip gradient reduction inside the block; gradients keep accumulating locally (stages 0-1)."""
         if not self.zero.supports_no_sync:
             stage = self.zero_optimization_stage()
-            raise RuntimeError(f"engine.no_sync() is not supported with ZeRO stage {stage}: gradients are "
-                               "partitioned as they are produced; use stage 0 or 1 to accumulate without communication")
+            raise RuntimeError(
+                f"engine.no_sync() is not supported with ZeRO stage {stage}: gradients are "
+                "partitioned as they are produced; use stage 0 or 1 to accumulate without communication"
+            )
         previous, self._inside_no_sync = self._inside_no_sync, True
         try:
             yield
@@ -60,8 +63,13 @@ class Engine(DeepSpeedAPI, EngineCore):
             self._inside_no_sync = previous
 
     # -- torch.compile ---------------------------------------------------------------------------------
-    def compile(self, backend: str | None = None, compile_kwargs: dict | None = None, schedule=None,
-                compiled_autograd_enabled: bool = False) -> None:
+    def compile(
+        self,
+        backend: str | None = None,
+        compile_kwargs: dict | None = None,
+        schedule=None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
         """DeepSpeed's `engine.compile`: `torch.compile` the model in place (`nn.Module.compile`), once.
 
         `backend` defaults to the accelerator's (`get_accelerator().get_compile_backend()`: inductor);
@@ -71,17 +79,22 @@ class Engine(DeepSpeedAPI, EngineCore):
         `schedule` (DeepCompile's compiler passes) and `compiled_autograd_enabled` are refused: neither
         DeepCompile nor compiled autograd is built."""
         if schedule is not None:
-            raise NotImplementedError("engine.compile(schedule=...) schedules DeepCompile's passes; DeepCompile is "
-                                      "not built in zerospeed: call compile() without a schedule (plain torch.compile)")
+            raise NotImplementedError(
+                "engine.compile(schedule=...) schedules DeepCompile's passes; DeepCompile is "
+                "not built in zerospeed: call compile() without a schedule (plain torch.compile)"
+            )
         if compiled_autograd_enabled:
-            raise NotImplementedError("engine.compile(compiled_autograd_enabled=True): compiled autograd is not "
-                                      "built in zerospeed; the backward runs eagerly (leave it False)")
+            raise NotImplementedError(
+                "engine.compile(compiled_autograd_enabled=True): compiled autograd is not "
+                "built in zerospeed; the backward runs eagerly (leave it False)"
+            )
         if self.is_compiled:
             return
         kwargs = dict(compile_kwargs or {})
         if "backend" in kwargs:
-            logger.warning("engine.compile: the `backend` in compile_kwargs is overridden; use the `backend` "
-                           "argument instead")
+            logger.warning(
+                "engine.compile: the `backend` in compile_kwargs is overridden; use the `backend` argument instead"
+            )
         kwargs["backend"] = backend if backend is not None else self.accelerator.get_compile_backend()
         self.module.compile(**kwargs)
         self._is_compiled = True
@@ -123,8 +136,10 @@ class Engine(DeepSpeedAPI, EngineCore):
         if self.optimizer is None:
             raise RuntimeError("engine.scale needs an optimizer: give one to initialize (config or client)")
         if loss.numel() != 1 or loss.grad_fn is None:
-            raise ValueError("engine.scale: the loss must be a one-element tensor with a grad_fn (got shape "
-                             f"{tuple(loss.shape)}); reduce it to a scalar first")
+            raise ValueError(
+                "engine.scale: the loss must be a one-element tensor with a grad_fn (got shape "
+                f"{tuple(loss.shape)}); reduce it to a scalar first"
+            )
         scaled = self._begin_backward(loss, True, "engine.scale")
 
         def arm(grad):
@@ -136,12 +151,16 @@ class Engine(DeepSpeedAPI, EngineCore):
 
     def _begin_backward(self, loss: torch.Tensor, scale_wrt_gas: bool, caller: str) -> torch.Tensor:
         if not loss.requires_grad:
-            raise RuntimeError(f"{caller}: the loss does not require grad (was it computed under "
-                               "torch.no_grad() or engine.eval()?)")
+            raise RuntimeError(
+                f"{caller}: the loss does not require grad (was it computed under torch.no_grad() or engine.eval()?)"
+            )
         self._check_states_resident(caller)
         scaled = self.scale_loss(loss, scale_wrt_gas)
-        self.zero.begin_backward(sync=self.is_gradient_accumulation_boundary() and not self._inside_no_sync
-                                 and self.enable_backward_allreduce)
+        self.zero.begin_backward(
+            sync=self.is_gradient_accumulation_boundary()
+            and not self._inside_no_sync
+            and self.enable_backward_allreduce
+        )
         self.observer.on_backward_start(self, loss)
         return scaled
 

@@ -24,6 +24,7 @@ forward; the layers read it there (data/random_ltd/layer.py). The pipeline engin
 random-LTD (DeepSpeed's never binds layers in its stages either). The compression scheduler counts
 optimizer steps: it moves after each one.
 """
+
 from __future__ import annotations
 
 from zerospeed.compression.scheduler import compression_scheduler
@@ -115,6 +116,8 @@ def bind_random_ltd(engine) -> None:
     """DeepSpeed's `engine.random_ltd_initialize()`: bind the wrapped layers of `engine.module` named by
     random_ltd_layer_id to the engine's scheduler."""
     if engine.random_ltd_scheduler is None:
-        raise ConfigError("random-LTD layers need data_efficiency.data_routing.random_ltd.enabled=true (with its "
-                          "schedule) in the config before convert_to_random_ltd / random_ltd_initialize")
+        raise ConfigError(
+            "random-LTD layers need data_efficiency.data_routing.random_ltd.enabled=true (with its "
+            "schedule) in the config before convert_to_random_ltd / random_ltd_initialize"
+        )
     bind_random_ltd_layers(engine.module, engine.random_ltd_config(), engine.random_ltd_scheduler)

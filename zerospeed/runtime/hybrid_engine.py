@@ -20,6 +20,7 @@ training. `inference_tp_size > 1` (tensor-sliced generation) is refused. `max_ou
 kernel workspace and have no effect here. LoRA layers are not fused for generation (the model's own
 forward computes them).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,9 +42,11 @@ class DeepSpeedHybridEngine(Engine):
     def __init__(self, module: torch.nn.Module, config, plans, **kwargs):
         hybrid = config.hybrid_engine
         if hybrid.inference_tp_size > 1:
-            raise ConfigError(f"hybrid_engine.inference_tp_size={hybrid.inference_tp_size}: tensor-sliced generation "
-                              "is not built; generate at the training layout (inference_tp_size: 1), or serve "
-                              "the weights with zerospeed.init_inference(tensor_parallel=...)")
+            raise ConfigError(
+                f"hybrid_engine.inference_tp_size={hybrid.inference_tp_size}: tensor-sliced generation "
+                "is not built; generate at the training layout (inference_tp_size: 1), or serve "
+                "the weights with zerospeed.init_inference(tensor_parallel=...)"
+            )
         super().__init__(module, config, plans, **kwargs)
         _share_rank0_rng(self.accelerator)
         self.pin_parameters = bool(hybrid.pin_parameters)
@@ -56,8 +59,10 @@ class DeepSpeedHybridEngine(Engine):
         gathered once for the whole call, Note [pinned generation])."""
         generate = getattr(self.module, "generate", None)
         if generate is None:
-            raise AttributeError(f"engine.generate: the model ({type(self.module).__name__}) has no generate "
-                                 "method; give the hybrid engine a transformers model (or one with generate)")
+            raise AttributeError(
+                f"engine.generate: the model ({type(self.module).__name__}) has no generate "
+                "method; give the hybrid engine a transformers model (or one with generate)"
+            )
         t0 = time.perf_counter()
         with self._pinned() if self.pin_parameters else contextlib.nullcontext():
             self._gather_latency = time.perf_counter() - t0
@@ -87,11 +92,19 @@ class DeepSpeedHybridEngine(Engine):
         if self._t_start is not None:
             total = now - self._t_start
             other = total - self._generate_latency - self._training_latency - self._gather_latency
-            logger.info("hybrid engine: E2E latency=%.2fs | gather latency=%.2fs (%.1f%%) | generate time=%.2fs "
-                        "(%.1f%%) | training time=%.2fs (%.1f%%) | others=%.2fs (%.1f%%)", total,
-                        self._gather_latency, 100 * self._gather_latency / total, self._generate_latency,
-                        100 * self._generate_latency / total, self._training_latency,
-                        100 * self._training_latency / total, other, 100 * other / total)
+            logger.info(
+                "hybrid engine: E2E latency=%.2fs | gather latency=%.2fs (%.1f%%) | generate time=%.2fs "
+                "(%.1f%%) | training time=%.2fs (%.1f%%) | others=%.2fs (%.1f%%)",
+                total,
+                self._gather_latency,
+                100 * self._gather_latency / total,
+                self._generate_latency,
+                100 * self._generate_latency / total,
+                self._training_latency,
+                100 * self._training_latency / total,
+                other,
+                100 * other / total,
+            )
         self._t_start = now
         self._training_latency = 0.0
         return super().eval()

@@ -1,4 +1,5 @@
 """`zerospeed.initialize` and `add_config_arguments`: the DeepSpeed entry points."""
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,13 @@ logger = get_logger(__name__)  # Note [rank-0 logging]
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add `--deepspeed [CONFIG]` and `--deepspeed_config CONFIG` (the flags DeepSpeed users pass)."""
     group = parser.add_argument_group("zerospeed", "DeepSpeed-compatible configuration")
-    group.add_argument("--deepspeed", nargs="?", const=True, default=False,
-                       help="enable zerospeed; optionally followed by the path of the JSON config")
+    group.add_argument(
+        "--deepspeed",
+        nargs="?",
+        const=True,
+        default=False,
+        help="enable zerospeed; optionally followed by the path of the JSON config",
+    )
     group.add_argument("--deepspeed_config", default=None, type=str, help="path of the DeepSpeed JSON config")
     group.add_argument("--deepscale", default=False, action="store_true", help="deprecated: --deepspeed")
     group.add_argument("--deepscale_config", default=None, type=str, help="deprecated: --deepspeed_config")
@@ -49,8 +55,10 @@ def _take_deepscale_config(args) -> None:
         return
     logger.warning("--deepscale_config is deprecated; use --deepspeed_config")
     if getattr(args, "deepspeed_config", None) is not None:
-        raise ConfigError(f"initialize: both args.deepscale_config ({old!r}) and args.deepspeed_config "
-                          f"({args.deepspeed_config!r}) are set; keep --deepspeed_config only")
+        raise ConfigError(
+            f"initialize: both args.deepscale_config ({old!r}) and args.deepspeed_config "
+            f"({args.deepspeed_config!r}) are set; keep --deepspeed_config only"
+        )
     args.deepspeed_config, args.deepscale_config = old, None
 
 
@@ -66,11 +74,15 @@ def _config_source(args, config, config_params):
         if from_args is None and isinstance(flag, str):
             from_args = flag
     if from_args is not None and config is not None:
-        raise ConfigError(f"initialize: the config was given twice — as args.deepspeed_config ({from_args!r}) and "
-                          "as initialize(config=...); keep one of them")
+        raise ConfigError(
+            f"initialize: the config was given twice — as args.deepspeed_config ({from_args!r}) and "
+            "as initialize(config=...); keep one of them"
+        )
     if from_args is None and config is None:
-        raise ConfigError("initialize: no config; pass config=<dict or path> or --deepspeed_config <path> "
-                          "(via zerospeed.add_config_arguments(parser))")
+        raise ConfigError(
+            "initialize: no config; pass config=<dict or path> or --deepspeed_config <path> "
+            "(via zerospeed.add_config_arguments(parser))"
+        )
     return config if config is not None else from_args
 
 
@@ -124,12 +136,16 @@ def _mesh(model, mpu, mesh, sp: int, tp: int = 1) -> ParallelMesh:
     if mesh is None:
         return ParallelMesh.build(sp=sp, tp=tp) if sp * tp > 1 else ParallelMesh.data_parallel()
     if tp > 1 and mesh.size("tp") != tp:
-        raise ConfigError(f"tensor_parallel.autotp_size is {tp} but the parallel layout given to initialize has a "
-                          f"tensor-parallel size of {mesh.size('tp')}; make them agree")
+        raise ConfigError(
+            f"tensor_parallel.autotp_size is {tp} but the parallel layout given to initialize has a "
+            f"tensor-parallel size of {mesh.size('tp')}; make them agree"
+        )
     if sp > 1 and mesh.size("sp") != sp:
-        raise ConfigError(f"sequence_parallel_size is {sp} but the parallel layout given to initialize has a "
-                          f"sequence-parallel size of {mesh.size('sp')}; make them agree (or drop the key and let "
-                          "the mesh/mpu decide)")
+        raise ConfigError(
+            f"sequence_parallel_size is {sp} but the parallel layout given to initialize has a "
+            f"sequence-parallel size of {mesh.size('sp')}; make them agree (or drop the key and let "
+            "the mesh/mpu decide)"
+        )
     return mesh
 
 
@@ -140,9 +156,20 @@ def _sequence_parallel_size(loaded: dict) -> int:
     return value
 
 
-def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, model_parameters=None,
-               training_data=None, lr_scheduler=None, mpu=None, dist_init_required: bool | None = None,
-               collate_fn=None, config: Any = None, config_params: Any = None, mesh: ParallelMesh | None = None):
+def initialize(
+    args=None,
+    model: torch.nn.Module | None = None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    mpu=None,
+    dist_init_required: bool | None = None,
+    collate_fn=None,
+    config: Any = None,
+    config_params: Any = None,
+    mesh: ParallelMesh | None = None,
+):
     """Wrap `model` for training; returns (engine, optimizer, training_dataloader, lr_scheduler).
 
     `mesh` (zerospeed's own; DeepSpeed has no such argument) is the parallel layout to train over;
@@ -168,48 +195,79 @@ def initialize(args=None, model: torch.nn.Module | None = None, optimizer=None, 
 
     is_client = isinstance(optimizer, torch.optim.Optimizer)
     param_groups = moe_param_groups(_param_groups(model, optimizer, model_parameters), client_optimizer=is_client)
-    plans = build_plans(cfg, module=model, mesh=mesh, param_groups=param_groups,
-                        device=get_accelerator().torch_device(comm.get_local_rank()))
+    plans = build_plans(
+        cfg,
+        module=model,
+        mesh=mesh,
+        param_groups=param_groups,
+        device=get_accelerator().torch_device(comm.get_local_rank()),
+    )
     allow_untested = cfg.untested_optimizers_allowed
 
     def optimizer_factory(strategy):
         if is_client:
             if cfg.optimizer is not None:
-                logger.warning("initialize: both a client optimizer and a config `optimizer` were given; "
-                               "using the client optimizer")
+                logger.warning(
+                    "initialize: both a client optimizer and a config `optimizer` were given; "
+                    "using the client optimizer"
+                )
             if not allow_untested and not is_zero_tested_optimizer(optimizer):
-                raise ConfigError(f"{type(optimizer).__name__} is not tested with ZeRO stage {cfg.zero_stage}; "
-                                  "set zero_allow_untested_optimizer: true to use it anyway")
+                raise ConfigError(
+                    f"{type(optimizer).__name__} is not tested with ZeRO stage {cfg.zero_stage}; "
+                    "set zero_allow_untested_optimizer: true to use it anyway"
+                )
             _retarget(strategy, optimizer)
             return optimizer
         if optimizer is None and cfg.optimizer is None:
             return None
-        return optimizer_for_groups(cfg.optimizer.type if cfg.optimizer else None,
-                                    cfg.optimizer.params if cfg.optimizer else None,
-                                    strategy.optimizer_param_groups(), client_optimizer=optimizer,
-                                    allow_untested=allow_untested)
+        return optimizer_for_groups(
+            cfg.optimizer.type if cfg.optimizer else None,
+            cfg.optimizer.params if cfg.optimizer else None,
+            strategy.optimizer_param_groups(),
+            client_optimizer=optimizer,
+            allow_untested=allow_untested,
+        )
 
     def scheduler_factory(opt):
         if opt is None:
             return None
-        return build_lr_scheduler(cfg.scheduler.type if cfg.scheduler else None,
-                                  cfg.scheduler.params if cfg.scheduler else None, opt,
-                                  client_scheduler=lr_scheduler)
+        return build_lr_scheduler(
+            cfg.scheduler.type if cfg.scheduler else None,
+            cfg.scheduler.params if cfg.scheduler else None,
+            opt,
+            client_scheduler=lr_scheduler,
+        )
 
     loader = None
     if training_data is not None:
         # DeepSpeed's order: shuffled for the engine, in order for a pipeline (DistributedSampler(shuffle=False))
-        loader = build_training_loader(training_data, cfg.train_micro_batch_size_per_gpu,
-                                       rank=comm.get_rank(dp_group), world_size=dp_world, collate_fn=collate_fn,
-                                       drop_last=cfg.dataloader_drop_last, pipeline=isinstance(model, PipelineModule))
+        loader = build_training_loader(
+            training_data,
+            cfg.train_micro_batch_size_per_gpu,
+            rank=comm.get_rank(dp_group),
+            world_size=dp_world,
+            collate_fn=collate_fn,
+            drop_last=cfg.dataloader_drop_last,
+            pipeline=isinstance(model, PipelineModule),
+        )
     engine_cls = PipelineEngine if isinstance(model, PipelineModule) else Engine
     if cfg.hybrid_engine.enabled:
         if engine_cls is PipelineEngine:
-            raise ConfigError("hybrid_engine.enabled=true with a PipelineModule: the hybrid engine generates with "
-                              "the model's own generate; use a plain model")
+            raise ConfigError(
+                "hybrid_engine.enabled=true with a PipelineModule: the hybrid engine generates with "
+                "the model's own generate; use a plain model"
+            )
         engine_cls = DeepSpeedHybridEngine
-    engine = engine_cls(model, cfg, plans, param_groups=param_groups, optimizer_factory=optimizer_factory,
-                        scheduler_factory=scheduler_factory, mesh=mesh, training_dataloader=loader)
+    engine = engine_cls(
+        model,
+        cfg,
+        plans,
+        param_groups=param_groups,
+        optimizer_factory=optimizer_factory,
+        scheduler_factory=scheduler_factory,
+        mesh=mesh,
+        training_dataloader=loader,
+    )
     if quantize_shards is not None:  # stage 3: the selected layers' stored shards (inference/zero.py)
         engine.zero.quantize_frozen(quantize_shards)
     if cfg.dump_state:
@@ -223,10 +281,21 @@ def _compile_by_config(engine, compile_cfg) -> None:
     if not compile_cfg.enabled or compile_cfg.disable:
         return
     if isinstance(engine, PipelineEngine):
-        raise ConfigError("compile.enabled=true with a PipelineModule: the pipeline engine does not compile its "
-                          "stages; remove compile.enabled (or call torch.compile on the layers yourself)")
+        raise ConfigError(
+            "compile.enabled=true with a PipelineModule: the pipeline engine does not compile its "
+            "stages; remove compile.enabled (or call torch.compile on the layers yourself)"
+        )
     kwargs = dict(compile_cfg.kwargs)
-    kwargs.update({k: v for k, v in (("fullgraph", compile_cfg.fullgraph), ("dynamic", compile_cfg.dynamic),
-                                     ("mode", compile_cfg.mode), ("options", compile_cfg.options))
-                   if v not in (None, False)})
+    kwargs.update(
+        {
+            k: v
+            for k, v in (
+                ("fullgraph", compile_cfg.fullgraph),
+                ("dynamic", compile_cfg.dynamic),
+                ("mode", compile_cfg.mode),
+                ("options", compile_cfg.options),
+            )
+            if v not in (None, False)
+        }
+    )
     engine.compile(backend=compile_cfg.backend, compile_kwargs=kwargs)

@@ -1,5 +1,6 @@
 """What the engine does to the model once, at set-up: start every rank from the same weights, weight the
 gradient norm of tensor-parallel replicas, and record the trained parameters' names and sizes."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -72,6 +73,7 @@ class TrainedSizes:
     @classmethod
     def of(cls, module: torch.nn.Module, param_groups: list[dict], reduction) -> TrainedSizes:
         trained = {id(p) for g in param_groups for p in g["params"]}
-        return cls(tuple((sum(full_numel(p) for p in g["params"]), rg.world_size)
-                         for g, rg in zip(param_groups, reduction)),
-                   sum(full_numel(p) for p in module.parameters() if id(p) not in trained))
+        return cls(
+            tuple((sum(full_numel(p) for p in g["params"]), rg.world_size) for g, rg in zip(param_groups, reduction)),
+            sum(full_numel(p) for p in module.parameters() if id(p) not in trained),
+        )

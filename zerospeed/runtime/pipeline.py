@@ -21,6 +21,7 @@ held back (zeroed by TiedGradients' hook) and reduced at `ReduceGrads` by the sa
 That is m + 1 reduce-scatters per batch of m micro-batches instead of one all-reduce — the price of
 gradient memory of 1/dp, which is why DeepSpeed refuses the combination rather than pay it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -94,9 +95,11 @@ class PipelineEngine(DeepSpeedAPI, EngineCore):
         kwargs.setdefault("mesh", module.groups.mesh)
         super().__init__(module, config, plans, **kwargs)
         if plans.schedules.curriculum is not None and self.global_rank == 0:
-            logger.warning("pipeline engine: curriculum_learning is not passed to the stages (Note [forward "
-                           "schedules]); read engine.curriculum_scheduler_legacy in the training loop, as "
-                           "Megatron-DeepSpeed does")
+            logger.warning(
+                "pipeline engine: curriculum_learning is not passed to the stages (Note [forward "
+                "schedules]); read engine.curriculum_scheduler_legacy in the training loop, as "
+                "Megatron-DeepSpeed does"
+            )
         self.ties = ties
         self.pp_group = module.groups.group("pp")
         self.transport = Transport(self.device)
@@ -126,8 +129,10 @@ class PipelineEngine(DeepSpeedAPI, EngineCore):
         self.transport.reset()
 
     def forward(self, *args, **kwargs):
-        raise PipelineError("a PipelineEngine runs whole batches: use engine.train_batch(data_iter) or "
-                            "engine.eval_batch(data_iter) instead of engine(batch)")
+        raise PipelineError(
+            "a PipelineEngine runs whole batches: use engine.train_batch(data_iter) or "
+            "engine.eval_batch(data_iter) instead of engine(batch)"
+        )
 
     def grad_norm(self) -> float:
         """The norm over every stage: each stage's strategy knows its own (data-parallel reduced)
@@ -155,16 +160,20 @@ class PipelineEngine(DeepSpeedAPI, EngineCore):
         m = self.gradient_accumulation_steps()
         if self.train_schedule not in ("1f1b", "fill_drain"):
             raise PipelineError(f"train_schedule={self.train_schedule!r}: expected '1f1b' or 'fill_drain'")
-        schedule = (S.one_f_one_b(self.stage_id, self.num_stages, m, self.chunks) if self.train_schedule == "1f1b"
-                    else S.fill_drain(self.stage_id, self.num_stages, m, self.chunks, train=True))
+        schedule = (
+            S.one_f_one_b(self.stage_id, self.num_stages, m, self.chunks)
+            if self.train_schedule == "1f1b"
+            else S.fill_drain(self.stage_id, self.num_stages, m, self.chunks, train=True)
+        )
         state = _BatchState(train=True)
         self.zero.begin_backward(sync=False)  # Note [one reduction per batch]
         self._execute(schedule, self._iterator(data_iter), state)
         self.agg_train_loss = self._aggregate_loss(state.losses)
         return self.agg_train_loss
 
-    def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
-                   num_micro_batches: int | None = None):
+    def eval_batch(
+        self, data_iter, return_logits: bool = False, compute_loss: bool = True, num_micro_batches: int | None = None
+    ):
         """Forward-only fill-drain over the micro-batches; the mean loss on every stage.
 
         With `return_logits`, returns (loss, logits): the last stage's outputs concatenated over the
@@ -175,8 +184,11 @@ class PipelineEngine(DeepSpeedAPI, EngineCore):
         m = num_micro_batches or self.gradient_accumulation_steps()
         state = _BatchState(train=False, compute_loss=compute_loss)
         with torch.no_grad():
-            self._execute(S.fill_drain(self.stage_id, self.num_stages, m, self.chunks), iter(data_iter)
-                          if not hasattr(data_iter, "__next__") else data_iter, state)
+            self._execute(
+                S.fill_drain(self.stage_id, self.num_stages, m, self.chunks),
+                iter(data_iter) if not hasattr(data_iter, "__next__") else data_iter,
+                state,
+            )
         self.module.train(was_training)
         loss = self._aggregate_loss(state.losses) if compute_loss else None
         if return_logits:
@@ -274,8 +286,10 @@ class PipelineEngine(DeepSpeedAPI, EngineCore):
     def _load(self, ins: S.LoadMicroBatch, data_iter, state: _BatchState) -> None:
         batch = next(data_iter)
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-            raise PipelineError("pipeline data must yield (inputs, labels) pairs; got "
-                                f"{type(batch).__name__}{'' if not isinstance(batch, (tuple, list)) else len(batch)}")
+            raise PipelineError(
+                "pipeline data must yield (inputs, labels) pairs; got "
+                f"{type(batch).__name__}{'' if not isinstance(batch, (tuple, list)) else len(batch)}"
+            )
         if self._vs(ins.chunk) == 0:
             state.inputs[(ins.micro_batch, ins.chunk)] = _to(batch[0], self.device)
         if self._is_last_vs(ins.chunk):
@@ -289,8 +303,9 @@ class PipelineEngine(DeepSpeedAPI, EngineCore):
             state.act_bytes[key] = nbytes
             state.live_bytes += nbytes
             self.activation_stats["peak_bytes"] = max(self.activation_stats["peak_bytes"], state.live_bytes)
-            self.activation_stats["peak_micro_batches"] = max(self.activation_stats["peak_micro_batches"],
-                                                              len(state.act_bytes))
+            self.activation_stats["peak_micro_batches"] = max(
+                self.activation_stats["peak_micro_batches"], len(state.act_bytes)
+            )
         else:
             out = self.module.forward_chunk(ins.chunk, x)
         if not self._is_last_vs(ins.chunk):
@@ -344,21 +359,22 @@ class PipelineEngine(DeepSpeedAPI, EngineCore):
             outs = [t for t in outs if t.is_floating_point() and t.requires_grad]
             _, grads = as_tensors(state.output_grads.pop(key), "received gradient")
             if len(outs) != len(grads):
-                raise PipelineError(f"micro-batch {ins.micro_batch}: {len(outs)} outputs need gradients but "
-                                    f"{len(grads)} arrived")
+                raise PipelineError(
+                    f"micro-batch {ins.micro_batch}: {len(outs)} outputs need gradients but {len(grads)} arrived"
+                )
             if outs:
                 torch.autograd.backward(outs, grads)
         _, inputs = as_tensors(state.inputs.pop(key), "stage input")
         state.live_bytes -= state.act_bytes.pop(key, 0)
         if self._vs(ins.chunk) > 0:
-            state.input_grads[key] = tuple(t.grad if t.grad is not None else torch.zeros_like(t)
-                                           for t in inputs if t.requires_grad)
+            state.input_grads[key] = tuple(
+                t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if t.requires_grad
+            )
 
     def _hand_grads_to_strategy(self) -> None:
         """Note [one reduction per batch]: a zero-gradient backward that launches the reduction."""
         params = [p for p in self.module.parameters() if p.requires_grad]
-        grads = [self.ties.acc[id(p)].to(p.dtype) if id(p) in self.ties.acc else torch.zeros_like(p)
-                 for p in params]
+        grads = [self.ties.acc[id(p)].to(p.dtype) if id(p) in self.ties.acc else torch.zeros_like(p) for p in params]
         self.ties.capturing = False
         try:
             self.zero.begin_backward(sync=self.pipeline_enable_backward_allreduce)
@@ -369,36 +385,55 @@ class PipelineEngine(DeepSpeedAPI, EngineCore):
             p.grad = None  # parameters outside the optimizer's groups keep no stray gradient
 
     # -- checkpoints ------------------------------------------------------------------------------
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False):
-        return save_pipeline_checkpoint(self, save_dir, tag=tag, client_state=client_state,
-                                        save_latest=save_latest)
+    def save_checkpoint(
+        self, save_dir, tag=None, client_state=None, save_latest: bool = True, exclude_frozen_parameters: bool = False
+    ):
+        return save_pipeline_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False):
-        return load_pipeline_checkpoint(self, load_dir, tag=tag, strict=load_module_strict,
-                                        load_optimizer_states=load_optimizer_states and not load_module_only,
-                                        load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ):
+        return load_pipeline_checkpoint(
+            self,
+            load_dir,
+            tag=tag,
+            strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states and not load_module_only,
+            load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
+        )
 
 
 def _refuse_what_stages_cannot_run(plans) -> None:
     """The plans a pipeline cannot honour: its engine runs the stages itself (Note [forward schedules])."""
     if plans.zero.stage >= 3:
-        raise ConfigError("zero_optimization.stage=3 cannot be combined with pipeline parallelism: a stage's "
-                          "parameters would be gathered and released once per micro-batch and per direction "
-                          "across the schedule; use stage 0, 1 or 2 (stage 2 shards gradients and optimizer "
-                          "states over the stage's data-parallel ranks)")
+        raise ConfigError(
+            "zero_optimization.stage=3 cannot be combined with pipeline parallelism: a stage's "
+            "parameters would be gathered and released once per micro-batch and per direction "
+            "across the schedule; use stage 0, 1 or 2 (stage 2 shards gradients and optimizer "
+            "states over the stage's data-parallel ranks)"
+        )
     if plans.precision.autocast_dtype is not None:
-        raise ConfigError("torch_autocast.enabled=true with a PipelineModule: the pipeline engine runs its "
-                          "stages itself, outside the engine's autocast forward; use bf16 / fp16 instead, or "
-                          "the plain engine")
+        raise ConfigError(
+            "torch_autocast.enabled=true with a PipelineModule: the pipeline engine runs its "
+            "stages itself, outside the engine's autocast forward; use bf16 / fp16 instead, or "
+            "the plain engine"
+        )
     if plans.schedules.layer_drop is not None:  # (DeepSpeed's pipeline engine never updates it either)
-        raise ConfigError("progressive_layer_drop.enabled=true with a PipelineModule: the pipeline engine runs "
-                          "its stages itself and passes no pld_theta to them; use the plain engine or turn it off")
+        raise ConfigError(
+            "progressive_layer_drop.enabled=true with a PipelineModule: the pipeline engine runs "
+            "its stages itself and passes no pld_theta to them; use the plain engine or turn it off"
+        )
     if plans.schedules.random_ltd is not None:  # (DeepSpeed's pipeline stages never bind random-LTD layers)
-        raise ConfigError("data_efficiency.data_routing.random_ltd.enabled=true with a PipelineModule: the "
-                          "pipeline engine does not drive random-LTD layers; use the plain engine or turn it off")
+        raise ConfigError(
+            "data_efficiency.data_routing.random_ltd.enabled=true with a PipelineModule: the "
+            "pipeline engine does not drive random-LTD layers; use the plain engine or turn it off"
+        )
 
 
 def _to(value: Any, device: torch.device) -> Any:

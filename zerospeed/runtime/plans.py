@@ -10,6 +10,7 @@ errors (the concept packages' own rules, e.g. `PrecisionPolicy.resolve`, name th
 (DeepSpeed's accessor facade, runtime/deepspeed_api.py, still answers from `engine.config`: it reports
 the configuration, it does not act on it.)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -77,31 +78,54 @@ class EnginePlans:
     def describe(self) -> str:
         """One line: what this engine will do (logged once by `build_plans`)."""
         z, p = self.zero, self.precision
-        parts = [f"zero stage {z.stage}", f"params {_name(p.param_dtype)}", f"grads {_name(p.grad_accum_dtype)}",
-                 f"masters {_name(p.master_dtype)}"]
+        parts = [
+            f"zero stage {z.stage}",
+            f"params {_name(p.param_dtype)}",
+            f"grads {_name(p.grad_accum_dtype)}",
+            f"masters {_name(p.master_dtype)}",
+        ]
         if p.autocast_dtype is not None:
             parts.append(f"autocast {_name(p.autocast_dtype)}")
         if self.loss_scale is not None:
             ls = self.loss_scale
-            parts.append(f"loss scale {ls.static_scale}" if ls.static_scale is not None
-                         else f"dynamic loss scale from {ls.init_scale:g}")
+            parts.append(
+                f"loss scale {ls.static_scale}"
+                if ls.static_scale is not None
+                else f"dynamic loss scale from {ls.init_scale:g}"
+            )
         if z.reduction.comm_dtype is not None:
             parts.append(f"reduce in {_name(z.reduction.comm_dtype)}")
         if z.budgets is not None:
             b = z.budgets
-            parts.append(f"buckets reduce {b.reduce_bucket:,}" + (f" / prefetch {b.prefetch_bucket:,} / reuse "
-                                                                  f"{b.reuse_distance:,}" if z.stage == 3 else ""))
+            parts.append(
+                f"buckets reduce {b.reduce_bucket:,}"
+                + (f" / prefetch {b.prefetch_bucket:,} / reuse {b.reuse_distance:,}" if z.stage == 3 else "")
+            )
         if z.offload is not None and (z.offload.optimizer, z.offload.param) != ("none", "none"):
             parts.append(f"offload optimizer {z.offload.optimizer} / params {z.offload.param}")
-        zpp = [n for n, on in (("qwZ", z.zeropp.quantized_weights), (f"hpZ {z.zeropp.hpz_size}", z.zeropp.hpz_size > 1),
-                               ("qgZ", z.zeropp.quantized_gradients),
-                               ("int8 frozen", z.zeropp.quantized_nontrainable)) if on]
+        zpp = [
+            n
+            for n, on in (
+                ("qwZ", z.zeropp.quantized_weights),
+                (f"hpZ {z.zeropp.hpz_size}", z.zeropp.hpz_size > 1),
+                ("qgZ", z.zeropp.quantized_gradients),
+                ("int8 frozen", z.zeropp.quantized_nontrainable),
+            )
+            if on
+        ]
         if zpp:
             parts.append("ZeRO++ " + ", ".join(zpp))
         if z.mics_shard_size:
             parts.append(f"MiCS shards of {z.mics_shard_size}")
-        hooks = [n for n, on in (("curriculum", self.schedules.curriculum), ("layer drop", self.schedules.layer_drop),
-                                 ("random-LTD", self.schedules.random_ltd)) if on is not None]
+        hooks = [
+            n
+            for n, on in (
+                ("curriculum", self.schedules.curriculum),
+                ("layer drop", self.schedules.layer_drop),
+                ("random-LTD", self.schedules.random_ltd),
+            )
+            if on is not None
+        ]
         if hooks:
             parts.append("step hooks: " + ", ".join(hooks))
         parts.append(f"clip {self.gradient_clipping:g}")
@@ -114,13 +138,15 @@ def build_plans(cfg, *, module: torch.nn.Module, mesh, param_groups: list[dict],
     precision = precision_policy(cfg)
     if precision.autocast_dtype is not None:
         check_autocast_settings(module, quantized_weights=cfg.zero_optimization.zero_quantized_weights)
-    plans = EnginePlans(precision=precision, loss_scale=loss_scale_plan(cfg, precision),
-                        zero=zero_plan(cfg, module=module, mesh=mesh, param_groups=param_groups, device=device,
-                                       precision=precision),
-                        schedules=schedules_plan(cfg), gradient_clipping=float(cfg.gradient_clipping),
-                        skip_nonfinite=precision.needs_loss_scaling
-                        or (cfg.bf16_enabled and cfg.bf16.check_grad_overflow),
-                        cast_inputs=torch.float16 if cfg.fp16.auto_cast and cfg.fp16_enabled else None)
+    plans = EnginePlans(
+        precision=precision,
+        loss_scale=loss_scale_plan(cfg, precision),
+        zero=zero_plan(cfg, module=module, mesh=mesh, param_groups=param_groups, device=device, precision=precision),
+        schedules=schedules_plan(cfg),
+        gradient_clipping=float(cfg.gradient_clipping),
+        skip_nonfinite=precision.needs_loss_scaling or (cfg.bf16_enabled and cfg.bf16.check_grad_overflow),
+        cast_inputs=torch.float16 if cfg.fp16.auto_cast and cfg.fp16_enabled else None,
+    )
     logger.info("engine plans: %s", plans.describe())
     return plans
 
@@ -130,12 +156,15 @@ def precision_policy(cfg) -> PrecisionPolicy:
     """The precision keys (`fp16`, `bf16`, `torch_autocast`, `data_types`) as a `PrecisionPolicy`."""
     off = cfg.zero_optimization.offload_optimizer
     return PrecisionPolicy.resolve(
-        fp16=cfg.fp16_enabled, bf16=cfg.bf16_enabled,
+        fp16=cfg.fp16_enabled,
+        bf16=cfg.bf16_enabled,
         autocast=cfg.torch_autocast.dtype if cfg.torch_autocast.enabled else None,
         grad_accum_dtype=cfg.data_types.grad_accum_dtype,
         bf16_master_weights_and_grads=cfg.bf16.bf16_master_weights_and_grads,
-        bf16_optimizer_states=cfg.bf16.bf16_optimizer_states, zero_stage=cfg.zero_optimization.stage,
-        optimizer_offload=off.device if off is not None else "none")
+        bf16_optimizer_states=cfg.bf16.bf16_optimizer_states,
+        zero_stage=cfg.zero_optimization.stage,
+        optimizer_offload=off.device if off is not None else "none",
+    )
 
 
 def loss_scale_plan(cfg, precision: PrecisionPolicy) -> LossScalePlan | None:
@@ -148,54 +177,81 @@ def loss_scale_plan(cfg, precision: PrecisionPolicy) -> LossScalePlan | None:
     fp16 = cfg.fp16
     if fp16.loss_scale != 0:
         return LossScalePlan(static_scale=fp16.loss_scale)
-    return LossScalePlan(init_scale=2.0**fp16.initial_scale_power, scale_window=fp16.loss_scale_window,
-                         min_scale=fp16.min_loss_scale, hysteresis=fp16.hysteresis,
-                         consecutive_hysteresis=fp16.consecutive_hysteresis)
+    return LossScalePlan(
+        init_scale=2.0**fp16.initial_scale_power,
+        scale_window=fp16.loss_scale_window,
+        min_scale=fp16.min_loss_scale,
+        hysteresis=fp16.hysteresis,
+        consecutive_hysteresis=fp16.consecutive_hysteresis,
+    )
 
 
 # -- ZeRO, offload ---------------------------------------------------------------------------------------
-def zero_plan(cfg, *, module: torch.nn.Module, mesh, param_groups: list[dict], device: torch.device,
-              precision: PrecisionPolicy) -> ZeroPlan:
+def zero_plan(
+    cfg, *, module: torch.nn.Module, mesh, param_groups: list[dict], device: torch.device, precision: PrecisionPolicy
+) -> ZeroPlan:
     """The `zero_optimization` section (with the top-level gradient keys and `aio`) as a `ZeroPlan`."""
     zero = cfg.zero_optimization
-    mics = resolve_mics_shard_size(zero.mics_shard_size, stage=zero.stage, mesh=mesh,
-                                   hpz_size=zero.zero_hpz_partition_size,
-                                   quantized_gradients=zero.zero_quantized_gradients)
+    mics = resolve_mics_shard_size(
+        zero.mics_shard_size,
+        stage=zero.stage,
+        mesh=mesh,
+        hpz_size=zero.zero_hpz_partition_size,
+        quantized_gradients=zero.zero_quantized_gradients,
+    )
     offload = offload_plan(cfg, device)  # also refuses offload keys the stage cannot honour
     zeropp = zeropp_policy(zero, offload.param)  # refuses ZeRO++ below stage 3
     reduction = ReductionPolicy(
         comm_dtype=_DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None,
-        op="sum" if cfg.gradient_allreduce_op == "sum" else "avg", prescale=cfg.prescale_gradients,
+        op="sum" if cfg.gradient_allreduce_op == "sum" else "avg",
+        prescale=cfg.prescale_gradients,
         predivide_factor=cfg.gradient_predivide_factor,
-        param_comm_dtypes=param_comm_dtypes(module, precision.autocast_dtype,
-                                            cfg.torch_autocast.lower_precision_safe_modules) or None)
+        param_comm_dtypes=param_comm_dtypes(
+            module, precision.autocast_dtype, cfg.torch_autocast.lower_precision_safe_modules
+        )
+        or None,
+    )
     # Note [buckets bounded by the model] (zero/budgets.py): DeepSpeed's sizes as upper bounds
-    budgets = bounded_budgets(sum(full_numel(p) for g in param_groups for p in g["params"]),
-                              reduce_bucket_size=int(zero.reduce_bucket_size),
-                              prefetch_bucket_size=int(zero.stage3_prefetch_bucket_size),
-                              max_reuse_distance=int(zero.stage3_max_reuse_distance),
-                              gathered_elements=sum(full_numel(p) for p in module.parameters()))
+    budgets = bounded_budgets(
+        sum(full_numel(p) for g in param_groups for p in g["params"]),
+        reduce_bucket_size=int(zero.reduce_bucket_size),
+        prefetch_bucket_size=int(zero.stage3_prefetch_bucket_size),
+        max_reuse_distance=int(zero.stage3_max_reuse_distance),
+        gathered_elements=sum(full_numel(p) for p in module.parameters()),
+    )
     leaf = zero.leaf_module
-    return ZeroPlan(stage=zero.stage, reduction=reduction, budgets=budgets,
-                    reduce_bucket_size=int(zero.reduce_bucket_size),
-                    allgather_bucket_size=int(zero.allgather_bucket_size), sub_group_size=int(zero.sub_group_size),
-                    overlap_comm=bool(zero.overlap_comm), ignore_unused_parameters=bool(zero.ignore_unused_parameters),
-                    offload=offload, zeropp=zeropp, mics_shard_size=mics,
-                    max_live_parameters=int(zero.stage3_max_live_parameters),
-                    param_persistence_threshold=int(zero.stage3_param_persistence_threshold),
-                    model_persistence_threshold=int(zero.stage3_model_persistence_threshold),
-                    module_granularity_threshold=int(zero.stage3_module_granularity_threshold),
-                    leaf_modules=None if leaf is None else LeafModulePlan(
-                        tuple(leaf.classes or ()), tuple(leaf.names or ()), tuple(leaf.name_suffixes or ())))
+    return ZeroPlan(
+        stage=zero.stage,
+        reduction=reduction,
+        budgets=budgets,
+        reduce_bucket_size=int(zero.reduce_bucket_size),
+        allgather_bucket_size=int(zero.allgather_bucket_size),
+        sub_group_size=int(zero.sub_group_size),
+        overlap_comm=bool(zero.overlap_comm),
+        ignore_unused_parameters=bool(zero.ignore_unused_parameters),
+        offload=offload,
+        zeropp=zeropp,
+        mics_shard_size=mics,
+        max_live_parameters=int(zero.stage3_max_live_parameters),
+        param_persistence_threshold=int(zero.stage3_param_persistence_threshold),
+        model_persistence_threshold=int(zero.stage3_model_persistence_threshold),
+        module_granularity_threshold=int(zero.stage3_module_granularity_threshold),
+        leaf_modules=None
+        if leaf is None
+        else LeafModulePlan(tuple(leaf.classes or ()), tuple(leaf.names or ()), tuple(leaf.name_suffixes or ())),
+    )
 
 
 def zeropp_policy(zero, offload_param: str = "none") -> ZeroPPPolicy:
     """ZeRO++'s switches of a `zero_optimization` section; `offload_param`: the parameters' offload device."""
-    return ZeroPPPolicy.resolve(stage=zero.stage, quantized_weights=zero.zero_quantized_weights,
-                                hpz_partition_size=zero.zero_hpz_partition_size,
-                                quantized_gradients=zero.zero_quantized_gradients,
-                                quantized_nontrainable=zero.zero_quantized_nontrainable_weights,
-                                offload_param=offload_param)
+    return ZeroPPPolicy.resolve(
+        stage=zero.stage,
+        quantized_weights=zero.zero_quantized_weights,
+        hpz_partition_size=zero.zero_hpz_partition_size,
+        quantized_gradients=zero.zero_quantized_gradients,
+        quantized_nontrainable=zero.zero_quantized_nontrainable_weights,
+        offload_param=offload_param,
+    )
 
 
 def offload_plan(cfg, device: torch.device) -> OffloadPlan:
@@ -206,37 +262,54 @@ def offload_plan(cfg, device: torch.device) -> OffloadPlan:
     opt_dev = opt.device if opt is not None else "none"
     par_dev = par.device if par is not None else "none"
     if opt_dev != "none" and zero.stage == 0:
-        raise ConfigError("zero_optimization.offload_optimizer.device="
-                          f"{opt_dev!r} needs ZeRO stage 1, 2 or 3 (the offloaded optimizer steps this "
-                          "rank's shard); set zero_optimization.stage to 1-3 or the device to \"none\"")
+        raise ConfigError(
+            "zero_optimization.offload_optimizer.device="
+            f"{opt_dev!r} needs ZeRO stage 1, 2 or 3 (the offloaded optimizer steps this "
+            'rank\'s shard); set zero_optimization.stage to 1-3 or the device to "none"'
+        )
     if par_dev != "none" and zero.stage != 3:
-        raise ConfigError(f"zero_optimization.offload_param.device={par_dev!r} needs ZeRO stage 3 "
-                          f"(this config has stage {zero.stage}); set zero_optimization.stage to 3 or "
-                          "remove offload_param")
+        raise ConfigError(
+            f"zero_optimization.offload_param.device={par_dev!r} needs ZeRO stage 3 "
+            f"(this config has stage {zero.stage}); set zero_optimization.stage to 3 or "
+            "remove offload_param"
+        )
     ratio = opt.ratio if opt is not None else 1.0
     if ratio < 1.0 and (zero.stage != 3 or opt_dev != "cpu"):
-        raise ConfigError(f"zero_optimization.offload_optimizer.ratio={ratio}: a partial offload works with "
-                          "ZeRO stage 3 and device \"cpu\" only; set ratio to 1.0")
-    pin = bool((opt is not None and opt_dev != "none" and opt.pin_memory)
-               or (par is not None and par_dev != "none" and par.pin_memory))
-    return OffloadPlan(device=device, optimizer=opt_dev, param=par_dev, pin=pin, ratio=ratio,
-                       optimizer_nvme=_nvme_dir(opt, "zero_optimization.offload_optimizer") if opt_dev == "nvme"
-                       else None,
-                       param_nvme=_nvme_dir(par, "zero_optimization.offload_param") if par_dev == "nvme" else None,
-                       optimizer_buffer_count=opt.buffer_count if opt is not None else 4,
-                       pipeline_read=bool(opt is not None and opt.pipeline_read),
-                       pipeline_write=bool(opt is not None and opt.pipeline_write),
-                       param_buffer_count=par.buffer_count if par is not None else 5,
-                       param_buffer_size=par.buffer_size if par is not None else 100_000_000,
-                       aio=aio_plan(cfg.aio))
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer.ratio={ratio}: a partial offload works with "
+            'ZeRO stage 3 and device "cpu" only; set ratio to 1.0'
+        )
+    pin = bool(
+        (opt is not None and opt_dev != "none" and opt.pin_memory)
+        or (par is not None and par_dev != "none" and par.pin_memory)
+    )
+    return OffloadPlan(
+        device=device,
+        optimizer=opt_dev,
+        param=par_dev,
+        pin=pin,
+        ratio=ratio,
+        optimizer_nvme=_nvme_dir(opt, "zero_optimization.offload_optimizer") if opt_dev == "nvme" else None,
+        param_nvme=_nvme_dir(par, "zero_optimization.offload_param") if par_dev == "nvme" else None,
+        optimizer_buffer_count=opt.buffer_count if opt is not None else 4,
+        pipeline_read=bool(opt is not None and opt.pipeline_read),
+        pipeline_write=bool(opt is not None and opt.pipeline_write),
+        param_buffer_count=par.buffer_count if par is not None else 5,
+        param_buffer_size=par.buffer_size if par is not None else 100_000_000,
+        aio=aio_plan(cfg.aio),
+    )
 
 
 def aio_plan(aio) -> AioPlan:
     """The `aio` section as `AsyncIO`'s settings: `thread_count` and `intra_op_parallelism` are two names
     for the same knob, so the larger wins."""
-    return AioPlan(block_size=aio.block_size, queue_depth=aio.queue_depth,
-                   thread_count=max(aio.thread_count, aio.intra_op_parallelism), single_submit=aio.single_submit,
-                   overlap_events=aio.overlap_events)
+    return AioPlan(
+        block_size=aio.block_size,
+        queue_depth=aio.queue_depth,
+        thread_count=max(aio.thread_count, aio.intra_op_parallelism),
+        single_submit=aio.single_submit,
+        overlap_events=aio.overlap_events,
+    )
 
 
 def _nvme_dir(section, key: str) -> Path:
@@ -248,16 +321,21 @@ def _nvme_dir(section, key: str) -> Path:
 def schedules_plan(cfg) -> SchedulesPlan:
     """The legacy curriculum, progressive layer drop and random-LTD, each when enabled."""
     cl, pld = cfg.curriculum_learning, cfg.progressive_layer_drop
-    return SchedulesPlan(curriculum=cl.model_dump() if cl.enabled else None,
-                         curriculum_seqlen=bool(cl.enabled and cl.curriculum_type == "seqlen"),
-                         layer_drop=(pld.theta, pld.gamma) if pld.enabled else None,
-                         random_ltd=_random_ltd(cfg))
+    return SchedulesPlan(
+        curriculum=cl.model_dump() if cl.enabled else None,
+        curriculum_seqlen=bool(cl.enabled and cl.curriculum_type == "seqlen"),
+        layer_drop=(pld.theta, pld.gamma) if pld.enabled else None,
+        random_ltd=_random_ltd(cfg),
+    )
 
 
 def random_ltd_config(cfg) -> dict:
     """DeepSpeed's `engine.random_ltd_config()`: the `random_ltd` block with the engine's batch sizes."""
-    return {**cfg.data_efficiency.data_routing.random_ltd.model_dump(),
-            "global_batch_size": cfg.train_batch_size, "micro_batch_size": cfg.train_micro_batch_size_per_gpu}
+    return {
+        **cfg.data_efficiency.data_routing.random_ltd.model_dump(),
+        "global_batch_size": cfg.train_batch_size,
+        "micro_batch_size": cfg.train_micro_batch_size_per_gpu,
+    }
 
 
 def _random_ltd(cfg) -> dict | None:
@@ -266,9 +344,11 @@ def _random_ltd(cfg) -> dict | None:
     if not efficiency.data_routing.random_ltd.enabled:
         return None
     if not (efficiency.enabled and efficiency.data_routing.enabled):
-        logger.warning("random-LTD is on (data_efficiency.data_routing.random_ltd.enabled=true) although "
-                       "data_efficiency.enabled or data_efficiency.data_routing.enabled is false: DeepSpeed reads "
-                       "only random_ltd.enabled, and so does zerospeed")
+        logger.warning(
+            "random-LTD is on (data_efficiency.data_routing.random_ltd.enabled=true) although "
+            "data_efficiency.enabled or data_efficiency.data_routing.enabled is false: DeepSpeed reads "
+            "only random_ltd.enabled, and so does zerospeed"
+        )
     return random_ltd_config(cfg)
 
 

@@ -1,5 +1,6 @@
 """DeepSpeed's `engine.offload_states()` / `reload_states()` over an engine (Note [offloaded states] in
 offload/states.py): which kinds move, and the refusals."""
+
 from __future__ import annotations
 
 import gc
@@ -22,15 +23,19 @@ def offload_states(engine, include=None, device="cpu", pin_memory: bool = True, 
     device = OffloadDeviceEnum(device.value if isinstance(device, OffloadDeviceEnum) else device)
     offload = engine.plans.zero.offload
     if offload is not None and offload.param != "none":
-        raise ValueError("engine.offload_states: the parameters are already offloaded "
-                         "(zero_optimization.offload_param); moving states is for engines that keep them "
-                         "on the device")
+        raise ValueError(
+            "engine.offload_states: the parameters are already offloaded "
+            "(zero_optimization.offload_param); moving states is for engines that keep them "
+            "on the device"
+        )
     if engine.optimizer is None:
-        raise ValueError("engine.offload_states needs an optimizer: an engine without one has no training "
-                         "states to move")
+        raise ValueError(
+            "engine.offload_states needs an optimizer: an engine without one has no training states to move"
+        )
     if device is OffloadDeviceEnum.nvme:
-        raise ValueError("engine.offload_states: device='nvme' is not supported (DeepSpeed's neither); "
-                         "use device='cpu'")
+        raise ValueError(
+            "engine.offload_states: device='nvme' is not supported (DeepSpeed's neither); use device='cpu'"
+        )
     if device is OffloadDeviceEnum.none:
         logger.warning("engine.offload_states: device 'none' given, nothing offloaded")
         return
@@ -49,5 +54,7 @@ def offload_states(engine, include=None, device="cpu", pin_memory: bool = True, 
 def refuse_offloaded(what: str, offloader) -> None:
     """The error of a step, forward or checkpoint while `offload_states` holds the states."""
     names = ", ".join(sorted(k.value for k in offloader.kinds))
-    raise RuntimeError(f"{what}: the engine's states ({names}) are offloaded by engine.offload_states(); "
-                       "call engine.reload_states() first")
+    raise RuntimeError(
+        f"{what}: the engine's states ({names}) are offloaded by engine.offload_states(); "
+        "call engine.reload_states() first"
+    )

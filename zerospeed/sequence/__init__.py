@@ -4,6 +4,7 @@
 DeepSpeed's `UlyssesSPDataLoaderAdapter`), `loss` (the exact cross-rank mean), `tiled` (ALST's tiled MLP
 and tiled logits + loss), `hf` (transformers models by config: `UlyssesSPAttentionHF`). docs/sequence_parallel.md.
 """
+
 from zerospeed.deepspeed_paths import package_getattr
 
 __getattr__ = package_getattr(__name__)

@@ -10,6 +10,7 @@ to a later position, so pads change no real token's output; their labels are -10
 to the loss or its count. The attention mask is dropped (as DeepSpeed does): right-padded batches are
 causal-exact without it; left padding and packed documents need a mask this path does not rebuild.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -36,8 +37,9 @@ def shift_labels_of(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> t
     return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)], dim=1)
 
 
-def shard_sequence_batch(batch: dict[str, Any], rank: int, world: int, *, pad_token_id: int = 0,
-                         ignore_index: int = IGNORE_INDEX) -> dict[str, Any]:
+def shard_sequence_batch(
+    batch: dict[str, Any], rank: int, world: int, *, pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX
+) -> dict[str, Any]:
     """Rank `rank`'s slice (of `world`) of a `[batch, seq, ...]` batch: `input_ids`, `position_ids` (made
     from 0 if absent), `labels` and `shift_labels` (made from `labels`), and every other tensor of the same
     sequence length, padded to a multiple of `world` (Note [padding is exact]). `attention_mask` is dropped."""
@@ -69,12 +71,22 @@ class UlyssesSPDataLoaderAdapter:
     then of batch 1, ... — so the P ranks work on one sequence at a time and, after P iterations, have
     consumed as many batches as P data-parallel ranks would in one. Length: len(dl) * P."""
 
-    def __init__(self, dl, sp_rank: int, sp_group, sp_world_size: int, device, pad_to_sp_multiple: bool = True,
-                 pad_token_id: int = 0):
+    def __init__(
+        self,
+        dl,
+        sp_rank: int,
+        sp_group,
+        sp_world_size: int,
+        device,
+        pad_to_sp_multiple: bool = True,
+        pad_token_id: int = 0,
+    ):
         if not pad_to_sp_multiple:
-            raise ValueError("pad_to_sp_multiple=False: zerospeed always pads sequences to a multiple of the "
-                             "sequence-parallel degree (the result stays exact, Note [padding is exact]); drop the "
-                             "argument")
+            raise ValueError(
+                "pad_to_sp_multiple=False: zerospeed always pads sequences to a multiple of the "
+                "sequence-parallel degree (the result stays exact, Note [padding is exact]); drop the "
+                "argument"
+            )
         self.dl, self.sp_rank, self.sp_group, self.sp_world_size = dl, sp_rank, sp_group, sp_world_size
         self.device, self.pad_token_id = device, pad_token_id
         self.iter = iter(dl)

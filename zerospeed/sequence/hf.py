@@ -14,6 +14,7 @@ sequence (causal, no mask: Note [padding is exact] in `data.py`) and trades back
 `install_sequence_parallel_loss(model, group)` makes `model(...).loss` the exact mean over the whole
 sequence on every rank (Note [sequence-parallel loss]).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -57,15 +58,29 @@ class UlyssesSPAttentionHF(torch.nn.Module):
     constructor arguments. Shapes: transformers passes q/k/v as [b, heads, s/P, d] and expects
     ([b, s/P, heads, d], weights) back."""
 
-    def __init__(self, attn, batch_size: int, attn_head_count: int, attn_head_size: int, kv_head_count: int,
-                 num_hidden_layers: int, process_group, seq_length_is_variable: bool = False,
-                 local_seq_length: int | None = None, global_seq_length: int | None = None,
-                 disable_in_eval: bool = False) -> None:
+    def __init__(
+        self,
+        attn,
+        batch_size: int,
+        attn_head_count: int,
+        attn_head_size: int,
+        kv_head_count: int,
+        num_hidden_layers: int,
+        process_group,
+        seq_length_is_variable: bool = False,
+        local_seq_length: int | None = None,
+        global_seq_length: int | None = None,
+        disable_in_eval: bool = False,
+    ) -> None:
         super().__init__()
         self.attn, self.process_group = attn, process_group
         self.world_size, self.sp_rank = comm.get_world_size(process_group), comm.get_rank(process_group)
         self.batch_size, self.num_hidden_layers = batch_size, num_hidden_layers
-        self.attn_head_count, self.attn_head_size, self.global_kv_head_count = attn_head_count, attn_head_size, kv_head_count
+        self.attn_head_count, self.attn_head_size, self.global_kv_head_count = (
+            attn_head_count,
+            attn_head_size,
+            kv_head_count,
+        )
         self.seq_length_is_variable = seq_length_is_variable
         self.local_seq_length, self.global_seq_length = local_seq_length, global_seq_length
         self.disable_in_eval = disable_in_eval
@@ -75,9 +90,11 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         if self.disable_in_eval and not module.training:
             return self.attn(module, query, key, value, attention_mask, *args, **kwargs)
         if not self.seq_length_is_variable and self.local_seq_length not in (None, query.shape[2]):
-            raise ValueError(f"UlyssesSPAttentionHF: got a local sequence of {query.shape[2]} tokens but was registered "
-                             f"with seq_length={self.global_seq_length} (local {self.local_seq_length}); register with "
-                             "seq_length_is_variable=True for batches of varying length")
+            raise ValueError(
+                f"UlyssesSPAttentionHF: got a local sequence of {query.shape[2]} tokens but was registered "
+                f"with seq_length={self.global_seq_length} (local {self.local_seq_length}); register with "
+                "seq_length_is_variable=True for batches of varying length"
+            )
         group, plan = self.process_group, self.plan
         q = sequence_to_heads(query, group, plan.q, seq_dim=2, head_dim=1)  # [b, n_q, s, d]
         k = sequence_to_heads(key, group, plan.kv, seq_dim=2, head_dim=1)
@@ -93,10 +110,18 @@ class UlyssesSPAttentionHF(torch.nn.Module):
     """implementation name -> (original function, wrapper): what unregister restores."""
 
     @classmethod
-    def register_with_transformers(cls, model_name_or_path, core_attn_implementation: str,
-                                   sequence_parallel_size: int, micro_batch_size: int, seq_length: int | None = None,
-                                   seq_length_is_variable: bool = True, disable_in_eval: bool = False,
-                                   max_length: int | None = None, mesh: ParallelMesh | None = None):
+    def register_with_transformers(
+        cls,
+        model_name_or_path,
+        core_attn_implementation: str,
+        sequence_parallel_size: int,
+        micro_batch_size: int,
+        seq_length: int | None = None,
+        seq_length_is_variable: bool = True,
+        disable_in_eval: bool = False,
+        max_length: int | None = None,
+        mesh: ParallelMesh | None = None,
+    ):
         """Route `core_attn_implementation` through Ulysses for this model; returns the mpu (None at sp 1).
 
         `model_name_or_path`: the model (its attention modules are the ones wrapped) or a name/path whose
@@ -110,25 +135,37 @@ class UlyssesSPAttentionHF(torch.nn.Module):
 
         seq_length = seq_length if seq_length is not None else max_length
         if not seq_length_is_variable and seq_length is None:
-            raise ValueError("register_with_transformers: pass seq_length=<tokens per sequence> or "
-                             "seq_length_is_variable=True")
-        model_config = (model_name_or_path.config if hasattr(model_name_or_path, "config")
-                        else AutoConfig.from_pretrained(model_name_or_path))
+            raise ValueError(
+                "register_with_transformers: pass seq_length=<tokens per sequence> or seq_length_is_variable=True"
+            )
+        model_config = (
+            model_name_or_path.config
+            if hasattr(model_name_or_path, "config")
+            else AutoConfig.from_pretrained(model_name_or_path)
+        )
         chosen = getattr(model_config, "_attn_implementation", None)
         if chosen is not None and chosen != core_attn_implementation:
-            raise ValueError(f"core_attn_implementation={core_attn_implementation!r} but the model runs "
-                             f"attn_implementation={chosen!r}; load the model with attn_implementation="
-                             f"{core_attn_implementation!r} (or pass {chosen!r} here)")
+            raise ValueError(
+                f"core_attn_implementation={core_attn_implementation!r} but the model runs "
+                f"attn_implementation={chosen!r}; load the model with attn_implementation="
+                f"{core_attn_implementation!r} (or pass {chosen!r} here)"
+            )
         if core_attn_implementation in _UNSUPPORTED:
-            raise ValueError(f"attn_implementation={core_attn_implementation!r} builds its causal structure from a "
-                             "[s, s] mask, which a sequence shard cannot give it; load the model with "
-                             "attn_implementation='sdpa' (or a flash / flex attention)")
+            raise ValueError(
+                f"attn_implementation={core_attn_implementation!r} builds its causal structure from a "
+                "[s, s] mask, which a sequence shard cannot give it; load the model with "
+                "attn_implementation='sdpa' (or a flash / flex attention)"
+            )
         if core_attn_implementation not in ALL_ATTENTION_FUNCTIONS:
-            raise ValueError(f"{core_attn_implementation!r} is not a transformers attention implementation; "
-                             f"choose one of {list(ALL_ATTENTION_FUNCTIONS.valid_keys())}")
+            raise ValueError(
+                f"{core_attn_implementation!r} is not a transformers attention implementation; "
+                f"choose one of {list(ALL_ATTENTION_FUNCTIONS.valid_keys())}"
+            )
         if core_attn_implementation in cls._active:
-            raise RuntimeError(f"Ulysses is already registered for {core_attn_implementation!r} in this process; "
-                               "call UlyssesSPAttentionHF.unregister_from_transformers() first")
+            raise RuntimeError(
+                f"Ulysses is already registered for {core_attn_implementation!r} in this process; "
+                "call UlyssesSPAttentionHF.unregister_from_transformers() first"
+            )
         text = model_config.get_text_config()
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
@@ -140,9 +177,19 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         HeadPlan.of(heads, kv_heads, sequence_parallel_size)  # every head-count problem, before anything changes
         local = None if seq_length_is_variable else -(-seq_length // sequence_parallel_size)
         original = ALL_ATTENTION_FUNCTIONS[core_attn_implementation]
-        uattn = cls(original, micro_batch_size, heads, head_dim, kv_heads, text.num_hidden_layers, group,
-                    seq_length_is_variable=seq_length_is_variable, local_seq_length=local,
-                    global_seq_length=seq_length, disable_in_eval=disable_in_eval)
+        uattn = cls(
+            original,
+            micro_batch_size,
+            heads,
+            head_dim,
+            kv_heads,
+            text.num_hidden_layers,
+            group,
+            seq_length_is_variable=seq_length_is_variable,
+            local_seq_length=local,
+            global_seq_length=seq_length,
+            disable_in_eval=disable_in_eval,
+        )
         owned = _attention_modules(model_name_or_path, text)
 
         def wrapper(module, query, key, value, attention_mask, *args, **kwargs):
@@ -159,6 +206,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
     def unregister_from_transformers(cls, core_attn_implementation: str | None = None) -> None:
         """Put the original attention functions back (all of them, or the one named)."""
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
         names = [core_attn_implementation] if core_attn_implementation is not None else list(cls._active)
         for name in names:
             if name not in cls._active:
@@ -177,11 +225,15 @@ def _attention_modules(model, text_config) -> set[int] | None:
     for module in model.modules():
         name = type(module).__name__.lower()
         projections = all(hasattr(module, p) for p in ("q_proj", "k_proj", "v_proj"))
-        if getattr(module, "config", None) is text_config and (projections or "attention" in name or name.endswith("attn")):
+        if getattr(module, "config", None) is text_config and (
+            projections or "attention" in name or name.endswith("attn")
+        ):
             found.add(id(module))
     if not found:
-        raise ValueError(f"register_with_transformers: found no attention module in {type(model).__name__} (modules "
-                         "with q_proj/k_proj/v_proj, or named *Attention*); pass the model whose attention runs")
+        raise ValueError(
+            f"register_with_transformers: found no attention module in {type(model).__name__} (modules "
+            "with q_proj/k_proj/v_proj, or named *Attention*); pass the model whose attention runs"
+        )
     return found
 
 
@@ -190,19 +242,30 @@ def install_sequence_parallel_loss(model, group, ignore_index: int = -100) -> No
     every rank (Note [sequence-parallel loss]); the shift_labels come from `shard_sequence_batch`. Given
     the Trainer's `num_items_in_batch`, the loss is this rank's sum over that count instead (the Trainer
     scales and averages it)."""
-    def loss_function(logits, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=ignore_index,
-                      shift_labels=None, **kwargs):
+
+    def loss_function(
+        logits,
+        labels=None,
+        vocab_size=None,
+        num_items_in_batch=None,
+        ignore_index=ignore_index,
+        shift_labels=None,
+        **kwargs,
+    ):
         if shift_labels is None:
-            raise ValueError("sequence parallelism: the batch has no 'shift_labels' (labels shifted on the full "
-                             "sequence before sharding); feed the model through zerospeed.sequence.data."
-                             "shard_sequence_batch or UlyssesSPDataLoaderAdapter")
+            raise ValueError(
+                "sequence parallelism: the batch has no 'shift_labels' (labels shifted on the full "
+                "sequence before sharding); feed the model through zerospeed.sequence.data."
+                "shard_sequence_batch or UlyssesSPDataLoaderAdapter"
+            )
         if num_items_in_batch is None:
             return sequence_parallel_cross_entropy(logits, shift_labels, group, ignore_index=ignore_index)
         # the Trainer's contract (Note [Trainer sequence parallelism] in integrations/hf_trainer.py): this
         # rank's token-loss sum over the tokens of the whole accumulated batch, counted over every rank
         flat = logits.reshape(-1, logits.shape[-1]).float()
-        local = F.cross_entropy(flat, shift_labels.reshape(-1).to(flat.device), ignore_index=ignore_index,
-                                reduction="sum")
+        local = F.cross_entropy(
+            flat, shift_labels.reshape(-1).to(flat.device), ignore_index=ignore_index, reduction="sum"
+        )
         return local / torch.as_tensor(num_items_in_batch, device=local.device, dtype=local.dtype)
 
     model.loss_function = loss_function

@@ -10,6 +10,7 @@ per-link volume the Ulysses paper (arXiv 2309.14509) is built on; GQA sends fewe
 Head counts need not divide the degree (Note [uneven heads] in `layout.py`), and kv heads fewer than
 the degree are replicated to the ranks that read them.
 """
+
 from __future__ import annotations
 
 import math
@@ -95,12 +96,20 @@ class DistributedAttention(nn.Module):
     overlapping the q/k/v exchanges in DeepSpeed) is accepted; the exchanges run in order on the current stream.
     """
 
-    def __init__(self, local_attention: nn.Module, sequence_process_group, scatter_idx: int = 2, gather_idx: int = 0,
-                 sp_stream=None) -> None:
+    def __init__(
+        self,
+        local_attention: nn.Module,
+        sequence_process_group,
+        scatter_idx: int = 2,
+        gather_idx: int = 0,
+        sp_stream=None,
+    ) -> None:
         super().__init__()
         if scatter_idx < 2:
-            raise ValueError(f"scatter_idx={scatter_idx}: DistributedAttention scatters the head dimension, which is "
-                             "dimension 2 of [s, b, h, d] / [b, s, h, d] inputs; pass scatter_idx=2")
+            raise ValueError(
+                f"scatter_idx={scatter_idx}: DistributedAttention scatters the head dimension, which is "
+                "dimension 2 of [s, b, h, d] / [b, s, h, d] inputs; pass scatter_idx=2"
+            )
         self.local_attn = local_attention
         self.spg = sequence_process_group
         self.scatter_idx, self.gather_idx = scatter_idx, gather_idx
@@ -113,8 +122,16 @@ class DistributedAttention(nn.Module):
             self._plans[key] = HeadPlan.of(num_heads, num_kv_heads, comm.get_world_size(self.spg))
         return self._plans[key]
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch_dim_idx: int,
-                rotary_pos_emb=None, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        batch_dim_idx: int,
+        rotary_pos_emb=None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         if batch_dim_idx not in (0, 1):
             raise ValueError(f"batch_dim_idx={batch_dim_idx}: 0 for [b, s, h, d] inputs, 1 for [s, b, h, d]")
         seq_dim, head_dim = 1 - batch_dim_idx, self.scatter_idx

@@ -10,6 +10,7 @@ ranks (replication instead of idle ranks). The local attention then sees n_q que
 the uniform GQA mapping local q a -> local kv a // (n_q / n_kv); where a block's mapping is not uniform
 (e.g. 6 query heads over 3 kv heads split 2/2/1/1), the rank gets one kv head per query head instead.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,8 +26,10 @@ def head_split(num_heads: int, world: int) -> list[int]:
     """Query heads per rank: as even as possible, the first `num_heads % world` ranks one more."""
     _check_positive(num_heads=num_heads, world=world)
     if num_heads < world:
-        raise ValueError(f"{num_heads} attention heads cannot be split over a sequence-parallel degree of {world}: "
-                         f"every rank needs at least one head; use sequence_parallel_size <= {num_heads}")
+        raise ValueError(
+            f"{num_heads} attention heads cannot be split over a sequence-parallel degree of {world}: "
+            f"every rank needs at least one head; use sequence_parallel_size <= {num_heads}"
+        )
     base, extra = divmod(num_heads, world)
     return [base + (r < extra) for r in range(world)]
 
@@ -62,7 +65,7 @@ class HeadPlan:
     kv: tuple[tuple[int, ...], ...]
 
     @classmethod
-    def of(cls, num_heads: int, num_kv_heads: int, world: int) -> "HeadPlan":
+    def of(cls, num_heads: int, num_kv_heads: int, world: int) -> HeadPlan:
         blocks = head_blocks(num_heads, world)
         return cls(tuple(map(tuple, blocks)), tuple(tuple(kv_heads_for(b, num_heads, num_kv_heads)) for b in blocks))
 

@@ -9,6 +9,7 @@ sums the P identical upstream gradients, and the engine averages gradients over 
 of the unsharded mean. The user writes nothing: `sequence_parallel_cross_entropy` and the transformers
 integration's loss function do this.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,9 @@ def mean_over_sequence(local_sum: torch.Tensor, local_count: torch.Tensor | int,
     return total / count.clamp(min=1).to(total.dtype)
 
 
-def sequence_parallel_cross_entropy(logits: torch.Tensor, shift_labels: torch.Tensor, group,
-                                    ignore_index: int = -100) -> torch.Tensor:
+def sequence_parallel_cross_entropy(
+    logits: torch.Tensor, shift_labels: torch.Tensor, group, ignore_index: int = -100
+) -> torch.Tensor:
     """Mean cross-entropy over every non-ignored token of the whole (sharded) sequence, on every rank.
 
     `logits` [..., vocab] are this rank's positions, `shift_labels` [...] their targets, already shifted

@@ -22,9 +22,10 @@ its module, and then the model's forward and backward pre-hooks gather the head'
 and their recomputation. A parameter still empty when the tiles run (a block not flagged before
 `initialize`, an undeclared head weight) is refused with an error naming both fixes.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,12 +34,14 @@ import torch.nn.functional as F
 def _check_full(params) -> None:
     for p in params:
         if p.numel() == 0:
-            raise NotImplementedError("tiled compute got a parameter with no elements — a ZeRO-3 shard used outside "
-                                      "its module's forward: for a tiled MLP call enable_tiled_mlp before "
-                                      "zerospeed.initialize (it makes each tiled block one ZeRO-3 leaf unit); for "
-                                      "tiled_cross_entropy_sum's head weight declare the use with "
-                                      "zerospeed.zero.register_external_parameter(model, head.weight) on the module "
-                                      "whose forward calls the loss")
+            raise NotImplementedError(
+                "tiled compute got a parameter with no elements — a ZeRO-3 shard used outside "
+                "its module's forward: for a tiled MLP call enable_tiled_mlp before "
+                "zerospeed.initialize (it makes each tiled block one ZeRO-3 leaf unit); for "
+                "tiled_cross_entropy_sum's head weight declare the use with "
+                "zerospeed.zero.register_external_parameter(model, head.weight) on the module "
+                "whose forward calls the loss"
+            )
 
 
 class _Tiled(torch.autograd.Function):
@@ -63,7 +66,7 @@ class _Tiled(torch.autograd.Function):
             wrt = ([t] if dx is not None else []) + trainable
             grads = torch.autograd.grad(out, wrt, g, allow_unused=True)
             if dx is not None:
-                dx[start:start + t.shape[0]] = grads[0]
+                dx[start : start + t.shape[0]] = grads[0]
                 grads = grads[1:]
             for acc, gp in zip(dparams, grads):
                 if gp is not None:
@@ -80,8 +83,13 @@ def _tiles(extras: tuple[torch.Tensor, ...], shards: int):
     return list(zip(*(e.chunk(shards, dim=0) for e in extras)))
 
 
-def tiled_map(fn: Callable[..., torch.Tensor], x: torch.Tensor, shards: int, params: list[torch.Tensor],
-              extras: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+def tiled_map(
+    fn: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    shards: int,
+    params: list[torch.Tensor],
+    extras: tuple[torch.Tensor, ...] = (),
+) -> torch.Tensor:
     """`fn(x_tile, *extra_tiles)` over `shards` tiles of `x` (tokens on dim 0), concatenated (Note [tiled
     compute]); `params` are the parameters `fn` uses (their gradients come out summed over the tiles),
     `extras` tensors tiled alongside `x` without gradients."""
@@ -109,8 +117,9 @@ class TiledMLP:
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def tiled_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, shift_labels: torch.Tensor, shards: int,
-                            ignore_index: int = -100) -> torch.Tensor:
+def tiled_cross_entropy_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, shift_labels: torch.Tensor, shards: int, ignore_index: int = -100
+) -> torch.Tensor:
     """sum over tokens of cross_entropy(hidden @ weight.T, shift_labels) (fp32) without the full
     [tokens, vocab] logits: `shards` tiles of tokens at a time, in the backward too."""
     h = hidden.reshape(-1, hidden.shape[-1])

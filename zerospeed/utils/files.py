@@ -5,11 +5,13 @@ final name (rename is atomic on POSIX), and the directory entry is fsync'ed too.
 (zerospeed/checkpoint/atomic.py adds the directory swap and torch.save) and the plots of
 zerospeed/monitor/plot.py write this way; nothing here imports torch, so `zerospeed-plot` starts without it.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 
 def fsync_dir(path: Path) -> None:
@@ -28,6 +30,7 @@ def fsync_dir(path: Path) -> None:
 
 def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Call `write(file)` on a temporary file, then fsync it and rename it to `path`."""
+
     def write_named(tmp: Path) -> None:
         with open(tmp, "wb") as f:
             write(f)

@@ -11,6 +11,7 @@ pass: a failing rank must say why. The rank is torch.distributed's once initiali
 Handlers and levels stay the application's choice (`logging.basicConfig`): zerospeed adds none.
 Nothing here imports torch: torch.distributed is consulted only when already imported.
 """
+
 from __future__ import annotations
 
 import logging
@@ -63,5 +64,4 @@ def log_dist(message: str, ranks: Sequence[int] | None = None, level: int = logg
     """
     rank = current_rank()
     if should_log(list(ranks or ()), rank):
-        logger.log(level, "[Rank %d] %s", -1 if rank is None else rank, message, extra={"ranks": [-1]},
-                   stacklevel=2)
+        logger.log(level, "[Rank %d] %s", -1 if rank is None else rank, message, extra={"ranks": [-1]}, stacklevel=2)

@@ -1,4 +1,5 @@
 """Small helpers on nested containers of tensors."""
+
 from __future__ import annotations
 
 import torch

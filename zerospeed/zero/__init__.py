@@ -6,6 +6,7 @@ reduce-scatter every micro-step, 3 = 2 + parameter lifecycle) and gives it one `
 param group from the parallel mesh (Note [reduction groups] in zero/strategy.py). Everything after
 talks to the `ZeroStrategy` protocol.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,39 +21,95 @@ from zerospeed.zero.stage3.strategy import Stage3Strategy
 from zerospeed.zero.strategy import ReductionGroup, ZeroStrategy, reduction_groups
 
 
-def build_strategy(plan: ZeroPlan, groups: list[dict], reduction: list[ReductionGroup], *, module: torch.nn.Module,
-                   precision: PrecisionPolicy, device: torch.device, norm_group=None) -> ZeroStrategy:
+def build_strategy(
+    plan: ZeroPlan,
+    groups: list[dict],
+    reduction: list[ReductionGroup],
+    *,
+    module: torch.nn.Module,
+    precision: PrecisionPolicy,
+    device: torch.device,
+    norm_group=None,
+) -> ZeroStrategy:
     """The gradient / optimizer strategy for the plan's ZeRO stage (resolved once, here), with each param
     group reducing over its `ReductionGroup` and the gradient norm over `norm_group`; the precision
     policy's `grad_accum_dtype` is where gradients accumulate."""
     red = plan.reduction
-    common = dict(comm_dtype=red.comm_dtype, scaling=red.scaling, norm_group=norm_group,
-                  param_comm_dtypes=red.param_comm_dtypes or None)  # `torch_autocast`'s safe modules
+    common = dict(
+        comm_dtype=red.comm_dtype,
+        scaling=red.scaling,
+        norm_group=norm_group,
+        param_comm_dtypes=red.param_comm_dtypes or None,
+    )  # `torch_autocast`'s safe modules
     param_dtype, grad_dtype = precision.param_dtype, precision.grad_accum_dtype
     if plan.stage == 0:
-        return DataParallelStrategy(groups, reduction, mixed=param_dtype != torch.float32, module=module,
-                                    bucket_size=plan.reduce_bucket_size, accum_dtype=grad_dtype, **common)
+        return DataParallelStrategy(
+            groups,
+            reduction,
+            mixed=param_dtype != torch.float32,
+            module=module,
+            bucket_size=plan.reduce_bucket_size,
+            accum_dtype=grad_dtype,
+            **common,
+        )
     budgets = plan.budgets
     if plan.stage == 3:  # Note [leaf modules] (zero/stage3/strategy.py): the config's leaves, then the threshold's
         apply_leaf_module_config(module, plan.leaf_modules)
         set_z3_leaf_modules_by_threshold(module, plan.module_granularity_threshold)
-        return Stage3Strategy(module, groups, reduction, param_dtype=param_dtype, device=device,
-                              reduce_bucket_size=budgets.reduce_bucket, sub_group_size=plan.sub_group_size,
-                              overlap_comm=plan.overlap_comm, prefetch_bucket_size=budgets.prefetch_bucket,
-                              max_live_parameters=plan.max_live_parameters,
-                              max_reuse_distance=budgets.reuse_distance,
-                              param_persistence_threshold=plan.param_persistence_threshold,
-                              model_persistence_threshold=plan.model_persistence_threshold,
-                              plan=plan.offload, zeropp=plan.zeropp, master_dtype=precision.master_dtype,
-                              grad_dtype=grad_dtype, **common)
+        return Stage3Strategy(
+            module,
+            groups,
+            reduction,
+            param_dtype=param_dtype,
+            device=device,
+            reduce_bucket_size=budgets.reduce_bucket,
+            sub_group_size=plan.sub_group_size,
+            overlap_comm=plan.overlap_comm,
+            prefetch_bucket_size=budgets.prefetch_bucket,
+            max_live_parameters=plan.max_live_parameters,
+            max_reuse_distance=budgets.reuse_distance,
+            param_persistence_threshold=plan.param_persistence_threshold,
+            model_persistence_threshold=plan.model_persistence_threshold,
+            plan=plan.offload,
+            zeropp=plan.zeropp,
+            master_dtype=precision.master_dtype,
+            grad_dtype=grad_dtype,
+            **common,
+        )
     cls = ShardedStrategy if plan.stage == 1 else Stage2Strategy
-    return cls(groups, reduction, param_dtype=param_dtype, device=device, module=module,
-               reduce_bucket_size=budgets.reduce_bucket, allgather_bucket_size=plan.allgather_bucket_size,
-               sub_group_size=plan.sub_group_size, overlap_comm=plan.overlap_comm, grad_dtype=grad_dtype,
-               ignore_unused_parameters=plan.ignore_unused_parameters, plan=plan.offload,
-               master_dtype=precision.master_dtype, **common)
+    return cls(
+        groups,
+        reduction,
+        param_dtype=param_dtype,
+        device=device,
+        module=module,
+        reduce_bucket_size=budgets.reduce_bucket,
+        allgather_bucket_size=plan.allgather_bucket_size,
+        sub_group_size=plan.sub_group_size,
+        overlap_comm=plan.overlap_comm,
+        grad_dtype=grad_dtype,
+        ignore_unused_parameters=plan.ignore_unused_parameters,
+        plan=plan.offload,
+        master_dtype=precision.master_dtype,
+        **common,
+    )
 
 
-__all__ = ["DataParallelStrategy", "GatheredParameters", "Init", "LeafModulePlan", "ReductionGroup", "ReductionPolicy",
-           "ShardedStrategy", "Stage2Strategy", "Stage3Strategy", "ZeroPlan", "ZeroStrategy", "build_strategy",
-           "full_numel", "full_shape", "reduction_groups", "register_external_parameter"]
+__all__ = [
+    "DataParallelStrategy",
+    "GatheredParameters",
+    "Init",
+    "LeafModulePlan",
+    "ReductionGroup",
+    "ReductionPolicy",
+    "ShardedStrategy",
+    "Stage2Strategy",
+    "Stage3Strategy",
+    "ZeroPlan",
+    "ZeroStrategy",
+    "build_strategy",
+    "full_numel",
+    "full_shape",
+    "reduction_groups",
+    "register_external_parameter",
+]

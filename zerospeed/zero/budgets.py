@@ -22,6 +22,7 @@ gathered again in its backward, which doubles the all-gather bytes and calls. On
 8 x MIN_GATHER_WINDOW elements are bounded by the 1/8 rule as before; an explicitly smaller
 `stage3_prefetch_bucket_size` / `stage3_max_reuse_distance` is always honoured (the bound is a cap).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,13 +39,19 @@ def model_bound(trainable_elements: int) -> int:
 
 @dataclass(frozen=True)
 class Budgets:
-    reduce_bucket: int      # elements per gradient reduction bucket (stages 1-3)
-    prefetch_bucket: int    # elements gathered ahead of use (stage 3)
-    reuse_distance: int     # elements of other gathers within which a used unit stays gathered (stage 3)
+    reduce_bucket: int  # elements per gradient reduction bucket (stages 1-3)
+    prefetch_bucket: int  # elements gathered ahead of use (stage 3)
+    reuse_distance: int  # elements of other gathers within which a used unit stays gathered (stage 3)
 
 
-def bounded_budgets(trainable_elements: int, *, reduce_bucket_size: int, prefetch_bucket_size: int = 0,
-                    max_reuse_distance: int = 0, gathered_elements: int | None = None) -> Budgets:
+def bounded_budgets(
+    trainable_elements: int,
+    *,
+    reduce_bucket_size: int,
+    prefetch_bucket_size: int = 0,
+    max_reuse_distance: int = 0,
+    gathered_elements: int | None = None,
+) -> Budgets:
     """The sizes used: the configured ones, capped by `model_bound` (Note [buckets bounded by the model]) —
     gradient buckets by the trainable elements, stage 3's gathers by `gathered_elements` (every parameter
     stage 3 partitions, frozen ones included; default: the trainable ones) and never below

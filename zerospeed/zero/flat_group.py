@@ -4,6 +4,7 @@ The model's parameters become views into the flat low-precision parameter buffer
 all-gather after a step writes them in place). fp32 masters exist only for this rank's chunks — in
 fp32 training they *are* the chunk views of the parameter buffers, so nothing is duplicated.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,14 +16,25 @@ def flatten_fp32(layout: FlatLayout, values: list[torch.Tensor], device: torch.d
     """The layout as one padded fp32 tensor holding `values` (in segment order) at their offsets."""
     full = torch.zeros(layout.padded, dtype=torch.float32, device=device)
     for s in layout.segments:
-        full[s.offset:s.offset + s.numel].copy_(values[s.param].detach().reshape(-1))
+        full[s.offset : s.offset + s.numel].copy_(values[s.param].detach().reshape(-1))
     return full
 
 
 class FlatParamGroup:
-    def __init__(self, params: list[torch.nn.Parameter], hparams: dict, *, bucket_size: int, world_size: int,
-                 rank: int, param_dtype: torch.dtype, device: torch.device, plan=None,
-                 comm_dtypes: dict[int, torch.dtype] | None = None, master_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        hparams: dict,
+        *,
+        bucket_size: int,
+        world_size: int,
+        rank: int,
+        param_dtype: torch.dtype,
+        device: torch.device,
+        plan=None,
+        comm_dtypes: dict[int, torch.dtype] | None = None,
+        master_dtype: torch.dtype = torch.float32,
+    ):
         # Backward produces gradients roughly in reverse registration order: lay parameters out in
         # that order so the first layouts complete (and launch their reduction) first.
         self.params = list(reversed(params))
@@ -30,8 +42,9 @@ class FlatParamGroup:
         self.rank = rank
         # one gradient dtype per layout (Note [autocast gradient communication] in precision/autocast.py)
         kinds = [comm_dtypes.get(id(p)) for p in self.params] if comm_dtypes else None
-        self.layouts: list[FlatLayout] = build_layouts([p.numel() for p in self.params], bucket_size, world_size,
-                                                       kinds=kinds)
+        self.layouts: list[FlatLayout] = build_layouts(
+            [p.numel() for p in self.params], bucket_size, world_size, kinds=kinds
+        )
         self.param_buffers: list[torch.Tensor] = []
         self.masters: list[torch.nn.Parameter] = []
         # fp32 masters alias the parameter buffer when they live in the same memory; offloaded
@@ -54,7 +67,7 @@ class FlatParamGroup:
         for layout, buffer in zip(self.layouts, self.param_buffers):
             for s in layout.segments:
                 p = self.params[s.param]
-                p.data = buffer[s.offset:s.offset + s.numel].view_as(p)
+                p.data = buffer[s.offset : s.offset + s.numel].view_as(p)
 
     def chunk(self, layout: FlatLayout, tensor: torch.Tensor) -> torch.Tensor:
         lo, hi = layout.chunk_range(self.rank)

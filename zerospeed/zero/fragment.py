@@ -10,6 +10,7 @@ of its current gradient and (by key) of its optimizer state, plus the ranks the 
 over. A rank's piece of a flattened parameter is always one contiguous range, possibly empty: a
 parameter is laid whole into one flat layout, and a rank's chunk of a layout is contiguous.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ class Held:
 
     def view(self) -> torch.Tensor:
         """The piece, 1-D, sharing memory with `tensor` (read it where `tensor` currently lives)."""
-        return self.tensor.view(-1)[self.offset:self.offset + self.numel]
+        return self.tensor.view(-1)[self.offset : self.offset + self.numel]
 
     def on(self, tensor: torch.Tensor) -> Held:
         """The same elements of another tensor laid out like this one (an optimizer state)."""
@@ -77,6 +78,6 @@ def assemble(held: Held, frag: ParamFragment) -> torch.Tensor:
     if held.ranks is None:
         return held.view().to(frag.device, torch.float32, copy=True).view(frag.shape)
     out = torch.zeros(frag.numel, dtype=torch.float32, device=frag.device)
-    out[held.start:held.start + held.numel].copy_(held.view())
+    out[held.start : held.start + held.numel].copy_(held.view())
     comm.all_reduce(out, op="sum", group=held.ranks.group)
     return out.view(frag.shape)

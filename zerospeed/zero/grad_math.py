@@ -1,4 +1,5 @@
 """Pure gradient arithmetic used at the optimizer step."""
+
 from __future__ import annotations
 
 import math

@@ -13,6 +13,7 @@ transformers' and TRL's helpers, which call these functions) behaves the same. I
 stage-3 engine is built: set it before `zerospeed.initialize`. `zero_optimization.leaf_module`
 (classes / names / name_suffixes) and `stage3_module_granularity_threshold` set it from the config.
 """
+
 from __future__ import annotations
 
 import sys
@@ -32,8 +33,13 @@ from zerospeed.zero.tags import full_numel, leaf_module_of
 # So a threshold picks the outermost modules that are "many small pieces": a transformer block of
 # seven linear layers and two norms, not the model (whose embedding makes its average large).
 MAX_LEAF_PARAMETERS = 10**9
-_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList,
-               torch.nn.ParameterDict)
+_CONTAINERS = (
+    torch.nn.Sequential,
+    torch.nn.ModuleList,
+    torch.nn.ModuleDict,
+    torch.nn.ParameterList,
+    torch.nn.ParameterDict,
+)
 
 
 def z3_leaf_module(model: torch.nn.Module) -> bool:
@@ -69,33 +75,39 @@ def _set_by_class(model, leaf_module_classes, flag: bool, raise_if_not_found: bo
     classes = list(leaf_module_classes)
     bad = [c for c in classes if not isinstance(c, (type, str))]
     if bad:
-        raise TypeError(f"leaf_module_classes must be module classes or their names (short or fully qualified), "
-                        f"got {bad!r}")
+        raise TypeError(
+            f"leaf_module_classes must be module classes or their names (short or fully qualified), got {bad!r}"
+        )
     found = [m for m in model.modules() if any(_matches(m, c) for c in classes)]
     for m in found:
         m._z3_leaf = flag
     if not found and raise_if_not_found:
-        raise ValueError(f"no module of class {classes} in {type(model).__name__}; check the class names "
-                         "(a name may be short, 'MixtralSparseMoeBlock', or fully qualified)")
+        raise ValueError(
+            f"no module of class {classes} in {type(model).__name__}; check the class names "
+            "(a name may be short, 'MixtralSparseMoeBlock', or fully qualified)"
+        )
     return found
 
 
-def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes, raise_if_not_found: bool = True
-                        ) -> list[torch.nn.Module]:
+def set_z3_leaf_modules(
+    model: torch.nn.Module, leaf_module_classes, raise_if_not_found: bool = True
+) -> list[torch.nn.Module]:
     """Flag every module of `model` that is an instance of one of `leaf_module_classes` (classes, or class
     names short or fully qualified) as a ZeRO-3 leaf; returns them. Raises ValueError when none matches
     (unless `raise_if_not_found` is False)."""
     return _set_by_class(model, leaf_module_classes, True, raise_if_not_found)
 
 
-def unset_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes, raise_if_not_found: bool = True
-                          ) -> list[torch.nn.Module]:
+def unset_z3_leaf_modules(
+    model: torch.nn.Module, leaf_module_classes, raise_if_not_found: bool = True
+) -> list[torch.nn.Module]:
     """Clear the leaf flag of the modules `set_z3_leaf_modules` would flag; returns them."""
     return _set_by_class(model, leaf_module_classes, False, raise_if_not_found)
 
 
-def set_z3_leaf_modules_by_name(model: torch.nn.Module, module_names, flag: bool = True,
-                                raise_if_not_found: bool = True) -> tuple[list[torch.nn.Module], list[str]]:
+def set_z3_leaf_modules_by_name(
+    model: torch.nn.Module, module_names, flag: bool = True, raise_if_not_found: bool = True
+) -> tuple[list[torch.nn.Module], list[str]]:
     """Set the leaf flag of the modules named (as `named_modules()` names them); returns (modules, missing names)."""
     by_name = dict(model.named_modules())
     found, missing = [], []
@@ -106,13 +118,16 @@ def set_z3_leaf_modules_by_name(model: torch.nn.Module, module_names, flag: bool
         else:
             missing.append(name)
     if missing and raise_if_not_found:
-        raise ValueError(f"no module named {missing} in {type(model).__name__} (names as named_modules() gives them, "
-                         f"e.g. {next(iter(n for n in by_name if n), '')!r})")
+        raise ValueError(
+            f"no module named {missing} in {type(model).__name__} (names as named_modules() gives them, "
+            f"e.g. {next(iter(n for n in by_name if n), '')!r})"
+        )
     return found, missing
 
 
-def set_z3_leaf_modules_by_suffix(model: torch.nn.Module, module_name_suffixes, flag: bool = True,
-                                  raise_if_not_found: bool = True) -> tuple[list[torch.nn.Module], list[str]]:
+def set_z3_leaf_modules_by_suffix(
+    model: torch.nn.Module, module_name_suffixes, flag: bool = True, raise_if_not_found: bool = True
+) -> tuple[list[torch.nn.Module], list[str]]:
     """Set the leaf flag of every module whose `named_modules()` name ends with one of the suffixes; returns
     (modules, suffixes that matched nothing)."""
     named = list(model.named_modules())
@@ -175,8 +190,10 @@ def set_z3_leaf_modules_by_threshold(model: torch.nn.Module, threshold: int) -> 
     visit(model)
     if not leaves:
         smallest = min(granularity.values(), default=sys.maxsize)
-        logger.warning(f"stage3_module_granularity_threshold={threshold} flags no module: the smallest granularity "
-                       f"in this model is {smallest}; set the threshold at or above it to fetch modules whole")
+        logger.warning(
+            f"stage3_module_granularity_threshold={threshold} flags no module: the smallest granularity "
+            f"in this model is {smallest}; set the threshold at or above it to fetch modules whole"
+        )
     return leaves
 
 
@@ -189,20 +206,33 @@ def apply_leaf_module_config(model: torch.nn.Module, leaf_cfg) -> list[torch.nn.
     found: dict[int, torch.nn.Module] = {}
     for m in set_z3_leaf_modules(model, leaf_cfg.classes, raise_if_not_found=False) if leaf_cfg.classes else []:
         found[id(m)] = m
-    for setter, values, what in ((set_z3_leaf_modules_by_name, leaf_cfg.names, "names"),
-                                 (set_z3_leaf_modules_by_suffix, leaf_cfg.name_suffixes, "name_suffixes")):
+    for setter, values, what in (
+        (set_z3_leaf_modules_by_name, leaf_cfg.names, "names"),
+        (set_z3_leaf_modules_by_suffix, leaf_cfg.name_suffixes, "name_suffixes"),
+    ):
         if values:
             hits, missing = setter(model, values, flag=True, raise_if_not_found=False)
             found.update((id(m), m) for m in hits)
             if missing:
-                logger.warning(f"zero_optimization.leaf_module.{what}: {missing} match no module of "
-                               f"{type(model).__name__}")
+                logger.warning(
+                    f"zero_optimization.leaf_module.{what}: {missing} match no module of {type(model).__name__}"
+                )
     return list(found.values())
 
 
-__all__ = ["apply_leaf_module_config", "get_z3_leaf_modules", "module_granularity", "set_z3_leaf_module",
-           "set_z3_leaf_modules", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
-           "set_z3_leaf_modules_by_threshold", "unset_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter"]
+__all__ = [
+    "apply_leaf_module_config",
+    "get_z3_leaf_modules",
+    "module_granularity",
+    "set_z3_leaf_module",
+    "set_z3_leaf_modules",
+    "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix",
+    "set_z3_leaf_modules_by_threshold",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
+    "z3_leaf_parameter",
+]
 
 
 class _CallableModule(type(sys)):

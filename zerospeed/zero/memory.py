@@ -3,18 +3,27 @@
 ZeRO's accounting: every parameter costs `param_bytes` (the model's copy), `grad_bytes` (its
 gradient), `master_bytes` (an fp32 master copy when the model is in 16-bit) and `optim_bytes`
 (optimizer states: Adam's two fp32 moments = 8). Stage 1 divides master + optimizer states by the
-data-parallel size N, stage 2 the gradients too, stage 3 the parameters as well. With the ZeRO paper's mixed-precision Adam
+data-parallel size N, stage 2 the gradients too, stage 3 the parameters as well. With the ZeRO paper's
+mixed-precision Adam
 (2 + 2 + 12 bytes) that gives 16, 4 + 12/N and 2 + 14/N bytes per parameter.
 """
+
 from __future__ import annotations
 
 # Optimizer-state bytes per parameter, fp32 states (per element of the stepped tensor).
-OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "adagrad": 4, "lion": 4, "sgd": 0,
-                         "sgd_momentum": 4}
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "adagrad": 4, "lion": 4, "sgd": 0, "sgd_momentum": 4}
 
 
-def model_state_bytes(num_params: int, world_size: int, stage: int, *, param_bytes: int, grad_bytes: int,
-                      master_bytes: int, optim_bytes: int) -> dict[str, float]:
+def model_state_bytes(
+    num_params: int,
+    world_size: int,
+    stage: int,
+    *,
+    param_bytes: int,
+    grad_bytes: int,
+    master_bytes: int,
+    optim_bytes: int,
+) -> dict[str, float]:
     """Per-rank bytes of parameters, gradients, master weights and optimizer states."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")

@@ -15,6 +15,7 @@ flat group into N contiguous slices, so a bucket straddles ranks unevenly and is
 between a rank's chunks and parameter elements is pure (`FlatLayout.rank_segments`), which is what
 checkpoints use to consolidate or reshard.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,8 +66,9 @@ def padded_size(numel: int, world_size: int, align: int = ALIGN) -> int:
     return max(unit, -(-numel // unit) * unit)
 
 
-def build_layouts(numels: list[int], bucket_size: int, world_size: int, align: int = ALIGN,
-                  kinds: list | None = None) -> list[FlatLayout]:
+def build_layouts(
+    numels: list[int], bucket_size: int, world_size: int, align: int = ALIGN, kinds: list | None = None
+) -> list[FlatLayout]:
     """Lay parameters (in the given order) into padded flat layouts of about `bucket_size` elements.
 
     With `kinds` (one hashable per parameter), a layout also ends where the kind changes, so each holds
@@ -83,8 +85,9 @@ def build_layouts(numels: list[int], bucket_size: int, world_size: int, align: i
 
     def close():
         nonlocal current, filled
-        layouts.append(FlatLayout(len(layouts), tuple(current), filled, padded_size(filled, world_size, align),
-                              world_size))
+        layouts.append(
+            FlatLayout(len(layouts), tuple(current), filled, padded_size(filled, world_size, align), world_size)
+        )
         current, filled = [], 0
 
     for i, numel in enumerate(numels):

@@ -5,6 +5,7 @@ The engine layer translates the validated config into these once (runtime/plans.
 in elements, the configured ones; `budgets` are the sizes actually used, Note [buckets bounded by the
 model] in budgets.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,8 +37,9 @@ class ReductionPolicy:
     @property
     def scaling(self):
         """DeepSpeed's scaling rule around the sum, applied with each group's own size."""
-        return functools.partial(reduction_factors, op=self.op, prescale=self.prescale,
-                                 predivide_factor=self.predivide_factor)
+        return functools.partial(
+            reduction_factors, op=self.op, prescale=self.prescale, predivide_factor=self.predivide_factor
+        )
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ the network lags behind backward. Stage 0's buffers are persistent anyway, so it
 bucket whose collective has already finished lands (and frees its staging) at the next launch, still
 in launch order, so the bound is what the network's lag can cost, not what every step pays.
 """
+
 from __future__ import annotations
 
 import enum
@@ -75,14 +76,22 @@ def all_reduce_at_boundary() -> ReductionPolicy:
 
 
 def reduce_scatter_at_boundary(overlap: bool) -> ReductionPolicy:
-    return ReductionPolicy(Collective.REDUCE_SCATTER, every_micro_step=False, overlap=overlap,
-                           max_in_flight=MAX_IN_FLIGHT_BUCKETS)
+    return ReductionPolicy(
+        Collective.REDUCE_SCATTER, every_micro_step=False, overlap=overlap, max_in_flight=MAX_IN_FLIGHT_BUCKETS
+    )
 
 
-def reduce_scatter_every_micro_step(overlap: bool, fuse_up_to: int = 0,
-                                    reduce_scatter: Callable | None = None) -> ReductionPolicy:
-    return ReductionPolicy(Collective.REDUCE_SCATTER, every_micro_step=True, overlap=overlap,
-                           max_in_flight=MAX_IN_FLIGHT_BUCKETS, fuse_up_to=fuse_up_to, reduce_scatter=reduce_scatter)
+def reduce_scatter_every_micro_step(
+    overlap: bool, fuse_up_to: int = 0, reduce_scatter: Callable | None = None
+) -> ReductionPolicy:
+    return ReductionPolicy(
+        Collective.REDUCE_SCATTER,
+        every_micro_step=True,
+        overlap=overlap,
+        max_in_flight=MAX_IN_FLIGHT_BUCKETS,
+        fuse_up_to=fuse_up_to,
+        reduce_scatter=reduce_scatter,
+    )
 
 
 class GradUnit:
@@ -96,9 +105,18 @@ class GradUnit:
     micro-steps are added into (stages 2-3).
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout, reduction, *, result: torch.Tensor,
-                 accum: torch.Tensor | None = None, staging_dtype: torch.dtype = torch.float32,
-                 device: torch.device | None = None, only: set[int] | None = None):
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        layout: FlatLayout,
+        reduction,
+        *,
+        result: torch.Tensor,
+        accum: torch.Tensor | None = None,
+        staging_dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+        only: set[int] | None = None,
+    ):
         self.params, self.layout = params, layout
         # the segments whose gradients arrive here: those of `params` indices in `only` (None: all; a
         # stage-3 tied use reports only the parameters it shares, Note [tied uses], zero/stage3/strategy.py)
@@ -124,7 +142,7 @@ class GradUnit:
         if self.accum is None and self.staging is None:
             self.staging = self._first_staging(seg, flat)
         else:
-            self.source()[seg.offset:seg.offset + seg.numel].add_(flat)
+            self.source()[seg.offset : seg.offset + seg.numel].add_(flat)
 
     def _first_staging(self, seg, flat: torch.Tensor) -> torch.Tensor:
         """The staging buffer, made by the first gradient to arrive: its slot holds a copy (no zero-fill
@@ -132,20 +150,30 @@ class GradUnit:
         owns its memory, as autograd's fresh gradient does once `.grad` is dropped — the gradient
         itself (no copy at all). The rest is zeroed for the gradients still to come."""
         n = self.layout.padded
-        if (seg.offset == 0 and seg.numel == n and flat.dtype == self.staging_dtype and flat.device == self.device
-                and flat.is_contiguous() and flat.storage_offset() == 0
-                and flat.untyped_storage().nbytes() == flat.nbytes):
+        if (
+            seg.offset == 0
+            and seg.numel == n
+            and flat.dtype == self.staging_dtype
+            and flat.device == self.device
+            and flat.is_contiguous()
+            and flat.storage_offset() == 0
+            and flat.untyped_storage().nbytes() == flat.nbytes
+        ):
             return flat
         staging = torch.empty(n, dtype=self.staging_dtype, device=self.device)
-        staging[:seg.offset].zero_()
-        staging[seg.offset + seg.numel:].zero_()
-        staging[seg.offset:seg.offset + seg.numel].copy_(flat)
+        staging[: seg.offset].zero_()
+        staging[seg.offset + seg.numel :].zero_()
+        staging[seg.offset : seg.offset + seg.numel].copy_(flat)
         return staging
 
     def is_slot(self, seg, grad: torch.Tensor) -> bool:
         """`grad` is this segment's slot of the persistent buffer itself (Note [.grad as a slot view])."""
-        return (self.accum is not None and grad.dtype == self.accum.dtype and grad.device == self.accum.device
-                and grad.data_ptr() == self.accum.data_ptr() + seg.offset * self.accum.element_size())
+        return (
+            self.accum is not None
+            and grad.dtype == self.accum.dtype
+            and grad.device == self.accum.device
+            and grad.data_ptr() == self.accum.data_ptr() + seg.offset * self.accum.element_size()
+        )
 
     def source(self) -> torch.Tensor:
         """The buffer gradients add into and the collective reduces (a unit no gradient reached still
@@ -200,16 +228,24 @@ def weak_hook(method: Callable) -> Callable:
     def hook(*args):
         bound = ref()
         return None if bound is None else bound(*args)
+
     return hook
 
 
 class GradientReducer:
     """Hooks every parameter of `units`, accumulates, and reduces ready units in order (see module doc)."""
 
-    def __init__(self, units: list[GradUnit], policy: ReductionPolicy, *, scaling: Scaling | None = None,
-                 comm_dtype: torch.dtype | None = None, ignore_unused: bool = True,
-                 on_unit_ready: Callable[[GradUnit], None] | None = None,
-                 param_comm_dtypes: dict[int, torch.dtype] | None = None):
+    def __init__(
+        self,
+        units: list[GradUnit],
+        policy: ReductionPolicy,
+        *,
+        scaling: Scaling | None = None,
+        comm_dtype: torch.dtype | None = None,
+        ignore_unused: bool = True,
+        on_unit_ready: Callable[[GradUnit], None] | None = None,
+        param_comm_dtypes: dict[int, torch.dtype] | None = None,
+    ):
         self.units, self.policy = units, policy
         self.scaling, self.comm_dtype = scaling or _no_scaling, comm_dtype
         # id(parameter) -> the dtype its gradient travels in, where not `comm_dtype` (Note [autocast
@@ -265,8 +301,10 @@ class GradientReducer:
     def _launch(self, unit: GradUnit) -> None:
         """Add `unit` to the current reduction bucket; send the bucket once it is full enough."""
         self._land_finished()
-        if self._bucket and (self._bucket[0].group is not unit.group
-                             or self.unit_comm_dtype(self._bucket[0]) != self.unit_comm_dtype(unit)):
+        if self._bucket and (
+            self._bucket[0].group is not unit.group
+            or self.unit_comm_dtype(self._bucket[0]) != self.unit_comm_dtype(unit)
+        ):
             self._flush()
         self._bucket.append(unit)
         self._bucket_elems += unit.layout.padded
@@ -280,7 +318,7 @@ class GradientReducer:
         world = units[0].world_size
         if world == 1 and units[0].replicas == 1:  # nothing to exchange: no scaling, no cast to comm_dtype
             for u in units:
-                u.deliver(u.source()[:u.layout.chunk])
+                u.deliver(u.source()[: u.layout.chunk])
             return
         pre, _ = self.scaling(world * units[0].replicas)  # the average is over every contributing rank
         sends = [self._scaled_source(u, pre) for u in units]
@@ -347,7 +385,7 @@ class GradientReducer:
         offset = 0
         for u in flight.units:
             n = u.layout.chunk if scatter else u.layout.padded
-            u.deliver(flight.out[offset:offset + n])
+            u.deliver(flight.out[offset : offset + n])
             if not scatter and post != 1.0:
                 u.result.mul_(post)
             offset += n
@@ -380,11 +418,18 @@ class GradientReducer:
     def _check_unused(self) -> None:
         if self.ignore_unused:
             return
-        missing = [f"parameter of shape {tuple(u.params[s.param].shape)} (unit {i})" for i, u in enumerate(self.units)
-                   for s in u.reporting if s.param not in u.seen]
+        missing = [
+            f"parameter of shape {tuple(u.params[s.param].shape)} (unit {i})"
+            for i, u in enumerate(self.units)
+            for s in u.reporting
+            if s.param not in u.seen
+        ]
         if missing:
-            raise RuntimeError("parameters received no gradient this step: " + "; ".join(missing[:5]) +
-                               " — set zero_optimization.ignore_unused_parameters to true to allow this")
+            raise RuntimeError(
+                "parameters received no gradient this step: "
+                + "; ".join(missing[:5])
+                + " — set zero_optimization.ignore_unused_parameters to true to allow this"
+            )
 
     def zero(self) -> None:
         for u in self.units:

@@ -22,6 +22,7 @@ is suspended for that stage: a 1-bit momentum needs every rank's whole gradient)
 taken over the full buffers, each rank's copy counting 1/world as stage 0 counts an unreduced one,
 and the step's coefficient scales the whole buffer, which is what the optimizer reads.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,11 +33,22 @@ from zerospeed.zero import fragment
 from zerospeed.zero.flat_group import FlatParamGroup
 from zerospeed.zero.fragment import Held, ParamFragment
 from zerospeed.zero.partition import group_sub_groups
-from zerospeed.zero.reducer import (GradientReducer, GradUnit, ReductionPolicy, reduce_scatter_at_boundary,
-                                    reduce_scatter_every_micro_step)
+from zerospeed.zero.reducer import (
+    GradientReducer,
+    GradUnit,
+    ReductionPolicy,
+    reduce_scatter_at_boundary,
+    reduce_scatter_every_micro_step,
+)
 from zerospeed.zero.shards import Piece, ShardEntry
-from zerospeed.zero.strategy import (ReducingStrategy, ReductionGroup, full_module_state, optimizer_state_bytes,
-                                     state_placement, weighted_global_norm)
+from zerospeed.zero.strategy import (
+    ReducingStrategy,
+    ReductionGroup,
+    full_module_state,
+    optimizer_state_bytes,
+    state_placement,
+    weighted_global_norm,
+)
 
 
 class ShardedOptimizerBase(ReducingStrategy):
@@ -50,16 +62,31 @@ class ShardedOptimizerBase(ReducingStrategy):
     weights_in_shards = False
     replicated_state = False
 
-    def _finish_setup(self, policy: ReductionPolicy, *, sub_group_size: int, scaling,
-                      comm_dtype, ignore_unused: bool = True, on_unit_ready=None, launch_order=None,
-                      param_comm_dtypes: dict | None = None) -> None:
+    def _finish_setup(
+        self,
+        policy: ReductionPolicy,
+        *,
+        sub_group_size: int,
+        scaling,
+        comm_dtype,
+        ignore_unused: bool = True,
+        on_unit_ready=None,
+        launch_order=None,
+        param_comm_dtypes: dict | None = None,
+    ) -> None:
         self.uniform_reduction = all(u.group is self.norm_group for u in self.units)
         self.sub_groups = group_sub_groups([u.layout.chunk for u in self.units], sub_group_size)
         # swap files are named by the global rank: group ranks repeat across groups
         self.stepper = make_stepper(self.plan, self.masters, self.sub_groups, comm.get_rank())
-        self.reducer = GradientReducer(launch_order or self.units, policy, scaling=scaling, comm_dtype=comm_dtype,
-                                       ignore_unused=ignore_unused, on_unit_ready=on_unit_ready,
-                                       param_comm_dtypes=param_comm_dtypes)
+        self.reducer = GradientReducer(
+            launch_order or self.units,
+            policy,
+            scaling=scaling,
+            comm_dtype=comm_dtype,
+            ignore_unused=ignore_unused,
+            on_unit_ready=on_unit_ready,
+            param_comm_dtypes=param_comm_dtypes,
+        )
         # id(parameter) -> (index of its unit, its segment there): Note [parameter fragments]
         self._where = {id(u.params[s.param]): (k, s) for k, u in enumerate(self.units) for s in u.layout.segments}
         fragment.claim([u.params[s.param] for u in self.units for s in u.layout.segments], self)
@@ -76,8 +103,11 @@ class ShardedOptimizerBase(ReducingStrategy):
         u = self.units[k]
         ranks = ReductionGroup(u.group, u.world_size, u.rank)
         piece = next((p for p in u.layout.rank_segments(u.rank) if p.param == seg.param), None)
-        master = (Held(self.masters[k], piece.offset, piece.param_offset, piece.numel, ranks) if piece is not None
-                  else Held(self.masters[k], 0, 0, 0, ranks))
+        master = (
+            Held(self.masters[k], piece.offset, piece.param_offset, piece.numel, ranks)
+            if piece is not None
+            else Held(self.masters[k], 0, 0, 0, ranks)
+        )
         if not self.has_grads():
             grad = None
         elif u.accum is not None and not self.reducer.reduced:
@@ -103,8 +133,7 @@ class ShardedOptimizerBase(ReducingStrategy):
 
     def local_gradients(self) -> bool:
         """Note [local gradients]: this step's gradients are every rank's own, whole, in `u.accum`."""
-        return (not self.reducer.reduced and bool(self.units)
-                and all(u.accum is not None for u in self.units))
+        return not self.reducer.reduced and bool(self.units) and all(u.accum is not None for u in self.units)
 
     def local_gradient_units(self) -> list[tuple[torch.Tensor, GradUnit]]:
         """(master, its unit) pairs: where an optimizer that reduces for itself finds, for each master
@@ -147,12 +176,27 @@ class ShardedStrategy(ShardedOptimizerBase):
     stage = 1
     supports_no_sync = True
 
-    def __init__(self, groups: list[dict], reduction: list[ReductionGroup], *, param_dtype: torch.dtype,
-                 device: torch.device, reduce_bucket_size: int, allgather_bucket_size: int, sub_group_size: int,
-                 overlap_comm: bool, comm_dtype: torch.dtype | None, grad_dtype: torch.dtype = torch.float32,
-                 scaling=None, ignore_unused_parameters: bool = True, norm_group=None,
-                 plan=None, module: torch.nn.Module | None = None, param_comm_dtypes: dict | None = None,
-                 master_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        groups: list[dict],
+        reduction: list[ReductionGroup],
+        *,
+        param_dtype: torch.dtype,
+        device: torch.device,
+        reduce_bucket_size: int,
+        allgather_bucket_size: int,
+        sub_group_size: int,
+        overlap_comm: bool,
+        comm_dtype: torch.dtype | None,
+        grad_dtype: torch.dtype = torch.float32,
+        scaling=None,
+        ignore_unused_parameters: bool = True,
+        norm_group=None,
+        plan=None,
+        module: torch.nn.Module | None = None,
+        param_comm_dtypes: dict | None = None,
+        master_dtype: torch.dtype = torch.float32,
+    ):
         self.module = module
         self.plan = plan
         self.norm_group = norm_group
@@ -160,17 +204,32 @@ class ShardedStrategy(ShardedOptimizerBase):
         self.comm_dtype, self.grad_dtype = comm_dtype, grad_dtype
         self.allgather_bucket_size = allgather_bucket_size
         self.reduction = reduction
-        self.flat = [FlatParamGroup(list(g["params"]), {k: v for k, v in g.items() if k != "params"},
-                                    bucket_size=reduce_bucket_size, world_size=rg.world_size, rank=rg.rank,
-                                    param_dtype=param_dtype, device=device, plan=plan, comm_dtypes=param_comm_dtypes,
-                                    master_dtype=master_dtype)
-                     for g, rg in zip(groups, reduction)]
+        self.flat = [
+            FlatParamGroup(
+                list(g["params"]),
+                {k: v for k, v in g.items() if k != "params"},
+                bucket_size=reduce_bucket_size,
+                world_size=rg.world_size,
+                rank=rg.rank,
+                param_dtype=param_dtype,
+                device=device,
+                plan=plan,
+                comm_dtypes=param_comm_dtypes,
+                master_dtype=master_dtype,
+            )
+            for g, rg in zip(groups, reduction)
+        ]
         self._entries = [(fg, i) for fg in self.flat for i in range(len(fg.layouts))]  # one per unit
         self.units = [self._unit(fg, i, rg) for fg, rg in zip(self.flat, reduction) for i in range(len(fg.layouts))]
         self.masters = [fg.masters[i] for fg, i in self._entries]
-        self._finish_setup(self._policy(overlap_comm), sub_group_size=sub_group_size, scaling=scaling,
-                           comm_dtype=comm_dtype, ignore_unused=ignore_unused_parameters,
-                           param_comm_dtypes=param_comm_dtypes)
+        self._finish_setup(
+            self._policy(overlap_comm),
+            sub_group_size=sub_group_size,
+            scaling=scaling,
+            comm_dtype=comm_dtype,
+            ignore_unused=ignore_unused_parameters,
+            param_comm_dtypes=param_comm_dtypes,
+        )
 
     def _policy(self, overlap: bool) -> ReductionPolicy:
         return reduce_scatter_at_boundary(overlap)
@@ -225,16 +284,24 @@ class ShardedStrategy(ShardedOptimizerBase):
                     handle, n = in_flight.pop(0)
                     handle.wait()
                     flying -= n
-                in_flight.append((comm.all_gather_into_tensor(buffer, fg.chunk(layout, buffer), group=rg.group,
-                                                              async_op=True), layout.padded))
+                in_flight.append(
+                    (
+                        comm.all_gather_into_tensor(buffer, fg.chunk(layout, buffer), group=rg.group, async_op=True),
+                        layout.padded,
+                    )
+                )
                 flying += layout.padded
         for handle, _ in in_flight:
             handle.wait()
 
     def placement(self) -> dict[str, str]:
         """Where each kind of model state lives, read off the tensors (and the swap files)."""
-        return state_placement(self.plan, params=[b for fg in self.flat for b in fg.param_buffers],
-                               grads=[u.result for u in self.units], stepper=self.stepper)
+        return state_placement(
+            self.plan,
+            params=[b for fg in self.flat for b in fg.param_buffers],
+            grads=[u.result for u in self.units],
+            stepper=self.stepper,
+        )
 
     # -- checkpoint support ------------------------------------------------------------------------
     def shard_entries(self, names: dict[int, str]) -> list[ShardEntry]:
@@ -242,8 +309,10 @@ class ShardedStrategy(ShardedOptimizerBase):
         out = []
         for fg in self.flat:
             for layout, master in zip(fg.layouts, fg.masters):
-                pieces = [Piece(names[id(fg.params[s.param])], s.param_offset, s.offset, s.numel)
-                          for s in layout.rank_segments(fg.rank)]
+                pieces = [
+                    Piece(names[id(fg.params[s.param])], s.param_offset, s.offset, s.numel)
+                    for s in layout.rank_segments(fg.rank)
+                ]
                 out.append(ShardEntry(master, pieces))
         return out
 
@@ -269,19 +338,26 @@ class ShardedStrategy(ShardedOptimizerBase):
     # -- introspection -----------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Note [offloaded states] (runtime/zero/offload_states.py): this rank's tensors of each kind."""
-        return {"hp_params": [m for fg in self.flat for m in fg.masters],
-                "lp_params": [b for fg in self.flat for b in fg.param_buffers],
-                "lp_grads": [t for u in self.units for t in (u.accum, u.result) if t is not None],
-                "contiguous_grad_buffer": [u.staging for u in self.units if u.staging is not None]}
+        return {
+            "hp_params": [m for fg in self.flat for m in fg.masters],
+            "lp_params": [b for fg in self.flat for b in fg.param_buffers],
+            "lp_grads": [t for u in self.units for t in (u.accum, u.result) if t is not None],
+            "contiguous_grad_buffer": [u.staging for u in self.units if u.staging is not None],
+        }
 
     def memory_breakdown(self, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
         params = sum(b.nbytes for fg in self.flat for b in fg.param_buffers)
         grads = sum((u.accum if u.accum is not None else u.result).nbytes for u in self.units)
         buffer_ptrs = {b.data_ptr() for fg in self.flat for b in fg.param_buffers}
-        masters = sum(m.nbytes for fg in self.flat for m in fg.masters
-                      if m.untyped_storage().data_ptr() not in buffer_ptrs)
-        return {"parameters": params, "gradients": grads, "master_weights": masters,
-                "optimizer_states": optimizer_state_bytes(optimizer)}
+        masters = sum(
+            m.nbytes for fg in self.flat for m in fg.masters if m.untyped_storage().data_ptr() not in buffer_ptrs
+        )
+        return {
+            "parameters": params,
+            "gradients": grads,
+            "master_weights": masters,
+            "optimizer_states": optimizer_state_bytes(optimizer),
+        }
 
 
 class Stage2Strategy(ShardedStrategy):
@@ -296,10 +372,14 @@ class Stage2Strategy(ShardedStrategy):
 
     def _unit(self, fg: FlatParamGroup, i: int, rg: ReductionGroup) -> GradUnit:
         layout = fg.layouts[i]
-        result = (self._host_chunk(layout) if self._host_grads()
-                  else torch.zeros(layout.chunk, dtype=self.grad_dtype, device=self.device))
-        return GradUnit(fg.params, layout, rg, result=result, staging_dtype=self.comm_dtype or self.grad_dtype,
-                        device=self.device)
+        result = (
+            self._host_chunk(layout)
+            if self._host_grads()
+            else torch.zeros(layout.chunk, dtype=self.grad_dtype, device=self.device)
+        )
+        return GradUnit(
+            fg.params, layout, rg, result=result, staging_dtype=self.comm_dtype or self.grad_dtype, device=self.device
+        )
 
     def hold_local_gradients(self, on: bool) -> None:
         """Note [local gradients]: full local buffers while `on` (freed when off)."""

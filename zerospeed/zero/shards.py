@@ -5,6 +5,7 @@ stage 0, a bucket chunk at stages 1-2) plus the pieces of named parameters it ho
 entries and their optimizer state; consolidating or resharding only needs these maps, never the
 layout that produced them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,4 +39,4 @@ def fill_entry(entry_tensor: torch.Tensor, pieces: list[Piece], full: dict[str, 
     """Write the pieces of full (named, any shape) tensors into a flat view of `entry_tensor`."""
     flat = entry_tensor.view(-1)
     for p in pieces:
-        flat[p.offset:p.offset + p.numel].copy_(full[p.name].reshape(-1)[p.param_offset:p.param_offset + p.numel])
+        flat[p.offset : p.offset + p.numel].copy_(full[p.name].reshape(-1)[p.param_offset : p.param_offset + p.numel])

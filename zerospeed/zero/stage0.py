@@ -8,6 +8,7 @@ backward and the next one (or the step) each parameter's `.grad` is its slot of 
 where the dtypes agree; Note [.grad as a slot view] in zero/reducer.py): the local accumulated
 gradient before the boundary, the averaged one after it, as DeepSpeed's stage 0 shows it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,13 @@ from zerospeed.zero.grad_math import global_norm
 from zerospeed.zero.partition import build_layouts
 from zerospeed.zero.reducer import GradientReducer, GradUnit, all_reduce_at_boundary
 from zerospeed.zero.shards import Piece, ShardEntry
-from zerospeed.zero.strategy import (ReducingStrategy, ReductionGroup, full_module_state, optimizer_state_bytes,
-                                     weighted_global_norm)
+from zerospeed.zero.strategy import (
+    ReducingStrategy,
+    ReductionGroup,
+    full_module_state,
+    optimizer_state_bytes,
+    weighted_global_norm,
+)
 
 
 class DataParallelStrategy(ReducingStrategy):
@@ -30,18 +36,37 @@ class DataParallelStrategy(ReducingStrategy):
     weights_in_shards = False
     replicated_state = True
 
-    def __init__(self, groups: list[dict], reduction: list[ReductionGroup], *, mixed: bool, bucket_size: int,
-                 accum_dtype: torch.dtype, comm_dtype: torch.dtype | None, scaling, norm_group=None,
-                 module: torch.nn.Module | None = None, param_comm_dtypes: dict | None = None):
+    def __init__(
+        self,
+        groups: list[dict],
+        reduction: list[ReductionGroup],
+        *,
+        mixed: bool,
+        bucket_size: int,
+        accum_dtype: torch.dtype,
+        comm_dtype: torch.dtype | None,
+        scaling,
+        norm_group=None,
+        module: torch.nn.Module | None = None,
+        param_comm_dtypes: dict | None = None,
+    ):
         self.groups = groups
         self.module = module
         self.norm_group = norm_group
         params = [p for g in groups for p in g["params"]]
         self.master = MasterWeights(params, mixed=mixed)
-        self.units = [unit for g, rg in zip(groups, reduction)
-                      for unit in _units(g["params"], rg, bucket_size, accum_dtype, param_comm_dtypes or {})]
-        self.reducer = GradientReducer(self.units, all_reduce_at_boundary(), scaling=scaling,
-                                       comm_dtype=comm_dtype, param_comm_dtypes=param_comm_dtypes)
+        self.units = [
+            unit
+            for g, rg in zip(groups, reduction)
+            for unit in _units(g["params"], rg, bucket_size, accum_dtype, param_comm_dtypes or {})
+        ]
+        self.reducer = GradientReducer(
+            self.units,
+            all_reduce_at_boundary(),
+            scaling=scaling,
+            comm_dtype=comm_dtype,
+            param_comm_dtypes=param_comm_dtypes,
+        )
         self.uniform_reduction = all(rg.group is norm_group for rg in reduction)
         self._grads = self.grads()  # the buffers are persistent: their views are too
         self._grad_of = {id(p): g for p, g in self._grads}
@@ -67,8 +92,11 @@ class DataParallelStrategy(ReducingStrategy):
 
     def grads(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """(model parameter, its gradient: a view of its unit's buffer) for every trainable parameter."""
-        return [(u.params[s.param], u.accum[s.offset:s.offset + s.numel].view_as(u.params[s.param]))
-                for u in self.units for s in u.layout.segments]
+        return [
+            (u.params[s.param], u.accum[s.offset : s.offset + s.numel].view_as(u.params[s.param]))
+            for u in self.units
+            for s in u.layout.segments
+        ]
 
     # -- .grad as a view of the buffer (Note [.grad as a slot view]) ------------------------------
     def begin_backward(self, sync: bool) -> None:
@@ -102,8 +130,12 @@ class DataParallelStrategy(ReducingStrategy):
         if grad is None:
             return None
         n = param.numel()
-        return ParamFragment(param.shape, param.device, Held(self.master.master_of(param), 0, 0, n),
-                             Held(grad, 0, 0, n) if self.has_grads() else None)
+        return ParamFragment(
+            param.shape,
+            param.device,
+            Held(self.master.master_of(param), 0, 0, n),
+            Held(grad, 0, 0, n) if self.has_grads() else None,
+        )
 
     @torch.no_grad()
     def refresh_weights(self, param: torch.Tensor, value: torch.Tensor) -> None:
@@ -114,8 +146,10 @@ class DataParallelStrategy(ReducingStrategy):
 
     def shard_entries(self, names: dict[int, str]) -> list[ShardEntry]:
         """Every master is a whole parameter, held identically by every rank."""
-        return [ShardEntry(m, [Piece(names[id(p)], 0, 0, p.numel())])
-                for p, m in zip(self.master.model_params, self.master.masters)]
+        return [
+            ShardEntry(m, [Piece(names[id(p)], 0, 0, p.numel())])
+            for p, m in zip(self.master.model_params, self.master.masters)
+        ]
 
     def sync_params_from_masters(self) -> None:
         self.master.copy_to_model()
@@ -145,19 +179,31 @@ class DataParallelStrategy(ReducingStrategy):
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Note [offloaded states] (offload/states.py): this rank's tensors of each kind."""
-        return {"hp_params": list(self.master.masters), "lp_params": list(self.master.model_params),
-                "lp_grads": [u.accum for u in self.units],
-                "contiguous_grad_buffer": [u.staging for u in self.units if u.staging is not None]}
+        return {
+            "hp_params": list(self.master.masters),
+            "lp_params": list(self.master.model_params),
+            "lp_grads": [u.accum for u in self.units],
+            "contiguous_grad_buffer": [u.staging for u in self.units if u.staging is not None],
+        }
 
     def memory_breakdown(self, optimizer) -> dict[str, int]:
         params = sum(p.nbytes for p in self.master.model_params)
         masters = sum(m.nbytes for m in self.master.masters) if self.master.mixed else 0
-        return {"parameters": params, "gradients": sum(u.accum.nbytes for u in self.units),
-                "master_weights": masters, "optimizer_states": optimizer_state_bytes(optimizer)}
+        return {
+            "parameters": params,
+            "gradients": sum(u.accum.nbytes for u in self.units),
+            "master_weights": masters,
+            "optimizer_states": optimizer_state_bytes(optimizer),
+        }
 
 
-def _units(params: list[torch.nn.Parameter], rg: ReductionGroup, bucket_size: int, dtype: torch.dtype,
-           comm_dtypes: dict[int, torch.dtype]):
+def _units(
+    params: list[torch.nn.Parameter],
+    rg: ReductionGroup,
+    bucket_size: int,
+    dtype: torch.dtype,
+    comm_dtypes: dict[int, torch.dtype],
+):
     # Backward visits layers roughly in reverse registration order: lay out in that order so the
     # first units fill (and launch) first.
     ordered = list(reversed(params))
@@ -168,4 +214,3 @@ def _units(params: list[torch.nn.Parameter], rg: ReductionGroup, bucket_size: in
         accum = torch.zeros(layout.padded, dtype=dtype, device=device)
         units.append(GradUnit(ordered, layout, rg, result=accum, accum=accum))
     return units
-

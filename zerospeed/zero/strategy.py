@@ -13,6 +13,7 @@ same ranks. The global gradient norm stays exact: each rank's squared norm of a 
 weighted by 1 / (ranks of the norm group holding that same value) — 1 for a shard, 1/world for an
 all-reduced (replicated) gradient — and the weighted sums are all-reduced once over the norm group.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -78,7 +79,7 @@ class ReductionGroup:
     replicas: int = 1
 
     @classmethod
-    def of(cls, group) -> "ReductionGroup":
+    def of(cls, group) -> ReductionGroup:
         return cls(group, comm.get_world_size(group), comm.get_rank(group))
 
 
@@ -91,16 +92,20 @@ def reduction_groups(param_groups: list[dict], mesh, mics_shard_size: int = 0) -
     dense = ReductionGroup.of(mesh.group("dp_sp"))
     if mics_shard_size > 0:
         shard, replica = mesh.mics_axes(mics_shard_size)
-        dense = ReductionGroup(shard.handle, shard.size, shard.rank, replica.handle if replica.size > 1 else None,
-                               replica.size)
+        dense = ReductionGroup(
+            shard.handle, shard.size, shard.rank, replica.handle if replica.size > 1 else None, replica.size
+        )
     if dense.replicas > 1 and any(g.get("moe") for g in param_groups):
-        raise ConfigError(f"zero_optimization.mics_shard_size={mics_shard_size} with MoE expert param groups: MiCS "
-                          "shard groups are not built for expert parallelism; remove one")
+        raise ConfigError(
+            f"zero_optimization.mics_shard_size={mics_shard_size} with MoE expert param groups: MiCS "
+            "shard groups are not built for expert parallelism; remove one"
+        )
     return [_expert_group(g, i, mesh) if g.get("moe") else dense for i, g in enumerate(param_groups)]
 
 
-def resolve_mics_shard_size(size: int, *, stage: int, mesh, hpz_size: int = 1,
-                            quantized_gradients: bool = False) -> int:
+def resolve_mics_shard_size(
+    size: int, *, stage: int, mesh, hpz_size: int = 1, quantized_gradients: bool = False
+) -> int:
     """`zero_optimization.mics_shard_size` (`size`) when MiCS is on (else 0), refusing what it is not built
     with: the ZeRO `stage`, the `mesh`'s other axes, and ZeRO++'s hpZ / qgZ.
 
@@ -115,13 +120,21 @@ def resolve_mics_shard_size(size: int, *, stage: int, mesh, hpz_size: int = 1,
     size = int(size)
     if size <= 0:
         return 0
-    refused = [(stage != 3, f"zero_optimization.stage={stage} (MiCS partitions at stage 3 only; set stage 3)"),
-               (mesh.size("tp") > 1 or mesh.size("sp") > 1 or mesh.size("pp") > 1,
-                "tensor, sequence or pipeline parallelism (MiCS is built over plain data parallelism)"),
-               (int(hpz_size) > 1, ("zero_hpz_partition_size > 1 (hpZ's secondary partition "
-                                    "is another way to keep gathers inside a node; use one)")),
-               (bool(quantized_gradients), ("zero_quantized_gradients (qgZ's all-to-all is not built "
-                                            "over shard groups)"))]
+    refused = [
+        (stage != 3, f"zero_optimization.stage={stage} (MiCS partitions at stage 3 only; set stage 3)"),
+        (
+            mesh.size("tp") > 1 or mesh.size("sp") > 1 or mesh.size("pp") > 1,
+            "tensor, sequence or pipeline parallelism (MiCS is built over plain data parallelism)",
+        ),
+        (
+            int(hpz_size) > 1,
+            (
+                "zero_hpz_partition_size > 1 (hpZ's secondary partition "
+                "is another way to keep gathers inside a node; use one)"
+            ),
+        ),
+        (bool(quantized_gradients), ("zero_quantized_gradients (qgZ's all-to-all is not built over shard groups)")),
+    ]
     problems = [why for bad, why in refused if bad]
     if problems:
         raise ConfigError(f"zero_optimization.mics_shard_size={size} cannot be combined with " + "; ".join(problems))
@@ -131,9 +144,11 @@ def resolve_mics_shard_size(size: int, *, stage: int, mesh, hpz_size: int = 1,
 def _expert_group(g: dict, index: int, mesh) -> ReductionGroup:
     match = _EP_NAME.fullmatch(str(g.get("name", "")))
     if match is None:
-        raise ConfigError(f"param group {index} has 'moe': True but name={g.get('name')!r}; expert param groups are "
-                          "named 'ep_size_<N>' (zerospeed.moe.utils.split_params_into_different_moe_groups_for_optimizer "
-                          "and DeepSpeed's helper of that name make them)")
+        raise ConfigError(
+            f"param group {index} has 'moe': True but name={g.get('name')!r}; expert param groups are "
+            "named 'ep_size_<N>' (zerospeed.moe.utils.split_params_into_different_moe_groups_for_optimizer "
+            "and DeepSpeed's helper of that name make them)"
+        )
     return ReductionGroup.of(mesh.expert_data_parallel_group(int(match.group(1))))
 
 
@@ -186,7 +201,7 @@ class ReducingStrategy:
             scale = 1.0 / u.world_size if full else 1.0 / u.replicas  # Note [MiCS]: each chunk once
             for s in pieces:
                 weight = self.norm_weights.get(id(u.params[s.param]), 1.0)
-                parts.append((buf[s.offset:s.offset + s.numel], scale * weight))
+                parts.append((buf[s.offset : s.offset + s.numel], scale * weight))
         return parts
 
     def begin_backward(self, sync: bool) -> None:
@@ -210,8 +225,10 @@ class ReducingStrategy:
 
     def optimizer_for_accessors(self) -> torch.optim.Optimizer | None:
         if self.bound_optimizer is _UNBOUND:
-            raise RuntimeError("optimizer states are not reachable: the engine has not bound its optimizer "
-                               "to the ZeRO strategy (engine.zero.bind_optimizer(engine.optimizer))")
+            raise RuntimeError(
+                "optimizer states are not reachable: the engine has not bound its optimizer "
+                "to the ZeRO strategy (engine.zero.bind_optimizer(engine.optimizer))"
+            )
         return self.bound_optimizer
 
     def has_grads(self) -> bool:
@@ -240,18 +257,25 @@ def full_module_state(module: torch.nn.Module | None, dtype: torch.dtype | None)
     rank returns as its full state dict."""
     if module is None:
         return {}
-    return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
-            for k, v in module.state_dict().items()}
+    return {
+        k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in module.state_dict().items()
+    }
 
 
 def state_placement(plan, *, params: list[torch.Tensor], grads: list[torch.Tensor], stepper) -> dict[str, str]:
     """Devices of the parameter and gradient tensors; masters and optimizer states by the stepper."""
+
     def where(ts):
         return ",".join(sorted({str(t.device) for t in ts})) or "none"
-    opt = (f"nvme:{plan.optimizer_nvme}" if stepper.kind == "nvme"
-           else str(plan.master_device) if plan is not None else where(params))
-    return {"parameters": where(params), "gradients": where(grads), "master_weights": opt,
-            "optimizer_states": opt}
+
+    opt = (
+        f"nvme:{plan.optimizer_nvme}"
+        if stepper.kind == "nvme"
+        else str(plan.master_device)
+        if plan is not None
+        else where(params)
+    )
+    return {"parameters": where(params), "gradients": where(grads), "master_weights": opt, "optimizer_states": opt}
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
@@ -260,5 +284,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     if optimizer is None:
         return 0
     extra = getattr(optimizer, "unsaved_state_bytes", None)
-    return sum(v.nbytes for state in optimizer.state.values() for v in state.values()
-               if isinstance(v, torch.Tensor) and v.dim() > 0) + (extra() if extra is not None else 0)
+    return sum(
+        v.nbytes
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    ) + (extra() if extra is not None else 0)

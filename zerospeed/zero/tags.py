@@ -33,6 +33,7 @@ does not copy attributes: the MoE containers tag their copies again (their `__se
 DeepSpeed's own expert attributes (`param.allreduce = False`, `param.group_name`) and leaf attribute
 (`param.ds_z3_leaf_module`), set by someone else's code, are honoured by the readers.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -78,6 +79,7 @@ def tag(param: torch.Tensor) -> ParamTag:
 
 # -- experts (written by zerospeed.moe) ----------------------------------------------------------------
 
+
 def mark_expert(param: torch.Tensor, group_name: str, *, autoep: bool = False) -> None:
     """Tag `param` as an expert parameter of expert group `group_name` ("ep_size_N")."""
     t = tag(param)
@@ -102,6 +104,7 @@ def is_autoep(param: torch.Tensor) -> bool:
 
 
 # -- the stage-3 owner ---------------------------------------------------------------------------------
+
 
 def set_owner(owner, *, held_elsewhere: bool = False) -> None:
     """Record `owner` (a FlatParam) as the owner of each of `owner.params`; weakly when
@@ -142,6 +145,7 @@ def full_numel(param: torch.Tensor) -> int:
 
 # -- the strategy that trains it, the leaf that gathers it -------------------------------------------
 
+
 def set_trainer(params, strategy) -> None:
     """Record `strategy` as the one training `params` (the newest claim wins; held weakly)."""
     ref = weakref.ref(strategy)
@@ -170,6 +174,7 @@ def leaf_module_of(param: torch.Tensor) -> torch.nn.Module | None:
 
 # -- external parameters (state on the module that uses them) ----------------------------------------
 
+
 def add_external(module: torch.nn.Module, param: torch.nn.Parameter) -> None:
     """Declare that `module`'s forward uses `param`, owned by another module. Kept on `module` (so a
     deep copy of the model keeps the declaration, pointing at the copied parameter)."""
@@ -183,6 +188,22 @@ def externals(module: torch.nn.Module) -> list:
     return module.__dict__.get(_EXTERNALS, [])
 
 
-__all__ = ["ParamTag", "add_external", "clear_owner", "expert_group", "externals", "full_numel", "full_shape",
-           "is_autoep", "leaf_module_of", "mark_expert", "owner_of", "set_leaf_module", "set_owner", "set_trainer",
-           "tag", "tag_of", "trainer_of"]
+__all__ = [
+    "ParamTag",
+    "add_external",
+    "clear_owner",
+    "expert_group",
+    "externals",
+    "full_numel",
+    "full_shape",
+    "is_autoep",
+    "leaf_module_of",
+    "mark_expert",
+    "owner_of",
+    "set_leaf_module",
+    "set_owner",
+    "set_trainer",
+    "tag",
+    "tag_of",
+    "trainer_of",
+]

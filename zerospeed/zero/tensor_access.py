@@ -23,6 +23,7 @@ stage 0-1 before the accumulation boundary this rank's local accumulated gradien
 stages 2-3 always) the data-parallel average accumulated so far. With fp16 it is still multiplied by
 the loss scale (DeepSpeed unscales inside the step too). After a step there is none (None).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,10 +33,20 @@ import torch
 from zerospeed.zero import fragment as _fragment
 from zerospeed.zero.fragment import Held, ParamFragment, assemble
 
-__all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
-           "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
-           "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
-           "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state"]
+__all__ = [
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_grad",
+    "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_grad",
+    "safe_set_local_optimizer_state",
+]
 
 
 # -- full values ---------------------------------------------------------------------------------
@@ -162,15 +173,17 @@ def _local(held: Held, frag: ParamFragment) -> torch.Tensor | None:
     if held.numel == 0:
         return None
     piece = held.view()
-    return piece if piece.device == frag.device and piece.dtype == torch.float32 else piece.to(frag.device,
-                                                                                                 torch.float32)
+    return (
+        piece if piece.device == frag.device and piece.dtype == torch.float32 else piece.to(frag.device, torch.float32)
+    )
 
 
 def _whole(value: torch.Tensor, frag: ParamFragment) -> torch.Tensor:
     flat = value.reshape(-1)
     if flat.numel() != frag.numel:
-        raise ValueError(f"value has {flat.numel()} elements; the parameter of shape {tuple(frag.shape)} has "
-                         f"{frag.numel}")
+        raise ValueError(
+            f"value has {flat.numel()} elements; the parameter of shape {tuple(frag.shape)} has {frag.numel}"
+        )
     return flat
 
 
@@ -178,16 +191,18 @@ def _piece(value: torch.Tensor | None, held: Held) -> torch.Tensor:
     """A local value: exactly this rank's piece (None or empty where the rank holds none)."""
     flat = value.reshape(-1) if value is not None else torch.empty(0)
     if flat.numel() != held.numel:
-        raise ValueError(f"value has {flat.numel()} elements; this rank's piece of the parameter has {held.numel} "
-                         f"(elements [{held.start}, {held.start + held.numel}) of the flattened parameter, "
-                         "what safe_get_local_* returns)")
+        raise ValueError(
+            f"value has {flat.numel()} elements; this rank's piece of the parameter has {held.numel} "
+            f"(elements [{held.start}, {held.start + held.numel}) of the flattened parameter, "
+            "what safe_get_local_* returns)"
+        )
     return flat
 
 
 def _write_piece(held: Held, flat: torch.Tensor, whole: bool) -> None:
     """This rank's piece from `flat`: the whole flattened value (`whole`), or exactly the piece."""
     if held.numel:
-        held.view().copy_(flat[held.start:held.start + held.numel] if whole else flat)
+        held.view().copy_(flat[held.start : held.start + held.numel] if whole else flat)
 
 
 def _state(strategy, frag: ParamFragment, key: str) -> Held | None:
@@ -199,16 +214,19 @@ def _state(strategy, frag: ParamFragment, key: str) -> Held | None:
     if not isinstance(value, torch.Tensor) or value.shape != frag.master.tensor.shape:
         shape = frag.master.tensor.shape
         keys = sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == shape)
-        raise ValueError(f"optimizer state {key!r} is not an elementwise state of {type(optimizer).__name__}; "
-                         f"its elementwise states are {keys}")
+        raise ValueError(
+            f"optimizer state {key!r} is not an elementwise state of {type(optimizer).__name__}; "
+            f"its elementwise states are {keys}"
+        )
     return frag.master.on(value)
 
 
 def _existing_state(strategy, frag: ParamFragment, key: str) -> Held:
     held = _state(strategy, frag, key)
     if held is None:
-        raise RuntimeError(f"optimizer state {key!r} does not exist yet: the optimizer creates its states at its "
-                           "first step")
+        raise RuntimeError(
+            f"optimizer state {key!r} does not exist yet: the optimizer creates its states at its first step"
+        )
     return held
 
 

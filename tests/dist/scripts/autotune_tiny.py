@@ -4,6 +4,7 @@
 
 The hanging trial writes its pid to $ZS_TEST_OUT/hang_pid so the test can check it was killed.
 """
+
 import argparse
 import json
 import os

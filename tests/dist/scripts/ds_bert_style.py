@@ -9,6 +9,7 @@ Differences from the tutorial, to make it a deterministic CPU test: a tiny RoBER
 masked batches (fixed seed, 15% masked) instead of WikiText, no tokenizer or data loader, and rank 0
 writing its per-step losses and a fingerprint of the trained weights to --loss_log.
 """
+
 import argparse
 import json
 
@@ -46,9 +47,18 @@ def main():
     args = get_args()
     deepspeed.init_distributed()
     torch.manual_seed(42)
-    model = RobertaForMaskedLM(RobertaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                                             num_attention_heads=2, intermediate_size=64, max_position_embeddings=40,
-                                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    model = RobertaForMaskedLM(
+        RobertaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=40,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
     ds_config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},

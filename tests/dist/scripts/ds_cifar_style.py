@@ -7,6 +7,7 @@ TensorDataset of 3x32x32 images, 10 classes) instead of torchvision's CIFAR-10, 
 `torch.manual_seed` before the model is built, a `--max_steps` cut-off, and rank 0 writing its
 per-step losses to `--loss_log` as JSON.
 """
+
 import argparse
 import json
 
@@ -62,7 +63,8 @@ def main():
     parameters = filter(lambda p: p.requires_grad, net.parameters())
 
     model_engine, optimizer, trainloader, __ = deepspeed.initialize(
-        args=args, model=net, model_parameters=parameters, training_data=trainset)
+        args=args, model=net, model_parameters=parameters, training_data=trainset
+    )
 
     local_device = get_accelerator().device_name(model_engine.local_rank)
     local_rank = model_engine.local_rank

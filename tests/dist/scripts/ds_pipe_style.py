@@ -9,6 +9,7 @@ synthetic 3x16x16 images (a fixed-seed TensorDataset, 10 classes) instead of tor
 CIFAR-10, gloo instead of nccl, get_accelerator().set_device instead of torch.cuda.set_device, and
 rank 0 writing the per-step losses to --loss_log.
 """
+
 import argparse
 import json
 import os
@@ -24,8 +25,13 @@ class TinyAlexNet(nn.Module):
     def __init__(self, num_classes=10):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 8, kernel_size=3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-            nn.Conv2d(8, 16, kernel_size=3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2))
+            nn.Conv2d(3, 8, kernel_size=3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, kernel_size=3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+        )
         self.avgpool = nn.AdaptiveAvgPool2d((2, 2))
         self.classifier = nn.Sequential(nn.Linear(16 * 2 * 2, 32), nn.ReLU(inplace=True), nn.Linear(32, num_classes))
 
@@ -51,19 +57,26 @@ def get_args():
 
 def synthetic_trainset(n=512, seed=1234):
     g = torch.Generator().manual_seed(seed)
-    return torch.utils.data.TensorDataset(torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, 10, (n,), generator=g))
+    return torch.utils.data.TensorDataset(
+        torch.randn(n, 3, 16, 16, generator=g), torch.randint(0, 10, (n,), generator=g)
+    )
 
 
 def train_pipe(args, part="parameters"):
     torch.manual_seed(args.seed)
     deepspeed.runtime.utils.set_random_seed(args.seed)
     net = TinyAlexNet(num_classes=10)
-    net = PipelineModule(layers=join_layers(net), loss_fn=torch.nn.CrossEntropyLoss(),
-                         num_stages=args.pipeline_parallel_size, partition_method=part, activation_checkpoint_interval=0)
+    net = PipelineModule(
+        layers=join_layers(net),
+        loss_fn=torch.nn.CrossEntropyLoss(),
+        num_stages=args.pipeline_parallel_size,
+        partition_method=part,
+        activation_checkpoint_interval=0,
+    )
     trainset = synthetic_trainset()
-    engine, _, _, _ = deepspeed.initialize(args=args, model=net,
-                                           model_parameters=[p for p in net.parameters() if p.requires_grad],
-                                           training_data=trainset)
+    engine, _, _, _ = deepspeed.initialize(
+        args=args, model=net, model_parameters=[p for p in net.parameters() if p.requires_grad], training_data=trainset
+    )
     losses = []
     for step in range(args.steps):
         loss = engine.train_batch()

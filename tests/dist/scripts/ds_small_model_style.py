@@ -7,6 +7,7 @@ Differences from the original, to make it a deterministic CPU test: hidden 64 in
 instead of fp16 (DeepSpeed's CPU path), 16 samples per step on 2 ranks, and rank 0 writing its per-step
 losses to --loss_log.
 """
+
 import argparse
 import json
 import os
@@ -62,8 +63,9 @@ with tempfile.TemporaryDirectory() as tmp:
     args = get_args(tmp, config_dict)
     hidden_dim = 64
     model = SimpleModel(hidden_dim)
-    model, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
-                                          dist_init_required=True)
+    model, _, _, _ = deepspeed.initialize(
+        args=args, model=model, model_parameters=model.parameters(), dist_init_required=True
+    )
     losses = []
     for epoch in range(2):
         for n, batch in enumerate(get_data_loader(model, total_samples=64, hidden_dim=hidden_dim, device=model.device)):

@@ -8,6 +8,7 @@ generation. It loads ``latest`` from ``<--out>/ckpt`` if there is one, then trai
 ``<--out>/pid.<ELASTIC_NODE>.<pid>`` (the test kills a lost node's ranks by these). The test imports
 ``make_model``, ``global_batch`` and ``reference_losses``.
 """
+
 import argparse
 import datetime
 import json
@@ -20,10 +21,18 @@ import torch.nn.functional as F
 
 STEPS = 6
 GLOBAL_BATCH = 8
-ELASTICITY = {"enabled": True, "max_train_batch_size": GLOBAL_BATCH, "micro_batch_sizes": [2], "min_gpus": 1,
-              "max_gpus": 2}
-CONFIG = {"elasticity": ELASTICITY, "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
-          "zero_optimization": {"stage": 2}}
+ELASTICITY = {
+    "enabled": True,
+    "max_train_batch_size": GLOBAL_BATCH,
+    "micro_batch_sizes": [2],
+    "min_gpus": 1,
+    "max_gpus": 2,
+}
+CONFIG = {
+    "elasticity": ELASTICITY,
+    "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+    "zero_optimization": {"stage": 2},
+}
 DIM, HIDDEN = 16, 64  # 2,128 parameters
 
 
@@ -80,9 +89,21 @@ def main() -> None:
     def record(event: dict) -> None:
         if rank == 0:
             with open(out / "log.jsonl", "a") as f:
-                f.write(json.dumps({**event, "time": round(time.time(), 2), "world": world, "micro": micro, "gas": gas,
-                                    "train_batch": engine.train_batch_size(), "node": node,
-                                    "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            **event,
+                            "time": round(time.time(), 2),
+                            "world": world,
+                            "micro": micro,
+                            "gas": gas,
+                            "train_batch": engine.train_batch_size(),
+                            "node": node,
+                            "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                        }
+                    )
+                    + "\n"
+                )
 
     record({"event": "start", "step": engine.global_steps})
     while engine.global_steps < STEPS:
@@ -92,7 +113,7 @@ def main() -> None:
         total = torch.zeros(())
         for m in range(gas):  # micro-step m of rank r takes the (m * world + r)-th slice of the global batch
             lo = (m * world + rank) * micro
-            loss = F.mse_loss(engine(x[lo:lo + micro]), y[lo:lo + micro])
+            loss = F.mse_loss(engine(x[lo : lo + micro]), y[lo : lo + micro])
             engine.backward(loss)
             engine.step()
             total += loss.detach()

@@ -1,4 +1,5 @@
 """Launcher test helper: join a gloo group from the environment and all-reduce rank + 1."""
+
 import datetime
 import os
 

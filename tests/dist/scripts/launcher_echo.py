@@ -1,4 +1,5 @@
 """Launcher test helper: one line on stdout and one on stderr."""
+
 import os
 import sys
 

@@ -1,5 +1,6 @@
 """Launcher test helper: record this rank's pid; the rank named by FAIL_RANK exits 3 (or, with
 FAIL_RAISE set, raises an exception), others sleep."""
+
 import os
 import sys
 import time

@@ -3,6 +3,7 @@
 Each rank records its pid (pid<RANK>) and, after every step, the step count (step<RANK>) in
 ZS_TEST_OUT, so a test can act mid-step. FAIL_ATTEMPT=N: rank 1 raises in attempt N (restart count).
 """
+
 import datetime
 import os
 import time

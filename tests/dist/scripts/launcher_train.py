@@ -5,6 +5,7 @@ was reached (``SSH_CONNECTION`` names the "node" address an ssh-started rank run
 ``SLURMD_NODENAME`` the Slurm node). The test imports ``make_model`` / ``global_batches`` / ``CONFIG``
 to train the same steps in one plain process.
 """
+
 import argparse
 import json
 import os
@@ -12,8 +13,12 @@ import os
 import torch
 
 STEPS, GLOBAL_BATCH = 4, 8
-CONFIG = {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": 1,
-          "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": 1}}
+CONFIG = {
+    "train_batch_size": GLOBAL_BATCH,
+    "gradient_accumulation_steps": 1,
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+    "zero_optimization": {"stage": 1},
+}
 
 
 def make_model() -> torch.nn.Module:
@@ -25,8 +30,9 @@ def make_model() -> torch.nn.Module:
 
 def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 8, generator=g))
-            for _ in range(STEPS)]
+    return [
+        (torch.randn(GLOBAL_BATCH, 16, generator=g), torch.randn(GLOBAL_BATCH, 8, generator=g)) for _ in range(STEPS)
+    ]
 
 
 def main() -> None:
@@ -41,13 +47,19 @@ def main() -> None:
     rank, world = engine.global_rank, engine.world_size
     losses = []
     for batch in global_batches():
-        (x, y), = split_global_batch(batch, world, 1, rank)
+        ((x, y),) = split_global_batch(batch, world, 1, rank)
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    record = {"rank": rank, "world": world, "losses": losses, "pid": os.getpid(),
-              "ssh_connection": os.environ.get("SSH_CONNECTION", ""), "slurm_node": os.environ.get("SLURMD_NODENAME", "")}
+    record = {
+        "rank": rank,
+        "world": world,
+        "losses": losses,
+        "pid": os.getpid(),
+        "ssh_connection": os.environ.get("SSH_CONNECTION", ""),
+        "slurm_node": os.environ.get("SLURMD_NODENAME", ""),
+    }
     with open(os.path.join(out, f"train{rank}.json"), "w") as f:
         json.dump(record, f)
 

@@ -1,5 +1,6 @@
 """Puts deepspeed_zerospeed.pth beside the package, so pip records it and `pip uninstall` removes it
 (see zerospeed/compat/startup.py for what it does at interpreter start)."""
+
 import shutil
 from pathlib import Path
 

@@ -14,6 +14,7 @@ out x in / 2 bytes; int8 is out x in bytes. The scales (and minimums) are comput
 the smallest normal fp32 (Note [zero scale]) and kept in the weight's own dtype, in which `dequantize`
 computes. Rounding error per element is at most scale / 2.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,8 +26,8 @@ from zerospeed.precision.quantize import BlockQuantized, dequantize_blocks, pack
 
 @dataclass
 class QuantizedWeight:
-    data: torch.Tensor          # uint8 [out, in] (int8) or [out, in / 2] (int4, packed)
-    scale: torch.Tensor         # [out, groups]
+    data: torch.Tensor  # uint8 [out, in] (int8) or [out, in / 2] (int4, packed)
+    scale: torch.Tensor  # [out, groups]
     minimum: torch.Tensor | None  # [out, groups] for asymmetric, None for symmetric
     shape: tuple[int, int]
     bits: int
@@ -42,9 +43,11 @@ def check_settings(shape: tuple[int, ...], bits: int, group_size: int, what: str
     if bits not in (4, 8):
         raise ValueError(f"{what}: num_bits = {bits}; weight-only quantization supports 4 and 8")
     if len(shape) != 2 or shape[1] % group_size or group_size < 1 or bits == 4 and group_size % 2:
-        raise ValueError(f"{what}: shape {tuple(shape)} cannot be cut into groups of {group_size} input features"
-                         f"{' (int4 needs an even group size)' if bits == 4 else ''}; choose a group_size dividing "
-                         f"{shape[-1]}")
+        raise ValueError(
+            f"{what}: shape {tuple(shape)} cannot be cut into groups of {group_size} input features"
+            f"{' (int4 needs an even group size)' if bits == 4 else ''}; choose a group_size dividing "
+            f"{shape[-1]}"
+        )
 
 
 def _pack4(q: torch.Tensor) -> torch.Tensor:
@@ -63,8 +66,9 @@ def quantize(weight: torch.Tensor, bits: int = 8, group_size: int = 64, symmetri
     in the weight's dtype."""
     check_settings(tuple(weight.shape), bits, group_size)
     out, inp = weight.shape
-    q = quantize_blocks(weight, bits, group_size, symmetric, min_scale=torch.finfo(torch.float32).tiny,
-                        scale_dtype=weight.dtype)
+    q = quantize_blocks(
+        weight, bits, group_size, symmetric, min_scale=torch.finfo(torch.float32).tiny, scale_dtype=weight.dtype
+    )
     minimum = None if q.minimum is None else q.minimum.view(out, -1)
     return QuantizedWeight(q.codes.view(out, -1), q.scale.view(out, -1), minimum, (out, inp), bits, group_size)
 

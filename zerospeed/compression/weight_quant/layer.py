@@ -7,9 +7,11 @@ dequantized for each forward (weight-only quantization: activations stay in the 
 {"name substring": {"num_bits": 4, "group_size": 64, "symmetric": false}}, or
 `quant.weight.quantized_initialization`: one such settings object for every linear layer.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,8 +23,7 @@ from zerospeed.utils.errors import ConfigError
 
 
 class QuantizedLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, bits: int, group_size: int,
-                 symmetric: bool):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, bits: int, group_size: int, symmetric: bool):
         super().__init__()
         qw = quantize(weight, bits, group_size, symmetric)
         self.out_features, self.in_features = qw.shape
@@ -33,15 +34,17 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def quantized(self) -> QuantizedWeight:
-        return QuantizedWeight(self.qdata, self.scale, self.minimum, (self.out_features, self.in_features), self.bits,
-                               self.group_size)
+        return QuantizedWeight(
+            self.qdata, self.scale, self.minimum, (self.out_features, self.in_features), self.bits, self.group_size
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, dequantize(self.quantized(), x.dtype), self.bias)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, "
-                f"group {self.group_size}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, group {self.group_size}"
+        )
 
 
 class QuantizedTensorParallel:
@@ -74,8 +77,11 @@ def _quantize_tensor_parallel(module: nn.Module, bits: int, group_size: int, sym
 
 
 def _is_tensor_parallel_linear(module: nn.Module) -> bool:
-    return isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and not isinstance(
-        module, QuantizedTensorParallel) and isinstance(module._parameters.get("weight"), torch.Tensor)
+    return (
+        isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+        and not isinstance(module, QuantizedTensorParallel)
+        and isinstance(module._parameters.get("weight"), torch.Tensor)
+    )
 
 
 def _as_linear(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -94,9 +100,11 @@ def settings_from_config(weight_config) -> Callable[[str], dict | None]:
     def settings_for(name: str) -> dict | None:
         matched = [p for p in patterns if p in name]
         if len(matched) > 1:
-            raise ValueError(f"quant.weight.post_init_quant: layer {name!r} matches several keys {matched}; "
-                             "make them distinct")
+            raise ValueError(
+                f"quant.weight.post_init_quant: layer {name!r} matches several keys {matched}; make them distinct"
+            )
         return patterns[matched[0]] if matched else (everywhere or None)
+
     return settings_for
 
 
@@ -104,13 +112,17 @@ def _checked(name: str, settings: dict) -> tuple[int, int, bool]:
     """(num_bits, group_size, symmetric) of one layer's settings; unknown keys are an error."""
     unknown = set(settings) - {"num_bits", "group_size", "group_dim", "symmetric"}
     if unknown or settings.get("group_dim", 1) != 1:
-        raise ValueError(f"quantization settings for {name!r}: {sorted(unknown) or 'group_dim must be 1'}; "
-                         "known keys: num_bits, group_size, group_dim (1: groups along the input features), "
-                         "symmetric")
+        raise ValueError(
+            f"quantization settings for {name!r}: {sorted(unknown) or 'group_dim must be 1'}; "
+            "known keys: num_bits, group_size, group_dim (1: groups along the input features), "
+            "symmetric"
+        )
     bits, group_size = int(settings.get("num_bits", 8)), int(settings.get("group_size", 64))
     if bits not in (4, 8) or group_size < 1:
-        raise ValueError(f"quantization settings for {name!r}: num_bits = {bits}, group_size = {group_size}; "
-                         "weight-only quantization supports num_bits 4 and 8 and a positive group_size")
+        raise ValueError(
+            f"quantization settings for {name!r}: num_bits = {bits}, group_size = {group_size}; "
+            "weight-only quantization supports num_bits 4 and 8 and a positive group_size"
+        )
     return bits, group_size, bool(settings.get("symmetric", False))
 
 
@@ -118,9 +130,11 @@ def stage3_settings(settings_for: Callable[[str], dict | None]) -> Callable[[str
     """ZeRO-Inference (Note [quantized ZeRO-Inference shards], inference/zero.py): for a linear layer the
     (bits, block, symmetric) its stored shard is block-quantized with — `group_size` consecutive elements
     per scale — or None."""
+
     def settings(name: str, module: nn.Module) -> tuple | None:
         found = settings_for(name) if _as_linear(module) is not None else None
         return _checked(name, found) if found else None
+
     return settings
 
 

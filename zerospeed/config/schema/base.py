@@ -45,7 +45,8 @@ def fail(expected: str, value: Any, note: str = "") -> PydanticCustomError:
     """Build the one error kind used by all validators here."""
     suffix = f" ({note})" if note else ""
     return PydanticCustomError(
-        ERROR_KIND, "expected {expected}, got {got}{suffix}",
+        ERROR_KIND,
+        "expected {expected}, got {got}{suffix}",
         {"expected": expected, "got": show(value), "suffix": suffix},
     )
 
@@ -61,6 +62,7 @@ def ds_section(factory: Callable[[], Any], meaning: str) -> Any:
 
 
 # --- numbers -------------------------------------------------------------------------------
+
 
 def _range_label(kind: str, minimum: float | None, maximum: float | None, exclusive: bool) -> str:
     if minimum is None and maximum is None:
@@ -108,8 +110,9 @@ def int_type(minimum: int | None = None, maximum: int | None = None, nullable: b
     return Annotated[int | None, check] if nullable else Annotated[int, check]
 
 
-def _coerce_float(value: Any, label: str, minimum: float | None, maximum: float | None,
-                  exclusive: bool, nullable: bool) -> Any:
+def _coerce_float(
+    value: Any, label: str, minimum: float | None, maximum: float | None, exclusive: bool, nullable: bool
+) -> Any:
     if value is None and nullable:
         return None
     if not _is_number(value):
@@ -122,8 +125,9 @@ def _coerce_float(value: Any, label: str, minimum: float | None, maximum: float 
     return number
 
 
-def float_type(minimum: float | None = None, maximum: float | None = None,
-               exclusive: bool = False, nullable: bool = False) -> Any:
+def float_type(
+    minimum: float | None = None, maximum: float | None = None, exclusive: bool = False, nullable: bool = False
+) -> Any:
     """A finite float field type; integers are accepted and converted."""
     label = _range_label("float", minimum, maximum, exclusive)
     check = BeforeValidator(lambda v: _coerce_float(v, label, minimum, maximum, exclusive, nullable))
@@ -131,6 +135,7 @@ def float_type(minimum: float | None = None, maximum: float | None = None,
 
 
 # --- booleans, strings, choices ----------------------------------------------------------------
+
 
 def _coerce_bool(value: Any, nullable: bool) -> Any:
     if value is None and nullable:
@@ -191,8 +196,8 @@ def choice_type(*values: Any, synonyms: Mapping[str, Any] | None = None, nullabl
 
 # --- containers -------------------------------------------------------------------------------
 
-def _coerce_list(value: Any, item_ok: Callable[[Any], bool], label: str, nullable: bool,
-                 single_ok: bool) -> Any:
+
+def _coerce_list(value: Any, item_ok: Callable[[Any], bool], label: str, nullable: bool, single_ok: bool) -> Any:
     if value is None and nullable:
         return None
     if single_ok and item_ok(value):
@@ -264,8 +269,17 @@ OptIntList = list_type("int", nullable=True)
 
 # DeepSpeed's DtypeEnum spellings, normalised to the short names used across zerospeed.
 DTYPE_SYNONYMS: dict[str, str] = {
-    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
-    "bf16": "bf16", "bfloat16": "bf16", "bfp16": "bf16", "torch.bfloat16": "bf16",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "torch.float32": "fp32",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "torch.float16": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "bfp16": "bf16",
+    "torch.bfloat16": "bf16",
 }
 OptDtype = choice_type("fp32", "fp16", "bf16", synonyms=DTYPE_SYNONYMS, nullable=True)

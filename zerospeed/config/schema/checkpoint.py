@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from zerospeed.config.schema.base import (
-    Bool, OptStr, PosInt, StrictModel, choice_type, ds_field, ds_section,
+    Bool,
+    OptStr,
+    PosInt,
+    StrictModel,
+    choice_type,
+    ds_field,
+    ds_section,
 )
 
 
@@ -21,7 +27,8 @@ class CheckpointWriterConfig(StrictModel):
     io_buffer_double: Bool = ds_field(True, "Double-buffer the I/O.")
     show_statistics: Bool = ds_field(False, "Print write statistics.")
     data_parallel: choice_type("REPLICA", "SOCKET", "MACHINE", nullable=True) = ds_field(
-        None, "Unit that writes in parallel: replica, socket or machine.")
+        None, "Unit that writes in parallel: replica, socket or machine."
+    )
     decoupled: Bool = ds_field(False, "Write in a decoupled background process.")
     io_multiplier: PosInt = ds_field(1, "I/O parallelism multiplier.")
 
@@ -30,7 +37,8 @@ class CheckpointConfig(StrictModel):
     """``checkpoint``: checkpoint tag validation and loading options."""
 
     tag_validation: choice_type("WARN", "IGNORE", "FAIL") = ds_field(
-        "WARN", "Check that checkpoint tags agree across ranks: Warn, Ignore or Fail.")
+        "WARN", "Check that checkpoint tags agree across ranks: Warn, Ignore or Fail."
+    )
     load_universal: Bool = ds_field(False, "Load a universal (resharding) checkpoint.")
     use_node_local_storage: Bool = ds_field(False, "Save per local rank so no shared filesystem is needed.")
     parallel_write: ParallelWriteConfig = ds_section(ParallelWriteConfig, "Parallel write settings.")

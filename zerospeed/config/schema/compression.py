@@ -6,14 +6,29 @@ validates the block alone (``init_compression`` takes a config dict, path or JSO
 problem names the dotted key, e.g.
 ``compression_training.weight_quantization.different_groups.wq1.params.start_bits``.
 """
+
 from __future__ import annotations
 
 import re
 
 from pydantic import Field, field_validator, model_validator
 
-from zerospeed.config.schema.base import (Bool, Fraction, IntList, NonNegInt, OptNonNegInt, OptPosInt, PosInt, Str, StrList,
-                                          StrictModel, choice_type, ds_field, ds_section, fail)
+from zerospeed.config.schema.base import (
+    Bool,
+    Fraction,
+    IntList,
+    NonNegInt,
+    OptNonNegInt,
+    OptPosInt,
+    PosInt,
+    Str,
+    StrictModel,
+    StrList,
+    choice_type,
+    ds_field,
+    ds_section,
+    fail,
+)
 
 ROOT_KEY = "compression_training"
 QuantType = choice_type("symmetric", "asymmetric")
@@ -25,19 +40,20 @@ def _check_patterns(patterns: list[str]) -> list[str]:
             try:
                 re.compile(pattern)
             except re.error as exc:
-                raise fail("a regular expression (or \"*\")", pattern, str(exc)) from None
+                raise fail('a regular expression (or "*")', pattern, str(exc)) from None
     return patterns
 
 
 class _Group(StrictModel):
     """One entry of ``different_groups``: its ``params``, the modules it covers and their partners."""
 
-    modules: StrList = ds_field(["*"], "Module-name patterns (regex searched in the name; \"*\" = all).")
+    modules: StrList = ds_field(["*"], 'Module-name patterns (regex searched in the name; "*" = all).')
     related_modules: list[StrList] | None = ds_field(
-        None, "Per ``modules`` entry, patterns of the modules whose input columns follow the pruned rows.")
+        None, "Per ``modules`` entry, patterns of the modules whose input columns follow the pruned rows."
+    )
 
     @model_validator(mode="after")
-    def _patterns(self) -> "_Group":
+    def _patterns(self) -> _Group:
         _check_patterns(self.modules)
         for patterns in self.related_modules or []:
             _check_patterns(patterns)
@@ -74,7 +90,7 @@ class WeightQuantParams(StrictModel):
     quantization_period: PosInt = ds_field(1, "Steps before the first one-bit drop; doubles after each.")
 
     @model_validator(mode="after")
-    def _bits(self) -> "WeightQuantParams":
+    def _bits(self) -> WeightQuantParams:
         if self.target_bits > self.start_bits:
             raise fail(f"target_bits <= start_bits ({self.start_bits})", self.target_bits)
         if self.start_bits > 8:
@@ -90,10 +106,13 @@ class _Technique(StrictModel):
     """A technique: ``shared_parameters`` plus named ``different_groups`` (needed once enabled)."""
 
     @model_validator(mode="after")
-    def _groups_when_enabled(self) -> "_Technique":
+    def _groups_when_enabled(self) -> _Technique:
         if self.shared_parameters.enabled and not self.different_groups:
-            raise fail("at least one entry in different_groups (enabled is true)", {},
-                       "name a group with its params and modules")
+            raise fail(
+                "at least one entry in different_groups (enabled is true)",
+                {},
+                "name a group with its params and modules",
+            )
         return self
 
 
@@ -102,12 +121,14 @@ class WeightQuantization(_Technique):
     different_groups: dict[str, WeightQuantGroup] = Field(default_factory=dict, description="Groups. Default {}.")
 
     @model_validator(mode="after")
-    def _extreme_bits_are_symmetric(self) -> "WeightQuantization":
+    def _extreme_bits_are_symmetric(self) -> WeightQuantization:
         for name, group in self.different_groups.items():
             if group.params.target_bits <= 2 and self.shared_parameters.quantization_type != "symmetric":
-                raise fail(f"shared_parameters.quantization_type \"symmetric\" (group {name} goes to "
-                           f"{group.params.target_bits} bits: binary / ternary weights are symmetric)",
-                           self.shared_parameters.quantization_type)
+                raise fail(
+                    f'shared_parameters.quantization_type "symmetric" (group {name} goes to '
+                    f"{group.params.target_bits} bits: binary / ternary weights are symmetric)",
+                    self.shared_parameters.quantization_type,
+                )
         return self
 
 
@@ -146,7 +167,7 @@ class RatioParams(StrictModel):
     dense_ratio: Fraction = Field(description="Fraction of weights (rows, heads, channels) kept. Required.")
 
     @model_validator(mode="after")
-    def _positive(self) -> "RatioParams":
+    def _positive(self) -> RatioParams:
         if self.dense_ratio <= 0:
             raise fail("a dense_ratio in (0, 1]", self.dense_ratio)
         return self
@@ -200,10 +221,13 @@ class HeadPruning(_Pruning):
     shared_parameters: HeadShared = ds_section(HeadShared, "Shared settings.")
 
     @model_validator(mode="after")
-    def _num_heads(self) -> "HeadPruning":
+    def _num_heads(self) -> HeadPruning:
         if self.shared_parameters.enabled and self.shared_parameters.num_heads is None:
-            raise fail("shared_parameters.num_heads (the heads of the pruned projections)", None,
-                       "set it to the model's attention head count")
+            raise fail(
+                "shared_parameters.num_heads (the heads of the pruned projections)",
+                None,
+                "set it to the model's attention head count",
+            )
         return self
 
 
@@ -222,7 +246,7 @@ class LayerReduction(StrictModel):
 
     enabled: Bool = ds_field(False, "Reduce layers.")
     keep_number_layer: OptPosInt = ds_field(None, "Layers the student keeps.")
-    module_name_prefix: Str = ds_field("", "Name of the layer list, e.g. \"blocks\" or \"transformer.h\".")
+    module_name_prefix: Str = ds_field("", 'Name of the layer list, e.g. "blocks" or "transformer.h".')
     teacher_layer: IntList = ds_field([], "Teacher layer copied into student layer i, per i.")
     other_module_name: StrList = ds_field([], "Other modules copied from the teacher (embeddings, head).")
 
@@ -239,6 +263,11 @@ class CompressionConfig(StrictModel):
     layer_reduction: LayerReduction = ds_section(LayerReduction, "Layer reduction.")
 
 
-TECHNIQUES = ("weight_quantization", "activation_quantization", "sparse_pruning", "row_pruning",
-              "head_pruning", "channel_pruning")
-
+TECHNIQUES = (
+    "weight_quantization",
+    "activation_quantization",
+    "sparse_pruning",
+    "row_pruning",
+    "head_pruning",
+    "channel_pruning",
+)

@@ -5,8 +5,21 @@ from __future__ import annotations
 from pydantic import Field
 
 from zerospeed.config.schema.base import (
-    Bool, Dict, IntList, NonNegInt, Num, OptBool, OptDict, OptPosInt, OptStr, PosInt, StrictModel, Str,
-    choice_type, ds_field, ds_section,
+    Bool,
+    Dict,
+    IntList,
+    NonNegInt,
+    Num,
+    OptBool,
+    OptDict,
+    OptPosInt,
+    OptStr,
+    PosInt,
+    Str,
+    StrictModel,
+    choice_type,
+    ds_field,
+    ds_section,
 )
 
 
@@ -59,8 +72,11 @@ class AutotuningConfig(StrictModel):
     """
 
     enabled: Bool = ds_field(False, "Enable the autotuner.")
-    fast: Bool = ds_field(True, "Only tune ZeRO stage, micro-batch size (and offload when listed); false also "
-                                "tunes other list-valued zero_optimization keys.")
+    fast: Bool = ds_field(
+        True,
+        "Only tune ZeRO stage, micro-batch size (and offload when listed); false also "
+        "tunes other list-valued zero_optimization keys.",
+    )
     results_dir: Str = ds_field("autotuning_results", "Directory of experiment results.")
     exps_dir: Str = ds_field("autotuning_exps", "Directory of experiment descriptions.")
     overwrite: Bool = ds_field(True, "Re-run experiments whose results exist (false: reuse them).")
@@ -117,6 +133,9 @@ class CompileConfig(StrictModel):
 
 
 __all__ = [
-    "ActivationCheckpointingConfig", "ElasticityConfig", "AutotuningConfig", "AutotuningModelInfo",
+    "ActivationCheckpointingConfig",
+    "ElasticityConfig",
+    "AutotuningConfig",
+    "AutotuningModelInfo",
     "CompileConfig",
 ]

@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 from zerospeed.config.schema.base import (
-    Bool, Int, NonNegNum, OptBool, OptStr, PosInt, StrictModel, Str, StrList, choice_type, ds_field,
+    Bool,
+    Int,
+    NonNegNum,
+    OptBool,
+    OptStr,
+    PosInt,
+    Str,
+    StrictModel,
+    StrList,
+    choice_type,
+    ds_field,
     ds_section,
 )
 
@@ -45,7 +55,8 @@ class CometConfig(StrictModel):
     experiment_key: OptStr = ds_field(None, "Comet experiment key (32-50 alphanumerics).")
     online: OptBool = ds_field(None, "Log online (true) or to an offline experiment (false).")
     mode: choice_type("get_or_create", "create", "get", nullable=True) = ds_field(
-        None, "How the experiment is started: get_or_create, create or get.")
+        None, "How the experiment is started: get_or_create, create or get."
+    )
 
 
 class CommsLoggerConfig(StrictModel):

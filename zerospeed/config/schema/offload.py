@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from zerospeed.config.schema.base import (
-    Bool, Fraction, NonNegInt, OptStr, PosInt, StrictModel, choice_type, ds_field,
+    Bool,
+    Fraction,
+    NonNegInt,
+    OptStr,
+    PosInt,
+    StrictModel,
+    choice_type,
+    ds_field,
 )
 
 OffloadDevice = choice_type("none", "cpu", "nvme")
@@ -41,8 +48,7 @@ class OffloadOptimizerConfig(StrictModel):
         return self.pipeline_read or self.pipeline_write
 
 
-AioBackend = choice_type("async_io", "posix", synonyms={"aio": "async_io", "async": "async_io",
-                                                        "deepnvme": "async_io"})
+AioBackend = choice_type("async_io", "posix", synonyms={"aio": "async_io", "async": "async_io", "deepnvme": "async_io"})
 
 
 class AioConfig(StrictModel):

@@ -11,8 +11,9 @@ class OptimizerConfig(StrictModel):
     """``optimizer``: which optimizer the engine builds and its constructor arguments."""
 
     type: OptStr = ds_field(None, "Optimizer name (Adam, AdamW, Lamb, ... or a torch.optim class).")
-    params: Dict = Field(default_factory=dict,
-                         description="Constructor arguments, e.g. lr, betas. Default {} (none given).")
+    params: Dict = Field(
+        default_factory=dict, description="Constructor arguments, e.g. lr, betas. Default {} (none given)."
+    )
     legacy_fusion: Bool = ds_field(False, "Use the legacy fused fp16 optimizer wrapper.")
 
 
@@ -20,5 +21,6 @@ class SchedulerConfig(StrictModel):
     """``scheduler``: which LR scheduler the engine builds and its constructor arguments."""
 
     type: OptStr = ds_field(None, "Scheduler name (WarmupLR, WarmupDecayLR, OneCycle, LRRangeTest, ...).")
-    params: Dict = Field(default_factory=dict,
-                         description="Constructor arguments, e.g. warmup_num_steps. Default {} (none given).")
+    params: Dict = Field(
+        default_factory=dict, description="Constructor arguments, e.g. warmup_num_steps. Default {} (none given)."
+    )

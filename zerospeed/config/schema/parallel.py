@@ -11,13 +11,31 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator
 
 from zerospeed.config.schema.base import (
-    DTYPE_SYNONYMS, Bool, JsonValue, NonNegInt, Num, OptBool, OptInt, OptIntList, OptPosInt, OptStr,
-    OptStrList, PosInt, StrictModel, Str, StrList, choice_type, ds_field, ds_section, fail,
+    DTYPE_SYNONYMS,
+    Bool,
+    JsonValue,
+    NonNegInt,
+    Num,
+    OptBool,
+    OptInt,
+    OptIntList,
+    OptPosInt,
+    OptStr,
+    OptStrList,
+    PosInt,
+    Str,
+    StrictModel,
+    StrList,
+    choice_type,
+    ds_field,
+    ds_section,
+    fail,
 )
 
 
 def _auto_or(kind: str):
     """A field that is the literal ``"auto"`` or a positive int / finite number."""
+
     def check(value: Any) -> Any:
         if value == "auto":
             return value
@@ -28,13 +46,14 @@ def _auto_or(kind: str):
             return float(value)
         label = "a positive integer" if kind == "int" else "a number"
         raise fail(f'"auto" or {label}', value)
+
     return Annotated[Any, BeforeValidator(check)]
 
 
 class PipelineConfig(StrictModel):
     """``pipeline``: pipeline-parallel engine settings (used with a PipelineModule)."""
 
-    stages: _auto_or("int") = ds_field("auto", "Number of pipeline stages; \"auto\" takes it from the module.")
+    stages: _auto_or("int") = ds_field("auto", 'Number of pipeline stages; "auto" takes it from the module.')
     partition: Str = ds_field("best", "Layer partition method: best, parameters, uniform or type:<regex>.")
     seed_layers: Bool = ds_field(False, "Seed each layer's initialisation with its index.")
     activation_checkpoint_interval: NonNegInt = ds_field(0, "Checkpoint activations every N layers; 0 = off.")
@@ -75,7 +94,8 @@ class TensorParallelConfig(StrictModel):
     preset_model: OptStr = ds_field(None, "Built-in partition preset (llama, bloom, qwen2, ...).")
     partition_config: TpPartitionConfig | None = ds_field(None, "Custom partition rules.")
     dtype: choice_type("fp32", "fp16", "bf16", synonyms=DTYPE_SYNONYMS) = ds_field(
-        "fp16", "Model dtype used by the AutoTP parser.")
+        "fp16", "Model dtype used by the AutoTP parser."
+    )
     keep_module_on_host: Bool = ds_field(False, "Keep loaded checkpoint tensors on the host.")
     kernel_inject: Bool = ds_field(False, "Inject DeepSpeed inference kernels (replace_with_kernel_inject).")
     tp: TpInnerConfig = ds_section(TpInnerConfig, "Tensor-parallel group settings.")
@@ -100,12 +120,13 @@ class ExpertParallelConfig(StrictModel):
     score_func: choice_type("auto", "softmax", "sigmoid") = ds_field("auto", "Router scoring function.")
     score_apply: choice_type("auto", "pre", "post") = ds_field("auto", "Apply scores before or after experts.")
     combine_impl: choice_type("auto", "weighted_sum", "fused_weighted_sum", "legacy_bmm") = ds_field(
-        "auto", "How expert outputs are combined.")
+        "auto", "How expert outputs are combined."
+    )
     comm_backend: choice_type("comm", "deepep") = ds_field("comm", "All-to-all backend.")
     comm_num_sm: PosInt = ds_field(12, "SMs given to the DeepEP collective.")
     comm_qp_margin: NonNegInt = ds_field(4, "DeepEP queue-pair margin.")
     comm_max_tokens_per_rank: NonNegInt = ds_field(0, "Largest token count one rank routes (DeepEP).")
-    top_k: _auto_or("int") = ds_field("auto", "Experts per token; \"auto\" reads model.config.")
+    top_k: _auto_or("int") = ds_field("auto", 'Experts per token; "auto" reads model.config.')
     routed_scaling_factor: _auto_or("num") = ds_field("auto", "Scale of routed expert outputs.")
     num_expert_groups: OptPosInt = ds_field(None, "Expert groups for group-limited routing.")
     num_limited_groups: OptPosInt = ds_field(None, "Groups selected from in group-limited routing.")

@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 from zerospeed.config.schema.base import (
-    DTYPE_SYNONYMS, Bool, JsonValue, NonNegInt, NonNegNum, OptDtype, OptStrList, PosInt, PosNum,
-    StrictModel, choice_type, ds_field,
+    DTYPE_SYNONYMS,
+    Bool,
+    JsonValue,
+    NonNegInt,
+    NonNegNum,
+    OptDtype,
+    OptStrList,
+    PosInt,
+    PosNum,
+    StrictModel,
+    choice_type,
+    ds_field,
 )
 
 
@@ -36,12 +46,12 @@ class AmpConfig(StrictModel):
     """``amp``: NVIDIA apex AMP; every key but ``enabled`` goes to ``apex.amp.initialize``."""
 
     enabled: Bool = ds_field(False, "Use apex AMP.")
-    opt_level: JsonValue = ds_field(None, "apex opt_level, e.g. \"O1\".")
+    opt_level: JsonValue = ds_field(None, 'apex opt_level, e.g. "O1".')
     cast_model_type: JsonValue = ds_field(None, "apex cast_model_type.")
     patch_torch_functions: JsonValue = ds_field(None, "apex patch_torch_functions.")
     keep_batchnorm_fp32: JsonValue = ds_field(None, "apex keep_batchnorm_fp32.")
     master_weights: JsonValue = ds_field(None, "apex master_weights.")
-    loss_scale: JsonValue = ds_field(None, "apex loss_scale (a number or \"dynamic\").")
+    loss_scale: JsonValue = ds_field(None, 'apex loss_scale (a number or "dynamic").')
     cast_model_outputs: JsonValue = ds_field(None, "apex cast_model_outputs.")
     num_losses: JsonValue = ds_field(None, "apex num_losses.")
     verbosity: JsonValue = ds_field(None, "apex verbosity.")
@@ -54,9 +64,11 @@ class TorchAutocastConfig(StrictModel):
 
     enabled: Bool = ds_field(False, "Run forward under torch.autocast.")
     dtype: choice_type("fp16", "bf16", synonyms=DTYPE_SYNONYMS) = ds_field(
-        "bf16", "Lower-precision dtype for autocast (bfloat16 or float16).")
+        "bf16", "Lower-precision dtype for autocast (bfloat16 or float16)."
+    )
     lower_precision_safe_modules: OptStrList = ds_field(
-        None, "Module classes communicated in the lower precision; null = DeepSpeed's list.")
+        None, "Module classes communicated in the lower precision; null = DeepSpeed's list."
+    )
 
 
 class DataTypesConfig(StrictModel):

@@ -10,29 +10,60 @@ from __future__ import annotations
 import pydantic
 
 from zerospeed.config.schema.base import (
-    DTYPE_SYNONYMS, Bool, NonNegNum, OptDict, OptDtype, OptPosInt, OptStr, PosInt, PosNum,
-    StrictModel, choice_type, ds_field, ds_section,
+    DTYPE_SYNONYMS,
+    Bool,
+    NonNegNum,
+    OptDict,
+    OptDtype,
+    OptPosInt,
+    OptStr,
+    PosInt,
+    PosNum,
+    StrictModel,
+    choice_type,
+    ds_field,
+    ds_section,
 )
 from zerospeed.config.schema.checkpoint import CheckpointConfig, NebulaConfig
+from zerospeed.config.schema.compression import CompressionConfig
 from zerospeed.config.schema.misc import (
-    ActivationCheckpointingConfig, AutotuningConfig, CompileConfig, ElasticityConfig,
+    ActivationCheckpointingConfig,
+    AutotuningConfig,
+    CompileConfig,
+    ElasticityConfig,
 )
 from zerospeed.config.schema.monitor import (
-    CometConfig, CommsLoggerConfig, CsvMonitorConfig, FlopsProfilerConfig, TensorBoardConfig,
-    TimersConfig, WandbConfig,
+    CometConfig,
+    CommsLoggerConfig,
+    CsvMonitorConfig,
+    FlopsProfilerConfig,
+    TensorBoardConfig,
+    TimersConfig,
+    WandbConfig,
 )
 from zerospeed.config.schema.offload import AioConfig
 from zerospeed.config.schema.optim import OptimizerConfig, SchedulerConfig
 from zerospeed.config.schema.parallel import (
-    ExpertParallelConfig, HybridEngineConfig, PipelineConfig, TensorParallelConfig,
+    ExpertParallelConfig,
+    HybridEngineConfig,
+    PipelineConfig,
+    TensorParallelConfig,
 )
 from zerospeed.config.schema.precision import (
-    AmpConfig, Bf16Config, DataTypesConfig, Fp16Config, TorchAutocastConfig,
+    AmpConfig,
+    Bf16Config,
+    DataTypesConfig,
+    Fp16Config,
+    TorchAutocastConfig,
 )
-from zerospeed.config.schema.compression import CompressionConfig
 from zerospeed.config.schema.techniques import (
-    CurriculumLegacyConfig, DataEfficiencyConfig, EigenvalueConfig,
-    ProgressiveLayerDropConfig, QuantizeTrainingConfig, SparseAttentionConfig, WeightQuantizationConfig,
+    CurriculumLegacyConfig,
+    DataEfficiencyConfig,
+    EigenvalueConfig,
+    ProgressiveLayerDropConfig,
+    QuantizeTrainingConfig,
+    SparseAttentionConfig,
+    WeightQuantizationConfig,
 )
 from zerospeed.config.schema.zero import ZeroConfig
 
@@ -43,24 +74,31 @@ class _BatchAndOptim(StrictModel):
     """Batch sizes, optimizer, scheduler and gradient handling (top-level keys)."""
 
     train_batch_size: OptPosInt = ds_field(
-        None, "Global batch: micro batch x accumulation steps x data-parallel ranks.")
+        None, "Global batch: micro batch x accumulation steps x data-parallel ranks."
+    )
     train_micro_batch_size_per_gpu: OptPosInt = ds_field(None, "Samples per rank per forward/backward.")
     gradient_accumulation_steps: OptPosInt = ds_field(None, "Micro-steps accumulated per optimizer step.")
     managed_gradient_accumulation: Bool = ds_field(
-        True, "Engine tracks accumulation boundaries (false: the caller steps at boundaries).")
+        True, "Engine tracks accumulation boundaries (false: the caller steps at boundaries)."
+    )
     optimizer: OptimizerConfig | None = ds_field(None, "Optimizer built by the engine; null = none.")
     scheduler: SchedulerConfig | None = ds_field(None, "LR scheduler built by the engine; null = none.")
     zero_allow_untested_optimizer: Bool = ds_field(False, "Allow ZeRO with a client optimizer.")
     zero_force_ds_cpu_optimizer: Bool = ds_field(True, "Require DeepSpeed's CPU optimizer with offload.")
-    gradient_clipping: NonNegNum = ds_field(1.0, "Clip the global gradient norm to this; 0 = off (DeepSpeed 0.19.8's default is 1.0).")
+    gradient_clipping: NonNegNum = ds_field(
+        1.0, "Clip the global gradient norm to this; 0 = off (DeepSpeed 0.19.8's default is 1.0)."
+    )
     prescale_gradients: Bool = ds_field(False, "Scale gradients before the all-reduce, not after.")
     gradient_predivide_factor: PosNum = ds_field(1.0, "Divide gradients by this before the all-reduce.")
     gradient_allreduce_op: choice_type("mean", "sum") = ds_field(
-        "mean", "Data-parallel gradient reduction: mean (average) or sum.")
+        "mean", "Data-parallel gradient reduction: mean (average) or sum."
+    )
     communication_data_type: OptDtype = ds_field(
-        None, "Dtype of gradient communication (fp32/fp16/bf16); null follows the precision mode.")
+        None, "Dtype of gradient communication (fp32/fp16/bf16); null follows the precision mode."
+    )
     seq_parallel_communication_data_type: choice_type("fp32", "fp16", "bf16", synonyms=DTYPE_SYNONYMS) = ds_field(
-        "fp32", "Dtype of sequence-parallel gradient communication.")
+        "fp32", "Dtype of sequence-parallel gradient communication."
+    )
     sparse_gradients: Bool = ds_field(False, "Reduce nn.Embedding gradients as sparse tensors.")
     disable_allgather: Bool = ds_field(False, "Disable the all-gather of updated parameters.")
     graph_harvesting: Bool = ds_field(False, "Capture short kernel sequences as graphs.")
@@ -82,7 +120,8 @@ class _Memory(StrictModel):
     zero_optimization: ZeroConfig = ds_section(ZeroConfig, "ZeRO memory optimisations.")
     aio: AioConfig = ds_section(AioConfig, "Asynchronous I/O for NVMe offload.")
     activation_checkpointing: ActivationCheckpointingConfig = ds_section(
-        ActivationCheckpointingConfig, "Activation checkpointing.")
+        ActivationCheckpointingConfig, "Activation checkpointing."
+    )
     pipeline: PipelineConfig = ds_section(PipelineConfig, "Pipeline parallelism.")
     tensor_parallel: TensorParallelConfig = ds_section(TensorParallelConfig, "AutoTP tensor parallelism.")
     expert_parallel: ExpertParallelConfig = ds_section(ExpertParallelConfig, "AutoEP expert parallelism.")
@@ -107,6 +146,7 @@ class _Observability(StrictModel):
     def _never_as_infinity(cls, value):
         # transformers' Trainer writes float("inf") to silence DeepSpeed's report; DeepSpeed takes it
         return None if isinstance(value, float) and value == float("inf") else value
+
     tensorboard: TensorBoardConfig = ds_section(TensorBoardConfig, "TensorBoard monitor.")
     wandb: WandbConfig = ds_section(WandbConfig, "WandB monitor.")
     csv_monitor: CsvMonitorConfig = ds_section(CsvMonitorConfig, "CSV monitor.")
@@ -132,7 +172,8 @@ class _CheckpointAndData(StrictModel):
     curriculum_learning: CurriculumLegacyConfig = ds_section(CurriculumLegacyConfig, "Legacy curriculum.")
     data_efficiency: DataEfficiencyConfig = ds_section(DataEfficiencyConfig, "Data efficiency library.")
     progressive_layer_drop: ProgressiveLayerDropConfig = ds_section(
-        ProgressiveLayerDropConfig, "Progressive layer drop.")
+        ProgressiveLayerDropConfig, "Progressive layer drop."
+    )
     eigenvalue: EigenvalueConfig = ds_section(EigenvalueConfig, "Eigenvalue computation.")
     quantize_training: QuantizeTrainingConfig = ds_section(QuantizeTrainingConfig, "MoQ quantization.")
     compression_training: CompressionConfig | None = ds_field(None, "Compression library (docs/compression.md).")

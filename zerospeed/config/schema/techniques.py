@@ -15,8 +15,25 @@ from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from zerospeed.config.schema.base import (
-    ERROR_KIND, Bool, Dict, Int, IntList, NonNegInt, OptInt, OptIntList, OptNonNegInt, OptPosInt, OptStr, PosInt,
-    PosNum, StrictModel, Str, choice_type, ds_field, ds_section, float_type,
+    ERROR_KIND,
+    Bool,
+    Dict,
+    Int,
+    IntList,
+    NonNegInt,
+    OptInt,
+    OptIntList,
+    OptNonNegInt,
+    OptPosInt,
+    OptStr,
+    PosInt,
+    PosNum,
+    Str,
+    StrictModel,
+    choice_type,
+    ds_field,
+    ds_section,
+    float_type,
 )
 
 
@@ -26,7 +43,8 @@ class SparseAttentionConfig(StrictModel):
     as in DeepSpeed)."""
 
     mode: choice_type("dense", "fixed", "variable", "bigbird", "bslongformer") = ds_field(
-        "fixed", "Sparsity structure.")
+        "fixed", "Sparsity structure."
+    )
     block: PosInt = ds_field(16, "Block size of the blocked sparse matrices.")
     different_layout_per_head: Bool = ds_field(False, "Give each head its own layout.")
     num_local_blocks: PosInt = ds_field(4, "Blocks per local window (fixed mode).")
@@ -57,8 +75,9 @@ class CurriculumSamplingConfig(StrictModel):
 
     enabled: Bool = ds_field(False, "Enable curriculum data sampling.")
     data_cluster_path: OptStr = ds_field(None, "Directory for the difficulty clusters.")
-    curriculum_metrics: Dict = Field(default_factory=dict,
-                                     description="Per-metric settings keyed by metric name. Default {}.")
+    curriculum_metrics: Dict = Field(
+        default_factory=dict, description="Per-metric settings keyed by metric name. Default {}."
+    )
 
 
 class DataSamplingConfig(StrictModel):
@@ -72,8 +91,9 @@ class DataSamplingConfig(StrictModel):
 
 def _needed(meaning: str) -> Any:
     """A key DeepSpeed reads without a default once random-LTD is on (a KeyError there)."""
-    return Field(None, description=f"{meaning} Default null; set it when random_ltd.enabled is true (DeepSpeed "
-                                   "has no default).")
+    return Field(
+        None, description=f"{meaning} Default null; set it when random_ltd.enabled is true (DeepSpeed has no default)."
+    )
 
 
 class RandomLTDLinearConfig(StrictModel):
@@ -102,10 +122,18 @@ class LayerTokenLRScheduleConfig(StrictModel):
     warmup_layer_tokens: OptNonNegInt = ds_field(None, "Layer-tokens of the warm-up.")
 
 
-_RANDOM_LTD_NEEDS = ("total_layer_num", "random_ltd_layer_num", "random_ltd_layer_id", "model_type",
-                     "hidden_state_order", "random_ltd_schedule.min_value", "random_ltd_schedule.max_value",
-                     "random_ltd_schedule.schedule_type", "random_ltd_schedule.schedule_config.require_steps",
-                     "random_ltd_schedule.schedule_config.seq_per_step")
+_RANDOM_LTD_NEEDS = (
+    "total_layer_num",
+    "random_ltd_layer_num",
+    "random_ltd_layer_id",
+    "model_type",
+    "hidden_state_order",
+    "random_ltd_schedule.min_value",
+    "random_ltd_schedule.max_value",
+    "random_ltd_schedule.schedule_type",
+    "random_ltd_schedule.schedule_config.require_steps",
+    "random_ltd_schedule.schedule_config.seq_per_step",
+)
 
 
 class RandomLTDConfig(StrictModel):
@@ -119,33 +147,46 @@ class RandomLTDConfig(StrictModel):
     model_mask_name: OptStr = ds_field(None, "Keyword under which the layers get the attention mask (null: none).")
     model_type: choice_type("decoder", "encoder", nullable=True) = _needed(
         "decoder: the kept tokens get the mask's leading block; encoder: the mask's rows and columns of the kept "
-        "tokens.")
+        "tokens."
+    )
     hidden_state_order: choice_type("batch_seq_dim", "seq_batch_dim", nullable=True) = _needed(
-        "Layout of the hidden states: [batch, seq, hidden] or [seq, batch, hidden].")
+        "Layout of the hidden states: [batch, seq, hidden] or [seq, batch, hidden]."
+    )
     micro_batch_size: OptPosInt = ds_field(None, "Set by the engine to train_micro_batch_size_per_gpu.")
     global_batch_size: OptPosInt = ds_field(None, "Set by the engine to train_batch_size.")
     random_ltd_schedule: RandomLTDScheduleConfig = ds_section(RandomLTDScheduleConfig, "Reserved-length ramp.")
-    layer_token_lr_schedule: LayerTokenLRScheduleConfig = ds_section(LayerTokenLRScheduleConfig,
-                                                                     "Layer-token learning-rate schedule.")
+    layer_token_lr_schedule: LayerTokenLRScheduleConfig = ds_section(
+        LayerTokenLRScheduleConfig, "Layer-token learning-rate schedule."
+    )
 
     @model_validator(mode="after")
-    def _complete_when_enabled(self) -> "RandomLTDConfig":
+    def _complete_when_enabled(self) -> RandomLTDConfig:
         if not self.enabled:
             return self
         missing = [key for key in _RANDOM_LTD_NEEDS if _lookup(self, key) is None]
         if missing:
-            raise PydanticCustomError(ERROR_KIND, "enabled is true but {keys} {verb} not set (DeepSpeed has no "
-                                      "defaults for them)", {"keys": ", ".join(missing),
-                                                             "verb": "is" if len(missing) == 1 else "are"})
+            raise PydanticCustomError(
+                ERROR_KIND,
+                "enabled is true but {keys} {verb} not set (DeepSpeed has no defaults for them)",
+                {"keys": ", ".join(missing), "verb": "is" if len(missing) == 1 else "are"},
+            )
         schedule, ids = self.random_ltd_schedule, self.random_ltd_layer_id
-        problems = [f"random_ltd_layer_num ({self.random_ltd_layer_num}) must equal the length of "
-                    f"random_ltd_layer_id ({len(ids)})" if len(ids) != self.random_ltd_layer_num else "",
-                    f"random_ltd_layer_num ({self.random_ltd_layer_num}) must be at most total_layer_num "
-                    f"({self.total_layer_num})" if self.random_ltd_layer_num > self.total_layer_num else "",
-                    "random_ltd_layer_id must list distinct non-negative layer indices"
-                    if len(set(ids)) != len(ids) or min(ids) < 0 else "",
-                    f"random_ltd_schedule.min_value ({schedule.min_value}) must be at most max_value "
-                    f"({schedule.max_value})" if schedule.min_value > schedule.max_value else ""]
+        problems = [
+            f"random_ltd_layer_num ({self.random_ltd_layer_num}) must equal the length of "
+            f"random_ltd_layer_id ({len(ids)})"
+            if len(ids) != self.random_ltd_layer_num
+            else "",
+            f"random_ltd_layer_num ({self.random_ltd_layer_num}) must be at most total_layer_num "
+            f"({self.total_layer_num})"
+            if self.random_ltd_layer_num > self.total_layer_num
+            else "",
+            "random_ltd_layer_id must list distinct non-negative layer indices"
+            if len(set(ids)) != len(ids) or min(ids) < 0
+            else "",
+            f"random_ltd_schedule.min_value ({schedule.min_value}) must be at most max_value ({schedule.max_value})"
+            if schedule.min_value > schedule.max_value
+            else "",
+        ]
         if any(problems):
             raise PydanticCustomError(ERROR_KIND, "{text}", {"text": "; ".join(p for p in problems if p)})
         return self
@@ -219,9 +260,11 @@ class QuantizeAlgoConfig(StrictModel):
     """``quantize_training.quantize_algo``."""
 
     q_type: choice_type("symmetric", "asymmetric", synonyms={0: "symmetric", 1: "asymmetric"}) = ds_field(
-        "symmetric", "Quantization type.")
+        "symmetric", "Quantization type."
+    )
     rounding: choice_type("nearest", "stochastic", synonyms={0: "nearest", 1: "stochastic"}) = ds_field(
-        "nearest", "Rounding mode.")
+        "nearest", "Rounding mode."
+    )
 
 
 class QuantizeTrainingConfig(StrictModel):

@@ -8,8 +8,18 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, model_validator
 
 from zerospeed.config.schema.base import (
-    Bool, Fraction, Int, NonNegInt, OptBool, OptDict, StrictModel, choice_type, ds_field, ds_section,
-    fail, list_type,
+    Bool,
+    Fraction,
+    Int,
+    NonNegInt,
+    OptBool,
+    OptDict,
+    StrictModel,
+    choice_type,
+    ds_field,
+    ds_section,
+    fail,
+    list_type,
 )
 from zerospeed.config.schema.offload import OffloadOptimizerConfig, OffloadParamConfig
 
@@ -20,8 +30,7 @@ def _auto_or_count(value: Any) -> Any:
     # ZenFlow intervals are either the literal "auto" or a positive step count.
     if value == "auto":
         return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1 \
-            or not float(value).is_integer():
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1 or not float(value).is_integer():
         raise fail('"auto" or a positive integer', value)
     return int(value)
 
@@ -34,8 +43,9 @@ class ZenFlowConfig(StrictModel):
 
     topk_ratio: Fraction = ds_field(0.1, "Ratio of important gradient columns kept on the GPU.")
     select_strategy: choice_type("auto", "step", "epoch") = ds_field(
-        "auto", "How important gradient indices are re-selected: auto, step or epoch.")
-    select_interval: AutoOrCount = ds_field("auto", "Re-selection interval: \"auto\" or a step count.")
+        "auto", "How important gradient indices are re-selected: auto, step or epoch."
+    )
+    select_interval: AutoOrCount = ds_field("auto", 'Re-selection interval: "auto" or a step count.')
     update_interval: AutoOrCount = ds_field("auto", "Interval for applying unimportant gradients.")
     overlap_step: Bool = ds_field(False, "Overlap the CPU optimizer step with forward/backward.")
     offload: Bool = ds_field(False, "Offload selective optimizer states to the CPU.")
@@ -48,10 +58,13 @@ class LeafModuleConfig(StrictModel):
     """``zero_optimization.leaf_module``: modules ZeRO-3 treats as one unit (no inner hooks)."""
 
     classes: list_type("str", single_ok=True) = ds_field(
-        ["transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
-         "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
-         "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"],
-        "Fully qualified module class names treated as leaves.")
+        [
+            "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+            "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+            "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+        ],
+        "Fully qualified module class names treated as leaves.",
+    )
     names: list_type("str", single_ok=True) = ds_field([], "Module names treated as leaves.")
     name_suffixes: list_type("str", single_ok=True) = ds_field([], "Module name suffixes treated as leaves.")
 
@@ -75,14 +88,18 @@ class ZeroConfig(StrictModel):
     sub_group_size: NonNegInt = ds_field(1_000_000_000, "Tile size (elements) for the optimizer step.")
     stage3_prefetch_bucket_size: NonNegInt = ds_field(50_000_000, "Parameter elements prefetched ahead of use.")
     stage3_param_persistence_threshold: NonNegInt = ds_field(
-        100_000, "Parameters smaller than this stay unpartitioned.")
+        100_000, "Parameters smaller than this stay unpartitioned."
+    )
     stage3_model_persistence_threshold: NonNegInt = ds_field(
-        sys.maxsize, "Upper bound on unpartitioned parameter elements.")
+        sys.maxsize, "Upper bound on unpartitioned parameter elements."
+    )
     stage3_max_live_parameters: NonNegInt = ds_field(1_000_000_000, "Parameters resident per GPU before release.")
     stage3_max_reuse_distance: NonNegInt = ds_field(
-        1_000_000_000, "Do not release a parameter reused within this many parameters.")
+        1_000_000_000, "Do not release a parameter reused within this many parameters."
+    )
     stage3_gather_16bit_weights_on_model_save: Bool = ds_field(
-        False, "Gather partitioned weights when saving the 16-bit model.")
+        False, "Gather partitioned weights when saving the 16-bit model."
+    )
     stage3_module_granularity_threshold: Int = ds_field(0, "Granularity below which modules are fetched whole.")
     stage3_use_all_reduce_for_fetch_params: Bool = ds_field(False, "Fetch stage-3 parameters with all-reduce.")
     stage3_allgather_sequential: Bool = ds_field(False, "All-gather parameters one by one without bucketing.")
@@ -103,8 +120,7 @@ class ZeroConfig(StrictModel):
     enable_sanity_checks: Bool = ds_field(False, "Run internal sanity checks (debugging).")
     compute_grad_norm: Bool = ds_field(True, "Compute and keep the global gradient norm (stages 1/2).")
     parameter_alignment: Bool = ds_field(False, "Pad flat buffers so each parameter is 16-byte aligned.")
-    save_muon_momentum_buffer_in_memory: Bool = ds_field(
-        False, "Keep the Muon momentum in memory under NVMe offload.")
+    save_muon_momentum_buffer_in_memory: Bool = ds_field(False, "Keep the Muon momentum in memory under NVMe offload.")
     leaf_module: LeafModuleConfig = ds_section(LeafModuleConfig, "ZeRO-3 leaf modules.")
 
     # DeepSpeed's attribute names for the stage-3 keys (its model names the field `prefetch_bucket_size`
@@ -120,9 +136,8 @@ class ZeroConfig(StrictModel):
     allgather_sequential = property(lambda self: self.stage3_allgather_sequential)
 
     @model_validator(mode="after")
-    def _resolve_overlap_comm(self) -> "ZeroConfig":
+    def _resolve_overlap_comm(self) -> ZeroConfig:
         # DeepSpeed's dynamic default: overlap only under stage 3 unless the user says so.
         if self.overlap_comm is None:
             self.overlap_comm = self.stage == 3
         return self
-

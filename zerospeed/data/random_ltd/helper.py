@@ -7,6 +7,7 @@ the wrappers named by `random_ltd_layer_id` (in module order: the k-th bound one
 and leaves the others running their layer unchanged. A wrapper's state-dict keys gain
 `.random_ltd_layer`; `remove_random_ltd_state_dict` takes it out again.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict, deque
@@ -27,8 +28,10 @@ def convert_to_random_ltd(model, convert_type: type):
         inside = any(name.startswith(outer + ".") for outer in chosen) or name.split(".")[-1] == _INNER
         if isinstance(module, convert_type) and not inside:
             if not name:
-                raise ValueError(f"convert_to_random_ltd: the model itself is a {convert_type.__name__}; pass the "
-                                 "model that holds the transformer layers")
+                raise ValueError(
+                    f"convert_to_random_ltd: the model itself is a {convert_type.__name__}; pass the "
+                    "model that holds the transformer layers"
+                )
             chosen.append(name)
     for name in chosen:
         parent, _, child = name.rpartition(".")
@@ -51,10 +54,12 @@ def bind_random_ltd_layers(module: nn.Module, config: dict, scheduler) -> None:
             bound.append(name)
             pending.popleft()
     if len(bound) != config["random_ltd_layer_num"]:
-        raise ValueError(f"random_ltd_layer_num={config['random_ltd_layer_num']} but {len(bound)} wrapped layer(s) "
-                         f"match random_ltd_layer_id {config['random_ltd_layer_id']} ({bound}; not found: "
-                         f"{list(pending)}): wrap the layers with convert_to_random_ltd(engine, LayerClass) and name "
-                         "them by the index in their module names (e.g. 3 for 'h.3')")
+        raise ValueError(
+            f"random_ltd_layer_num={config['random_ltd_layer_num']} but {len(bound)} wrapped layer(s) "
+            f"match random_ltd_layer_id {config['random_ltd_layer_id']} ({bound}; not found: "
+            f"{list(pending)}): wrap the layers with convert_to_random_ltd(engine, LayerClass) and name "
+            "them by the index in their module names (e.g. 3 for 'h.3')"
+        )
 
 
 def save_without_random_ltd(model) -> OrderedDict:

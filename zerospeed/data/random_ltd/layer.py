@@ -17,6 +17,7 @@ gradient at the kept positions, the incoming gradient unchanged at the dropped o
 CUDA kernels compute the same). Evaluation, r >= S, and a layer the engine has not bound run the
 wrapped layer on everything.
 """
+
 from __future__ import annotations
 
 import torch
@@ -57,9 +58,11 @@ class RandomLayerTokenDrop(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         if args:
-            raise TypeError(f"{type(self.random_ltd_layer).__name__} wrapped for random-LTD got {len(args)} "
-                            "positional argument(s) after hidden_states: pass them by keyword (DeepSpeed's rule; "
-                            "the attention mask must arrive under random_ltd.model_mask_name)")
+            raise TypeError(
+                f"{type(self.random_ltd_layer).__name__} wrapped for random-LTD got {len(args)} "
+                "positional argument(s) after hidden_states: pass them by keyword (DeepSpeed's rule; "
+                "the attention mask must arrive under random_ltd.model_mask_name)"
+            )
         if self.random_ltd_scheduler is None:
             return self.random_ltd_layer(hidden_states, **kwargs)
         self.reserved_length = self.random_ltd_scheduler.get_current_seq()
@@ -76,15 +79,17 @@ class RandomLayerTokenDrop(nn.Module):
             return hidden_states.scatter(seq_dim, index, outputs)
         if isinstance(outputs, tuple):
             return (hidden_states.scatter(seq_dim, index, outputs[0]), *outputs[1:])
-        raise TypeError(f"random-LTD: {type(self.random_ltd_layer).__name__} returned {type(outputs).__name__}; "
-                        "a wrapped layer must return a tensor or a tuple whose first element is the hidden states")
+        raise TypeError(
+            f"random-LTD: {type(self.random_ltd_layer).__name__} returned {type(outputs).__name__}; "
+            "a wrapped layer must return a tensor or a tuple whose first element is the hidden states"
+        )
 
     def _kept_positions(self, device: torch.device) -> torch.Tensor:
         """This layer's kept positions, [batch, reserved_length] (Note [random-LTD layer])."""
         state = self.random_ltd_scheduler.state
         if self.random_ltd_layer_id == 0:
             layers, batch, seq = self.random_ltd_num_layer, self.curr_micro_batch, self.curr_seq
-            drawn = torch.rand(layers * batch, seq, device=device).argsort(dim=1)[:, :self.reserved_length]
+            drawn = torch.rand(layers * batch, seq, device=device).argsort(dim=1)[:, : self.reserved_length]
             state[SAMPLE_INDEX] = drawn.sort(dim=1).values.view(layers, batch, self.reserved_length)
         return state[SAMPLE_INDEX][self.random_ltd_layer_id]
 
@@ -98,8 +103,10 @@ class RandomLayerTokenDrop(nn.Module):
         """The mask's [..., query, key] entries of the kept tokens (a dimension of size 1 broadcasts)."""
         r = self.reserved_length
         if mask.dim() < 3:
-            raise ValueError(f"random-LTD: the mask under {self.mask_name!r} has shape {tuple(mask.shape)}; expected "
-                             "[batch, ..., query, key] (DeepSpeed's [batch, 1, seq, seq])")
+            raise ValueError(
+                f"random-LTD: the mask under {self.mask_name!r} has shape {tuple(mask.shape)}; expected "
+                "[batch, ..., query, key] (DeepSpeed's [batch, 1, seq, seq])"
+            )
         if self.model_type == "decoder":
             return mask[..., :r, :r]
         B = kept_BR.shape[0]

@@ -18,6 +18,7 @@ call of a step also counts the layer-tokens that step consumes:
 consumed_layer_tokens, current_steps; while training also sample_idx, the token positions layer 0 drew
 for every random-LTD layer). `state_dict()` carries the five scalars DeepSpeed checkpoints.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,10 @@ class BaseScheduler:
     def get_value(self, global_steps: int) -> int:
         """The reserved length of step `global_steps` (module docstring)."""
         if self.state["schedule_type"] != "fixed_linear":
-            raise ValueError(f"random_ltd_schedule.schedule_type={self.state['schedule_type']!r}: only "
-                             "'fixed_linear' exists (as in DeepSpeed)")
+            raise ValueError(
+                f"random_ltd_schedule.schedule_type={self.state['schedule_type']!r}: only "
+                "'fixed_linear' exists (as in DeepSpeed)"
+            )
         lo, hi = self.state[MIN_VALUE], self.state[MAX_VALUE]
         ramp = self.state["schedule_config"]
         # DeepSpeed's float order: (t / require_steps) ** 1, times the span, plus min, floored
@@ -59,9 +62,17 @@ class RandomLTDScheduler(BaseScheduler):
     def reset_to_init(self) -> None:
         """Back to step 0's state: the reserved length at min_value, nothing consumed."""
         schedule = self.config_schedule
-        self.state.update({MIN_VALUE: schedule[MIN_VALUE], MAX_VALUE: schedule[MAX_VALUE],
-                           CURRENT_VALUE: schedule[MIN_VALUE], "schedule_config": schedule["schedule_config"],
-                           "schedule_type": schedule["schedule_type"], CONSUMED_LAYER_TOKENS: 0, CURRENT_STEPS: -1})
+        self.state.update(
+            {
+                MIN_VALUE: schedule[MIN_VALUE],
+                MAX_VALUE: schedule[MAX_VALUE],
+                CURRENT_VALUE: schedule[MIN_VALUE],
+                "schedule_config": schedule["schedule_config"],
+                "schedule_type": schedule["schedule_type"],
+                CONSUMED_LAYER_TOKENS: 0,
+                CURRENT_STEPS: -1,
+            }
+        )
 
     # -- DeepSpeed's accessors ------------------------------------------------------------------------
     def get_current_seq(self) -> int:
@@ -88,7 +99,8 @@ class RandomLTDScheduler(BaseScheduler):
         if global_steps != self.state[CURRENT_STEPS]:
             dropping, full = self.random_ltd_layer_num, self.model_layer_num - self.random_ltd_layer_num
             self.state[CONSUMED_LAYER_TOKENS] += self.global_batch_size * (
-                self.state[CURRENT_VALUE] * dropping + self.state[MAX_VALUE] * full)
+                self.state[CURRENT_VALUE] * dropping + self.state[MAX_VALUE] * full
+            )
             self.state[CURRENT_STEPS] = global_steps
 
     def get_total_layer_tokens(self, train_iters: int) -> int:

@@ -7,6 +7,7 @@ slots of its last block are allocated but empty — the only waste (no per-seque
 maximum length, which is what a contiguous cache wastes). Finished sequences give their blocks back to
 the free list at once, and the next request can take them between two steps.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,14 +1,24 @@
 """The paged KV cache's storage: per layer, one key and one value tensor of `num_blocks * block_size`
 token slots [slots, kv_heads, head_dim]. A block is `block_size` consecutive slots, so a block table
 (blocks.py) turns into slot indices and reading a sequence's context is one `index_select`."""
+
 from __future__ import annotations
 
 import torch
 
 
 class PagedKVCache:
-    def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_blocks * block_size, kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

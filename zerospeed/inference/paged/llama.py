@@ -23,6 +23,7 @@ vocabulary-parallel (all-reduced) and the head gathers full logits (Note [full l
 inference/tp.py), so every rank samples from the same logits and the schedulers, which see only
 token ids, stay in step without exchanging anything.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,11 +38,17 @@ from zerospeed.inference.paged.cache import PagedKVCache
 def check_supported(model: nn.Module) -> None:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
-    ok = layers is not None and hasattr(inner, "rotary_emb") and hasattr(model, "lm_head") and all(
-        hasattr(layer, "self_attn") and hasattr(layer.self_attn, "q_proj") for layer in layers)
+    ok = (
+        layers is not None
+        and hasattr(inner, "rotary_emb")
+        and hasattr(model, "lm_head")
+        and all(hasattr(layer, "self_attn") and hasattr(layer.self_attn, "q_proj") for layer in layers)
+    )
     if not ok:
-        raise TypeError(f"the paged server runs Llama-family models (LlamaForCausalLM, MistralForCausalLM, "
-                        f"Qwen2ForCausalLM); {type(model).__name__} does not have their layout")
+        raise TypeError(
+            f"the paged server runs Llama-family models (LlamaForCausalLM, MistralForCausalLM, "
+            f"Qwen2ForCausalLM); {type(model).__name__} does not have their layout"
+        )
     window = getattr(model.config, "sliding_window", None)
     if window and getattr(model.config, "use_sliding_window", True) and window < model.config.max_position_embeddings:
         raise TypeError(f"sliding-window attention (sliding_window={window}) is not implemented in the paged server")
@@ -60,9 +67,15 @@ def local_kv_heads(model: nn.Module) -> int:
 
 def cache_for(model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype) -> PagedKVCache:
     attn = model.model.layers[0].self_attn
-    return PagedKVCache(num_layers=len(model.model.layers), num_blocks=num_blocks, block_size=block_size,
-                        kv_heads=local_kv_heads(model), head_dim=attn.head_dim, dtype=dtype,
-                        device=next(model.parameters()).device)
+    return PagedKVCache(
+        num_layers=len(model.model.layers),
+        num_blocks=num_blocks,
+        block_size=block_size,
+        kv_heads=local_kv_heads(model),
+        head_dim=attn.head_dim,
+        dtype=dtype,
+        device=next(model.parameters()).device,
+    )
 
 
 @dataclass(frozen=True)
@@ -70,15 +83,16 @@ class StepLayout:
     """Index tensors of one step, shared by every layer (Note [paged attention]): S sequences, the step's
     T tokens flat, padded to N new tokens and C context slots per sequence."""
 
-    write_at: torch.Tensor   # [T] cache slot of each new token
-    read_at: torch.Tensor    # [S, C] context slots (pad: slot 0, masked)
-    query_at: torch.Tensor   # [S, N] flat token index of each sequence's i-th new token (pad: 0)
-    visible: torch.Tensor    # [S, 1, N, C] key j visible to new token i
-    unpad: torch.Tensor      # [T] row of [S * N] holding each flat token
+    write_at: torch.Tensor  # [T] cache slot of each new token
+    read_at: torch.Tensor  # [S, C] context slots (pad: slot 0, masked)
+    query_at: torch.Tensor  # [S, N] flat token index of each sequence's i-th new token (pad: 0)
+    visible: torch.Tensor  # [S, 1, N, C] key j visible to new token i
+    unpad: torch.Tensor  # [T] row of [S * N] holding each flat token
 
     @classmethod
-    def build(cls, starts: list[int], lengths: list[int], new_slots: list[list[int]],
-              context_slots: list[list[int]], device) -> "StepLayout":
+    def build(
+        cls, starts: list[int], lengths: list[int], new_slots: list[list[int]], context_slots: list[list[int]], device
+    ) -> StepLayout:
         n, c = max(lengths), max(len(x) for x in context_slots)
         read_at = torch.tensor([x + [0] * (c - len(x)) for x in context_slots], device=device)
         offsets = [sum(lengths[:s]) for s in range(len(lengths))]
@@ -93,27 +107,35 @@ class StepLayout:
         return cls(write_at, read_at, query_at, visible[:, None], unpad)
 
 
-def _attend(attn: nn.Module, q_THD: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-            step: StepLayout) -> torch.Tensor:
+def _attend(
+    attn: nn.Module, q_THD: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: StepLayout
+) -> torch.Tensor:
     """Note [paged attention], every sequence of the step at once: [T, H, D] queries -> [T, H * D]."""
-    q = q_THD[step.query_at].transpose(1, 2)                       # [S, H, N, D]
-    k = keys[step.read_at].transpose(1, 2)                         # [S, KV, C, D]
+    q = q_THD[step.query_at].transpose(1, 2)  # [S, H, N, D]
+    k = keys[step.read_at].transpose(1, 2)  # [S, KV, C, D]
     v = values[step.read_at].transpose(1, 2)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * attn.scaling     # [S, H, N, C]
+    scores = torch.matmul(q, k.transpose(2, 3)) * attn.scaling  # [S, H, N, C]
     scores = scores.masked_fill(~step.visible, torch.finfo(scores.dtype).min)
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs, v).transpose(1, 2)                   # [S, N, H, D]
+    out = torch.matmul(probs, v).transpose(1, 2)  # [S, N, H, D]
     return out.reshape(-1, out.shape[2] * out.shape[3])[step.unpad]
 
 
 @torch.inference_mode()
-def paged_forward(model: nn.Module, cache: PagedKVCache, ids: list[list[int]], starts: list[int],
-                  new_slots: list[list[int]], context_slots: list[list[int]]) -> torch.Tensor:
+def paged_forward(
+    model: nn.Module,
+    cache: PagedKVCache,
+    ids: list[list[int]],
+    starts: list[int],
+    new_slots: list[list[int]],
+    context_slots: list[list[int]],
+) -> torch.Tensor:
     """Last-position logits [S, V] of S sequences; sequence s brings tokens `ids[s]` at positions
     starts[s] .. starts[s] + len(ids[s]) - 1, written to `new_slots[s]`; its context is `context_slots[s]`."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
     device = cache.keys[0].device
     lengths = [len(t) for t in ids]
     step = StepLayout.build(starts, lengths, new_slots, context_slots, device)
@@ -132,5 +154,5 @@ def paged_forward(model: nn.Module, cache: PagedKVCache, ids: list[list[int]], s
         o = _attend(attn, q[0].transpose(0, 1), cache.keys[layer_index], cache.values[layer_index], step)
         h = h + attn.o_proj(o[None])
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-    last = torch.tensor([sum(lengths[:s + 1]) - 1 for s in range(len(lengths))], device=device)
+    last = torch.tensor([sum(lengths[: s + 1]) - 1 for s in range(len(lengths))], device=device)
     return model.lm_head(model.model.norm(h)[0, last])

@@ -13,6 +13,7 @@ back to the front of the queue with its tokens so far, recomputed as a longer pr
 readmitted (vLLM's recompute policy: for greedy decoding the output is unchanged, and no swap space is
 needed). A sequence that cannot fit even alone is refused when it is added.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -36,7 +37,7 @@ class Sequence:
 
     @property
     def generated(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
+        return self.tokens[self.prompt_len :]
 
     def done(self) -> bool:
         hit_eos = self.eos_token_id is not None and len(self.generated) > 0 and self.generated[-1] == self.eos_token_id
@@ -56,8 +57,9 @@ class Work:
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, *, max_batch_tokens: int = 4096,
-                 max_running: int = 256):
+    def __init__(
+        self, allocator: BlockAllocator, block_size: int, *, max_batch_tokens: int = 4096, max_running: int = 256
+    ):
         self.allocator, self.block_size = allocator, block_size
         self.max_batch_tokens, self.max_running = max_batch_tokens, max_running
         self.waiting: deque[Sequence] = deque()
@@ -67,12 +69,16 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         total = seq.prompt_len + seq.max_new_tokens
         if blocks_needed(total, self.block_size) > self.allocator.num_blocks:
-            raise ValueError(f"request {seq.request_id}: {total} tokens need {blocks_needed(total, self.block_size)} "
-                             f"blocks of {self.block_size}, the cache has {self.allocator.num_blocks}; "
-                             "raise num_blocks")
+            raise ValueError(
+                f"request {seq.request_id}: {total} tokens need {blocks_needed(total, self.block_size)} "
+                f"blocks of {self.block_size}, the cache has {self.allocator.num_blocks}; "
+                "raise num_blocks"
+            )
         if seq.prompt_len > self.max_batch_tokens:
-            raise ValueError(f"request {seq.request_id}: a prompt of {seq.prompt_len} tokens exceeds max_batch_tokens "
-                             f"= {self.max_batch_tokens}")
+            raise ValueError(
+                f"request {seq.request_id}: a prompt of {seq.prompt_len} tokens exceeds max_batch_tokens "
+                f"= {self.max_batch_tokens}"
+            )
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -112,8 +118,16 @@ class Scheduler:
         budget = self.max_batch_tokens - sum(len(s.tokens) - s.computed for s in self.running)
         self._admit(budget)
         bs = self.block_size
-        return [Work(s, s.computed, len(s.tokens), slots(s.table, s.computed, len(s.tokens), bs),
-                     slots(s.table, 0, len(s.tokens), bs)) for s in self.running]
+        return [
+            Work(
+                s,
+                s.computed,
+                len(s.tokens),
+                slots(s.table, s.computed, len(s.tokens), bs),
+                slots(s.table, 0, len(s.tokens), bs),
+            )
+            for s in self.running
+        ]
 
     def complete(self, work: list[Work], new_tokens: list[int]) -> list[Sequence]:
         """Record the step's sampled tokens; finished sequences free their blocks. Returns those finished."""

@@ -12,10 +12,11 @@ samples one token per sequence and returns them; finished sequences free their b
 `model` may be a tensor-parallel `InferenceEngine` (llama.py, Note [paged attention under tp]): every tp
 rank builds the server, adds the same requests and steps it; each gets the same tokens.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch import nn
@@ -34,9 +35,20 @@ class TokenEvent:
 
 
 class PagedServer:
-    def __init__(self, model: nn.Module, *, block_size: int = 16, num_blocks: int = 256,
-                 max_batch_tokens: int = 4096, max_running: int = 256, dtype: torch.dtype | None = None,
-                 do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, seed: int = 0):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        block_size: int = 16,
+        num_blocks: int = 256,
+        max_batch_tokens: int = 4096,
+        max_running: int = 256,
+        dtype: torch.dtype | None = None,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        seed: int = 0,
+    ):
         if isinstance(model, InferenceEngine):  # init_inference's engine, e.g. AutoTP-sharded
             model = model.module
         check_supported(model)
@@ -44,8 +56,9 @@ class PagedServer:
         self.block_size = block_size
         dtype = dtype or next(model.parameters()).dtype
         self.cache = cache_for(model, num_blocks, block_size, dtype)
-        self.scheduler = Scheduler(BlockAllocator(num_blocks), block_size, max_batch_tokens=max_batch_tokens,
-                                   max_running=max_running)
+        self.scheduler = Scheduler(
+            BlockAllocator(num_blocks), block_size, max_batch_tokens=max_batch_tokens, max_running=max_running
+        )
         self.do_sample, self.temperature, self.top_k = do_sample, temperature, top_k
         self.generator = torch.Generator(device=self.cache.keys[0].device).manual_seed(seed)
         self.sequences: dict[int, Sequence] = {}
@@ -78,16 +91,23 @@ class PagedServer:
         work = self.scheduler.schedule()
         if not work:
             return []
-        logits = paged_forward(self.model, self.cache, [w.seq.tokens[w.start:w.stop] for w in work],
-                               [w.start for w in work], [w.new_slots for w in work], [w.context_slots for w in work])
+        logits = paged_forward(
+            self.model,
+            self.cache,
+            [w.seq.tokens[w.start : w.stop] for w in work],
+            [w.start for w in work],
+            [w.new_slots for w in work],
+            [w.context_slots for w in work],
+        )
         tokens = self._sample(logits)
         used, allocated = self.scheduler.kv_usage()
         used += sum(w.stop - w.start for w in work)  # the step just cached these
         self._used, self._allocated = self._used + used, self._allocated + allocated
         finished = {s.request_id for s in self.scheduler.complete(work, tokens)}
         self.steps += 1
-        return [TokenEvent(w.seq.request_id, t, w.seq.request_id in finished)
-                for w, t in zip(work, tokens, strict=True)]
+        return [
+            TokenEvent(w.seq.request_id, t, w.seq.request_id in finished) for w, t in zip(work, tokens, strict=True)
+        ]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

@@ -13,6 +13,7 @@ runs (Note [the rank runs the user's command] in worker.py). It then, in that pr
 Stdlib only, and nothing of zerospeed: it runs in every rank before the user's code, also in scripts
 that never import zerospeed or torch. Imported under its package name (by tests) it does nothing.
 """
+
 import atexit
 import json
 import os
@@ -33,8 +34,12 @@ def error_record(exc: BaseException, now: float) -> dict:
     tests/unit/test_launcher_agent_parts.py reads this record back through torch's ``ProcessFailure``.
     """
     callstack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return {"message": {"message": f"{type(exc).__name__}: {exc}",
-                        "extraInfo": {"py_callstack": callstack, "timestamp": str(int(now))}}}
+    return {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {"py_callstack": callstack, "timestamp": str(int(now))},
+        }
+    }
 
 
 def user_frames(tb: TracebackType | None) -> TracebackType | None:
@@ -53,7 +58,7 @@ def pythonpath_without(value: str, entry: str) -> str | None:
     ``worker.pythonpath_with``."""
     if value == entry:
         return None
-    return value[len(entry) + 1:] if value.startswith(entry + os.pathsep) else value
+    return value[len(entry) + 1 :] if value.startswith(entry + os.pathsep) else value
 
 
 def record_uncaught_exception() -> None:

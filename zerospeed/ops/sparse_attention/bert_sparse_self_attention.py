@@ -28,8 +28,10 @@ class BertSparseSelfAttention(nn.Module):
     def __init__(self, config, sparsity_config: SparsityConfig | None = None, max_seq_length: int = 2048):
         super().__init__()
         if config.hidden_size % config.num_attention_heads != 0:
-            raise ValueError(f"hidden_size={config.hidden_size} is not a multiple of "
-                             f"num_attention_heads={config.num_attention_heads}")
+            raise ValueError(
+                f"hidden_size={config.hidden_size} is not a multiple of "
+                f"num_attention_heads={config.num_attention_heads}"
+            )
         self.num_attention_heads = config.num_attention_heads
         self.attention_head_size = config.hidden_size // config.num_attention_heads
         self.all_head_size = self.num_attention_heads * self.attention_head_size
@@ -80,19 +82,34 @@ class TransformersBertSparseSelfAttention(BertSparseSelfAttention):
     """``BertSparseSelfAttention`` with transformers' self-attention interface (keyword arguments in,
     ``(context, None)`` out), which ``SparseAttentionUtils`` installs into BERT / RoBERTa models."""
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                encoder_hidden_states: torch.Tensor | None = None, cache=None, **kwargs):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        cache=None,
+        **kwargs,
+    ):
         if encoder_hidden_states is not None or cache is not None or kwargs.get("past_key_values") is not None:
-            raise NotImplementedError("sparse self-attention replaces encoder self-attention only "
-                                      "(no cross-attention, no key/value cache)")
+            raise NotImplementedError(
+                "sparse self-attention replaces encoder self-attention only (no cross-attention, no key/value cache)"
+            )
         query, key, value = self._heads(hidden_states)
         _, heads, seq_len, head_dim = query.shape
         key_padding, attn = _transformers_mask(attention_mask, seq_len)
         attention = self.sparse_self_attention
         context = block_sparse_attention(
-            query, key, value, None, attention.sparsity_config.block, scale=head_dim ** -0.5,
-            key_padding_mask=key_padding, attn_mask=attn, plan=attention.plan(seq_len, heads, query.device),
-            kernel=attention.kernel)
+            query,
+            key,
+            value,
+            None,
+            attention.sparsity_config.block,
+            scale=head_dim**-0.5,
+            key_padding_mask=key_padding,
+            attn_mask=attn,
+            plan=attention.plan(seq_len, heads, query.device),
+            kernel=attention.kernel,
+        )
         return self._merge(context), None
 
 

@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 #: Elements of B x chunk_blocks x block x (block + head_dim) per gather chunk (~8 MiB per fp32 temporary).
-DEFAULT_CHUNK_ELEMENTS = 2 ** 21
+DEFAULT_CHUNK_ELEMENTS = 2**21
 #: flex_attention's native tile; layouts with smaller blocks are coarsened to it when they divide it.
 FLEX_TILE = 128
 MASK_MODES = ("add", "mul")
@@ -88,7 +88,7 @@ class BlockSparsePlan:
     @property
     def density(self) -> float:
         """Fraction of the blocks that are active."""
-        return self.num_active / max(1, self.num_heads * self.num_blocks ** 2)
+        return self.num_active / max(1, self.num_heads * self.num_blocks**2)
 
     def groups(self) -> list[torch.Tensor]:
         """The non-empty rows (flat ``h*nb + i``) grouped by head and identical set of key blocks.
@@ -99,7 +99,7 @@ class BlockSparsePlan:
         weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=bits.device)
         groups = []
         for head in range(self.num_heads):
-            rows = torch.nonzero(self.row_counts[head * nb:(head + 1) * nb] > 0).flatten()
+            rows = torch.nonzero(self.row_counts[head * nb : (head + 1) * nb] > 0).flatten()
             if rows.numel() == 0:
                 continue
             packed = (bits[head, rows].to(torch.uint8) * weights).sum(-1, dtype=torch.uint8)
@@ -139,11 +139,18 @@ class BlockSparsePlan:
         entry = (self.row_starts[first][:, None] + slots[None, :]).masked_fill(pad, 0)
         kv_blocks = self.kv_blocks[entry].masked_fill(pad, 0)
         heads = torch.div(first, self.num_blocks, rounding_mode="floor")
-        return Chunk(rows, heads, rows % self.num_blocks, heads[:, None] * self.num_blocks + kv_blocks, kv_blocks,
-                     pad if bool(pad.any()) else None)
+        return Chunk(
+            rows,
+            heads,
+            rows % self.num_blocks,
+            heads[:, None] * self.num_blocks + kv_blocks,
+            kv_blocks,
+            pad if bool(pad.any()) else None,
+        )
 
 
 # --- masks and position terms, read block by block -------------------------------------------------
+
 
 def _as_4d(mask: torch.Tensor, name: str, seq_len: int) -> torch.Tensor:
     while mask.dim() < 4:
@@ -163,9 +170,20 @@ def _mode_bias(values: torch.Tensor, mode: str) -> torch.Tensor:
 class ScoreBias:
     """The additive terms of the scores, gathered for the active blocks of one chunk at a time."""
 
-    def __init__(self, batch: int, heads: int, seq_len: int, block: int, *, key_padding_mask=None,
-                 key_padding_mask_mode: str = "add", attn_mask=None, attn_mask_mode: str = "add", rpe=None,
-                 causal: bool = False):
+    def __init__(
+        self,
+        batch: int,
+        heads: int,
+        seq_len: int,
+        block: int,
+        *,
+        key_padding_mask=None,
+        key_padding_mask_mode: str = "add",
+        attn_mask=None,
+        attn_mask_mode: str = "add",
+        rpe=None,
+        causal: bool = False,
+    ):
         for mode in (key_padding_mask_mode, attn_mask_mode):
             if mode not in MASK_MODES:
                 raise ValueError(f"mask mode {mode!r}: expected 'add' or 'mul'")
@@ -173,8 +191,9 @@ class ScoreBias:
         self.key_padding = None
         if key_padding_mask is not None:
             if tuple(key_padding_mask.shape) != (batch, seq_len):
-                raise ValueError(f"key_padding_mask must be [B, L] = [{batch}, {seq_len}], "
-                                 f"got {tuple(key_padding_mask.shape)}")
+                raise ValueError(
+                    f"key_padding_mask must be [B, L] = [{batch}, {seq_len}], got {tuple(key_padding_mask.shape)}"
+                )
             bias = _mode_bias(key_padding_mask, key_padding_mask_mode)
             self.key_padding = bias.view(batch, seq_len // block, block)
         self.attn_mask = None if attn_mask is None else self._tiles(attn_mask, "attn_mask")
@@ -186,8 +205,9 @@ class ScoreBias:
         """A view ``[B|1, H|1, nb, nb, block, block]`` of a dense ``[.., L, L]`` tensor (no copy)."""
         dense = _as_4d(dense.detach(), name, self.seq_len)
         if dense.shape[0] not in (1, self.batch) or dense.shape[1] not in (1, self.heads):
-            raise ValueError(f"{name} of shape {tuple(dense.shape)} does not broadcast to "
-                             f"[{self.batch}, {self.heads}, L, L]")
+            raise ValueError(
+                f"{name} of shape {tuple(dense.shape)} does not broadcast to [{self.batch}, {self.heads}, L, L]"
+            )
         nb = self.seq_len // self.block
         return dense.unflatten(3, (nb, self.block)).unflatten(2, (nb, self.block)).permute(0, 1, 2, 4, 3, 5)
 
@@ -224,6 +244,7 @@ class ScoreBias:
 
 
 # --- the gather path ---------------------------------------------------------------------------------
+
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Softmax statistics and accumulators: float32, or the input's dtype when wider."""
@@ -313,9 +334,11 @@ def _chunk_blocks(batch: int, block: int, dim: int, chunk_elements: int) -> int:
 
 # --- the flex_attention path -------------------------------------------------------------------------
 
+
 @lru_cache(maxsize=1)
 def _compiled_flex() -> Callable:
     from torch.nn.attention.flex_attention import flex_attention
+
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -344,8 +367,9 @@ def flex_block_mask(plan: BlockSparsePlan, causal: bool = False):
 
     num, idx = as_kv(partial)
     full_num, full_idx = as_kv(full)
-    return BlockMask.from_kv_blocks(num, idx, full_num, full_idx, BLOCK_SIZE=ratio * block, mask_mod=mask_mod,
-                                    seq_lengths=(nb * block, nb * block))
+    return BlockMask.from_kv_blocks(
+        num, idx, full_num, full_idx, BLOCK_SIZE=ratio * block, mask_mod=mask_mod, seq_lengths=(nb * block, nb * block)
+    )
 
 
 def _flex_score_mod(bias: ScoreBias):
@@ -375,8 +399,9 @@ def _dense(tiles: torch.Tensor, mode: str) -> torch.Tensor:
     return _mode_bias(tiles.permute(0, 1, 2, 4, 3, 5).reshape(b, h, nb * block, nb * block), mode)
 
 
-def flex_block_sparse_attention(q, k, v, plan: BlockSparsePlan, scale: float, bias: ScoreBias,
-                                compiled: bool = True) -> torch.Tensor:
+def flex_block_sparse_attention(
+    q, k, v, plan: BlockSparsePlan, scale: float, bias: ScoreBias, compiled: bool = True
+) -> torch.Tensor:
     """Note [flex path]. ``compiled=False`` runs flex_attention's eager reference (tests)."""
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -391,6 +416,7 @@ def flex_block_sparse_attention(q, k, v, plan: BlockSparsePlan, scale: float, bi
 
 # --- entry point ---------------------------------------------------------------------------------------
 
+
 def _match_heads(layout: torch.Tensor, heads: int) -> torch.Tensor:
     if layout.shape[0] == heads:
         return layout
@@ -399,12 +425,24 @@ def _match_heads(layout: torch.Tensor, heads: int) -> torch.Tensor:
     raise ValueError(f"the layout has {layout.shape[0]} different head layouts but the input has {heads} heads")
 
 
-def block_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: torch.Tensor | None,
-                           block: int, *, scale: float | None = None, rpe: torch.Tensor | None = None,
-                           key_padding_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
-                           key_padding_mask_mode: str = "add", attn_mask_mode: str = "add", causal: bool = False,
-                           plan: BlockSparsePlan | None = None, kernel: str = "auto",
-                           chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> torch.Tensor:
+def block_sparse_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: torch.Tensor | None,
+    block: int,
+    *,
+    scale: float | None = None,
+    rpe: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    key_padding_mask_mode: str = "add",
+    attn_mask_mode: str = "add",
+    causal: bool = False,
+    plan: BlockSparsePlan | None = None,
+    kernel: str = "auto",
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+) -> torch.Tensor:
     """Attention of ``query``/``key``/``value`` ``[B, H, L, D]`` restricted to the active blocks.
 
     ``layout`` is ``[H or 1 (shared), L/block, L/block]`` (or pass a ready ``plan``);
@@ -415,25 +453,44 @@ def block_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: expected one of {KERNELS}")
     if query.shape != key.shape or key.shape != value.shape or query.dim() != 4:
-        raise NotImplementedError(f"only self-attention with q, k, v of one shape [B, H, L, D] is supported, got "
-                                  f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+        raise NotImplementedError(
+            f"only self-attention with q, k, v of one shape [B, H, L, D] is supported, got "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
     batch, heads, seq_len, dim = query.shape
     if seq_len % block != 0:
         raise ValueError(f"sequence length {seq_len} is not a multiple of the block size {block}")
     if plan is None:
         plan = BlockSparsePlan(_match_heads(layout, heads), block, query.device)
     if plan.num_heads != heads or plan.num_blocks * block != seq_len:
-        raise ValueError(f"the plan is for {plan.num_heads} heads x {plan.num_blocks * block} tokens, "
-                         f"the input has {heads} x {seq_len}")
-    bias = ScoreBias(batch, heads, seq_len, block, key_padding_mask=key_padding_mask,
-                     key_padding_mask_mode=key_padding_mask_mode, attn_mask=attn_mask,
-                     attn_mask_mode=attn_mask_mode, rpe=rpe, causal=causal)
-    scale = dim ** -0.5 if scale is None else float(scale)
+        raise ValueError(
+            f"the plan is for {plan.num_heads} heads x {plan.num_blocks * block} tokens, "
+            f"the input has {heads} x {seq_len}"
+        )
+    bias = ScoreBias(
+        batch,
+        heads,
+        seq_len,
+        block,
+        key_padding_mask=key_padding_mask,
+        key_padding_mask_mode=key_padding_mask_mode,
+        attn_mask=attn_mask,
+        attn_mask_mode=attn_mask_mode,
+        rpe=rpe,
+        causal=causal,
+    )
+    scale = dim**-0.5 if scale is None else float(scale)
     if kernel == "flex" or (kernel == "auto" and query.is_cuda):
         return flex_block_sparse_attention(query, key, value, plan, scale, bias)
     chunks = plan.chunks(_chunk_blocks(batch, block, dim, chunk_elements))
     return _GatherAttention.apply(query.contiguous(), key.contiguous(), value.contiguous(), chunks, scale, bias)
 
 
-__all__ = ["BlockSparsePlan", "ScoreBias", "block_sparse_attention", "flex_block_mask",
-           "flex_block_sparse_attention", "DEFAULT_CHUNK_ELEMENTS"]
+__all__ = [
+    "BlockSparsePlan",
+    "ScoreBias",
+    "block_sparse_attention",
+    "flex_block_mask",
+    "flex_block_sparse_attention",
+    "DEFAULT_CHUNK_ELEMENTS",
+]

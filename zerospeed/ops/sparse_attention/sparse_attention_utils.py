@@ -35,8 +35,10 @@ def _backbone(model) -> tuple[str, torch.nn.Module]:
     kind = getattr(getattr(model, "config", None), "model_type", None)
     if kind in ("bert", "roberta") and hasattr(model, "encoder"):
         return kind, model
-    raise ValueError(f"{type(model).__name__}: only BERT and RoBERTa models (a `bert` / `roberta` attribute or "
-                     "a BertModel / RobertaModel) are supported")
+    raise ValueError(
+        f"{type(model).__name__}: only BERT and RoBERTa models (a `bert` / `roberta` attribute or "
+        "a BertModel / RobertaModel) are supported"
+    )
 
 
 def _tile_rows(rows: torch.Tensor, count: int) -> torch.Tensor:
@@ -86,20 +88,23 @@ class SparseAttentionUtils:
         return tokenizer
 
     @staticmethod
-    def replace_model_self_attention_with_sparse_self_attention(model, max_position: int,
-                                                                sparsity_config: SparsityConfig | None = None):
+    def replace_model_self_attention_with_sparse_self_attention(
+        model, max_position: int, sparsity_config: SparsityConfig | None = None
+    ):
         """Replace every encoder self-attention of a BERT / RoBERTa model by sparse self-attention."""
         kind, backbone = _backbone(model)
         model.config.max_position_embeddings = max_position + (2 if kind == "roberta" else 0)
         if sparsity_config is None:
             sparsity_config = FixedSparsityConfig(num_heads=model.config.num_attention_heads)
         SparseAttentionUtils.replace_self_attention_layer_with_sparse_self_attention_layer(
-            model.config, backbone.encoder.layer, sparsity_config)
+            model.config, backbone.encoder.layer, sparsity_config
+        )
         return model
 
     @staticmethod
-    def replace_self_attention_layer_with_sparse_self_attention_layer(config, layers,
-                                                                      sparsity_config: SparsityConfig | None = None):
+    def replace_self_attention_layer_with_sparse_self_attention_layer(
+        config, layers, sparsity_config: SparsityConfig | None = None
+    ):
         """Swap ``layer.attention.self`` of each layer for a sparse one that reuses its projections."""
         if sparsity_config is None:
             sparsity_config = FixedSparsityConfig(num_heads=config.num_attention_heads)
@@ -113,8 +118,16 @@ class SparseAttentionUtils:
         return layers
 
     @staticmethod
-    def pad_to_block_size(block_size: int, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
-                          pad_token_id: int, model_embeddings):
+    def pad_to_block_size(
+        block_size: int,
+        input_ids,
+        attention_mask,
+        token_type_ids,
+        position_ids,
+        inputs_embeds,
+        pad_token_id: int,
+        model_embeddings,
+    ):
         """Pad the inputs on the sequence dimension to a multiple of ``block_size``.
 
         Returns ``(pad_len, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)``:

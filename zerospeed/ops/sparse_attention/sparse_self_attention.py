@@ -27,8 +27,14 @@ class SparseSelfAttention(nn.Module):
     'auto' (flex_attention on CUDA, the gather path elsewhere), 'gather' or 'flex'.
     """
 
-    def __init__(self, sparsity_config: SparsityConfig | None = None, key_padding_mask_mode: str = "add",
-                 attn_mask_mode: str = "mul", max_seq_length: int = 2048, kernel: str = "auto"):
+    def __init__(
+        self,
+        sparsity_config: SparsityConfig | None = None,
+        key_padding_mask_mode: str = "add",
+        attn_mask_mode: str = "mul",
+        max_seq_length: int = 2048,
+        kernel: str = "auto",
+    ):
         super().__init__()
         for name, mode in (("key_padding_mask_mode", key_padding_mask_mode), ("attn_mask_mode", attn_mask_mode)):
             if mode not in MASK_MODES:
@@ -50,11 +56,15 @@ class SparseSelfAttention(nn.Module):
             self._synchronize_layout()
         block = self.sparsity_config.block
         if L % block != 0:
-            raise ValueError(f"sequence length {L} is not a multiple of the block size {block}; "
-                             "pad it (SparseAttentionUtils.pad_to_block_size)")
+            raise ValueError(
+                f"sequence length {L} is not a multiple of the block size {block}; "
+                "pad it (SparseAttentionUtils.pad_to_block_size)"
+            )
         if L > self.max_seq_length:
-            raise ValueError(f"sequence length {L} exceeds max_seq_length={self.max_seq_length} of this "
-                             "SparseSelfAttention; build it with a larger max_seq_length")
+            raise ValueError(
+                f"sequence length {L} exceeds max_seq_length={self.max_seq_length} of this "
+                "SparseSelfAttention; build it with a larger max_seq_length"
+            )
         num_blocks = L // block
         return self.master_layout[..., :num_blocks, :num_blocks]
 
@@ -71,8 +81,10 @@ class SparseSelfAttention(nn.Module):
             layout = self.get_layout(L)
             if layout.shape[0] != heads:
                 if bool((layout != layout[:1]).any()):
-                    raise ValueError(f"the sparsity config has {layout.shape[0]} heads with different layouts "
-                                     f"but the input has {heads} heads")
+                    raise ValueError(
+                        f"the sparsity config has {layout.shape[0]} heads with different layouts "
+                        f"but the input has {heads} heads"
+                    )
                 layout = layout[:1].expand(heads, -1, -1)
             self._plans[key] = BlockSparsePlan(layout, self.sparsity_config.block, device)
         return self._plans[key]
@@ -93,9 +105,17 @@ class SparseSelfAttention(nn.Module):
             return x
         return x if x.dim() == 4 else x.squeeze()
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rpe: torch.Tensor | None = None,
-                key_padding_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None, *,
-                causal: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        rpe: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        *,
+        causal: bool = False,
+    ) -> torch.Tensor:
         """Attention output ``[B, H, L, D]``.
 
         ``rpe`` (``[B|1, H|1, L, L]``) is added to the scaled scores; ``key_padding_mask`` is
@@ -112,10 +132,21 @@ class SparseSelfAttention(nn.Module):
         if attn_mask is not None:
             attn_mask = self.transpose_mask_for_sparse(query.dtype, attn_mask)
         return block_sparse_attention(
-            query, key, value, None, self.sparsity_config.block, scale=float(head_dim) ** -0.5, rpe=rpe,
-            key_padding_mask=key_padding_mask, attn_mask=attn_mask, key_padding_mask_mode=self.key_padding_mask_mode,
-            attn_mask_mode=self.attn_mask_mode, causal=causal, plan=self.plan(tgt_len, heads, query.device),
-            kernel=self.kernel)
+            query,
+            key,
+            value,
+            None,
+            self.sparsity_config.block,
+            scale=float(head_dim) ** -0.5,
+            rpe=rpe,
+            key_padding_mask=key_padding_mask,
+            attn_mask=attn_mask,
+            key_padding_mask_mode=self.key_padding_mask_mode,
+            attn_mask_mode=self.attn_mask_mode,
+            causal=causal,
+            plan=self.plan(tgt_len, heads, query.device),
+            kernel=self.kernel,
+        )
 
 
 __all__ = ["SparseSelfAttention"]

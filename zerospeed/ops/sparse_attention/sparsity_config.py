@@ -28,7 +28,8 @@ _DIRECTIONS = ("unidirectional", "bidirectional")
 def _check_direction(attention: str) -> None:
     if attention not in _DIRECTIONS:
         raise NotImplementedError(
-            f"attention={attention!r}: only 'unidirectional' and 'bidirectional' attention are supported")
+            f"attention={attention!r}: only 'unidirectional' and 'bidirectional' attention are supported"
+        )
 
 
 def _check_global_windows(starts: Sequence[int], ends: Sequence[int] | None) -> None:
@@ -37,8 +38,10 @@ def _check_global_windows(starts: Sequence[int], ends: Sequence[int] | None) -> 
     if ends is None:
         return
     if len(starts) != len(ends):
-        raise ValueError(f"global_block_indices has {len(starts)} entries but global_block_end_indices has "
-                         f"{len(ends)}; give one end index per start index")
+        raise ValueError(
+            f"global_block_indices has {len(starts)} entries but global_block_end_indices has "
+            f"{len(ends)}; give one end index per start index"
+        )
     for start, end in zip(starts, ends):
         if start >= end:
             raise ValueError(f"global block window [{start}, {end}): the start index must be smaller than the end")
@@ -46,8 +49,9 @@ def _check_global_windows(starts: Sequence[int], ends: Sequence[int] | None) -> 
 
 def _check_fits(name: str, count: int, num_blocks: int) -> None:
     if num_blocks < count:
-        raise ValueError(f"{name}={count} is larger than the {num_blocks} blocks of a row "
-                         f"(use a longer sequence or fewer {name})")
+        raise ValueError(
+            f"{name}={count} is larger than the {num_blocks} blocks of a row (use a longer sequence or fewer {name})"
+        )
 
 
 class SparsityConfig:
@@ -62,22 +66,26 @@ class SparsityConfig:
     def setup_layout(self, seq_len: int) -> torch.Tensor:
         """An all-zero layout for ``seq_len`` tokens; ``seq_len`` must be a multiple of ``block``."""
         if seq_len % self.block != 0:
-            raise ValueError(f"sequence length {seq_len} is not a multiple of the block size {self.block}; "
-                             "pad it (SparseAttentionUtils.pad_to_block_size)")
+            raise ValueError(
+                f"sequence length {seq_len} is not a multiple of the block size {self.block}; "
+                "pad it (SparseAttentionUtils.pad_to_block_size)"
+            )
         num_blocks = seq_len // self.block
         return torch.zeros((self.num_heads, num_blocks, num_blocks), dtype=torch.int64)
 
     def check_and_propagate_first_head_layout(self, layout: torch.Tensor) -> torch.Tensor:
         """Copy head 0's layout to every head unless each head has its own."""
         if not self.different_layout_per_head:
-            layout[1:self.num_heads] = layout[0]
+            layout[1 : self.num_heads] = layout[0]
         return layout
 
     def make_layout(self, seq_len: int) -> torch.Tensor:
         """The layout for ``seq_len`` tokens; each pattern defines it."""
-        raise NotImplementedError(f"{type(self).__name__} defines no pattern; use DenseSparsityConfig, "
-                                  "FixedSparsityConfig, VariableSparsityConfig, BigBirdSparsityConfig, "
-                                  "BSLongformerSparsityConfig or LocalSlidingWindowSparsityConfig")
+        raise NotImplementedError(
+            f"{type(self).__name__} defines no pattern; use DenseSparsityConfig, "
+            "FixedSparsityConfig, VariableSparsityConfig, BigBirdSparsityConfig, "
+            "BSLongformerSparsityConfig or LocalSlidingWindowSparsityConfig"
+        )
 
     def _build(self, seq_len: int, *steps) -> torch.Tensor:
         layout = self.setup_layout(seq_len)
@@ -100,7 +108,7 @@ class DenseSparsityConfig(SparsityConfig):
 def _set_window(layout: torch.Tensor, head: int, start: int, stop: int, unidirectional: bool) -> None:
     """Blocks [start, stop) attend to each other (to themselves and earlier ones if unidirectional)."""
     for row in range(start, stop):
-        layout[head, row, start:(row + 1 if unidirectional else stop)] = 1
+        layout[head, row, start : (row + 1 if unidirectional else stop)] = 1
 
 
 def _set_sliding_window(layout: torch.Tensor, head: int, window: int, backward_only: bool = False) -> None:
@@ -110,7 +118,7 @@ def _set_sliding_window(layout: torch.Tensor, head: int, window: int, backward_o
     half = window // 2
     for row in range(num_blocks):
         stop = row + 1 if backward_only else min(row + half + 1, num_blocks)
-        layout[head, row, max(0, row - half):stop] = 1
+        layout[head, row, max(0, row - half) : stop] = 1
 
 
 class FixedSparsityConfig(SparsityConfig):
@@ -122,22 +130,35 @@ class FixedSparsityConfig(SparsityConfig):
     attends to them, and with ``horizontal_global_attention`` they attend to every block.
     """
 
-    def __init__(self, num_heads: int, block: int = 16, different_layout_per_head: bool = False,
-                 num_local_blocks: int = 4, num_global_blocks: int = 1, attention: str = "bidirectional",
-                 horizontal_global_attention: bool = False, num_different_global_patterns: int = 1):
+    def __init__(
+        self,
+        num_heads: int,
+        block: int = 16,
+        different_layout_per_head: bool = False,
+        num_local_blocks: int = 4,
+        num_global_blocks: int = 1,
+        attention: str = "bidirectional",
+        horizontal_global_attention: bool = False,
+        num_different_global_patterns: int = 1,
+    ):
         super().__init__(num_heads, block, different_layout_per_head)
         if num_local_blocks % num_global_blocks != 0:
-            raise ValueError(f"num_local_blocks={num_local_blocks} must be a multiple of "
-                             f"num_global_blocks={num_global_blocks}")
+            raise ValueError(
+                f"num_local_blocks={num_local_blocks} must be a multiple of num_global_blocks={num_global_blocks}"
+            )
         _check_direction(attention)
         if attention != "bidirectional" and horizontal_global_attention:
             raise ValueError("horizontal_global_attention needs attention='bidirectional'")
         if num_different_global_patterns > 1 and not different_layout_per_head:
-            raise ValueError(f"num_different_global_patterns={num_different_global_patterns} needs "
-                             "different_layout_per_head=True (one layout cannot hold several patterns)")
+            raise ValueError(
+                f"num_different_global_patterns={num_different_global_patterns} needs "
+                "different_layout_per_head=True (one layout cannot hold several patterns)"
+            )
         if num_different_global_patterns > num_local_blocks // num_global_blocks:
-            raise ValueError(f"num_different_global_patterns={num_different_global_patterns} exceeds "
-                             f"num_local_blocks // num_global_blocks = {num_local_blocks // num_global_blocks}")
+            raise ValueError(
+                f"num_different_global_patterns={num_different_global_patterns} exceeds "
+                f"num_local_blocks // num_global_blocks = {num_local_blocks // num_global_blocks}"
+            )
         self.num_local_blocks = num_local_blocks
         self.num_global_blocks = num_global_blocks
         self.attention = attention
@@ -191,10 +212,18 @@ class VariableSparsityConfig(SparsityConfig):
     the whole row even for unidirectional attention, as in DeepSpeed.
     """
 
-    def __init__(self, num_heads: int, block: int = 16, different_layout_per_head: bool = False,
-                 num_random_blocks: int = 0, local_window_blocks: Sequence[int] = (4,),
-                 global_block_indices: Sequence[int] = (0,), global_block_end_indices: Sequence[int] | None = None,
-                 attention: str = "bidirectional", horizontal_global_attention: bool = False):
+    def __init__(
+        self,
+        num_heads: int,
+        block: int = 16,
+        different_layout_per_head: bool = False,
+        num_random_blocks: int = 0,
+        local_window_blocks: Sequence[int] = (4,),
+        global_block_indices: Sequence[int] = (0,),
+        global_block_end_indices: Sequence[int] | None = None,
+        attention: str = "bidirectional",
+        horizontal_global_attention: bool = False,
+    ):
         super().__init__(num_heads, block, different_layout_per_head)
         _check_global_windows(global_block_indices, global_block_end_indices)
         _check_direction(attention)
@@ -254,9 +283,16 @@ class BigBirdSparsityConfig(SparsityConfig):
     triangle of the layout.
     """
 
-    def __init__(self, num_heads: int, block: int = 16, different_layout_per_head: bool = False,
-                 num_random_blocks: int = 1, num_sliding_window_blocks: int = 3, num_global_blocks: int = 1,
-                 attention: str = "bidirectional"):
+    def __init__(
+        self,
+        num_heads: int,
+        block: int = 16,
+        different_layout_per_head: bool = False,
+        num_random_blocks: int = 1,
+        num_sliding_window_blocks: int = 3,
+        num_global_blocks: int = 1,
+        attention: str = "bidirectional",
+    ):
         super().__init__(num_heads, block, different_layout_per_head)
         _check_direction(attention)
         self.num_random_blocks = num_random_blocks
@@ -281,14 +317,13 @@ class BigBirdSparsityConfig(SparsityConfig):
     def set_global_layout_itc(self, h: int, layout: torch.Tensor) -> torch.Tensor:
         """The first ``num_global_blocks`` rows and columns ("internal transformer construction")."""
         _check_fits("num_global_blocks", self.num_global_blocks, layout.shape[1])
-        layout[h, :self.num_global_blocks, :] = 1
-        layout[h, :, :self.num_global_blocks] = 1
+        layout[h, : self.num_global_blocks, :] = 1
+        layout[h, :, : self.num_global_blocks] = 1
         return torch.tril(layout) if self.attention == "unidirectional" else layout
 
     def make_layout(self, seq_len: int) -> torch.Tensor:
         """Random, then sliding window, then global blocks, per layout head."""
-        return self._build(seq_len, self.set_random_layout, self.set_sliding_window_layout,
-                           self.set_global_layout_itc)
+        return self._build(seq_len, self.set_random_layout, self.set_sliding_window_layout, self.set_global_layout_itc)
 
 
 class BSLongformerSparsityConfig(SparsityConfig):
@@ -298,9 +333,16 @@ class BSLongformerSparsityConfig(SparsityConfig):
     and a global column; unidirectional keeps the lower triangle.
     """
 
-    def __init__(self, num_heads: int, block: int = 16, different_layout_per_head: bool = False,
-                 num_sliding_window_blocks: int = 3, global_block_indices: Sequence[int] = (0,),
-                 global_block_end_indices: Sequence[int] | None = None, attention: str = "bidirectional"):
+    def __init__(
+        self,
+        num_heads: int,
+        block: int = 16,
+        different_layout_per_head: bool = False,
+        num_sliding_window_blocks: int = 3,
+        global_block_indices: Sequence[int] = (0,),
+        global_block_end_indices: Sequence[int] | None = None,
+        attention: str = "bidirectional",
+    ):
         super().__init__(num_heads, block, different_layout_per_head)
         _check_global_windows(global_block_indices, global_block_end_indices)
         self.num_sliding_window_blocks = num_sliding_window_blocks
@@ -330,16 +372,16 @@ class LocalSlidingWindowSparsityConfig(SparsityConfig):
     """Only a sliding window: unidirectional (the default) sees the ``num_sliding_window_blocks // 2``
     previous blocks and its own; bidirectional also as many following blocks. One layout for all heads."""
 
-    def __init__(self, num_heads: int, block: int = 16, num_sliding_window_blocks: int = 3,
-                 attention: str = "unidirectional"):
+    def __init__(
+        self, num_heads: int, block: int = 16, num_sliding_window_blocks: int = 3, attention: str = "unidirectional"
+    ):
         super().__init__(num_heads, block)
         self.num_sliding_window_blocks = num_sliding_window_blocks
         self.attention = attention
 
     def set_sliding_window_layout(self, h: int, layout: torch.Tensor) -> torch.Tensor:
         """The window; backward-only unless bidirectional."""
-        _set_sliding_window(layout, h, self.num_sliding_window_blocks,
-                            backward_only=self.attention != "bidirectional")
+        _set_sliding_window(layout, h, self.num_sliding_window_blocks, backward_only=self.attention != "bidirectional")
         return layout
 
     def make_layout(self, seq_len: int) -> torch.Tensor:
@@ -353,15 +395,53 @@ class LocalSlidingWindowSparsityConfig(SparsityConfig):
 # `attention` added to bigbird and bslongformer, whose classes take it (DeepSpeed's dict drops it).
 _MODE_KEYS: dict[str, tuple[type[SparsityConfig], tuple[str, ...]]] = {
     "dense": (DenseSparsityConfig, ("block",)),
-    "fixed": (FixedSparsityConfig, ("block", "different_layout_per_head", "num_local_blocks", "num_global_blocks",
-                                    "attention", "horizontal_global_attention", "num_different_global_patterns")),
-    "variable": (VariableSparsityConfig, ("block", "different_layout_per_head", "num_random_blocks",
-                                          "local_window_blocks", "global_block_indices", "global_block_end_indices",
-                                          "attention", "horizontal_global_attention")),
-    "bigbird": (BigBirdSparsityConfig, ("block", "different_layout_per_head", "num_random_blocks",
-                                        "num_sliding_window_blocks", "num_global_blocks", "attention")),
-    "bslongformer": (BSLongformerSparsityConfig, ("block", "different_layout_per_head", "num_sliding_window_blocks",
-                                                  "global_block_indices", "global_block_end_indices", "attention")),
+    "fixed": (
+        FixedSparsityConfig,
+        (
+            "block",
+            "different_layout_per_head",
+            "num_local_blocks",
+            "num_global_blocks",
+            "attention",
+            "horizontal_global_attention",
+            "num_different_global_patterns",
+        ),
+    ),
+    "variable": (
+        VariableSparsityConfig,
+        (
+            "block",
+            "different_layout_per_head",
+            "num_random_blocks",
+            "local_window_blocks",
+            "global_block_indices",
+            "global_block_end_indices",
+            "attention",
+            "horizontal_global_attention",
+        ),
+    ),
+    "bigbird": (
+        BigBirdSparsityConfig,
+        (
+            "block",
+            "different_layout_per_head",
+            "num_random_blocks",
+            "num_sliding_window_blocks",
+            "num_global_blocks",
+            "attention",
+        ),
+    ),
+    "bslongformer": (
+        BSLongformerSparsityConfig,
+        (
+            "block",
+            "different_layout_per_head",
+            "num_sliding_window_blocks",
+            "global_block_indices",
+            "global_block_end_indices",
+            "attention",
+        ),
+    ),
 }
 
 
@@ -375,14 +455,21 @@ def build_sparsity_config(sparse_attention: Any, num_heads: int) -> SparsityConf
     if isinstance(sparse_attention, Mapping):
         sparse_attention = SparseAttentionConfig.model_validate(dict(sparse_attention))
     if not isinstance(sparse_attention, SparseAttentionConfig):
-        raise TypeError(f"expected the sparse_attention config block (a dict or SparseAttentionConfig), "
-                        f"got {type(sparse_attention).__name__}")
+        raise TypeError(
+            f"expected the sparse_attention config block (a dict or SparseAttentionConfig), "
+            f"got {type(sparse_attention).__name__}"
+        )
     cls, keys = _MODE_KEYS[sparse_attention.mode]
     return cls(num_heads, **{key: getattr(sparse_attention, key) for key in keys})
 
 
 __all__ = [
-    "SparsityConfig", "DenseSparsityConfig", "FixedSparsityConfig", "VariableSparsityConfig",
-    "BigBirdSparsityConfig", "BSLongformerSparsityConfig", "LocalSlidingWindowSparsityConfig",
+    "SparsityConfig",
+    "DenseSparsityConfig",
+    "FixedSparsityConfig",
+    "VariableSparsityConfig",
+    "BigBirdSparsityConfig",
+    "BSLongformerSparsityConfig",
+    "LocalSlidingWindowSparsityConfig",
     "build_sparsity_config",
 ]

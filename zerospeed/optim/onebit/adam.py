@@ -11,6 +11,7 @@ p. All tensors are compressed in one set of collectives, each with its own scale
 DeepSpeed compresses each alone. See Note [the engine's backward all-reduce] in base.py; at ZeRO-1/2,
 Note [1-bit Adam under ZeRO-1/2] there.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,18 +26,41 @@ class OnebitAdam(OneBitOptimizer):
     name = "1-bit Adam"
     sharded_refusal = None  # Note [1-bit Adam under ZeRO-1/2]
 
-    def __init__(self, params, deepspeed=None, lr: float = 1e-3, freeze_step: int = 100000,
-                 bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False,
-                 weight_decay: float = 0.0, max_grad_norm: float = 0.0, amsgrad: bool = False,
-                 cuda_aware: bool = False, comm_backend_name: str = "nccl"):
+    def __init__(
+        self,
+        params,
+        deepspeed=None,
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        bias_correction: bool = True,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        amsgrad: bool = False,
+        cuda_aware: bool = False,
+        comm_backend_name: str = "nccl",
+    ):
         check_max_grad_norm(max_grad_norm)
         self.freeze_step = freeze_step
         self.eps_inside_sqrt = eps_inside_sqrt
         self.adam_freeze_key = False
-        super().__init__(params, dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
-                                      weight_decay=weight_decay, max_grad_norm=max_grad_norm),
-                         deepspeed=deepspeed, cuda_aware=cuda_aware, comm_backend_name=comm_backend_name,
-                         amsgrad=amsgrad)
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                bias_correction=bias_correction,
+                betas=tuple(betas),
+                eps=eps,
+                weight_decay=weight_decay,
+                max_grad_norm=max_grad_norm,
+            ),
+            deepspeed=deepspeed,
+            cuda_aware=cuda_aware,
+            comm_backend_name=comm_backend_name,
+            amsgrad=amsgrad,
+        )
 
     def compressing(self) -> bool:
         return self.adam_freeze_key
@@ -78,7 +102,7 @@ class OnebitAdam(OneBitOptimizer):
         means = self._allreduce_many(pairs)
         for (m, _, group), mean in zip(compressed, means):
             m.copy_(self._masked(mean, group))
-        for (piece, _), mean in zip(segments, means[len(compressed):]):
+        for (piece, _), mean in zip(segments, means[len(compressed) :]):
             piece.copy_(mean)
         for p, state, group in work:
             d = denominator(state["exp_avg_sq"], group, state["step"], state["v_updates"], self.eps_inside_sqrt)

@@ -34,6 +34,7 @@ Other differences from DeepSpeed, on purpose: DeepSpeed's first `step()` only al
 leaves the parameters alone; here the first step is a real step. The compression errors are not saved
 in checkpoints and restart at zero after a load, as DeepSpeed does.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,13 +55,23 @@ class OneBitOptimizer(torch.optim.Optimizer):
     # Note [1-bit Adam under ZeRO-1/2]: why not, for an optimizer that cannot run on flat chunks
     sharded_refusal: str | None = "it does not run on ZeRO's flat chunks"
 
-    def __init__(self, params, defaults: dict, *, deepspeed=None, cuda_aware: bool = False,
-                 comm_backend_name: str = "nccl", amsgrad: bool = False):
+    def __init__(
+        self,
+        params,
+        defaults: dict,
+        *,
+        deepspeed=None,
+        cuda_aware: bool = False,
+        comm_backend_name: str = "nccl",
+        amsgrad: bool = False,
+    ):
         if amsgrad:
             raise ConfigError(f"{self.name} does not support the AMSGrad variant (optimizer.params.amsgrad)")
         if comm_backend_name not in BACKENDS:
-            raise ConfigError(f"optimizer.params.comm_backend_name={comm_backend_name!r}: expected one of {BACKENDS} "
-                              "(every name runs the compressed all-reduce through the job's own backend)")
+            raise ConfigError(
+                f"optimizer.params.comm_backend_name={comm_backend_name!r}: expected one of {BACKENDS} "
+                "(every name runs the compressed all-reduce through the job's own backend)"
+            )
         super().__init__(params, defaults)
         self.cuda_aware, self.comm_backend_name = cuda_aware, comm_backend_name
         self.deepspeed = None
@@ -91,26 +102,36 @@ class OneBitOptimizer(torch.optim.Optimizer):
         """Note [1-bit Adam under ZeRO-1/2]: what a sharded engine must be for this optimizer."""
         where = f"{self.name} with zero_optimization.stage {zero.stage}"
         if zero.stage >= 3:
-            raise ConfigError(f"{where}: stage 3 gathers every parameter from its shards in each forward, which "
-                              "costs more than the compression saves; use stage 0-2, or ZeRO++'s compressed "
-                              "collectives at stage 3 (zero_quantized_weights / zero_quantized_gradients, "
-                              "docs/comm_compression.md)")
+            raise ConfigError(
+                f"{where}: stage 3 gathers every parameter from its shards in each forward, which "
+                "costs more than the compression saves; use stage 0-2, or ZeRO++'s compressed "
+                "collectives at stage 3 (zero_quantized_weights / zero_quantized_gradients, "
+                "docs/comm_compression.md)"
+            )
         if self.sharded_refusal is not None:
-            raise ConfigError(f"{where}: not supported, {self.sharded_refusal}; use zero_optimization.stage 0, "
-                              "or OneBitAdam, which runs at stages 1 and 2")
+            raise ConfigError(
+                f"{where}: not supported, {self.sharded_refusal}; use zero_optimization.stage 0, "
+                "or OneBitAdam, which runs at stages 1 and 2"
+            )
         plan = getattr(zero, "plan", None)
         if plan is not None and plan.optimizer != "none":
-            raise ConfigError(f"{where}: zero_optimization.offload_optimizer is not supported (the compressed stage "
-                              "updates the momentum of the whole model on every rank); remove offload_optimizer")
+            raise ConfigError(
+                f"{where}: zero_optimization.offload_optimizer is not supported (the compressed stage "
+                "updates the momentum of the whole model on every rank); remove offload_optimizer"
+            )
         for key in ("exp_avg_mask", "non_freeze"):
             if any(key in g for g in self.param_groups):
-                raise ConfigError(f"{where}: the param-group key {key!r} names model parameters, which ZeRO "
-                                  "flattens into chunks; use zero_optimization.stage 0 with it")
+                raise ConfigError(
+                    f"{where}: the param-group key {key!r} names model parameters, which ZeRO "
+                    "flattens into chunks; use zero_optimization.stage 0 with it"
+                )
         sizes = {u.world_size for _, u in zero.local_gradient_units()}
         if sizes - {self.size}:
-            raise ConfigError(f"{where}: some parameters reduce over groups other than the data-parallel one "
-                              f"(sizes {sorted(sizes)} vs {self.size}: expert or tensor-parallel groups); use "
-                              "zero_optimization.stage 0")
+            raise ConfigError(
+                f"{where}: some parameters reduce over groups other than the data-parallel one "
+                f"(sizes {sorted(sizes)} vs {self.size}: expert or tensor-parallel groups); use "
+                "zero_optimization.stage 0"
+            )
 
     def _set_backward_allreduce(self, enabled: bool) -> None:
         if self.deepspeed is None:
@@ -128,8 +149,10 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
     def _check_bound(self) -> None:
         if self.deepspeed is None and backend.is_initialized() and backend.get_world_size() > 1:
-            raise RuntimeError(f"{self.name} was not bound to an engine: give it in the config's optimizer section "
-                               "(zerospeed.initialize builds and binds it), or call optimizer.bind_engine(engine)")
+            raise RuntimeError(
+                f"{self.name} was not bound to an engine: give it in the config's optimizer section "
+                "(zerospeed.initialize builds and binds it), or call optimizer.bind_engine(engine)"
+            )
 
     # -- compression -----------------------------------------------------------------------------
     def _errors(self, state: dict, numel: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,8 +169,9 @@ class OneBitOptimizer(torch.optim.Optimizer):
         if self.size == 1 or not pairs:
             return [t for t, _ in pairs]
         errors = [self._errors(state, t.numel(), t.device) for t, state in pairs]
-        return compressed_allreduce_many([t for t, _ in pairs], [w for w, _ in errors], [s for _, s in errors],
-                                         self.group)
+        return compressed_allreduce_many(
+            [t for t, _ in pairs], [w for w, _ in errors], [s for _, s in errors], self.group
+        )
 
     @staticmethod
     def _masked(t: torch.Tensor, group: dict) -> torch.Tensor:
@@ -167,8 +191,10 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
     def _segments(self, p: torch.Tensor, unit, full: torch.Tensor) -> list[tuple[torch.Tensor, dict]]:
         """Each parameter's piece of a whole momentum, with the state holding its compression errors."""
-        return [(full[s.offset:s.offset + s.numel], self._segment_states.setdefault((id(p), s.param), {}))
-                for s in unit.layout.segments]
+        return [
+            (full[s.offset : s.offset + s.numel], self._segment_states.setdefault((id(p), s.param), {}))
+            for s in unit.layout.segments
+        ]
 
     def unsaved_state_bytes(self) -> int:
         """Bytes held outside `self.state`: whole momenta (ZeRO-1/2) and per-segment errors. (The
@@ -221,8 +247,14 @@ class OneBitOptimizer(torch.optim.Optimizer):
         so the stage switches only once the whole step is done. Unsharded, a parameter that never got
         a gradient (never stepped) does not hold the switch back."""
         if self.shards:
-            return min((int(self.state[p].get("step", 0)) if p in self.state else 0
-                        for g in self.param_groups for p in g["params"]), default=0)
+            return min(
+                (
+                    int(self.state[p].get("step", 0)) if p in self.state else 0
+                    for g in self.param_groups
+                    for p in g["params"]
+                ),
+                default=0,
+            )
         return min((int(s["step"]) for s in self.state.values() if "step" in s), default=0)
 
 
@@ -231,7 +263,7 @@ def denominator(v: torch.Tensor, group: dict, step: int, v_updates: int, eps_ins
     b1, b2 = group["betas"]
     eps = group["eps"]
     if group.get("bias_correction", True):
-        c1, c2 = 1 - b1 ** step, 1 - b2 ** max(v_updates, 1)
+        c1, c2 = 1 - b1**step, 1 - b2 ** max(v_updates, 1)
         v = v / c2
     else:
         c1 = 1.0
@@ -246,5 +278,7 @@ def decay(update: torch.Tensor, p: torch.Tensor, group: dict) -> torch.Tensor:
 
 def check_max_grad_norm(value) -> None:
     if value:
-        raise ConfigError("optimizer.params.max_grad_norm: not supported (DeepSpeed's 1-bit optimizers ignore it "
-                          "too); use the top-level gradient_clipping")
+        raise ConfigError(
+            "optimizer.params.max_grad_norm: not supported (DeepSpeed's 1-bit optimizers ignore it "
+            "too); use the top-level gradient_clipping"
+        )

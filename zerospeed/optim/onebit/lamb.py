@@ -13,6 +13,7 @@ g' = (m - b1 m_prev) / (1 - b1), keeps v' fresh, and the trust ratio is c_frozen
     f = max(D(v) / D(v'))   (mixed with 1 by the share of wd in ||u||),
 clipped to [factor_min, factor_max] and to within factor_threshold of the previous step's f.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,15 +28,30 @@ class OnebitLamb(OneBitOptimizer):
 
     name = "1-bit LAMB"
     # Note [1-bit Adam under ZeRO-1/2]
-    sharded_refusal = ("its trust ratio is a norm of each whole parameter, which ZeRO's flat chunks cut "
-                       "apart")
+    sharded_refusal = "its trust ratio is a norm of each whole parameter, which ZeRO's flat chunks cut apart"
 
-    def __init__(self, params, deepspeed=None, lr: float = 1e-3, freeze_step: int = 100000,
-                 bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8, eps_inside_sqrt: bool = False,
-                 weight_decay: float = 0.0, max_grad_norm: float = 0.0, max_coeff: float = 10.0,
-                 min_coeff: float = 0.01, amsgrad: bool = False, cuda_aware: bool = False,
-                 comm_backend_name: str = "nccl", coeff_beta: float = 0.9, factor_max: float = 4.0,
-                 factor_min: float = 0.5, factor_threshold: float = 0.1):
+    def __init__(
+        self,
+        params,
+        deepspeed=None,
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        bias_correction: bool = True,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        amsgrad: bool = False,
+        cuda_aware: bool = False,
+        comm_backend_name: str = "nccl",
+        coeff_beta: float = 0.9,
+        factor_max: float = 4.0,
+        factor_min: float = 0.5,
+        factor_threshold: float = 0.1,
+    ):
         check_max_grad_norm(max_grad_norm)
         self.freeze_step = freeze_step
         self.coeff_beta, self.factor_max, self.factor_min = coeff_beta, factor_max, factor_min
@@ -43,11 +59,23 @@ class OnebitLamb(OneBitOptimizer):
         self.lamb_freeze_key = False
         self.lamb_coeffs: list[float] = []
         self._flat_state: dict = {}  # the flat momentum's compression errors
-        super().__init__(params, dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
-                                      weight_decay=weight_decay, max_grad_norm=max_grad_norm, max_coeff=max_coeff,
-                                      min_coeff=min_coeff),
-                         deepspeed=deepspeed, cuda_aware=cuda_aware, comm_backend_name=comm_backend_name,
-                         amsgrad=amsgrad)
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                bias_correction=bias_correction,
+                betas=tuple(betas),
+                eps=eps,
+                weight_decay=weight_decay,
+                max_grad_norm=max_grad_norm,
+                max_coeff=max_coeff,
+                min_coeff=min_coeff,
+            ),
+            deepspeed=deepspeed,
+            cuda_aware=cuda_aware,
+            comm_backend_name=comm_backend_name,
+            amsgrad=amsgrad,
+        )
 
     def compressing(self) -> bool:
         return self.lamb_freeze_key
@@ -60,11 +88,18 @@ class OnebitLamb(OneBitOptimizer):
         loss = closure() if closure is not None else None
         self._check_bound()
         self.lamb_coeffs = []
-        for p, group in self._params():
+        for p, _group in self._params():
             state = self.state[p]
             if "step" not in state:
-                state.update(step=0, v_updates=0, lamb_coeff_freeze=0.0, last_factor=1.0, exp_avg=torch.zeros_like(p),
-                             exp_avg_sq=torch.zeros_like(p), exp_avg_sq_fresh=torch.zeros_like(p))
+                state.update(
+                    step=0,
+                    v_updates=0,
+                    lamb_coeff_freeze=0.0,
+                    last_factor=1.0,
+                    exp_avg=torch.zeros_like(p),
+                    exp_avg_sq=torch.zeros_like(p),
+                    exp_avg_sq_fresh=torch.zeros_like(p),
+                )
         if self.lamb_freeze_key:
             self._compressed_step()
         else:
@@ -119,7 +154,7 @@ class OnebitLamb(OneBitOptimizer):
         offset = 0
         for (p, group), s, m_prev in zip(pairs, states, last):
             m = s["exp_avg"]
-            m.copy_(flat[offset:offset + m.numel()].view_as(m))
+            m.copy_(flat[offset : offset + m.numel()].view_as(m))
             offset += m.numel()
             m.div_(s["scaling_coeff"])
             self._masked(m, group)

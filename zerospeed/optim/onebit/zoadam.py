@@ -13,6 +13,7 @@ The interval doubles every local_step_scaler steps up to local_step_clipper.
 Every update is p -= lr (m / D + wd p), D = sqrt(v) + eps (with bias correction, Note [1-bit bias
 correction] in base.py). See Note [the engine's backward all-reduce].
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,24 +26,48 @@ class ZeroOneAdam(OneBitOptimizer):
 
     name = "0/1 Adam"
     # Note [1-bit Adam under ZeRO-1/2]
-    sharded_refusal = ("its local steps give every rank weights of its own, and ZeRO keeps one owner per "
-                       "weight chunk")
+    sharded_refusal = "its local steps give every rank weights of its own, and ZeRO keeps one owner per weight chunk"
 
-    def __init__(self, params, deepspeed=None, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
-                 eps: float = 1e-8, eps_inside_sqrt: bool = False, weight_decay: float = 0.0,
-                 max_grad_norm: float = 0.0, var_freeze_step: int = 100000, var_update_scaler: int = 16,
-                 local_step_scaler: int = 32678, local_step_clipper: int = 16, amsgrad: bool = False,
-                 cuda_aware: bool = False, comm_backend_name: str = "nccl"):
+    def __init__(
+        self,
+        params,
+        deepspeed=None,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        var_freeze_step: int = 100000,
+        var_update_scaler: int = 16,
+        local_step_scaler: int = 32678,
+        local_step_clipper: int = 16,
+        amsgrad: bool = False,
+        cuda_aware: bool = False,
+        comm_backend_name: str = "nccl",
+    ):
         check_max_grad_norm(max_grad_norm)
         self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
         self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
         self.eps_inside_sqrt = eps_inside_sqrt
         self.freeze_key = False
         self._errors_reset = False
-        super().__init__(params, dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
-                                      weight_decay=weight_decay, max_grad_norm=max_grad_norm),
-                         deepspeed=deepspeed, cuda_aware=cuda_aware, comm_backend_name=comm_backend_name,
-                         amsgrad=amsgrad)
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                bias_correction=bias_correction,
+                betas=tuple(betas),
+                eps=eps,
+                weight_decay=weight_decay,
+                max_grad_norm=max_grad_norm,
+            ),
+            deepspeed=deepspeed,
+            cuda_aware=cuda_aware,
+            comm_backend_name=comm_backend_name,
+            amsgrad=amsgrad,
+        )
 
     def compressing(self) -> bool:
         """The next step's gradients arrive unreduced unless it is a full-precision variance step."""
@@ -92,15 +117,16 @@ class ZeroOneAdam(OneBitOptimizer):
                     p.sub_(u)  # undo the local steps ...
                     u.mul_(d)  # ... and average them in momentum units
                     syncing.append((p, s, group, d))
-        for (p, s, group, d), mean in zip(syncing, self._allreduce_many([(s["momentum_accumulator"], s)
-                                                                           for _, s, _, _ in syncing])):
+        for (p, s, group, d), mean in zip(
+            syncing, self._allreduce_many([(s["momentum_accumulator"], s) for _, s, _, _ in syncing])
+        ):
             u = s["momentum_accumulator"]
             u.copy_(self._masked(mean, group))
             s["exp_avg"].copy_(u / -s["lrs"])
             p.add_(u / d)
             u.zero_()
             s["lrs"] = 0.0
-        for p, s, group in work:
+        for _p, s, _group in work:
             self._advance_schedule(s)
         if not self.freeze_key and self._first_step() > self.var_freeze_step:
             self.freeze_key = True
@@ -113,9 +139,18 @@ class ZeroOneAdam(OneBitOptimizer):
     def _state(self, p) -> dict:
         state = self.state[p]
         if not state:
-            state.update(step=0, v_updates=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
-                         var_interval=1, var_counter=0, local_step_interval=1, local_step_counter=0, lrs=0.0,
-                         momentum_accumulator=torch.zeros_like(p))
+            state.update(
+                step=0,
+                v_updates=0,
+                exp_avg=torch.zeros_like(p),
+                exp_avg_sq=torch.zeros_like(p),
+                var_interval=1,
+                var_counter=0,
+                local_step_interval=1,
+                local_step_counter=0,
+                lrs=0.0,
+                momentum_accumulator=torch.zeros_like(p),
+            )
         state["step"] += 1
         return state
 

@@ -21,6 +21,7 @@ the full model whatever the tp degree that wrote them, and load at any stage cou
 data-parallel size. ZeRO-1/2 flat files stay per rank (`..._mp_rank_TT_...` under tp) and load into
 the same layout only.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,9 +32,9 @@ import torch
 from zerospeed import comm
 from zerospeed.checkpoint.atomic import atomic_torch_save, atomic_write_text
 from zerospeed.checkpoint.naming import check_load_dir, check_save_dir
-from zerospeed.utils.errors import ConfigError
 from zerospeed.parallel.tensor.partition import take
 from zerospeed.parallel.tensor.state import gather_full, param_layouts
+from zerospeed.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +45,15 @@ def layer_file(idx: int, kind: str = "model") -> str:
 
 def _layout(engine) -> dict:
     m = engine.module
-    return {"num_layers": m.num_layers, "pp": m.num_stages, "dp": m.grid.dp, "tp": m.grid.tp, "chunks": m.chunks,
-            "bounds": list(m.bounds), "zero_stage": engine.zero.stage}
+    return {
+        "num_layers": m.num_layers,
+        "pp": m.num_stages,
+        "dp": m.grid.dp,
+        "tp": m.grid.tp,
+        "chunks": m.chunks,
+        "bounds": list(m.bounds),
+        "zero_stage": engine.zero.stage,
+    }
 
 
 class _TensorParallel:
@@ -67,8 +75,10 @@ class _TensorParallel:
         specs = self.specs.get(id(param))
         local = full if specs is None else take(full, specs[self.rank])
         if local.shape != param.shape:
-            raise ConfigError(f"{where}: saved tensor of shape {tuple(full.shape)} does not give this rank's piece "
-                              f"of shape {tuple(param.shape)} (a different model width or layer list?)")
+            raise ConfigError(
+                f"{where}: saved tensor of shape {tuple(full.shape)} does not give this rank's piece "
+                f"of shape {tuple(param.shape)} (a different model width or layer list?)"
+            )
         return local
 
     def module_state(self, mod: torch.nn.Module) -> dict:
@@ -119,10 +129,14 @@ def save_pipeline_checkpoint(engine, save_dir, tag=None, client_state=None, save
         if engine.zero.replicated_state and engine.optimizer is not None:
             _save_layer_optim(engine, path, tp, writes)
     if not engine.zero.replicated_state and engine.optimizer is not None:
-        masters = [e.master.detach().cpu().clone() for e in engine.zero.shard_entries(
-            {id(p): n for n, p in module.named_parameters()})]
-        atomic_torch_save({"optimizer": engine.optimizer.state_dict(), "masters": masters, "layout": _layout(engine)},
-                          path / _flat_file(engine))
+        masters = [
+            e.master.detach().cpu().clone()
+            for e in engine.zero.shard_entries({id(p): n for n, p in module.named_parameters()})
+        ]
+        atomic_torch_save(
+            {"optimizer": engine.optimizer.state_dict(), "masters": masters, "layout": _layout(engine)},
+            path / _flat_file(engine),
+        )
     if comm.get_rank() == 0:
         atomic_torch_save(_engine_state(engine, client_state), path / "engine_states.pt")
     comm.barrier()
@@ -143,9 +157,14 @@ def _save_layer_optim(engine, path: Path, tp: _TensorParallel, writes: bool) -> 
     where = _param_layers(engine)
     per_layer: dict[int, dict] = {}
     for master, param in _masters(engine):
-        state = {k: (tp.full(v, param) if isinstance(v, torch.Tensor) and v.shape == master.shape else
-                     (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v))
-                 for k, v in engine.optimizer.state.get(master, {}).items()}
+        state = {
+            k: (
+                tp.full(v, param)
+                if isinstance(v, torch.Tensor) and v.shape == master.shape
+                else (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
+            )
+            for k, v in engine.optimizer.state.get(master, {}).items()
+        }
         full_master = tp.full(master, param)
         for idx, name in where.get(id(param), []):
             per_layer.setdefault(idx, {})[name] = {"master": full_master, "state": state}
@@ -156,16 +175,27 @@ def _save_layer_optim(engine, path: Path, tp: _TensorParallel, writes: bool) -> 
 
 def _engine_state(engine, client_state) -> dict:
     opt = engine.optimizer
-    return {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-            "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
-            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-            "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] if opt else None,
-            "client_state": client_state or {}, "layout": _layout(engine)}
+    return {
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "skipped_steps": engine.skipped_steps,
+        "micro_steps": engine.micro_steps,
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] if opt else None,
+        "client_state": client_state or {},
+        "layout": _layout(engine),
+    }
 
 
-def load_pipeline_checkpoint(engine, load_dir, tag=None, strict: bool = True, load_optimizer_states: bool = True,
-                             load_lr_scheduler_states: bool = True):
+def load_pipeline_checkpoint(
+    engine,
+    load_dir,
+    tag=None,
+    strict: bool = True,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+):
     """Restore module states (any stage count); optimizer states as the module docstring says.
 
     Returns (path, client_state), or (None, None) when there is no checkpoint to load.
@@ -202,8 +232,10 @@ def _load_modules(engine, path: Path, strict: bool) -> None:
             continue
         file = path / layer_file(idx)
         if not file.exists():
-            raise FileNotFoundError(f"{file}: layer {idx} of this model has no saved state (was the checkpoint "
-                                    "written by a different layer list?)")
+            raise FileNotFoundError(
+                f"{file}: layer {idx} of this model has no saved state (was the checkpoint "
+                "written by a different layer list?)"
+            )
         state = tp.load_module(mod, torch.load(file, map_location="cpu", weights_only=True), file)
         mod.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=strict)
 
@@ -215,14 +247,18 @@ def _load_optimizer(engine, path: Path, saved: dict) -> None:
             group.update(hparams)
     if here["zero_stage"] == 0:
         if saved["layout"]["zero_stage"] != 0:
-            raise ConfigError(f"{path}: optimizer states were saved with ZeRO stage {saved['layout']['zero_stage']} "
-                              "and load only into that stage and layout; pass load_optimizer_states=False")
+            raise ConfigError(
+                f"{path}: optimizer states were saved with ZeRO stage {saved['layout']['zero_stage']} "
+                "and load only into that stage and layout; pass load_optimizer_states=False"
+            )
         _load_layer_optim(engine, path)
         return
     if {k: saved["layout"].get(k, 1 if k == "tp" else None) for k in here} != here:
-        raise ConfigError(f"{path}: ZeRO-1 optimizer states were saved by layout {saved['layout']} and this job is "
-                          f"{here}; they load only into the same layout. Pass load_optimizer_states=False to load "
-                          "the module states alone, or save with ZeRO stage 0 to reshard optimizer states")
+        raise ConfigError(
+            f"{path}: ZeRO-1 optimizer states were saved by layout {saved['layout']} and this job is "
+            f"{here}; they load only into the same layout. Pass load_optimizer_states=False to load "
+            "the module states alone, or save with ZeRO stage 0 to reshard optimizer states"
+        )
     file = path / _flat_file(engine)
     state = torch.load(file, map_location=engine.device, weights_only=False)
     engine.optimizer.load_state_dict(state["optimizer"])
@@ -247,8 +283,13 @@ def _load_layer_optim(engine, path: Path) -> None:
             full = entry["master"]
             master.copy_(tp.piece(full, param, f"{file} [{name}]"))
             engine.optimizer.state[master] = {
-                k: (tp.piece(v, param, f"{file} [{name}.{k}]").to(engine.device)
-                    if isinstance(v, torch.Tensor) and v.shape == full.shape and v.dim() > 0 else
-                    v.to(engine.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
-                for k, v in entry["state"].items()}
+                k: (
+                    tp.piece(v, param, f"{file} [{name}.{k}]").to(engine.device)
+                    if isinstance(v, torch.Tensor) and v.shape == full.shape and v.dim() > 0
+                    else v.to(engine.device)
+                    if isinstance(v, torch.Tensor) and v.dim() > 0
+                    else v
+                )
+                for k, v in entry["state"].items()
+            }
     engine.zero.sync_params_from_masters()

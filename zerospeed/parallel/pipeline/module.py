@@ -15,11 +15,13 @@ given `topology=mesh` (its groups are reused, not made twice). Everything that p
 stages (activations, tied weights, the loss broadcast) pairs ranks with the same data- and
 tensor-parallel index, so each tp rank of a stage talks to the same tp rank of the next one.
 """
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,9 +29,9 @@ from torch.utils.checkpoint import checkpoint
 
 from zerospeed import comm
 from zerospeed.comm.mesh import ParallelMesh
-from zerospeed.utils.errors import ConfigError
 from zerospeed.parallel.pipeline.partition import partition
 from zerospeed.parallel.pipeline.topology import ProcessTopology
+from zerospeed.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +60,15 @@ class TiedLayerSpec(LayerSpec):
     embedding's weight). `tied_weight_attr` may be a dotted path or a list of them.
     """
 
-    def __init__(self, key: str, typename: type, *module_args: Any, forward_fn: Callable | None = None,
-                 tied_weight_attr: str | list[str] = "weight", **module_kwargs: Any):
+    def __init__(
+        self,
+        key: str,
+        typename: type,
+        *module_args: Any,
+        forward_fn: Callable | None = None,
+        tied_weight_attr: str | list[str] = "weight",
+        **module_kwargs: Any,
+    ):
         super().__init__(typename, *module_args, **module_kwargs)
         self.key = key
         self.forward_fn = forward_fn
@@ -103,11 +112,18 @@ def get_attr_path(obj: Any, path: str) -> Any:
 class PipelineModule(nn.Module):
     """The part of a layered model that this rank runs; see the module docstring."""
 
-    def __init__(self, layers: list, num_stages: int | None = None,
-                 topology: comm.RankGrid | ProcessTopology | ParallelMesh | None = None,
-                 loss_fn: Callable | None = None, seed_layers: bool = False, base_seed: int = 1234,
-                 partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
-                 chunks: int = 1):
+    def __init__(
+        self,
+        layers: list,
+        num_stages: int | None = None,
+        topology: comm.RankGrid | ProcessTopology | ParallelMesh | None = None,
+        loss_fn: Callable | None = None,
+        seed_layers: bool = False,
+        base_seed: int = 1234,
+        partition_method: str = "parameters",
+        activation_checkpoint_interval: int = 0,
+        chunks: int = 1,
+    ):
         super().__init__()
         if not layers:
             raise ConfigError("PipelineModule: `layers` is empty")
@@ -116,21 +132,26 @@ class PipelineModule(nn.Module):
         comm.init_distributed()
         mesh = topology if isinstance(topology, ParallelMesh) else None
         if mesh is not None and mesh.grid is None:
-            raise ConfigError("PipelineModule: the mesh given as topology wraps an mpu's groups and has no rank grid; "
-                              "build it with ParallelMesh.build(pp=..., tp=...) instead")
+            raise ConfigError(
+                "PipelineModule: the mesh given as topology wraps an mpu's groups and has no rank grid; "
+                "build it with ParallelMesh.build(pp=..., tp=...) instead"
+            )
         self.grid = _resolve_grid(num_stages, mesh.grid if mesh is not None else topology, comm.get_world_size())
         self.num_stages, self.chunks = self.grid.pp, chunks
         if chunks < 1 or (chunks > 1 and self.num_stages < 2):
-            raise ConfigError(f"PipelineModule: chunks={chunks}: interleaving needs chunks >= 1 and at least "
-                              "2 stages")
+            raise ConfigError(f"PipelineModule: chunks={chunks}: interleaving needs chunks >= 1 and at least 2 stages")
         self._layer_specs = list(layers)
         self.loss_fn = loss_fn
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.partition_method = partition_method
-        self.bounds = partition(partition_method, class_names=[_class_name(l) for l in layers],
-                                param_counts=[_param_count(l) for l in layers] if
-                                partition_method.lower() in ("parameters", "best") else [0] * len(layers),
-                                num_parts=self.num_stages * chunks)
+        self.bounds = partition(
+            partition_method,
+            class_names=[_class_name(l) for l in layers],
+            param_counts=[_param_count(l) for l in layers]
+            if partition_method.lower() in ("parameters", "best")
+            else [0] * len(layers),
+            num_parts=self.num_stages * chunks,
+        )
         self.global_rank = comm.get_rank()
         self.stage_id = self.grid.coords(self.global_rank)["pp"]
         self.ties = self._tie_infos()
@@ -140,8 +161,12 @@ class PipelineModule(nn.Module):
         self.layer_modules = nn.ModuleDict()
         self._funcs: dict[int, Callable] = {}
         self._build(seed_layers, base_seed)
-        logger.info("pipeline stage %d/%d holds layers %s", self.stage_id, self.num_stages,
-                    [list(self.layer_range(c)) for c in range(chunks)])
+        logger.info(
+            "pipeline stage %d/%d holds layers %s",
+            self.stage_id,
+            self.num_stages,
+            [list(self.layer_range(c)) for c in range(chunks)],
+        )
 
     # -- layout ------------------------------------------------------------------------------------
     def virtual_stage(self, chunk: int, stage: int | None = None) -> int:
@@ -244,8 +269,10 @@ class PipelineModule(nn.Module):
     def forward(self, x: Any) -> Any:
         """The whole model; only defined when one rank holds every layer (a single stage)."""
         if self.num_stages != 1:
-            raise RuntimeError("PipelineModule.forward runs the whole model only with one stage; with "
-                               f"{self.num_stages} stages use engine.train_batch() / eval_batch()")
+            raise RuntimeError(
+                "PipelineModule.forward runs the whole model only with one stage; with "
+                f"{self.num_stages} stages use engine.train_batch() / eval_batch()"
+            )
         return self.forward_chunk(0, x)
 
     # -- per-layer state (checkpoints) -----------------------------------------------------------
@@ -261,8 +288,9 @@ class PipelineModule(nn.Module):
         return len(self._layer_specs)
 
 
-def _resolve_grid(num_stages: int | None, topology: comm.RankGrid | ProcessTopology | None,
-                  world: int) -> comm.RankGrid:
+def _resolve_grid(
+    num_stages: int | None, topology: comm.RankGrid | ProcessTopology | None, world: int
+) -> comm.RankGrid:
     if isinstance(topology, ProcessTopology):  # DeepSpeed's PipeDataParallelTopology & co.
         try:
             topology = topology.to_grid()
@@ -270,13 +298,16 @@ def _resolve_grid(num_stages: int | None, topology: comm.RankGrid | ProcessTopol
             raise ConfigError(f"PipelineModule: {exc}") from None
     if topology is not None:
         if topology.world_size != world:
-            raise ConfigError(f"PipelineModule: topology {topology.shape} has {topology.world_size} ranks but "
-                              f"the job has {world}")
+            raise ConfigError(
+                f"PipelineModule: topology {topology.shape} has {topology.world_size} ranks but the job has {world}"
+            )
         if num_stages is not None and num_stages != topology.pp:
             raise ConfigError(f"PipelineModule: num_stages={num_stages} disagrees with topology pp={topology.pp}")
         if topology.sp != 1 or topology.ep != 1:
-            raise ConfigError(f"PipelineModule: topology {topology.shape} has sequence- or expert-parallel ranks; "
-                              "pipelines combine with data and tensor parallelism only (sp = ep = 1)")
+            raise ConfigError(
+                f"PipelineModule: topology {topology.shape} has sequence- or expert-parallel ranks; "
+                "pipelines combine with data and tensor parallelism only (sp = ep = 1)"
+            )
         return topology
     if num_stages is None:
         raise ConfigError("PipelineModule: give num_stages or topology")

@@ -2,6 +2,7 @@
 
 Part k holds layers [bounds[k], bounds[k+1]). Every part gets at least one layer.
 """
+
 from __future__ import annotations
 
 import re
@@ -13,8 +14,10 @@ def _check(num_items: int, num_parts: int) -> None:
     if num_parts < 1:
         raise ValueError(f"need at least one part, got {num_parts}")
     if num_items < num_parts:
-        raise ConfigError(f"cannot split {num_items} layers into {num_parts} pipeline parts: every stage "
-                          "(and virtual stage) needs at least one layer; use fewer stages or more layers")
+        raise ConfigError(
+            f"cannot split {num_items} layers into {num_parts} pipeline parts: every stage "
+            "(and virtual stage) needs at least one layer; use fewer stages or more layers"
+        )
 
 
 def partition_uniform(num_items: int, num_parts: int) -> list[int]:
@@ -64,8 +67,10 @@ def partition_by_type(class_names: list[str], pattern: str, num_parts: int) -> l
     regex = re.compile(pattern, re.IGNORECASE)
     matched = [i for i, name in enumerate(class_names) if regex.search(name)]
     if len(matched) < num_parts:
-        raise ConfigError(f"partition_method 'type:{pattern}': {len(matched)} layer(s) match "
-                          f"({sorted(set(class_names))}), fewer than the {num_parts} parts to fill")
+        raise ConfigError(
+            f"partition_method 'type:{pattern}': {len(matched)} layer(s) match "
+            f"({sorted(set(class_names))}), fewer than the {num_parts} parts to fill"
+        )
     counts = partition_uniform(len(matched), num_parts)
     return [0] + [matched[counts[k]] for k in range(1, num_parts)] + [len(class_names)]
 
@@ -78,6 +83,5 @@ def partition(method: str, *, class_names: list[str], param_counts: list[int], n
     if low in ("parameters", "best"):
         return partition_balanced([float(c) for c in param_counts], num_parts)
     if low.startswith("type:"):
-        return partition_by_type(class_names, method[len("type:"):], num_parts)
-    raise ConfigError(f"partition_method={method!r}: unknown method; use 'uniform', 'parameters' or "
-                      "'type:<regex>'")
+        return partition_by_type(class_names, method[len("type:") :], num_parts)
+    raise ConfigError(f"partition_method={method!r}: unknown method; use 'uniform', 'parameters' or 'type:<regex>'")

@@ -15,10 +15,11 @@ hoist, interleaved 1F1B deadlocks when a send cannot complete before its receive
 NCCL transfers): rank 0 sends an activation while rank 1 sends a gradient, each waiting for the other
 (the simulator's "rendezvous" mode finds it; Megatron fuses the same pairs).
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 
 @dataclass(frozen=True)
@@ -93,8 +94,10 @@ def _check(stage: int, stages: int, micro_batches: int, chunks: int) -> None:
     if chunks > 1 and stages < 2:
         raise ValueError("interleaving (chunks > 1) needs at least 2 pipeline stages")
     if chunks > 1 and micro_batches % stages:
-        raise ValueError(f"the interleaved schedule needs micro-batches ({micro_batches}) divisible by "
-                         f"the number of stages ({stages})")
+        raise ValueError(
+            f"the interleaved schedule needs micro-batches ({micro_batches}) divisible by "
+            f"the number of stages ({stages})"
+        )
 
 
 def _forward_order(k: int, stages: int, chunks: int) -> tuple[int, int]:
@@ -152,8 +155,9 @@ def _hoist_receives(instrs: Iterator[Instruction]) -> Iterator[Instruction]:
     yield from loads
 
 
-def fill_drain(stage: int, stages: int, micro_batches: int, chunks: int = 1,
-               train: bool = False) -> Iterator[Instruction]:
+def fill_drain(
+    stage: int, stages: int, micro_batches: int, chunks: int = 1, train: bool = False
+) -> Iterator[Instruction]:
     """GPipe: every forward, then (training only) every backward in reverse order, then the step.
 
     Evaluation uses it with `train=False`; as a training schedule it holds the activations of all

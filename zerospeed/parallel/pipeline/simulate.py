@@ -14,12 +14,19 @@ Two models of a send are checked:
 
 A schedule that passes "rendezvous" also passes "eager".
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zerospeed.parallel.pipeline.schedules import (Instruction, RecvActivation, RecvGrad, SendActivation,
-                                                   SendGrad, is_comm)
+from zerospeed.parallel.pipeline.schedules import (
+    Instruction,
+    RecvActivation,
+    RecvGrad,
+    SendActivation,
+    SendGrad,
+    is_comm,
+)
 
 MODES = ("eager", "rendezvous")
 
@@ -30,11 +37,11 @@ class ScheduleError(RuntimeError):
 
 @dataclass(frozen=True)
 class Message:
-    kind: str          # "act" or "grad"
+    kind: str  # "act" or "grad"
     micro_batch: int
-    sender_vs: int     # the virtual stage that produced it
-    src: int           # sender rank
-    dst: int           # receiver rank
+    sender_vs: int  # the virtual stage that produced it
+    src: int  # sender rank
+    dst: int  # receiver rank
 
 
 def message_of(instr: Instruction, rank: int, stages: int) -> tuple[str, Message]:
@@ -81,15 +88,17 @@ def _match(schedules: list[list[Instruction]]) -> dict[tuple[int, int], tuple[in
         s, r = sends.get(channel, []), recvs.get(channel, [])
         for k, (sent, got) in enumerate(zip(s, r)):
             if sent[0] != got[0]:
-                raise ScheduleError(f"channel {channel[0]}->{channel[1]}: message {k} is sent as {sent[0]} "
-                                    f"but received as {got[0]}")
+                raise ScheduleError(
+                    f"channel {channel[0]}->{channel[1]}: message {k} is sent as {sent[0]} but received as {got[0]}"
+                )
             pairs[(sent[1], sent[2])] = (got[1], got[2])
             pairs[(got[1], got[2])] = (sent[1], sent[2])
         if len(s) != len(r):
-            extra = s[len(r):] or r[len(s):]
+            extra = s[len(r) :] or r[len(s) :]
             what = "sent but never received" if len(s) > len(r) else "received but never sent"
-            raise ScheduleError(f"channel {channel[0]}->{channel[1]}: {abs(len(s) - len(r))} message(s) "
-                                f"{what}, first {extra[0][0]}")
+            raise ScheduleError(
+                f"channel {channel[0]}->{channel[1]}: {abs(len(s) - len(r))} message(s) {what}, first {extra[0][0]}"
+            )
     return pairs
 
 
@@ -125,8 +134,9 @@ def simulate(schedules: list[list[Instruction]], mode: str = "rendezvous") -> in
     while any(p < len(u) for p, u in zip(pos, units)):
         movable = [r for r in range(len(schedules)) if pos[r] < len(units[r]) and ready(r)]
         if not movable:
-            stuck = {r: [schedules[r][i] for i in units[r][pos[r]]] for r in range(len(schedules))
-                     if pos[r] < len(units[r])}
+            stuck = {
+                r: [schedules[r][i] for i in units[r][pos[r]]] for r in range(len(schedules)) if pos[r] < len(units[r])
+            }
             raise ScheduleError(f"deadlock ({mode}): ranks are stuck at {stuck}")
         for r in movable:  # all units posted now complete together
             pos[r] += 1

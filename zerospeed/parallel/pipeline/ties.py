@@ -7,6 +7,7 @@ hands the sum (`acc`) to the strategy in one extra backward at the end of the ba
 gradients through its hooks). The stages' copies stay identical because they start equal (broadcast
 from the lowest stage) and step on identical gradients.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,11 +24,16 @@ class TiedGradients:
         self.module = module
         self.params: dict[str, list[torch.nn.Parameter]] = {
             key: [get_attr_path(module.tied_modules[key], a) for a in module.ties[key].attrs]
-            for key in module.tie_groups}
+            for key in module.tie_groups
+        }
         self.acc = {id(p): torch.zeros_like(p, dtype=torch.float32) for ps in self.params.values() for p in ps}
         self.capturing = True
-        self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
-                       for ps in self.params.values() for p in ps if p.requires_grad]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
+            for ps in self.params.values()
+            for p in ps
+            if p.requires_grad
+        ]
         self.duplicate_sq_norm = 0.0
 
     @torch.no_grad()

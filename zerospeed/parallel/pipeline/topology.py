@@ -3,6 +3,7 @@
 Pure views, kept for code written against DeepSpeed's names; `to_grid()` gives the equivalent
 `comm.RankGrid` (pipe -> pp, data -> dp, model -> tp), which is what zerospeed itself uses.
 """
+
 from __future__ import annotations
 
 from collections import namedtuple
@@ -34,12 +35,15 @@ class ProcessTopology:
     def get_rank(self, **coord_kwargs: int) -> int:
         """The rank at a full set of coordinates, e.g. `get_rank(pipe=1, data=0, model=1)`."""
         if sorted(coord_kwargs) != sorted(self.axes):
-            raise ValueError(f"get_rank() needs exactly the axes {self.axes}, got {sorted(coord_kwargs)}; "
-                             "it does not support slices, use filter_match()")
+            raise ValueError(
+                f"get_rank() needs exactly the axes {self.axes}, got {sorted(coord_kwargs)}; "
+                "it does not support slices, use filter_match()"
+            )
         key = self.ProcessCoord(**coord_kwargs)
         if key not in self.mapping:
-            raise ValueError(f"coordinates {dict(coord_kwargs)} are outside the topology "
-                             f"{dict(zip(self.axes, self.dims))}")
+            raise ValueError(
+                f"coordinates {dict(coord_kwargs)} are outside the topology {dict(zip(self.axes, self.dims))}"
+            )
         return self.mapping[key]
 
     def get_axis_names(self) -> list[str]:
@@ -49,8 +53,9 @@ class ProcessTopology:
     def get_rank_repr(self, rank: int, omit_axes=("data", "pipe"), inner_sep: str = "_", outer_sep: str = "-") -> str:
         """`rank`'s coordinates as a string such as 'model_01' (DeepSpeed's checkpoint file names)."""
         coord = self.get_coord(rank)
-        return outer_sep.join(f"{axis}{inner_sep}{getattr(coord, axis):02d}" for axis in self.axes
-                              if axis not in set(omit_axes))
+        return outer_sep.join(
+            f"{axis}{inner_sep}{getattr(coord, axis):02d}" for axis in self.axes if axis not in set(omit_axes)
+        )
 
     def get_dim(self, axis: str) -> int:
         """The number of ranks along `axis` (0 if the topology has no such axis, as in DeepSpeed)."""
@@ -75,8 +80,11 @@ class ProcessTopology:
 
     def filter_match(self, **filter_kwargs: int) -> list[int]:
         """The ranks whose coordinates match every given axis value, e.g. `filter_match(pipe=0, data=1)`."""
-        return [rank for rank, coord in enumerate(self._coords)
-                if all(getattr(coord, axis) == value for axis, value in filter_kwargs.items())]
+        return [
+            rank
+            for rank, coord in enumerate(self._coords)
+            if all(getattr(coord, axis) == value for axis, value in filter_kwargs.items())
+        ]
 
     def get_axis_list(self, axis: str, idx: int) -> list[int]:
         """The ranks whose coordinate along `axis` is `idx`."""
@@ -89,8 +97,10 @@ class ProcessTopology:
         """The equivalent RankGrid (pipe -> pp, data -> dp, model -> tp)."""
         split = [a for a in self.axes if self.get_dim(a) > 1]
         if any(a not in _GRID_AXIS for a in self.axes) or split != [a for a in _GRID_AXIS if a in split]:
-            raise ValueError(f"topology axes {self.axes} (dims {self.dims}) have no RankGrid equivalent: a RankGrid "
-                             "has the axes 'pipe', 'data', 'model', slowest first; use PipeModelDataParallelTopology")
+            raise ValueError(
+                f"topology axes {self.axes} (dims {self.dims}) have no RankGrid equivalent: a RankGrid "
+                "has the axes 'pipe', 'data', 'model', slowest first; use PipeModelDataParallelTopology"
+            )
         return RankGrid(**{_GRID_AXIS[a]: self.get_dim(a) for a in self.axes})
 
     def __str__(self) -> str:

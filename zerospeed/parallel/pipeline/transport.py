@@ -11,6 +11,7 @@ A message travels as one transfer of bytes: a lone tensor as its own bytes, a tu
 into one buffer at 16-byte-aligned offsets (copied out again on arrival) — Note [one transfer per
 message]. Bytes let every dtype of `_DTYPES` cross NCCL too (NCCL has no int16).
 """
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,18 @@ from zerospeed import comm
 from zerospeed.comm.p2p import warm_up
 
 META_LEN = 96
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool]
+_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
 _MAX_DIMS = 8
 
 
@@ -47,8 +58,9 @@ def as_tensors(value: Any, what: str) -> tuple[bool, list[torch.Tensor]]:
     items = list(value) if isinstance(value, (tuple, list)) else [value]
     for i, t in enumerate(items):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{what}: pipeline messages must be tensors or tuples of tensors; item {i} is "
-                            f"{type(t).__name__}")
+            raise TypeError(
+                f"{what}: pipeline messages must be tensors or tuples of tensors; item {i} is {type(t).__name__}"
+            )
     return isinstance(value, (tuple, list)), items
 
 
@@ -73,8 +85,10 @@ def encode(meta: MessageMeta, key: tuple | None = None) -> torch.Tensor:
             raise ValueError(f"pipeline messages carry at most {_MAX_DIMS} dimensions, got shape {t.shape}")
         out += [_DTYPES.index(t.dtype), int(t.requires_grad), len(t.shape), *t.shape]
     if len(out) > META_LEN - 1:
-        raise ValueError(f"pipeline message layout needs {len(out)} integers, more than {META_LEN} "
-                         "less the one naming the channel: send fewer tensors per message")
+        raise ValueError(
+            f"pipeline message layout needs {len(out)} integers, more than {META_LEN} "
+            "less the one naming the channel: send fewer tensors per message"
+        )
     code = channel_code(key) if key is not None else 0
     return torch.tensor(out + [0] * (META_LEN - 1 - len(out)) + [code], dtype=torch.int64)
 
@@ -84,7 +98,7 @@ def decode(buf: torch.Tensor) -> MessageMeta:
     n, is_tuple, pos, tensors = vals[0], bool(vals[1]), 2, []
     for _ in range(n):
         dtype, rg, ndim = _DTYPES[vals[pos]], bool(vals[pos + 1]), vals[pos + 2]
-        tensors.append(TensorMeta(dtype, rg, tuple(vals[pos + 3:pos + 3 + ndim])))
+        tensors.append(TensorMeta(dtype, rg, tuple(vals[pos + 3 : pos + 3 + ndim])))
         pos += 3 + ndim
     return MessageMeta(is_tuple, tuple(tensors))
 
@@ -195,15 +209,17 @@ def pack(tensors: list[torch.Tensor], meta: MessageMeta) -> torch.Tensor | None:
     out = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
     for t, off in zip(tensors, offsets):
         b = _wire(t)
-        out[off:off + b.numel()].copy_(b)
+        out[off : off + b.numel()].copy_(b)
     return out
 
 
 def unpack(buf: torch.Tensor, meta: MessageMeta) -> list[torch.Tensor]:
     """The tensors of a packed message (each its own copy, so autograd sees independent leaves)."""
     offsets, _ = packed_offsets(meta)
-    return [buf[off:off + math.prod(t.shape) * t.dtype.itemsize].view(t.dtype).view(t.shape).clone()
-            for t, off in zip(meta.tensors, offsets)]
+    return [
+        buf[off : off + math.prod(t.shape) * t.dtype.itemsize].view(t.dtype).view(t.shape).clone()
+        for t, off in zip(meta.tensors, offsets)
+    ]
 
 
 class Transport:
@@ -247,7 +263,7 @@ class Transport:
             handles += comm.batch_isend_irecv(wires)
             posted += wires
             if layouts:  # the new keys' data receives (next group) need these decoded first
-                for h in handles[len(handles) - len(wires):]:
+                for h in handles[len(handles) - len(wires) :]:
                     h.wait()
                 for op, buf in layouts:
                     self._learn(op, buf.cpu())
@@ -268,9 +284,11 @@ class Transport:
             if op.key not in self._sent:
                 self._sent[op.key] = meta
             elif meta.tensors != self._sent[op.key].tensors:
-                raise RuntimeError(f"pipeline message {op.key} changed layout from {self._sent[op.key]} to "
-                                   f"{meta}: shapes are negotiated once; keep micro-batch shapes fixed or "
-                                   "call engine.reset_activation_shape() on every rank")
+                raise RuntimeError(
+                    f"pipeline message {op.key} changed layout from {self._sent[op.key]} to "
+                    f"{meta}: shapes are negotiated once; keep micro-batch shapes fixed or "
+                    "call engine.reset_activation_shape() on every rank"
+                )
             _, items = as_tensors(op.value, f"message {op.key}")
             out[i] = pack([t.detach().contiguous() for t in items], meta)
         return out
@@ -278,8 +296,10 @@ class Transport:
     def _learn(self, op: RecvOp, buf: torch.Tensor) -> None:
         code = int(buf[-1])
         if code != channel_code(op.key):
-            raise RuntimeError(f"pipeline message {op.key}: the layout that arrived from rank {op.peer} belongs to "
-                               "another channel (the two stages ran different schedules or message orders)")
+            raise RuntimeError(
+                f"pipeline message {op.key}: the layout that arrived from rank {op.peer} belongs to "
+                "another channel (the two stages ran different schedules or message orders)"
+            )
         self._received[op.key] = decode(buf)
 
     def _receive_into(self, i: int, op: RecvOp, received: dict) -> torch.Tensor | None:

@@ -19,6 +19,7 @@ the same vocabulary split (sharing the embedding's shard when the weights are ti
 `loss_function` the vocabulary-parallel causal-LM loss, so `model(ids, labels=labels).loss` is the
 plain model's loss while `.logits` holds this rank's vocabulary slice.
 """
+
 from __future__ import annotations
 
 import json
@@ -105,21 +106,35 @@ class _Sharder:
         if rule.shape:
             unit = head_dim if head_dim else 1
             sizes = P.fused_sizes(list(rule.shape), out)
-            return tuple(P.fused_spec(sizes, self.tp, r, unit=unit, what=f"{name}.weight (fused, {rule.source})")
-                         for r in range(self.tp))
+            return tuple(
+                P.fused_spec(sizes, self.tp, r, unit=unit, what=f"{name}.weight (fused, {rule.source})")
+                for r in range(self.tp)
+            )
         if head_dim and out % head_dim == 0 and out // head_dim in (self.heads, self.kv_heads):
             kv = out // head_dim == self.kv_heads and self.kv_heads != self.heads
             n = out // head_dim
-            return tuple(P.heads_spec(P.head_layout(self.heads, self.kv_heads, self.tp, r, f"attention of {name!r}"),
-                                      head_dim, n, kv) for r in range(self.tp))
+            return tuple(
+                P.heads_spec(
+                    P.head_layout(self.heads, self.kv_heads, self.tp, r, f"attention of {name!r}"), head_dim, n, kv
+                )
+                for r in range(self.tp)
+            )
         return tuple(P.column_spec(out, self.tp, r, f"out_features of {name}") for r in range(self.tp))
 
     def row_specs(self, name: str, parent: nn.Module, weight: torch.Tensor) -> P.Specs:
         inp = weight.shape[1]
         head_dim = getattr(parent, "head_dim", None) if self.heads else None
         if head_dim and inp == self.heads * head_dim:  # the attention output: split by query heads
-            return tuple(P.heads_spec(P.head_layout(self.heads, self.kv_heads, self.tp, r, f"attention of {name!r}"),
-                                      head_dim, self.heads, kv=False, dim=1) for r in range(self.tp))
+            return tuple(
+                P.heads_spec(
+                    P.head_layout(self.heads, self.kv_heads, self.tp, r, f"attention of {name!r}"),
+                    head_dim,
+                    self.heads,
+                    kv=False,
+                    dim=1,
+                )
+                for r in range(self.tp)
+            )
         return tuple(P.row_spec(inp, self.tp, r, f"in_features of {name}") for r in range(self.tp))
 
     def shard_linear(self, name: str, module: nn.Module, rule: Rule) -> None:
@@ -131,11 +146,13 @@ class _Sharder:
         weight, transposed = _full_weight(module)
         bias = module.bias.detach() if module.bias is not None else None
         if rule.kind == "column":
-            new = ColumnParallelLinear.from_full(weight, bias, group=self.group, gather_output=False,
-                                                 specs=self.column_specs(name, parent, weight, rule))
+            new = ColumnParallelLinear.from_full(
+                weight, bias, group=self.group, gather_output=False, specs=self.column_specs(name, parent, weight, rule)
+            )
         else:
-            new = RowParallelLinear.from_full(weight, bias, group=self.group, input_is_parallel=True,
-                                              specs=self.row_specs(name, parent, weight))
+            new = RowParallelLinear.from_full(
+                weight, bias, group=self.group, input_is_parallel=True, specs=self.row_specs(name, parent, weight)
+            )
         new.source_transposed = transposed
         setattr(parent, child, new)
         self.report.layers[name] = rule.kind
@@ -184,11 +201,18 @@ def _shard_vocab(model: nn.Module, group, report: ShardReport) -> None:
         else:
             tp = emb.tp_size
             if out.weight.shape[0] != emb.num_embeddings:
-                raise ValueError(f"output head {out_name!r} has {out.weight.shape[0]} rows but the input embedding "
-                                 f"{emb.num_embeddings}; AutoTP splits both by the same vocabulary ranges")
+                raise ValueError(
+                    f"output head {out_name!r} has {out.weight.shape[0]} rows but the input embedding "
+                    f"{emb.num_embeddings}; AutoTP splits both by the same vocabulary ranges"
+                )
             specs = tuple(P.vocab_spec(emb.num_embeddings, tp, r) for r in range(tp))
-            head = ColumnParallelLinear.from_full(out.weight.detach(), None if out.bias is None else out.bias.detach(),
-                                                  group=group, specs=specs, gather_output=False)
+            head = ColumnParallelLinear.from_full(
+                out.weight.detach(),
+                None if out.bias is None else out.bias.detach(),
+                group=group,
+                specs=specs,
+                gather_output=False,
+            )
         model.set_output_embeddings(head)
         report.layers[out_name] = "vocab (tied)" if tied else "vocab"
         if hasattr(type(model), "loss_function"):
@@ -201,25 +225,39 @@ def _suggest_rule(name: str) -> str:
     return json.dumps({"patterns": [r"^" + r"\.".join(parts) + r"\.weight$"], "partition_type": "skip"})
 
 
-def shard_model(model: nn.Module, group, *, partition_config: Any = None, preset_model: str | None = None,
-                vocab_parallel: bool = True) -> ShardReport:
+def shard_model(
+    model: nn.Module,
+    group,
+    *,
+    partition_config: Any = None,
+    preset_model: str | None = None,
+    vocab_parallel: bool = True,
+) -> ShardReport:
     """Shard `model` in place over the tp `group` (every rank of it calls this with the same full model)."""
     config = text_config_of(model)
     model_type = getattr(config, "model_type", None)
-    rules = resolve_rules(partition_config=partition_config, tp_plans=tp_plans_of(model), model_type=model_type,
-                          preset_model=preset_model)
-    skip = {id(m) for m in (model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None,
-                            model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None)
-            if m is not None}
+    rules = resolve_rules(
+        partition_config=partition_config, tp_plans=tp_plans_of(model), model_type=model_type, preset_model=preset_model
+    )
+    skip = {
+        id(m)
+        for m in (
+            model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None,
+            model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None,
+        )
+        if m is not None
+    }
     linears = [(n, m) for n, m in model.named_modules() if is_linear_layer(m) and id(m) not in skip]
     matched = [(n, m, first_match(f"{n}.weight", rules)) for n, m in linears]
     missing = [n for n, _, rule in matched if rule is None]
     if missing:
         what = "no partition rules (no preset, no tp_plan, no partition_config)" if not rules else "no rule matches"
-        raise ValueError(f"AutoTP cannot shard this {type(model).__name__} (model_type {model_type!r}): {what} for "
-                         f"{len(missing)} layer(s): {missing[:6]}{' ...' if len(missing) > 6 else ''}. Add "
-                         f"tensor_parallel.partition_config.layer_specs rules, e.g. {_suggest_rule(missing[0])} "
-                         "with partition_type column, row or skip")
+        raise ValueError(
+            f"AutoTP cannot shard this {type(model).__name__} (model_type {model_type!r}): {what} for "
+            f"{len(missing)} layer(s): {missing[:6]}{' ...' if len(missing) > 6 else ''}. Add "
+            f"tensor_parallel.partition_config.layer_specs rules, e.g. {_suggest_rule(missing[0])} "
+            "with partition_type column, row or skip"
+        )
     sharder = _Sharder(model, group, rules)
     for name, module, rule in matched:
         sharder.shard_linear(name, module, rule)
@@ -228,9 +266,18 @@ def shard_model(model: nn.Module, group, *, partition_config: Any = None, preset
     return sharder.report
 
 
-def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = None, *, group=None, mesh=None,
-                  partition_config: Any = None, preset_model: str | None = None, vocab_parallel: bool = True,
-                  checkpoint: Any = None) -> nn.Module:
+def tp_model_init(
+    model: nn.Module,
+    tp_size: int,
+    dtype: torch.dtype | None = None,
+    *,
+    group=None,
+    mesh=None,
+    partition_config: Any = None,
+    preset_model: str | None = None,
+    vocab_parallel: bool = True,
+    checkpoint: Any = None,
+) -> nn.Module:
     """DeepSpeed's `tp_model_init(model, tp_size, dtype)`: cast (when `dtype` is given) and shard `model` in
     place over the tp group — `mesh.group("tp")`, or `group` — whose size must be `tp_size`.
 
@@ -238,9 +285,11 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
     file or list of files to load the weights from after sharding, each rank reading only its slices
     (load.py). Meant for a model built on the meta device, which needs one."""
     if checkpoint is None and any(p.is_meta for p in model.parameters()):
-        raise ValueError(f"tp_model_init: {type(model).__name__} is on the meta device and has no weights; pass "
-                         f"checkpoint=<save_pretrained directory or safetensors files>, e.g. "
-                         f"tp_model_init(model, {tp_size}, checkpoint=path), to load this rank's shards")
+        raise ValueError(
+            f"tp_model_init: {type(model).__name__} is on the meta device and has no weights; pass "
+            f"checkpoint=<save_pretrained directory or safetensors files>, e.g. "
+            f"tp_model_init(model, {tp_size}, checkpoint=path), to load this rank's shards"
+        )
     if group is None and mesh is None and backend.get_world_size() != tp_size:
         mesh = ParallelMesh.build(tp=tp_size)  # collective, as DeepSpeed's own tp group creation is
     if group is None and mesh is not None:
@@ -252,8 +301,9 @@ def tp_model_init(model: nn.Module, tp_size: int, dtype: torch.dtype | None = No
         files = safetensors_files(checkpoint)  # before sharding: a bad path fails fast
     if dtype is not None:
         model.to(dtype)
-    shard_model(model, group, partition_config=partition_config, preset_model=preset_model,
-                vocab_parallel=vocab_parallel)
+    shard_model(
+        model, group, partition_config=partition_config, preset_model=preset_model, vocab_parallel=vocab_parallel
+    )
     if files is not None:
         load_shards(model, files)
     return model

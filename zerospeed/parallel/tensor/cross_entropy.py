@@ -8,6 +8,7 @@ the shifted exponentials (all-reduce sum), and the target's shifted logit, which
 local: softmax_v - [v == target], scaled by the incoming gradient. So per token the traffic is three
 floats, whatever the vocabulary; the largest tensor is the local [tokens, vocab/tp] shard.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,9 +49,15 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad_NV.to(ctx.in_dtype), None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits_local: torch.Tensor, target: torch.Tensor, group, *,
-                                 vocab_start: int | None = None, ignore_index: int = -100,
-                                 reduction: str = "mean") -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits_local: torch.Tensor,
+    target: torch.Tensor,
+    group,
+    *,
+    vocab_start: int | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
     """`F.cross_entropy(full_logits, target, ignore_index=..., reduction=...)` computed from this rank's
     vocabulary shard `logits_local` [..., V/tp]; Note [vocab-parallel cross-entropy].
 
@@ -61,13 +68,16 @@ def vocab_parallel_cross_entropy(logits_local: torch.Tensor, target: torch.Tenso
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if logits_local.shape[:-1] != target.shape:
-        raise ValueError(f"logits {tuple(logits_local.shape)} and target {tuple(target.shape)} disagree: the "
-                         "logits need one more (vocabulary) dimension than the target")
+        raise ValueError(
+            f"logits {tuple(logits_local.shape)} and target {tuple(target.shape)} disagree: the "
+            "logits need one more (vocabulary) dimension than the target"
+        )
     if vocab_start is None:
         vocab_start = backend.get_rank(group) * logits_local.shape[-1]
     shape = target.shape
-    loss = _VocabParallelCE.apply(logits_local.reshape(-1, logits_local.shape[-1]), target.reshape(-1), group,
-                                  vocab_start, ignore_index)
+    loss = _VocabParallelCE.apply(
+        logits_local.reshape(-1, logits_local.shape[-1]), target.reshape(-1), group, vocab_start, ignore_index
+    )
     if reduction == "none":
         return loss.view(shape)
     if reduction == "sum":
@@ -83,18 +93,28 @@ class VocabParallelCausalLMLoss:
     def __init__(self, group, vocab_start: int):
         self.group, self.vocab_start = group, vocab_start
 
-    def __call__(self, logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index: int = -100,
-                 shift_labels=None, **kwargs):
+    def __call__(
+        self,
+        logits,
+        labels,
+        vocab_size=None,
+        num_items_in_batch=None,
+        ignore_index: int = -100,
+        shift_labels=None,
+        **kwargs,
+    ):
         if shift_labels is None:
             labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
             shift_labels = labels[..., 1:]
         target = shift_labels.reshape(-1).to(logits.device)
         flat = logits.reshape(-1, logits.shape[-1])
         if num_items_in_batch is None:
-            return vocab_parallel_cross_entropy(flat, target, self.group, vocab_start=self.vocab_start,
-                                                ignore_index=ignore_index)
-        total = vocab_parallel_cross_entropy(flat, target, self.group, vocab_start=self.vocab_start,
-                                             ignore_index=ignore_index, reduction="sum")
+            return vocab_parallel_cross_entropy(
+                flat, target, self.group, vocab_start=self.vocab_start, ignore_index=ignore_index
+            )
+        total = vocab_parallel_cross_entropy(
+            flat, target, self.group, vocab_start=self.vocab_start, ignore_index=ignore_index, reduction="sum"
+        )
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(total.device)
         return total / num_items_in_batch

@@ -12,10 +12,11 @@ full weight (`from_full`, `from_linear`), so that tensor-parallel runs start fro
 a one-process reference; built from sizes, it initialises the *full* weight on every rank with the
 same generator state and keeps its slice, so the model does not depend on the tp size.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -71,8 +72,11 @@ class TensorParallelModule(nn.Module):
     def checkpoint_layouts(self) -> dict[str, TPLayout | None]:
         """How each own parameter is split over the tp group (Note [canonical tensors] in
         checkpoint/tensor_parallel.py); None for one every rank holds whole."""
-        return {name: None if specs is None else TPLayout(tuple(specs), self._transposed(name))
-                for name, specs in self.shard_specs.items() if getattr(self, name) is not None}
+        return {
+            name: None if specs is None else TPLayout(tuple(specs), self._transposed(name))
+            for name, specs in self.shard_specs.items()
+            if getattr(self, name) is not None
+        }
 
     def full_parameter(self, name: str) -> torch.Tensor:
         """Collective over the tp group: own parameter `name` whole, in the layout of the model before it was
@@ -90,10 +94,10 @@ def gather_full(local: torch.Tensor, specs: Specs | None, group) -> torch.Tensor
     dim = specs[0].dim
     piece = local.detach().movedim(dim, 0)
     padded = piece.new_zeros((width, *piece.shape[1:]))
-    padded[:piece.shape[0]] = piece
+    padded[: piece.shape[0]] = piece
     out = padded.new_empty((tp, *padded.shape))
     backend.all_gather_into_tensor(out, padded.contiguous().view(-1), group=group)  # flat: see mappings.py
-    pieces = [out[r, :specs[r].local_size].movedim(0, dim) for r in range(tp)]
+    pieces = [out[r, : specs[r].local_size].movedim(0, dim) for r in range(tp)]
     return assemble(pieces, list(specs))
 
 
@@ -117,19 +121,37 @@ class ColumnParallelLinear(TensorParallelModule):
     reduce-scatters) instead of the copy-to-region all-reduce of the backward.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = True, *,
-                 group, sequence_parallel: bool = False, sequence_dim: int = 0,
-                 init_method: Callable[[torch.Tensor], None] | None = None,
-                 dtype: torch.dtype | None = None, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        gather_output: bool = True,
+        *,
+        group,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 0,
+        init_method: Callable[[torch.Tensor], None] | None = None,
+        dtype: torch.dtype | None = None,
+        device=None,
+    ):
         full_w, full_b = _full_linear(in_features, out_features, bias, init_method, dtype, device)
         tp = backend.get_world_size(group)
         specs = tuple(column_spec(out_features, tp, r) for r in range(tp))
         self._build(full_w, full_b, specs, group, gather_output, sequence_parallel, sequence_dim)
 
     @classmethod
-    def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None, *, group, specs: Specs | None = None,
-                  gather_output: bool = True, sequence_parallel: bool = False,
-                  sequence_dim: int = 0) -> "ColumnParallelLinear":
+    def from_full(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        group,
+        specs: Specs | None = None,
+        gather_output: bool = True,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 0,
+    ) -> ColumnParallelLinear:
         """This rank's slice of a full [out, in] weight (and [out] bias); `specs` (one per rank) for a fused
         or head-aware layout, default an even split of the outputs."""
         layer = cls.__new__(cls)
@@ -139,12 +161,18 @@ class ColumnParallelLinear(TensorParallelModule):
         return layer
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, group, **kwargs) -> "ColumnParallelLinear":
+    def from_linear(cls, linear: nn.Linear, *, group, **kwargs) -> ColumnParallelLinear:
         return cls.from_full(linear.weight, linear.bias, group=group, **kwargs)
 
     @classmethod
-    def tied_to(cls, embedding: "VocabParallelEmbedding", *, gather_output: bool = False,
-                sequence_parallel: bool = False, sequence_dim: int = 0) -> "ColumnParallelLinear":
+    def tied_to(
+        cls,
+        embedding: VocabParallelEmbedding,
+        *,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 0,
+    ) -> ColumnParallelLinear:
         """An output head sharing `embedding`'s (vocab-sharded) weight: the tied weight is sharded once."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
@@ -153,7 +181,11 @@ class ColumnParallelLinear(TensorParallelModule):
         layer.weight = embedding.weight  # the same Parameter: one shard, two uses
         layer.register_parameter("bias", None)
         layer.shard_specs = {"weight": embedding.shard_specs["weight"]}
-        layer.gather_output, layer.sequence_parallel, layer.sequence_dim = gather_output, sequence_parallel, sequence_dim
+        layer.gather_output, layer.sequence_parallel, layer.sequence_dim = (
+            gather_output,
+            sequence_parallel,
+            sequence_dim,
+        )
         layer._replica = None
         return layer
 
@@ -163,8 +195,10 @@ class ColumnParallelLinear(TensorParallelModule):
         if len(specs) != self.tp_size:
             raise ValueError(f"{len(specs)} shard layouts for a tp group of {self.tp_size} ranks")
         if gather_output and not all(s.contiguous and s.replicas == 1 for s in specs):
-            raise ValueError("gather_output=True needs plain contiguous column slices; a fused or replicated "
-                             "layout's gathered output would not be in the full weight's order")
+            raise ValueError(
+                "gather_output=True needs plain contiguous column slices; a fused or replicated "
+                "layout's gathered output would not be in the full weight's order"
+            )
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         mine = specs[self.tp_rank]
         self.weight = _param(weight, mine)
@@ -191,8 +225,10 @@ class ColumnParallelLinear(TensorParallelModule):
         return y
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"(local {self.weight.shape[0]}), tp={self.tp_size}, gather_output={self.gather_output}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(local {self.weight.shape[0]}), tp={self.tp_size}, gather_output={self.gather_output}"
+        )
 
 
 class RowParallelLinear(TensorParallelModule):
@@ -204,23 +240,41 @@ class RowParallelLinear(TensorParallelModule):
     ColumnParallelLinear with gather_output=False); otherwise the full x is split here.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = False, *,
-                 group, sequence_parallel: bool = False, sequence_dim: int = 0,
-                 init_method: Callable[[torch.Tensor], None] | None = None,
-                 dtype: torch.dtype | None = None, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        input_is_parallel: bool = False,
+        *,
+        group,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 0,
+        init_method: Callable[[torch.Tensor], None] | None = None,
+        dtype: torch.dtype | None = None,
+        device=None,
+    ):
         full_w, full_b = _full_linear(in_features, out_features, bias, init_method, dtype, device)
         self._build(full_w, full_b, None, group, input_is_parallel, sequence_parallel, sequence_dim)
 
     @classmethod
-    def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None, *, group, specs: Specs | None = None,
-                  input_is_parallel: bool = False, sequence_parallel: bool = False,
-                  sequence_dim: int = 0) -> "RowParallelLinear":
+    def from_full(
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        *,
+        group,
+        specs: Specs | None = None,
+        input_is_parallel: bool = False,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 0,
+    ) -> RowParallelLinear:
         layer = cls.__new__(cls)
         layer._build(weight, bias, specs, group, input_is_parallel, sequence_parallel, sequence_dim)
         return layer
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, group, **kwargs) -> "RowParallelLinear":
+    def from_linear(cls, linear: nn.Linear, *, group, **kwargs) -> RowParallelLinear:
         return cls.from_full(linear.weight, linear.bias, group=group, **kwargs)
 
     def _build(self, weight, bias, specs, group, input_is_parallel, sequence_parallel, sequence_dim) -> None:
@@ -233,8 +287,11 @@ class RowParallelLinear(TensorParallelModule):
         self.shard_specs = {"weight": specs}
         if bias is not None:
             self.shard_specs["bias"] = None  # replicated: added after the reduction, once
-        self.input_is_parallel, self.sequence_parallel, self.sequence_dim = (input_is_parallel, sequence_parallel,
-                                                                             sequence_dim)
+        self.input_is_parallel, self.sequence_parallel, self.sequence_dim = (
+            input_is_parallel,
+            sequence_parallel,
+            sequence_dim,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -248,8 +305,10 @@ class RowParallelLinear(TensorParallelModule):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
-                f"tp={self.tp_size}, input_is_parallel={self.input_is_parallel}")
+        return (
+            f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
+            f"tp={self.tp_size}, input_is_parallel={self.input_is_parallel}"
+        )
 
 
 class VocabParallelEmbedding(TensorParallelModule):
@@ -257,10 +316,19 @@ class VocabParallelEmbedding(TensorParallelModule):
     vocab % tp ranks hold one row more). Each rank looks up the ids it owns, zeros the others, and an
     all-reduce (or, with `sequence_parallel`, a reduce-scatter along `sequence_dim`) sums the rows."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *, group,
-                 sequence_parallel: bool = False, sequence_dim: int = 0,
-                 init_method: Callable[[torch.Tensor], None] | None = None,
-                 dtype: torch.dtype | None = None, device=None):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        *,
+        group,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 0,
+        init_method: Callable[[torch.Tensor], None] | None = None,
+        dtype: torch.dtype | None = None,
+        device=None,
+    ):
         full = torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device)
         (init_method or nn.init.normal_)(full)
         if padding_idx is not None:
@@ -269,14 +337,21 @@ class VocabParallelEmbedding(TensorParallelModule):
         self._build(full, padding_idx, group, sequence_parallel, sequence_dim)
 
     @classmethod
-    def from_full(cls, weight: torch.Tensor, padding_idx: int | None = None, *, group,
-                  sequence_parallel: bool = False, sequence_dim: int = 0) -> "VocabParallelEmbedding":
+    def from_full(
+        cls,
+        weight: torch.Tensor,
+        padding_idx: int | None = None,
+        *,
+        group,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 0,
+    ) -> VocabParallelEmbedding:
         layer = cls.__new__(cls)
         layer._build(weight, padding_idx, group, sequence_parallel, sequence_dim)
         return layer
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, *, group, **kwargs) -> "VocabParallelEmbedding":
+    def from_embedding(cls, embedding: nn.Embedding, *, group, **kwargs) -> VocabParallelEmbedding:
         return cls.from_full(embedding.weight, embedding.padding_idx, group=group, **kwargs)
 
     def _build(self, weight, padding_idx, group, sequence_parallel, sequence_dim) -> None:
@@ -285,7 +360,7 @@ class VocabParallelEmbedding(TensorParallelModule):
         self.num_embeddings, self.embedding_dim = weight.shape
         specs = tuple(vocab_spec(self.num_embeddings, self.tp_size, r) for r in range(self.tp_size))
         self.shard_specs = {"weight": specs}
-        (self.vocab_start, n), = specs[self.tp_rank].segments
+        ((self.vocab_start, n),) = specs[self.tp_rank].segments
         self.vocab_end = self.vocab_start + n
         self.weight = _param(weight, specs[self.tp_rank])
         self.padding_idx = padding_idx
@@ -303,5 +378,7 @@ class VocabParallelEmbedding(TensorParallelModule):
         return mappings.reduce_from_tensor_region(rows, self.group)
 
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end}), "
-                f"tp={self.tp_size}")
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end}), "
+            f"tp={self.tp_size}"
+        )

@@ -21,6 +21,7 @@ construction — on the meta device they are empty shells. transformers recomput
 loads a model built on meta, through the model's `_init_weights(module)`; the loader calls that for the
 modules holding such buffers (and only for them) before loading parameters.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerospeed.utils.errors import ConfigError
 from zerospeed.parallel.tensor.partition import ShardSpec
+from zerospeed.utils.errors import ConfigError
 
 _INDEX_SUFFIX = ".safetensors.index.json"
 
@@ -56,8 +57,10 @@ def safetensors_files(checkpoint: Any) -> list[str]:
             return safetensors_files(os.path.join(path, indexes[0]))
         found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         if not found:
-            raise ConfigError(f"checkpoint: directory {path!r} has no .safetensors files (save it with "
-                              "save_pretrained(..., safe_serialization=True), or convert its .bin files)")
+            raise ConfigError(
+                f"checkpoint: directory {path!r} has no .safetensors files (save it with "
+                "save_pretrained(..., safe_serialization=True), or convert its .bin files)"
+            )
         return [os.path.join(path, f) for f in found]
     if not os.path.exists(path):
         raise ConfigError(f"checkpoint: {path!r} does not exist")
@@ -65,7 +68,7 @@ def safetensors_files(checkpoint: Any) -> list[str]:
         with open(path) as f:
             weight_map = json.load(f).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            raise ConfigError(f"checkpoint: {path!r} has no \"weight_map\"; is it a safetensors index?")
+            raise ConfigError(f'checkpoint: {path!r} has no "weight_map"; is it a safetensors index?')
         base = os.path.dirname(path)
         return [os.path.join(base, name) for name in sorted(set(weight_map.values()))]
     return [path]
@@ -74,11 +77,14 @@ def safetensors_files(checkpoint: Any) -> list[str]:
 def _index(files: Iterable[str]) -> dict[str, str]:
     """{tensor name: the safetensors file holding it} (from the files' headers; no tensor is read)."""
     from safetensors import safe_open
+
     files = list(files)
     bad = [f for f in files if not f.endswith(".safetensors")]
     if bad:
-        raise ConfigError(f"checkpoint: loading into a meta-device model reads .safetensors files only; got {bad[:3]} "
-                          "(convert them, or build the model on the CPU)")
+        raise ConfigError(
+            f"checkpoint: loading into a meta-device model reads .safetensors files only; got {bad[:3]} "
+            "(convert them, or build the model on the CPU)"
+        )
     index = {}
     for path in files:
         if not os.path.exists(path):
@@ -91,6 +97,7 @@ def _index(files: Iterable[str]) -> dict[str, str]:
 def _read(path: str, name: str, spec: ShardSpec | None, transposed: bool) -> torch.Tensor:
     """This rank's piece of tensor `name`: only `spec`'s segments are read (all of it when None)."""
     from safetensors import safe_open
+
     with safe_open(path, framework="pt") as f:
         if spec is None:
             return f.get_tensor(name)
@@ -130,8 +137,10 @@ def load_shards(model: nn.Module, files: Iterable[str]) -> None:
     index = _index(os.fspath(f) for f in files)
     computed = _materialise(model)
     if computed and not hasattr(model, "_init_weights"):
-        raise ConfigError(f"checkpoint: {type(model).__name__} built on the meta device has buffers no checkpoint "
-                          "holds and no transformers _init_weights to compute them; build it on the CPU instead")
+        raise ConfigError(
+            f"checkpoint: {type(model).__name__} built on the meta device has buffers no checkpoint "
+            "holds and no transformers _init_weights to compute them; build it on the CPU instead"
+        )
     with torch.no_grad():
         for module in computed:  # Note [buffers that are not in checkpoints]
             model._init_weights(module)
@@ -141,8 +150,10 @@ def load_shards(model: nn.Module, files: Iterable[str]) -> None:
             specs = getattr(module, "shard_specs", None)
             transposed = getattr(module, "source_transposed", False)
             tensors = list(module.named_parameters(recurse=False)) + [
-                (n, b) for n, b in module.named_buffers(recurse=False)
-                if n not in getattr(module, "_non_persistent_buffers_set", ())]
+                (n, b)
+                for n, b in module.named_buffers(recurse=False)
+                if n not in getattr(module, "_non_persistent_buffers_set", ())
+            ]
             for name, tensor in tensors:
                 full_name = f"{module_name}.{name}" if module_name else name
                 if id(tensor) in done:

@@ -16,12 +16,12 @@ output receives the same full gradient, so the backward is the identity. Split a
 other's adjoints, and reduce-scatter is the adjoint of all-gather. The group is always explicit; with
 a one-rank group every operation is the identity.
 """
+
 from __future__ import annotations
 
 import torch
 
 from zerospeed.comm import backend
-
 
 # Note [flat buffers]: the gateway's gloo path moves flat per-rank chunks; the per-rank side is passed
 # flat here too (the data is contiguous, so a view costs nothing).
@@ -69,8 +69,10 @@ def _gather_dim(x: torch.Tensor, group, dim: int) -> torch.Tensor:
 def _reduce_scatter_dim(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     world = _world(group)
     if x.shape[dim] % world:
-        raise ValueError(f"sequence parallelism: dimension {dim} of a {tuple(x.shape)} tensor is not divisible "
-                         f"by the tp size {world}; make the sequence length a multiple of {world}")
+        raise ValueError(
+            f"sequence parallelism: dimension {dim} of a {tuple(x.shape)} tensor is not divisible "
+            f"by the tp size {world}; make the sequence length a multiple of {world}"
+        )
     front = x.movedim(dim, 0).contiguous().clone()  # the reduce-scatter may scale its input in place
     out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
     backend.reduce_scatter_tensor(out.view(-1), front, group=group)

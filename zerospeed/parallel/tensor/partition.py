@@ -14,6 +14,7 @@ Attention projections split by whole heads; with grouped-query attention and tp 
 heads cannot be split further, so each rank holds the one kv head its query heads use, replicated on
 the tp/kv ranks that share it (their gradients are summed over those replicas; see layers.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,8 +34,10 @@ def check_divisible(what: str, count: int, tp: int) -> None:
     if tp < 1:
         raise ValueError(f"tensor-parallel size must be >= 1, got {tp}")
     if count % tp:
-        raise ValueError(f"{what} = {count} is not divisible by the tensor-parallel size {tp}; "
-                         f"valid tp sizes: {valid_tp_sizes(count, limit=min(count, 64))}")
+        raise ValueError(
+            f"{what} = {count} is not divisible by the tensor-parallel size {tp}; "
+            f"valid tp sizes: {valid_tp_sizes(count, limit=min(count, 64))}"
+        )
 
 
 def even_range(count: int, tp: int, rank: int, what: str = "size") -> tuple[int, int]:
@@ -67,8 +70,9 @@ def vocab_spec(vocab: int, tp: int, rank: int) -> ShardSpec:
     return ShardSpec(0, vocab, ((start, n),))
 
 
-def fused_spec(sizes: list[int], tp: int, rank: int, dim: int = 0, unit: int = 1,
-               what: str = "fused weight") -> ShardSpec:
+def fused_spec(
+    sizes: list[int], tp: int, rank: int, dim: int = 0, unit: int = 1, what: str = "fused weight"
+) -> ShardSpec:
     """Rank's slice of each sub-weight of a fused weight whose parts (sizes along `dim`) are stacked;
     Note [fused and head-aware layouts]. `unit` (a head size) is the smallest piece a part splits into."""
     segments, offset = [], 0
@@ -119,8 +123,11 @@ class HeadLayout:
 
 def valid_attention_tp_sizes(num_heads: int, num_kv_heads: int, limit: int = 64) -> list[int]:
     """tp sizes that divide the query heads and either divide the kv heads or are a multiple of them."""
-    return [p for p in valid_tp_sizes(num_heads, limit=min(limit, num_heads))
-            if num_kv_heads % p == 0 or p % num_kv_heads == 0]
+    return [
+        p
+        for p in valid_tp_sizes(num_heads, limit=min(limit, num_heads))
+        if num_kv_heads % p == 0 or p % num_kv_heads == 0
+    ]
 
 
 def head_layout(num_heads: int, num_kv_heads: int, tp: int, rank: int, what: str = "attention") -> HeadLayout:
@@ -128,8 +135,10 @@ def head_layout(num_heads: int, num_kv_heads: int, tp: int, rank: int, what: str
     if num_heads % num_kv_heads:
         raise ValueError(f"{what}: {num_heads} query heads is not a multiple of {num_kv_heads} kv heads")
     if tp not in valid_attention_tp_sizes(num_heads, num_kv_heads, limit=max(tp, 1)):
-        raise ValueError(f"{what}: {num_heads} query heads and {num_kv_heads} kv heads cannot be split over "
-                         f"tp={tp} ranks; valid tp sizes: {valid_attention_tp_sizes(num_heads, num_kv_heads)}")
+        raise ValueError(
+            f"{what}: {num_heads} query heads and {num_kv_heads} kv heads cannot be split over "
+            f"tp={tp} ranks; valid tp sizes: {valid_attention_tp_sizes(num_heads, num_kv_heads)}"
+        )
     q = num_heads // tp
     if num_kv_heads % tp == 0:
         kv = num_kv_heads // tp
@@ -140,6 +149,7 @@ def head_layout(num_heads: int, num_kv_heads: int, tp: int, rank: int, what: str
 
 def heads_spec(layout: HeadLayout, head_dim: int, num_heads_full: int, kv: bool, dim: int = 0) -> ShardSpec:
     """The rows (dim 0: q/k/v projections) or columns (dim 1: the output projection) of one rank."""
-    start, n, reps = ((layout.kv_start, layout.kv_heads, layout.kv_replicas) if kv
-                      else (layout.q_start, layout.q_heads, 1))
+    start, n, reps = (
+        (layout.kv_start, layout.kv_heads, layout.kv_replicas) if kv else (layout.q_start, layout.q_heads, 1)
+    )
     return ShardSpec(dim, num_heads_full * head_dim, ((start * head_dim, n * head_dim),), reps)

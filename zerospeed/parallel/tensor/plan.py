@@ -16,6 +16,7 @@ A rule is a regex over *parameter* names (DeepSpeed's `layer_specs[].patterns`, 
 
 Pure: strings and dicts in, rules out.
 """
+
 from __future__ import annotations
 
 import re
@@ -41,8 +42,13 @@ class Rule:
 _KINDS = ("column", "row", "skip")
 
 # transformers tp_plan styles we implement, as (kind, fused shape).
-_HF_STYLES = {"colwise": ("column", None), "rowwise": ("row", None), "colwise_gather_output": ("column", None),
-              "packed_colwise": ("column", (2, -1)), "replicate": ("skip", None)}
+_HF_STYLES = {
+    "colwise": ("column", None),
+    "rowwise": ("row", None),
+    "colwise_gather_output": ("column", None),
+    "packed_colwise": ("column", (2, -1)),
+    "replicate": ("skip", None),
+}
 
 _ANY = r"(?:.*\.)?"  # any module prefix (transformer., model., ...)
 
@@ -51,13 +57,24 @@ def _rules(source: str, entries: list[tuple[str, str, tuple | None]]) -> tuple[R
     return tuple(Rule(_ANY + pattern + r"\.weight$", kind, shape, source) for pattern, kind, shape in entries)
 
 
-_LLAMA = [(r"self_attn\.[qkv]_proj", "column", None), (r"self_attn\.o_proj", "row", None),
-          (r"mlp\.(?:gate|up)_proj", "column", None), (r"mlp\.down_proj", "row", None)]
+_LLAMA = [
+    (r"self_attn\.[qkv]_proj", "column", None),
+    (r"self_attn\.o_proj", "row", None),
+    (r"mlp\.(?:gate|up)_proj", "column", None),
+    (r"mlp\.down_proj", "row", None),
+]
 
 PRESETS: dict[str, tuple[Rule, ...]] = {
     # GPT-2's c_attn is the fused [q | k | v] Conv1D: each rank takes its heads of each of the three.
-    "gpt2": _rules("preset gpt2", [(r"attn\.c_attn", "column", (3, -1)), (r"attn\.c_proj", "row", None),
-                                   (r"mlp\.c_fc", "column", None), (r"mlp\.c_proj", "row", None)]),
+    "gpt2": _rules(
+        "preset gpt2",
+        [
+            (r"attn\.c_attn", "column", (3, -1)),
+            (r"attn\.c_proj", "row", None),
+            (r"mlp\.c_fc", "column", None),
+            (r"mlp\.c_proj", "row", None),
+        ],
+    ),
     "llama": _rules("preset llama", _LLAMA),
     "mistral": _rules("preset mistral", _LLAMA),
     "qwen2": _rules("preset qwen2", _LLAMA),
@@ -69,9 +86,11 @@ def hf_plan_rules(plan: dict[str, str] | None, source: str = "tp_plan") -> tuple
     rules = []
     for key, style in (plan or {}).items():
         if style not in _HF_STYLES:
-            raise ValueError(f"{source} entry {key!r}: {style!r} is not a partition style zerospeed implements "
-                             f"(known: {sorted(_HF_STYLES)}); give this layer a tensor_parallel.partition_config."
-                             f"layer_specs rule instead, with partition_type column, row or skip")
+            raise ValueError(
+                f"{source} entry {key!r}: {style!r} is not a partition style zerospeed implements "
+                f"(known: {sorted(_HF_STYLES)}); give this layer a tensor_parallel.partition_config."
+                f"layer_specs rule instead, with partition_type column, row or skip"
+            )
         kind, shape = _HF_STYLES[style]
         pattern = r"\.".join(r"\d+" if part == "*" else re.escape(part) for part in key.split("."))
         rules.append(Rule(_ANY + pattern + r"\.weight$", kind, shape, f"{source} {key!r}: {style!r}"))
@@ -99,16 +118,23 @@ def layer_spec_rules(partition_config: Any, model_type: str | None) -> tuple[Rul
             raise ValueError(f"partition_config.layer_specs[{i}].partition_type = {kind!r}; expected one of {_KINDS}")
         dim = spec.get("partition_dim")
         if spec.get("shape") and dim not in (None, 0):
-            raise ValueError(f"partition_config.layer_specs[{i}]: partition_dim={dim} is not supported; fused "
-                             "weights split along the output features (partition_dim 0 of an nn.Linear weight)")
+            raise ValueError(
+                f"partition_config.layer_specs[{i}]: partition_dim={dim} is not supported; fused "
+                "weights split along the output features (partition_dim 0 of an nn.Linear weight)"
+            )
         shape = tuple(tuple(s) if isinstance(s, list) else s for s in spec["shape"]) if spec.get("shape") else None
         for pattern in spec.get("patterns") or []:
             rules.append(Rule(pattern, kind, shape, f"partition_config.layer_specs[{i}]"))
     return tuple(rules)
 
 
-def resolve_rules(*, partition_config: Any = None, tp_plans: list[dict[str, str]] | None = None,
-                  model_type: str | None = None, preset_model: str | None = None) -> tuple[Rule, ...]:
+def resolve_rules(
+    *,
+    partition_config: Any = None,
+    tp_plans: list[dict[str, str]] | None = None,
+    model_type: str | None = None,
+    preset_model: str | None = None,
+) -> tuple[Rule, ...]:
     """The ordered rules for a model; see the module docstring for the priority."""
     custom = layer_spec_rules(partition_config, model_type)
     use_defaults = _as_dict(partition_config).get("use_default_specs", True)

@@ -8,6 +8,7 @@ gradient norm counts replicated parameters (LayerNorm, row biases, shared GQA kv
 
     ||g||^2 = all_reduce_tp( sum_p ||g_p||^2 / replicas_p )
 """
+
 from __future__ import annotations
 
 import torch
@@ -64,6 +65,9 @@ def full_state_dict(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
 def transposed_params(model: nn.Module) -> set[str]:
     """Names (as `named_parameters()` yields them) of the weights whose full tensor in `full_state_dict` is
     the transpose of the sharded layer's [out, in] layout: transformers Conv1D weights, [in, out]."""
-    ids = {id(m.weight) for m in model.modules()
-           if isinstance(m, TensorParallelModule) and m.source_transposed and getattr(m, "weight", None) is not None}
+    ids = {
+        id(m.weight)
+        for m in model.modules()
+        if isinstance(m, TensorParallelModule) and m.source_transposed and getattr(m, "weight", None) is not None
+    }
     return {name for name, p in model.named_parameters() if id(p) in ids}

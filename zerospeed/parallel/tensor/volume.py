@@ -20,6 +20,7 @@ for the others (`comm.wire_fraction`). With T tokens per micro-batch, b bytes pe
 The backward all-reduce of a column layer happens only when its input requires grad (it does
 everywhere past the embedding). A step of G micro-batches moves G times this.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -66,8 +67,9 @@ def cross_entropy_bytes(tokens: int) -> Counter:
     return Counter({"all_reduce": 3 * tokens * 4})
 
 
-def model_step_bytes(model: nn.Module, tokens: int, *, loss_tokens: int | None = None,
-                     elem_bytes: int = 4) -> dict[str, int]:
+def model_step_bytes(
+    model: nn.Module, tokens: int, *, loss_tokens: int | None = None, elem_bytes: int = 4
+) -> dict[str, int]:
     """{kind: payload bytes} of one forward + backward of a tensor-parallel `model` on `tokens` tokens,
     with the vocab-parallel loss over `loss_tokens` (None: no vocab-parallel loss)."""
     total: Counter = Counter()

@@ -1,4 +1,5 @@
 """ZeRO stage 3: sharded parameters, zero.Init, GatheredParameters."""
+
 from zerospeed.zero.stage3.api import GatheredParameters, Init, register_external_parameter
 from zerospeed.zero.tags import full_numel, full_shape
 

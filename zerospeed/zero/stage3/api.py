@@ -1,4 +1,5 @@
 """User-facing stage-3 API: `zero.Init`, `zero.GatheredParameters`, `register_external_parameter`."""
+
 from __future__ import annotations
 
 import enum
@@ -48,9 +49,18 @@ class Init:
     A CPU-only run keeps everything on the host, exactly as before.
     """
 
-    def __init__(self, config_dict_or_path=None, enabled: bool = True, dtype: torch.dtype | None = None,
-                 remote_device: str | None = None, module: torch.nn.Module | None = None, data_parallel_group=None,
-                 config=None, mpu=None, pin_memory: bool = False):
+    def __init__(
+        self,
+        config_dict_or_path=None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        remote_device: str | None = None,
+        module: torch.nn.Module | None = None,
+        data_parallel_group=None,
+        config=None,
+        mpu=None,
+        pin_memory: bool = False,
+    ):
         if remote_device not in (None, "cpu", "none", "nvme"):
             raise ConfigError(f"zero.Init(remote_device={remote_device!r}): use None, 'cpu' or 'nvme'")
         self.remote_device = remote_device
@@ -132,13 +142,31 @@ class Init:
         # a lone contiguous fp32 parameter whose length needs no padding already is the flat buffer:
         # shard it without a copy of the whole (Note [re-partitioning zero.Init in place], strategy.py)
         v = values[0]
-        full = v.reshape(-1) if (len(values) == 1 and v.is_contiguous() and v.device == device
-                                 and padded_size(v.numel(), world) == v.numel()) else None
-        owner = FlatParam(-1, params, values, full=full, group_index=0,
-                          world_size=world, rank=rank, dtype=self.dtype, device=device,
-                          shard_device=torch.device("cpu") if host else device,
-                          pin=_Pinned() if host and self.pin_memory else None,
-                          dp_group=self.group, trainable=False)
+        full = (
+            v.reshape(-1)
+            if (
+                len(values) == 1
+                and v.is_contiguous()
+                and v.device == device
+                and padded_size(v.numel(), world) == v.numel()
+            )
+            else None
+        )
+        owner = FlatParam(
+            -1,
+            params,
+            values,
+            full=full,
+            group_index=0,
+            world_size=world,
+            rank=rank,
+            dtype=self.dtype,
+            device=device,
+            shard_device=torch.device("cpu") if host else device,
+            pin=_Pinned() if host and self.pin_memory else None,
+            dp_group=self.group,
+            trainable=False,
+        )
         self._built_on[id(owner)] = built_on
         self._owners.append(owner)
         tags.set_owner(owner)  # strongly: nothing else holds zero.Init's owners (Note [owners held weakly])
@@ -170,8 +198,7 @@ def _replay_init(root: torch.nn.Module, init_fn, built_on: dict[int, torch.devic
         was = {k: o.state for k, o in owners.items()}
         for o in owners.values():
             o.wait()
-        staged = {k: _stage(o, built_on[k]) for k, o in owners.items()
-                  if built_on.get(k, o.device) != o.device}
+        staged = {k: _stage(o, built_on[k]) for k, o in owners.items() if built_on.get(k, o.device) != o.device}
         init_fn(m)
         for k, o in owners.items():
             if k in staged:
@@ -180,6 +207,7 @@ def _replay_init(root: torch.nn.Module, init_fn, built_on: dict[int, torch.devic
             o.shard_from_full()
             if was[k] is State.SHARDED:
                 o.release()
+
     visit(root)
 
 
@@ -192,7 +220,7 @@ def _stage(owner: FlatParam, device: torch.device) -> torch.Tensor:
 
 def _point_at(owner: FlatParam, full: torch.Tensor) -> None:
     for p, s, shape in zip(owner.params, owner.layout.segments, owner.shapes):
-        p.data = full[s.offset:s.offset + s.numel].view(shape)
+        p.data = full[s.offset : s.offset + s.numel].view(shape)
 
 
 class GatheredParameters:
@@ -242,8 +270,8 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
 
 class ZeroParamStatus(enum.Enum):
     NOT_AVAILABLE = 1  # sharded: only this rank's slice exists
-    INFLIGHT = 2       # being gathered
-    AVAILABLE = 3      # full
+    INFLIGHT = 2  # being gathered
+    AVAILABLE = 3  # full
 
 
 # DeepSpeed's Init patches torch's tensor constructors (torch.empty, torch.arange, ...) through this

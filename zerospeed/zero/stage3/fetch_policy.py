@@ -13,6 +13,7 @@ otherwise it is released at once. With `max_reuse_distance: 0` every unit is fre
 
 Everything here is integers: the strategy asks, this module answers; it is tested without processes.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -64,7 +65,7 @@ class FetchSchedule:
         if not self.prefetching:
             return []
         ahead, window = [], 0
-        for idx in self.recorded[len(self.recording):]:
+        for idx in self.recorded[len(self.recording) :]:
             size = self.sizes[idx]
             window += size  # look no further ahead than the prefetch budget, gathered or not
             if window > self.prefetch_budget:

@@ -26,6 +26,7 @@ rank holds only its chunk; GATHERING — an all-gather of every rank's chunk int
 flight; FULL — the parameters are views into that buffer. The nn.Parameter objects carry only their
 tag, which leads back to the owner (Note [parameter tags], zero/tags.py).
 """
+
 from __future__ import annotations
 
 import enum
@@ -81,12 +82,28 @@ class Residency:
 
 
 class FlatParam:
-    def __init__(self, index: int, params: list[torch.nn.Parameter], values: list[torch.Tensor], *,
-                 group_index: int, world_size: int, rank: int, dtype: torch.dtype, device: torch.device,
-                 dp_group=None, trainable: bool = True, residency: Residency | None = None,
-                 shard_device: torch.device | None = None, master_device: torch.device | None = None,
-                 pin=None, alias_master: bool = True, full: torch.Tensor | None = None,
-                 master_dtype: torch.dtype = torch.float32, grad_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        index: int,
+        params: list[torch.nn.Parameter],
+        values: list[torch.Tensor],
+        *,
+        group_index: int,
+        world_size: int,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        dp_group=None,
+        trainable: bool = True,
+        residency: Residency | None = None,
+        shard_device: torch.device | None = None,
+        master_device: torch.device | None = None,
+        pin=None,
+        alias_master: bool = True,
+        full: torch.Tensor | None = None,
+        master_dtype: torch.dtype = torch.float32,
+        grad_dtype: torch.dtype = torch.float32,
+    ):
         self.index = index
         self.params = params
         self.shapes = [v.shape for v in values]
@@ -111,8 +128,9 @@ class FlatParam:
         self.master = self.grad_shard = None
         if trainable:
             alias = alias_master and dtype == master_dtype and shard_device == master_device
-            self.master = torch.nn.Parameter(self.shard if alias else _placed(full[lo:hi], master_device,
-                                                                              master_dtype, pin))
+            self.master = torch.nn.Parameter(
+                self.shard if alias else _placed(full[lo:hi], master_device, master_dtype, pin)
+            )
             self.grad_shard = _placed(torch.zeros(self.layout.chunk), master_device, grad_dtype, pin)
         self.full: torch.Tensor | None = None
         self._freed: torch.Tensor | None = None  # Note [freed in place]: the released full buffer, storage size 0
@@ -161,9 +179,9 @@ class FlatParam:
             self.batch = None
             if primary and self.hpz is not None and self.secondary is None and not self.persistent:
                 size = self.padded // self.hpz.size
-                self.secondary = self.full[self.hpz.rank * size:(self.hpz.rank + 1) * size].clone()
+                self.secondary = self.full[self.hpz.rank * size : (self.hpz.rank + 1) * size].clone()
             for p, s, shape in zip(self.params, self.layout.segments, self.shapes):
-                p.data = self.full[s.offset:s.offset + s.numel].view(shape)
+                p.data = self.full[s.offset : s.offset + s.numel].view(shape)
             self.state = State.FULL
             self.residency.gathering -= self.padded
 
@@ -231,8 +249,9 @@ class FlatParam:
             raise ValueError("only a frozen flat parameter (no master) can be stored quantized")
         if self.stored is not None:
             raise ValueError(f"flat parameter {self.index} is stored quantized already")
-        packed = to_bytes(quantize_blocks(self.shard if self.swap is None else self.swap.read_shard(self),
-                                          bits, block, symmetric))
+        packed = to_bytes(
+            quantize_blocks(self.shard if self.swap is None else self.swap.read_shard(self), bits, block, symmetric)
+        )
         self.stored_nbytes = packed.numel()
         if self.swap is not None:  # (offload_param nvme: a slot of its own, Note in offload/param_swap.py)
             self.swap.write_packed(self, packed)

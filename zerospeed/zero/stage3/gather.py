@@ -54,6 +54,7 @@ and backward see the same (possibly quantized) weights. STORED (every gather of 
 parameter stored int8, `zero_quantized_nontrainable_weights`, except hpZ's training fetches from a
 secondary shard): the stored int8 shard exchanged as it is, one flat parameter per collective.
 """
+
 from __future__ import annotations
 
 import enum
@@ -125,8 +126,13 @@ class GatherBatch:
     def _async_copy(self, fp, shard: torch.Tensor) -> bool:
         """Note [asynchronous host-to-device gathers]: a frozen shard in pinned host memory (not a swap
         pool buffer, which is reused as soon as it is released) is copied without blocking the host."""
-        return (self.device.type != "cpu" and fp.master is None and self.swap_buffer is None
-                and shard.device.type == "cpu" and shard.is_pinned())
+        return (
+            self.device.type != "cpu"
+            and fp.master is None
+            and self.swap_buffer is None
+            and shard.device.type == "cpu"
+            and shard.is_pinned()
+        )
 
     def launch(self) -> None:
         """NVMe-backed batches: wait for the shard reads, then issue the collectives."""
@@ -156,14 +162,24 @@ class GatherBatch:
         self.tags = torch.empty(world, dtype=torch.float64, device=device)
         mine = torch.tensor([_code([fp.index for fp in self.fps])], dtype=torch.float64, device=device)
         if self.route is Route.EXACT:  # the code travels with the shards where the backend allows (gloo)
-            self.handle = self.tag_handle = all_gather_coalesced([self.recv, self.tags], [send, mine],
-                                                                 group=self.group, async_op=True)
+            self.handle = self.tag_handle = all_gather_coalesced(
+                [self.recv, self.tags], [send, mine], group=self.group, async_op=True
+            )
             self.launched = True
             return
-        gather = {Route.QUANTIZED: zeropp.all_gather_quantized, Route.SECONDARY: zeropp.all_gather_secondary,
-                  Route.STORED: functools.partial(zeropp.all_gather_packed, numel=first.layout.chunk,
-                                                  bits=first.stored[0], block_size=first.stored[1],
-                                                  symmetric=first.stored[2]) if first.stored else None}[self.route]
+        gather = {
+            Route.QUANTIZED: zeropp.all_gather_quantized,
+            Route.SECONDARY: zeropp.all_gather_secondary,
+            Route.STORED: functools.partial(
+                zeropp.all_gather_packed,
+                numel=first.layout.chunk,
+                bits=first.stored[0],
+                block_size=first.stored[1],
+                symmetric=first.stored[2],
+            )
+            if first.stored
+            else None,
+        }[self.route]
         self.handle = gather(self.recv, send, group=self.group, async_op=True)
         # (over the hpZ sub-group the code is counted with the sub-group's bytes: all_gather_hpz)
         tag = zeropp.all_gather_secondary if self.route is Route.SECONDARY else comm.all_gather_into_tensor
@@ -187,13 +203,14 @@ class GatherBatch:
                 "ZeRO stage 3: ranks gathered different parameters at the same point (this rank: flat parameters "
                 f"{[fp.index for fp in self.fps]}). The ranks ran different modules in forward or backward (data- or "
                 "rank-dependent branches). Stage 3 needs every rank to use the same modules in the same order; "
-                "use ZeRO stage 0-2 for such models.")
+                "use ZeRO stage 0-2 for such models."
+            )
         if len(self.fps) > 1:
             rows = self.recv.view(self.world, -1)
             offset = 0
             for fp, chunk in zip(self.fps, self.chunks):
                 fp.full = fp.full_buffer()
-                fp.full.view(self.world, chunk).copy_(rows[:, offset:offset + chunk])
+                fp.full.view(self.world, chunk).copy_(rows[:, offset : offset + chunk])
                 offset += chunk
         self.recv = None
 

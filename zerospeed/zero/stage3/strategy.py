@@ -59,6 +59,7 @@ outside it (a tied weight) is refused: the proxy of Note [tied uses] lives on th
 swaps it in, and no hook runs on modules inside a leaf. A leaf's own parameters are tagged with it
 (DeepSpeed's `ds_z3_leaf_module`, which `z3_leaf_parameter` reads; Note [parameter tags], zero/tags.py).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -94,8 +95,11 @@ TRIM_EVERY = 32 << 20
 
 # A backward pre-hook on a module whose inputs need no gradient (an embedding) is exactly what stage 3
 # wants; torch warns about that case on every call.
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with "
-                                          "respect to module outputs since no inputs require gradients")
+warnings.filterwarnings(
+    "ignore",
+    message="Full backward hook is firing when gradients are computed with "
+    "respect to module outputs since no inputs require gradients",
+)
 
 
 class Stage3Strategy(ShardedOptimizerBase):
@@ -103,14 +107,31 @@ class Stage3Strategy(ShardedOptimizerBase):
     supports_no_sync = False
     weights_in_shards = True
 
-    def __init__(self, module: torch.nn.Module, groups: list[dict], reduction: list[ReductionGroup], *,
-                 param_dtype: torch.dtype, device: torch.device, reduce_bucket_size: int, sub_group_size: int,
-                 overlap_comm: bool, prefetch_bucket_size: int, max_live_parameters: int,
-                 param_persistence_threshold: int, model_persistence_threshold: int,
-                 max_reuse_distance: int = 1_000_000_000, comm_dtype: torch.dtype | None = None,
-                 scaling=None, norm_group=None, plan=None, zeropp: ZeroPPPolicy | None = None,
-                 param_comm_dtypes: dict | None = None, master_dtype: torch.dtype = torch.float32,
-                 grad_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        groups: list[dict],
+        reduction: list[ReductionGroup],
+        *,
+        param_dtype: torch.dtype,
+        device: torch.device,
+        reduce_bucket_size: int,
+        sub_group_size: int,
+        overlap_comm: bool,
+        prefetch_bucket_size: int,
+        max_live_parameters: int,
+        param_persistence_threshold: int,
+        model_persistence_threshold: int,
+        max_reuse_distance: int = 1_000_000_000,
+        comm_dtype: torch.dtype | None = None,
+        scaling=None,
+        norm_group=None,
+        plan=None,
+        zeropp: ZeroPPPolicy | None = None,
+        param_comm_dtypes: dict | None = None,
+        master_dtype: torch.dtype = torch.float32,
+        grad_dtype: torch.dtype = torch.float32,
+    ):
         self.module = module
         self.master_dtype = master_dtype  # Note [bf16 masters] (precision/policy.py)
         self.grad_dtype = grad_dtype  # the gradient shards' (data_types.grad_accum_dtype)
@@ -138,8 +159,17 @@ class Stage3Strategy(ShardedOptimizerBase):
         self._check_leaves(owner_unit)
         self._mark_persistent(param_persistence_threshold, model_persistence_threshold)
         staging = comm_dtype or torch.float32
-        self.units = [GradUnit(fp.params, fp.layout, reduction[fp.group_index], result=fp.grad_shard,
-                               staging_dtype=staging, device=fp.device) for fp in self.trained]
+        self.units = [
+            GradUnit(
+                fp.params,
+                fp.layout,
+                reduction[fp.group_index],
+                result=fp.grad_shard,
+                staging_dtype=staging,
+                device=fp.device,
+            )
+            for fp in self.trained
+        ]
         self.masters = [fp.master for fp in self.trained]
         self._flat_of = {id(u): fp for u, fp in zip(self.units, self.trained)}
         # Note [tied uses]: id(module) -> [(name, parameter, proxy)], and the proxies' reduction units
@@ -151,20 +181,30 @@ class Stage3Strategy(ShardedOptimizerBase):
             order += self._tied_units(m, owner_unit, owned, reduction, staging)
         # reduce-scatters launch in reverse creation order (roughly backward order), strictly in turn
         scatter = QuantizedReduceScatter(hierarchies) if self.zeropp.quantized_gradients else None
-        self._finish_setup(reduce_scatter_every_micro_step(overlap_comm, fuse_up_to=reduce_bucket_size,
-                                                           reduce_scatter=scatter),
-                           sub_group_size=sub_group_size, scaling=scaling, comm_dtype=comm_dtype,
-                           launch_order=list(reversed(order)), on_unit_ready=self._on_unit_ready,
-                           param_comm_dtypes=param_comm_dtypes)
+        self._finish_setup(
+            reduce_scatter_every_micro_step(overlap_comm, fuse_up_to=reduce_bucket_size, reduce_scatter=scatter),
+            sub_group_size=sub_group_size,
+            scaling=scaling,
+            comm_dtype=comm_dtype,
+            launch_order=list(reversed(order)),
+            on_unit_ready=self._on_unit_ready,
+            param_comm_dtypes=param_comm_dtypes,
+        )
         self.param_swapper = make_param_swapper(plan, self.flat, comm.get_rank(), param_dtype)
-        self.fetches = FetchSchedule([fp.padded for fp in self.flat], prefetch_budget=prefetch_bucket_size,
-                                     max_live=max_live_parameters, max_reuse_distance=max_reuse_distance)
+        self.fetches = FetchSchedule(
+            [fp.padded for fp in self.flat],
+            prefetch_budget=prefetch_bucket_size,
+            max_live=max_live_parameters,
+            max_reuse_distance=max_reuse_distance,
+        )
         self._hooks = []
         for m in self._unit_modules():
             if id(m) in self.uses:
-                self._hooks += [m.register_forward_pre_hook(_eager(self._pre_forward)),
-                                m.register_forward_hook(_eager(self._post_forward)),
-                                m.register_full_backward_pre_hook(_eager(self._pre_backward))]
+                self._hooks += [
+                    m.register_forward_pre_hook(_eager(self._pre_forward)),
+                    m.register_forward_hook(_eager(self._post_forward)),
+                    m.register_full_backward_pre_hook(_eager(self._pre_backward)),
+                ]
                 if any(fp.master is None for fp in self.uses[id(m)]):  # Note [partitioned frozen parameters]
                     self._hooks.append(m.register_full_backward_hook(_eager(self._post_backward)))
 
@@ -180,8 +220,10 @@ class Stage3Strategy(ShardedOptimizerBase):
             by_group: dict[int, list[torch.nn.Parameter]] = {}
             for p in own:
                 by_group.setdefault(group_of[id(p)], []).append(p)
-            unit = [self._flat_param(ps, gi, reduction[gi], param_dtype, device, master_device(ps))
-                    for gi, ps in by_group.items()]
+            unit = [
+                self._flat_param(ps, gi, reduction[gi], param_dtype, device, master_device(ps))
+                for gi, ps in by_group.items()
+            ]
             self._built_by.update((id(fp), m) for fp in unit)
             for p in own:
                 owner_unit[id(p)] = unit
@@ -211,18 +253,33 @@ class Stage3Strategy(ShardedOptimizerBase):
                     owner_unit[id(p)] = unit
         return frozen
 
-    def _flat_param(self, ps, gi, rg: ReductionGroup, param_dtype, device, master_device,
-                    trainable: bool = True) -> FlatParam:
+    def _flat_param(
+        self, ps, gi, rg: ReductionGroup, param_dtype, device, master_device, trainable: bool = True
+    ) -> FlatParam:
         plan = self.plan
         # Note [re-partitioning zero.Init in place]: the values of zero.Init's parameters are views of
         # their owner's gathered buffer, not copies; a single parameter's buffer is the flat one
         full = _reusable_full(ps, padded_size(sum(tags.full_numel(p) for p in ps), rg.world_size), device)
-        fp = FlatParam(len(self.flat), ps, [_full_value(p, copy=False) for p in ps], full=full,
-                       group_index=gi, world_size=rg.world_size, trainable=trainable,
-                       rank=rg.rank, dtype=param_dtype, device=device, dp_group=rg.group, residency=self.residency,
-                       shard_device=plan.shard_device if plan is not None else device, master_device=master_device,
-                       pin=plan, alias_master=plan is None or plan.param != "nvme", master_dtype=self.master_dtype,
-                       grad_dtype=self.grad_dtype)
+        fp = FlatParam(
+            len(self.flat),
+            ps,
+            [_full_value(p, copy=False) for p in ps],
+            full=full,
+            group_index=gi,
+            world_size=rg.world_size,
+            trainable=trainable,
+            rank=rg.rank,
+            dtype=param_dtype,
+            device=device,
+            dp_group=rg.group,
+            residency=self.residency,
+            shard_device=plan.shard_device if plan is not None else device,
+            master_device=master_device,
+            pin=plan,
+            alias_master=plan is None or plan.param != "nvme",
+            master_dtype=self.master_dtype,
+            grad_dtype=self.grad_dtype,
+        )
         self.flat.append(fp)
         tags.set_owner(fp, held_elsewhere=True)  # self.flat holds it (Note [owners held weakly])
         return fp
@@ -288,7 +345,8 @@ class Stage3Strategy(ShardedOptimizerBase):
                         raise ValueError(
                             f"{names[id(d)]}.{pname} lies inside the ZeRO-3 leaf module {names[id(leaf)]!r} but is "
                             "owned (first registered) by a module outside it (a tied weight). Flag a leaf that "
-                            "contains both modules, or none that contains only one of them")
+                            "contains both modules, or none that contains only one of them"
+                        )
                     tags.set_leaf_module(p, leaf)
 
     def _unit_modules(self):
@@ -302,13 +360,18 @@ class Stage3Strategy(ShardedOptimizerBase):
     def _refuse_quantized_leaf(self, name: str, leaf: torch.nn.Module, settings) -> None:
         """A leaf unit holds its norms and biases with its linear weights in one flat shard, which would be
         stored quantized as a whole: refused where any layer inside asks for quantization."""
-        asked = [f"{name}.{n}".strip(".") for n, d in leaf.named_modules()
-                 if next(d.parameters(recurse=False), None) is not None and settings(f"{name}.{n}".strip("."), d)]
+        asked = [
+            f"{name}.{n}".strip(".")
+            for n, d in leaf.named_modules()
+            if next(d.parameters(recurse=False), None) is not None and settings(f"{name}.{n}".strip("."), d)
+        ]
         if asked:
-            raise ValueError(f"{asked[0]} is to be stored quantized, but it lies inside the ZeRO-3 leaf module "
-                             f"{name or type(leaf).__name__!r}, whose unit is its whole subtree (norms included). "
-                             "Quantized shards are per linear layer: drop stage3_module_granularity_threshold / "
-                             "zero_optimization.leaf_module for this model, or the quantization")
+            raise ValueError(
+                f"{asked[0]} is to be stored quantized, but it lies inside the ZeRO-3 leaf module "
+                f"{name or type(leaf).__name__!r}, whose unit is its whole subtree (norms included). "
+                "Quantized shards are per linear layer: drop stage3_module_granularity_threshold / "
+                "zero_optimization.leaf_module for this model, or the quantization"
+            )
 
     def _tied_units(self, m: torch.nn.Module, owner_unit, owned, reduction, staging) -> list[GradUnit]:
         """Proxies for the parameters `m` registers but another module owns, and one reduction unit
@@ -330,8 +393,15 @@ class Stage3Strategy(ShardedOptimizerBase):
         units = []
         for fp, proxies in by_flat.values():
             params = [proxies.get(i, q) for i, q in enumerate(fp.params)]
-            unit = GradUnit(params, fp.layout, reduction[fp.group_index], result=fp.grad_shard,
-                            staging_dtype=staging, device=fp.device, only=set(proxies))
+            unit = GradUnit(
+                params,
+                fp.layout,
+                reduction[fp.group_index],
+                result=fp.grad_shard,
+                staging_dtype=staging,
+                device=fp.device,
+                only=set(proxies),
+            )
             self._flat_of[id(unit)] = fp
             units.append(unit)
         return units
@@ -348,8 +418,9 @@ class Stage3Strategy(ShardedOptimizerBase):
         start_gathers(fps, training=True)  # what this module needs now, as one collective per group
         for fp in fps:
             self.fetches.record(fp.index)
-        ahead = self.fetches.to_prefetch(lambda i: self.flat[i].state is State.SHARDED,
-                                         self.residency.gathering, self.residency.live)
+        ahead = self.fetches.to_prefetch(
+            lambda i: self.flat[i].state is State.SHARDED, self.residency.gathering, self.residency.live
+        )
         start_gathers([self.flat[i] for i in ahead], training=True)
         for fp in fps:
             fp.wait()
@@ -442,8 +513,10 @@ class Stage3Strategy(ShardedOptimizerBase):
 
     # -- optimizer ---------------------------------------------------------------------------------
     def optimizer_param_groups(self) -> list[dict]:
-        return [{**h, "params": [fp.master for fp in self.trained if fp.group_index == gi]}
-                for gi, h in enumerate(self.hparams)]
+        return [
+            {**h, "params": [fp.master for fp in self.trained if fp.group_index == gi]}
+            for gi, h in enumerate(self.hparams)
+        ]
 
     def retarget(self, optimizer: torch.optim.Optimizer) -> None:
         if len(optimizer.param_groups) != len(self.hparams):
@@ -483,12 +556,16 @@ class Stage3Strategy(ShardedOptimizerBase):
         fp.shard_from_master()  # (also drops hpZ's stale secondary shard)
         if fp.state is not State.SHARDED:
             fp.wait()
-            fp.full[seg.offset:seg.offset + seg.numel].copy_(value.reshape(-1))
+            fp.full[seg.offset : seg.offset + seg.numel].copy_(value.reshape(-1))
 
     def placement(self) -> dict[str, str]:
         """Where each kind of model state lives: read off the tensors, the stepper and the swapper."""
-        out = state_placement(self.plan, params=[fp.shard for fp in self.flat if fp.shard is not None],
-                              grads=[fp.grad_shard for fp in self.trained], stepper=self.stepper)
+        out = state_placement(
+            self.plan,
+            params=[fp.shard for fp in self.flat if fp.shard is not None],
+            grads=[fp.grad_shard for fp in self.trained],
+            stepper=self.stepper,
+        )
         if self.param_swapper is not None:
             out["parameters"] = f"nvme:{self.plan.param_nvme}"
         masters = sorted({str(fp.master.device) for fp in self.trained}) if self.stepper.kind != "nvme" else []
@@ -502,8 +579,16 @@ class Stage3Strategy(ShardedOptimizerBase):
 
     # -- checkpoints and introspection -------------------------------------------------------------
     def shard_entries(self, names: dict[int, str]) -> list[ShardEntry]:
-        return [ShardEntry(fp.master, [Piece(names[id(fp.params[s.param])], s.param_offset, s.offset, s.numel)
-                                       for s in fp.layout.rank_segments(fp.rank)]) for fp in self.trained]
+        return [
+            ShardEntry(
+                fp.master,
+                [
+                    Piece(names[id(fp.params[s.param])], s.param_offset, s.offset, s.numel)
+                    for s in fp.layout.rank_segments(fp.rank)
+                ],
+            )
+            for fp in self.trained
+        ]
 
     def sync_params_from_masters(self) -> None:
         self._publish(list(range(len(self.trained))))
@@ -543,8 +628,11 @@ class Stage3Strategy(ShardedOptimizerBase):
             if not all(id(p) in values for p in fp.params):
                 continue
             lo, hi = fp.layout.chunk_range(fp.rank)
-            flat = flatten_fp32(fp.layout, [values[id(p)].reshape(shape) for p, shape in zip(fp.params, fp.shapes)],
-                                fp.shard.device if fp.shard is not None else torch.device("cpu"))
+            flat = flatten_fp32(
+                fp.layout,
+                [values[id(p)].reshape(shape) for p, shape in zip(fp.params, fp.shapes)],
+                fp.shard.device if fp.shard is not None else torch.device("cpu"),
+            )
             was = fp.state
             fp.release()
             fp._set_shard(flat[lo:hi])
@@ -570,19 +658,32 @@ class Stage3Strategy(ShardedOptimizerBase):
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Note [offloaded states] (offload/states.py): this rank's tensors of each kind; the
         16-bit weights are the shards plus what persistent units keep gathered (and hpZ's copies)."""
-        lp = [t for fp in self.flat for t in (fp.shard, fp.full if fp.persistent else None, fp.secondary)
-              if t is not None]
-        return {"hp_params": [fp.master for fp in self.trained], "lp_params": lp,
-                "lp_grads": [fp.grad_shard for fp in self.trained],
-                "contiguous_grad_buffer": [u.staging for u in self.units if u.staging is not None]}
+        lp = [
+            t for fp in self.flat for t in (fp.shard, fp.full if fp.persistent else None, fp.secondary) if t is not None
+        ]
+        return {
+            "hp_params": [fp.master for fp in self.trained],
+            "lp_params": lp,
+            "lp_grads": [fp.grad_shard for fp in self.trained],
+            "contiguous_grad_buffer": [u.staging for u in self.units if u.staging is not None],
+        }
 
     def memory_breakdown(self, optimizer) -> dict[str, int]:
-        params = sum((fp.shard.nbytes if fp.shard is not None else 0) + (fp.full.nbytes if fp.full is not None else 0)
-                     + (fp.secondary.nbytes if fp.secondary is not None else 0) for fp in self.flat)
-        masters = sum(fp.master.nbytes for fp in self.trained
-                      if fp.shard is None or fp.master.data_ptr() != fp.shard.data_ptr())
-        return {"parameters": params, "gradients": sum(fp.grad_shard.nbytes for fp in self.trained),
-                "master_weights": masters, "optimizer_states": optimizer_state_bytes(optimizer)}
+        params = sum(
+            (fp.shard.nbytes if fp.shard is not None else 0)
+            + (fp.full.nbytes if fp.full is not None else 0)
+            + (fp.secondary.nbytes if fp.secondary is not None else 0)
+            for fp in self.flat
+        )
+        masters = sum(
+            fp.master.nbytes for fp in self.trained if fp.shard is None or fp.master.data_ptr() != fp.shard.data_ptr()
+        )
+        return {
+            "parameters": params,
+            "gradients": sum(fp.grad_shard.nbytes for fp in self.trained),
+            "master_weights": masters,
+            "optimizer_states": optimizer_state_bytes(optimizer),
+        }
 
     def remove_hooks(self) -> None:
         super().remove_hooks()
@@ -611,8 +712,12 @@ def _outermost_leaves(module: torch.nn.Module) -> tuple[list[torch.nn.Module], s
 
 def _weight_free_backward(module: torch.nn.Module) -> bool:
     """The module's backward reads none of its parameters: a stock dense `nn.Embedding` (Note [tied uses])."""
-    return (isinstance(module, torch.nn.Embedding) and type(module).forward is torch.nn.Embedding.forward
-            and not module.sparse and not tags.externals(module))
+    return (
+        isinstance(module, torch.nn.Embedding)
+        and type(module).forward is torch.nn.Embedding.forward
+        and not module.sparse
+        and not tags.externals(module)
+    )
 
 
 def _full_value(p: torch.nn.Parameter, copy: bool = True) -> torch.Tensor:
@@ -623,7 +728,7 @@ def _full_value(p: torch.nn.Parameter, copy: bool = True) -> torch.Tensor:
         return p.detach()
     owner.wait()
     i = tags.tag_of(p).index
-    value = owner.full[owner.layout.segments[i].offset:][:owner.layout.segments[i].numel].view(owner.shapes[i])
+    value = owner.full[owner.layout.segments[i].offset :][: owner.layout.segments[i].numel].view(owner.shapes[i])
     return value.clone() if copy else value
 
 

@@ -27,6 +27,7 @@ saves the dequantized values; loading re-quantizes them, which reproduces the sa
 modification through GatheredParameters is re-quantized. With `offload_param.device: nvme` the swap
 file holds the stored bytes (offload/param_swap.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,26 +46,40 @@ class ZeroPPPolicy:
     quantized_nontrainable: bool = False
 
     @classmethod
-    def resolve(cls, *, stage: int, quantized_weights: bool = False, hpz_partition_size: int = 1,
-                quantized_gradients: bool = False, quantized_nontrainable: bool = False,
-                offload_param: str = "none") -> ZeroPPPolicy:
+    def resolve(
+        cls,
+        *,
+        stage: int,
+        quantized_weights: bool = False,
+        hpz_partition_size: int = 1,
+        quantized_gradients: bool = False,
+        quantized_nontrainable: bool = False,
+        offload_param: str = "none",
+    ) -> ZeroPPPolicy:
         """The policy of `zero_optimization`'s ZeRO++ switches; refuses what cannot be honoured (the
         errors name the keys)."""
-        switches = {"zero_quantized_weights": quantized_weights, "zero_quantized_gradients": quantized_gradients,
-                    "zero_quantized_nontrainable_weights": quantized_nontrainable}
+        switches = {
+            "zero_quantized_weights": quantized_weights,
+            "zero_quantized_gradients": quantized_gradients,
+            "zero_quantized_nontrainable_weights": quantized_nontrainable,
+        }
         asked = [f"{k}=true" for k, on in switches.items() if on]
         hpz = max(1, int(hpz_partition_size))
         if hpz > 1:
             asked.append(f"zero_hpz_partition_size={hpz}")
         if asked and stage != 3:
-            raise ConfigError(f"zero_optimization.{asked[0]}: ZeRO++ works on stage 3's partitioned parameters, but "
-                              f"zero_optimization.stage is {stage}; set stage to 3 or remove "
-                              f"{', '.join(a.split('=')[0] for a in asked)}")
+            raise ConfigError(
+                f"zero_optimization.{asked[0]}: ZeRO++ works on stage 3's partitioned parameters, but "
+                f"zero_optimization.stage is {stage}; set stage to 3 or remove "
+                f"{', '.join(a.split('=')[0] for a in asked)}"
+            )
         if hpz > 1 and offload_param != "none":
-            raise ConfigError(f"zero_optimization.zero_hpz_partition_size={hpz} with offload_param.device="
-                              f"{offload_param!r}: hpZ's secondary shards live in device memory, which offloading the "
-                              "parameters is meant to free; use one of them (set zero_hpz_partition_size to 1 or "
-                              "offload_param.device to none)")
+            raise ConfigError(
+                f"zero_optimization.zero_hpz_partition_size={hpz} with offload_param.device="
+                f"{offload_param!r}: hpZ's secondary shards live in device memory, which offloading the "
+                "parameters is meant to free; use one of them (set zero_hpz_partition_size to 1 or "
+                "offload_param.device to none)"
+            )
         return cls(bool(quantized_weights), hpz, bool(quantized_gradients), bool(quantized_nontrainable))
 
 

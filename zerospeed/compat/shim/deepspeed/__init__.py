@@ -2,6 +2,7 @@
 
 Installed by `zerospeed-compat install`; removed by `zerospeed-compat uninstall` (or pip).
 """
+
 from zerospeed.compat.alias import activate
 
 activate(__name__)
