@@ -12,13 +12,14 @@ import safetensors.torch as safetensors_torch
 import torch
 
 from zerospeed.checkpoint import safetensors_io
-from zerospeed.checkpoint.atomic import atomic_write, atomic_write_text, sha256_file, swap_in_dir
+from zerospeed.checkpoint.atomic import sha256_file, swap_in_dir
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.export import clone_overlapping, export_state_dict, read_exported
 from zerospeed.checkpoint.naming import CheckpointPaths
 from zerospeed.checkpoint.safetensors_io import SafetensorsError, read_safetensors, write_safetensors
 from zerospeed.checkpoint.tags import resolve_tag_dir
 from zerospeed.data.loader import RepeatingLoader, ShardedDataLoader
+from zerospeed.utils.files import atomic_write, atomic_write_text
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):

@@ -19,13 +19,7 @@ from pathlib import Path
 
 import torch
 
-from zerospeed.utils.files import (  # noqa: F401 (the standard-library part, where torch-free tools reach it)
-    atomic_write,
-    atomic_write_bytes,
-    atomic_write_named,
-    atomic_write_text,
-    fsync_dir,
-)
+from zerospeed.utils.files import atomic_write, fsync_dir
 
 
 def atomic_torch_save(obj, path: Path) -> None:

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from zerospeed.checkpoint.atomic import atomic_torch_save, atomic_write_text
+from zerospeed.checkpoint.atomic import atomic_torch_save
 from zerospeed.checkpoint.safetensors_io import read_safetensors, write_safetensors
+from zerospeed.utils.files import atomic_write_text
 
 _UNITS = {
     "": 1,

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 
-from zerospeed.checkpoint.atomic import atomic_write_text, sha256_file
+from zerospeed.checkpoint.atomic import sha256_file
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.naming import MANIFEST
 from zerospeed.checkpoint.tensor_parallel import Layouts, layouts_from_json
+from zerospeed.utils.files import atomic_write_text
 from zerospeed.zero.tags import full_shape
 
 FORMAT = "zerospeed-checkpoint"

@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from zerospeed.checkpoint.atomic import atomic_write_named
+from zerospeed.utils.files import atomic_write_named
 
 
 class SafetensorsError(ValueError):

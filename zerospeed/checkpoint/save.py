@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from zerospeed import comm
-from zerospeed.checkpoint.atomic import atomic_torch_save, atomic_write_text, fresh_dir, swap_in_dir
+from zerospeed.checkpoint.atomic import atomic_torch_save, fresh_dir, swap_in_dir
 from zerospeed.checkpoint.errors import raise_if_any_rank_failed
 from zerospeed.checkpoint.experts import CheckpointNames, expert_spans, is_expert_key, write_expert_files
 from zerospeed.checkpoint.layout import EntryLayout, RankFile, entry_groups, split_state
@@ -53,6 +53,7 @@ from zerospeed.checkpoint.rng import capture_rng_state
 from zerospeed.checkpoint.state import TrainingState, training_state_dict
 from zerospeed.checkpoint.tags import agree_on_tag
 from zerospeed.checkpoint.tensor_parallel import layouts_to_json, pack_pieces
+from zerospeed.utils.files import atomic_write_text
 from zerospeed.version import __version__
 from zerospeed.zero import GatheredParameters
 from zerospeed.zero.tags import full_shape

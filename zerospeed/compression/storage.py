@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from zerospeed.checkpoint.atomic import atomic_write_named
 from zerospeed.compression.basic_layer import (
     ActivationQuantSpec,
     Conv2dLayer_Compress,
     LinearLayer_Compress,
     QuantizedLinear,
 )
+from zerospeed.utils.files import atomic_write_named
 
 META_KEY = "zerospeed.compression"
 FORMAT = 1

@@ -282,11 +282,6 @@ def from_bytes(buf: torch.Tensor, numel: int, bits: int, block_size: int, symmet
     return BlockQuantized(buf[start : start + code_bytes(numel, bits)], scale, minimum, numel, bits, block_size)
 
 
-def max_rounding_error(q: BlockQuantized) -> torch.Tensor:
-    """Per block, the largest error rounding to nearest can make: half a quantization step."""
-    return q.scale / 2
-
-
 def ds_quantizer(
     input: torch.Tensor, groups: int = 1, bit_num: int = 8, sr: bool = False, asym: bool = False
 ) -> torch.Tensor:

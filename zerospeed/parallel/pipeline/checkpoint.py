@@ -30,11 +30,12 @@ from pathlib import Path
 import torch
 
 from zerospeed import comm
-from zerospeed.checkpoint.atomic import atomic_torch_save, atomic_write_text
+from zerospeed.checkpoint.atomic import atomic_torch_save
 from zerospeed.checkpoint.naming import check_load_dir, check_save_dir
 from zerospeed.parallel.tensor.partition import take
 from zerospeed.parallel.tensor.state import gather_full, param_layouts
 from zerospeed.utils.errors import ConfigError
+from zerospeed.utils.files import atomic_write_text
 
 logger = logging.getLogger(__name__)
 
