@@ -4,6 +4,7 @@ CPUAdam, and the memory-bandwidth bound.
     python benchmarks/cpu_adam.py                            # 100M fp32 parameters, all variants
     python benchmarks/cpu_adam.py --params 20e6 --steps 5    # quicker
     python benchmarks/cpu_adam.py --skip-deepspeed           # no JIT build
+    python benchmarks/cpu_adam.py --thread-counts 1,2        # the scaling table at these thread counts
 
 Variants (all AdamW, lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01, fp32 states):
 
@@ -21,6 +22,15 @@ Variants (all AdamW, lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01, f
   read-modify-write pattern) and, for reference, from ``copy_`` (see docs/offload_io.md).
 
 Each variant warms up, then reports the median of ``--steps`` step times as parameters/s.
+
+Thread scaling (``--thread-counts``): the flat fused step (the offloaded optimizer's, which zerospeed's
+overlapped step runs on its worker thread) at each intra-op thread count, against the bound *at that
+count*. The bound: an fp32 AdamW step reads the parameter, its gradient and the two moments and writes
+back the parameter and the moments, 7 x 4 = 28 bytes per parameter, so at best bandwidth / 28
+parameters/s; the bandwidth is measured with the same thread count as an in-place ``a.add_(b)`` over
+1 GiB tensors (read a, read b, write a: the step's read-modify-write pattern, 12 bytes counted and
+moved per element), fastest of 7 runs. One thread rarely saturates the memory bus, so the 1-thread
+bound is that one core's bandwidth, not the socket's.
 """
 
 from __future__ import annotations
@@ -161,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=7, help="measured steps per variant (median reported)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--skip-deepspeed", action="store_true")
+    ap.add_argument("--thread-counts", default="1,2", help="intra-op thread counts of the scaling table ('' = none)")
     args = ap.parse_args(argv)
     threads = torch.get_num_threads()
 
@@ -216,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"ours split across {threads} Python threads: {t * 1e3:.1f} ms/step ({verdict})")
         if t < ours:
             rows.append((f"ours + {threads} threads", t))
+    counts = [int(c) for c in args.thread_counts.split(",") if c.strip()]
+    scaling = thread_scaling(flat, n, counts, args.warmup, args.steps)
     del flat
 
     if not args.skip_deepspeed:
@@ -241,10 +254,37 @@ def main(argv: list[str] | None = None) -> int:
             f"| bound: {what} / 28 B per parameter | {n / b * 1e3:.1f} | {b / 1e6:.1f} | "
             f"{default * b / n:.2f}x | {b / bound:.2f} |"
         )
+    if scaling:
+        print("\nThe flat fused step (ours) by intra-op threads, each against the bound at its own thread count:\n")
+        print("| threads | ms/step | Mparams/s | add_ bandwidth GB/s | bound Mparams/s (bw / 28 B) | of bound |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for t, s, bw in scaling:
+            print(
+                f"| {t} | {s * 1e3:.1f} | {n / s / 1e6:.1f} | {bw / 1e9:.1f} | {bw / 28 / 1e6:.1f} "
+                f"| {n / s / (bw / 28):.2f} |"
+            )
     print()
     for line in notes:
         print(f"- {line}")
     return 0
+
+
+def thread_scaling(
+    flat: list[torch.nn.Parameter], n: int, counts: list[int], warmup: int, steps: int
+) -> list[tuple[int, float, float]]:
+    """(threads, seconds per flat fused step, in-place add_ bandwidth) at each thread count; the
+    process's own thread count is restored afterwards."""
+    own = torch.get_num_threads()
+    out = []
+    try:
+        for t in counts:
+            torch.set_num_threads(t)
+            s = time_steps(torch.optim.AdamW(flat, fused=True, **HPARAMS).step, warmup, steps)
+            out.append((t, s, memory_bandwidth()[1]))
+            print(f"  {t} thread(s): {s * 1e3:.1f} ms/step", file=sys.stderr, flush=True)
+    finally:
+        torch.set_num_threads(own)
+    return out
 
 
 if __name__ == "__main__":

@@ -8,6 +8,16 @@ Python runs zerospeed through its `deepspeed` shim. Each case trains the same 4-
 (2 gloo ranks, 2 accumulation steps, 8 steps, the same batches) from `import deepspeed` in both, and the
 table gives the largest |Δ| of the per-step mean loss and of the learning rate, or the error one of them
 raised. A case DeepSpeed refuses is a configuration DeepSpeed does not support (zerospeed may).
+
+    .venv/bin/python benchmarks/deepspeed_differential.py --deepspeed-python /work/dsvenv/bin/python --export
+
+`--export` checks the other direction (DeepSpeed reads ours), for each PAIR `S:T` of `--export-pairs`:
+zerospeed trains the fixture's MLP (a buffer, AdamW, WarmupLR, 2 ranks, 2 accumulation steps) at ZeRO S for
+3 steps, saves, and goes on for 3 more; `zerospeed-ckpt export --to deepspeed --stage T --dp 2` writes the
+step-3 tag in DeepSpeed's layout; the real DeepSpeed builds the same run at ZeRO T, `load_checkpoint`s the
+export and trains the same 3 steps. The table gives the largest |Δ| between the two continuations' losses
+and between DeepSpeed's `zero_to_fp32` of the export (ZeRO 1-3; at ZeRO 0 its module after the load) and
+zerospeed's own consolidation of the step-3 tag.
 """
 
 import argparse
@@ -175,6 +185,134 @@ def run(rank, world, name, out, port):
     torch.distributed.destroy_process_group()
 
 
+EXPORT_CONFIG = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 2,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
+}
+
+
+def export_model():
+    m = model()
+    m.register_buffer("scale", torch.tensor([2.0]))
+    return m
+
+
+def export_run(rank, world, phase, stage, folder, port):
+    """`phase` "zs": train 6 steps at `stage`, save after 3; "ds": load `folder`/ds and train steps 4-6."""
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    m = export_model()
+    universal = stage >= 10  # (stage + 10: load the universal folder with checkpoint.load_universal)
+    stage %= 10
+    cfg = {**EXPORT_CONFIG, "zero_optimization": {"stage": stage}, "checkpoint": {"load_universal": universal}}
+    eng, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
+    first = 0
+    if phase == "ds":
+        eng.load_checkpoint(os.path.join(folder, "ds"))
+        first = 3
+        if stage == 0 or universal:  # (collective at ZeRO 3)
+            with deepspeed.zero.GatheredParameters(list(m.parameters()), enabled=stage == 3):
+                sd = {k: v.detach().clone() for k, v in eng.module.state_dict().items()}
+            if rank == 0:
+                torch.save(sd, os.path.join(folder, "ds_fp32.pt"))
+    losses = []
+    for step, (x, y) in enumerate(batches()[:6]):
+        if step < first:
+            continue
+        tot = 0.0
+        for micro in range(2):
+            lo = (micro * world + rank) * 2
+            loss = ((eng(x[lo : lo + 2]) * m.scale - y[lo : lo + 2]) ** 2).mean()
+            eng.backward(loss)
+            eng.step()
+            tot += loss.item()
+        t = torch.tensor([tot / 2])
+        torch.distributed.all_reduce(t)
+        losses.append(t.item() / world)
+        if phase == "zs" and step == 2:
+            eng.save_checkpoint(os.path.join(folder, "zs"), tag="step3")
+    if rank == 0:
+        json.dump({"losses": losses[-3:]}, open(os.path.join(folder, f"{phase}.json"), "w"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _ds_zero_to_fp32(folder: str) -> None:
+    """In DeepSpeed's Python: its own consolidation of the export."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    sd = get_fp32_state_dict_from_zero_checkpoint(os.path.join(folder, "ds"))
+    torch.save({k: v.clone() for k, v in sd.items()}, os.path.join(folder, "ds_fp32.pt"))
+
+
+def _zs_consolidate(folder: str) -> None:
+    from zerospeed.checkpoint.consolidate import get_fp32_state_dict_from_zero_checkpoint
+
+    sd = get_fp32_state_dict_from_zero_checkpoint(os.path.join(folder, "zs"))
+    torch.save({k: v.clone() for k, v in sd.items()}, os.path.join(folder, "zs_fp32.pt"))
+
+
+def _export_pair(python: str, src: int, dst: int, folder: str, port: int) -> str:
+    """One table row for zerospeed at ZeRO `src` exported to DeepSpeed at ZeRO `dst` (`dst` + 10: exported as
+    a universal folder, which DeepSpeed loads with `checkpoint.load_universal`)."""
+
+    def step(py, *argv, done=None):
+        env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+        if done is not None and os.path.exists(done):
+            os.remove(done)
+        proc = subprocess.run([py, *argv], env=env, capture_output=True, text=True, timeout=600)
+        # (DeepSpeed's ranks sometimes abort at exit, after the run wrote its result)
+        if proc.returncode != 0 and not (done is not None and os.path.exists(done)):
+            lines = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "error" in ln]
+            raise RuntimeError((lines[-1] if lines else proc.stderr.strip()[-300:])[:300])
+
+    me = [__file__, "--export-phase"]
+    try:
+        step(sys.executable, *me, "zs", "--stage", str(src), "--folder", folder, "--port", str(port))
+        step(sys.executable, *me, "zs-fp32", "--folder", folder)
+        cli = ["-m", "zerospeed.checkpoint.cli", "export", os.path.join(folder, "zs"), os.path.join(folder, "ds")]
+        if dst >= 10:
+            step(sys.executable, *cli, "--to", "universal", "--dp", "2")
+        else:
+            step(sys.executable, *cli, "--to", "deepspeed", "--stage", str(dst), "--dp", "2")
+        done = os.path.join(folder, "ds.json")
+        step(python, *me, "ds", "--stage", str(dst), "--folder", folder, "--port", str(port + 1), done=done)
+        if 0 < dst < 10:
+            step(python, *me, "ds-fp32", "--folder", folder)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        return f"| {src} | {_stage_name(dst)} | | | {exc} |"
+    a, b = (json.load(open(os.path.join(folder, f"{k}.json")))["losses"] for k in ("zs", "ds"))
+    dl = max(abs(x - y) for x, y in zip(a, b))
+    zs_w, ds_w = (torch.load(os.path.join(folder, f"{k}_fp32.pt")) for k in ("zs", "ds"))
+    if set(zs_w) != set(ds_w):
+        return f"| {src} | {_stage_name(dst)} | {dl:.1e} | | keys differ: {sorted(set(zs_w) ^ set(ds_w))} |"
+    dw = max((zs_w[k].float() - ds_w[k].float()).abs().max().item() for k in zs_w)
+    return f"| {src} | {_stage_name(dst)} | {dl:.1e} | {dw:.1e} | DeepSpeed losses {', '.join(f'{v:.6f}' for v in b)} |"
+
+
+def _stage_name(dst: int) -> str:
+    return f"u{dst - 10}" if dst >= 10 else str(dst)
+
+
+def _export_main(python: str, pairs: list[str], port: int) -> None:
+    print(f"torch {torch.__version__}; 2 gloo ranks on the CPU; zerospeed saves at ZeRO S, DeepSpeed resumes at T\n")
+    print("(T = uN: the export is a universal folder, DeepSpeed loads it at ZeRO N with checkpoint.load_universal;")
+    print("its weight column compares DeepSpeed's module after that load)\n")
+    print("| S (zerospeed) | T (DeepSpeed) | max |Δ loss| steps 4-6 | max |Δ weight| (zero_to_fp32) | notes |")
+    print("|---|---|---:|---:|---|")
+    for i, pair in enumerate(pairs):
+        src, dst = pair.split(":")
+        src, dst = int(src), int(dst[1:]) + 10 if dst.startswith("u") else int(dst)
+        with tempfile.TemporaryDirectory() as tmp:
+            print(_export_pair(python, src, dst, tmp, port + 2 * i), flush=True)
+
+
 def _case_main(name: str, out: str, port: int) -> None:
     world = CASES[name].get("world", 2)
     mp.spawn(run, args=(world, name, out, port), nprocs=world)
@@ -201,11 +339,21 @@ def main() -> None:
     ap.add_argument("--deepspeed-python", help="a Python with the real DeepSpeed installed")
     ap.add_argument("--cases", nargs="*", default=list(CASES))
     ap.add_argument("--case"), ap.add_argument("--out"), ap.add_argument("--port", type=int, default=29700)
+    ap.add_argument("--export", action="store_true", help="export zerospeed checkpoints and resume them in DeepSpeed")
+    ap.add_argument("--export-pairs", nargs="*", default=["0:0", "1:1", "2:2", "3:3", "1:3", "3:2", "2:u2", "1:u3"])
+    ap.add_argument("--export-phase", choices=["zs", "ds", "zs-fp32", "ds-fp32"])
+    ap.add_argument("--stage", type=int), ap.add_argument("--folder")
     args = ap.parse_args()
     if args.case:
         return _case_main(args.case, args.out, args.port)
+    if args.export_phase in ("zs", "ds"):
+        return mp.spawn(export_run, args=(2, args.export_phase, args.stage, args.folder, args.port), nprocs=2)
+    if args.export_phase:
+        return (_zs_consolidate if args.export_phase == "zs-fp32" else _ds_zero_to_fp32)(args.folder)
     if not args.deepspeed_python:
         raise SystemExit("--deepspeed-python is required (a Python with the real DeepSpeed installed)")
+    if args.export:
+        return _export_main(args.deepspeed_python, args.export_pairs, args.port)
     print(f"torch {torch.__version__}; 2 gloo ranks on the CPU\n")
     print("| case | config | max |Δ loss| | max |Δ lr| | notes |")
     print("|---|---|---:|---:|---|")

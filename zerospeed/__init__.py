@@ -28,6 +28,11 @@ _EXPORTS = {
     "RepeatingLoader": "zerospeed.data.loader",
     "tp_model_init": "zerospeed.parallel.tensor.autotp",
     "init_inference": "zerospeed.inference.api",
+    # DeepSpeed's root names (deepspeed.X through the shim)
+    "get_accelerator": "zerospeed.accelerator",
+    "OnDevice": "zerospeed.utils.on_device",
+    "DeepSpeedConfig": "zerospeed.config.deepspeed",
+    "DeepSpeedConfigError": "zerospeed.utils.errors",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

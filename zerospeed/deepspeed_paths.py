@@ -31,7 +31,18 @@ import types
 PREFIX = "zerospeed."
 
 MODULES: dict[str, str | dict[str, str] | None] = {
+    # deepspeed.git_version_info: DeepSpeed's version (the API zerospeed mirrors) and its op reports
+    "git_version_info": {
+        "version": "zerospeed.version:version",
+        "git_hash": "zerospeed.version:git_hash",
+        "git_branch": "zerospeed.version:git_branch",
+        "installed_ops": "zerospeed.ops.builders:installed_ops",
+        "compatible_ops": "zerospeed.ops.builders:compatible_ops",
+        "torch_info": "zerospeed.ops.builders:torch_info",
+    },
     # deepspeed.runtime: the engine is zerospeed.runtime itself; the rest lives with its concept
+    "runtime.activation_checkpointing": None,
+    "runtime.activation_checkpointing.checkpointing": "zerospeed.activation",
     "runtime.comm": None,
     "runtime.comm.compressed": "zerospeed.comm.compressed",
     "runtime.comm.nccl": "zerospeed.comm.compressed",
@@ -41,9 +52,23 @@ MODULES: dict[str, str | dict[str, str] | None] = {
     "runtime.data_pipeline.curriculum_scheduler": "zerospeed.data.curriculum",
     "runtime.data_pipeline.data_routing": "zerospeed.data.random_ltd",
     "runtime.data_pipeline.data_routing.basic_layer": "zerospeed.data.random_ltd.layer",
+    "runtime.data_pipeline.data_sampling": None,
+    "runtime.data_pipeline.data_sampling.data_analyzer": "zerospeed.data.analyzer",
+    "runtime.data_pipeline.data_sampling.data_sampler": "zerospeed.data.sampler",
+    "runtime.data_pipeline.data_sampling.indexed_dataset": {
+        "MMapIndexedDataset": "zerospeed.data.indexed:IndexedFile",
+    },
+    "runtime.config": "zerospeed.config.deepspeed",
+    "runtime.config_utils": {"DeepSpeedConfigModel": "zerospeed.config.deepspeed:DeepSpeedConfigModel"},
     "runtime.dataloader": "zerospeed.data.loader",
     "runtime.fp16": None,
     "runtime.fp16.onebit": "zerospeed.optim.onebit",
+    # DeepSpeed's optimizer wrappers are zerospeed's strategies (the owners of the fp32 masters); the engine's
+    # `optimizer` is the torch optimizer over those masters, an instance of none of them (docs/compat.md)
+    "runtime.fp16.fused_optimizer": {"FP16_Optimizer": "zerospeed.zero.stage0:DataParallelStrategy"},
+    "runtime.fp16.unfused_optimizer": {"FP16_UnfusedOptimizer": "zerospeed.zero.stage0:DataParallelStrategy"},
+    "runtime.zero.stage_1_and_2": {"DeepSpeedZeroOptimizer": "zerospeed.zero.sharded:ShardedStrategy"},
+    "runtime.zero.stage3": {"DeepSpeedZeroOptimizer_Stage3": "zerospeed.zero.stage3.strategy:Stage3Strategy"},
     "runtime.lr_schedules": "zerospeed.optim.schedulers",
     "runtime.pipe": {
         "PipelineModule": "zerospeed.parallel.pipeline.module:PipelineModule",
@@ -52,8 +77,16 @@ MODULES: dict[str, str | dict[str, str] | None] = {
         "ProcessTopology": "zerospeed.parallel.pipeline.topology:ProcessTopology",
     },
     "runtime.pipe.engine": "zerospeed.runtime.pipeline",
+    "runtime.pipe.schedule": "zerospeed.parallel.pipeline.clocked",
     "runtime.pipe.module": "zerospeed.parallel.pipeline.module",
-    "runtime.pipe.topology": "zerospeed.parallel.pipeline.topology",
+    "runtime.pipe.topology": {
+        "ProcessTopology": "zerospeed.parallel.pipeline.topology:ProcessTopology",
+        "PipeDataParallelTopology": "zerospeed.parallel.pipeline.topology:PipeDataParallelTopology",
+        "PipeModelDataParallelTopology": "zerospeed.parallel.pipeline.topology:PipeModelDataParallelTopology",
+        "PipelineParallelGrid": "zerospeed.parallel.pipeline.grid:PipelineParallelGrid",
+        "_prime_factors": "zerospeed.parallel.pipeline.grid:_prime_factors",
+    },
+    "runtime.precision_config": {"get_bfloat16_config": "zerospeed.config.deepspeed:get_bfloat16_config"},
     "runtime.progressive_layer_drop": "zerospeed.data.progressive_layer_drop",
     "runtime.sequence_parallel": None,
     "runtime.sequence_parallel.ulysses_sp": {
@@ -65,11 +98,27 @@ MODULES: dict[str, str | dict[str, str] | None] = {
     "runtime.utils": {
         "move_to_device": "zerospeed.utils.tensors:move_to_device",
         "set_random_seed": "zerospeed.accelerator:set_random_seed",
+        "partition_uniform": "zerospeed.parallel.pipeline.partition:partition_uniform",
+        "partition_balanced": "zerospeed.parallel.pipeline.partition:partition_balanced",
+        "see_memory_usage": "zerospeed.profiling.memory_usage:see_memory_usage",
     },
     "runtime.zero": {
         "Init": "zerospeed.zero.stage3.api:Init",
         "GatheredParameters": "zerospeed.zero.stage3.api:GatheredParameters",
         "register_external_parameter": "zerospeed.zero.stage3.api:register_external_parameter",
+    },
+    "runtime.zero.config": {
+        "DeepSpeedZeroConfig": "zerospeed.config.deepspeed:DeepSpeedZeroConfig",
+        "ZeroStageEnum": "zerospeed.config.deepspeed:ZeroStageEnum",
+        "DeepSpeedZeroOffloadParamConfig": "zerospeed.config.schema.offload:OffloadParamConfig",
+        "DeepSpeedZeroOffloadOptimizerConfig": "zerospeed.config.schema.offload:OffloadOptimizerConfig",
+        "OffloadDeviceEnum": "zerospeed.offload.states:OffloadDeviceEnum",
+    },
+    "runtime.zero.leaf_module_config": {
+        "DeepSpeedZeroLeafModuleConfig": "zerospeed.config.schema.zero:LeafModuleConfig",
+        "DEFAULT_LEAF_MODULE_CLASSES": "zerospeed.config.deepspeed:DEFAULT_LEAF_MODULE_CLASSES",
+        "DEFAULT_LEAF_MODULE_NAMES": "zerospeed.config.deepspeed:DEFAULT_LEAF_MODULE_NAMES",
+        "DEFAULT_LEAF_MODULE_NAME_SUFFIXES": "zerospeed.config.deepspeed:DEFAULT_LEAF_MODULE_NAME_SUFFIXES",
     },
     "runtime.zero.offload_config": {
         "OffloadDeviceEnum": "zerospeed.offload.states:OffloadDeviceEnum",
@@ -79,6 +128,7 @@ MODULES: dict[str, str | dict[str, str] | None] = {
     },
     "runtime.zero.offload_states": "zerospeed.offload.states",
     "runtime.zero.partition_parameters": "zerospeed.zero.stage3.api",
+    "runtime.zero.utils": {"ZeRORuntimeException": "zerospeed.utils.errors:ZeRORuntimeException"},
     # deepspeed.pipe, deepspeed.checkpointing (activation checkpointing)
     "pipe": {
         "PipelineModule": "zerospeed.parallel.pipeline.module:PipelineModule",
@@ -91,7 +141,11 @@ MODULES: dict[str, str | dict[str, str] | None] = {
     },
     "checkpointing": "zerospeed.activation",
     # deepspeed.utils
+    "utils.groups": "zerospeed.parallel.groups",
+    "utils.numa": {"parse_range_list": "zerospeed.launcher.cores:parse_core_list"},
     "utils.tensor_fragment": "zerospeed.zero.tensor_access",
+    "utils.timer": {"trim_mean": "zerospeed.profiling.timers:trim_mean"},
+    "utils.torch": {"required_torch_version": "zerospeed.version:required_torch_version"},
     "utils.z3_leaf_module": "zerospeed.zero.leaf_modules",
     "utils.zero_to_fp32": "zerospeed.checkpoint.consolidate",
     # deepspeed.ops: no compiled ops; the optimizers and the quantizer in their concept packages
@@ -99,10 +153,34 @@ MODULES: dict[str, str | dict[str, str] | None] = {
     "ops.adagrad": "zerospeed.optim.adagrad",
     "ops.lion": "zerospeed.optim.lion",
     "ops.quantizer": "zerospeed.precision.quantize",
+    "ops.op_builder": "zerospeed.ops.builders",
+    "ops.aio": {"AsyncIOBuilder": "zerospeed.ops.builders:AsyncIOBuilder"},
+    # deepspeed.profiling.flops_profiler
+    "profiling.flops_profiler": {
+        "FlopsProfiler": "zerospeed.profiling.profiler:FlopsProfiler",
+        "get_model_profile": "zerospeed.profiling.model_profile:get_model_profile",
+    },
+    "ops.deepspeed4science": {
+        "DS4Sci_EvoformerAttention": "zerospeed.ops.evoformer:DS4Sci_EvoformerAttention",
+        "EvoformerFusedAttention": "zerospeed.ops.evoformer:EvoformerFusedAttention",
+    },
+    "ops.deepspeed4science.evoformer_attn": "zerospeed.ops.evoformer",
     # deepspeed.launcher.runner
     "launcher.runner": {
         "main": "zerospeed.launcher.cli:main",
         "DEEPSPEED_ENVIRONMENT_NAME": "zerospeed.launcher.multinode:ENV_FILE_NAME",
+        **{
+            name: f"zerospeed.launcher.deepspeed_runner:{name}"
+            for name in (
+                "parse_args",
+                "encode_world_info",
+                "decode_world_info",
+                "fetch_hostfile",
+                "_parse_hostfile",
+                "parse_resource_filter",
+                "parse_inclusion_exclusion",
+            )
+        },
     },
     # zerospeed's own earlier paths, kept for code written against them
     "config.errors": "zerospeed.utils.errors",
@@ -122,8 +200,11 @@ _TENSOR_ACCESS = (
     "safe_set_local_optimizer_state",
     "safe_set_full_grad",
     "safe_set_local_grad",
+    "safe_update_full_grad_vectorized",
 )
 _LEAF_MODULES = (
+    "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix",
     "get_z3_leaf_modules",
     "set_z3_leaf_module",
     "set_z3_leaf_modules",
@@ -137,6 +218,7 @@ NAMES: dict[str, dict[str, str]] = {
         **{n: f"zerospeed.zero.tensor_access:{n}" for n in _TENSOR_ACCESS},
         **{n: f"zerospeed.zero.leaf_modules:{n}" for n in _LEAF_MODULES},
     },
+    "zerospeed.ops": {"__compatible_ops__": "zerospeed.ops.builders:compatible_ops"},
     # the pipeline engine is an engine (runtime, a layer above parallel): served here, not imported there
     "zerospeed.parallel.pipeline": {
         "PipelineEngine": "zerospeed.runtime.pipeline:PipelineEngine",

@@ -73,56 +73,27 @@ TRIGGERS: dict[str, tuple[dict, str]] = {
         {"aio": {"use_gds": True}, "zero_optimization": {"offload_param": {"device": "nvme"}}},
         "aio.use_gds=true: GPUDirect Storage",
     ),
-    "zero_optimization.zenflow": ({"zero_optimization": {"zenflow": {}}}, "zero_optimization.zenflow={...}: ZenFlow"),
     "amp.enabled": ({"amp": {"enabled": True}}, "amp.enabled=true: apex AMP"),
     "fp16.fp16_master_weights_and_grads": (
         {"fp16": {"fp16_master_weights_and_grads": True}},
         "fp16.fp16_master_weights_and_grads=true",
     ),
-    "data_types.param_dtype": ({"data_types": {"param_dtype": "fp32"}}, "data_types.param_dtype='fp32'"),
-    "data_types.buffer_dtype": ({"data_types": {"buffer_dtype": "fp16"}}, "data_types.buffer_dtype='fp16'"),
     "optimizer.legacy_fusion": ({"optimizer": {"type": "Adam", "legacy_fusion": True}}, "optimizer.legacy_fusion"),
     "sparse_gradients": ({"sparse_gradients": True}, "sparse_gradients=true"),
-    "disable_allgather": ({"disable_allgather": True}, "disable_allgather=true"),
     "graph_harvesting": ({"graph_harvesting": True}, "graph_harvesting=true"),
     "managed_gradient_accumulation": ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation=false"),
-    "disable_python_gc": ({"disable_python_gc": True}, "disable_python_gc=true"),
-    "data_efficiency.data_sampling.enabled": (
-        {"data_efficiency": {"data_sampling": {"enabled": True}}},
-        "data_efficiency.data_sampling.enabled=true: curriculum data sampling",
-    ),
-    "data_efficiency.data_sampling.curriculum_learning.enabled": (
-        {"data_efficiency": {"data_sampling": {"curriculum_learning": {"enabled": True}}}},
-        "data_efficiency.data_sampling.curriculum_learning.enabled=true: curriculum data sampling",
-    ),
     "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled": (
         {"data_efficiency": {"data_routing": {"random_ltd": {"layer_token_lr_schedule": {"enabled": True}}}}},
         "random_ltd.layer_token_lr_schedule.enabled=true: random-LTD's layer-token learning-rate schedule",
     ),
     "eigenvalue.enabled": ({"eigenvalue": {"enabled": True}}, "eigenvalue.enabled=true"),
     "quantize_training.enabled": ({"quantize_training": {"enabled": True}}, "quantize_training.enabled=true"),
-    "pipeline.stages": ({"pipeline": {"stages": 2}}, "pipeline.stages=2: pipeline parallelism"),
-    "pipeline.partition": ({"pipeline": {"partition": "uniform"}}, "pipeline.partition='uniform'"),
-    "pipeline.seed_layers": ({"pipeline": {"seed_layers": True}}, "pipeline.seed_layers=true"),
-    "pipeline.activation_checkpoint_interval": (
-        {"pipeline": {"activation_checkpoint_interval": 1}},
-        "pipeline.activation_checkpoint_interval=1",
-    ),
     "compile.deepcompile": ({"compile": {"deepcompile": True}}, "compile.deepcompile=true: DeepCompile"),
     "nebula.enabled": ({"nebula": {"enabled": True}}, "nebula.enabled=true"),
-    "datastates_ckpt": ({"datastates_ckpt": {}}, "datastates_ckpt={}: DataStates"),
-    "casync_ckpt": ({"casync_ckpt": {"x": 1}}, 'casync_ckpt={"x": 1}: CAsync'),
-    "async_load": ({"async_load": True}, "async_load=true"),
-    "checkpoint.load_universal": ({"checkpoint": {"load_universal": True}}, "checkpoint.load_universal=true"),
-    "checkpoint.use_node_local_storage": (
-        {"checkpoint": {"use_node_local_storage": True}},
-        "checkpoint.use_node_local_storage=true",
+    "checkpoint.writer.type": (
+        {"checkpoint": {"writer": {"type": "mock"}}},
+        "checkpoint.writer.type='MOCK': the MOCK checkpoint writer",
     ),
-    "checkpoint.parallel_write.pipeline_stage": (
-        {"checkpoint": {"parallel_write": {"pipeline_stage": True}}},
-        "checkpoint.parallel_write.pipeline_stage=true",
-    ),
-    "checkpoint.writer": ({"checkpoint": {"writer": {}}}, "checkpoint.writer={...}: the fast checkpoint writer"),
 }
 
 

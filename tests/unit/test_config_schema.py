@@ -499,7 +499,7 @@ def test_every_documented_key_config_trips_many_feature_rows():
     with pytest.raises(ConfigError) as info:
         parse_config(every_key_config())
     lines = str(info.value).splitlines()
-    assert len(lines) >= 25  # (every feature built deletes its row: 42 before curriculum learning and PLD, 32 now)
+    assert lines  # (every feature built deletes its row: 42 before curriculum learning and PLD; issue 48 aims at <= 6)
     assert all("is not implemented in zerospeed yet (tracked as a later issue)" in line for line in lines)
 
 

@@ -353,16 +353,8 @@ def test_the_scheduler_resumes_from_the_checkpoint(tmp_path):
 
 
 def test_refusals_name_the_key():
+    # (the data_sampling switches are built now: tests/unit/test_data_sampling.py)
     base = {"train_batch_size": 1}
-    for key, block in [
-        ("data_efficiency.data_sampling.enabled", {"data_sampling": {"enabled": True}}),
-        (
-            "data_efficiency.data_sampling.curriculum_learning.enabled",
-            {"data_sampling": {"curriculum_learning": {"enabled": True}}},
-        ),
-    ]:
-        with pytest.raises(ConfigError, match=key.replace(".", r"\.") + "=true: curriculum data sampling"):
-            parse_config({**base, "data_efficiency": efficiency(**block)})
     lr = {**RANDOM_LTD, "layer_token_lr_schedule": {"enabled": True}}
     with pytest.raises(ConfigError, match=r"random_ltd\.layer_token_lr_schedule\.enabled=true"):
         parse_config({**base, "data_efficiency": efficiency(lr)})

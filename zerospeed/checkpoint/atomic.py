@@ -22,8 +22,9 @@ import torch
 from zerospeed.utils.files import atomic_write, fsync_dir
 
 
-def atomic_torch_save(obj, path: Path) -> None:
-    atomic_write(path, lambda f: torch.save(obj, f))
+def atomic_torch_save(obj, path: Path, buffering: int = -1) -> None:
+    """torch.save `obj` to `path` crash-safely, through a file buffer of `buffering` bytes (-1: the default)."""
+    atomic_write(path, lambda f: torch.save(obj, f), buffering=buffering)
 
 
 def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:

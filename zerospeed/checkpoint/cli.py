@@ -3,10 +3,17 @@
     zerospeed-ckpt inspect DIR [--tag T] [--json] [--verify]
     zerospeed-ckpt to-fp32 DIR OUT [--tag T] [--max-shard-size 5GB] [--safe-serialization]
                                    [--exclude-frozen-parameters]
+    zerospeed-ckpt export DIR OUT --to deepspeed --stage S --dp N [--tag T] [--output-tag T2]
+                                  [--sub-group-size N]
+    zerospeed-ckpt export DIR OUT --to universal [--dp N] [--tag T] [--output-tag T2]
 
 `to-fp32` writes what DeepSpeed's `zero_to_fp32.py DIR OUT` writes: pytorch_model.bin by default,
 model.safetensors with --safe-serialization; DeepSpeed's spellings of the options (--max_shard_size,
---safe_serialization, -t/--tag, --exclude_frozen_parameters) work too.
+--safe_serialization, -t/--tag, --exclude_frozen_parameters) work too. `export --to deepspeed` writes
+the checkpoint as DeepSpeed 0.19.8's tag for ZeRO stage S on N data-parallel ranks, with `latest`
+(zerospeed.checkpoint.deepspeed_export): the real DeepSpeed's `engine.load_checkpoint(OUT)` resumes it.
+`export --to universal` writes DeepSpeed's universal folder and `latest_universal` (DeepSpeed, and zerospeed,
+load it with `checkpoint.load_universal: true` at any stage; `--dp`: the most ZeRO-3 ranks it is named for).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import sys
 from math import prod
 
 from zerospeed.checkpoint.consolidate import convert_zero_checkpoint_to_fp32_state_dict, resolve_checkpoint
+from zerospeed.checkpoint.deepspeed_export import export_to_deepspeed, export_universal
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.manifest import verify_files
 
@@ -54,6 +62,23 @@ def _parser() -> argparse.ArgumentParser:
         dest="exclude_frozen_parameters",
         action="store_true",
         help="leave frozen parameters out",
+    )
+    exp = sub.add_parser("export", help="write the checkpoint in another library's layout (DeepSpeed 0.19.8)")
+    exp.add_argument("dir", help="checkpoint folder (holding `latest` and the tags), or one tag's directory")
+    exp.add_argument("out", help="output folder: receives the tag directory and `latest`")
+    exp.add_argument(
+        "--to",
+        choices=["deepspeed", "universal"],
+        default="deepspeed",
+        help="deepspeed: a DeepSpeed 0.19.8 tag for --stage/--dp; universal: DeepSpeed's universal folder "
+        "(loads with checkpoint.load_universal at any stage and dp)",
+    )
+    exp.add_argument("--stage", type=int, default=None, choices=[0, 1, 2, 3], help="ZeRO stage it will load at")
+    exp.add_argument("--dp", type=int, default=None, help="data-parallel size it will load at (universal: at most)")
+    exp.add_argument("-t", "--tag", default=None, help="tag to export (default: the one `latest` names)")
+    exp.add_argument("--output-tag", default=None, help="tag name in OUT (default: the exported tag's)")
+    exp.add_argument(
+        "--sub-group-size", type=int, default=None, help="ZeRO-3 sub_group_size (default: the checkpoint's config)"
     )
     return parser
 
@@ -99,6 +124,23 @@ def main(argv: list[str] | None = None) -> int:
                 if problem is not None:
                     raise CheckpointError(problem)
                 print(f"verified {len(manifest['files'])} files")
+            return 0
+        if args.command == "export" and args.to == "universal":
+            print(export_universal(args.dir, args.out, dp=args.dp or 1, tag=args.tag, output_tag=args.output_tag))
+            return 0
+        if args.command == "export":
+            if args.stage is None or args.dp is None:
+                raise ValueError("export --to deepspeed needs --stage and --dp (the layout DeepSpeed will load at)")
+            tag_dir = export_to_deepspeed(
+                args.dir,
+                args.out,
+                stage=args.stage,
+                dp=args.dp,
+                tag=args.tag,
+                output_tag=args.output_tag,
+                sub_group_size=args.sub_group_size,
+            )
+            print(tag_dir)
             return 0
         written = convert_zero_checkpoint_to_fp32_state_dict(
             args.dir,

@@ -24,7 +24,19 @@ weights, the optimizer's hyperparameters, LR-scheduler state, counters and loss 
 DeepSpeed pickles a few of its own classes into these files (its loss scaler, `ZeroStageEnum`,
 `fragment_address`); they are read here as plain records, without importing DeepSpeed. Refused with an
 error naming the file: tensor / pipeline-parallel checkpoints, MoE, bf16 checkpoints of DeepSpeed's
-stage-0/1 `BF16_Optimizer` (`bf16_zero_pp_rank_*` files), universal-checkpoint folders.
+stage-0/1 `BF16_Optimizer` (`bf16_zero_pp_rank_*` files).
+
+Note [universal folders]: DeepSpeed's `ds_to_universal` (0.19.8) writes a folder holding copies of the
+tag's model-states files (`mp_rank_00_model_states.pt`; at ZeRO 3 `zero_pp_rank_{r}_mp_rank_00_model_states.pt`)
+and `zero/`: per parameter (and per module tensor it found no optimizer state for) a directory
+`zero/<name>/` with `fp32.pt` and one file per optimizer state (`exp_avg.pt`, ...), each a dict whose
+"param" is the full tensor (from a ZeRO-3 tag: the flat tensor itself), and `step.pt` holding the step (from a
+ZeRO-3 tag there is none: the step is in `optimizer_state.pt`'s "optimizer_state_dict"); and
+`zero/optimizer_state.pt`, rank 0's optimizer state dict without its ZeRO-1/2 partitions, with the
+hyperparameters under "param_groups".
+`engine.load_checkpoint` with `checkpoint.load_universal: true` reads such a folder (the tag `latest_universal`
+names, as DeepSpeed's loader does) into any stage and data-parallel size; this module reads it into the
+same universal form as the other DeepSpeed checkpoints (`deepspeed_export.write_universal` writes one).
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.universal import FP32, UniversalState
 
 MODEL = "mp_rank_00_model_states.pt"
+UNIVERSAL_OPTIMIZER = "zero/optimizer_state.pt"
 # DeepSpeed's top-level model-states keys; any other key is the user's client_state
 RESERVED = frozenset(
     {
@@ -113,6 +126,11 @@ def _load(path: Path) -> dict:
         ) from exc
 
 
+def is_universal_folder(tag_dir: Path) -> bool:
+    """A folder DeepSpeed's `ds_to_universal` wrote (Note [universal folders])."""
+    return (Path(tag_dir) / UNIVERSAL_OPTIMIZER).is_file()
+
+
 def is_deepspeed_tag(tag_dir: Path) -> bool:
     """DeepSpeed's files and no zerospeed manifest."""
     return not (tag_dir / "zerospeed_manifest.json").exists() and (
@@ -130,6 +148,7 @@ class DeepSpeedCheckpoint:
     param_groups: list[dict]  # the optimizer's hyperparameters per group
     meta: dict = field(default_factory=dict)  # counters, lr_scheduler, loss scale, ds_config
     client_state: dict = field(default_factory=dict)
+    layout: dict = field(default_factory=dict)  # group_names, module_keys, buffer_names, shared_params
 
 
 def read_deepspeed_checkpoint(
@@ -153,7 +172,9 @@ def read_deepspeed_checkpoint(
             f"{tag_dir}: a ZeRO-0 DeepSpeed checkpoint names no parameters for its optimizer "
             "states; load it through engine.load_checkpoint (which knows the model's order)"
         )
-    if stage3:
+    if is_universal_folder(tag_dir):
+        ckpt = _read_universal(tag_dir, model, dp, shapes, names)
+    elif stage3:
         ckpt = _read_stage3(tag_dir, model, dp, shapes, names)
     elif model.get("optimizer") is not None or not (tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt").exists():
         ckpt = _read_stage0(tag_dir, model, shapes, names)
@@ -164,6 +185,13 @@ def read_deepspeed_checkpoint(
         for k in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "ds_config", "ds_version")
     } | ckpt.meta
     ckpt.client_state = {k: v for k, v in model.items() if k not in RESERVED}
+    ckpt.layout = {
+        "group_names": [list(g) for g in shapes],
+        "shapes": {n: tuple(int(d) for d in shape) for g in shapes for n, shape in g.items()},
+        "module_keys": list(model["module"]),
+        "buffer_names": list(model.get("buffer_names") or []),
+        "shared_params": dict(model.get("shared_params") or {}),
+    }
     return ckpt
 
 
@@ -286,6 +314,47 @@ def _read_stage12(tag_dir: Path, model: dict, dp: int, shapes: list[dict], names
         _hyperparameters(base["param_groups"]),
         meta=_loss_scale(first.get("loss_scaler")),
     )
+
+
+def _read_universal(tag_dir: Path, model: dict, dp: int, shapes: list[dict], names) -> DeepSpeedCheckpoint:
+    opt = _load(tag_dir / UNIVERSAL_OPTIMIZER)
+    zero3_step = ((opt.get("optimizer_state_dict") or {}).get("state") or {}).get(0, {}).get("step")
+    uni = UniversalState()
+    for gi, group in enumerate(shapes):
+        for name, shape in group.items():
+            if names is not None and name not in names:
+                continue
+            folder = tag_dir / "zero" / name
+            if not (folder / "fp32.pt").is_file():
+                raise CheckpointError(f"{tag_dir}: the universal checkpoint has no {folder / 'fp32.pt'}")
+            tensors, scalars = {}, {}
+            for path in sorted(folder.glob("*.pt")):
+                value = _load(path)
+                if path.stem == "step":
+                    scalars["step"] = value
+                    continue
+                tensors[path.stem] = (value["param"] if isinstance(value, dict) else value).detach().reshape(-1)
+            if tensors[FP32].numel() != math.prod(shape):
+                raise CheckpointError(
+                    f"{folder}: fp32.pt holds {tensors[FP32].numel()} elements, {name} has shape {tuple(shape)}; "
+                    "a tensor-parallel universal checkpoint is not read here"
+                )
+            uni.tensors[name] = tensors
+            uni.scalars[name] = _universal_step(scalars or {"step": zero3_step})
+            uni.groups[name] = gi
+    module = {n: t for n, t in model["module"].items() if t.numel() > 0}
+    stage = int(opt.get("zero_stage", 2))
+    return DeepSpeedCheckpoint(
+        tag_dir, stage, dp, uni, module, _hyperparameters(opt["param_groups"]), meta=_loss_scale(opt.get("loss_scaler"))
+    )
+
+
+def _universal_step(scalars: dict) -> dict:
+    """`step.pt` as torch's Adam keeps it: a float tensor (DeepSpeed may save a plain number)."""
+    step = scalars.get("step")
+    if step is None:
+        return {}
+    return {"step": step.clone().float() if torch.is_tensor(step) else torch.tensor(float(step))}
 
 
 def _read_stage3(tag_dir: Path, model: dict, dp: int, shapes: list[dict], names) -> DeepSpeedCheckpoint:

@@ -9,6 +9,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or loaded; the message names the file, tag or parameters."""
 
 
+class CheckpointTagError(CheckpointError, AssertionError):
+    """The ranks passed different checkpoint tags under `checkpoint.tag_validation: FAIL`; DeepSpeed asserts
+    there, so this is an AssertionError too (Note [errors catchable as DeepSpeed's], utils/errors.py)."""
+
+
 def raise_if_any_rank_failed(local_error: str | None) -> None:
     """Collective: if any rank reports an error, raise it on every rank.
 

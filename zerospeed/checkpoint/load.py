@@ -243,14 +243,18 @@ def _restore_rng(reads: _ReadList) -> None:
         )
 
 
-def _resolve(state: TrainingState, root: Path, tag) -> str | None:
+def _resolve(state: TrainingState, root: Path, tag, universal: bool = False) -> str | None:
     if tag is None:
-        tag = read_latest(root)
+        if universal:  # checkpoint.load_universal: DeepSpeed names the universal folder in `latest_universal`
+            latest = root / "latest_universal"
+            tag = latest.read_text().strip() if latest.is_file() else None
+        else:
+            latest, tag = root / "latest", read_latest(root)
         if not all(t is not None for t in comm.all_gather_object(tag)):
             logger.warning(
                 "load_checkpoint: there is no %s file naming a tag; nothing loaded (pass tag= to "
                 "load a specific checkpoint)",
-                root / "latest",
+                latest,
             )
             return None
     return agree_on_tag(str(tag), state.tag_validation)
@@ -264,16 +268,20 @@ def load_checkpoint(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
+    async_load: bool = False,
+    universal: bool = False,
 ):
     """Collective: restore a checkpoint saved at any world size, tensor-parallel degree and ZeRO stage 0-3
-    into `state` (the engine's `TrainingState`).
+    into `state` (the engine's `TrainingState`). `async_load` (the config key): this rank's files are read
+    and checked on parallel threads (manifest.verify_files). `universal` (checkpoint.load_universal): without
+    `tag`, the tag `latest_universal` names (a DeepSpeed universal folder, Note [universal folders]).
 
     Returns (path of the model states file, client_state), or (None, None) with a warning when
     `tag` is None and `load_dir` has no `latest` file.
     """
     root = check_load_dir(load_dir)
     check_supported(state, experts_ok=True)
-    tag = _resolve(state, root, tag)
+    tag = _resolve(state, root, tag, universal)
     if tag is None:
         return None, None
     paths = CheckpointPaths(root, tag)
@@ -304,7 +312,7 @@ def load_checkpoint(
             names=names,
             place=place,
         )
-        if (problem := verify_files(tag_dir, manifest, reads.files)) is not None:
+        if (problem := verify_files(tag_dir, manifest, reads.files, workers=4 if async_load else 1)) is not None:
             raise CheckpointError(problem)
     except CheckpointError as exc:
         error = str(exc)

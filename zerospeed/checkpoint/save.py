@@ -4,24 +4,39 @@ Order of a save (each step finishes on every rank before the next begins):
   1. rank 0 empties the staging directory `.{tag}.partial`;
   2. data-parallel rank 0 of each tensor-parallel rank t writes mp_rank_{t:02d}_model_states.pt, every
      rank its zero_pp_rank_{d}_mp_rank_{t:02d}_... file (each through a temporary name, fsync and
-     rename) and hashes it;
-  3. rank 0 gathers the hashes and partition maps, writes the manifest and renames the staging
-     directory to `{tag}` (Note [tag directory swap] in atomic.py);
-  4. after a barrier, rank 0 rewrites `latest`.
-A process killed at any point leaves `latest` naming a complete checkpoint.
+     rename) and hashes it — in the call, or for an asynchronous save (checkpoint/async_writer.py) on a
+     background thread from a host snapshot taken in the call;
+  3. the commit (`commit_save`, in the call or at the next sync point of an asynchronous save): every
+     rank reports its files and any failure; rank 0 writes the manifest and renames the staging directory
+     to `{tag}` (Note [tag directory swap] in atomic.py);
+  4. rank 0 rewrites `latest`, then a barrier.
+A process killed at any point leaves `latest` naming a complete checkpoint; a failed write (a full disk)
+raises on every rank and leaves the previous checkpoint and `latest` as they were. With node-local storage
+(`checkpoint.use_node_local_storage`) local rank 0 of every node does rank 0's part in its own directory.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from zerospeed import comm
+from zerospeed.accelerator import get_accelerator
+from zerospeed.checkpoint.async_writer import (
+    BackgroundWriter,
+    SnapshotPool,
+    WriteJob,
+    WriterPlan,
+    host_snapshot,
+    payload_bytes,
+)
 from zerospeed.checkpoint.atomic import atomic_torch_save, fresh_dir, swap_in_dir
-from zerospeed.checkpoint.errors import raise_if_any_rank_failed
+from zerospeed.checkpoint.errors import CheckpointError, raise_if_any_rank_failed
 from zerospeed.checkpoint.experts import CheckpointNames, expert_spans, is_expert_key, write_expert_files
 from zerospeed.checkpoint.layout import EntryLayout, RankFile, entry_groups, split_state
 from zerospeed.checkpoint.manifest import (
@@ -29,7 +44,6 @@ from zerospeed.checkpoint.manifest import (
     FORMAT_VERSION,
     PLAIN_FORMAT_VERSION,
     dtype_name,
-    file_record,
     tied_aliases,
     write_manifest,
 )
@@ -88,16 +102,37 @@ RESERVED_KEYS = frozenset(
 )
 
 
-def compact(t: torch.Tensor) -> torch.Tensor:
+def compact(t: torch.Tensor, views_ok: bool = False) -> torch.Tensor:
     """`t` detached, cloned only when it views a larger storage (torch.save writes whole storages:
-    a parameter that is a view into a flat ZeRO bucket would otherwise drag the bucket along)."""
+    a parameter that is a view into a flat ZeRO bucket would otherwise drag the bucket along).
+    `views_ok`: never cloned (an asynchronous save's host snapshot copies it compactly anyway)."""
     t = t.detach()
-    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes:
+    if views_ok or t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes:
         return t
     return t.clone()
 
 
-def compact_state_dict(sd: dict) -> dict:
+def compact_tree(obj):
+    """`obj` (nested dicts, lists, tuples) with every tensor through `compact`, tensors that were one tensor
+    staying one."""
+    seen: dict[tuple, torch.Tensor] = {}
+
+    def walk(o):
+        if isinstance(o, torch.Tensor):
+            key = (o.untyped_storage().data_ptr(), o.storage_offset(), tuple(o.shape), tuple(o.stride()), o.dtype)
+            if key not in seen:
+                seen[key] = compact(o)
+            return seen[key]
+        if isinstance(o, dict):
+            return type(o)((k, walk(v)) for k, v in o.items())
+        if isinstance(o, (list, tuple)) and type(o) in (list, tuple):
+            return type(o)(walk(v) for v in o)
+        return o
+
+    return walk(obj)
+
+
+def compact_state_dict(sd: dict, views_ok: bool = False) -> dict:
     """`compact` applied to every tensor; tensors that were the same stay one tensor (tied weights)."""
     seen: dict[tuple, torch.Tensor] = {}
     out = {}
@@ -105,7 +140,7 @@ def compact_state_dict(sd: dict) -> dict:
         if isinstance(v, torch.Tensor):
             key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), tuple(v.stride()), v.dtype)
             if key not in seen:
-                seen[key] = compact(v)
+                seen[key] = compact(v, views_ok)
             out[k] = seen[key]
         else:
             out[k] = v
@@ -123,9 +158,11 @@ def _model_states(
     spans=(),
     place: Placement | None = None,
     frozen: dict | None = None,
+    views_ok: bool = False,
 ) -> dict:
     """`frozen`: id(parameter) -> full value of stage 3's partitioned frozen parameters, which the model
-    states hold whole (`state.zero.frozen_values`, gathered by every rank beforehand)."""
+    states hold whole (`state.zero.frozen_values`, gathered by every rank beforehand). `views_ok`: as in
+    `compact`."""
     module = state.module
     sharded = sharded_param_names(module)  # stage 3: empty placeholders, the shards hold the values
     params = dict(module.named_parameters(remove_duplicate=False))
@@ -145,7 +182,7 @@ def _model_states(
             sd.pop(name, None)
     param_names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     states = {
-        "module": compact_state_dict(sd),
+        "module": compact_state_dict(sd, views_ok),
         "buffer_names": [n for n in module.state_dict() if n not in param_names],
         "param_shapes": {n: list(full_shape(p)) for n, p in module.named_parameters() if p.requires_grad},
         "frozen_param_shapes": {n: list(full_shape(p)) for n, p in module.named_parameters() if not p.requires_grad},
@@ -161,14 +198,17 @@ def _model_states(
     return states
 
 
-def _rank_states(state: TrainingState, place: Placement, names: CheckpointNames) -> tuple[dict, list[EntryLayout]]:
+def _rank_states(
+    state: TrainingState, place: Placement, names: CheckpointNames, replicated_once: bool = True, views_ok: bool = False
+) -> tuple[dict, list[EntryLayout]]:
     """This rank's shard (its entries; when every rank holds the same state, only data-parallel rank 0's —
     and, with MoE layers, each expert's from rank 0 of its expert-data-parallel group; under tensor
-    parallelism only the pieces this tp rank writes) and RNG."""
+    parallelism only the pieces this tp rank writes) and RNG. `replicated_once=False` (node-local storage:
+    a node's copy must load without the other nodes' files): every rank writes the entries it holds."""
     entries = names.global_entries(state.zero.shard_entries(names.params))
     opt = state.optimizer
     groups = entry_groups(opt, [e.master for e in entries])
-    if state.zero.replicated_state:
+    if state.zero.replicated_state and replicated_once:
         kept = [i for i, e in enumerate(entries) if _writes_replicated(e, place.dp_rank, names.spans)]
         entries, groups = [entries[i] for i in kept], [groups[i] for i in kept]
     records, layouts = [], []
@@ -181,9 +221,12 @@ def _rank_states(state: TrainingState, place: Placement, names: CheckpointNames)
         master, pieces = pack_pieces(entry.master.reshape(-1), entry.pieces, keep)
         records.append(
             {
-                "master": compact(master),
+                "master": compact(master, views_ok),
                 "state": {
-                    **{k: compact(pack_pieces(saved[k].reshape(-1), entry.pieces, keep)[0]) for k in elementwise},
+                    **{
+                        k: compact(pack_pieces(saved[k].reshape(-1), entry.pieces, keep)[0], views_ok)
+                        for k in elementwise
+                    },
                     **{k: saved[k] for k in scalars},
                 },
             }
@@ -264,13 +307,18 @@ def save_checkpoint(
     client_state=None,
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
+    saves: AsyncSaves | None = None,
 ) -> bool:
     """Collective: save the full training state under `save_dir/tag` (default global_step{N}).
 
     Every rank must call it. The checkpoint loads at any world size, tensor-parallel degree and ZeRO
     stage (see `load_checkpoint`); `client_state` (a dict) comes back from the load. `state`: the
-    engine's `TrainingState`.
+    engine's `TrainingState`. `saves`: the engine's `AsyncSaves`; with an asynchronous plan the call
+    returns once the state is snapshotted and the checkpoint commits later (checkpoint/async_writer.py);
+    a save still in flight is committed first (Note [one save in flight]).
     """
+    if saves is not None:
+        saves.flush()
     root = check_save_dir(save_dir)
     check_supported(state, experts_ok=True)
     place = placement(state)
@@ -287,10 +335,10 @@ def save_checkpoint(
         )
     tag = agree_on_tag(str(tag) if tag is not None else default_tag(state.counters.global_steps), state.tag_validation)
     paths = CheckpointPaths(root, tag)
-    rank = comm.get_rank()
+    plan = saves.plan if saves is not None else WriterPlan()
     start = time.perf_counter()
     error = None
-    if rank == 0:
+    if _writes_tag_files(plan):
         try:
             paths.root.mkdir(parents=True, exist_ok=True)
             fresh_dir(paths.staging)
@@ -298,53 +346,232 @@ def save_checkpoint(
             error = f"cannot create {paths.staging}: {exc}"
     raise_if_any_rank_failed(error)
 
-    files, layouts = {}, []
+    writes_model = _writes_model_states(plan, place)
     # stage 3's partitioned frozen parameters, whole in the model states (collective)
-    frozen = state.zero.frozen_values(keep=place.dp_rank == 0) if not exclude_frozen_parameters else {}
-    try:
-        if place.dp_rank == 0:
-            model_states = _model_states(state, client_state, exclude_frozen_parameters, names.spans, place, frozen)
-            name = model_states_name(place.tp_rank)
-            atomic_torch_save(model_states, paths.staging / name)
-            del model_states
-            files[name] = file_record(paths.staging / name)
-        with state.zero.resident(state.optimizer):  # NVMe-offloaded state: in memory while it is written
-            shard, layouts = _rank_states(state, place, names)
-            name = optim_states_name(place.dp_rank, place.tp_rank)
-            atomic_torch_save(shard, paths.staging / name)
-            del shard
-        files[name] = file_record(paths.staging / name)
-    except Exception as exc:  # noqa: BLE001 — every rank must learn of it, or the others hang
-        error = f"rank {rank} could not write its checkpoint files in {paths.staging}: {exc}"
-    raise_if_any_rank_failed(error)
-    expert_files, error = write_expert_files(state.module, names.spans, paths.staging)  # collective at stage 3
-    files.update(expert_files)
-    raise_if_any_rank_failed(error)
-
-    gathered = comm.all_gather_object((files, [e.to_json() for e in layouts], place.dp_rank, place.tp_rank))
-    if rank == 0:
+    frozen = state.zero.frozen_values(keep=writes_model) if not exclude_frozen_parameters else {}
+    views_ok = plan.asynchronous  # the snapshot copies compactly: no clone of views before it
+    job = WriteJob(paths.staging, [], io_buffer_bytes=plan.io_buffer_bytes)
+    layouts = []
+    with state.zero.resident(state.optimizer):  # NVMe-offloaded state: in memory while it is copied or written
         try:
-            all_files = {k: v for f, *_ in gathered for k, v in f.items()}
-            partition = sorted(
-                (
-                    RankFile.from_json({"rank": d, "tp_rank": t, "file": optim_states_name(d, t), "entries": lay})
-                    for _, lay, d, t in gathered
-                ),
-                key=lambda rf: (rf.tp_rank, rf.rank),
-            )
-            excluded = _frozen_names(state.module) if exclude_frozen_parameters else []
-            write_manifest(paths.staging, _manifest(state, tag, all_files, partition, excluded, names, place))
-            swap_in_dir(paths.staging, paths.dir, paths.previous)
-        except OSError as exc:
-            error = f"could not finish checkpoint {paths.dir}: {exc}"
-    raise_if_any_rank_failed(error)
-    if save_latest and rank == 0:
-        atomic_write_text(paths.latest, tag)
-    comm.barrier()
-    logger.info(
-        "saved checkpoint %s (%d rank files) in %.2fs", paths.dir, state.mesh.world_size, time.perf_counter() - start
+            if writes_model:
+                model_states = _model_states(
+                    state, client_state, exclude_frozen_parameters, names.spans, place, frozen, views_ok=views_ok
+                )
+                job.items.append((model_states_name(place.tp_rank), model_states))
+                del model_states
+            shard, layouts = _rank_states(state, place, names, replicated_once=not plan.node_local, views_ok=views_ok)
+            job.items.append((optim_states_name(place.dp_rank, place.tp_rank), shard))
+            del shard
+        except Exception as exc:  # noqa: BLE001 — every rank learns of it at the commit, or the others would hang
+            job.items, job.error = [], f"rank {comm.get_rank()} could not gather its checkpoint state: {exc!r}"
+        asynchronous = plan.asynchronous and _fits_host_cache(plan, job.items)  # (collective with a host cache)
+        if views_ok and not asynchronous:
+            job.items = [(name, compact_tree(obj)) for name, obj in job.items]
+        if asynchronous and job.error is None:
+            try:
+                objs, job.snapshot_bytes = host_snapshot([obj for _, obj in job.items], *_pinning(), pool=saves.pool)
+                job.items = [(name, obj) for (name, _), obj in zip(job.items, objs)]
+            except Exception as exc:  # noqa: BLE001 — as above
+                job.items, job.error = [], f"rank {comm.get_rank()} could not copy its checkpoint state: {exc!r}"
+        elif not asynchronous:
+            job.run()
+    expert_files, expert_error = write_expert_files(state.module, names.spans, paths.staging)  # collective at stage 3
+    base = None
+    if _writes_tag_files(plan):
+        excluded = _frozen_names(state.module) if exclude_frozen_parameters else []
+        base = _manifest(state, tag, {}, [], excluded, names, place)  # files and partition filled in at the commit
+        base["replicated"] = base["replicated"] and not plan.node_local  # (every rank wrote what it holds)
+    pending = PendingSave(
+        paths,
+        tag,
+        save_latest,
+        plan,
+        job,
+        expert_files,
+        expert_error,
+        layouts,
+        place.dp_rank,
+        place.tp_rank,
+        base,
+        start,
     )
+    if asynchronous:
+        pending.snapshot_seconds = time.perf_counter() - start
+        saves.begin(pending)
+    else:
+        commit_save(pending)
     return True
+
+
+def _fits_host_cache(plan: WriterPlan, items) -> bool:
+    """Whether this rank's snapshot fits `datastates_ckpt.host_cache_size`. Every rank must decide alike (the
+    commit is collective either way, but a synchronous save on one rank would stall the others at it), so
+    the largest rank's size decides."""
+    if plan.host_cache_bytes is None:
+        return True
+    need = max(comm.all_gather_object(sum(payload_bytes(obj) for _, obj in items)))
+    if need <= plan.host_cache_bytes:
+        return True
+    logger.warning(
+        "checkpoint snapshot of %d bytes exceeds datastates_ckpt.host_cache_size (%d bytes): saving synchronously",
+        need,
+        plan.host_cache_bytes,
+    )
+    return False
+
+
+def _pinning():
+    """(pinned allocator, synchronize) of the accelerator the training state lives on."""
+    accel = get_accelerator()
+    if accel.name == "cpu":
+        return None, None
+    return accel.pinned_empty, accel.synchronize
+
+
+def _writes_model_states(plan: WriterPlan, place: Placement) -> bool:
+    """Whether this rank writes its tensor-parallel rank's model states: data-parallel rank 0; with node-local
+    storage also the first rank of every other node holding that tp rank (each node's copy must load on its
+    own). Nodes are told apart as launchers number ranks: a node's ranks are consecutive, so a rank's node
+    starts at global rank - local rank. Collective with node-local storage."""
+    if not plan.node_local:
+        return place.dp_rank == 0
+    me = (comm.get_rank() - comm.get_local_rank(), place.tp_rank, place.dp_rank)
+    firsts: dict[tuple, int] = {}
+    for node, tp, dp in comm.all_gather_object(me):
+        firsts[(node, tp)] = min(dp, firsts.get((node, tp), dp))
+    return place.dp_rank == 0 or firsts[me[:2]] == place.dp_rank
+
+
+def _writes_tag_files(plan: WriterPlan) -> bool:
+    """Whether this rank creates the staging directory and writes the manifest and `latest`: global rank 0,
+    or with node-local storage (`checkpoint.use_node_local_storage`) local rank 0 of every node."""
+    return (comm.get_local_rank() if plan.node_local else comm.get_rank()) == 0
+
+
+@dataclass
+class PendingSave:
+    """A save whose rank files are written (or being written); `commit_save` makes it a checkpoint."""
+
+    paths: CheckpointPaths
+    tag: str
+    save_latest: bool
+    plan: WriterPlan
+    job: WriteJob
+    expert_files: dict
+    expert_error: str | None
+    layouts: list[EntryLayout]
+    dp_rank: int
+    tp_rank: int
+    manifest: dict | None  # on the ranks that write the manifest
+    start: float
+    snapshot_seconds: float = 0.0
+
+
+def commit_save(pending: PendingSave) -> None:  # noqa: C901
+    """Collective: once every rank's files are written (and fsync'ed), write the manifest, rename the staging
+    directory to the tag and move `latest` (save.py's module docstring has the order). A failure on any
+    rank raises the same CheckpointError on every rank and leaves the previous checkpoint and `latest` as
+    they were; the staging directory is removed to give its space back."""
+    job, plan = pending.job, pending.plan
+    error = job.error or pending.expert_error
+    node = comm.get_rank() - comm.get_local_rank()  # (as in _writes_model_states)
+    gathered = comm.all_gather_object(
+        (
+            error,
+            node,
+            {**job.records, **pending.expert_files},
+            [e.to_json() for e in pending.layouts],
+            pending.dp_rank,
+            pending.tp_rank,
+        )
+    )
+    tag_writer = _writes_tag_files(plan)
+    errors = [(r, g[0]) for r, g in enumerate(gathered) if g[0]]
+    if errors:
+        if tag_writer:
+            shutil.rmtree(pending.paths.staging, ignore_errors=True)
+        comm.barrier()  # the error surfaces on every rank with the staging directory gone
+        messages = {e for _, e in errors}
+        raise CheckpointError(errors[0][1] if len(messages) == 1 else "; ".join(f"rank {r}: {e}" for r, e in errors))
+    error = None
+    if tag_writer:
+        try:
+            manifest = pending.manifest
+            # with node-local storage a file several nodes wrote is listed as this node wrote it
+            ordered = sorted(gathered, key=lambda g: g[1] == node)
+            manifest["files"] = {k: v for _, _, files, *_ in ordered for k, v in files.items()}
+            manifest["partition"] = [
+                rf.to_json()
+                for rf in sorted(
+                    (
+                        RankFile.from_json({"rank": d, "tp_rank": t, "file": optim_states_name(d, t), "entries": lay})
+                        for *_, lay, d, t in gathered
+                    ),
+                    key=lambda rf: (rf.tp_rank, rf.rank),
+                )
+            ]
+            write_manifest(pending.paths.staging, manifest)
+            swap_in_dir(pending.paths.staging, pending.paths.dir, pending.paths.previous)
+        except OSError as exc:
+            error = f"could not finish checkpoint {pending.paths.dir}: {exc}"
+    raise_if_any_rank_failed(error)
+    if pending.save_latest and tag_writer:
+        atomic_write_text(pending.paths.latest, pending.tag)
+    comm.barrier()
+    elapsed = time.perf_counter() - pending.start
+    logger.info("saved checkpoint %s (%d rank files) in %.2fs", pending.paths.dir, len(gathered), elapsed)
+    if plan.show_statistics:
+        total = sum(r["bytes"] for _, _, files, *_ in gathered for r in files.values())
+        logger.info(
+            "checkpoint %s: %d bytes on this rank written in %.3fs (%.2f GB/s); training blocked %.3fs "
+            "(snapshot of %d bytes); %d bytes in all, committed %.3fs after the save began",
+            pending.tag,
+            job.nbytes,
+            job.seconds,
+            job.nbytes / max(job.seconds, 1e-9) / 1e9,
+            pending.snapshot_seconds,
+            job.snapshot_bytes,
+            total,
+            elapsed,
+        )
+
+
+class AsyncSaves:
+    """An engine's checkpoint saves under its `WriterPlan`: at most one in flight (Note [one save in flight]),
+    committed at the training loop's sync points (Note [no collectives off the training thread])."""
+
+    def __init__(self, plan: WriterPlan):
+        self.plan = plan
+        self.writer = BackgroundWriter()
+        self.pending: PendingSave | None = None
+        self.pool = SnapshotPool()  # the host buffers of the last snapshot, reused by the next
+
+    def begin(self, pending: PendingSave) -> None:
+        self.pending = pending
+        self.writer.start(pending.job)
+
+    def in_flight(self) -> bool:
+        return self.pending is not None
+
+    def poll(self) -> bool:
+        """Collective: commit the save in flight if every rank's writer is done (never waits for one);
+        True when nothing is left in flight."""
+        if self.pending is None:
+            return True
+        if not all(comm.all_gather_object(self.writer.done())):
+            return False
+        self.flush()
+        return True
+
+    def flush(self) -> None:
+        """Collective: wait for the save in flight (if any) and commit it; its failure raises here."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        self.writer.join()
+        self.pool.release()  # written: its buffers may take the next snapshot
+        commit_save(pending)
 
 
 def _autoep_only(state: TrainingState) -> bool:

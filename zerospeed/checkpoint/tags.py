@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 from zerospeed import comm
-from zerospeed.checkpoint.errors import CheckpointError
+from zerospeed.checkpoint.errors import CheckpointError, CheckpointTagError
 from zerospeed.checkpoint.naming import LATEST, CheckpointPaths, check_tag
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ def agree_on_tag(tag: str, validation: str) -> str:
     problem = tag_disagreement(tags)
     if problem is not None:
         if validation.upper() == "FAIL":
-            raise CheckpointError(problem + " (checkpoint.tag_validation is FAIL)")
+            raise CheckpointTagError(problem + " (checkpoint.tag_validation is FAIL)")
         if validation.upper() == "WARN":
             logger.warning("%s; using rank 0's tag %r", problem, tags[0])
     return check_tag(tags[0])

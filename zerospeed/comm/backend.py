@@ -135,6 +135,14 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
+def destroy_process_group(group=None) -> None:
+    """DeepSpeed's `deepspeed.comm.destroy_process_group`: one group, or (None) every group and the world's."""
+    if group is None:
+        destroy()
+    elif group is not SELF:  # this rank's own group is no torch group (Note [size-1 axes])
+        dist.destroy_process_group(group)
+
+
 class _SelfGroup:
     """The group of this rank alone (Note [size-1 axes] in comm/mesh.py): every collective on it is
     the identity, so it needs no torch process group — and making one would be collective."""

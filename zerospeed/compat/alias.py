@@ -34,6 +34,7 @@ from zerospeed.compat.distribution import (  # noqa: F401 (this module's names s
     location,
 )
 from zerospeed.compat.import_hooks import install_hook
+from zerospeed.version import version_fields
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -90,6 +91,7 @@ def activate(name: str = "deepspeed") -> types.ModuleType:
         module.__version__ = importlib.metadata.version("deepspeed")
     except importlib.metadata.PackageNotFoundError:
         module.__version__ = f"{DEEPSPEED_API_VERSION}+{SHIM_TAG}.{zerospeed.__version__}"
+    vars(module).update(version_fields(module.__version__))  # __version_major__, __git_hash__, ... as DeepSpeed's
 
     def __getattr__(attr: str):
         if attr.startswith("__"):

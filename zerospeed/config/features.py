@@ -52,19 +52,21 @@ _GONE = " (DeepSpeed 0.19.8 removed it as well: deepspeedai/DeepSpeed#8489)"
 ROWS: list[Row] = [
     _switch("zero_optimization.offload_optimizer.super_offload", "SuperOffload"),
     Row("aio.use_gds", lambda c: c.aio.use_gds and _uses_nvme(c), "GPUDirect Storage", "false"),
-    _present("zero_optimization.zenflow", "ZenFlow"),
     # (zero_quantized_weights, zero_quantized_gradients, zero_quantized_nontrainable_weights and
     # zero_hpz_partition_size work at stage 3: zero/stage3/zeropp.py, which refuses them at other stages)
     _present("zero_optimization.zeropp_loco_param", "LoCo-ZeRO++" + _GONE),
     _switch("zero_optimization.mics_hierarchical_params_gather", "MiCS hierarchical gather" + _GONE),
     _switch("amp.enabled", "apex AMP" + _GONE),
-    _switch("fp16.fp16_master_weights_and_grads", "fp16 master weights and gradients"),
-    _present("data_types.param_dtype", "casting parameters with data_types.param_dtype"),
-    _present("data_types.buffer_dtype", "casting buffers with data_types.buffer_dtype"),
+    _switch(
+        "fp16.fp16_master_weights_and_grads",
+        "fp16 master weights and gradients (DeepSpeed builds them only on ZeRO-Offload with its compiled "
+        "CPU Adam writing fp16 masters; zerospeed's offloaded step keeps fp32 masters)",
+    ),
+    # (data_types.param_dtype / buffer_dtype: runtime/plans.py module_dtypes, DeepSpeed's combinations)
     _switch("optimizer.legacy_fusion", "the legacy fused optimizer"),
     # (nn.Embedding(sparse=True) gradients need no flag: Note [sparse gradients] in zero/reducer.py)
     _switch("sparse_gradients", "sparse compression of dense embedding gradients" + _GONE),
-    _switch("disable_allgather", "disabling the parameter all-gather"),
+    # (disable_allgather: DeepSpeed parses it and never reads it; config/reference.py NO_EFFECT says so)
     _switch("graph_harvesting", "graph harvesting" + _GONE),
     Row(
         "managed_gradient_accumulation",
@@ -72,43 +74,26 @@ ROWS: list[Row] = [
         "caller-managed gradient accumulation",
         "true",
     ),
-    _switch("disable_python_gc", "disabling Python's garbage collector"),
+    # (disable_python_gc, log_level: runtime/process_settings.py)
     # (compression_training: every technique is built, zerospeed/compression; it validates the block)
     # (weight_quantization: weight-only int8 / int4 of linear layers, compression/weight_quant/layer.py)
-    # (data_efficiency.data_routing.random_ltd works: data/random_ltd; DeepSpeed's switches of
-    # the curriculum data sampler are its two below)
-    _switch(
-        "data_efficiency.data_sampling.enabled",
-        "curriculum data sampling (the data efficiency library's data sampler and offline data analyzer)",
-    ),
-    _switch(
-        "data_efficiency.data_sampling.curriculum_learning.enabled",
-        "curriculum data sampling (the data efficiency library's data sampler and offline data analyzer)",
-    ),
+    # (data_efficiency.data_routing.random_ltd works: data/random_ltd; data_sampling's curriculum sampler
+    # and offline analyzer: data/sampler.py, data/analyzer.py)
     _switch(
         "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled",
         "random-LTD's layer-token learning-rate schedule (DeepSpeed refuses it too)",
     ),
     _switch("eigenvalue.enabled", "eigenvalue computation" + _GONE),
     _switch("quantize_training.enabled", "MoQ quantize_training" + _GONE),
-    Row("pipeline.stages", lambda c: c.pipeline.stages != "auto", "pipeline parallelism", '"auto"'),
-    Row("pipeline.partition", lambda c: c.pipeline.partition != "best", "pipeline partitioning", '"best"'),
-    _switch("pipeline.seed_layers", "pipeline layer seeding"),
-    Row(
-        "pipeline.activation_checkpoint_interval",
-        lambda c: c.pipeline.activation_checkpoint_interval != 0,
-        "pipeline activation checkpointing",
-        "0",
-    ),
+    # (pipeline.*: the PipelineEngine reads the block, runtime/pipeline.py _apply_pipeline_section)
     _switch("compile.deepcompile", "DeepCompile"),
     _switch("nebula.enabled", "Nebula checkpointing" + _GONE),
-    _present("datastates_ckpt", "DataStates checkpointing"),
-    _present("casync_ckpt", "CAsync checkpointing"),
-    _switch("async_load", "asynchronous checkpoint loading"),
-    _switch("checkpoint.load_universal", "universal checkpoint loading"),
-    _switch("checkpoint.use_node_local_storage", "node-local checkpoint storage"),
-    _switch("checkpoint.parallel_write.pipeline_stage", "parallel checkpoint writes"),
-    _present("checkpoint.writer", "the fast checkpoint writer"),
+    Row(
+        "checkpoint.writer.type",
+        lambda c: c.checkpoint.writer is not None and c.checkpoint.writer.type == "MOCK",
+        "the MOCK checkpoint writer (DeepSpeed's I/O benchmark: it writes no data, so nothing could load)",
+        '"FAST"',
+    ),
 ]
 
 

@@ -65,17 +65,37 @@ def _to_plain(node: Any) -> Any:
 
 
 def _parse_json(text: str, source: str) -> dict[str, Any]:
-    """Parse JSON text, rejecting duplicate keys and a non-object top level."""
+    """Parse JSON (or hjson) text, rejecting duplicate keys and a non-object top level."""
     try:
         data = json.loads(text, object_pairs_hook=_collect_pairs)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{source}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+        data = _parse_hjson(text, source, f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}")
     except RecursionError:
         raise ConfigError(f"{source}: JSON nested too deeply to read") from None
     duplicate = _find_duplicate(data)
     if duplicate:
         raise ConfigError(f"{source}: duplicate key {duplicate}; a JSON key may appear only once per object")
     return _require_object(_to_plain(data), source)
+
+
+def _parse_hjson(text: str, source: str, json_error: str) -> Any:
+    """Note [hjson configs]: DeepSpeed reads every config with hjson (a superset of JSON: comments,
+    unquoted keys and strings, optional commas), so a DeepSpeed user's `ds_config.hjson` must load here
+    too. Strict JSON is tried first (its errors name line and column exactly); text that is not JSON is
+    read as hjson, with the same duplicate-key check. hjson is a dependency, but it is imported only
+    here, so an environment without it still reads JSON and says what to install for the rest."""
+    try:
+        import hjson
+    except ImportError:
+        raise ConfigError(
+            f"{source}: {json_error} (an hjson config needs the `hjson` package: pip install hjson)"
+        ) from None
+    try:
+        return hjson.loads(text, object_pairs_hook=_collect_pairs)
+    except hjson.HjsonDecodeError:  # neither: JSON's message, the more precise of the two
+        raise ConfigError(f"{source}: {json_error}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: JSON nested too deeply to read") from None
 
 
 def _require_object(data: Any, source: str) -> dict[str, Any]:

@@ -41,6 +41,10 @@ NO_EFFECT_STATUS = "accepted, no effect"
 # Keys that *request* a missing feature belong in ``features.ROWS`` instead (an error, never
 # silence). Dotted keys; a section's key covers every key under it.
 NO_EFFECT: dict[str, str] = {
+    "zero_optimization.zenflow.pt_reserved_cores_perc": (
+        "ZenFlow's host step runs on a thread of the training process (DeepSpeed pins a separate process to "
+        "its own cores); torch's intra-op threads are shared"
+    ),
     "weight_quantization.num_bits": "each layer's bits come from quantized_initialization / post_init_quant, as in "
     "DeepSpeed's group-wise weight quantization",
     "weight_quantization.q_type": "symmetry comes from quantized_initialization / post_init_quant (symmetric)",
@@ -67,13 +71,12 @@ NO_EFFECT: dict[str, str] = {
             "excluded_modules",
         )
     },
-    "zero_force_ds_cpu_optimizer": "there is no DeepSpeed CPU optimizer (a compiled op) to require",
     **{
         f"hybrid_engine.{name}": "it configures DeepSpeed's inference-kernel workspace; the hybrid engine generates "
         "with the model's own forward"
         for name in ("max_out_tokens", "release_inference_cache", "tp_gather_partition_size", "enable_cuda_graph")
     },
-    "log_level": "zerospeed logs through Python's logging module; set levels there",
+    "disable_allgather": "DeepSpeed 0.19.8 parses it and never reads it; updated partitions are always all-gathered",
     "vocabulary_size": "DeepSpeed only warns when it is not a multiple of 8; zerospeed does not check it",
     "bf16.immediate_grad_update": "bf16 gradients are accumulated in fp32 and applied at the step either way",
     "zero_optimization.contiguous_gradients": "stage-2 gradient chunks are always contiguous",
@@ -82,6 +85,9 @@ NO_EFFECT: dict[str, str] = {
     "zero_optimization.allgather_partitions": "updated partitions are always all-gathered, in buckets",
     "zero_optimization.load_from_fp32_weights": "fp32 masters are always restored from the checkpoint's fp32 copy",
     "zero_optimization.elastic_checkpoint": "checkpoints always load at any world size (resharded on load)",
+    "checkpoint.writer.io_buffer_double": "the background writer already overlaps writing with training",
+    "checkpoint.writer.data_parallel": "every rank writes only its own shard; replicated state is written once",
+    "checkpoint.writer.io_multiplier": "each rank writes its files with one thread",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
         "save_16bit_model always gathers stage-3 weights unit by unit onto rank 0"
     ),
@@ -152,10 +158,14 @@ NO_EFFECT: dict[str, str] = {
     },
     **{
         key: "DeepSpeed switches random-LTD by data_efficiency.data_routing.random_ltd.enabled alone (and the "
-        "curriculum data sampler, not built, by its own switches); zerospeed too, warning when random-LTD is on and "
-        "this is false"
+        "curriculum data sampler by data_sampling.curriculum_learning.enabled alone); zerospeed too, warning when "
+        "random-LTD is on and this is false"
         for key in ("data_efficiency.enabled", "data_efficiency.data_routing.enabled")
     },
+    "data_efficiency.data_sampling.enabled": "DeepSpeed's engine builds the curriculum sampler on "
+    "data_sampling.curriculum_learning.enabled alone (its only sampling technique); so does zerospeed",
+    "data_efficiency.data_sampling.dynamic_batching": "DeepSpeed's engine never reads it (only its separate helper "
+    "get_dataloader_and_lr_scheduler_for_variable_batch_size_deepspeed does, which zerospeed does not provide)",
     **{
         f"data_efficiency.data_routing.random_ltd.{key}": f"the engine sets it to {value}, as DeepSpeed's does"
         for key, value in (
@@ -200,8 +210,6 @@ GATES: dict[str, str] = {
     },
     "nebula": "nebula.enabled",
     "curriculum_learning": "curriculum_learning.enabled",
-    "data_efficiency.seed": "data_efficiency.data_sampling.enabled",
-    "data_efficiency.data_sampling": "data_efficiency.data_sampling.enabled",
     "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule": (
         "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled"
     ),

@@ -45,15 +45,24 @@ def predict(params: int, world: int, stage: int, precision: str) -> float:
     return sum(stage_bytes(params, world, stage, prec).values())
 
 
+class _CastLinear(torch.nn.Linear):
+    """A linear layer that casts its input to its weight's dtype. The cast is read inside the layer's own
+    forward: a read of a layer's weight from its parent's forward would, at ZeRO stage 3, gather that
+    layer early and hold it to the end of the micro-step (Note [undeclared external parameters],
+    zero/stage3/external.py), changing the traffic and memory this model is used to measure."""
+
+    def forward(self, x):
+        return super().forward(x.to(self.weight.dtype))
+
+
 class BiasFreeMLP(torch.nn.Module):
     """``layers`` square linear layers without bias: exactly layers * width^2 parameters, all trained."""
 
     def __init__(self, width: int, layers: int):
         super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(layers))
+        self.layers = torch.nn.ModuleList(_CastLinear(width, width, bias=False) for _ in range(layers))
 
     def forward(self, x):
-        x = x.to(self.layers[0].weight.dtype)
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return x.float().pow(2).mean()

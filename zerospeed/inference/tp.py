@@ -44,12 +44,14 @@ def resolve_group(config: DeepSpeedInferenceConfig):
     size = tp.tp_size if tp.enabled else 1
     if size == 1:
         return None, 1
-    if not comm.is_initialized() or comm.get_world_size() % size:
-        world = comm.get_world_size() if comm.is_initialized() else 1
+    # DeepSpeed's InferenceEngine joins the process group itself: its inference tutorial launches a
+    # script on N ranks that calls init_inference(tensor_parallel={"tp_size": N}) and never
+    # init_distributed(). Without launcher variables this forms a one-process group, refused below.
+    comm.init_distributed()
+    if comm.get_world_size() % size:
         raise ConfigError(
             f"tensor_parallel.tp_size = {size} needs a multiple of {size} ranks, but this job has "
-            f"{world}; launch with `zerospeed --num_gpus {size}` (or torchrun) and call "
-            "zerospeed.init_distributed() first"
+            f"{comm.get_world_size()}; launch with `zerospeed --num_gpus {size}` (or torchrun)"
         )
     return comm.ParallelMesh.build(tp=size).group("tp"), size
 

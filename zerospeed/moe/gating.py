@@ -96,11 +96,13 @@ def top1gating(
     drop_tokens: bool = True,
     use_rts: bool = True,
     ep_group=comm.SELF,
+    sparse_routes: bool = False,
     use_tutel: bool = False,
 ):
     """Top-1 (Switch) gating; see the module docstring. `used_token` [S] (0/1) masks padding tokens out;
     `noisy_gate_policy="RSample"` picks the expert by logits + Gumbel noise (the weight stays the clean
-    gate). `use_tutel` is accepted and ignored (zerospeed has no Tutel path)."""
+    gate). `sparse_routes`: the routes instead of the dense tensors (Note [sparse routes]). `use_tutel` is
+    accepted and ignored (zerospeed has no Tutel path)."""
     S, E = logits.shape
     if S < min_capacity:
         raise ValueError(
@@ -123,6 +125,8 @@ def top1gating(
     else:
         mask_SE = _keep_first(mask_SE, cap)
     locations_SE = torch.cumsum(mask_SE, dim=0) - 1
+    if sparse_routes:
+        return _sparse(l_aux, cap, E, [(mask_SE, locations_SE, gates_SE * mask_SE)], exp_counts)
     combine, dispatch = _slots(mask_SE, locations_SE, gates_SE * mask_SE, cap)
     return l_aux, combine, dispatch, exp_counts
 
@@ -134,9 +138,11 @@ def top2gating(
     drop_tokens: bool = True,
     ep_group=comm.SELF,
     top2_2nd_expert_sampling: bool = True,
+    sparse_routes: bool = False,
 ):
     """Top-2 (GShard) gating; the second expert is the best other one by logits (+ Gumbel noise when
-    `top2_2nd_expert_sampling`). Second choices queue behind every first choice of their expert."""
+    `top2_2nd_expert_sampling`). Second choices queue behind every first choice of their expert.
+    `sparse_routes`: the two routes instead of the dense tensors (Note [sparse routes])."""
     S, E = logits.shape
     gates_SE = F.softmax(logits, dim=1)
     mask1 = F.one_hot(torch.argmax(gates_SE, dim=1), num_classes=E)
@@ -155,6 +161,9 @@ def top2gating(
     g1 = (gates_SE * mask1).sum(dim=1, keepdim=True)
     g2 = (gates_SE * mask2).sum(dim=1, keepdim=True)
     denom = torch.clamp(g1 + g2, min=_EPS)
+    if sparse_routes:
+        routes = [(mask1, loc1, (g1 / denom) * mask1), (mask2, loc2, (g2 / denom) * mask2)]
+        return _sparse(l_aux, cap, E, routes, exp_counts)
     c1, d1 = _slots(mask1, loc1, (g1 / denom) * mask1, cap)
     c2, d2 = _slots(mask2, loc2, (g2 / denom) * mask2, cap)
     return l_aux, c1 + c2, d1 | d2, exp_counts
@@ -168,9 +177,11 @@ def topkgating(
     drop_tokens: bool = True,
     ep_group=comm.SELF,
     drop_policy: str = "probs",
+    sparse_routes: bool = False,
 ):
     """Top-k gating for any k. A full expert keeps its routed tokens of highest gate ("probs") or the
-    first ones in order ("position"); kept gates are renormalised per token."""
+    first ones in order ("position"); kept gates are renormalised per token. `sparse_routes`: the k
+    routes (in order of gate, highest first) instead of the dense tensors (Note [sparse routes])."""
     if drop_policy not in ("probs", "position"):
         raise ValueError(f"top-k gating: drop_policy={drop_policy!r}; expected 'probs' or 'position'")
     S, E = logits.shape
@@ -192,5 +203,64 @@ def topkgating(
         mask_SE = _keep_first(mask_SE, cap)
     kept = gates_SE * mask_SE
     weights = kept / torch.clamp(kept.sum(dim=1, keepdim=True), min=_EPS)
-    combine, dispatch = _slots(mask_SE, torch.cumsum(mask_SE, dim=0) - 1, weights, cap)
+    locations_SE = torch.cumsum(mask_SE, dim=0) - 1
+    if sparse_routes:
+        routes = [(F.one_hot(top_idx[:, j], num_classes=E) * mask_SE, locations_SE, weights) for j in range(k)]
+        return _sparse(l_aux, cap, E, routes, exp_counts)
+    combine, dispatch = _slots(mask_SE, locations_SE, weights, cap)
     return l_aux, combine, dispatch, exp_counts
+
+
+def _sparse(l_aux, cap: int, num_experts: int, routes, exp_counts):
+    """Note [sparse routes]: DeepSpeed's `sparse_routes=True` form of a gating result, for a dispatch that
+    gathers tokens into expert slots instead of multiplying by the one-hot [S, E, C] tensors:
+    `(l_aux, capacity, num_experts, indices_KS, locations_KS, gates_KS, exp_counts)`, one row per route
+    (k of them): route r of token s goes to slot locations[r, s] of expert indices[r, s] with weight
+    gates[r, s]; a route dropped for capacity has expert index -1 (location 0, gate 0). Built from the
+    same masks as the dense form, so summing every kept route's one-hot gives combine_weights exactly.
+    `routes`: (mask_SE, locations_SE, weights_SE) per route, each mask with at most one expert per token."""
+    indices, locations, gates = [], [], []
+    for mask_SE, locations_SE, weights_SE in routes:
+        kept_S = mask_SE.sum(dim=1) > 0
+        indices.append(torch.where(kept_S, mask_SE.argmax(dim=1), torch.full_like(kept_S, -1, dtype=torch.long)))
+        locations.append((locations_SE * mask_SE).sum(dim=1))
+        gates.append((weights_SE * mask_SE).sum(dim=1))
+    as_int = torch.int32
+    return (
+        l_aux,
+        cap,
+        num_experts,
+        torch.stack(indices).to(as_int),
+        torch.stack(locations).to(as_int),
+        torch.stack(gates),
+        exp_counts,
+    )
+
+
+# -- a dispatch over sparse routes (Note [sparse routes]): DeepSpeed's helpers of the same names ------------
+
+
+def _route_slots(indices_KS: torch.Tensor, locations_KS: torch.Tensor, num_experts: int, capacity: int):
+    """Each route's flat slot in the `[E * C]` expert buffer (expert * C + location); a dropped route
+    (index -1) gets the spare slot E * C, which the encode fills with zeros and the decode reads as zeros."""
+    slots = indices_KS.long() * capacity + locations_KS.long()
+    return torch.where(indices_KS >= 0, slots, torch.full_like(slots, num_experts * capacity))
+
+
+def _sparse_encode(x_SM: torch.Tensor, slots_KS: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """The `[E, C, M]` expert input: every kept route's token copied into its slot (empty slots zero), what
+    the dense form's einsum("sec,sm->ecm", dispatch_mask, x) gives."""
+    S, M = x_SM.shape
+    buffer = x_SM.new_zeros(num_experts * capacity + 1, M)  # + the spare slot of dropped routes
+    tokens = torch.arange(S, device=x_SM.device).expand_as(slots_KS)
+    buffer = buffer.index_add(0, slots_KS.reshape(-1), x_SM[tokens.reshape(-1)])
+    return buffer[:-1].view(num_experts, capacity, M)
+
+
+def _sparse_decode(expert_out_NM: torch.Tensor, slots_KS: torch.Tensor, gates_KS: torch.Tensor, num_tokens: int):
+    """Each token's output: its routes' expert outputs (rows of the flat `[E * C, M]` buffer) weighted by
+    their gates and summed, in fp32, cast back; what einsum("sec,ecm->sm", combine_weights, out) gives."""
+    K, S = slots_KS.shape
+    padded = torch.cat([expert_out_NM, expert_out_NM.new_zeros(1, expert_out_NM.shape[-1])])  # the spare slot
+    routed_KSM = padded[slots_KS.reshape(-1)].view(K, num_tokens, -1).float()
+    return (routed_KSM * gates_KS.float().unsqueeze(-1)).sum(dim=0).to(expert_out_NM.dtype)

@@ -28,6 +28,9 @@ from zerospeed import comm
 from zerospeed.comm.functional import all_to_all
 from zerospeed.moe.dropless import run_dropless
 from zerospeed.moe.experts import Experts
+from zerospeed.moe.gating import _route_slots as _route_slots  # DeepSpeed's sparse-dispatch helpers
+from zerospeed.moe.gating import _sparse_decode as _sparse_decode
+from zerospeed.moe.gating import _sparse_encode as _sparse_encode
 from zerospeed.moe.gating import (
     capacity,
     dropless_capacity,
@@ -103,7 +106,14 @@ class TopKGate(nn.Module):
     def _set_ep_group(self, ep_group) -> None:
         self.ep_group = ep_group
 
-    def forward(self, input: torch.Tensor, used_token: torch.Tensor | None = None, use_tutel: bool = False):
+    def forward(
+        self,
+        input: torch.Tensor,
+        used_token: torch.Tensor | None = None,
+        sparse_routes: bool = False,
+        use_tutel: bool = False,
+    ):
+        """The gating result for `input`; with `sparse_routes`, the routes (Note [sparse routes], gating.py)."""
         x = input.float()
         if self.noisy_gate_policy == "Jitter" and self.training:
             x = multiplicative_jitter(x)
@@ -112,13 +122,29 @@ class TopKGate(nn.Module):
         if self.k == 1:
             noise = self.noisy_gate_policy if self.training else None
             return top1gating(
-                logits, cf, self.min_capacity, used_token, noise, self.drop_tokens, self.use_rts, self.ep_group
+                logits,
+                cf,
+                self.min_capacity,
+                used_token,
+                noise,
+                self.drop_tokens,
+                self.use_rts,
+                self.ep_group,
+                sparse_routes=sparse_routes,
             )
         if self.k == 2:
             return top2gating(
-                logits, cf, self.min_capacity, self.drop_tokens, self.ep_group, self.top2_2nd_expert_sampling
+                logits,
+                cf,
+                self.min_capacity,
+                self.drop_tokens,
+                self.ep_group,
+                self.top2_2nd_expert_sampling,
+                sparse_routes=sparse_routes,
             )
-        return topkgating(logits, self.k, cf, self.min_capacity, self.drop_tokens, self.ep_group)
+        return topkgating(
+            logits, self.k, cf, self.min_capacity, self.drop_tokens, self.ep_group, sparse_routes=sparse_routes
+        )
 
 
 class _ScaleGrad(torch.autograd.Function):

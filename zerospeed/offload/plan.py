@@ -25,7 +25,7 @@ from zerospeed.offload.aio import AioPlan, AsyncIO
 from zerospeed.offload.optimizer_swap import NvmeOptimizerSwapper
 from zerospeed.offload.param_swap import NvmeParamSwapper
 from zerospeed.offload.swap import check_nvme_path
-from zerospeed.optim.sub_group_step import InMemoryStepper
+from zerospeed.optim.sub_group_step import InMemoryStepper, OverlappedStepper
 
 HOST = torch.device("cpu")
 
@@ -45,6 +45,12 @@ class OffloadPlan:
     param_buffer_count: int = 5
     param_buffer_size: int = 100_000_000
     aio: AioPlan | None = None  # the resolved `aio` section (NVMe swaps)
+    # Note [overlapped step] (optim/sub_group_step.py): the CPU step on a worker thread, pipelined with
+    # the copy back (`offload_optimizer.overlap_step`, zerospeed's own key) ...
+    overlap_step: bool = False
+    # ... and started during the boundary backward: the step's coefficient is 1 whatever the gradient
+    # norm (no clipping, no loss scale, no skipping of non-finite steps)
+    early_step: bool = False
 
     # -- where things go ---------------------------------------------------------------------------
     @property
@@ -85,7 +91,10 @@ class OffloadPlan:
 
 
 def make_stepper(plan: OffloadPlan | None, masters: list[torch.nn.Parameter], sub_groups: list[list[int]], rank: int):
-    """The optimizer stepper for this plan: in memory, or through NVMe swap files."""
+    """The optimizer stepper for this plan: in memory (overlapped on the host: Note [overlapped step]), or
+    through NVMe swap files."""
+    if plan is not None and plan.optimizer == "cpu" and plan.overlap_step and plan.ratio == 1.0:
+        return OverlappedStepper(sub_groups, copies_back=plan.device != HOST)
     if plan is None or plan.optimizer != "nvme":
         return InMemoryStepper()
     numel = sum(m.numel() for m in masters)

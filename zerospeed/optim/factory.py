@@ -26,8 +26,10 @@ import torch
 
 from zerospeed.optim import onebit
 from zerospeed.optim._kwargs import check_params, closest_names
+from zerospeed.optim.adagrad import DeepSpeedCPUAdagrad
+from zerospeed.optim.adam import DeepSpeedCPUAdam, FusedAdam
 from zerospeed.optim.lamb import Lamb
-from zerospeed.optim.lion import Lion
+from zerospeed.optim.lion import DeepSpeedCPULion, FusedLion, Lion
 from zerospeed.optim.param_groups import trainable_param_groups
 from zerospeed.utils.errors import ConfigError
 from zerospeed.utils.logging import get_logger
@@ -44,6 +46,13 @@ ZERO_TESTED_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.Adagrad,
     torch.optim.SGD,
     Lion,
+    # DeepSpeed's own element-wise optimizers, which its ZERO_SUPPORTED_OPTIMIZERS lists (its offload
+    # refuses a client optimizer that is not its CPU Adam/Lion: Note [forced CPU optimizer], runtime/initialize.py)
+    FusedAdam,
+    DeepSpeedCPUAdam,
+    DeepSpeedCPUAdagrad,
+    FusedLion,
+    DeepSpeedCPULion,
 )
 
 # DeepSpeed's muP optimizers and Muon.

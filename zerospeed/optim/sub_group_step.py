@@ -3,10 +3,11 @@
 It lives in `optim/` (not `zero/` or `offload/`) because both build on it: the ZeRO strategies call a
 stepper, and the NVMe stepper in `offload/` reuses `step_one`; imports run zero -> offload -> optim.
 
-Two steppers with one interface: `InMemoryStepper` (masters and optimizer states resident, on the
-device or — with `offload_optimizer.device: cpu` — in host memory) and
+Three steppers with one interface: `InMemoryStepper` (masters and optimizer states resident, on the
+device or — with `offload_optimizer.device: cpu` — in host memory), `OverlappedStepper` (the same
+memory, the host step on a worker thread: Note [overlapped step]) and
 `zerospeed.offload.optimizer_swap.NvmeOptimizerSwapper` (masters and states live in swap files and
-pass through a few host buffers, one sub-group at a time). A strategy hands either one its
+pass through a few host buffers, one sub-group at a time). A strategy hands any of them its
 (master, gradient) pairs and a callback that publishes a sub-group's updated masters to the
 parameters while they are resident.
 """
@@ -14,9 +15,14 @@ parameters while they are resident.
 from __future__ import annotations
 
 import contextlib
+import os
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
+from zerospeed.accelerator import get_accelerator
 
 OnStepped = Callable[[list[int]], None]
 
@@ -95,3 +101,241 @@ def use_fused_cpu_step(optimizer: torch.optim.Optimizer | None) -> None:
             and not group.get("capturable")
         ):
             group["fused"] = True
+
+
+# Note [overlapped step]: with `offload_optimizer.device: cpu` the host step is the long pole of an
+# offloaded step, and today's sequence (whole backward, then every sub-group's host step, then every
+# copy back) leaves the device idle for all of it. `OverlappedStepper` changes only *when* each
+# sub-group steps, never *what* it computes: the same `scale_grads` and `step_one` on the same
+# tensors in the same sub-group order, so the results are bitwise those of `step_in_sub_groups`.
+#  - The steps run one at a time, in sub-group order, on a worker thread (torch's kernels release the
+#    GIL); a step that overlaps the backward splits its fused kernel over `host_step_threads()` intra-op
+#    threads (the cores but one, which the compute thread keeps), a step after the backward over the
+#    compute thread's own count (Note [step threads]).
+#  - The main thread waits for sub-group i and publishes it (the copy back to the parameters; on CUDA
+#    on a side stream) while the worker steps sub-group i + 1.
+#  - Early start: when the step's coefficient is known before the gradient norm (no clipping, no loss
+#    scale, no skipping of non-finite steps: `OffloadPlan.early_step`) and the optimizer's step is
+#    local to each tensor (torch's own optimizers), a sub-group is submitted during the boundary
+#    backward as soon as the reduction has delivered its last fp32 gradient shard (`arm` / `ready`).
+#    Its parameters are published only at `step()`: backward may still read the weights of stage
+#    1-2's other units. Otherwise every sub-group is submitted at `step()` and only the pipelining
+#    remains (the coefficient needs the global norm; SuperOffload's speculate-and-roll-back is not
+#    built, docs/offload.md says why) -- on a device; on a CPU-only machine, where the copy back is at
+#    most a cast, such a step runs inline as `step_in_sub_groups` (`copies_back`).
+#  The early start commits the host step at the boundary backward, which has three visible
+#  consequences, each refused loudly rather than run inexactly: a second boundary backward before
+#  `engine.step()`, zeroing the gradients instead of stepping, and hyperparameters changed between the
+#  backward and `engine.step()`. `overlap_step: false` restores the sequential step for such loops.
+#
+# Note [step threads]: torch's intra-op thread count is set per thread (each thread's OpenMP setting,
+# taken from a process-wide default when the thread first runs a parallel kernel), and
+# `torch.set_num_threads` sets both the calling thread's and that default. So each count gets its own
+# worker thread, which sets its count once, at start; the main thread then puts the process-wide
+# default back, so the compute thread and any later thread keep the user's count. Two workers, one
+# step at a time: each step waits for the one submitted before it.
+# On a CPU-only machine the compute thread's team of intra-op threads is the "device": when it already
+# takes every core of this rank, a busy step thread stalls each parallel region of the backward at its
+# barrier, and the early start loses more than it hides (measured, benchmarks/offload_overlap.py: 0.88x
+# at 2 compute threads on 2 cores; 0.76x with the step thread at nice 19, which then starves). So there
+# the early start is on only when the compute leaves a core free (`spare_core()`; 1.04-1.14x at 1
+# compute thread on 2 cores); on a device host the compute thread mostly waits on the device.
+
+
+def steps_locally(optimizer) -> bool:
+    """The optimizer's step reads and writes each parameter's own tensors only (no collectives, no
+    device work): torch's own optimizers. Only those step on the worker thread."""
+    return optimizer is not None and type(optimizer).__module__.startswith("torch.optim")
+
+
+def _core_share() -> int:
+    """The cores this rank may use: those of the process over the ranks on this host (LOCAL_WORLD_SIZE)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def spare_core() -> bool:
+    """The compute thread's intra-op threads leave at least one of this rank's cores free."""
+    return _core_share() > torch.get_num_threads()
+
+
+def host_step_threads() -> int:
+    """Intra-op threads of a host step that overlaps the compute: this rank's share of the cores (the
+    ones this process may use over the ranks on this host, LOCAL_WORLD_SIZE), at most torch's own
+    setting (OMP_NUM_THREADS, which the launcher sets per rank), less the compute thread's core."""
+    return max(1, min(_core_share(), torch.get_num_threads()) - 1)
+
+
+class OverlappedStepper(InMemoryStepper):
+    """Note [overlapped step]: the resident host step, run per sub-group on a worker thread, overlapping
+    the copy back (always) and the boundary backward (when the coefficient is known in advance)."""
+
+    def __init__(self, sub_groups: list[list[int]], threads: int | None = None, copies_back: bool = True):
+        self.sub_groups = sub_groups
+        # publishing moves bytes to the device (on a CPU-only machine it is at most a cast, and pipelining
+        # it with the steps gains less than a second thread's contention costs: those steps stay inline)
+        self.copies_back = copies_back
+        # steps may start during the backward (Note [step threads]: on a CPU-only machine, only when
+        # the compute leaves a core free)
+        self.may_start_early = copies_back or spare_core()
+        self.threads = threads or host_step_threads()
+        # Note [step threads]: one worker for steps that overlap the backward (the cores but the compute
+        # thread's), one for steps after it (the compute thread's own count: it only publishes then)
+        self._pools: dict[bool, ThreadPoolExecutor] = {}
+        self._last: Future | None = None  # the latest submitted step: the next one runs after it
+        self._jobs: dict[int, Future] = {}  # sub-group index -> its submitted step
+        self._armed: tuple | None = None  # (optimizer, grads) of the boundary backward under way
+        self._missing: list[int] = []  # per sub-group: deliveries still to come
+        self._sub_of: dict[int, int] = {k: j for j, sub in enumerate(sub_groups) for k in sub}
+        self._hparams = None  # the hyperparameters the early steps read
+        self._side = None  # the publish stream (CUDA), made on first use
+        self.timeline: list[tuple[str, int, float]] = []  # ("submit" | "start" | "end", sub-group, perf_counter)
+
+    # -- early start (the boundary backward) -------------------------------------------------------
+    def arm(self, optimizer, grads: list[tuple[torch.Tensor, torch.Tensor]], needs: list[int]) -> None:
+        """A boundary backward begins: sub-group j may step once `needs[k]` deliveries arrived for each of
+        its chunks k (several reduction units can land in one chunk: stage 3's tied uses)."""
+        self._check_consumed("a second boundary backward")
+        self.timeline.clear()
+        self._armed = (optimizer, grads)
+        self._missing = [sum(needs[k] for k in sub) for sub in self.sub_groups]
+        self._hparams = _hparams(optimizer)
+
+    def disarm(self) -> None:
+        """A backward that does not end the accumulation window: its gradients are not final."""
+        self._check_consumed("a backward")
+        self._armed = None
+
+    def ready(self, k: int) -> None:
+        """One delivery of chunk k's final reduced gradient (called by the reducer's landing)."""
+        if self._armed is None:
+            return
+        j = self._sub_of[k]
+        self._missing[j] -= 1
+        if self._missing[j] == 0:
+            optimizer, grads = self._armed
+            self._submit(j, optimizer, grads, 1.0, during_backward=True)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def step(self, optimizer, grads, coef: float, sub_groups, on_stepped: OnStepped | None = None) -> None:
+        if self._jobs:
+            self._check_early(optimizer, coef)
+        elif not steps_locally(optimizer) or not self.copies_back:
+            self._armed = None
+            return step_in_sub_groups(optimizer, grads, coef, sub_groups, on_stepped)
+        else:
+            self.timeline.clear()
+        self._armed = None
+        try:
+            for j in range(len(sub_groups)):
+                if j not in self._jobs:
+                    self._submit(j, optimizer, grads, coef, during_backward=False)
+            self._publish_in_order(sub_groups, on_stepped)
+        finally:
+            self.settle()
+
+    def _publish_in_order(self, sub_groups, on_stepped: OnStepped | None) -> None:
+        """Sub-group i's copy back while the worker steps sub-group i + 1 (Note [overlapped step])."""
+        accel = get_accelerator()
+        if accel.Stream is not None and self._side is None:
+            self._side = accel.Stream()
+        current = accel.current_stream() if self._side is not None else None
+        if self._side is not None:
+            self._side.wait_stream(current)
+        for j, sub in enumerate(sub_groups):
+            self._jobs[j].result()
+            if on_stepped is not None:
+                with accel.stream(self._side):
+                    on_stepped(list(sub))
+        if self._side is not None:
+            current.wait_stream(self._side)
+
+    def _submit(self, j: int, optimizer, grads, coef: float, during_backward: bool) -> None:
+        pairs = [grads[i] for i in self.sub_groups[j]]
+        self.timeline.append(("submit", j, time.perf_counter()))
+        after = self._last
+        self._last = self._jobs[j] = self._worker(during_backward).submit(self._run, j, optimizer, pairs, coef, after)
+
+    @torch.no_grad()
+    def _run(self, j: int, optimizer, pairs, coef: float, after: Future | None) -> None:
+        # one step at a time, in submission order: optimizer.step() steps every master holding a .grad
+        if after is not None:
+            after.result()
+        self.timeline.append(("start", j, time.perf_counter()))
+        scale_grads(pairs, coef)
+        step_one(optimizer, pairs)
+        self.timeline.append(("end", j, time.perf_counter()))
+
+    def _worker(self, during_backward: bool) -> ThreadPoolExecutor:
+        pool = self._pools.get(during_backward)
+        if pool is None:
+            compute_threads = torch.get_num_threads()
+            pool = self._pools[during_backward] = ThreadPoolExecutor(1, thread_name_prefix="zerospeed-host-step")
+            pool.submit(_own_threads, self.threads if during_backward else compute_threads).result()
+            torch.set_num_threads(compute_threads)  # Note [step threads]: the process default back
+        return pool
+
+    # -- keeping the early start exact -------------------------------------------------------------
+    def _check_early(self, optimizer, coef: float) -> None:
+        optimizer_then = self._armed[0] if self._armed is not None else optimizer
+        problems = []
+        if coef != 1.0:
+            problems.append(f"the step's coefficient is {coef:g}, the early steps used 1")
+        if optimizer is not optimizer_then or _hparams(optimizer) != self._hparams:
+            problems.append("the optimizer or its hyperparameters changed after the boundary backward")
+        if problems:
+            self.settle()
+            raise RuntimeError(
+                "zero_optimization.offload_optimizer.overlap_step: the host step started during the boundary "
+                f"backward, but {'; '.join(problems)}; set overlap_step to false for this training loop"
+            )
+
+    def _check_consumed(self, what: str) -> None:
+        if self._jobs:
+            self.settle()
+            raise RuntimeError(
+                f"zero_optimization.offload_optimizer.overlap_step: {what} came after a boundary backward whose "
+                "host step had started, without engine.step() in between; call engine.step() after every "
+                "boundary backward, or set overlap_step to false"
+            )
+
+    def settle(self) -> None:
+        """Wait for every submitted step (their errors surface here) and forget them."""
+        jobs, self._jobs, self._last = self._jobs, {}, None
+        for job in jobs.values():
+            job.result()
+
+    def wait(self) -> None:
+        """Wait for every submitted step, still counting them as this step's (an accessor between the
+        boundary backward and `engine.step()` reads the masters and states after them)."""
+        for job in list(self._jobs.values()):
+            job.result()
+
+    def discard(self) -> None:
+        """The gradients are zeroed: a boundary backward's started steps without `engine.step()` is an error."""
+        self._armed = None
+        self._check_consumed("zeroing the gradients")
+
+    @contextlib.contextmanager
+    def resident(self, optimizer) -> Iterator[None]:
+        """Nothing steps while a checkpoint reads or writes the masters and states."""
+        self.wait()
+        yield
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)
+        self._pools = {}
+
+
+def _own_threads(n: int) -> None:
+    torch.get_num_threads()  # the worker's own setting starts from the process default ...
+    torch.set_num_threads(n)  # ... and is then its own (Note [step threads])
+
+
+def _hparams(optimizer) -> list[list[tuple[str, object]]]:
+    """Every group's hyperparameters, comparable (tensors as Python numbers)."""
+    return [
+        [(k, v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in group.items() if k != "params"]
+        for group in optimizer.param_groups
+    ]

@@ -72,3 +72,16 @@ def format_breakdown(breakdown_ms: dict[str, float], step: int) -> str:
     """One line: 'step 10 time (ms) | forward: 1.23 | backward: ...'."""
     parts = " | ".join(f"{k}: {v:.2f}" for k, v in breakdown_ms.items())
     return f"step {step} time (ms) | {parts}"
+
+
+def trim_mean(data: list[float], trim_percent: float) -> float:
+    """Mean of `data` without its `trim_percent` smallest and largest values (DeepSpeed's
+    `utils.timer.trim_mean`, which the comms logger's averages use); 0 for no data. `data` is not reordered."""
+    if not 0.0 <= trim_percent <= 1.0:
+        raise ValueError(f"trim_percent must be in [0, 1], got {trim_percent}")
+    if not data:
+        return 0
+    ordered = sorted(data)
+    cut = round(len(ordered) * trim_percent)
+    kept = ordered[cut : len(ordered) - cut]
+    return sum(kept) / len(kept)

@@ -25,6 +25,7 @@ from zerospeed.runtime.hooks import RandomLTDHook, build_step_hooks, scheduler_o
 from zerospeed.runtime.model_setup import (
     TrainedSizes,
     broadcast_model,
+    cast_model,
     param_group_names,
     weight_tensor_parallel_norm,
 )
@@ -86,7 +87,7 @@ class EngineCore(torch.nn.Module):
         )
         weight_tensor_parallel_norm(self.module, self.zero, mesh)
         if self.precision.mixed:
-            self.module.to(self.precision.param_dtype)
+            cast_model(self.module, self.precision.param_dtype, plans.buffer_dtype)
         self.optimizer = optimizer_factory(self.zero)
         if hasattr(self.optimizer, "bind_engine"):  # 1-bit optimizers steer enable_backward_allreduce
             self.optimizer.bind_engine(self)
@@ -229,6 +230,24 @@ class EngineCore(torch.nn.Module):
         )
 
     # -- module passthrough ------------------------------------------------------------------------
+    def __getattr__(self, name: str):
+        """Note [attribute pass-through]: DeepSpeed's engine answers an attribute it does not have with the
+        wrapped module's (`engine.id`, `engine.config_class`, a model's helper methods), and user code relies
+        on it. The engine's own attributes win (they never reach `__getattr__`); an engine property that
+        raises AttributeError inside keeps its error rather than silently reading the module's."""
+        try:
+            return super().__getattr__(name)  # nn.Module's: registered parameters, buffers, submodules
+        except AttributeError as own:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__") or hasattr(type(self), name):
+                raise own
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                raise AttributeError(
+                    f"{type(self).__name__!r} object (nor its {type(module).__name__} module) has no attribute {name!r}"
+                ) from None
+
     def train(self, mode: bool = True):
         self.module.train(mode)
         return self

@@ -29,8 +29,10 @@ from zerospeed.data.loader import ShardedDataLoader
 from zerospeed.data.progressive_layer_drop import ProgressiveLayerDrop
 from zerospeed.data.random_ltd.helper import remove_random_ltd_state_dict
 from zerospeed.data.random_ltd.scheduler import RandomLTDScheduler
+from zerospeed.data.sampler import build_curriculum_loader
 from zerospeed.offload.states import StateOffloader
 from zerospeed.runtime import reports, state_offload
+from zerospeed.runtime.checkpoint_saves import engine_saves, flush_saves
 from zerospeed.runtime.hooks import (
     CompressionHook,
     CurriculumHook,
@@ -40,6 +42,7 @@ from zerospeed.runtime.hooks import (
     scheduler_of,
 )
 from zerospeed.runtime.plans import random_ltd_config
+from zerospeed.runtime.process_settings import PYTHON_GC, release_python_gc
 
 
 class DeepSpeedAPI:
@@ -93,7 +96,8 @@ class DeepSpeedAPI:
         return self._global_grad_norm
 
     def was_step_applied(self) -> bool:
-        """False when the last boundary step was skipped (fp16 overflow)."""
+        """Whether the last `step()` updated the weights: False after a micro-step inside an accumulation
+        window and after a boundary step skipped for an fp16 overflow (DeepSpeed's semantics)."""
         return self._step_applied
 
     # -- where the states are, what they take ------------------------------------------------------------
@@ -144,6 +148,10 @@ class DeepSpeedAPI:
     def save_checkpoint(
         self, save_dir, tag=None, client_state=None, save_latest: bool = True, exclude_frozen_parameters: bool = False
     ):
+        """Collective: save the training state under save_dir/tag. With an asynchronous writer (`checkpoint.writer`
+        decoupled, `datastates_ckpt`, `casync_ckpt`) it returns once the state is copied to host memory and the
+        checkpoint commits (`latest` moves) at a later optimizer step, save, load, `wait_for_checkpoint()` or
+        `destroy()` (docs/checkpoints.md)."""
         self._check_states_resident("engine.save_checkpoint")
         return checkpoint.save_checkpoint(
             self.checkpoint_state(),
@@ -152,7 +160,28 @@ class DeepSpeedAPI:
             client_state=client_state,
             save_latest=save_latest,
             exclude_frozen_parameters=exclude_frozen_parameters,
+            saves=engine_saves(self),
         )
+
+    def wait_for_checkpoint(self) -> None:
+        """Collective: block until the asynchronous save in flight (if any) is on disk on every rank and
+        committed (`latest` names it); a failed write raises here. DeepSpeed's decoupled writer commits the
+        same way at its next step (its `_commit_decoupled_checkpoint`), without a public name for it."""
+        flush_saves(self)
+
+    def destroy(self) -> None:
+        """End of training: finish the checkpoint in flight, then what the core releases (EngineCore.destroy);
+        the Python collector comes back on if `disable_python_gc` turned it off (runtime/process_settings.py)."""
+        try:
+            flush_saves(self)
+            super().destroy()
+        finally:
+            release_python_gc(self)
+
+    def collect_python_gc(self) -> int:
+        """One explicit cyclic collection at a point the caller picks (with `disable_python_gc`); returns
+        the number of unreachable objects found. The collector's on/off state is left as it is."""
+        return PYTHON_GC.collect()
 
     def load_checkpoint(
         self,
@@ -165,6 +194,7 @@ class DeepSpeedAPI:
     ):
         """Restore a checkpoint (any world size, ZeRO stage 0-3); returns (load_path, client_state)."""
         self._check_states_resident("engine.load_checkpoint")
+        flush_saves(self)  # a save in flight commits first: its tag may be the one asked for
         return checkpoint.load_checkpoint(
             self.checkpoint_state(),
             load_dir,
@@ -173,6 +203,8 @@ class DeepSpeedAPI:
             load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
+            async_load=engine_saves(self).plan.async_load,
+            universal=self.config.checkpoint.load_universal,
         )
 
     def module_state_dict(
@@ -256,6 +288,21 @@ class DeepSpeedAPI:
             raise ValueError("deepspeed_io: the data must be a torch Dataset (map-style or iterable)")
         batch_size = batch_size or self.train_micro_batch_size_per_gpu()
         workers = num_local_io_workers or 0
+        if (
+            route == "train" and self.curriculum_learning_enabled()
+        ):  # (DeepSpeed: on every route; Note in data/sampler.py)
+            return build_curriculum_loader(
+                dataset,
+                self.data_efficiency_config(),
+                batch_size,
+                dp_rank=self.mesh.rank_in("dp"),
+                dp_world=self.dp_world_size,
+                dp_group=self.dp_group,
+                gradient_accumulation_steps=self.gradient_accumulation_steps(),
+                global_rank=self.global_rank,
+                collate_fn=collate_fn,
+                drop_last=self.config.dataloader_drop_last,
+            )
         if data_sampler is not None or self.is_iterable_style_dataset(dataset):
             return torch.utils.data.DataLoader(
                 dataset,

@@ -20,6 +20,7 @@ from zerospeed.precision.casting import cast_floating
 from zerospeed.runtime.core import EngineCore
 from zerospeed.runtime.deepspeed_api import DeepSpeedAPI
 from zerospeed.runtime.hooks import CompressionHook
+from zerospeed.utils.errors import UsageAssertionError
 from zerospeed.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -135,8 +136,8 @@ class Engine(DeepSpeedAPI, EngineCore):
         callback queued as the pass reaches the loss), exactly as in `engine.backward`."""
         if self.optimizer is None:
             raise RuntimeError("engine.scale needs an optimizer: give one to initialize (config or client)")
-        if loss.numel() != 1 or loss.grad_fn is None:
-            raise ValueError(
+        if loss.numel() != 1 or loss.grad_fn is None:  # Note [errors catchable as DeepSpeed's] (utils/errors.py)
+            raise UsageAssertionError(
                 "engine.scale: the loss must be a one-element tensor with a grad_fn (got shape "
                 f"{tuple(loss.shape)}); reduce it to a scalar first"
             )
@@ -175,6 +176,7 @@ class Engine(DeepSpeedAPI, EngineCore):
         """At an accumulation boundary: reduce, unscale, check overflow, clip, step; else count."""
         self._check_states_resident("engine.step")
         self.observer.on_step_start(self)
+        self._step_applied = False  # DeepSpeed's: True only after a micro-step whose step() updated the weights
         if self.is_gradient_accumulation_boundary():
             for hook in self.step_hooks:  # Note [forward schedules]: layer drop's theta moves here
                 hook.before_step(self)

@@ -15,11 +15,14 @@ from zerospeed.compression.weight_quant.layer import apply_weight_quantization_c
 from zerospeed.config import ConfigError, auto_values_from_hidden_size, parse_config
 from zerospeed.config.loader import load_raw
 from zerospeed.data.loader import build_training_loader
+from zerospeed.data.sampler import build_curriculum_loader
 from zerospeed.moe.autoep import apply_autoep_config
 from zerospeed.moe.layer import bind_expert_groups
 from zerospeed.moe.utils import moe_param_groups
 from zerospeed.optim import build_lr_scheduler
+from zerospeed.optim.adam import DeepSpeedCPUAdam
 from zerospeed.optim.factory import is_zero_tested_optimizer, optimizer_for_groups
+from zerospeed.optim.lion import DeepSpeedCPULion
 from zerospeed.optim.param_groups import trainable_param_groups
 from zerospeed.parallel.pipeline.module import PipelineModule
 from zerospeed.parallel.tensor.config import apply_autotp_config, tensor_parallel_size
@@ -27,6 +30,8 @@ from zerospeed.runtime.engine import Engine
 from zerospeed.runtime.hybrid_engine import DeepSpeedHybridEngine
 from zerospeed.runtime.pipeline import PipelineEngine
 from zerospeed.runtime.plans import build_plans
+from zerospeed.runtime.process_settings import apply_log_level, hold_python_gc
+from zerospeed.utils.errors import ConfigAssertionError, ZeroConfigError
 from zerospeed.utils.logging import get_logger
 
 logger = get_logger(__name__)  # Note [rank-0 logging]
@@ -156,6 +161,29 @@ def _sequence_parallel_size(loaded: dict) -> int:
     return value
 
 
+def _refuse_forced_cpu_optimizer(cfg, optimizer) -> None:
+    """Note [forced CPU optimizer]: DeepSpeed refuses a client optimizer (an instance or a callable) under
+    optimizer offload unless it is one of its CPU optimizers, while `zero_force_ds_cpu_optimizer` is true
+    (its default): a torch optimizer stepping offloaded states is slow there. zerospeed steps any torch
+    Adam-family optimizer on offloaded shards with torch's fused CPU kernel, so the reason does not hold and
+    the default accepts it; a config that sets the key to true explicitly asks for DeepSpeed's refusal,
+    and gets it, as the exception DeepSpeed raises."""
+    if optimizer is None or "zero_force_ds_cpu_optimizer" not in cfg.model_fields_set:
+        return
+    offload = cfg.zero_optimization.offload_optimizer
+    if not cfg.zero_force_ds_cpu_optimizer or offload is None or offload.device not in ("cpu", "nvme"):
+        return
+    if isinstance(optimizer, (DeepSpeedCPUAdam, DeepSpeedCPULion)):
+        return
+    raise ZeroConfigError(
+        f"zero_force_ds_cpu_optimizer is true and offload_optimizer.device is {offload.device!r}, so a client "
+        f"optimizer ({type(optimizer).__name__}) is refused, as DeepSpeed does; give the optimizer in the "
+        "config's `optimizer` section, use zerospeed.ops.adam.DeepSpeedCPUAdam, or set "
+        "zero_force_ds_cpu_optimizer: false (zerospeed steps a torch optimizer's offloaded states with the "
+        "fused CPU kernel, so false costs nothing here)"
+    )
+
+
 def initialize(
     args=None,
     model: torch.nn.Module | None = None,
@@ -175,8 +203,8 @@ def initialize(
     `mesh` (zerospeed's own; DeepSpeed has no such argument) is the parallel layout to train over;
     without it, `mpu` or a PipelineModule's grid gives it, else every rank is data parallel.
     """
-    if model is None:
-        raise ConfigError("initialize: `model` is required (the torch.nn.Module to train)")
+    if model is None:  # DeepSpeed asserts: Note [errors catchable as DeepSpeed's] (utils/errors.py)
+        raise ConfigAssertionError("initialize: `model` is required (the torch.nn.Module to train)")
     raw = _config_source(args, config, config_params)
     comm.init_distributed(dist_init_required=dist_init_required)
     loaded = load_raw(raw)  # the layout keys, read once before the mesh exists
@@ -187,6 +215,7 @@ def initialize(
     hidden = _hidden_size(model)
     known = auto_values_from_hidden_size(hidden) if hidden else {}
     cfg = parse_config(raw, world_size=dp_world, known=known)
+    apply_log_level(cfg.log_level)
     model_parameters = apply_autotp_config(model, mesh, cfg, optimizer, model_parameters)  # parallel/tensor/config.py
     model_parameters = apply_autoep_config(model, mesh, cfg, optimizer, model_parameters)  # AutoEP (moe/autoep.py)
     quantize_shards = apply_weight_quantization_config(model, cfg)  # top-level weight_quantization
@@ -203,6 +232,8 @@ def initialize(
         device=get_accelerator().torch_device(comm.get_local_rank()),
     )
     allow_untested = cfg.untested_optimizers_allowed
+
+    _refuse_forced_cpu_optimizer(cfg, optimizer)
 
     def optimizer_factory(strategy):
         if is_client:
@@ -239,7 +270,20 @@ def initialize(
         )
 
     loader = None
-    if training_data is not None:
+    if training_data is not None and cfg.data_efficiency.data_sampling.curriculum_learning.enabled:
+        loader = build_curriculum_loader(  # data/sampler.py: Note [curriculum clusters]
+            training_data,
+            cfg.data_efficiency.model_dump(),
+            cfg.train_micro_batch_size_per_gpu,
+            dp_rank=comm.get_rank(dp_group),
+            dp_world=dp_world,
+            dp_group=dp_group,
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            global_rank=comm.get_rank(),
+            collate_fn=collate_fn,
+            drop_last=cfg.dataloader_drop_last,
+        )
+    elif training_data is not None:
         # DeepSpeed's order: shuffled for the engine, in order for a pipeline (DistributedSampler(shuffle=False))
         loader = build_training_loader(
             training_data,
@@ -270,6 +314,7 @@ def initialize(
     )
     if quantize_shards is not None:  # stage 3: the selected layers' stored shards (inference/zero.py)
         engine.zero.quantize_frozen(quantize_shards)
+    hold_python_gc(engine, cfg.disable_python_gc)  # until engine.destroy() (runtime/process_settings.py)
     if cfg.dump_state:
         engine.dump_state()
     _compile_by_config(engine, cfg.compile)

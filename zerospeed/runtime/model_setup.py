@@ -42,6 +42,24 @@ def _broadcast_from_first(t: torch.Tensor, group) -> None:
         t.copy_(buf)
 
 
+@torch.no_grad()
+def cast_model(module: torch.nn.Module, param_dtype: torch.dtype, buffer_dtype: torch.dtype | None = None) -> None:
+    """The 16-bit cast at set-up: floating parameters to `param_dtype`, floating buffers to `buffer_dtype`
+    (`data_types.buffer_dtype`) or, without it, to `param_dtype` too (`module.to(param_dtype)`)."""
+    keep = {}
+    if buffer_dtype is not None and buffer_dtype != param_dtype:  # taken before the cast: no round trip
+        keep = {(id(sub), n): b for sub in module.modules() for n, b in sub._buffers.items() if _floating(b)}
+    module.to(param_dtype)
+    for sub in module.modules():
+        for name in sub._buffers:
+            if (id(sub), name) in keep:
+                sub._buffers[name] = keep[(id(sub), name)].to(buffer_dtype)
+
+
+def _floating(t: torch.Tensor | None) -> bool:
+    return t is not None and t.is_floating_point()
+
+
 def weight_tensor_parallel_norm(module: torch.nn.Module, zero, mesh) -> None:
     """Note [norm weights] (zero/strategy.py): the gradient norm spans the tensor-parallel ranks, a
     parameter held by r of them counting 1/r on each. Only for zerospeed's own tensor-parallel layers

@@ -40,7 +40,7 @@ from zerospeed.parallel.pipeline.checkpoint import (
     load_pipeline_checkpoint,
     save_pipeline_checkpoint,
 )
-from zerospeed.parallel.pipeline.module import PipelineModule
+from zerospeed.parallel.pipeline.module import PipelineModule, non_reentrant_checkpoint
 from zerospeed.parallel.pipeline.ties import TiedGradients
 from zerospeed.parallel.pipeline.transport import RecvOp, SendOp, Transport, as_tensors
 from zerospeed.runtime.core import EngineCore
@@ -88,6 +88,7 @@ class PipelineEngine(DeepSpeedAPI, EngineCore):
         if not isinstance(module, PipelineModule):
             raise TypeError(f"PipelineEngine needs a PipelineModule, got {type(module).__name__}")
         _refuse_what_stages_cannot_run(plans)
+        _apply_pipeline_section(module, config.pipeline)
         # Tied-gradient hooks must be registered before the strategy's (Engine.__init__ builds it).
         module.to(get_accelerator().torch_device(comm.get_local_rank()))
         ties = TiedGradients(module)
@@ -343,8 +344,8 @@ class PipelineEngine(DeepSpeedAPI, EngineCore):
 
     def _backward(self, ins: S.BackwardPass, state: _BatchState) -> None:
         reduce_now = not self.zero.supports_no_sync  # ZeRO-2: Note [one reduction per batch]
-        if reduce_now:
-            self.zero.begin_backward(sync=True)
+        if reduce_now:  # (stage 2 reduces every micro-step anyway; the batch's last gradients are ReduceGrads')
+            self.zero.begin_backward(sync=False)
         self._run_backward(ins, state)
         if reduce_now:
             self.zero.end_micro_step()
@@ -406,6 +407,36 @@ class PipelineEngine(DeepSpeedAPI, EngineCore):
             strict=load_module_strict,
             load_optimizer_states=load_optimizer_states and not load_module_only,
             load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
+        )
+
+
+def _apply_pipeline_section(module: PipelineModule, section) -> None:
+    """The config's `pipeline` block, as DeepSpeed's engine reads it: `use_reentrant` (default true)
+    picks the module's checkpoint function, `activation_checkpoint_interval > 0` overrides the
+    module's own (Note [pipeline activation checkpointing] in parallel/pipeline/module.py).
+
+    `stages`, `partition` and `seed_layers` shape a module that is already built when `initialize`
+    sees the config: DeepSpeed's engine never reads them (the module's own arguments decide). They
+    are accepted; a value that disagrees with the module is logged, naming the module's argument."""
+    if section.use_reentrant is False:
+        module.activation_checkpoint_func = non_reentrant_checkpoint
+    if section.activation_checkpoint_interval > 0:
+        module.set_checkpoint_interval(section.activation_checkpoint_interval)
+    methods = {section.partition.lower(), module.partition_method.lower()}
+    differs = {
+        "stages": section.stages not in ("auto", module.num_stages),
+        "partition": len(methods) > 1 and methods != {"best", "parameters"},
+        "seed_layers": section.seed_layers and not module.seed_layers,
+    }
+    module_arg = {"stages": "num_stages", "partition": "partition_method", "seed_layers": "seed_layers"}
+    for key in (k for k, d in differs.items() if d and comm.get_rank() == 0):
+        logger.warning(
+            "pipeline.%s=%r is not what the PipelineModule was built with (%s=%r): the module's argument "
+            "decides, as in DeepSpeed; pass it to PipelineModule(...)",
+            key,
+            getattr(section, key),
+            module_arg[key],
+            module.num_stages if key == "stages" else getattr(module, module_arg[key]),
         )
 
 

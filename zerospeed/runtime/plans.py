@@ -21,6 +21,7 @@ import torch
 from zerospeed.offload.aio import AioPlan
 from zerospeed.offload.plan import OffloadPlan
 from zerospeed.offload.swap import check_nvme_path
+from zerospeed.offload.zenflow import ZenFlowPlan
 from zerospeed.precision.autocast import (
     AUTOCAST_LOSS_SCALE,
     check_autocast_settings,
@@ -74,6 +75,8 @@ class EnginePlans:
     `bf16.check_grad_overflow`."""
     cast_inputs: torch.dtype | None = None
     """`fp16.auto_cast`: the forward's floating positional inputs are cast to fp16."""
+    buffer_dtype: torch.dtype | None = None
+    """`data_types.buffer_dtype` under fp16/bf16: floating buffers take it instead of the model's dtype."""
 
     def describe(self) -> str:
         """One line: what this engine will do (logged once by `build_plans`)."""
@@ -146,12 +149,41 @@ def build_plans(cfg, *, module: torch.nn.Module, mesh, param_groups: list[dict],
         gradient_clipping=float(cfg.gradient_clipping),
         skip_nonfinite=precision.needs_loss_scaling or (cfg.bf16_enabled and cfg.bf16.check_grad_overflow),
         cast_inputs=torch.float16 if cfg.fp16.auto_cast and cfg.fp16_enabled else None,
+        buffer_dtype=module_dtypes(cfg, precision),
     )
     logger.info("engine plans: %s", plans.describe())
     return plans
 
 
 # -- precision -----------------------------------------------------------------------------------------
+def module_dtypes(cfg, precision: PrecisionPolicy) -> torch.dtype | None:
+    """`data_types.param_dtype` and `buffer_dtype` as DeepSpeed 0.19.8 reads them; returns the buffers' dtype.
+
+    `param_dtype` may only restate the precision mode's model dtype (fp16 with `fp16.enabled`, bf16 with
+    `bf16.enabled`, else fp32: DeepSpeed asserts the same), since masters, reduction and checkpoints
+    follow the mode. `buffer_dtype` applies where DeepSpeed casts the module at all, under fp16 / bf16:
+    floating buffers take it instead of the model's 16-bit dtype (e.g. fp32 rotary tables); in fp32 no
+    cast happens, so it changes nothing and says so."""
+    asked, buffers = cfg.data_types.param_dtype, cfg.data_types.buffer_dtype
+    if asked is not None and _DTYPES[asked] != precision.param_dtype:
+        mode = {torch.float16: "fp16.enabled", torch.bfloat16: "bf16.enabled"}.get(precision.param_dtype)
+        raise ConfigError(
+            f"data_types.param_dtype={asked!r} conflicts with the precision mode (model dtype "
+            f"{_name(precision.param_dtype)}{f', from {mode}=true' if mode else ''}): set the matching "
+            "fp16 / bf16 enabled flag, or remove data_types.param_dtype"
+        )
+    if buffers is None:
+        return None
+    if not precision.mixed:
+        logger.warning(
+            "data_types.buffer_dtype=%r has no effect without fp16 / bf16: the model is not cast, its "
+            "buffers keep their dtype (as in DeepSpeed)",
+            buffers,
+        )
+        return None
+    return _DTYPES[buffers]
+
+
 def precision_policy(cfg) -> PrecisionPolicy:
     """The precision keys (`fp16`, `bf16`, `torch_autocast`, `data_types`) as a `PrecisionPolicy`."""
     off = cfg.zero_optimization.offload_optimizer
@@ -230,6 +262,7 @@ def zero_plan(
         overlap_comm=bool(zero.overlap_comm),
         ignore_unused_parameters=bool(zero.ignore_unused_parameters),
         offload=offload,
+        zenflow=zenflow_plan(cfg),
         zeropp=zeropp,
         mics_shard_size=mics,
         max_live_parameters=int(zero.stage3_max_live_parameters),
@@ -239,6 +272,48 @@ def zero_plan(
         leaf_modules=None
         if leaf is None
         else LeafModulePlan(tuple(leaf.classes or ()), tuple(leaf.names or ()), tuple(leaf.name_suffixes or ())),
+    )
+
+
+def zenflow_plan(cfg) -> ZenFlowPlan | None:
+    """`zero_optimization.zenflow` as a `ZenFlowPlan` (None without the block), with DeepSpeed's checks
+    (runtime/zenflow/engine.py's `configure_zenflow`) and its resolution of "auto"."""
+    zero = cfg.zero_optimization
+    zf = zero.zenflow
+    if zf is None:
+        return None
+    key = "zero_optimization.zenflow"
+    if zero.stage not in (1, 2):
+        raise ConfigError(
+            f"{key} needs ZeRO stage 1 or 2 (this config has stage {zero.stage}); ZenFlow at stage 3 is not "
+            "built in zerospeed: use stage 1 or 2, or remove the zenflow block"
+        )
+    if zero.offload_optimizer is None or zero.offload_optimizer.device != "cpu":
+        raise ConfigError(f'{key} works on ZeRO-Offload: set zero_optimization.offload_optimizer.device to "cpu"')
+    if zf.select_strategy == "auto":
+        if zf.select_interval != "auto":
+            raise ConfigError(
+                f'{key}.select_strategy "auto" selects once per epoch: leave select_interval "auto", '
+                'or choose select_strategy "step" or "epoch"'
+            )
+        strategy, per = "epoch", 1
+    else:
+        if zf.select_interval == "auto":
+            raise ConfigError(f"{key}.select_strategy {zf.select_strategy!r} needs a number as select_interval")
+        strategy, per = zf.select_strategy, int(zf.select_interval)
+    # an epoch of unknown length: select once (DeepSpeed's select_interval 0 without a training dataloader)
+    select = per * (zf.steps_per_epoch or 0) if strategy == "epoch" else per
+    update = 0 if zf.update_interval == "auto" else int(zf.update_interval)
+    if update and select and select < update:
+        raise ConfigError(f"{key}: select_interval ({select} steps) must be at least update_interval ({update})")
+    return ZenFlowPlan(
+        topk_ratio=float(zf.topk_ratio),
+        select_interval=select,
+        update_interval=update,
+        auto_ratio=float(zf.auto_ratio),
+        full_warm_up_rounds=int(zf.full_warm_up_rounds),
+        overlap_step=bool(zf.overlap_step),
+        offload=bool(zf.offload),
     )
 
 
@@ -297,6 +372,11 @@ def offload_plan(cfg, device: torch.device) -> OffloadPlan:
         param_buffer_count=par.buffer_count if par is not None else 5,
         param_buffer_size=par.buffer_size if par is not None else 100_000_000,
         aio=aio_plan(cfg.aio),
+        overlap_step=opt_dev == "cpu" and opt.overlap_step,
+        # Note [overlapped step]: the step's coefficient is 1 whatever the norm, so steps may start early
+        early_step=cfg.gradient_clipping == 0
+        and not precision_policy(cfg).needs_loss_scaling
+        and not (cfg.bf16_enabled and cfg.bf16.check_grad_overflow),
     )
 
 

@@ -19,8 +19,9 @@ once, summed over the tiles, into the reduction as any unit's. The tiled loss us
 weight outside the head's forward (in the model's own); the model declares that use with
 `zero.register_external_parameter(model, head.weight)`, as DeepSpeed asks of any parameter used outside
 its module, and then the model's forward and backward pre-hooks gather the head's unit around the tiles
-and their recomputation. A parameter still empty when the tiles run (a block not flagged before
-`initialize`, an undeclared head weight) is refused with an error naming both fixes.
+and their recomputation. An undeclared head weight is gathered when the model's forward reads it (Note
+[undeclared external parameters], zero/stage3/external.py). A parameter still empty when the tiles run
+(a block not flagged before `initialize`) is refused with an error naming both fixes.
 """
 
 from __future__ import annotations

@@ -28,11 +28,12 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Call `write(file)` on a temporary file, then fsync it and rename it to `path`."""
+def atomic_write(path: Path, write: Callable[[BinaryIO], None], buffering: int = -1) -> None:
+    """Call `write(file)` on a temporary file (opened with `buffering`, open()'s argument: -1 the default
+    buffer), then fsync it and rename it to `path`."""
 
     def write_named(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb", buffering=buffering) as f:
             write(f)
 
     atomic_write_named(path, write_named)

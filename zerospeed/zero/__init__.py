@@ -9,6 +9,9 @@ talks to the `ZeroStrategy` protocol.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 
 from zerospeed.precision.policy import PrecisionPolicy
@@ -19,6 +22,7 @@ from zerospeed.zero.stage0 import DataParallelStrategy
 from zerospeed.zero.stage3 import GatheredParameters, Init, full_numel, full_shape, register_external_parameter
 from zerospeed.zero.stage3.strategy import Stage3Strategy
 from zerospeed.zero.strategy import ReductionGroup, ZeroStrategy, reduction_groups
+from zerospeed.zero.zenflow import ZenFlowStage1, ZenFlowStage2
 
 
 def build_strategy(
@@ -77,6 +81,10 @@ def build_strategy(
             **common,
         )
     cls = ShardedStrategy if plan.stage == 1 else Stage2Strategy
+    offload = plan.offload
+    if plan.zenflow is not None:  # Note [the ZenFlow step] (zero/zenflow.py): its own host step and overlap
+        cls = functools.partial(ZenFlowStage1 if plan.stage == 1 else ZenFlowStage2, zenflow=plan.zenflow)
+        offload = dataclasses.replace(offload, overlap_step=False, early_step=False)
     return cls(
         groups,
         reduction,
@@ -89,7 +97,7 @@ def build_strategy(
         overlap_comm=plan.overlap_comm,
         grad_dtype=grad_dtype,
         ignore_unused_parameters=plan.ignore_unused_parameters,
-        plan=plan.offload,
+        plan=offload,
         master_dtype=precision.master_dtype,
         **common,
     )

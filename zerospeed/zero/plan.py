@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zerospeed.offload.plan import OffloadPlan
+from zerospeed.offload.zenflow import ZenFlowPlan
 from zerospeed.zero.budgets import Budgets
 from zerospeed.zero.grad_math import reduction_factors
 from zerospeed.zero.stage3.zeropp import ZeroPPPolicy
@@ -65,6 +66,8 @@ class ZeroPlan:
     overlap_comm: bool = False
     ignore_unused_parameters: bool = True
     offload: OffloadPlan | None = None
+    zenflow: ZenFlowPlan | None = None
+    """`zero_optimization.zenflow` (stages 1-2 with the optimizer offloaded to the host): zero/zenflow.py."""
     # stage 3
     zeropp: ZeroPPPolicy = field(default_factory=ZeroPPPolicy)
     mics_shard_size: int = 0

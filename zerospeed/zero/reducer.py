@@ -245,8 +245,12 @@ class GradientReducer:
         ignore_unused: bool = True,
         on_unit_ready: Callable[[GradUnit], None] | None = None,
         param_comm_dtypes: dict[int, torch.dtype] | None = None,
+        on_delivered: Callable[[GradUnit], None] | None = None,
     ):
         self.units, self.policy = units, policy
+        # called with each unit once its reduced part has landed in `result` (Note [overlapped step] in
+        # optim/sub_group_step.py starts host steps from it)
+        self.on_delivered = on_delivered
         self.scaling, self.comm_dtype = scaling or _no_scaling, comm_dtype
         # id(parameter) -> the dtype its gradient travels in, where not `comm_dtype` (Note [autocast
         # gradient communication] in runtime/torch_autocast.py)
@@ -319,6 +323,7 @@ class GradientReducer:
         if world == 1 and units[0].replicas == 1:  # nothing to exchange: no scaling, no cast to comm_dtype
             for u in units:
                 u.deliver(u.source()[: u.layout.chunk])
+                self._delivered(u)
             return
         pre, _ = self.scaling(world * units[0].replicas)  # the average is over every contributing rank
         sends = [self._scaled_source(u, pre) for u in units]
@@ -388,7 +393,12 @@ class GradientReducer:
             u.deliver(flight.out[offset : offset + n])
             if not scatter and post != 1.0:
                 u.result.mul_(post)
+            self._delivered(u)
             offset += n
+
+    def _delivered(self, unit: GradUnit) -> None:
+        if self.on_delivered is not None:
+            self.on_delivered(unit)
 
     def _land_finished(self) -> None:
         """Land the oldest buckets whose collectives have already finished, in launch order, so their

@@ -29,6 +29,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.offload.plan import make_stepper
+from zerospeed.optim.sub_group_step import OverlappedStepper, steps_locally
 from zerospeed.zero import fragment
 from zerospeed.zero.flat_group import FlatParamGroup
 from zerospeed.zero.fragment import Held, ParamFragment
@@ -78,15 +79,27 @@ class ShardedOptimizerBase(ReducingStrategy):
         self.sub_groups = group_sub_groups([u.layout.chunk for u in self.units], sub_group_size)
         # swap files are named by the global rank: group ranks repeat across groups
         self.stepper = make_stepper(self.plan, self.masters, self.sub_groups, comm.get_rank())
+        # Note [overlapped step]: the stepper that may start sub-groups during the boundary backward
+        early = isinstance(self.stepper, OverlappedStepper) and self.plan.early_step and self.stepper.may_start_early
+        self._early = self.stepper if early else None
+        launch = launch_order or self.units
         self.reducer = GradientReducer(
-            launch_order or self.units,
+            launch,
             policy,
             scaling=scaling,
             comm_dtype=comm_dtype,
             ignore_unused=ignore_unused,
             on_unit_ready=on_unit_ready,
             param_comm_dtypes=param_comm_dtypes,
+            on_delivered=self._delivered if early else None,
         )
+        # reduction unit -> the chunk its result lands in (stage 3's tied uses add into their owner's);
+        # per chunk, how many units land there
+        chunk_of = {id(u.result): k for k, u in enumerate(self.units)}
+        self._chunk_of_unit = {id(u): chunk_of[id(u.result)] for u in launch}
+        self._deliveries = [0] * len(self.units)
+        for u in launch:
+            self._deliveries[self._chunk_of_unit[id(u)]] += 1
         # id(parameter) -> (index of its unit, its segment there): Note [parameter fragments]
         self._where = {id(u.params[s.param]): (k, s) for k, u in enumerate(self.units) for s in u.layout.segments}
         fragment.claim([u.params[s.param] for u in self.units for s in u.layout.segments], self)
@@ -99,6 +112,8 @@ class ShardedOptimizerBase(ReducingStrategy):
         where = self._where.get(id(param))
         if where is None:
             return None
+        if self._early is not None:  # no host step runs while a caller reads or writes a master
+            self._early.wait()
         k, seg = where
         u = self.units[k]
         ranks = ReductionGroup(u.group, u.world_size, u.rank)
@@ -120,6 +135,28 @@ class ShardedOptimizerBase(ReducingStrategy):
         return param.shape
 
     # -- reduction (the rest is ReducingStrategy's) ----------------------------------------------
+    def begin_backward(self, sync: bool) -> None:
+        """Note [overlapped step]: a boundary backward arms the early start of the host step."""
+        super().begin_backward(sync)
+        if self._early is None:
+            return
+        optimizer = self.bound_optimizer
+        if sync and not self.reducer.hold_local and steps_locally(optimizer):
+            self._early.arm(optimizer, self._pairs(), self._deliveries)
+        else:
+            self._early.disarm()
+
+    def _delivered(self, unit: GradUnit) -> None:
+        self._early.ready(self._chunk_of_unit[id(unit)])
+
+    def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(m, u.result) for m, u in zip(self.masters, self.units)]
+
+    def zero_grads(self) -> None:
+        if self._early is not None:
+            self._early.discard()
+        super().zero_grads()
+
     def global_grad_norm(self) -> float:
         """L2 norm of the full reduced gradient: each chunk once (Note [reduction groups]), each parameter
         by its weight (Note [norm weights]); of unreduced ones by Note [local gradients]."""
@@ -153,8 +190,7 @@ class ShardedOptimizerBase(ReducingStrategy):
                 for u in self.units:
                     u.accum.mul_(coef)
             coef = 1.0
-        pairs = [(m, u.result) for m, u in zip(self.masters, self.units)]
-        self.stepper.step(optimizer, pairs, coef, self.sub_groups, on_stepped=self._publish)
+        self.stepper.step(optimizer, self._pairs(), coef, self.sub_groups, on_stepped=self._publish)
         self._after_step()
 
     def resident(self, optimizer):

@@ -234,3 +234,14 @@ def _grad(frag: ParamFragment) -> Held:
     if frag.grad is None:
         raise ValueError("gradients are only available after backward and before the engine's step")
     return frag.grad
+
+
+def safe_update_full_grad_vectorized(param_list, update_func) -> None:
+    """Set each parameter's whole gradient to `update_func(whole gradient, param)` (after backward, before step;
+    collective at stages 1-3: every rank passes the same list). Parameters without a gradient are skipped."""
+    for param in param_list:
+        if param.grad is None and not param.requires_grad:
+            continue
+        current = safe_get_full_grad(param)
+        if current is not None:
+            safe_set_full_grad(param, update_func(current, param))

@@ -140,7 +140,10 @@ def float_type(
 def _coerce_bool(value: Any, nullable: bool) -> Any:
     if value is None and nullable:
         return None
-    # Strict on purpose: DeepSpeed's dict-based readers treat the string "false" as truthy.
+    # Strict on purpose: DeepSpeed's dict-based readers treat the string "false" as truthy. The integers
+    # 0 and 1 are unambiguous and common in DeepSpeed configs (`"zero_allow_untested_optimizer": 1`): taken.
+    if type(value) is int and value in (0, 1):
+        return bool(value)
     if not isinstance(value, bool):
         raise fail("true or false" + (" or null" if nullable else ""), value)
     return value

@@ -16,21 +16,25 @@ from zerospeed.config.schema.base import (
 class ParallelWriteConfig(StrictModel):
     """``checkpoint.parallel_write``."""
 
-    pipeline_stage: Bool = ds_field(False, "Parallelise checkpoint writes across pipeline stages.")
+    pipeline_stage: Bool = ds_field(
+        False, "Share each pipeline stage's layer files among its data-parallel ranks instead of its rank 0."
+    )
 
 
 class CheckpointWriterConfig(StrictModel):
-    """``checkpoint.writer``: the fast checkpoint writer."""
+    """``checkpoint.writer``: DeepSpeed's fast checkpoint writer, mapped onto zerospeed's (docs/checkpoints.md)."""
 
-    type: choice_type("MOCK", "PYTHON", "FAST") = ds_field("FAST", "Writer implementation.")
-    io_buffer_size: PosInt = ds_field(64 * 1024**2, "I/O buffer size in bytes.")
-    io_buffer_double: Bool = ds_field(True, "Double-buffer the I/O.")
-    show_statistics: Bool = ds_field(False, "Print write statistics.")
-    data_parallel: choice_type("REPLICA", "SOCKET", "MACHINE", nullable=True) = ds_field(
-        None, "Unit that writes in parallel: replica, socket or machine."
+    type: choice_type("MOCK", "PYTHON", "FAST") = ds_field(
+        "FAST", "Writer implementation: FAST and PYTHON write real files; MOCK (writes nothing) is refused."
     )
-    decoupled: Bool = ds_field(False, "Write in a decoupled background process.")
-    io_multiplier: PosInt = ds_field(1, "I/O parallelism multiplier.")
+    io_buffer_size: PosInt = ds_field(64 * 1024**2, "File buffer each checkpoint file is written through, bytes.")
+    io_buffer_double: Bool = ds_field(True, "Double-buffer the I/O; no effect (the background writer overlaps).")
+    show_statistics: Bool = ds_field(False, "Log bytes, seconds, GB/s and the training stall of each save.")
+    data_parallel: choice_type("REPLICA", "SOCKET", "MACHINE", nullable=True) = ds_field(
+        None, "Unit that writes in parallel; no effect (every rank writes only its own shard)."
+    )
+    decoupled: Bool = ds_field(False, "Asynchronous saves: save_checkpoint returns after a host snapshot.")
+    io_multiplier: PosInt = ds_field(1, "I/O parallelism multiplier; no effect.")
 
 
 class CheckpointConfig(StrictModel):
@@ -40,7 +44,10 @@ class CheckpointConfig(StrictModel):
         "WARN", "Check that checkpoint tags agree across ranks: Warn, Ignore or Fail."
     )
     load_universal: Bool = ds_field(False, "Load a universal (resharding) checkpoint.")
-    use_node_local_storage: Bool = ds_field(False, "Save per local rank so no shared filesystem is needed.")
+    use_node_local_storage: Bool = ds_field(
+        False,
+        "Every node writes and reads its own copy (local rank 0 writes manifest and latest): no shared filesystem.",
+    )
     parallel_write: ParallelWriteConfig = ds_section(ParallelWriteConfig, "Parallel write settings.")
     checkpoint_serialization: Bool = ds_field(True, "Use torch.save serialization.")
     writer: CheckpointWriterConfig | None = ds_field(None, "Fast checkpoint writer; null uses torch.save.")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from zerospeed.config.schema.base import (
     Bool,
     Fraction,
@@ -41,6 +43,14 @@ class OffloadOptimizerConfig(StrictModel):
     super_offload: Bool = ds_field(False, "High-performance CPU offload for superchips (stage 3 only).")
     convert_grad_on_cpu: Bool = ds_field(True, "Convert gradients on the CPU rather than the GPU.")
     cpuadam_cores_perc: Fraction = ds_field(0.8, "Fraction of CPU cores used by CPU Adam with super_offload.")
+    overlap_step: Bool = Field(
+        True,
+        description=(
+            "zerospeed only (DeepSpeed has no such key): with device cpu, step each sub-group on a host worker "
+            "thread as soon as its gradient shard is final, overlapping the backward and the copy back; "
+            "false = the sequential step (benchmarks, debugging). Results are the same. Default true."
+        ),
+    )
 
     @property
     def pipeline(self) -> bool:

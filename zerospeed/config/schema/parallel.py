@@ -56,7 +56,12 @@ class PipelineConfig(StrictModel):
     stages: _auto_or("int") = ds_field("auto", 'Number of pipeline stages; "auto" takes it from the module.')
     partition: Str = ds_field("best", "Layer partition method: best, parameters, uniform or type:<regex>.")
     seed_layers: Bool = ds_field(False, "Seed each layer's initialisation with its index.")
-    activation_checkpoint_interval: NonNegInt = ds_field(0, "Checkpoint activations every N layers; 0 = off.")
+    activation_checkpoint_interval: NonNegInt = ds_field(
+        0, "Checkpoint activations every N layers of a stage; 0 keeps the module's own setting."
+    )
+    use_reentrant: OptBool = ds_field(
+        None, "Re-entrant activation checkpointing in the pipeline (null = true); false = torch's non-re-entrant."
+    )
     pipe_partitioned: Bool = ds_field(True, "Partition activations sent between stages across TP ranks.")
     grad_partitioned: Bool = ds_field(True, "Partition gradients sent between stages across TP ranks.")
 

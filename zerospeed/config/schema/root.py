@@ -162,9 +162,11 @@ class _CheckpointAndData(StrictModel):
 
     checkpoint: CheckpointConfig = ds_section(CheckpointConfig, "Checkpoint options.")
     nebula: NebulaConfig = ds_section(NebulaConfig, "Nebula checkpointing.")
-    datastates_ckpt: OptDict = ds_field(None, "DataStates asynchronous checkpointing settings.")
-    casync_ckpt: OptDict = ds_field(None, "CAsync checkpointing settings.")
-    async_load: Bool = ds_field(False, "Load optimizer states asynchronously.")
+    datastates_ckpt: OptDict = ds_field(
+        None, "Present: asynchronous checkpoint saves; host_cache_size (GB) bounds the host snapshot."
+    )
+    casync_ckpt: OptDict = ds_field(None, "Present: asynchronous checkpoint saves.")
+    async_load: Bool = ds_field(False, "Read and check this rank's checkpoint files on parallel threads.")
     dataloader_drop_last: Bool = ds_field(False, "Drop the last incomplete batch in deepspeed_io.")
     vocabulary_size: OptPosInt = ds_field(None, "Vocabulary size (only checked for alignment).")
     elasticity: ElasticityConfig = ds_section(ElasticityConfig, "Elastic training.")

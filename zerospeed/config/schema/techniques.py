@@ -86,7 +86,12 @@ class DataSamplingConfig(StrictModel):
     enabled: Bool = ds_field(False, "Enable data sampling techniques.")
     num_epochs: PosInt = ds_field(1000, "Epochs of the dataset iterated at most.")
     num_workers: NonNegInt = ds_field(0, "Data loader workers.")
+    pin_memory: Bool = ds_field(False, "Pin the curriculum loader's batches in host memory.")
     curriculum_learning: CurriculumSamplingConfig = ds_section(CurriculumSamplingConfig, "Curriculum sampling.")
+    dynamic_batching: Dict = Field(
+        default_factory=dict,
+        description="Variable batch size and LR settings (DeepSpeed's separate helper). Default {}.",
+    )
 
 
 def _needed(meaning: str) -> Any:
@@ -206,7 +211,7 @@ class DataRoutingConfig(StrictModel):
 
 
 class DataEfficiencyConfig(StrictModel):
-    """``data_efficiency``: the data efficiency library (curriculum sampling: not built; random-LTD)."""
+    """``data_efficiency``: the data efficiency library (curriculum data sampling; random-LTD)."""
 
     enabled: Bool = ds_field(False, "Enable data efficiency.")
     seed: Int = ds_field(1234, "Random seed for data sampling.")

@@ -14,6 +14,7 @@ from zerospeed.config.schema.base import (
     NonNegInt,
     OptBool,
     OptDict,
+    OptNonNegInt,
     StrictModel,
     choice_type,
     ds_field,
@@ -52,6 +53,9 @@ class ZenFlowConfig(StrictModel):
     auto_ratio: Fraction = ds_field(0.99, "Threshold the auto strategy uses to pick update_interval.")
     full_warm_up_rounds: NonNegInt = ds_field(0, "Initial rounds in which all gradients are updated.")
     pt_reserved_cores_perc: Fraction = ds_field(0.5, "Fraction of CPU cores reserved for PyTorch threads.")
+    steps_per_epoch: OptNonNegInt = ds_field(
+        None, 'Optimizer steps per epoch: the "epoch" select strategy\'s interval (DeepSpeed fills it in).'
+    )
 
 
 class LeafModuleConfig(StrictModel):

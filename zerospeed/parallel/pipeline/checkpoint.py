@@ -120,15 +120,17 @@ def save_pipeline_checkpoint(engine, save_dir, tag=None, client_state=None, save
     module, dp_rank = engine.module, comm.get_rank(engine.dp_group)
     tp = _TensorParallel(engine)
     writes = tp.rank == 0  # the gathers below are collective over the tp group: every tp rank joins
-    if dp_rank == 0:
-        for idx in module.local_layer_indices():
-            mod = module.layer_module(idx)
-            if mod is not None:
-                state = tp.module_state(mod)
-                if writes:
-                    atomic_torch_save(state, path / layer_file(idx))
-        if engine.zero.replicated_state and engine.optimizer is not None:
-            _save_layer_optim(engine, path, tp, writes)
+    parallel = engine.config.checkpoint.parallel_write.pipeline_stage
+    for idx in layers_written(
+        list(module.local_layer_indices()), dp_rank, comm.get_world_size(engine.dp_group), parallel
+    ):
+        mod = module.layer_module(idx)
+        if mod is not None:
+            state = tp.module_state(mod)
+            if writes:
+                atomic_torch_save(state, path / layer_file(idx))
+    if dp_rank == 0 and engine.zero.replicated_state and engine.optimizer is not None:
+        _save_layer_optim(engine, path, tp, writes)
     if not engine.zero.replicated_state and engine.optimizer is not None:
         masters = [
             e.master.detach().cpu().clone()
@@ -145,6 +147,17 @@ def save_pipeline_checkpoint(engine, save_dir, tag=None, client_state=None, save
         atomic_write_text(root / "latest", tag)
     comm.barrier()
     return True
+
+
+def layers_written(indices: list[int], dp_rank: int, dp_size: int, parallel: bool) -> list[int]:
+    """The stage's layer files data-parallel rank `dp_rank` writes: all of them on rank 0, or with
+    `checkpoint.parallel_write.pipeline_stage` a consecutive run of them on every rank (the first
+    len % dp_size runs one longer: DeepSpeed's split, which gives 9 layers over 2 ranks as 5 + 4)."""
+    if not parallel:
+        return indices if dp_rank == 0 else []
+    base, extra = divmod(len(indices), dp_size)
+    start = dp_rank * base + min(dp_rank, extra)
+    return indices[start : start + base + (1 if dp_rank < extra else 0)]
 
 
 def _flat_file(engine) -> str:

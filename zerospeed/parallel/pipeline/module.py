@@ -14,6 +14,18 @@ tensor layers); they need the tp group when they are built, so the layout is mad
 given `topology=mesh` (its groups are reused, not made twice). Everything that pairs ranks across
 stages (activations, tied weights, the loss broadcast) pairs ranks with the same data- and
 tensor-parallel index, so each tp rank of a stage talks to the same tp rank of the next one.
+
+Note [pipeline activation checkpointing]: with `activation_checkpoint_interval = k > 0` a stage cuts its
+layers into blocks of k (counted from the stage's first layer, as DeepSpeed does) and runs each block
+that holds parameters (or whose classes are all in `checkpointable_layers`) through
+`activation_checkpoint_func`: it keeps the block's inputs only and recomputes the block in backward.
+DeepSpeed's default is its re-entrant `checkpointing.checkpoint` (here `zerospeed.activation.checkpoint`,
+which also follows the `activation_checkpointing` section: partitioned, CPU-held inputs);
+`pipeline.use_reentrant=false` picks `non_reentrant_checkpoint` (torch's saved-tensor hooks). A re-entrant
+block sees gradients only through inputs that require them: DeepSpeed marks the first stage's floating
+inputs so, and with integer inputs (token ids into an embedding) the block's weights would get no
+gradient. Here a block none of whose inputs requires a gradient runs non-re-entrant instead: the same
+recomputation, and every weight gets its gradient.
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from zerospeed import comm
+from zerospeed import activation, comm
 from zerospeed.comm.mesh import ParallelMesh
 from zerospeed.parallel.pipeline.partition import partition
 from zerospeed.parallel.pipeline.topology import ProcessTopology
@@ -103,6 +115,12 @@ def _param_count(layer: Any) -> int:
     return 0
 
 
+def non_reentrant_checkpoint(function: Callable, *args: Any) -> Any:
+    """`function(*args)` recomputed in backward through torch's saved-tensor hooks (DeepSpeed's
+    `checkpointing.non_reentrant_checkpoint`, chosen by `pipeline.use_reentrant=false`)."""
+    return checkpoint(function, *args, use_reentrant=False)
+
+
 def get_attr_path(obj: Any, path: str) -> Any:
     for part in path.split("."):
         obj = getattr(obj, part)
@@ -123,6 +141,8 @@ class PipelineModule(nn.Module):
         partition_method: str = "parameters",
         activation_checkpoint_interval: int = 0,
         chunks: int = 1,
+        activation_checkpoint_func: Callable | None = None,
+        checkpointable_layers: list[str] | None = None,
     ):
         super().__init__()
         if not layers:
@@ -143,7 +163,10 @@ class PipelineModule(nn.Module):
         self._layer_specs = list(layers)
         self.loss_fn = loss_fn
         self.activation_checkpoint_interval = activation_checkpoint_interval
+        self.activation_checkpoint_func = activation_checkpoint_func or activation.checkpoint
+        self.checkpointable_layers = checkpointable_layers
         self.partition_method = partition_method
+        self.seed_layers = seed_layers
         self.bounds = partition(
             partition_method,
             class_names=[_class_name(l) for l in layers],
@@ -261,10 +284,33 @@ class PipelineModule(nn.Module):
         interval = self.activation_checkpoint_interval
         if interval == 0 or not (self.training and torch.is_grad_enabled()):
             return self._run(layers.start, layers.stop, x)
-        for start in range(layers.start, layers.stop, interval):
-            # Recompute each group of `interval` layers in backward instead of keeping its activations.
-            x = checkpoint(self._run, start, min(start + interval, layers.stop), x, use_reentrant=False)
+        for start in range(layers.start, layers.stop, interval):  # Note [pipeline activation checkpointing]
+            stop = min(start + interval, layers.stop)
+            checkpointed = self._is_checkpointable(start, stop)
+            x = self._checkpointed(start, stop, x) if checkpointed else self._run(start, stop, x)
         return x
+
+    def set_checkpoint_interval(self, interval: int) -> None:
+        """Checkpoint every `interval` layers from the next forward on (0: off), as DeepSpeed's module."""
+        if interval < 0:
+            raise ConfigError(f"activation_checkpoint_interval must be >= 0, got {interval}")
+        self.activation_checkpoint_interval = interval
+
+    def _is_checkpointable(self, start: int, stop: int) -> bool:
+        if self.checkpointable_layers is not None:
+            return all(_class_name(self._layer_specs[i]) in self.checkpointable_layers for i in range(start, stop))
+        modules = [self.layer_module(i) for i in range(start, stop)]
+        return any(m is not None and any(True for _ in m.parameters()) for m in modules)
+
+    def _checkpointed(self, start: int, stop: int, x: Any) -> Any:
+        packed = isinstance(x, tuple)
+        args = x if packed else (x,)
+        func = self.activation_checkpoint_func
+        if func is not non_reentrant_checkpoint and not any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in args
+        ):
+            func = non_reentrant_checkpoint  # Note [pipeline activation checkpointing]
+        return func(lambda *xs: self._run(start, stop, xs if packed else xs[0]), *args)
 
     def forward(self, x: Any) -> Any:
         """The whole model; only defined when one rank holds every layer (a single stage)."""

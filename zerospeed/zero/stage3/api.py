@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import json
 from pathlib import Path
 
@@ -11,10 +10,13 @@ from torch.nn.modules import module as _module_mod
 
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
+from zerospeed.comm.handles import MultipleAllGatherHandles  # noqa: F401 (DeepSpeed's name at this path)
 from zerospeed.utils.errors import ConfigError
 from zerospeed.zero import tags
 from zerospeed.zero.partition import padded_size
 from zerospeed.zero.stage3.flat_param import FlatParam, State
+from zerospeed.zero.stage3.flat_param import ZeroParameter as ZeroParameter  # DeepSpeed reads ds_* off it
+from zerospeed.zero.stage3.flat_param import ZeroParamStatus as ZeroParamStatus  # `partition_parameters` name
 
 
 def _dtype_from_config(config) -> torch.dtype:
@@ -60,7 +62,13 @@ class Init:
         config=None,
         mpu=None,
         pin_memory: bool = False,
+        mem_efficient_linear: bool = True,
     ):
+        # `mem_efficient_linear`: DeepSpeed swaps F.linear for an autograd function that saves no gathered
+        # weight for backward; here a linear layer's saved weight is a view of its unit's buffer that is
+        # freed at release and re-gathered for backward (Note [freed in place], flat_param.py), which
+        # already costs no memory, so either value is accepted and changes nothing.
+        del mem_efficient_linear
         if remote_device not in (None, "cpu", "none", "nvme"):
             raise ConfigError(f"zero.Init(remote_device={remote_device!r}): use None, 'cpu' or 'nvme'")
         self.remote_device = remote_device
@@ -131,7 +139,10 @@ class Init:
 
     # -- sharding ----------------------------------------------------------------------------------
     def _shard_module(self, m: torch.nn.Module) -> None:
-        params = [p for p in m.parameters(recurse=False) if tags.owner_of(p) is None]
+        # Note [meta modules in zero.Init]: a module built on the meta device (`torch.nn.utils.skip_init`
+        # builds with device="meta", then `to_empty`) has no values to shard yet; it is sharded when its
+        # materialised self is attached to its parent (or at the end of the context).
+        params = [p for p in m.parameters(recurse=False) if tags.owner_of(p) is None and not p.is_meta]
         if not params:
             return
         world, rank = comm.get_world_size(self.group), comm.get_rank(self.group)
@@ -266,12 +277,6 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
     parameter's unit around `module`'s forward and backward. (A module that registers the parameter
     itself, like a tied output head, needs no declaration.)"""
     tags.add_external(module, parameter)
-
-
-class ZeroParamStatus(enum.Enum):
-    NOT_AVAILABLE = 1  # sharded: only this rank's slice exists
-    INFLIGHT = 2  # being gathered
-    AVAILABLE = 3  # full
 
 
 # DeepSpeed's Init patches torch's tensor constructors (torch.empty, torch.arange, ...) through this

@@ -30,6 +30,7 @@ tag, which leads back to the owner (Note [parameter tags], zero/tags.py).
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,7 @@ import torch
 from zerospeed.accelerator import get_accelerator
 from zerospeed.comm.zeropp import WEIGHT_BITS, WEIGHT_BLOCK
 from zerospeed.precision.quantize import quantize_blocks, to_bytes
+from zerospeed.zero import tags
 from zerospeed.zero.flat_group import flatten_fp32
 from zerospeed.zero.partition import build_layouts
 from zerospeed.zero.stage3.gather import GatherBatch, Route
@@ -46,6 +48,72 @@ class State(enum.Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"
     FULL = "full"
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's name for a stage-3 parameter's state (`param.ds_status`), one per `State`."""
+
+    NOT_AVAILABLE = 1  # sharded: only this rank's slice exists
+    INFLIGHT = 2  # being gathered
+    AVAILABLE = 3  # full
+
+
+_STATUS = {State.SHARDED: ZeroParamStatus.NOT_AVAILABLE, State.GATHERING: ZeroParamStatus.INFLIGHT}
+
+
+class ZeroParameter(torch.nn.Parameter):
+    """Note [ds_* views]: DeepSpeed's stage 3 sets `ds_numel`, `ds_shape`, `ds_id`, `ds_status`, `ds_tensor`
+    (and `ds_persist`) on every partitioned parameter, and user code reads them (`p.ds_numel if hasattr(p,
+    "ds_numel") else p.numel()` counts a sharded model's parameters). Here they are read-only properties of
+    this subclass, derived on each read from the parameter's owner (its tag, zero/tags.py): no state is
+    stored on the parameter, the FlatParam stays the one place its lifecycle lives. A parameter sharded by
+    a FlatParam takes this class (`__class__` assignment, as torch's UninitializedParameter.materialize
+    does); while it has no owner (made whole again, a deep copy) every `ds_*` read raises AttributeError,
+    so `hasattr` answers as for an ordinary parameter.
+
+    `ds_tensor` is this rank's part of the parameter as zerospeed partitions it: the parameter's segment of
+    its unit's flat shard (a view). DeepSpeed cuts every parameter alone into ceil(numel / world) pieces;
+    zerospeed cuts a unit's flat concatenation, so one parameter's part may be larger, smaller or empty on a
+    rank, and the parts of all parameters sum to the rank's shard. Change values through
+    `zero.GatheredParameters(..., modifier_rank=...)`, not through this view (16-bit training keeps fp32
+    masters that a write here does not reach)."""
+
+    @property
+    def ds_numel(self) -> int:
+        _owner(self, "ds_numel")
+        return tags.full_numel(self)
+
+    @property
+    def ds_shape(self) -> torch.Size:
+        _owner(self, "ds_shape")
+        return tags.full_shape(self)
+
+    @property
+    def ds_id(self) -> int:
+        return _owner(self, "ds_id").first_id + tags.tag_of(self).index
+
+    @property
+    def ds_status(self) -> ZeroParamStatus:
+        return _STATUS.get(_owner(self, "ds_status").state, ZeroParamStatus.AVAILABLE)
+
+    @property
+    def ds_persist(self) -> bool:
+        return _owner(self, "ds_persist").persistent
+
+    @property
+    def ds_tensor(self) -> torch.Tensor:
+        owner = _owner(self, "ds_tensor")
+        return owner.local_part(tags.tag_of(self).index)
+
+
+def _owner(param: torch.Tensor, name: str) -> FlatParam:
+    owner = tags.owner_of(param)
+    if owner is None:
+        raise AttributeError(f"{name}: this parameter is not partitioned by ZeRO stage 3 (Note [ds_* views])")
+    return owner
+
+
+_ids = itertools.count()  # ds_id: unique per parameter a FlatParam shards, in creation order
 
 
 _EMPTY: dict[tuple, torch.Tensor] = {}
@@ -106,6 +174,12 @@ class FlatParam:
     ):
         self.index = index
         self.params = params
+        self.first_id = next(_ids)  # Note [ds_* views]: parameter i's ds_id is first_id + i
+        for _ in params[1:]:
+            next(_ids)
+        for p in params:
+            if type(p) is torch.nn.Parameter:
+                p.__class__ = ZeroParameter
         self.shapes = [v.shape for v in values]
         self.group_index = group_index
         self.dtype = dtype
@@ -280,6 +354,16 @@ class FlatParam:
         write from the device is ordered after it by the stream already."""
         if values.device.type == "cpu" and self.device.type != "cpu" and self.shard.is_pinned():
             get_accelerator().synchronize()
+
+    def local_part(self, i: int) -> torch.Tensor:
+        """Parameter i's elements in this rank's shard (flat; empty when they all lie on other ranks)."""
+        if self.stored is not None:
+            raise RuntimeError("this flat parameter's shard is stored block-quantized: it holds no values to view")
+        shard = self.shard if self.swap is None else self.swap.read_shard(self)
+        lo, hi = self.layout.chunk_range(self.rank)
+        seg = self.layout.segments[i]
+        start, end = max(lo, seg.offset), min(hi, seg.offset + seg.numel)
+        return shard[start - lo : max(start, end) - lo]
 
     @property
     def shard_numel(self) -> int:

@@ -78,6 +78,7 @@ from zerospeed.zero.partition import padded_size
 from zerospeed.zero.reducer import GradUnit, reduce_scatter_every_micro_step
 from zerospeed.zero.sharded import ShardedOptimizerBase
 from zerospeed.zero.shards import Piece, ShardEntry
+from zerospeed.zero.stage3.external import ExternalUses
 from zerospeed.zero.stage3.fetch_policy import FetchSchedule
 from zerospeed.zero.stage3.flat_param import FlatParam, Residency, State, start_gathers
 from zerospeed.zero.stage3.zeropp import QuantizedReduceScatter, ZeroPPPolicy
@@ -207,6 +208,8 @@ class Stage3Strategy(ShardedOptimizerBase):
                 ]
                 if any(fp.master is None for fp in self.uses[id(m)]):  # Note [partitioned frozen parameters]
                     self._hooks.append(m.register_full_backward_hook(_eager(self._post_backward)))
+        # Note [undeclared external parameters] (external.py): reads of parameters no hook gathered
+        self.external = ExternalUses(self, module, [m for m in self._unit_modules() if m._parameters])
 
     def _build_flat_params(self, groups, reduction, param_dtype, device):
         """One FlatParam per (module, param group); returns id(param) -> the unit owning it, and
@@ -440,7 +443,7 @@ class Stage3Strategy(ShardedOptimizerBase):
             self.release_gathered()
 
     def _release_unless_reused(self, fp: FlatParam) -> None:
-        if self._pinned:
+        if self._pinned or self.external.holds(fp):
             return
         if not fp.persistent and not self.fetches.keep_after_use(fp.index, self.residency.live):
             fp.release()
@@ -451,12 +454,14 @@ class Stage3Strategy(ShardedOptimizerBase):
 
     def _pre_forward(self, module, args):
         self._fetch(self.uses[id(module)])
+        self.external.enter(module)
         if torch.is_grad_enabled():
             for name, p, proxy in self._tied.get(id(module), ()):
                 proxy.data = p.data  # Note [tied uses]
                 module._parameters[name] = proxy
 
     def _post_forward(self, module, args, output):
+        self.external.leave(module, output)
         self._restore_tied(module)
         for fp in self.uses[id(module)]:
             self._release_unless_reused(fp)
@@ -498,6 +503,7 @@ class Stage3Strategy(ShardedOptimizerBase):
     def start_micro_step(self) -> None:
         """Before a forward: start a new recording; prefetch from the previous one."""
         self.fetches.start_micro_step()
+        self.external.start_micro_step()
         for m in self._tied_modules:  # a forward that raised left its proxies in place
             self._restore_tied(m)
 
@@ -694,6 +700,7 @@ class Stage3Strategy(ShardedOptimizerBase):
     def close(self) -> None:
         """Remove the swap files (also done at exit)."""
         super().close()
+        self.external.close()
         if self.param_swapper is not None:
             self.param_swapper.close()
 
