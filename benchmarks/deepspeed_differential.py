@@ -17,7 +17,12 @@ zerospeed trains the fixture's MLP (a buffer, AdamW, WarmupLR, 2 ranks, 2 accumu
 step-3 tag in DeepSpeed's layout; the real DeepSpeed builds the same run at ZeRO T, `load_checkpoint`s the
 export and trains the same 3 steps. The table gives the largest |Δ| between the two continuations' losses
 and between DeepSpeed's `zero_to_fp32` of the export (ZeRO 1-3; at ZeRO 0 its module after the load) and
-zerospeed's own consolidation of the step-3 tag.
+zerospeed's own consolidation of the step-3 tag. A PAIR `bS:T` trains with `bf16: {enabled: true}` on both
+sides, with `data_types.grad_accum_dtype: "fp32"` (the export is then DeepSpeed's bf16 layout:
+`bf16_zero_pp_rank_*` files, BF16_Optimizer's at ZeRO 1).
+`S:uN` exports a universal folder that DeepSpeed loads at ZeRO N with `checkpoint.load_universal`; `S:xN`
+exports DeepSpeed's layout at ZeRO N, converts it with DeepSpeed's own `ds_to_universal`, and DeepSpeed loads
+that universal folder at ZeRO N.
 """
 
 import argparse
@@ -199,7 +204,7 @@ def export_model():
     return m
 
 
-def export_run(rank, world, phase, stage, folder, port):
+def export_run(rank, world, phase, stage, folder, port, bf16=False):
     """`phase` "zs": train 6 steps at `stage`, save after 3; "ds": load `folder`/ds and train steps 4-6."""
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
@@ -211,12 +216,19 @@ def export_run(rank, world, phase, stage, folder, port):
     universal = stage >= 10  # (stage + 10: load the universal folder with checkpoint.load_universal)
     stage %= 10
     cfg = {**EXPORT_CONFIG, "zero_optimization": {"stage": stage}, "checkpoint": {"load_universal": universal}}
+    if bf16:  # (fp32 accumulation: DeepSpeed's BF16_Optimizer at ZeRO 1)
+        cfg.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
     eng, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
     first = 0
     if phase == "ds":
         eng.load_checkpoint(os.path.join(folder, "ds"))
         first = 3
-        if stage == 0 or universal:  # (collective at ZeRO 3)
+        if bf16:  # DeepSpeed's fp32 masters after the load (its zero_to_fp32 cannot read BF16_Optimizer files)
+            sd = {k: v.detach().float().clone() for k, v in eng.module.named_buffers()}
+            sd.update({n: deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in m.named_parameters()})
+            if rank == 0:
+                torch.save(sd, os.path.join(folder, "ds_fp32.pt"))
+        elif stage == 0 or universal:  # (collective at ZeRO 3)
             with deepspeed.zero.GatheredParameters(list(m.parameters()), enabled=stage == 3):
                 sd = {k: v.detach().clone() for k, v in eng.module.state_dict().items()}
             if rank == 0:
@@ -228,7 +240,8 @@ def export_run(rank, world, phase, stage, folder, port):
         tot = 0.0
         for micro in range(2):
             lo = (micro * world + rank) * 2
-            loss = ((eng(x[lo : lo + 2]) * m.scale - y[lo : lo + 2]) ** 2).mean()
+            xx = x[lo : lo + 2].bfloat16() if bf16 else x[lo : lo + 2]
+            loss = ((eng(xx).float() * m.scale.float() - y[lo : lo + 2]) ** 2).mean()
             eng.backward(loss)
             eng.step()
             tot += loss.item()
@@ -258,9 +271,10 @@ def _zs_consolidate(folder: str) -> None:
     torch.save({k: v.clone() for k, v in sd.items()}, os.path.join(folder, "zs_fp32.pt"))
 
 
-def _export_pair(python: str, src: int, dst: int, folder: str, port: int) -> str:
+def _export_pair(python: str, src: int, dst: int, folder: str, port: int, bf16: bool = False) -> str:
     """One table row for zerospeed at ZeRO `src` exported to DeepSpeed at ZeRO `dst` (`dst` + 10: exported as
-    a universal folder, which DeepSpeed loads with `checkpoint.load_universal`)."""
+    a universal folder, which DeepSpeed loads with `checkpoint.load_universal`; `dst` + 20: exported in
+    DeepSpeed's layout at ZeRO `dst`, converted by DeepSpeed's `ds_to_universal`, loaded as universal)."""
 
     def step(py, *argv, done=None):
         env = {**os.environ, "DS_ACCELERATOR": "cpu"}
@@ -272,45 +286,56 @@ def _export_pair(python: str, src: int, dst: int, folder: str, port: int) -> str
             lines = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "error" in ln]
             raise RuntimeError((lines[-1] if lines else proc.stderr.strip()[-300:])[:300])
 
-    me = [__file__, "--export-phase"]
+    me = [__file__, *(["--bf16"] if bf16 else []), "--export-phase"]
+    label = f"{'b' if bf16 else ''}{src} | {_stage_name(dst)}"
     try:
         step(sys.executable, *me, "zs", "--stage", str(src), "--folder", folder, "--port", str(port))
         step(sys.executable, *me, "zs-fp32", "--folder", folder)
         cli = ["-m", "zerospeed.checkpoint.cli", "export", os.path.join(folder, "zs"), os.path.join(folder, "ds")]
-        if dst >= 10:
+        if 10 <= dst < 20:
             step(sys.executable, *cli, "--to", "universal", "--dp", "2")
         else:
-            step(sys.executable, *cli, "--to", "deepspeed", "--stage", str(dst), "--dp", "2")
+            step(sys.executable, *cli, "--to", "deepspeed", "--stage", str(dst % 10), "--dp", "2")
+        if dst >= 20:  # DeepSpeed's own converter reads the export
+            tag = os.path.join(folder, "ds", "step3")
+            convert = ["-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag]
+            step(python, *convert, "--output_folder", tag + "_universal", "--inject_missing_state")
+            with open(os.path.join(folder, "ds", "latest_universal"), "w") as f:
+                f.write("step3_universal")
+            dst -= 10
         done = os.path.join(folder, "ds.json")
         step(python, *me, "ds", "--stage", str(dst), "--folder", folder, "--port", str(port + 1), done=done)
-        if 0 < dst < 10:
+        if 0 < dst < 10 and not bf16:
             step(python, *me, "ds-fp32", "--folder", folder)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
-        return f"| {src} | {_stage_name(dst)} | | | {exc} |"
+        return f"| {label} | | | {exc} |"
     a, b = (json.load(open(os.path.join(folder, f"{k}.json")))["losses"] for k in ("zs", "ds"))
     dl = max(abs(x - y) for x, y in zip(a, b))
     zs_w, ds_w = (torch.load(os.path.join(folder, f"{k}_fp32.pt")) for k in ("zs", "ds"))
     if set(zs_w) != set(ds_w):
-        return f"| {src} | {_stage_name(dst)} | {dl:.1e} | | keys differ: {sorted(set(zs_w) ^ set(ds_w))} |"
+        return f"| {label} | {dl:.1e} | | keys differ: {sorted(set(zs_w) ^ set(ds_w))} |"
     dw = max((zs_w[k].float() - ds_w[k].float()).abs().max().item() for k in zs_w)
-    return f"| {src} | {_stage_name(dst)} | {dl:.1e} | {dw:.1e} | DeepSpeed losses {', '.join(f'{v:.6f}' for v in b)} |"
+    return f"| {label} | {dl:.1e} | {dw:.1e} | DeepSpeed losses {', '.join(f'{v:.6f}' for v in b)} |"
 
 
 def _stage_name(dst: int) -> str:
-    return f"u{dst - 10}" if dst >= 10 else str(dst)
+    return f"x{dst - 20}" if dst >= 20 else f"u{dst - 10}" if dst >= 10 else str(dst)
 
 
 def _export_main(python: str, pairs: list[str], port: int) -> None:
     print(f"torch {torch.__version__}; 2 gloo ranks on the CPU; zerospeed saves at ZeRO S, DeepSpeed resumes at T\n")
     print("(T = uN: the export is a universal folder, DeepSpeed loads it at ZeRO N with checkpoint.load_universal;")
-    print("its weight column compares DeepSpeed's module after that load)\n")
+    print("T = xN: the export at ZeRO N, converted by DeepSpeed's ds_to_universal, loaded the same way; for both")
+    print("the weight column compares DeepSpeed's module after that load. bS: bf16, DeepSpeed's fp32 masters)\n")
     print("| S (zerospeed) | T (DeepSpeed) | max |Δ loss| steps 4-6 | max |Δ weight| (zero_to_fp32) | notes |")
     print("|---|---|---:|---:|---|")
     for i, pair in enumerate(pairs):
         src, dst = pair.split(":")
-        src, dst = int(src), int(dst[1:]) + 10 if dst.startswith("u") else int(dst)
+        bf16 = src.startswith("b")
+        offset = {"u": 10, "x": 20}.get(dst[0], 0)
+        src, dst = int(src.lstrip("b")), int(dst.lstrip("ux")) + offset
         with tempfile.TemporaryDirectory() as tmp:
-            print(_export_pair(python, src, dst, tmp, port + 2 * i), flush=True)
+            print(_export_pair(python, src, dst, tmp, port + 2 * i, bf16), flush=True)
 
 
 def _case_main(name: str, out: str, port: int) -> None:
@@ -340,14 +365,36 @@ def main() -> None:
     ap.add_argument("--cases", nargs="*", default=list(CASES))
     ap.add_argument("--case"), ap.add_argument("--out"), ap.add_argument("--port", type=int, default=29700)
     ap.add_argument("--export", action="store_true", help="export zerospeed checkpoints and resume them in DeepSpeed")
-    ap.add_argument("--export-pairs", nargs="*", default=["0:0", "1:1", "2:2", "3:3", "1:3", "3:2", "2:u2", "1:u3"])
+    ap.add_argument(
+        "--export-pairs",
+        nargs="*",
+        default=[
+            "0:0",
+            "1:1",
+            "2:2",
+            "3:3",
+            "1:3",
+            "3:2",
+            "2:u2",
+            "1:u3",
+            "b1:1",
+            "b3:1",
+            "b1:2",
+            "b2:3",
+            "1:x2",
+            "3:x3",
+        ],
+    )
+    ap.add_argument("--bf16", action="store_true", help="(an export phase) train with bf16")
     ap.add_argument("--export-phase", choices=["zs", "ds", "zs-fp32", "ds-fp32"])
     ap.add_argument("--stage", type=int), ap.add_argument("--folder")
     args = ap.parse_args()
     if args.case:
         return _case_main(args.case, args.out, args.port)
     if args.export_phase in ("zs", "ds"):
-        return mp.spawn(export_run, args=(2, args.export_phase, args.stage, args.folder, args.port), nprocs=2)
+        return mp.spawn(
+            export_run, args=(2, args.export_phase, args.stage, args.folder, args.port, args.bf16), nprocs=2
+        )
     if args.export_phase:
         return (_zs_consolidate if args.export_phase == "zs-fp32" else _ds_zero_to_fp32)(args.folder)
     if not args.deepspeed_python:

@@ -3,6 +3,7 @@
     python benchmarks/offload_overlap.py                         # stage 2, a 60M GPT, 10 measured steps
     python benchmarks/offload_overlap.py --stage 3 --steps 5     # another stage
     python benchmarks/offload_overlap.py --modes sequential,overlapped,zenflow
+    python benchmarks/offload_overlap.py --modes sequential,overlapped,delayed
 
 One process (a world of one, gloo), one engine per mode, the same GPT, data and AdamW; the engines take
 their steps in turn (round-robin), so drifting load on shared cores weighs on every mode alike. Each
@@ -17,6 +18,10 @@ reduced) and `engine.step()`; the table gives their medians and the median whole
 - ``sequential_clipped`` / ``overlapped_clipped``: both with ``gradient_clipping: 1.0``: the
   coefficient needs the global norm, so the steps start at ``engine.step()`` and only the copy back
   overlaps (on a CPU-only machine there is no copy back: the step runs inline, as the sequential one).
+- ``delayed``: ``delayed_param_update: true`` (zerospeed's key, no clipping): ZeRO-Offload's one-step
+  delayed parameter update, the host step of step t during step t+1's forward and backward, which
+  use the parameters of step t-1 (Note [delayed parameter update] in zerospeed/offload/delayed_update.py;
+  it changes the numbers, the other modes do not).
 - ``zenflow``: DeepSpeed's ``zero_optimization.zenflow`` block with its tutorial's settings, when this
   build accepts it (the row says so when it refuses it).
 
@@ -25,6 +30,11 @@ sub-groups: ``reduce_bucket_size`` and ``sub_group_size`` are set to ``--chunk``
 (DeepSpeed's defaults, 5e8 and 1e9, leave a model this small one unit, complete at the end of backward).
 On a CPU-only machine the "device" is the same cores: the overlapped step wins what the host step's
 thread can do while the compute thread works (Note [step threads]).
+
+``--convergence`` measures instead what the delayed parameter update costs in loss: a tiny GPT (1 layer,
+32 wide, vocab 256, micro batch 8 x 16 tokens) trained 300 steps at ZeRO-2 with the optimizer offloaded,
+with and without ``delayed_param_update`` (warm-up 0 and 40), at several learning rates and seeds: the
+mean loss of the last 30 steps.
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ from zerospeed.utils.errors import ConfigError
 from zerospeed.utils.ports import free_port
 from zoo.models import GPT, GPTConfig
 
-MODES = ("sequential", "overlapped", "sequential_clipped", "overlapped_clipped", "zenflow")
+MODES = ("sequential", "overlapped", "sequential_clipped", "overlapped_clipped", "delayed", "zenflow")
 
 
 def config(mode: str, args) -> dict:
@@ -53,6 +63,8 @@ def config(mode: str, args) -> dict:
         "sub_group_size": int(args.chunk),
         "offload_optimizer": {"device": "cpu", "overlap_step": not mode.startswith("sequential")},
     }
+    if mode == "delayed":
+        zero["offload_optimizer"]["delayed_param_update"] = True
     if mode == "zenflow":
         zero["offload_optimizer"] = {"device": "cpu"}
         zero["zenflow"] = {"topk_ratio": 0.05, "update_interval": 4, "full_warm_up_rounds": 0, "overlap_step": True}
@@ -107,6 +119,49 @@ def run_all(modes: list[str], args) -> dict:
     return out
 
 
+def convergence(args) -> None:
+    """The delayed update's cost in loss (module docstring)."""
+    from zoo.data import text_batches
+
+    steps, micro, tail = 300, 8, 30
+    data = text_batches(steps, micro, 16)
+    print(f"tiny GPT 1 x 32, {steps} steps of {micro} x 16 tokens, AdamW (weight decay 0.01), ZeRO-2 + CPU offload; ")
+    print(f"mean loss of the last {tail} steps over seeds {list(range(args.seeds))}\n")
+    print("| lr | plain | delayed, no warm-up | delayed, warm-up 40 |")
+    print("|---:|---:|---:|---:|")
+    for lr in (1e-2, 3e-3, 1e-3):
+        cells = []
+        for delayed, warm in ((False, 0), (True, 0), (True, 40)):
+            tails = []
+            for seed in range(args.seeds):
+                torch.manual_seed(seed)
+                model = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=32, bias=True))
+                offload = {"device": "cpu", "delayed_param_update": delayed, "delayed_param_update_warm_up": warm}
+                cfg = {
+                    "train_micro_batch_size_per_gpu": micro,
+                    "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
+                    "gradient_clipping": 0.0,
+                    "zero_optimization": {"stage": 2, "offload_optimizer": offload},
+                    "steps_per_print": 10**9,
+                }
+                engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+                losses = []
+                for x, y in data:
+                    loss = engine(x, y)
+                    engine.backward(loss)
+                    engine.step()
+                    losses.append(loss.item())
+                engine.destroy()
+                tails.append(sum(losses[-tail:]) / tail)
+            cells.append(sum(tails) / len(tails))
+        plain = cells[0]
+        print(
+            f"| {lr:g} | {plain:.3f} | "
+            + " | ".join(f"{c:.3f} ({100 * (c - plain) / plain:+.1f}%)" for c in cells[1:])
+            + " |"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--modes", default=",".join(MODES))
@@ -118,10 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=float, default=4e6, help="reduce_bucket_size = sub_group_size (elements)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--convergence", action="store_true", help="the delayed update's cost in loss instead")
+    ap.add_argument("--seeds", type=int, default=5, help="--convergence: seeds per cell")
     args = ap.parse_args(argv)
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     zerospeed.init_distributed()
+    if args.convergence:
+        convergence(args)
+        return 0
     print(
         f"ZeRO-{args.stage}, offload_optimizer cpu, GPT {args.layers}x{args.hidden} (vocab 4096), micro batch "
         f"{args.micro_batch} x {args.seq} tokens, reduce_bucket_size = sub_group_size = {int(args.chunk):,}; "

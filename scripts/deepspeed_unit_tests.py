@@ -6,7 +6,8 @@ DeepSpeed's tests are not part of this repository (they must not be committed he
 DeepSpeed checkout, e.g. the bare mirror:
 
     git -C /work/.mirror/deepspeedai+DeepSpeed/repo archive HEAD tests | tar -x -C /tmp/dstests
-    python scripts/deepspeed_unit_tests.py /tmp/dstests/tests --lock /tmp/zs-test.lock
+    pip install --target /tmp/ds-test-deps py-cpuinfo   # imported by the CPU Adam tests themselves
+    python scripts/deepspeed_unit_tests.py /tmp/dstests/tests --lock /tmp/zs-test.lock --test-deps /tmp/ds-test-deps
 
 Each side is one Python interpreter with pytest: `--deepspeed-python` has the real DeepSpeed installed
 (DS_BUILD_OPS=0 is fine: CPU tests build nothing), `--zerospeed-python` has zerospeed with
@@ -109,10 +110,14 @@ def parse(output: str) -> dict[str, str]:
     return results
 
 
-def run_file(python: str, tests_dir: pathlib.Path, path: str, timeout: float, lock: str | None) -> dict:
+def run_file(
+    python: str, tests_dir: pathlib.Path, path: str, timeout: float, lock: str | None, test_deps: str | None = None
+) -> dict:
     """One file in one pytest process: its counts, wall time, and the output's tail for the report."""
     env = dict(os.environ, LOCAL_SIZE="2", DS_ACCELERATOR="cpu", PYTHONDONTWRITEBYTECODE="1")
     env.pop("PYTHONPATH", None)
+    if test_deps:  # the tests' own imports (py-cpuinfo), the same directory on both sides
+        env["PYTHONPATH"] = test_deps
     cmd = [python, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-o", "addopts=", "-m", _MARKS, f"unit/{path}"]
     cmd += ["-W", "ignore::DeprecationWarning"]
     with _locked(lock):
@@ -214,6 +219,11 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="leave out the SLOW files")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per file before it is killed")
     parser.add_argument("--lock", help="a file to flock around each pytest run (shared CPUs)")
+    parser.add_argument(
+        "--test-deps",
+        help="a directory put on PYTHONPATH on both sides: packages DeepSpeed's tests import themselves that "
+        "neither DeepSpeed's runtime nor zerospeed needs (`pip install --target DIR py-cpuinfo`: CPU Adam's tests)",
+    )
     parser.add_argument("--json", type=pathlib.Path, help="write every test's outcome here (merged if it exists)")
     args = parser.parse_args(argv)
     files = args.files or [f for f in FILES if not (args.quick and f in SLOW)]
@@ -225,7 +235,7 @@ def main(argv=None) -> int:
         python = args.deepspeed_python if side == "deepspeed" else args.zerospeed_python
         results.setdefault(side, {})
         for path in files:
-            r = run_file(python, args.tests_dir, path, args.timeout, args.lock)
+            r = run_file(python, args.tests_dir, path, args.timeout, args.lock, args.test_deps)
             results[side][path] = r
             print(
                 f"{side:10s} {path:70s} {r['passed']:4d} {r['failed']:4d} {r['skipped']:4d} {r['wall_s']:6.1f}s"

@@ -94,19 +94,28 @@ MODULES: dict[str, str | dict[str, str] | None] = {
         "UlyssesSPAttentionHF": "zerospeed.sequence.hf:UlyssesSPAttentionHF",
         "UlyssesSPDataLoaderAdapter": "zerospeed.sequence.data:UlyssesSPDataLoaderAdapter",
     },
+    "runtime.swap_tensor": {"MIN_SWAPPABLE_BYTES": "zerospeed.offload.swap:MIN_SWAPPABLE_BYTES"},
     "runtime.torch_autocast": "zerospeed.precision.autocast",
     "runtime.utils": {
         "move_to_device": "zerospeed.utils.tensors:move_to_device",
         "set_random_seed": "zerospeed.accelerator:set_random_seed",
         "partition_uniform": "zerospeed.parallel.pipeline.partition:partition_uniform",
         "partition_balanced": "zerospeed.parallel.pipeline.partition:partition_balanced",
+        "prefix_sum_inc": "zerospeed.parallel.pipeline.partition:prefix_sum_inc",
+        "PartitionedTensor": "zerospeed.comm.partitioned:PartitionedTensor",
+        "call_to_str": "zerospeed.parallel.pipeline.clocked:call_to_str",
+        "count_used_parameters_in_backward": "zerospeed.utils.tensors:count_used_parameters_in_backward",
         "see_memory_usage": "zerospeed.profiling.memory_usage:see_memory_usage",
     },
     "runtime.zero": {
         "Init": "zerospeed.zero.stage3.api:Init",
         "GatheredParameters": "zerospeed.zero.stage3.api:GatheredParameters",
         "register_external_parameter": "zerospeed.zero.stage3.api:register_external_parameter",
+        "TiledLinear": "zerospeed.zero.stage3.tiling:TiledLinear",
+        "TiledLinearReturnBias": "zerospeed.zero.stage3.tiling:TiledLinearReturnBias",
     },
+    "runtime.zero.tiling": "zerospeed.zero.stage3.tiling",
+    "runtime.zero.linear": "zerospeed.zero.stage3.linear",
     "runtime.zero.config": {
         "DeepSpeedZeroConfig": "zerospeed.config.deepspeed:DeepSpeedZeroConfig",
         "ZeroStageEnum": "zerospeed.config.deepspeed:ZeroStageEnum",
@@ -129,6 +138,21 @@ MODULES: dict[str, str | dict[str, str] | None] = {
     "runtime.zero.offload_states": "zerospeed.offload.states",
     "runtime.zero.partition_parameters": "zerospeed.zero.stage3.api",
     "runtime.zero.utils": {"ZeRORuntimeException": "zerospeed.utils.errors:ZeRORuntimeException"},
+    "runtime.zero.muon": None,  # DeepSpeed's Muon (optim/muon.py)
+    "runtime.zero.muon.muon_optimizer": {
+        "MuonWithAuxAdam": "zerospeed.optim.muon:MuonWithAuxAdam",
+        "muon_update": "zerospeed.optim.muon:muon_update",
+        "adam_update": "zerospeed.optim.muon:adam_update",
+    },
+    "runtime.zero.muon.original_muon": {
+        "muon_update": "zerospeed.optim.muon:muon_update",
+        "adam_update": "zerospeed.optim.muon:adam_update",
+        "ns_compute_dtype": "zerospeed.optim.muon:ns_compute_dtype",
+        "zeropower_via_newtonschulz5": "zerospeed.optim.muon:zeropower_via_newtonschulz5",
+        "zeropower_via_gram_newtonschulz": "zerospeed.optim.muon:zeropower_via_gram_newtonschulz",
+        "NS_METHODS": "zerospeed.optim.muon:NS_METHODS",
+        "SingleDeviceMuonWithAuxAdam": "zerospeed.optim.muon:MuonWithAuxAdam",
+    },
     # deepspeed.pipe, deepspeed.checkpointing (activation checkpointing)
     "pipe": {
         "PipelineModule": "zerospeed.parallel.pipeline.module:PipelineModule",
@@ -167,7 +191,7 @@ MODULES: dict[str, str | dict[str, str] | None] = {
     "ops.deepspeed4science.evoformer_attn": "zerospeed.ops.evoformer",
     # deepspeed.launcher.runner
     "launcher.runner": {
-        "main": "zerospeed.launcher.cli:main",
+        "main": "zerospeed.launcher.deepspeed_runner:main",
         "DEEPSPEED_ENVIRONMENT_NAME": "zerospeed.launcher.multinode:ENV_FILE_NAME",
         **{
             name: f"zerospeed.launcher.deepspeed_runner:{name}"

@@ -216,3 +216,67 @@ def test_init_inference_joins_the_process_group_itself():
     for world, error in run_distributed(_inference_joins_the_group, 2, timeout=150):
         assert world == 2
         assert error < 1e-5
+
+
+def _partitioned_tensor(rows, cols):
+    from zerospeed.comm.partitioned import PartitionedTensor
+
+    full = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)  # the same on every rank
+    part = PartitionedTensor(full, group=None)
+    again = PartitionedTensor.from_meta(part.to_meta(), part.local_data.clone(), group=None)
+    return part.local_data, part.partition, part.to_meta().tolist(), part.full(), again.full()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rows,cols", [(6, 2), (7, 5)])
+def test_partitioned_tensor_splits_and_gathers(rows, cols):
+    """`deepspeed.runtime.utils.PartitionedTensor` over 3 ranks: rank r holds its contiguous slice of the
+    flattened tensor (the first numel % 3 ranks one element more), `full()` is the original tensor, and
+    `to_meta()` is DeepSpeed's layout `[ndim, *shape, world, rank, *bounds]`, from which `from_meta` rebuilds it."""
+    full = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
+    flat, world = full.reshape(-1), 3
+    base, extra = divmod(full.numel(), world)
+    sizes = [base + (r < extra) for r in range(world)]
+    bounds = [sum(sizes[:r]) for r in range(world + 1)]
+    for rank, (local, partition, meta, gathered, rebuilt) in enumerate(
+        run_distributed(_partitioned_tensor, world, rows, cols, timeout=100)
+    ):
+        assert partition == bounds
+        assert torch.equal(local, flat[bounds[rank] : bounds[rank + 1]])
+        assert meta == [2, rows, cols, world, rank, *bounds]
+        assert torch.equal(gathered, full) and torch.equal(rebuilt, full)
+
+
+def _local_pieces():
+    import zerospeed
+    from zerospeed import comm
+    from zerospeed.utils import safe_get_local_fp32_param, safe_get_local_grad
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 1), torch.nn.Linear(1, 1), torch.nn.Linear(1, 6))
+    initial = [p.detach().clone() for p in model.parameters()]
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = zerospeed.initialize(model=model, config=config)
+    engine.backward(engine(torch.ones(1, 6)).sum())
+    pieces = [(safe_get_local_fp32_param(p), safe_get_local_grad(p)) for p in engine.module.parameters()]
+    return comm.get_rank(), initial, [(w.detach().cpu(), g.detach().cpu()) for w, g in pieces]
+
+
+@pytest.mark.timeout(120)
+def test_local_getters_give_every_rank_a_tensor_at_zero3():
+    """DeepSpeed gives each rank a piece of every parameter, and its tests expect `safe_get_local_*` to return a
+    tensor for every trained parameter: a rank that holds none of one (a 1-element weight) gets an empty tensor,
+    and the ranks' pieces concatenate to the initial weights (plain PyTorch's, same seed)."""
+    ranks = run_distributed(_local_pieces, 2, timeout=100)
+    initial = ranks[0][1]
+    sizes = []
+    for i, weight in enumerate(initial):
+        pieces = [r[2][i] for r in ranks]
+        assert all(w.dim() == 1 and g.numel() == w.numel() for w, g in pieces)
+        torch.testing.assert_close(torch.cat([w for w, _ in pieces]), weight.reshape(-1))
+        sizes += [w.numel() for w, _ in pieces]
+    assert 0 in sizes  # the case the test is about occurs

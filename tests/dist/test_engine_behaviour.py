@@ -104,13 +104,27 @@ def _unused_and_no_sync(comm_type):
         engine.backward(engine(x, skip=(rank == 1)))
         engine.step()
     after_step = [p.detach().clone() for p in engine.module.parameters()]
-    # no_sync: a boundary step inside no_sync reduces nothing, so ranks drift apart
-    engine.set_gradient_accumulation_boundary(True)
+    # no_sync: the gradients stay local (they differ by rank), a step inside is refused as in DeepSpeed (it would
+    # update each rank from its own gradients), and the next boundary backward outside reduces them with its own
+    engine.set_gradient_accumulation_boundary(False)
     with engine.no_sync():
         engine.backward(engine(x))
-        engine.step()
-    drifted = [p.detach().clone() for p in engine.module.parameters()]
-    return {"after_step": after_step, "drifted": drifted, "steps": engine.global_steps, "micro": engine.micro_steps}
+        try:
+            engine.step()
+            refused = None
+        except AssertionError as e:
+            refused = str(e)
+    engine.set_gradient_accumulation_boundary(True)
+    engine.backward(engine(x))
+    engine.step()
+    synced = [p.detach().clone() for p in engine.module.parameters()]
+    return {
+        "after_step": after_step,
+        "refused": refused,
+        "synced": synced,
+        "steps": engine.global_steps,
+        "micro": engine.micro_steps,
+    }
 
 
 @pytest.mark.timeout(120)
@@ -119,5 +133,8 @@ def test_unused_parameters_no_deadlock_and_no_sync(comm_type):
     r0, r1 = run_distributed(_unused_and_no_sync, 2, comm_type, timeout=100)
     for a, b in zip(r0["after_step"], r1["after_step"]):
         assert torch.equal(a, b)  # the unused layer on rank 1 still got rank 0's averaged gradient
-    assert any(not torch.equal(a, b) for a, b in zip(r0["drifted"], r1["drifted"]))
+    assert "It is illegal to call Engine.step() inside no_sync context manager" in r0["refused"]
+    for a, b in zip(r0["synced"], r1["synced"]):
+        assert torch.equal(a, b)  # the window's gradients, held apart inside no_sync, were reduced at the boundary
+    assert any(not torch.equal(a, before) for a, before in zip(r0["synced"], r0["after_step"]))
     assert r0["steps"] == 2 and r0["micro"] == 3

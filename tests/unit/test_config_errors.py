@@ -49,8 +49,8 @@ def test_misspelled_keys_get_a_suggestion(config, expected):
         (
             base(zero_optimization={"offload_optimizer": {"xyz": 1}}),
             "zero_optimization.offload_optimizer.xyz: unknown key; valid keys here: buffer_count, convert_grad_on_cpu, "
-            "cpuadam_cores_perc, device, fast_init, nvme_path, overlap_step, pin_memory, pipeline_read, "
-            "pipeline_write, ratio, super_offload",
+            "cpuadam_cores_perc, delayed_param_update, delayed_param_update_warm_up, device, fast_init, nvme_path, "
+            "overlap_step, pin_memory, pipeline_read, pipeline_write, ratio, super_offload",
         ),
     ],
 )

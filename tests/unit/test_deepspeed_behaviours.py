@@ -88,6 +88,50 @@ def test_scale_of_a_non_scalar_loss_is_an_assertion_error():
         engine.scale(loss)
 
 
+# recorded from DeepSpeed 0.19.8 (SGD, `zero_allow_untested_optimizer`): `with engine.no_sync(): with engine.no_sync()`
+RECORDED_NO_SYNC = {
+    1: ["AssertionError", "no_sync context manager reentry is unsupported"],
+    2: ["AssertionError", "no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage 2"],
+}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_no_sync_refusals_are_assertion_errors(stage):
+    """ZeRO 2 refuses no_sync() and every stage refuses it nested or a step inside it, with DeepSpeed's
+    AssertionError and message (still a RuntimeError, as zerospeed raised before); leaving the block re-allows it."""
+    engine = _engine({**SGD, "zero_optimization": {"stage": stage}})
+    kind, message = RECORDED_NO_SYNC[stage]
+    with pytest.raises(AssertionError, match=message) as info:
+        with engine.no_sync():
+            with engine.no_sync():
+                pass
+    assert kind == "AssertionError" and isinstance(info.value, RuntimeError)
+    if stage == 1:  # DeepSpeed's test_no_sync_ctxt.py: a step inside is refused, and the block can be entered again
+        with engine.no_sync():
+            engine.backward(engine(torch.randn(1, 4)))
+            with pytest.raises(AssertionError, match=r"It is illegal to call Engine.step\(\) inside no_sync"):
+                engine.step()
+        with engine.no_sync():
+            pass
+
+
+def test_count_used_parameters_in_backward():
+    """DeepSpeed's documented semantics: from a hook during backward, the number of parameters whose gradient
+    the running backward produces (unused and frozen ones not counted); outside a backward, a RuntimeError."""
+    from zerospeed.utils.tensors import count_used_parameters_in_backward
+
+    used, unused, frozen = (torch.nn.Parameter(torch.ones(2)) for _ in range(3))
+    frozen.requires_grad_(False)
+    seen = []
+    used.register_hook(lambda g: seen.append(count_used_parameters_in_backward([used, unused, frozen, used])))
+    (used * frozen).sum().backward()
+    assert seen == [1]
+    (used.sum() + unused.sum()).backward()  # both reached now
+    assert seen == [1, 2]
+    with pytest.raises(RuntimeError, match="while a backward is running"):
+        count_used_parameters_in_backward([used])
+
+
 def test_initialize_without_a_model_is_an_assertion_error():
     with pytest.raises(AssertionError, match="`model` is required"):  # recorded: AssertionError
         zerospeed.initialize(model=None, config={"train_micro_batch_size_per_gpu": 1})

@@ -49,9 +49,13 @@ def _zero_padding(flat: torch.Tensor, shapes: dict) -> None:
         offset += part
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_export_rewrites_deepspeeds_own_files(tmp_path, stage):
-    tag_dir = FIXTURES / f"zero{stage}" / "step3"
+@pytest.mark.parametrize(
+    "fixture, stage",
+    [("zero0", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3), ("bf16_zero1", 1), ("bf16_zero2", 2), ("bf16_zero3", 3)],
+)
+def test_export_rewrites_deepspeeds_own_files(tmp_path, fixture, stage):
+    """bf16_zero1 is DeepSpeed's BF16_Optimizer layout; every bf16 tag names its files bf16_zero_pp_rank_*."""
+    tag_dir = FIXTURES / fixture / "step3"
     ckpt = read_deepspeed_checkpoint(tag_dir, group_names=TRAINABLE)
     out = write_deepspeed_tag(source_from_deepspeed(ckpt), tmp_path, "step3", stage=stage, dp=2)
     assert (tmp_path / "latest").read_text() == "step3"
@@ -61,7 +65,7 @@ def test_export_rewrites_deepspeeds_own_files(tmp_path, stage):
         mine, theirs = _load(out / name), _load(tag_dir / name)
         if "model_states" in name:  # our addition, which ds_to_universal requires (DeepSpeed's own client state)
             assert mine.pop("universal_checkpoint_info") == UNIVERSAL_INFO
-        if stage == 3 and name == "zero_pp_rank_1_mp_rank_00_optim_states.pt":
+        if stage == 3 and name.endswith("zero_pp_rank_1_mp_rank_00_optim_states.pt"):
             _zero_padding(theirs["optimizer_state_dict"]["fp32_flat_groups"][0], ckpt.layout["shapes"])
         assert_same_contents(mine, theirs, name)
 

@@ -3,7 +3,8 @@
 The reference values in tests/fixtures/deepspeed_0.19.8/deepspeed_names.json were recorded from the real
 DeepSpeed by `make_names.py` beside it (its docstring has the command): pipeline schedules step by step,
 expert-parallel rank groups, the LR-schedule key names, the trimmed mean, the launcher's resource filter,
-the pipeline partition helpers and the leaf-module defaults.
+the pipeline partition helpers (`partition_*`, `prefix_sum_inc`, `call_to_str`), the leaf-module defaults
+and the NVMe swap threshold.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from zerospeed.launcher.deepspeed_runner import _parse_hostfile, parse_args, par
 from zerospeed.parallel import groups
 from zerospeed.parallel.pipeline import clocked
 from zerospeed.parallel.pipeline import schedules as zs
+from zerospeed.parallel.pipeline.clocked import call_to_str
 from zerospeed.parallel.pipeline.grid import _prime_factors
-from zerospeed.parallel.pipeline.partition import partition_balanced, partition_uniform
+from zerospeed.parallel.pipeline.partition import partition, partition_balanced, partition_uniform, prefix_sum_inc
 from zerospeed.profiling.timers import trim_mean
 from zerospeed.utils import safe_update_full_grad_vectorized
-from zerospeed.utils.errors import DeepSpeedConfigError
+from zerospeed.utils.errors import ConfigError, DeepSpeedConfigError
 
 DS = json.loads(
     (pathlib.Path(__file__).parents[1] / "fixtures" / "deepspeed_0.19.8" / "deepspeed_names.json").read_text()
@@ -91,6 +93,19 @@ def test_parse_resource_filter(include, exclude, expected):
     assert parse_resource_filter(hosts, include_str=include, exclude_str=exclude) == expected
 
 
+@pytest.mark.parametrize("flags", ["--num_nodes 1 -i localhost", "--num_gpus 1 -e localhost"])
+def test_runner_main_raises_on_contradicting_flags(flags):
+    """DeepSpeed's `runner.main(args=...)` raises a ValueError for `--num_nodes`/`--num_gpus` with `-i`/`-e`
+    (its tests/unit/launcher/test_run.py); the `zerospeed` command turns the same error into exit code 2."""
+    from zerospeed.launcher import cli, deepspeed_runner
+
+    runner = importlib.import_module("zerospeed.launcher.runner")
+    assert runner.main is deepspeed_runner.main
+    with pytest.raises(ValueError, match="cannot be combined with --include/--exclude"):
+        runner.main(args=[*flags.split(), "foo.py"])
+    assert cli.main([*flags.split(), "foo.py"]) == 2
+
+
 def test_runner_helpers():
     assert dict(_parse_hostfile(["worker-0 slots=4", "# c", "worker-1 slots=2"])) == {"worker-0": 4, "worker-1": 2}
     args = parse_args(["--num_gpus", "2", "train.py", "--lr", "1"])
@@ -106,7 +121,33 @@ def test_partition_uniform(n, parts, expected):
 
 @pytest.mark.parametrize("weights,parts,expected", DS["partition_balanced"])
 def test_partition_balanced(weights, parts, expected):
+    """DeepSpeed's criterion (least spread between the heaviest and lightest part) and its tie-breaking;
+    fewer items than parts leaves parts empty."""
     assert partition_balanced(weights, parts) == expected
+
+
+def test_pipeline_partition_refuses_empty_stages():
+    """The helpers give empty parts (DeepSpeed's bounds); a pipeline stage needs a layer."""
+    assert partition_balanced([1, 2, 1], 4) == [0, 1, 2, 3, 3]
+    for method in ("uniform", "parameters"):
+        with pytest.raises(ConfigError, match="cannot split 3 layers into 4 pipeline parts"):
+            partition(method, class_names=["A"] * 3, param_counts=[1, 2, 1], num_parts=4)
+
+
+@pytest.mark.parametrize("weights,expected", DS["prefix_sum_inc"])
+def test_prefix_sum_inc(weights, expected):
+    assert prefix_sum_inc(weights) == expected
+
+
+@pytest.mark.parametrize("args,kwargs,expected", DS["call_to_str"])
+def test_call_to_str(args, kwargs, expected):
+    assert call_to_str(*args, **kwargs) == expected
+    assert repr(clocked.RecvGrad(buffer_id=1)) == "RecvGrad(buffer_id=1)"
+
+
+def test_min_swappable_bytes():
+    swap_tensor = importlib.import_module("zerospeed.runtime.swap_tensor")
+    assert swap_tensor.MIN_SWAPPABLE_BYTES == DS["min_swappable_bytes"]
 
 
 def test_leaf_module_defaults():

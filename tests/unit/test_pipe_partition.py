@@ -16,7 +16,7 @@ def test_uniform_gives_the_remainder_to_the_first_parts():
     assert partition_uniform(7, 1) == [0, 7]
 
 
-def test_balanced_minimises_the_heaviest_part():
+def test_balanced_splits_evenly():
     assert partition_balanced([1, 1, 1, 1, 4], 2) == [0, 4, 5]  # 4 | 4
     assert partition_balanced([5, 1, 1, 1, 1, 1], 2) == [0, 1, 6]  # 5 | 5
     assert partition_balanced([2, 2, 2, 2, 2, 2], 3) == [0, 2, 4, 6]
@@ -41,8 +41,14 @@ def test_dispatch_and_parameters_alias_best():
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda: partition_uniform(2, 3), "cannot split 2 layers into 3 pipeline parts"),
-        (lambda: partition_balanced([1.0], 2), "cannot split 1 layers into 2 pipeline parts"),
+        (
+            lambda: partition("uniform", class_names=["A"] * 2, param_counts=[1, 1], num_parts=3),
+            "cannot split 2 layers into 3 pipeline parts",
+        ),
+        (
+            lambda: partition("parameters", class_names=["A"], param_counts=[1], num_parts=2),
+            "cannot split 1 layers into 2 pipeline parts",
+        ),
         (lambda: partition_by_type(["A", "Block"], "block", 2), "'type:block': 1 layer(s) match"),
         (
             lambda: partition("greedy", class_names=["A"], param_counts=[1], num_parts=1),

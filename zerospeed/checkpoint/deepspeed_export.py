@@ -21,6 +21,11 @@ Note [DeepSpeed's partitions]: what DeepSpeed's loader requires of the files, fr
   in order) and the optimizer state is indexed by sub-group. The model states, one file per rank, hold
   the buffers and empty placeholders for the parameters (frozen ones' partitions in `frozen_param_fragments`).
 - ZeRO 0: one model-states file with the module's weights and the torch optimizer's `state_dict()`.
+- bf16: the optimizer files are `bf16_zero_pp_rank_*` (DeepSpeed's loader under bf16 looks only for those).
+  At ZeRO 1 with `data_types.grad_accum_dtype` fp32 in the recorded config (and no optimizer offload),
+  DeepSpeed trains with its `BF16_Optimizer` and loads only that one's state (Note [DeepSpeed's bf16 files] in
+  deepspeed_import.py): the partitions whole (padding included), padding recorded on the last rank only.
+  Otherwise (DeepSpeed's default accumulates bf16 in bf16) ZeRO 1 is its ZeRO optimizer's layout.
 - The loss scaler, `zero_stage` and fragment addresses are DeepSpeed objects
   (Note [DeepSpeed's pickled classes]); `ds_version` must parse as a version; `latest` names the tag.
 The written tag also reads in DeepSpeed's `zero_to_fp32.py` and `ds_to_universal.py` (its model states
@@ -39,7 +44,7 @@ import torch
 
 from zerospeed.checkpoint.atomic import fresh_dir, swap_in_dir
 from zerospeed.checkpoint.consolidate import resolve_checkpoint
-from zerospeed.checkpoint.deepspeed_import import DeepSpeedCheckpoint
+from zerospeed.checkpoint.deepspeed_import import BF16_PREFIX, DeepSpeedCheckpoint
 from zerospeed.checkpoint.deepspeed_pickle import PICKLE_MODULE, fragment_address, loss_scaler, zero_stage
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.manifest import verify_files
@@ -362,6 +367,35 @@ def _stage12_optim(src: ExportSource, stage: int, dp: int, rank: int) -> dict:
     }
 
 
+def _bf16_optimizer_optim(src: ExportSource, dp: int, rank: int) -> dict:
+    """DeepSpeed's BF16_Optimizer state of rank `rank` (bf16 at ZeRO 1; Note [DeepSpeed's bf16 files])."""
+    zero = _stage12_optim(src, 1, dp, rank)
+    fp32, paddings = [], []
+    for names in src.group_names:
+        numels = [src.universal.tensors[n][FP32].numel() for n in names]
+        size, _ = stage12_partition(sum(numels), dp)
+        fp32.append(_flat_slice(src, names, FP32, rank * size, (rank + 1) * size, size))
+        paddings.append(size * dp - sum(numels) if rank == dp - 1 else 0)
+    return {
+        "clip_grad": zero["clip_grad"],
+        "base_optimizer_state": zero["base_optimizer_state"],
+        "single_partition_of_fp32_groups": fp32,
+        "group_paddings": paddings,
+        "partition_count": zero["partition_count"],
+        "ds_version": DS_LAYOUT_VERSION,
+        "param_slice_mappings": zero["param_slice_mappings"],
+    }
+
+
+def _uses_bf16_optimizer(src: ExportSource) -> bool:
+    """Whether DeepSpeed 0.19.8 trains this bf16 run at ZeRO 1 with its BF16_Optimizer: when the gradients
+    accumulate in fp32 (its default is the model's dtype) and the optimizer is not offloaded."""
+    cfg = src.meta.get("ds_config") or {}
+    accumulate = str((cfg.get("data_types") or {}).get("grad_accum_dtype") or "bf16").lower()
+    offload = ((cfg.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("device", "none")
+    return accumulate in ("fp32", "float32", "float") and str(offload).lower() in ("none", "null")
+
+
 def _stage3_optim(src: ExportSource, dp: int, rank: int, sub_group_size: int) -> dict:
     flats, states, groups, index = [], {}, [], 0
     for gi, names in enumerate(src.group_names):
@@ -429,7 +463,7 @@ def write_deepspeed_tag(
     if stage == 0 and src.param_dtype != torch.float32:
         raise CheckpointError(
             f"export to DeepSpeed at ZeRO stage 0 with {src.param_dtype} weights: DeepSpeed keeps those in "
-            "its FP16_Optimizer / BF16_Optimizer, whose layout is not written; export at stage 1, 2 or 3"
+            "its FP16_Optimizer, whose layout is not written; export at stage 1, 2 or 3"
         )
     missing = [n for g in src.group_names for n in g if n not in src.universal.tensors]
     if missing:
@@ -446,11 +480,17 @@ def write_deepspeed_tag(
             _save(_model_states(src, 3, dp, _frozen_fragments(src, 3, dp, r)), staging / _ds_name(r, "model"))
     else:
         _save(_model_states(src, stage, dp, _frozen_fragments(src, stage, dp, 0)), staging / MODEL_STATES)
+    bf16 = src.param_dtype == torch.bfloat16
     for r in range(dp if stage > 0 else 0):
-        osd = _stage3_optim(src, dp, r, sub_group_size) if stage == 3 else _stage12_optim(src, stage, dp, r)
+        if stage == 3:
+            osd = _stage3_optim(src, dp, r, sub_group_size)
+        elif stage == 1 and bf16 and _uses_bf16_optimizer(src):
+            osd = _bf16_optimizer_optim(src, dp, r)
+        else:
+            osd = _stage12_optim(src, stage, dp, r)
         _save(
             {"optimizer_state_dict": osd, "ds_config": _ds_config(src, stage), "ds_version": DS_LAYOUT_VERSION},
-            staging / _ds_name(r, "optim"),
+            staging / f"{BF16_PREFIX if bf16 else ''}{_ds_name(r, 'optim')}",
         )
     tag_dir = root / tag
     swap_in_dir(staging, tag_dir, root / f".{tag}.previous")

@@ -23,8 +23,18 @@ weights, the optimizer's hyperparameters, LR-scheduler state, counters and loss 
 
 DeepSpeed pickles a few of its own classes into these files (its loss scaler, `ZeroStageEnum`,
 `fragment_address`); they are read here as plain records, without importing DeepSpeed. Refused with an
-error naming the file: tensor / pipeline-parallel checkpoints, MoE, bf16 checkpoints of DeepSpeed's
-stage-0/1 `BF16_Optimizer` (`bf16_zero_pp_rank_*` files).
+error naming the file: tensor-parallel checkpoints, MoE, and pipeline ones outside a pipeline engine
+(which reads them: Note [DeepSpeed pipeline checkpoints]).
+
+Note [DeepSpeed's bf16 files]: with `bf16.enabled` DeepSpeed names every optimizer file
+`bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt` (at any ZeRO stage: the prefix follows the dtype, not
+the optimizer). At ZeRO 2 and 3 their content is the ZeRO layout above, and at ZeRO 1 too by default
+(DeepSpeed 0.19.8 accumulates bf16 gradients in bf16 unless `data_types.grad_accum_dtype` says otherwise).
+At ZeRO 1 with `grad_accum_dtype: "fp32"` DeepSpeed trains with its `BF16_Optimizer`, whose file holds the same
+`single_partition_of_fp32_groups` / `base_optimizer_state` / `param_slice_mappings` as ZeRO 1/2 but each
+rank's partition whole, its alignment padding included (ZeRO 1/2 cut the padding off), `partition_count`
+per group, `clip_grad`, and no loss scaler nor `zero_stage`: read through the same fragments, it gives the
+same universal form. The module state holds the bf16 weights; the fp32 masters are the optimizer's.
 
 Note [universal folders]: DeepSpeed's `ds_to_universal` (0.19.8) writes a folder holding copies of the
 tag's model-states files (`mp_rank_00_model_states.pt`; at ZeRO 3 `zero_pp_rank_{r}_mp_rank_00_model_states.pt`)
@@ -52,6 +62,7 @@ from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.universal import FP32, UniversalState
 
 MODEL = "mp_rank_00_model_states.pt"
+BF16_PREFIX = "bf16_"  # DeepSpeed's optimizer files under bf16 (Note [DeepSpeed's bf16 files])
 UNIVERSAL_OPTIMIZER = "zero/optimizer_state.pt"
 # DeepSpeed's top-level model-states keys; any other key is the user's client_state
 RESERVED = frozenset(
@@ -176,7 +187,7 @@ def read_deepspeed_checkpoint(
         ckpt = _read_universal(tag_dir, model, dp, shapes, names)
     elif stage3:
         ckpt = _read_stage3(tag_dir, model, dp, shapes, names)
-    elif model.get("optimizer") is not None or not (tag_dir / "zero_pp_rank_0_mp_rank_00_optim_states.pt").exists():
+    elif model.get("optimizer") is not None or optim_prefix(tag_dir) is None:
         ckpt = _read_stage0(tag_dir, model, shapes, names)
     else:
         ckpt = _read_stage12(tag_dir, model, dp, shapes, names)
@@ -202,17 +213,25 @@ def _refuse(tag_dir: Path, model: dict) -> None:
             f"{model.get('mp_world_size')}); only data-parallel DeepSpeed checkpoints are read: "
             "convert it with DeepSpeed's zero_to_fp32.py and load the weights"
         )
-    if any(tag_dir.glob("layer_*")) or any(tag_dir.glob("bf16_zero_pp_rank_*")) or any(tag_dir.glob("*expp_rank*")):
+    if any(tag_dir.glob("layer_*")) or any(tag_dir.glob("*expp_rank*")):
         raise CheckpointError(
-            f"{tag_dir}: a pipeline, BF16_Optimizer or MoE DeepSpeed checkpoint is not read here; "
-            "convert it with DeepSpeed's zero_to_fp32.py and load the weights"
+            f"{tag_dir}: a pipeline or MoE DeepSpeed checkpoint is not read by this engine (a pipeline one "
+            "loads into a PipelineModule's engine); convert it with DeepSpeed's zero_to_fp32.py and load the weights"
         )
 
 
+def optim_prefix(tag_dir: Path) -> str | None:
+    """The prefix of the tag's optimizer files, "" or "bf16_" (Note [DeepSpeed's bf16 files]); None without any."""
+    for prefix in ("", BF16_PREFIX):
+        if (tag_dir / f"{prefix}zero_pp_rank_0_mp_rank_00_optim_states.pt").exists():
+            return prefix
+    return None
+
+
 def _optim_files(tag_dir: Path, dp: int) -> list[dict]:
-    out = []
+    out, prefix = [], optim_prefix(tag_dir) or ""
     for r in range(dp):
-        path = tag_dir / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        path = tag_dir / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
         if not path.exists():
             raise CheckpointError(f"{tag_dir}: {path.name} is missing (the checkpoint was saved by {dp} ranks)")
         out.append(_load(path)["optimizer_state_dict"])
@@ -307,7 +326,7 @@ def _read_stage12(tag_dir: Path, model: dict, dp: int, shapes: list[dict], names
             uni.groups[name] = gi
     return DeepSpeedCheckpoint(
         tag_dir,
-        int(first.get("zero_stage", 2)),
+        int(first.get("zero_stage", 1)),  # (BF16_Optimizer records none: DeepSpeed uses it at ZeRO 1)
         dp,
         uni,
         dict(model["module"]),
@@ -346,6 +365,84 @@ def _read_universal(tag_dir: Path, model: dict, dp: int, shapes: list[dict], nam
     stage = int(opt.get("zero_stage", 2))
     return DeepSpeedCheckpoint(
         tag_dir, stage, dp, uni, module, _hyperparameters(opt["param_groups"]), meta=_loss_scale(opt.get("loss_scaler"))
+    )
+
+
+@dataclass
+class DeepSpeedPipeline:
+    """A DeepSpeed pipeline tag (Note [DeepSpeed pipeline checkpoints]) as zerospeed's pipeline engine loads it."""
+
+    tag_dir: Path
+    optim: dict[int, dict[str, dict]]  # layer index -> name in the layer -> {"master": fp32 tensor, "state": {...}}
+    param_groups: list[dict]  # the optimizer's hyperparameters (stage 0's file)
+    meta: dict  # global_steps, global_samples, skipped_steps, lr_scheduler, ds_version
+    client_state: dict
+
+
+def is_deepspeed_pipeline_tag(tag_dir: Path) -> bool:
+    """DeepSpeed's pipeline layout: per-layer module files and per-stage model states, no zerospeed engine state."""
+    tag_dir = Path(tag_dir)
+    return (
+        not (tag_dir / "engine_states.pt").exists()
+        and (tag_dir / MODEL).exists()
+        and any(tag_dir.glob("layer_*-model_states.pt"))
+    )
+
+
+def read_deepspeed_pipeline(tag_dir: Path) -> DeepSpeedPipeline:
+    """Note [DeepSpeed pipeline checkpoints]: DeepSpeed's PipelineEngine (0.19.8, ZeRO 0) writes per layer
+    `layer_{i:02d}-model_states.pt` (the layer's own state dict; a `-model_XX` tensor-parallel suffix
+    under tp) and per stage s `mp_rank_{s:02d}_model_states.pt` with no module, the torch optimizer's
+    `state_dict()` over that stage's parameters (indexed by position: its layers in order, each layer's
+    parameters in its own order), the stage's `buffer_names` ("{layer}.{name}"), the LR scheduler and
+    the counters. The layers' state-dict entries that are not buffers, in layer order, are the stages'
+    optimizer positions one after the other; each parameter's master is its layer-file value (fp32
+    runs: the weights are the masters). Refused with an error naming the tag: tensor parallelism,
+    ZeRO 1 (`zero_pp_rank_*` files), several param groups, and files whose counts do not match."""
+    tag_dir = Path(tag_dir)
+    files = sorted(tag_dir.glob("layer_*-model_states.pt"))
+    if any(f.name.count("-") > 1 for f in files) or any(tag_dir.glob("*zero_pp_rank_*")):
+        raise CheckpointError(
+            f"{tag_dir}: a tensor-parallel or ZeRO-1 DeepSpeed pipeline checkpoint is not read here; "
+            "only ZeRO-0 pipeline checkpoints without tensor parallelism are"
+        )
+    layers = {int(f.name.split("-")[0][len("layer_") :]): _load(f) for f in files}
+    stages, s = [], 0
+    while (path := tag_dir / f"mp_rank_{s:02d}_model_states.pt").exists():
+        stages.append(_load(path))
+        s += 1
+    buffers = {b for st in stages for b in (st.get("buffer_names") or [])}
+    order = [(i, k) for i in sorted(layers) for k in layers[i] if f"{i}.{k}" not in buffers]
+    optim: dict[int, dict[str, dict]] = {}
+    pos = 0
+    for s, st in enumerate(stages):
+        opt = st.get("optimizer")
+        if opt is None or len(opt["param_groups"]) != 1:
+            raise CheckpointError(
+                f"{tag_dir}: mp_rank_{s:02d}_model_states.pt holds "
+                f"{'no optimizer' if opt is None else str(len(opt['param_groups'])) + ' param groups'}; "
+                "pipeline checkpoints are read with one optimizer param group per stage"
+            )
+        for key in opt["param_groups"][0]["params"]:
+            if pos >= len(order):
+                raise CheckpointError(f"{tag_dir}: the stages' optimizers hold more parameters than the layer files")
+            idx, name = order[pos]
+            pos += 1
+            state = {k: v.clone() if torch.is_tensor(v) else v for k, v in opt["state"].get(key, {}).items()}
+            optim.setdefault(idx, {})[name] = {"master": layers[idx][name].float().clone(), "state": state}
+    if pos != len(order):
+        raise CheckpointError(
+            f"{tag_dir}: the layer files hold {len(order)} parameters, the stages' optimizers {pos} "
+            "(tied layers are not read here)"
+        )
+    first = stages[0]
+    meta = {k: first.get(k) for k in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "ds_version")}
+    return DeepSpeedPipeline(
+        tag_dir,
+        optim,
+        _hyperparameters(first["optimizer"]["param_groups"]),
+        meta,
+        {k: v for k, v in first.items() if k not in RESERVED},
     )
 
 

@@ -1,7 +1,13 @@
-"""The one table of config features that parse but are not implemented yet.
+"""The config features that parse but are refused: not implemented yet, or gone from DeepSpeed itself.
 
-Each row is ``(dotted key, predicate, feature name, value to set instead)``; a row fires when its
-predicate is true for the parsed config. When a feature lands, delete its row.
+``ROWS`` holds zerospeed's gaps: features DeepSpeed 0.19.8 has and zerospeed does not build yet. Each row
+is ``(dotted key, predicate, feature name, value to set instead)``; a row fires when its predicate is
+true for the parsed config. When a feature lands, delete its row.
+
+``DEEPSPEED_REFUSED`` holds keys DeepSpeed 0.19.8 refuses itself (features it removed, deepspeedai/
+DeepSpeed#8489, or never built): not gaps, never planned. They fail the same way, with a message that
+says DeepSpeed refuses them too. (DeepSpeed refuses the removed blocks even when disabled; zerospeed
+refuses them only when they switch the feature on.)
 """
 
 from __future__ import annotations
@@ -46,48 +52,29 @@ def _present(key: str, feature: str) -> Row:
     return Row(key, lambda cfg: _get(cfg, key) is not None, feature, "null (remove it)")
 
 
-# DeepSpeed 0.19.8 removed these features (its config refuses the keys too)
-_GONE = " (DeepSpeed 0.19.8 removed it as well: deepspeedai/DeepSpeed#8489)"
-
 ROWS: list[Row] = [
     _switch("zero_optimization.offload_optimizer.super_offload", "SuperOffload"),
     Row("aio.use_gds", lambda c: c.aio.use_gds and _uses_nvme(c), "GPUDirect Storage", "false"),
     # (zero_quantized_weights, zero_quantized_gradients, zero_quantized_nontrainable_weights and
     # zero_hpz_partition_size work at stage 3: zero/stage3/zeropp.py, which refuses them at other stages)
-    _present("zero_optimization.zeropp_loco_param", "LoCo-ZeRO++" + _GONE),
-    _switch("zero_optimization.mics_hierarchical_params_gather", "MiCS hierarchical gather" + _GONE),
-    _switch("amp.enabled", "apex AMP" + _GONE),
     _switch(
         "fp16.fp16_master_weights_and_grads",
-        "fp16 master weights and gradients (DeepSpeed builds them only on ZeRO-Offload with its compiled "
-        "CPU Adam writing fp16 masters; zerospeed's offloaded step keeps fp32 masters)",
+        "fp16 master weights and gradients (DeepSpeed 0.19.8 accepts them only at ZeRO stage 1-3 with "
+        "offload_optimizer.device=cpu and its compiled DeepSpeedCPUAdam, which keeps fp32 Adam moments over "
+        "fp16 masters and fp16 gradient partitions; zerospeed's offloaded step is torch's fused CPU Adam over "
+        "fp32 masters, whose moments follow the masters' dtype)",
     ),
     # (data_types.param_dtype / buffer_dtype: runtime/plans.py module_dtypes, DeepSpeed's combinations)
     _switch("optimizer.legacy_fusion", "the legacy fused optimizer"),
-    # (nn.Embedding(sparse=True) gradients need no flag: Note [sparse gradients] in zero/reducer.py)
-    _switch("sparse_gradients", "sparse compression of dense embedding gradients" + _GONE),
     # (disable_allgather: DeepSpeed parses it and never reads it; config/reference.py NO_EFFECT says so)
-    _switch("graph_harvesting", "graph harvesting" + _GONE),
-    Row(
-        "managed_gradient_accumulation",
-        lambda c: not c.managed_gradient_accumulation,
-        "caller-managed gradient accumulation",
-        "true",
-    ),
+    # (managed_gradient_accumulation=false: runtime/grad_accumulation.py, Note [caller-managed accumulation])
     # (disable_python_gc, log_level: runtime/process_settings.py)
     # (compression_training: every technique is built, zerospeed/compression; it validates the block)
     # (weight_quantization: weight-only int8 / int4 of linear layers, compression/weight_quant/layer.py)
     # (data_efficiency.data_routing.random_ltd works: data/random_ltd; data_sampling's curriculum sampler
     # and offline analyzer: data/sampler.py, data/analyzer.py)
-    _switch(
-        "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled",
-        "random-LTD's layer-token learning-rate schedule (DeepSpeed refuses it too)",
-    ),
-    _switch("eigenvalue.enabled", "eigenvalue computation" + _GONE),
-    _switch("quantize_training.enabled", "MoQ quantize_training" + _GONE),
     # (pipeline.*: the PipelineEngine reads the block, runtime/pipeline.py _apply_pipeline_section)
     _switch("compile.deepcompile", "DeepCompile"),
-    _switch("nebula.enabled", "Nebula checkpointing" + _GONE),
     Row(
         "checkpoint.writer.type",
         lambda c: c.checkpoint.writer is not None and c.checkpoint.writer.type == "MOCK",
@@ -95,6 +82,37 @@ ROWS: list[Row] = [
         '"FAST"',
     ),
 ]
+
+
+_REMOVED = "removed from DeepSpeed in 0.19.8 (deepspeedai/DeepSpeed#8489; its config refuses the key too)"
+
+# Checked against DeepSpeed 0.19.8 itself (tests/unit/test_config_features.py lists what its parser says).
+DEEPSPEED_REFUSED: list[Row] = [
+    _present("zero_optimization.zeropp_loco_param", "LoCo-ZeRO++"),
+    _switch("zero_optimization.mics_hierarchical_params_gather", "MiCS hierarchical gather"),
+    _switch("amp.enabled", "apex AMP"),
+    # (nn.Embedding(sparse=True) gradients need no flag: Note [sparse gradients] in zero/reducer.py)
+    _switch("sparse_gradients", "sparse compression of dense embedding gradients"),
+    _switch("graph_harvesting", "graph harvesting"),
+    _switch("eigenvalue.enabled", "eigenvalue computation"),
+    _switch("quantize_training.enabled", "MoQ quantize_training"),
+    _switch("nebula.enabled", "Nebula checkpointing"),
+    _switch(
+        "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled",
+        "random-LTD's layer-token learning-rate schedule",
+    ),
+]
+# what to use instead, where there is something
+_INSTEAD = {
+    "zero_optimization.zeropp_loco_param": "ZeRO++'s quantized gradients (zero_quantized_gradients) work without it",
+    "amp.enabled": "use fp16, bf16 or torch_autocast instead",
+    "sparse_gradients": "an nn.Embedding(sparse=True) needs no flag",
+}
+NEVER_BUILT = {
+    "data_efficiency.data_routing.random_ltd.layer_token_lr_schedule.enabled": (
+        "never built by DeepSpeed (0.19.8's engine raises ValueError('not yet support') for it)"
+    ),
+}
 
 
 def _get(cfg: Cfg, key: str) -> Any:
@@ -118,8 +136,27 @@ def _message(row: Row, value: Any) -> str:
     )
 
 
+def refusal_reason(row: Row) -> str:
+    """Why DeepSpeed 0.19.8 refuses a ``DEEPSPEED_REFUSED`` key."""
+    return NEVER_BUILT.get(row.key, _REMOVED)
+
+
+def _refused_message(row: Row, value: Any) -> str:
+    return (
+        f"{row.key}={_render(value)}: {_feature_name(row, value)} was {refusal_reason(row)}, and zerospeed "
+        f"does not build it either; remove the key or set it to {row.default}"
+        + (f" ({_INSTEAD[row.key]})" if row.key in _INSTEAD else "")
+    )
+
+
+def _feature_name(row: Row, value: Any) -> str:
+    return row.feature(value) if callable(row.feature) else row.feature
+
+
 def check_implemented(cfg: ZeroSpeedConfig) -> None:
-    """Raise ``ConfigError`` naming every requested feature that zerospeed does not implement yet."""
+    """Raise ``ConfigError`` naming every requested feature that zerospeed does not implement yet, and
+    every key DeepSpeed 0.19.8 refuses too."""
     lines = [_message(row, _get(cfg, row.key)) for row in ROWS if row.requested(cfg)]
+    lines += [_refused_message(row, _get(cfg, row.key)) for row in DEEPSPEED_REFUSED if row.requested(cfg)]
     if lines:
         raise ConfigError("\n".join(lines))

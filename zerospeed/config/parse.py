@@ -17,7 +17,7 @@ from zerospeed.config.features import check_implemented
 from zerospeed.config.loader import load_raw
 from zerospeed.config.schema.root import BATCH_KEYS, ZeroSpeedConfig
 from zerospeed.config.validation import validate_config
-from zerospeed.utils.errors import ConfigError
+from zerospeed.utils.errors import ConfigAssertionError, ConfigError
 
 
 def _check_api_rules(cfg: ZeroSpeedConfig) -> None:
@@ -31,6 +31,20 @@ def _check_api_rules(cfg: ZeroSpeedConfig) -> None:
             "gradient_allreduce_op='sum' is not supported with ZeRO stage 3 (as in DeepSpeed); "
             'set gradient_allreduce_op to "mean" (the default), or use zero_optimization.stage '
             "0, 1 or 2 to sum the gradients"
+        )
+    for on, what in ((cfg.zero_optimization.zenflow is not None, "ZenFlow"), (cfg.compile.deepcompile, "DeepCompile")):
+        if cfg.gradient_allreduce_op == "sum" and on:  # (DeepSpeed's _do_error_check, in this order)
+            raise ConfigError(
+                f"gradient_allreduce_op='sum' is not supported with {what} (as in DeepSpeed); "
+                f'set gradient_allreduce_op to "mean" (the default) or turn {what} off'
+            )
+    stage = cfg.zero_optimization.stage
+    if not cfg.managed_gradient_accumulation and cfg.zero_optimization.overlap_comm and stage < 2:
+        # Note [caller-managed accumulation] (runtime/grad_accumulation.py); DeepSpeed's engine asserts it
+        raise ConfigAssertionError(
+            "managed_gradient_accumulation=false supports ZeRO overlap_comm only with ZeRO stage 2 (or 3), not "
+            f"with zero_optimization.overlap_comm=true at ZeRO stage {stage}: stages 0-1 reduce in step(), where "
+            "there is no backward to overlap (DeepSpeed refuses it too); set overlap_comm to false or use stage 2"
         )
 
 

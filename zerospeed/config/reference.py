@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from zerospeed.config.auto import LITERAL_AUTO_KEYS, auto_values_from_hidden_size
-from zerospeed.config.features import ROWS, Row
+from zerospeed.config.features import DEEPSPEED_REFUSED, ROWS, Row, refusal_reason
 from zerospeed.config.schema.root import BATCH_KEYS, ZeroSpeedConfig
 
 COMMAND = "python scripts/gen_config_reference.py"
@@ -34,6 +34,7 @@ REFERENCE_PATH = "docs/config_reference.md"
 WORKS = "works"
 NOT_YET = "not yet"
 NO_EFFECT_STATUS = "accepted, no effect"
+REFUSED = "refused (DeepSpeed too)"
 
 # Keys that parse, are not errors, and change nothing in zerospeed -- with the reason. Either
 # the layout always gives what the key asks for, or the key tunes a mechanism zerospeed does not
@@ -98,7 +99,10 @@ NO_EFFECT: dict[str, str] = {
         "it orders gradient copies for CPU offload; the partitioned layout already splits them evenly"
     ),
     "zero_optimization.zeropp_loco_param": "LoCo-ZeRO++ is not built; the value is ignored",
-    "zero_optimization.memory_efficient_linear": "zerospeed never replaces torch.nn.functional.linear",
+    "zero_optimization.memory_efficient_linear": (
+        "zerospeed never replaces torch.nn.functional.linear: a released stage-3 weight frees its storage "
+        "even where autograd saved it (docs/zero.md, the linear wrapper)"
+    ),
     "zero_optimization.pipeline_loading_checkpoint": "pipeline parallelism runs with ZeRO 0-2 (stage 3 is refused)",
     "zero_optimization.override_module_apply": "zerospeed never overrides nn.Module.apply",
     "zero_optimization.log_trace_cache_warnings": (
@@ -109,7 +113,9 @@ NO_EFFECT: dict[str, str] = {
         "the global gradient norm is always computed at the step (clipping and overflow checks need it)"
     ),
     "zero_optimization.parameter_alignment": "flat buffers are always padded to 16-byte chunks",
-    "zero_optimization.save_muon_momentum_buffer_in_memory": "zerospeed has no Muon optimizer",
+    "zero_optimization.save_muon_momentum_buffer_in_memory": (
+        "Muon's momentum is always in memory; Muon with NVMe optimizer offload is refused"
+    ),
     "zero_optimization.offload_param.max_in_cpu": "NVMe parameter shards are never cached in host memory beyond "
     "the buffer pool (docs/offload.md)",
     "zero_optimization.offload_optimizer.fast_init": "initialisation has no slow path to skip (docs/offload.md)",
@@ -516,6 +522,11 @@ def key_status(key: str) -> str:
             else f"{NOT_YET}: {_feature_name(row)} (see {row.key})"
             for row in rows
         )
+    gone = [row for row in DEEPSPEED_REFUSED if _covers(row.key, key)]
+    if gone:  # features.DEEPSPEED_REFUSED: keys DeepSpeed 0.19.8 refuses itself
+        row = gone[0]
+        allowed = f"allowed: {row.default}" if row.key == key else f"see {row.key}"
+        return f"{REFUSED}: {_feature_name(row)} was {refusal_reason(row)} ({allowed})"
     if key in REFUSED_ELSEWHERE:
         feature, where = REFUSED_ELSEWHERE[key]
         return f"{NOT_YET}: {feature} ({where})"
@@ -527,6 +538,9 @@ def key_status(key: str) -> str:
         row = next((r for r in ROWS if r.key == gate), None)
         if row is not None:
             return f"{NO_EFFECT_STATUS} (configures {_feature_name(row)}, not built yet: see {gate})"
+        row = next((r for r in DEEPSPEED_REFUSED if r.key == gate), None)
+        if row is not None:
+            return f"{NO_EFFECT_STATUS} (configures {_feature_name(row)}, which DeepSpeed refuses too: see {gate})"
     return WORKS
 
 

@@ -187,19 +187,25 @@ def _normalize(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``zerospeed`` command; returns the exit code (2 for bad flags)."""
-    argv = sys.argv[1:] if argv is None else argv
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="[zerospeed] %(message)s")
     try:
-        args, command = parse_command_line(argv)
-        if args.autotuning is not None:  # trials and the final run go through this launcher again
-            return autotuning.autotune(args.autotuning, argv, command, _trial_world(args))
-        return _launch(args, command)
+        return launch(argv)
     except _ParseExit as exc:
         return exc.code
     except LauncherError as err:
         print(f"zerospeed: error: {err}", file=sys.stderr)
         return 2
+
+
+def launch(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default: ours) and run the job; a bad flag or flag combination raises ``LauncherError``
+    (a ``ValueError``), as DeepSpeed's ``runner.main`` raises one (``deepspeed_runner.main``)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="[zerospeed] %(message)s")
+    args, command = parse_command_line(argv)
+    if args.autotuning is not None:  # trials and the final run go through this launcher again
+        return autotuning.autotune(args.autotuning, argv, command, _trial_world(args))
+    return _launch(args, command)
 
 
 def _trial_world(args: argparse.Namespace) -> TrialWorld:

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 
 from zerospeed.launcher import resources
-from zerospeed.launcher.cli import parse_command_line
+from zerospeed.launcher.cli import _ParseExit, launch, parse_command_line
 from zerospeed.launcher.errors import LauncherError
 from zerospeed.launcher.hostfile import parse_hostfile, read_hostfile
 from zerospeed.launcher.world import decode_world_info, encode_world_info
@@ -24,6 +24,7 @@ __all__ = [
     "decode_world_info",
     "encode_world_info",
     "fetch_hostfile",
+    "main",
     "parse_args",
     "parse_inclusion_exclusion",
     "parse_resource_filter",
@@ -72,3 +73,13 @@ def parse_inclusion_exclusion(
     """`parse_resource_filter` over a hostfile's `{host: slot count}`."""
     hosts = {host: list(range(slots)) for host, slots in resource_pool.items()}
     return collections.OrderedDict(parse_resource_filter(hosts, inclusion, exclusion))
+
+
+def main(args: Sequence[str] | None = None) -> int:
+    """DeepSpeed's `runner.main(args=None)`: launch as the `deepspeed` command does, but a bad flag combination
+    (`--num_gpus` with `--include`, ...) raises its `LauncherError`, a `ValueError` as DeepSpeed's, instead of
+    becoming exit code 2; argparse's own errors exit (`SystemExit`) as DeepSpeed's do."""
+    try:
+        return launch(args)
+    except _ParseExit as exc:
+        raise SystemExit(exc.code) from None

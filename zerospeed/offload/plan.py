@@ -22,6 +22,7 @@ import torch
 
 from zerospeed.accelerator import get_accelerator
 from zerospeed.offload.aio import AioPlan, AsyncIO
+from zerospeed.offload.delayed_update import DelayedStepper
 from zerospeed.offload.optimizer_swap import NvmeOptimizerSwapper
 from zerospeed.offload.param_swap import NvmeParamSwapper
 from zerospeed.offload.swap import check_nvme_path
@@ -51,12 +52,23 @@ class OffloadPlan:
     # ... and started during the boundary backward: the step's coefficient is 1 whatever the gradient
     # norm (no clipping, no loss scale, no skipping of non-finite steps)
     early_step: bool = False
+    # Note [delayed parameter update] (offload/delayed_update.py): the host step one step late, in the
+    # background (`offload_optimizer.delayed_param_update`, zerospeed's own key), after `delayed_warm_up`
+    # ordinary steps
+    delayed_update: bool = False
+    delayed_warm_up: int = 0
 
     # -- where things go ---------------------------------------------------------------------------
     @property
     def master_device(self) -> torch.device:
         """Masters and optimizer states: the host when offloaded (NVMe swaps through host buffers)."""
         return HOST if self.optimizer != "none" else self.device
+
+    @property
+    def masters_apart(self) -> bool:
+        """Masters never share the parameters' storage: the delayed update steps them while the model
+        computes with the previous values."""
+        return self.delayed_update
 
     @property
     def shard_device(self) -> torch.device:
@@ -92,7 +104,9 @@ class OffloadPlan:
 
 def make_stepper(plan: OffloadPlan | None, masters: list[torch.nn.Parameter], sub_groups: list[list[int]], rank: int):
     """The optimizer stepper for this plan: in memory (overlapped on the host: Note [overlapped step]), or
-    through NVMe swap files."""
+    through NVMe swap files; or one step late (Note [delayed parameter update])."""
+    if plan is not None and plan.optimizer == "cpu" and plan.delayed_update:
+        return DelayedStepper(plan.delayed_warm_up)
     if plan is not None and plan.optimizer == "cpu" and plan.overlap_step and plan.ratio == 1.0:
         return OverlappedStepper(sub_groups, copies_back=plan.device != HOST)
     if plan is None or plan.optimizer != "nvme":

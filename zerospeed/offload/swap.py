@@ -31,6 +31,11 @@ from zerospeed.offload.aio import (
 )
 from zerospeed.utils.errors import ConfigError
 
+# DeepSpeed's swap threshold (`deepspeed.runtime.swap_tensor.MIN_SWAPPABLE_BYTES`, 1 MiB): its swappers keep
+# smaller tensors in host memory. zerospeed's swap every tensor of an NVMe-offloaded state, whatever its size,
+# so a tensor of at least this many bytes goes to NVMe under both (what DeepSpeed's tests size their models by).
+MIN_SWAPPABLE_BYTES = 1024**2
+
 
 def _human(nbytes: int) -> str:
     for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):

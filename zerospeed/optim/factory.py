@@ -30,6 +30,7 @@ from zerospeed.optim.adagrad import DeepSpeedCPUAdagrad
 from zerospeed.optim.adam import DeepSpeedCPUAdam, FusedAdam
 from zerospeed.optim.lamb import Lamb
 from zerospeed.optim.lion import DeepSpeedCPULion, FusedLion, Lion
+from zerospeed.optim.muon import ADAM_KEYS, MUON_KEYS, NS_METHODS, MuonWithAuxAdam, muon_param_groups
 from zerospeed.optim.param_groups import trainable_param_groups
 from zerospeed.utils.errors import ConfigError
 from zerospeed.utils.logging import get_logger
@@ -53,15 +54,20 @@ ZERO_TESTED_OPTIMIZERS: tuple[type, ...] = (
     DeepSpeedCPUAdagrad,
     FusedLion,
     DeepSpeedCPULion,
+    # Muon runs on ZeRO shards through the strategies (Note [Muon on ZeRO shards], optim/muon.py)
+    MuonWithAuxAdam,
 )
 
-# DeepSpeed's muP optimizers and Muon.
+# DeepSpeed's muP optimizers.
 _NOT_IMPLEMENTED = {
     "muadam": "MuAdam",
     "muadamw": "MuAdamW",
     "musgd": "MuSGD",
-    "muon": "Muon",
 }
+
+# Muon's keys (optim/muon.py): each half's settings, the per-half learning rates, and what DeepSpeed's
+# auxiliary Adam consumes (torch_adam picks torch's AdamW there: the same arithmetic).
+_MUON_PARAMS = frozenset((*MUON_KEYS, *ADAM_KEYS, "muon_lr", "adam_lr", "adam_w_mode", "torch_adam"))
 
 # DeepSpeed's compressed-communication optimizers (zerospeed/optim/onebit), bound to the engine
 # after it is built (Note [the engine's backward all-reduce] in onebit/base.py).
@@ -168,6 +174,8 @@ def _from_client(client: Any, params: list) -> torch.optim.Optimizer:
 def _from_config(opt_type: str, params: dict[str, Any], groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     if "max_grad_norm" in params and opt_type.lower() not in _ONE_BIT:  # (1-bit ones take it, and refuse non-zero)
         raise ConfigError("optimizer.params.max_grad_norm: not supported; use the top-level gradient_clipping")
+    if opt_type.lower() == "muon":
+        return _muon(params, groups)
     cls, params, extras = _resolve(opt_type, params)
     check_params(params, cls, "optimizer.params", extra_accepted=extras)
     if isinstance(params.get("betas"), list):
@@ -204,6 +212,35 @@ def _resolve(opt_type: str, params: dict[str, Any]) -> tuple[type, dict[str, Any
     if builtin is not None:
         return builtin, params, ()
     return _torch_optimizer_class(opt_type), params, ()
+
+
+def _muon(params: dict[str, Any], groups: list[dict[str, Any]]) -> MuonWithAuxAdam:
+    """DeepSpeed's Muon: `initialize` already split the groups into halves (`use_muon` set); a direct
+    caller's groups are split here by the parameters' own `use_muon` attributes."""
+    if "per_head_muon" in params:
+        raise ConfigError("optimizer.params.per_head_muon: per-head Muon is not implemented yet; remove the key")
+    unknown = sorted(set(params) - _MUON_PARAMS)
+    if unknown:
+        hint = closest_names(unknown[0], sorted(_MUON_PARAMS))
+        raise ConfigError(
+            f"optimizer.params: Muon does not take {unknown}"
+            + (f" (did you mean {hint}?)" if hint else "")
+            + f"; it takes {sorted(_MUON_PARAMS)}"
+        )
+    if params.get("ns_method", "gram") not in NS_METHODS:
+        raise ConfigError(f"optimizer.params.ns_method: must be one of {list(NS_METHODS)}, got {params['ns_method']!r}")
+    if not all("use_muon" in g for g in groups):
+        untagged = [p for g in groups for p in g["params"] if not hasattr(p, "use_muon")]
+        if untagged:
+            raise ConfigError(
+                f"optimizer.type: Muon needs every parameter tagged with use_muon and {len(untagged)} are not; "
+                "set `param.use_muon = True / False`, or let initialize() tag the model's parameters"
+            )
+        groups = muon_param_groups(groups, {id(p): bool(p.use_muon) for g in groups for p in g["params"]}, params)
+    for g in groups:
+        if g["use_muon"] and g.get("ns_method", "gram") not in NS_METHODS:
+            raise ConfigError(f"optimizer: a Muon group's ns_method must be one of {list(NS_METHODS)}")
+    return MuonWithAuxAdam(groups, adam_w_mode=bool(params.get("adam_w_mode", True)))
 
 
 def _adam_params(params: dict[str, Any], force_decoupled: bool) -> tuple[type, dict[str, Any]]:

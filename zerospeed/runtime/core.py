@@ -151,8 +151,9 @@ class EngineCore(torch.nn.Module):
         """The global gradient norm, unscaled (every strategy's norm is already global)."""
         return self.zero.global_grad_norm() / self.loss_scale
 
-    def take_model_step(self, lr_kwargs: dict | None = None) -> None:
-        """Reduce, unscale, check overflow, clip, step, schedule, update the loss scale, zero gradients."""
+    def take_model_step(self, lr_kwargs: dict | None = None, *, samples: int | None = None) -> None:
+        """Reduce, unscale, check overflow, clip, step, schedule, update the loss scale, zero gradients;
+        count `samples` (default: train_batch_size; Note [caller-managed accumulation] counts backwards)."""
         self._check_states_resident("engine.step")
         if self.optimizer is None:
             raise RuntimeError(
@@ -169,6 +170,8 @@ class EngineCore(torch.nn.Module):
         if overflow:
             self.skipped_steps += 1
         else:
+            if self.zero.transform_gradients(self.optimizer, scale):  # Note [Muon on ZeRO shards] (optim/muon.py)
+                norm = self.grad_norm()  # DeepSpeed's ZeRO 1-3 take the norm, and clip, over Muon's update
             self._global_grad_norm = norm
             with self.observer.phase("step.optimizer"):
                 self.zero.step(self.optimizer, clip_coefficient(norm, self._clip) / scale)
@@ -190,7 +193,7 @@ class EngineCore(torch.nn.Module):
             )
         self.zero.zero_grads()
         self.global_steps += 1
-        self.global_samples += self.train_batch_size()
+        self.global_samples += self.train_batch_size() if samples is None else samples
         self.observer.on_model_step(self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -19,8 +19,9 @@ from zerospeed.precision.autocast import forward_autocast
 from zerospeed.precision.casting import cast_floating
 from zerospeed.runtime.core import EngineCore
 from zerospeed.runtime.deepspeed_api import DeepSpeedAPI
+from zerospeed.runtime.grad_accumulation import AccumulationWindow, coalesced, reduce_held_gradients, trainable_params
 from zerospeed.runtime.hooks import CompressionHook
-from zerospeed.utils.errors import UsageAssertionError
+from zerospeed.utils.errors import IncompatibleUsageError, UsageAssertionError
 from zerospeed.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -31,7 +32,9 @@ class Engine(DeepSpeedAPI, EngineCore):
 
     def __init__(self, module: torch.nn.Module, config, plans, **kwargs):
         super().__init__(module, config, plans, **kwargs)
-        self._boundary_override: bool | None = None
+        # Note [caller-managed accumulation] (runtime/grad_accumulation.py)
+        self.window = AccumulationWindow(managed=config.managed_gradient_accumulation)
+        self._trainable = trainable_params(kwargs["param_groups"])
         self._inside_no_sync = False
         self._device_type = self.accelerator.device_name()
         compressed = scheduler_for(module)  # None unless init_compression ran on it
@@ -40,28 +43,39 @@ class Engine(DeepSpeedAPI, EngineCore):
 
     # -- accumulation boundaries -------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
-        if self._boundary_override is not None:
-            return self._boundary_override
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        """Whether this micro-step ends the accumulation window (unmanaged: true only inside step())."""
+        return self.window.is_boundary(self.micro_steps, self.gradient_accumulation_steps())
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Force (or, with None, stop forcing) whether the coming step is a boundary."""
-        self._boundary_override = is_boundary
+        self.window.set_boundary(is_boundary)
+
+    def coalesce_grad_reduction(self):
+        """DeepSpeed's context manager: every backward inside leaves its gradients unreduced, leaving it runs
+        one reduction of their sum (ZeRO 1-2; Note [coalesced reduction] in runtime/grad_accumulation.py)."""
+        return coalesced(self, self._trainable)
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Skip gradient reduction inside the block; gradients keep accumulating locally (stages 0-1)."""
+        """Skip gradient reduction inside the block; gradients keep accumulating locally (stages 0-1).
+
+        As DeepSpeed's: an AssertionError at ZeRO 2-3, when nested, and for `step()` inside the block (an
+        `IncompatibleUsageError`, also a RuntimeError as zerospeed raised it before)."""
         if not self.zero.supports_no_sync:
             stage = self.zero_optimization_stage()
-            raise RuntimeError(
-                f"engine.no_sync() is not supported with ZeRO stage {stage}: gradients are "
-                "partitioned as they are produced; use stage 0 or 1 to accumulate without communication"
+            raise IncompatibleUsageError(
+                f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage {stage}: "
+                "gradients are partitioned as they are produced; use stage 0 or 1 to accumulate without communication"
             )
-        previous, self._inside_no_sync = self._inside_no_sync, True
+        if self._inside_no_sync:
+            raise IncompatibleUsageError(
+                "no_sync context manager reentry is unsupported (already inside no_sync() or coalesce_grad_reduction())"
+            )
+        self._inside_no_sync = True
         try:
             yield
         finally:
-            self._inside_no_sync = previous
+            self._inside_no_sync = False
 
     # -- torch.compile ---------------------------------------------------------------------------------
     def compile(
@@ -108,6 +122,12 @@ class Engine(DeepSpeedAPI, EngineCore):
     # -- the training step -------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         self._check_states_resident("engine forward")
+        if self.zero.weights_in_shards and _under_torch_func():  # Note [torch.func on the engine] (docs/zero.md)
+            raise NotImplementedError(
+                "torch.func transforms (grad, vmap, jacrev, ...) through the engine need whole weights: "
+                "ZeRO stage 3 gathers them with hooks that functorch cannot trace. Use ZeRO stage 0-2, "
+                "or gather the weights yourself (zero.GatheredParameters) and transform a plain copy"
+            )
         self.zero.start_micro_step()
         self.observer.on_forward_start(self, *inputs)
         if self.plans.cast_inputs is not None:  # `fp16.auto_cast` (DeepSpeed's: positional inputs only)
@@ -162,6 +182,7 @@ class Engine(DeepSpeedAPI, EngineCore):
             and not self._inside_no_sync
             and self.enable_backward_allreduce
         )
+        self.window.backwards += 1
         self.observer.on_backward_start(self, loss)
         return scaled
 
@@ -174,17 +195,37 @@ class Engine(DeepSpeedAPI, EngineCore):
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """At an accumulation boundary: reduce, unscale, check overflow, clip, step; else count."""
+        if self.window.coalescing:
+            raise UsageAssertionError("engine.step() inside coalesce_grad_reduction(): call it after the block")
+        if self._inside_no_sync:  # as DeepSpeed: a step there would update each rank from its own gradients
+            raise IncompatibleUsageError(
+                "It is illegal to call Engine.step() inside no_sync context manager: leave the block first; "
+                "the gradients accumulated inside are reduced by the next backward at the accumulation boundary"
+            )
         self._check_states_resident("engine.step")
         self.observer.on_step_start(self)
         self._step_applied = False  # DeepSpeed's: True only after a micro-step whose step() updated the weights
-        if self.is_gradient_accumulation_boundary():
-            for hook in self.step_hooks:  # Note [forward schedules]: layer drop's theta moves here
-                hook.before_step(self)
-            self.take_model_step(lr_kwargs)
-            for hook in self.step_hooks:  # the compression scheduler counts optimizer steps
-                hook.after_step(self)
+        self.window.in_step = True  # Note [caller-managed accumulation]: the unmanaged boundary
+        try:
+            if not self.window.managed and self.zero.supports_no_sync and self.enable_backward_allreduce:
+                reduce_held_gradients(self.zero, self._trainable)  # stages 0-1 held this window's gradients
+            if self.is_gradient_accumulation_boundary():
+                for hook in self.step_hooks:  # Note [forward schedules]: layer drop's theta moves here
+                    hook.before_step(self)
+                samples = self.window.samples(self.train_batch_size(), self.gradient_accumulation_steps())
+                self.take_model_step(lr_kwargs, samples=samples)
+                for hook in self.step_hooks:  # the compression scheduler counts optimizer steps
+                    hook.after_step(self)
+        finally:
+            self.window.in_step = False
         self.micro_steps += 1
         self.observer.on_step_end(self)
 
 
 DeepSpeedEngine = Engine  # DeepSpeed's name (`deepspeed.DeepSpeedEngine`, `deepspeed.runtime.engine.DeepSpeedEngine`)
+
+
+def _under_torch_func() -> bool:
+    """True inside a torch.func transform (grad, vmap, jacrev, ...): functorch's interpreter stack is not empty."""
+    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None

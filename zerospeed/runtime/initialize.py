@@ -23,6 +23,7 @@ from zerospeed.optim import build_lr_scheduler
 from zerospeed.optim.adam import DeepSpeedCPUAdam
 from zerospeed.optim.factory import is_zero_tested_optimizer, optimizer_for_groups
 from zerospeed.optim.lion import DeepSpeedCPULion
+from zerospeed.optim.muon import muon_param_groups, uses_muon
 from zerospeed.optim.param_groups import trainable_param_groups
 from zerospeed.parallel.pipeline.module import PipelineModule
 from zerospeed.parallel.tensor.config import apply_autotp_config, tensor_parallel_size
@@ -33,6 +34,7 @@ from zerospeed.runtime.plans import build_plans
 from zerospeed.runtime.process_settings import apply_log_level, hold_python_gc
 from zerospeed.utils.errors import ConfigAssertionError, ZeroConfigError
 from zerospeed.utils.logging import get_logger
+from zerospeed.zero.tags import full_shape
 
 logger = get_logger(__name__)  # Note [rank-0 logging]
 
@@ -109,6 +111,41 @@ def _param_groups(model, optimizer, model_parameters) -> list[dict]:
     else:
         source = model_parameters if model_parameters is not None else model.parameters()
     return trainable_param_groups(source, allow_empty=True)[0]
+
+
+def _muon_halves(model, groups: list[dict], cfg) -> list[dict]:
+    """Muon's param groups (optim/muon.py): DeepSpeed's `initialize` decides per parameter of the model
+    (matrices not named embed / lm_head use Muon; a user's own `use_muon` is overwritten) and its engine
+    splits every group into a Muon and an Adam half."""
+    _refuse_with_muon(cfg.zero_optimization)
+    flags = {id(p): uses_muon(name, len(full_shape(p))) for name, p in model.named_parameters()}
+    missing = [p for g in groups for p in g["params"] if id(p) not in flags]
+    if missing:
+        raise ConfigError(
+            f"optimizer.type: Muon decides per parameter of the model, and {len(missing)} of model_parameters "
+            "are not parameters of `model`; pass them as part of the model"
+        )
+    return muon_param_groups(groups, flags, dict(cfg.optimizer.params or {}))
+
+
+def _refuse_with_muon(zero) -> None:
+    """What Muon does not run with: DeepSpeed's two refusals at stage 3, and NVMe (not built here)."""
+    if zero.stage == 3 and zero.reduce_scatter:
+        raise ConfigError(
+            "zero_optimization.reduce_scatter: Muon and reduce scatter cannot be used together at ZeRO stage 3 "
+            '(DeepSpeed refuses it too); set "reduce_scatter": false'
+        )
+    if zero.stage == 3 and zero.zero_quantized_gradients:
+        raise ConfigError(
+            "zero_optimization.zero_quantized_gradients: Muon and ZeRO++ quantized gradients (its all-to-all "
+            "process group) cannot be used together at ZeRO stage 3 (DeepSpeed refuses it too); set it to false"
+        )
+    offload = zero.offload_optimizer
+    if offload is not None and offload.device == "nvme":
+        raise ConfigError(
+            "optimizer.type: Muon with zero_optimization.offload_optimizer.device 'nvme' is not implemented "
+            "yet (its momentum must be resident to be gathered); use device 'cpu' or 'none'"
+        )
 
 
 def _retarget(strategy, optimizer: torch.optim.Optimizer) -> None:
@@ -223,7 +260,10 @@ def initialize(
         activation.configure(mpu_=mpu, deepspeed_config=cfg)
 
     is_client = isinstance(optimizer, torch.optim.Optimizer)
-    param_groups = moe_param_groups(_param_groups(model, optimizer, model_parameters), client_optimizer=is_client)
+    param_groups = _param_groups(model, optimizer, model_parameters)
+    if optimizer is None and cfg.optimizer is not None and str(cfg.optimizer.type).lower() == "muon":
+        param_groups = _muon_halves(model, param_groups, cfg)
+    param_groups = moe_param_groups(param_groups, client_optimizer=is_client)
     plans = build_plans(
         cfg,
         module=model,

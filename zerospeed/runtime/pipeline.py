@@ -45,7 +45,7 @@ from zerospeed.parallel.pipeline.ties import TiedGradients
 from zerospeed.parallel.pipeline.transport import RecvOp, SendOp, Transport, as_tensors
 from zerospeed.runtime.core import EngineCore
 from zerospeed.runtime.deepspeed_api import DeepSpeedAPI
-from zerospeed.utils.errors import ConfigError
+from zerospeed.utils.errors import ConfigAssertionError, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,11 @@ class PipelineEngine(DeepSpeedAPI, EngineCore):
         if not isinstance(module, PipelineModule):
             raise TypeError(f"PipelineEngine needs a PipelineModule, got {type(module).__name__}")
         _refuse_what_stages_cannot_run(plans)
+        if not config.managed_gradient_accumulation:  # (DeepSpeed asserts it too)
+            raise ConfigAssertionError(
+                "managed_gradient_accumulation=false is not supported with pipeline parallelism: "
+                "train_batch() runs a whole accumulation window itself; set it to true"
+            )
         _apply_pipeline_section(module, config.pipeline)
         # Tied-gradient hooks must be registered before the strategy's (Engine.__init__ builds it).
         module.to(get_accelerator().torch_device(comm.get_local_rank()))

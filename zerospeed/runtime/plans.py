@@ -354,6 +354,7 @@ def offload_plan(cfg, device: torch.device) -> OffloadPlan:
             f"zero_optimization.offload_optimizer.ratio={ratio}: a partial offload works with "
             'ZeRO stage 3 and device "cpu" only; set ratio to 1.0'
         )
+    delayed = _delayed_update(zero, opt_dev)
     pin = bool(
         (opt is not None and opt_dev != "none" and opt.pin_memory)
         or (par is not None and par_dev != "none" and par.pin_memory)
@@ -377,7 +378,26 @@ def offload_plan(cfg, device: torch.device) -> OffloadPlan:
         early_step=cfg.gradient_clipping == 0
         and not precision_policy(cfg).needs_loss_scaling
         and not (cfg.bf16_enabled and cfg.bf16.check_grad_overflow),
+        delayed_update=delayed,
+        delayed_warm_up=opt.delayed_param_update_warm_up if delayed else 0,
     )
+
+
+def _delayed_update(zero, opt_dev: str) -> bool:
+    """`offload_optimizer.delayed_param_update` (Note [delayed parameter update]), where it can be honoured."""
+    opt, key = zero.offload_optimizer, "zero_optimization.offload_optimizer.delayed_param_update"
+    if opt is None or not opt.delayed_param_update:
+        return False
+    if opt_dev != "cpu":
+        raise ConfigError(f'{key} delays the host step of ZeRO-Offload: set offload_optimizer.device to "cpu"')
+    if zero.stage not in (1, 2):
+        raise ConfigError(
+            f"{key} is built for ZeRO stages 1 and 2 (this config has stage {zero.stage}); use stage 1 or 2, "
+            "or set it to false"
+        )
+    if zero.zenflow is not None:
+        raise ConfigError(f"{key}: ZenFlow delays its own host step (zenflow.overlap_step); set it to false")
+    return True
 
 
 def aio_plan(aio) -> AioPlan:

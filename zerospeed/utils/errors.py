@@ -28,6 +28,12 @@ class UsageAssertionError(ValueError, AssertionError):
     that is not a scalar): a `ValueError` as zerospeed raised it before, and an `AssertionError` as DeepSpeed's."""
 
 
+class IncompatibleUsageError(RuntimeError, AssertionError):
+    """An engine feature used where it cannot work and DeepSpeed fails an `assert` (`no_sync()` at ZeRO 2-3,
+    nested, or `step()` inside it): a `RuntimeError` as zerospeed raised it before, and an `AssertionError`
+    as DeepSpeed's."""
+
+
 class ZeRORuntimeException(Exception):
     """DeepSpeed's ZeRO error (`deepspeed.runtime.zero.utils.ZeRORuntimeException`)."""
 

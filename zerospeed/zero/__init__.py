@@ -21,6 +21,7 @@ from zerospeed.zero.sharded import ShardedStrategy, Stage2Strategy
 from zerospeed.zero.stage0 import DataParallelStrategy
 from zerospeed.zero.stage3 import GatheredParameters, Init, full_numel, full_shape, register_external_parameter
 from zerospeed.zero.stage3.strategy import Stage3Strategy
+from zerospeed.zero.stage3.tiling import TiledLinear, TiledLinearReturnBias
 from zerospeed.zero.strategy import ReductionGroup, ZeroStrategy, reduction_groups
 from zerospeed.zero.zenflow import ZenFlowStage1, ZenFlowStage2
 
@@ -113,6 +114,8 @@ __all__ = [
     "ShardedStrategy",
     "Stage2Strategy",
     "Stage3Strategy",
+    "TiledLinear",
+    "TiledLinearReturnBias",
     "ZeroPlan",
     "ZeroStrategy",
     "build_strategy",

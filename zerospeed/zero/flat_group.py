@@ -51,6 +51,7 @@ class FlatParamGroup:
         # masters are host copies (see zerospeed/offload/plan.py).
         master_device = plan.master_device if plan is not None else device
         alias = param_dtype == master_dtype and master_device == device  # (fp32, or Note [bf16 masters])
+        alias = alias and not (plan is not None and plan.masters_apart)  # Note [delayed parameter update]
         for layout in self.layouts:
             full = flatten_fp32(layout, self.params, device)
             buffer = full if param_dtype == torch.float32 else full.to(param_dtype)

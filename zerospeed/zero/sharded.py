@@ -29,6 +29,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.offload.plan import make_stepper
+from zerospeed.optim.muon import ShardedLayout
 from zerospeed.optim.sub_group_step import OverlappedStepper, steps_locally
 from zerospeed.zero import fragment
 from zerospeed.zero.flat_group import FlatParamGroup
@@ -114,6 +115,8 @@ class ShardedOptimizerBase(ReducingStrategy):
             return None
         if self._early is not None:  # no host step runs while a caller reads or writes a master
             self._early.wait()
+        elif self.plan is not None and self.plan.delayed_update:  # Note [delayed parameter update]
+            self.stepper.wait()
         k, seg = where
         u = self.units[k]
         ranks = ReductionGroup(u.group, u.world_size, u.rank)
@@ -192,6 +195,36 @@ class ShardedOptimizerBase(ReducingStrategy):
             coef = 1.0
         self.stepper.step(optimizer, self._pairs(), coef, self.sub_groups, on_stepped=self._publish)
         self._after_step()
+
+    def transform_gradients(self, optimizer: torch.optim.Optimizer, scale: float) -> bool:
+        """Note [Muon on ZeRO shards] (optim/muon.py): an optimizer that needs whole matrices turns the
+        reduced gradient chunks into its update chunks here, after the overflow check and before the
+        norm, which the engine then takes (and clips) over the update, as DeepSpeed's ZeRO 1-3 do."""
+        if not hasattr(optimizer, "orthogonalize_shards"):
+            return False
+        if self.local_gradients():
+            raise RuntimeError("Muon needs reduced gradients: a boundary inside no_sync() cannot step it")
+        optimizer.orthogonalize_shards(self._sharded_layouts(), scale)
+        return True
+
+    def _sharded_layouts(self) -> list[ShardedLayout]:
+        """Each chunk with what an optimizer needs to rebuild its layout's whole tensors."""
+        return [
+            ShardedLayout(
+                master,
+                u.result,
+                [(self._full_shape(u.params[s.param]), s.offset, s.numel) for s in u.layout.segments],
+                u.layout.chunk_range(u.rank)[0],
+                lambda chunk, u=u: self._gather_layout(u, chunk),
+            )
+            for master, u in zip(self.masters, self.units)
+        ]
+
+    def _gather_layout(self, u: GradUnit, chunk: torch.Tensor) -> torch.Tensor:
+        """Every rank's `chunk` of the unit's layout, whole, on the compute device."""
+        full = torch.empty(u.layout.padded, dtype=chunk.dtype, device=self.device)
+        comm.all_gather_into_tensor(full, chunk.to(self.device), group=u.group)
+        return full
 
     def resident(self, optimizer):
         """Context in which every master and optimizer state is in memory (checkpoint save/load)."""

@@ -9,8 +9,10 @@ this rank (Note [parameter fragments] in zero/fragment.py); these functions only
   whole value. `safe_get_full_grad` returns `param.grad` itself where one exists (stage 0, as
   DeepSpeed does).
 - *local* getters return this rank's piece of the flattened parameter (1-D, unpadded, a view where it
-  lives on the compute device), or None when this rank holds none of it; concatenated over the ranks
-  in rank order they are the flattened full value. At stage 0 a rank's piece is the whole parameter.
+  lives on the compute device), an empty tensor when this rank holds none of it (a parameter that lies
+  in other ranks' shards: DeepSpeed gives every rank a padded piece of each parameter, so code written
+  for it expects a tensor for every trained parameter); concatenated over the ranks in rank order they
+  are the flattened full value. At stage 0 a rank's piece is the whole parameter.
 - *setters* write the fp32 master (or optimizer state, or gradient) so that the next step uses it;
   the fp32 setters also refresh the model's own (low-precision) weights, so the next forward computes
   with the new value too. Call them on every rank of the group as well: `safe_set_full_*` take the
@@ -104,13 +106,13 @@ def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
 
 # -- this rank's pieces --------------------------------------------------------------------------
 def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
-    """This rank's piece of `param`'s fp32 master (1-D), or None."""
+    """This rank's piece of `param`'s fp32 master (1-D; empty where the rank holds none), or None (untrained)."""
     with _located(param) as (_, frag):
         return None if frag is None else _local(frag.master, frag)
 
 
 def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:
-    """This rank's piece of `param`'s gradient (1-D, fp32), or None (no piece, or no gradient)."""
+    """This rank's piece of `param`'s gradient (1-D, fp32; empty where the rank holds none), or None (no gradient)."""
     frag = _fragment_of(param)
     if frag is None or frag.grad is None:
         return None
@@ -169,9 +171,9 @@ def _located(param: torch.Tensor, optimizer: bool = False):
         yield strategy, strategy.param_fragment(param)
 
 
-def _local(held: Held, frag: ParamFragment) -> torch.Tensor | None:
+def _local(held: Held, frag: ParamFragment) -> torch.Tensor:
     if held.numel == 0:
-        return None
+        return torch.empty(0, dtype=torch.float32, device=frag.device)
     piece = held.view()
     return (
         piece if piece.device == frag.device and piece.dtype == torch.float32 else piece.to(frag.device, torch.float32)

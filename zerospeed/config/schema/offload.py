@@ -51,6 +51,21 @@ class OffloadOptimizerConfig(StrictModel):
             "false = the sequential step (benchmarks, debugging). Results are the same. Default true."
         ),
     )
+    delayed_param_update: Bool = Field(
+        False,
+        description=(
+            "zerospeed only (DeepSpeed has no such key): ZeRO-Offload's one-step delayed parameter update, "
+            "stages 1-2 with device cpu: step t's host optimizer step runs in the background while step t+1's "
+            "forward and backward use the parameters of step t-1 (gradients one update stale: changes the "
+            "training numbers). Default false."
+        ),
+    )
+    delayed_param_update_warm_up: NonNegInt = Field(
+        0,
+        description=(
+            "zerospeed only: optimizer steps taken without the delay before delayed_param_update starts. Default 0."
+        ),
+    )
 
     @property
     def pipeline(self) -> bool:

@@ -31,6 +31,7 @@ import torch
 
 from zerospeed import comm
 from zerospeed.checkpoint.atomic import atomic_torch_save
+from zerospeed.checkpoint.deepspeed_import import is_deepspeed_pipeline_tag, read_deepspeed_pipeline
 from zerospeed.checkpoint.naming import check_load_dir, check_save_dir
 from zerospeed.parallel.tensor.partition import take
 from zerospeed.parallel.tensor.state import gather_full, param_layouts
@@ -222,6 +223,8 @@ def load_pipeline_checkpoint(
             return None, None
         tag = latest.read_text().strip()
     path = load_dir / str(tag)
+    if is_deepspeed_pipeline_tag(path):
+        return _load_deepspeed(engine, path, strict, load_optimizer_states, load_lr_scheduler_states)
     saved = torch.load(path / "engine_states.pt", map_location="cpu", weights_only=False)
     _load_modules(engine, path, strict)
     if load_optimizer_states and engine.optimizer is not None:
@@ -236,6 +239,32 @@ def load_pipeline_checkpoint(
         setattr(engine, key, saved[key])
     comm.barrier()
     return str(path), saved["client_state"]
+
+
+def _load_deepspeed(engine, path: Path, strict: bool, with_optimizer: bool, with_scheduler: bool):
+    """A tag DeepSpeed's PipelineEngine saved (Note [DeepSpeed pipeline checkpoints] in
+    checkpoint/deepspeed_import.py): its layer files are this layout's; masters and optimizer states come
+    per layer, so they load at any stage count, into ZeRO stage 0."""
+    ds = read_deepspeed_pipeline(path)
+    _load_modules(engine, path, strict)
+    if with_optimizer and engine.optimizer is not None:
+        if engine.zero.stage != 0:
+            raise ConfigError(
+                f"{path}: a DeepSpeed pipeline checkpoint loads its optimizer states into ZeRO stage 0 only "
+                f"(this engine: stage {engine.zero.stage}); pass load_optimizer_states=False to load the weights"
+            )
+        for group in engine.optimizer.param_groups:
+            group.update(ds.param_groups[0])
+        _load_layer_optim(engine, path, ds.optim)
+    else:
+        engine.zero.load_masters_from_params()
+    if with_scheduler and engine.lr_scheduler is not None and ds.meta["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(ds.meta["lr_scheduler"])
+    for key in ("global_steps", "global_samples", "skipped_steps"):  # (DeepSpeed saves no micro-step count)
+        setattr(engine, key, int(ds.meta[key] or 0))
+    comm.barrier()
+    logger.info("loaded DeepSpeed %s pipeline checkpoint %s", ds.meta.get("ds_version"), path)
+    return str(path), ds.client_state
 
 
 def _load_modules(engine, path: Path, strict: bool) -> None:
@@ -283,10 +312,11 @@ def _load_optimizer(engine, path: Path, saved: dict) -> None:
     engine.zero.sync_params_from_masters()
 
 
-def _load_layer_optim(engine, path: Path) -> None:
+def _load_layer_optim(engine, path: Path, cache: dict[int, dict] | None = None) -> None:
+    """`cache`: each layer's {name: {"master", "state"}} already read (else the layer optim files)."""
     where = _param_layers(engine)
     tp = _TensorParallel(engine)
-    cache: dict[int, dict] = {}
+    cache = {} if cache is None else cache
     with torch.no_grad():
         for master, param in _masters(engine):
             idx, name = where[id(param)][0]

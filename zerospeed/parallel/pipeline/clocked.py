@@ -23,6 +23,13 @@ from collections.abc import Iterator
 from zerospeed.parallel.pipeline import schedules as zs
 
 
+def call_to_str(base: str, *args, **kwargs) -> str:
+    """`base(arg, ..., key=value, ...)` with each value's repr: how an instruction prints (DeepSpeed's
+    `runtime.utils.call_to_str`)."""
+    parts = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
+    return f"{base}({', '.join(parts)})"
+
+
 class PipeInstruction:
     """One instruction of a clocked schedule; keyword arguments become attributes (`buffer_id=...`)."""
 
@@ -33,8 +40,7 @@ class PipeInstruction:
             setattr(self, key, value)
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
-        return f"{self.name}({args})"
+        return call_to_str(self.name, **self.kwargs)
 
     def __eq__(self, other) -> bool:
         return type(self) is type(other) and self.kwargs == other.kwargs

@@ -1,0 +1,178 @@
+"""ZeRO-Offload's one-step delayed parameter update (`offload_optimizer.delayed_param_update`).
+
+The reference is a plain single-process PyTorch loop of the rule in Note [delayed parameter update]
+(zerospeed/offload/delayed_update.py), written here on whole tensors: AdamW steps fp32 master copies;
+for the first `warm_up` steps the result reaches the model at once; after that each step first copies
+the masters (the previous step's result) into the model and then steps them, so the next step's
+forward and backward run on weights one update old. 2 ranks, ZeRO 1-2, fp32, two param groups, an LR
+schedule, gradient accumulation, clipping: every loss, the final weights and the final masters (read
+through `safe_get_full_fp32_param` while the last host step may still run) within 1e-5, and away from
+plain AdamW (the delay is real). Without the key the engine is today's (same stepper, plain
+AdamW's numbers), and with a warm-up longer than the run it is bitwise today's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_zero_parity import GAS, SCHED, build_model, global_batches, param_groups, zero_config
+
+import zerospeed
+from harness import reference_train, run_distributed, split_global_batch
+from zerospeed import comm
+from zerospeed.config import ConfigError, parse_config
+from zerospeed.optim import build_lr_scheduler
+from zerospeed.runtime.plans import offload_plan
+from zerospeed.zero.tensor_access import safe_get_full_fp32_param
+
+STEPS = 6
+KEY = "zero_optimization.offload_optimizer.delayed_param_update"
+
+
+def _config(stage, clip=1.0, **offload):
+    cfg = zero_config(stage, gradient_clipping=clip)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", **offload}
+    return cfg
+
+
+def _train(config):
+    model = build_model()
+    engine, *_ = zerospeed.initialize(model=model, model_parameters=param_groups(model), config=config)
+    rank, world = comm.get_rank(), comm.get_world_size()
+    losses = []
+    for batch in global_batches(world, STEPS):
+        total = 0.0
+        for x, y in split_global_batch(batch, world, GAS, rank):
+            loss = engine(x, y)
+            total += loss.item()
+            engine.backward(loss)
+            engine.step()
+        t = torch.tensor([total / GAS])
+        comm.all_reduce(t, op="avg")
+        losses.append(t.item())
+    state = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+    # DeepSpeed's accessor waits for the host step in flight and reads its result (one update ahead)
+    masters = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters() if p.requires_grad}
+    kind = type(engine.zero.stepper).__name__
+    engine.destroy()
+    return {"losses": losses, "state": state, "masters": masters, "stepper": kind}
+
+
+CASES = {  # name -> (stage, gradient_clipping, offload_optimizer keys)
+    "stage2": (2, 1.0, {"delayed_param_update": True}),
+    "stage2_warm_up": (2, 0.0, {"delayed_param_update": True, "delayed_param_update_warm_up": 2}),
+    "stage1": (1, 1.0, {"delayed_param_update": True}),
+    "off": (2, 1.0, {}),  # the key absent: today's engine
+    "off_explicit": (2, 1.0, {"delayed_param_update": False}),
+    "warm_up_whole_run": (2, 1.0, {"delayed_param_update": True, "delayed_param_update_warm_up": STEPS}),
+}
+
+
+def _every_case() -> dict:
+    return {name: _train(_config(stage, clip, **keys)) for name, (stage, clip, keys) in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_distributed(_every_case, 2, timeout=150)
+
+
+def reference_delayed(world, clip, warm_up):
+    """Plain PyTorch, one process: the delayed rule over the same global batches (None: plain AdamW).
+    Returns the losses, the final weights and (the delayed rule) the final masters by name."""
+    model = build_model()
+    groups = param_groups(model)
+    if warm_up is None:
+        opt = torch.optim.AdamW(groups, lr=3e-3, weight_decay=0.0)
+        sched = build_lr_scheduler(SCHED["type"], dict(SCHED["params"]), opt)
+        losses = reference_train(
+            model, opt, global_batches(world, STEPS), world_size=world, grad_accum=GAS, scheduler=sched, clip=clip
+        )
+        return losses, model.state_dict(), None
+    params = [p for g in groups for p in g["params"]]
+    masters = [p.detach().clone() for p in params]
+    it = iter(masters)
+    opt = torch.optim.AdamW(
+        [{**g, "params": [next(it) for _ in g["params"]]} for g in groups], lr=3e-3, weight_decay=0.0
+    )
+    sched = build_lr_scheduler(SCHED["type"], dict(SCHED["params"]), opt)
+    losses = []
+    for t, batch in enumerate(global_batches(world, STEPS)):
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for rank in range(world):
+            for x, y in split_global_batch(batch, world, GAS, rank):
+                loss = model(x, y)
+                (loss / (world * GAS)).backward()
+                total += loss.item()
+        losses.append(total / (world * GAS))
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        with torch.no_grad():
+            if t >= warm_up:  # publish the previous step's result, then step: it reaches the model next time
+                for p, m in zip(params, masters):
+                    p.copy_(m)
+            for p, m in zip(params, masters):
+                m.grad = p.grad.clone()
+            opt.step()
+            sched.step()
+            if t < warm_up:
+                for p, m in zip(params, masters):
+                    p.copy_(m)
+    names = {id(p): n for n, p in model.named_parameters()}
+    return losses, model.state_dict(), {names[id(p)]: m for p, m in zip(params, masters)}
+
+
+def _close(run, ref_losses, ref_state):
+    assert max(abs(a - b) for a, b in zip(run["losses"], ref_losses)) <= 1e-5, (run["losses"], ref_losses)
+    for k, v in ref_state.items():
+        torch.testing.assert_close(run["state"][k], v.float(), atol=1e-5, rtol=1e-4, msg=k)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("name", ["stage2", "stage2_warm_up", "stage1"])
+def test_delayed_update_equals_pytorch_reference(name, runs):
+    _, clip, keys = CASES[name]
+    ref_losses, ref_state, ref_masters = reference_delayed(2, clip, keys.get("delayed_param_update_warm_up", 0))
+    plain_losses, _, _ = reference_delayed(2, clip, None)
+    for per_rank in runs:
+        run = per_rank[name]
+        assert run["stepper"] == "DelayedStepper"
+        _close(run, ref_losses, ref_state)
+        for k, v in ref_masters.items():  # the last step's result, not yet in the weights
+            torch.testing.assert_close(run["masters"][k], v, atol=1e-5, rtol=1e-4, msg=k)
+            assert not torch.allclose(run["masters"][k], run["state"][k], atol=1e-6), k
+        # the delay changes the numbers: away from plain AdamW by far more than the tolerance
+        assert max(abs(a - b) for a, b in zip(run["losses"], plain_losses)) > 1e-3
+
+
+@pytest.mark.timeout(200)
+def test_off_by_default_is_todays_engine(runs):
+    ref_losses, ref_state, _ = reference_delayed(2, 1.0, None)
+    for per_rank in runs:
+        off, explicit, warm = per_rank["off"], per_rank["off_explicit"], per_rank["warm_up_whole_run"]
+        assert off["stepper"] == explicit["stepper"] == "OverlappedStepper"  # today's default stepper
+        _close(off, ref_losses, ref_state)
+        for k, v in off["masters"].items():  # nothing in flight: the masters are the weights
+            torch.testing.assert_close(v, off["state"][k])
+        # bitwise: the same steps on the same tensors (a warm-up as long as the run never delays)
+        for other in (explicit, warm):
+            assert other["losses"] == off["losses"]
+            for k in off["state"]:
+                assert torch.equal(other["state"][k], off["state"][k]), k
+
+
+@pytest.mark.parametrize(
+    "zero,match",
+    [
+        ({"stage": 3}, "stages 1 and 2"),
+        ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}, 'device to "cpu"'),
+        ({"stage": 2, "zenflow": {"topk_ratio": 0.1}}, "ZenFlow"),
+    ],
+)
+def test_refusals_name_the_key(zero, match):
+    offload = {"device": "cpu", **zero.pop("offload_optimizer", {}), "delayed_param_update": True}
+    cfg = parse_config({"train_batch_size": 2, "zero_optimization": {**zero, "offload_optimizer": offload}})
+    with pytest.raises(ConfigError, match=match) as err:
+        offload_plan(cfg, torch.device("cpu"))
+    assert KEY in str(err.value)
