@@ -104,6 +104,7 @@ MODULES: dict[str, str | dict[str, str] | None] = {
         "prefix_sum_inc": "zerospeed.parallel.pipeline.partition:prefix_sum_inc",
         "PartitionedTensor": "zerospeed.comm.partitioned:PartitionedTensor",
         "call_to_str": "zerospeed.parallel.pipeline.clocked:call_to_str",
+        "clip_grad_norm_": "zerospeed.parallel.clipping:clip_grad_norm_",
         "count_used_parameters_in_backward": "zerospeed.utils.tensors:count_used_parameters_in_backward",
         "see_memory_usage": "zerospeed.profiling.memory_usage:see_memory_usage",
     },

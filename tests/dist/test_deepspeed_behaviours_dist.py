@@ -280,3 +280,28 @@ def test_local_getters_give_every_rank_a_tensor_at_zero3():
         torch.testing.assert_close(torch.cat([w for w, _ in pieces]), weight.reshape(-1))
         sizes += [w.numel() for w, _ in pieces]
     assert 0 in sizes  # the case the test is about occurs
+
+
+def _clip_on_each_rank(max_norm):
+    from zerospeed import comm
+    from zerospeed.parallel.clipping import clip_grad_norm_
+
+    rank = comm.get_rank()
+    shared, expert = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    shared.grad, expert.grad = torch.tensor([3.0, 4.0]), torch.full((3,), float(rank + 1))
+    norm = clip_grad_norm_([shared, expert], max_norm)
+    return float(norm), shared.grad.clone(), expert.grad.clone()
+
+
+@pytest.mark.timeout(120)
+def test_clip_grad_norm_averages_the_ranks_norms():
+    """`deepspeed.runtime.utils.clip_grad_norm_` with gradients that differ by rank (an expert's): each rank's
+    L2 norm, averaged over the data-parallel group (the world here), and every rank clips by that mean
+    (DeepSpeed's formula; its test_gather checks the ranks agree)."""
+    norms = [(25 + 3 * (r + 1) ** 2) ** 0.5 for r in range(2)]
+    mean = sum(norms) / 2
+    for rank, (norm, shared, expert) in enumerate(run_distributed(_clip_on_each_rank, 2, 1.0, timeout=100)):
+        assert norm == pytest.approx(mean, rel=1e-6)
+        coef = 1.0 / (mean + 1e-6)
+        torch.testing.assert_close(shared, torch.tensor([3.0, 4.0]) * coef)
+        torch.testing.assert_close(expert, torch.full((3,), float(rank + 1)) * coef)

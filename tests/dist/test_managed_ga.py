@@ -1,4 +1,4 @@
-"""`managed_gradient_accumulation: false` and `engine.coalesce_grad_reduction()` on 2 gloo ranks, against a
+"""`managed_gradient_accumulation: false` and `engine.coalesce_grad_reduction()` (ZeRO 1-3) on 2 gloo ranks, against a
 plain single-process PyTorch loop that replays the caller's step schedule by hand (fp32, max |dw| <= 1e-5).
 
 The reference follows DeepSpeed 0.19.8's rules (Note [caller-managed accumulation] in
@@ -140,67 +140,82 @@ def test_caller_managed_steps_match_plain_pytorch(stage):
         opt.step()
 
 
+def _reductions() -> int:
+    """Gradient reductions issued so far (comm.STATS: reduce-scatters and all-reduces; stage 3's weight
+    all-gathers are not reductions)."""
+    kinds = comm.STATS.snapshot()
+    return sum(kinds.get(k, {}).get("calls", 0) for k in ("reduce_scatter", "all_reduce"))
+
+
 def _coalesce(stage: int):
     rank = comm.get_rank()
-    engine, *_ = zerospeed.initialize(model=_model(), config=_config(stage, managed=True, gas=1))
-    calls = []
-    original = comm.reduce_scatter_tensor
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    comm.reduce_scatter_tensor = counted
-    batches = _batches(2 * COALESCED)
-    counts, step_error = [], None
-    try:
-        for s in range(2):
-            with engine.coalesce_grad_reduction():
-                for i, step in enumerate(batches[s * COALESCED : (s + 1) * COALESCED]):
-                    engine.set_gradient_accumulation_boundary(i == COALESCED - 1)
-                    engine.backward(_loss(engine, *step[rank]))
-                counts.append(len(calls))
-                if s == 1:
-                    try:
-                        engine.step()
-                    except AssertionError as e:
-                        step_error = str(e)
-            counts.append(len(calls))
-            engine.step()
-    finally:
-        comm.reduce_scatter_tensor = original
-    return {"weights": _weights(engine), "counts": counts, "step_error": step_error, "steps": engine.global_steps}
+    config = _config(stage, managed=True, gas=1)
+    if stage == 3:  # every unit gathered around its uses and released after them (none kept resident)
+        config["zero_optimization"].update(
+            stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0
+        )
+    engine, *_ = zerospeed.initialize(model=_model(), config=config)
+    batches = _batches(2 * COALESCED + 1)
+    counts, step_error, released = [], None, []
+    if stage == 3:  # when the first layer's backward starts, the last one's weights are back to their shards
+        last = engine.zero.flat[1]
+        engine.module[0].register_full_backward_pre_hook(lambda *_: released.append(last.state.name))
+    for s in range(2):
+        comm.STATS.reset()
+        with engine.coalesce_grad_reduction():
+            for i, step in enumerate(batches[s * COALESCED : (s + 1) * COALESCED]):
+                engine.set_gradient_accumulation_boundary(i == COALESCED - 1)
+                engine.backward(_loss(engine, *step[rank]))
+            counts.append(_reductions())
+            if s == 1:
+                try:
+                    engine.step()
+                except AssertionError as e:
+                    step_error = str(e)
+        counts.append(_reductions())
+        engine.step()
+    weights = _weights(engine)
+    comm.STATS.reset()  # one ordinary backward: the reductions of one pass
+    engine.set_gradient_accumulation_boundary(None)
+    engine.backward(_loss(engine, *batches[-1][rank]))
+    counts.append(_reductions())
+    return {
+        "weights": weights,
+        "counts": counts,
+        "step_error": step_error,
+        "steps": engine.global_steps,
+        "released": released,
+    }
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_coalesced_reduction_matches_plain_pytorch(stage):
     ranks = run_distributed(_coalesce, WORLD, stage, timeout=200)
     ref = _reference([COALESCED, COALESCED], divide_by=1)  # gradient_accumulation_steps=1
-    for r in ranks:
+    for r in ranks[:1] if stage == 3 else ranks:  # (stage 3 gathers the full weights on rank 0)
         for name, value in ref.items():
             assert (r["weights"][name] - value).abs().max().item() <= 1e-5, (stage, name)
-        inside_1, after_1, inside_2, after_2 = r["counts"]
-        assert inside_1 == 0 and inside_2 == after_1  # no collective while the block runs
-        assert after_1 > 0 and after_2 - inside_2 == after_1  # one reduction pass per block
+    for r in ranks:
+        inside_1, after_1, inside_2, after_2, one_backward = r["counts"]
+        assert inside_1 == 0 and inside_2 == 0  # no reduction while the block runs
+        assert one_backward > 0 and after_1 == after_2 == one_backward  # one reduction pass per block
         assert "inside coalesce_grad_reduction" in r["step_error"]
         assert r["steps"] == 2
+        if stage == 3:  # inside the blocks (held gradients) as after them (reduced at once)
+            assert r["released"] == ["SHARDED"] * (2 * COALESCED + 1)
 
 
-def _coalesce_refusals():
-    out = {}
-    for stage in (0, 3):
-        engine, *_ = zerospeed.initialize(model=_model(), config=_config(stage, managed=True, gas=1))
-        try:
-            with engine.coalesce_grad_reduction():
-                pass
-        except NotImplementedError as e:
-            out[stage] = str(e)
-    return out
+def _coalesce_refusal():
+    engine, *_ = zerospeed.initialize(model=_model(), config=_config(0, managed=True, gas=1))
+    try:
+        with engine.coalesce_grad_reduction():
+            pass
+    except NotImplementedError as e:
+        return str(e)
 
 
 @pytest.mark.timeout(120)
-def test_coalesce_refuses_stage_0_and_3():
-    r = run_distributed(_coalesce_refusals, WORLD, timeout=100)[0]
-    assert r[0] == "coalesce_grad_reduction requires ZeRO stage 1/2/3, got stage 0"  # DeepSpeed's message
-    assert "stage 3 is not built in zerospeed yet" in r[3]
+def test_coalesce_refuses_stage_0():
+    r = run_distributed(_coalesce_refusal, WORLD, timeout=100)[0]
+    assert r == "coalesce_grad_reduction requires ZeRO stage 1/2/3, got stage 0"  # DeepSpeed's message

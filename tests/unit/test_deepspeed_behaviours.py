@@ -342,3 +342,129 @@ def test_ds_views_under_zero3():
     with pytest.raises(AttributeError):
         weight.ds_numel = 3  # read-only
     assert not hasattr(plain.fc.weight, "ds_numel")
+
+
+# -- DeepSpeedCPUAdam's fp32 moments, sharded_moe's `dist` and `_AllToAll`, runtime.utils.clip_grad_norm_ ----------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_adam_keeps_fp32_moments_for_16bit_parameters(dtype):
+    """DeepSpeed's CPU Adam (fp32_optimizer_states=True, the default) keeps fp32 moments for a 16-bit
+    parameter and updates in fp32, storing the parameter back in its dtype: against torch's fp32 AdamW on
+    an fp32 copy that is rounded to `dtype` after every step."""
+    torch.manual_seed(0)
+    base = torch.randn(257).to(dtype)
+    param, ref = torch.nn.Parameter(base.clone()), torch.nn.Parameter(base.float())
+    ours = DeepSpeedCPUAdam([param], lr=1e-2, weight_decay=0.01)
+    theirs = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.01)
+    for _ in range(6):
+        grad = torch.randn(257).to(dtype)
+        param.grad, ref.grad = grad.clone(), grad.float()
+        ours.step()
+        theirs.step()
+        with torch.no_grad():
+            ref.copy_(ref.to(dtype).float())
+    assert param.dtype == dtype
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert ours.state[param][key].dtype == torch.float32
+        torch.testing.assert_close(ours.state[param][key], theirs.state[ref][key], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(param.float(), ref.detach(), rtol=0, atol=0)
+    again = DeepSpeedCPUAdam([torch.nn.Parameter(param.detach().clone())])
+    again.load_state_dict(ours.state_dict())  # torch would cast the moments to the parameter's dtype
+    loaded = next(iter(again.state.values()))
+    assert loaded["exp_avg"].dtype == torch.float32
+    torch.testing.assert_close(loaded["exp_avg_sq"], ours.state[param]["exp_avg_sq"], rtol=0, atol=0)
+    half = DeepSpeedCPUAdam([p := torch.nn.Parameter(base.clone())], fp32_optimizer_states=False)
+    p.grad = torch.ones_like(p)
+    half.step()
+    assert half.state[p]["exp_avg"].dtype == dtype  # DeepSpeed: the parameter's dtype without the flag
+
+
+class _FakeGroup:
+    """A stand-in expert-parallel group of two ranks (the collectives are patched below)."""
+
+
+@pytest.mark.parametrize("gate", ["top1", "top2", "topk"])
+def test_sharded_moe_capacity_all_reduce_goes_through_its_dist(monkeypatch, gate):
+    """DeepSpeed's tests patch `deepspeed.moe.sharded_moe.dist` (its comm package): a dropless gate makes one
+    all_reduce(op=ReduceOp.MAX, group=ep_group) there for a parallel ep group, and none at all — not even a
+    size query — for ep_group=None (DeepSpeed's pg_utils.is_parallel: None is no parallelism)."""
+    from zerospeed import comm
+    from zerospeed.moe import sharded_moe
+
+    assert sharded_moe.dist is comm and comm.ReduceOp.MAX == "max"
+    fn = {"top1": sharded_moe.top1gating, "top2": sharded_moe.top2gating, "topk": sharded_moe.topkgating}[gate]
+    args = (1, 0) if gate != "topk" else (3, 1, 0)
+    group, calls = _FakeGroup(), []
+    logits = torch.randn(8, 4)
+
+    def all_reduce(tensor, op=comm.ReduceOp.SUM, group=None):
+        calls.append((op, group))
+        tensor.fill_(8)  # the other rank's largest expert count
+
+    monkeypatch.setattr(sharded_moe.dist, "get_world_size", lambda g=None: 2 if g is group else 1)
+    monkeypatch.setattr(sharded_moe.dist, "all_reduce", all_reduce)
+    out = fn(logits, *args, drop_tokens=False, ep_group=group)
+    assert calls == [(comm.ReduceOp.MAX, group)] and out[2].shape[-1] == 8  # the capacity is the group's maximum
+
+    def fail(*args, **kwargs):
+        raise AssertionError("ep_group=None made a collective")
+
+    monkeypatch.setattr(sharded_moe.dist, "get_world_size", fail)
+    monkeypatch.setattr(sharded_moe.dist, "all_reduce", fail)
+    fn(logits, *args, drop_tokens=False, ep_group=None)
+
+
+def test_moe_layer_exchanges_through_all_to_all_apply(monkeypatch):
+    """DeepSpeed's MOELayer sends the dispatched slots and the expert outputs through `_AllToAll.apply(group,
+    x)`: two calls per forward at ep_size 2, none at ep_size 1 (its test_all_to_all counts them)."""
+    from zerospeed.moe import sharded_moe
+    from zerospeed.moe.sharded_moe import MOELayer, TopKGate
+
+    calls = []
+
+    def counted(group, x):
+        calls.append(group)
+        return x
+
+    monkeypatch.setattr(sharded_moe._AllToAll, "apply", counted)
+    for ep_size, expected in ((1, 0), (2, 2)):
+        calls.clear()
+        layer = MOELayer(TopKGate(8, 2, k=1, min_capacity=0), torch.nn.Linear(8, 8), "ep_size_x", ep_size, 2 // ep_size)
+        group = _FakeGroup()
+        if ep_size > 1:
+            layer._set_ep_group(group)
+        layer(torch.randn(1, 4, 8))
+        assert calls == [group] * expected
+
+
+@pytest.mark.parametrize("norm_type", [2, 1, 3, float("inf")])
+def test_runtime_utils_clip_grad_norm_is_torchs_on_one_rank(norm_type):
+    """`deepspeed.runtime.utils.clip_grad_norm_` on one rank is torch.nn.utils.clip_grad_norm_: same norm,
+    same clipped gradients (DeepSpeed's test_clipped_val); a parameter without a gradient is left out."""
+    from zerospeed.parallel.clipping import clip_grad_norm_
+
+    def params():
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(5)) for _ in range(4)]
+        for p in ps[:3]:
+            p.grad = torch.randn(5)
+        return ps
+
+    expected, actual = params(), params()
+    norm = torch.nn.utils.clip_grad_norm_(expected[:3], 0.5, norm_type)
+    torch.testing.assert_close(clip_grad_norm_(actual, 0.5, norm_type), norm)
+    for e, a in zip(expected[:3], actual[:3]):
+        torch.testing.assert_close(a.grad, e.grad)
+    assert actual[3].grad is None
+
+
+def test_one_cycle_step_ratio():
+    """DeepSpeed's OneCycle.step_ratio: cycle_first_step_size / (first + second); 1.0 for a sawtooth."""
+    from zerospeed.optim.schedulers import OneCycle
+
+    def ratio(first, second):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        return OneCycle(opt, 0.001, 0.1, cycle_first_step_size=first, cycle_second_step_size=second).step_ratio
+
+    assert ratio(100, 0) == 1.0 and ratio(30, 70) == 0.3 and ratio(50, None) == 0.5

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import datetime as _dt
+import enum
 import logging
 import os
 import time
@@ -31,6 +32,16 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT = _dt.timedelta(minutes=30)
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class ReduceOp(enum.StrEnum):
+    """The reduce ops of the collectives under DeepSpeed's names (`deepspeed.comm.ReduceOp.MAX`); each
+    member is its op string, so `op=ReduceOp.MAX` and `op="max"` are the same op."""
+
+    SUM = "sum"
+    AVG = "avg"
+    MAX = "max"
+    MIN = "min"
 
 
 def _env_int(name: str) -> int | None:

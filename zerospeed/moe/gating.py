@@ -63,8 +63,9 @@ def dropless_capacity(exp_counts: torch.Tensor, ep_group=comm.SELF) -> int:
     """The largest per-expert count on any rank of `ep_group` (one all-reduce there): the capacity at
     which no token is dropped and every rank's buffers agree in shape."""
     top = exp_counts.max().reshape(1).to(torch.int64).clone()
-    if comm.get_world_size(ep_group) > 1:
-        comm.all_reduce(top, op="max", group=ep_group)
+    # SELF is this rank alone: no collective, not even a size query (DeepSpeed's pg_utils.is_parallel)
+    if ep_group is not comm.SELF and comm.get_world_size(ep_group) > 1:
+        comm.all_reduce(top, op=comm.ReduceOp.MAX, group=ep_group)
     return int(top.item())
 
 

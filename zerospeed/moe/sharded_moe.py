@@ -17,6 +17,12 @@ engine averages an expert group over its expert-data-parallel ranks only (dp / e
 over all dp ranks' losses is therefore 1/ep of that sum: the experts' parameter gradients are scaled
 by 1/ep in backward (`_ScaleGrad` around the experts: x ep on the way in, 1/ep on the way out, so
 the gradient that flows back to the tokens is unchanged). DeepSpeed once got this wrong (#5618).
+
+Note [dist]: as in DeepSpeed's module, `dist` here is the comm package itself and `_AllToAll.apply(group, x)`
+is the layer's all-to-all, both looked up when called: the gates' capacity all-reduce goes through
+`comm.all_reduce` (`dist.all_reduce`), so code that patches `sharded_moe.dist` or `_AllToAll` sees every
+call. The gating functions at this path take DeepSpeed's `ep_group`: None is no expert parallelism (no
+collective), where zerospeed.moe.gating's None is the world group.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from torch import nn
 
 from zerospeed import comm
 from zerospeed.comm.functional import all_to_all
+from zerospeed.moe import gating
 from zerospeed.moe.dropless import run_dropless
 from zerospeed.moe.experts import Experts
 from zerospeed.moe.gating import _route_slots as _route_slots  # DeepSpeed's sparse-dispatch helpers
@@ -36,13 +43,11 @@ from zerospeed.moe.gating import (
     dropless_capacity,
     gumbel_rsample,
     multiplicative_jitter,
-    top1gating,
-    top2gating,
-    topkgating,
 )
 from zerospeed.utils.logging import get_logger
 
 logger = get_logger(__name__)
+dist = comm  # DeepSpeed's module-level name for its comm package (Note [dist])
 
 __all__ = [
     "MOELayer",
@@ -55,6 +60,91 @@ __all__ = [
     "top2gating",
     "topkgating",
 ]
+
+
+def _no_group(ep_group):
+    """DeepSpeed's `ep_group=None` (no expert parallelism) as zerospeed's group of this rank alone."""
+    return comm.SELF if ep_group is None else ep_group
+
+
+def top1gating(
+    logits: torch.Tensor,
+    capacity_factor: float,
+    min_capacity: int,
+    used_token: torch.Tensor | None = None,
+    noisy_gate_policy: str | None = None,
+    drop_tokens: bool = True,
+    use_rts: bool = True,
+    ep_group=None,
+    sparse_routes: bool = False,
+    use_tutel: bool = False,
+):
+    """zerospeed.moe.gating.top1gating with DeepSpeed's `ep_group` (Note [dist])."""
+    return gating.top1gating(
+        logits,
+        capacity_factor,
+        min_capacity,
+        used_token,
+        noisy_gate_policy,
+        drop_tokens,
+        use_rts,
+        _no_group(ep_group),
+        sparse_routes=sparse_routes,
+        use_tutel=use_tutel,
+    )
+
+
+def top2gating(
+    logits: torch.Tensor,
+    capacity_factor: float,
+    min_capacity: int,
+    drop_tokens: bool = True,
+    ep_group=None,
+    top2_2nd_expert_sampling: bool = True,
+    sparse_routes: bool = False,
+):
+    """zerospeed.moe.gating.top2gating with DeepSpeed's `ep_group` (Note [dist])."""
+    return gating.top2gating(
+        logits,
+        capacity_factor,
+        min_capacity,
+        drop_tokens,
+        _no_group(ep_group),
+        top2_2nd_expert_sampling,
+        sparse_routes=sparse_routes,
+    )
+
+
+def topkgating(
+    logits: torch.Tensor,
+    k: int,
+    capacity_factor: float,
+    min_capacity: int,
+    drop_tokens: bool = True,
+    ep_group=None,
+    drop_policy: str = "probs",
+    sparse_routes: bool = False,
+):
+    """zerospeed.moe.gating.topkgating with DeepSpeed's `ep_group` (Note [dist])."""
+    return gating.topkgating(
+        logits,
+        k,
+        capacity_factor,
+        min_capacity,
+        drop_tokens,
+        _no_group(ep_group),
+        drop_policy,
+        sparse_routes=sparse_routes,
+    )
+
+
+class _AllToAll:
+    """DeepSpeed's name for the layer's differentiable all-to-all over the expert-parallel group
+    (comm.functional.all_to_all; Note [dist])."""
+
+    @staticmethod
+    def apply(group, input: torch.Tensor) -> torch.Tensor:
+        return all_to_all(input, group)
 
 
 class _Fp32Linear(nn.Linear):
@@ -121,7 +211,7 @@ class TopKGate(nn.Module):
         cf = self.capacity_factor if self.training else self.eval_capacity_factor
         if self.k == 1:
             noise = self.noisy_gate_policy if self.training else None
-            return top1gating(
+            return gating.top1gating(
                 logits,
                 cf,
                 self.min_capacity,
@@ -133,7 +223,7 @@ class TopKGate(nn.Module):
                 sparse_routes=sparse_routes,
             )
         if self.k == 2:
-            return top2gating(
+            return gating.top2gating(
                 logits,
                 cf,
                 self.min_capacity,
@@ -142,7 +232,7 @@ class TopKGate(nn.Module):
                 self.top2_2nd_expert_sampling,
                 sparse_routes=sparse_routes,
             )
-        return topkgating(
+        return gating.topkgating(
             logits, self.k, cf, self.min_capacity, self.drop_tokens, self.ep_group, sparse_routes=sparse_routes
         )
 
@@ -214,7 +304,7 @@ class MOELayer(nn.Module):
         if self.ep_size == 1:
             return slots_ECM.contiguous()
         self._check_bound()
-        return all_to_all(slots_ECM, self.ep_group)
+        return _AllToAll.apply(self.ep_group, slots_ECM)
 
     def _scaled(self, fn, x: torch.Tensor) -> torch.Tensor:
         """fn(x) with the experts' parameter gradients scaled by 1 / ep (Note [expert gradient scale])."""

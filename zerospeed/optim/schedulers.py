@@ -343,6 +343,16 @@ class OneCycle(_BatchScheduler):
         self.first_step_size, self.second_step_size = first, second
         self.first_stair_count, self.second_stair_count = first_stairs, second_stairs
 
+    @property
+    def total_size(self) -> int:
+        """Steps in one cycle, up and down."""
+        return self.first_step_size + self.second_step_size
+
+    @property
+    def step_ratio(self) -> float:
+        """The fraction of the cycle spent climbing (DeepSpeed's attribute): 1.0 for a sawtooth."""
+        return self.first_step_size / self.total_size
+
     def _supports_momentum(self) -> bool:
         # DeepSpeed asks the optimizer's defaults; a wrapper without them answers through its groups.
         defaults = getattr(self.optimizer, "defaults", None)

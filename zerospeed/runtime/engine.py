@@ -52,7 +52,7 @@ class Engine(DeepSpeedAPI, EngineCore):
 
     def coalesce_grad_reduction(self):
         """DeepSpeed's context manager: every backward inside leaves its gradients unreduced, leaving it runs
-        one reduction of their sum (ZeRO 1-2; Note [coalesced reduction] in runtime/grad_accumulation.py)."""
+        one reduction of their sum (ZeRO 1-3; Note [coalesced reduction] in runtime/grad_accumulation.py)."""
         return coalesced(self, self._trainable)
 
     @contextlib.contextmanager

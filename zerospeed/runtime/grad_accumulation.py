@@ -17,7 +17,7 @@ only counts. With `managed_gradient_accumulation: false` the caller owns the win
   owns the boundary), as are ZeRO `overlap_comm` at stages 0-1 (config/parse.py) and the pipeline
   engine, all as DeepSpeed refuses them.
 
-Note [coalesced reduction]: `engine.coalesce_grad_reduction()` (ZeRO 1-2 here; DeepSpeed also 3) is a
+Note [coalesced reduction]: `engine.coalesce_grad_reduction()` (ZeRO 1-3, as DeepSpeed) is a
 block in which every `backward` leaves its gradients unreduced on this rank; leaving the block runs one
 reduction of their sum, so a window of k backwards costs one collective instead of k (ZeRO-2's
 reduce-scatter) and the result is the same sum. One block is one window: `step()` inside it raises,
@@ -25,7 +25,12 @@ and it must start with no gradient pending (zerospeed refuses that; DeepSpeed do
 docstring warns that each flush overwrites the reduced gradients). The boundary state in force when the
 block began is restored when it ends, as in DeepSpeed. At ZeRO-2 the block holds a full-size local
 gradient buffer (`hold_local_gradients`), freed after the flush, as DeepSpeed's leaves each gradient on
-its parameter.
+its parameter. At ZeRO-3 each unit keeps its full-size staging buffer (fp32, or the communication
+dtype) across the block's backwards instead of reduce-scattering it, while its gathered weights are
+still released after its backward as always; the flush launches every unit's held staging in the usual
+order with no backward at all (stage 3's parameters are shards, so no zero-gradient backward can reach
+them) and frees it. So a block holds one full-size gradient of the whole model per rank, as
+DeepSpeed's stage 3 does on each parameter's `.grad`.
 """
 
 from __future__ import annotations
@@ -84,15 +89,20 @@ def reduce_held_gradients(zero, params: list[torch.nn.Parameter]) -> None:
     """One reduction of the gradients the strategy holds unreduced (stages 0-1, or stage 2's full local
     buffers under `hold_local_gradients`): a backward of zero gradients with reduction on, which makes
     every parameter report to the reducer, so its units launch in their usual order through its own
-    hooks (the pipeline's ReduceGrads does the same: Note [one reduction per batch] in runtime/pipeline.py)."""
-    grads = [torch.zeros_like(p) for p in params]
+    hooks (the pipeline's ReduceGrads does the same: Note [one reduction per batch] in runtime/pipeline.py).
+    Stage 3 needs no backward: the reducer's `finish` launches the units no gradient reached, each with
+    what it holds (Note [coalesced reduction])."""
     zero.begin_backward(sync=True)
+    if zero.weights_in_shards:  # stage 3: its end of the micro-step launches every unit, reached or not
+        zero.end_micro_step()
+        return
+    grads = [torch.zeros_like(p) for p in params]
     torch.autograd.backward(params, grads)
     zero.end_micro_step()
 
 
 def check_coalesce(engine) -> None:
-    """DeepSpeed's refusals for `coalesce_grad_reduction`, and zerospeed's own (stage 3, 1-bit optimizers)."""
+    """DeepSpeed's refusals for `coalesce_grad_reduction`, and zerospeed's own (1-bit optimizers)."""
     if not engine.managed_gradient_accumulation():
         raise UsageAssertionError(
             "coalesce_grad_reduction is not supported with managed_gradient_accumulation=false; "
@@ -101,12 +111,6 @@ def check_coalesce(engine) -> None:
     stage = engine.zero_optimization_stage()
     if stage not in (1, 2, 3):
         raise NotImplementedError(f"coalesce_grad_reduction requires ZeRO stage 1/2/3, got stage {stage}")
-    if engine.zero.weights_in_shards or not hasattr(engine.zero, "hold_local_gradients"):
-        raise NotImplementedError(
-            "coalesce_grad_reduction at ZeRO stage 3 is not built in zerospeed yet (DeepSpeed has it): its "
-            "gathered weights are released as each unit's gradient is reduced; use stage 1 or 2, or "
-            "accumulate with ordinary backward calls"
-        )
     if hasattr(engine.optimizer, "bind_engine"):
         raise NotImplementedError(
             f"coalesce_grad_reduction does not support {type(engine.optimizer).__name__}: a 1-bit optimizer "
@@ -128,7 +132,7 @@ def coalesced(engine, params: list[torch.nn.Parameter]):
     window, zero = engine.window, engine.zero
     saved = window.override
     engine._inside_no_sync = window.coalescing = True
-    zero.hold_local_gradients(True)  # ZeRO-2: full local buffers while the block runs
+    zero.hold_local_gradients(True)  # ZeRO-2: full local buffers while the block runs (ZeRO-3: its staging)
     try:
         yield
     finally:

@@ -196,6 +196,7 @@ class GradUnit:
 
     def zero(self) -> None:
         (self.accum if self.accum is not None else self.result).zero_()
+        self.staging = None  # (held unreduced by a coalesced block, Note [coalesced reduction]; else None)
 
 
 @dataclass
@@ -260,7 +261,8 @@ class GradientReducer:
         self._slot = {id(u.params[s.param]): (u, s) for u in units for s in u.reporting}
         self.reducing = False
         # Note [local gradients]: no reduction at all, only local accumulation (a 1-bit optimizer's
-        # compressed stage at ZeRO-2, which reduces the momentum itself)
+        # compressed stage at ZeRO-2, which reduces the momentum itself; a coalesced block, whose stage-3
+        # units keep their staging across backwards: Note [coalesced reduction], runtime/grad_accumulation.py)
         self.hold_local = False
         self.reduced = False  # the buffers hold a completed reduction (since the last zero())
         self.holds_grads = False  # a gradient arrived since the last zero()
@@ -293,11 +295,13 @@ class GradientReducer:
         param.grad = None
         self.holds_grads = True
         unit.seen.add(seg.param)
-        if not self.reducing:
+        if not self.reducing and self.on_unit_ready is None:
             return
         unit.pending -= 1
         if unit.pending == 0 and self.on_unit_ready is not None:
-            self.on_unit_ready(unit)
+            self.on_unit_ready(unit)  # (also while holding: stage 3 releases the unit's gathered weights)
+        if not self.reducing:
+            return
         while self._next < len(self.units) and self.units[self._next].pending <= 0:
             self._launch(self.units[self._next])
             self._next += 1
