@@ -13,35 +13,25 @@ Loading without the optimizer states gives different losses (checked: the test c
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from harness import run_distributed
+from harness.deepspeed_files import FIXTURES, continue_fixture_run, fixture_model
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed_0.19.8"
 # (DeepSpeed's stage, zerospeed's stage, zerospeed's ranks)
 CASES = [(0, 2, 2), (1, 3, 2), (2, 0, 2), (3, 1, 2), (3, 2, 1)]
 
 
 def model():
-    torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    m.register_buffer("scale", torch.tensor([1.0]))  # DeepSpeed's run had 2.0: the load must bring it
-    return m
-
-
-def batches():
-    g = torch.Generator().manual_seed(1)  # the fixtures' make.py
-    return [(torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)) for _ in range(6)]
+    return fixture_model()
 
 
 def _resume(ds_stage: int, stage: int, with_optimizer: bool = True):
     import zerospeed
     from zerospeed import comm
 
-    world, rank = comm.get_world_size(), comm.get_rank()
+    world = comm.get_world_size()
     gas = 4 // world
     m = model()
     # (no gradient_clipping key, as in DeepSpeed's run: both clip at the default, 1.0)
@@ -59,18 +49,8 @@ def _resume(ds_stage: int, stage: int, with_optimizer: bool = True):
         load_optimizer_states=with_optimizer,
         load_lr_scheduler_states=with_optimizer,
     )
-    steps, losses = engine.global_steps, []
-    for x, y in batches()[3:]:
-        total = 0.0
-        for micro in range(gas):
-            lo = (micro * world + rank) * 2
-            loss = ((engine(x[lo : lo + 2]) * m.scale - y[lo : lo + 2]) ** 2).mean()
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        t = torch.tensor([total / gas])
-        comm.all_reduce(t, op="avg")
-        losses.append(t.item())
+    steps = engine.global_steps
+    losses = continue_fixture_run(engine, m, gas)
     with zerospeed.zero.GatheredParameters(list(m.parameters())):
         weights = {k: v.detach().clone() for k, v in m.state_dict().items()}
     return {"losses": losses, "weights": weights, "steps": steps}

@@ -23,14 +23,12 @@ its `zero_to_fp32.py` does not read BF16_Optimizer files).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from harness import run_distributed
+from harness.deepspeed_files import FIXTURES, continue_fixture_run, fixture_model
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed_0.19.8"
 NAMES = [["0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"]]
 BF16_TOLERANCE = 1e-3  # |Δ loss| at steps 5-6 (losses near 1)
 BF16_WEIGHT_TOLERANCE = 5e-4  # |Δ| of the fp32 masters after step 6 (weights below 1)
@@ -39,15 +37,7 @@ CASES = [(1, 2, "fp32"), (2, 3, "bf16"), (3, 2, "bf16"), (2, 1, "fp32")]
 
 
 def model():
-    torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    m.register_buffer("scale", torch.tensor([1.0]))  # DeepSpeed's run had 2.0: the load must bring it
-    return m
-
-
-def batches():
-    g = torch.Generator().manual_seed(1)  # the fixtures' make.py
-    return [(torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)) for _ in range(6)]
+    return fixture_model()
 
 
 def _expected(ds_stage: int) -> dict:
@@ -56,9 +46,7 @@ def _expected(ds_stage: int) -> dict:
 
 def _resume(ds_stage: int, stage: int, with_optimizer: bool = True, accumulate: str = "fp32") -> dict:
     import zerospeed
-    from zerospeed import comm
 
-    world, rank = comm.get_world_size(), comm.get_rank()
     m = model()
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
@@ -76,19 +64,8 @@ def _resume(ds_stage: int, stage: int, with_optimizer: bool = True, accumulate: 
         load_optimizer_states=with_optimizer,
         load_lr_scheduler_states=with_optimizer,
     )
-    steps, losses = engine.global_steps, []
-    for x, y in batches()[3:]:
-        total = 0.0
-        for micro in range(2):
-            lo = (micro * world + rank) * 2
-            out = engine(x[lo : lo + 2].bfloat16()).float()
-            loss = ((out * m.scale.float() - y[lo : lo + 2]) ** 2).mean()
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        t = torch.tensor([total / 2])
-        comm.all_reduce(t, op="avg")
-        losses.append(t.item())
+    steps = engine.global_steps
+    losses = continue_fixture_run(engine, m, 2, dtype=torch.bfloat16)
     from zerospeed.zero.tensor_access import safe_get_full_fp32_param
 
     masters = {n: safe_get_full_fp32_param(p).detach().clone() for n, p in m.named_parameters()}

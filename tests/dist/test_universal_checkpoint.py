@@ -16,27 +16,18 @@ import pytest
 import torch
 
 from harness import run_distributed
-
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed_0.19.8"
+from harness.deepspeed_files import FIXTURES, continue_fixture_run, fixture_model
 
 
 def model():
-    torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    m.register_buffer("scale", torch.tensor([2.0]))
-    return m
-
-
-def batches():
-    g = torch.Generator().manual_seed(1)  # the fixtures' make.py
-    return [(torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)) for _ in range(6)]
+    return fixture_model(scale=2.0)
 
 
 def _continue(folder: str, stage: int, tag=None):
     import zerospeed
     from zerospeed import comm
 
-    world, rank = comm.get_world_size(), comm.get_rank()
+    world = comm.get_world_size()
     gas = 4 // world
     m = model()
     cfg = {
@@ -50,18 +41,8 @@ def _continue(folder: str, stage: int, tag=None):
     engine, *_ = zerospeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
     path, _ = engine.load_checkpoint(folder, tag=tag)
     assert path is not None
-    steps, losses = engine.global_steps, []
-    for x, y in batches()[3:]:
-        total = 0.0
-        for micro in range(gas):
-            lo = (micro * world + rank) * 2
-            loss = ((engine(x[lo : lo + 2]) * m.scale - y[lo : lo + 2]) ** 2).mean()
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        t = torch.tensor([total / gas])
-        comm.all_reduce(t, op="avg")
-        losses.append(t.item())
+    steps = engine.global_steps
+    losses = continue_fixture_run(engine, m, gas)
     return {"losses": losses, "steps": steps}
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from zerospeed.checkpoint.deepspeed_import import _Record
@@ -33,3 +35,45 @@ def assert_same_contents(mine, theirs, where: str) -> None:
             assert_same_contents(a, b, f"{where}[{i}]")
     else:
         assert mine == theirs, f"{where}: {mine!r} != {theirs!r}"
+
+
+# -- the small model of tests/fixtures/deepspeed_0.19.8/make*.py and its continuation ---------------------
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed_0.19.8"
+
+
+def fixture_model(scale: float = 1.0) -> torch.nn.Module:
+    """The fixtures' model, seeded as make.py seeds it; its `scale` buffer was 2.0 in DeepSpeed's runs, so a
+    load that brings buffers must change the 1.0 given here."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    m.register_buffer("scale", torch.tensor([scale]))
+    return m
+
+
+def fixture_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The six global batches of make.py (8 samples each)."""
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)) for _ in range(6)]
+
+
+def continue_fixture_run(engine, m: torch.nn.Module, gas: int, dtype: torch.dtype | None = None) -> list[float]:
+    """Steps 4-6 of make.py's run on this rank's slices (micro batch 2); the per-step losses averaged over the
+    ranks, as DeepSpeed's recorded continuation has them. `dtype`: the inputs' dtype (bf16 runs)."""
+    from zerospeed import comm
+
+    world, rank = comm.get_world_size(), comm.get_rank()
+    losses = []
+    for x, y in fixture_batches()[3:]:
+        total = 0.0
+        for micro in range(gas):
+            lo = (micro * world + rank) * 2
+            inputs = x[lo : lo + 2] if dtype is None else x[lo : lo + 2].to(dtype)
+            loss = ((engine(inputs).float() * m.scale.float() - y[lo : lo + 2]) ** 2).mean()
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        t = torch.tensor([total / gas])
+        comm.all_reduce(t, op="avg")
+        losses.append(t.item())
+    return losses
