@@ -19,6 +19,7 @@ from test_zero_parity import GAS, SCHED, build_model, global_batches, param_grou
 
 import zerospeed
 from harness import reference_train, run_distributed, split_global_batch
+from harness.reference import engine_global_step
 from zerospeed import comm
 from zerospeed.config import ConfigError, parse_config
 from zerospeed.optim import build_lr_scheduler
@@ -39,17 +40,7 @@ def _train(config):
     model = build_model()
     engine, *_ = zerospeed.initialize(model=model, model_parameters=param_groups(model), config=config)
     rank, world = comm.get_rank(), comm.get_world_size()
-    losses = []
-    for batch in global_batches(world, STEPS):
-        total = 0.0
-        for x, y in split_global_batch(batch, world, GAS, rank):
-            loss = engine(x, y)
-            total += loss.item()
-            engine.backward(loss)
-            engine.step()
-        t = torch.tensor([total / GAS])
-        comm.all_reduce(t, op="avg")
-        losses.append(t.item())
+    losses = [engine_global_step(engine, batch, world, GAS, rank) for batch in global_batches(world, STEPS)]
     state = {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
     # DeepSpeed's accessor waits for the host step in flight and reads its result (one update ahead)
     masters = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters() if p.requires_grad}

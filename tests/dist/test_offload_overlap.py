@@ -19,6 +19,7 @@ from test_zero_parity import GAS, SCHED, build_model, global_batches, param_grou
 
 import zerospeed
 from harness import reference_train, run_distributed, split_global_batch
+from harness.reference import engine_global_step
 from zerospeed import comm
 from zerospeed.optim import build_lr_scheduler
 
@@ -42,17 +43,7 @@ def _train(config):
         # copied to a device); pipeline it anyway, so that path is checked here too
         engine.zero.stepper.copies_back = True
     rank, world = comm.get_rank(), comm.get_world_size()
-    losses = []
-    for batch in global_batches(world, STEPS):
-        total = 0.0
-        for x, y in split_global_batch(batch, world, GAS, rank):
-            loss = engine(x, y)
-            total += loss.item()
-            engine.backward(loss)
-            engine.step()
-        t = torch.tensor([total / GAS])
-        comm.all_reduce(t, op="avg")
-        losses.append(t.item())
+    losses = [engine_global_step(engine, batch, world, GAS, rank) for batch in global_batches(world, STEPS)]
     kind = type(engine.zero.stepper).__name__
     worked = len(getattr(engine.zero.stepper, "timeline", ()))  # the last step's events on the worker
     if engine.zero_optimization_stage() == 3:
