@@ -310,3 +310,20 @@ def test_save_16bit_model_can_exclude_frozen_parameters(tmp_path, stage):
     trainable = torch.load(tmp_path / "trainable" / "pytorch_model.bin", weights_only=True)
     assert frozen and frozen <= everything.keys()
     assert trainable.keys() == everything.keys() - frozen
+
+
+def test_saves_carry_the_universal_checkpoint_info_deepspeed_writes(tmp_path):
+    # DeepSpeed 0.19.8's ds_to_universal refuses a tag without `universal_checkpoint_info`; for a plain model its
+    # --inject_missing_state writes {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}, which
+    # deepspeed/checkpoint/constants.py defines as below. A client's own value (Megatron-DeepSpeed's) wins and comes
+    # back as client state; the injected one does not.
+    reference = {"universal_checkpoint_version": 0.4}
+    engine = engine_for(stage=2)
+    train(engine, steps=1)
+    engine.save_checkpoint(tmp_path / "plain", client_state={"epoch": 1})
+    mine = {"universal_checkpoint_version": 0.2, "tensor_parallel_patterns": ["mlp"]}
+    engine.save_checkpoint(tmp_path / "megatron", client_state={"universal_checkpoint_info": mine})
+    saved = torch.load(tmp_path / "plain/global_step1/mp_rank_00_model_states.pt", weights_only=False)
+    assert saved["universal_checkpoint_info"] == reference
+    assert engine.load_checkpoint(tmp_path / "plain")[1] == {"epoch": 1}
+    assert engine.load_checkpoint(tmp_path / "megatron")[1] == {"universal_checkpoint_info": mine}

@@ -49,7 +49,7 @@ from zerospeed.checkpoint.deepspeed_pickle import PICKLE_MODULE, fragment_addres
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.manifest import verify_files
 from zerospeed.checkpoint.module_state import SavedModule
-from zerospeed.checkpoint.naming import MODEL_STATES
+from zerospeed.checkpoint.naming import MODEL_STATES, UNIVERSAL_INFO
 from zerospeed.checkpoint.save import RESERVED_KEYS
 from zerospeed.checkpoint.universal import FP32, UniversalState, load_universal
 from zerospeed.utils.files import atomic_write, atomic_write_text
@@ -58,7 +58,6 @@ DS_LAYOUT_VERSION = "0.19.8"  # the DeepSpeed release whose layout is written (i
 NCCL_START_ALIGNMENT = 2  # DeepSpeed's `nccl_start_alignment_factor` (ZeRO 1/2 group alignment: 2 * dp)
 GRADIENT_CLIPPING_DEFAULT = 1.0  # DeepSpeed 0.19.8's default (its loader takes the checkpoint's value)
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # zero_optimization.sub_group_size's default
-UNIVERSAL_INFO = {"universal_checkpoint_version": 0.4}  # what ds_to_universal injects for a plain model
 
 
 @dataclass

@@ -28,6 +28,7 @@ from zerospeed.checkpoint.manifest import check_model_compat, read_manifest, sav
 from zerospeed.checkpoint.module_state import SavedModule, local_module_state
 from zerospeed.checkpoint.naming import (
     MODEL_STATES,
+    UNIVERSAL_INFO,
     CheckpointPaths,
     check_load_dir,
     is_model_states_name,
@@ -332,6 +333,8 @@ def load_checkpoint(
         time.perf_counter() - start,
     )
     client_state = {k: v for k, v in states.items() if k not in RESERVED_KEYS}
+    if client_state.get("universal_checkpoint_info") == UNIVERSAL_INFO:  # written by the save, not the client
+        client_state.pop("universal_checkpoint_info")
     return str(reads.tag_dir / MODEL_STATES), client_state
 
 

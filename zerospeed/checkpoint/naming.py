@@ -20,6 +20,9 @@ from pathlib import Path
 MODEL_STATES = "mp_rank_00_model_states.pt"  # tp rank 0's: the one file that holds the training state
 MANIFEST = "zerospeed_manifest.json"
 LATEST = "latest"
+# What DeepSpeed's ds_to_universal requires in a tag's model states (Megatron-DeepSpeed passes it as client
+# state; `ds_to_universal --inject_missing_state` writes this value for a plain model).
+UNIVERSAL_INFO = {"universal_checkpoint_version": 0.4}
 
 
 def model_states_name(tp_rank: int = 0) -> str:

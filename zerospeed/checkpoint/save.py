@@ -48,6 +48,7 @@ from zerospeed.checkpoint.manifest import (
     write_manifest,
 )
 from zerospeed.checkpoint.naming import (
+    UNIVERSAL_INFO,
     CheckpointPaths,
     check_save_dir,
     default_tag,
@@ -195,6 +196,7 @@ def _model_states(
         "ds_version": __version__,
     }
     states.update(client_state)
+    states.setdefault("universal_checkpoint_info", dict(UNIVERSAL_INFO))  # a client's own (Megatron's) wins
     return states
 
 
