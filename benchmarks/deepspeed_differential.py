@@ -20,6 +20,12 @@ and between DeepSpeed's `zero_to_fp32` of the export (ZeRO 1-3; at ZeRO 0 its mo
 zerospeed's own consolidation of the step-3 tag. A PAIR `bS:T` trains with `bf16: {enabled: true}` on both
 sides, with `data_types.grad_accum_dtype: "fp32"` (the export is then DeepSpeed's bf16 layout:
 `bf16_zero_pp_rank_*` files, BF16_Optimizer's at ZeRO 1).
+`--as-saved` (with `--export`) checks DeepSpeed reading zerospeed's own tag as saved: zerospeed trains and
+saves at ZeRO 3 with `checkpoint.deepspeed_layout: true` (no export step), DeepSpeed `load_checkpoint`s that tag
+at ZeRO 3 on the same 2 ranks and trains steps 4-6; the weight column compares DeepSpeed's module right after
+the load with zerospeed's consolidation of the tag (pairs default to `3:3`); `--sub-group-size N` sets
+`zero_optimization.sub_group_size` in both runs (N = 30 cuts the MLP's 83 parameters into 2 sub-groups);
+`--two-groups` gives both runs two optimizer param groups (the matrices; the rest without weight decay).
 `S:uN` exports a universal folder that DeepSpeed loads at ZeRO N with `checkpoint.load_universal`; `S:xN`
 exports DeepSpeed's layout at ZeRO N, converts it with DeepSpeed's own `ds_to_universal`, and DeepSpeed loads
 that universal folder at ZeRO N.
@@ -204,8 +210,9 @@ def export_model():
     return m
 
 
-def export_run(rank, world, phase, stage, folder, port, bf16=False):
-    """`phase` "zs": train 6 steps at `stage`, save after 3; "ds": load `folder`/ds and train steps 4-6."""
+def export_run(rank, world, phase, stage, folder, port, bf16=False, as_saved=False, sub_group_size=None):
+    """`phase` "zs": train 6 steps at `stage`, save after 3; "ds": load `folder`/ds (`as_saved`: `folder`/zs, the
+    tag zerospeed saved with checkpoint.deepspeed_layout) and train steps 4-6."""
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
@@ -216,19 +223,30 @@ def export_run(rank, world, phase, stage, folder, port, bf16=False):
     universal = stage >= 10  # (stage + 10: load the universal folder with checkpoint.load_universal)
     stage %= 10
     cfg = {**EXPORT_CONFIG, "zero_optimization": {"stage": stage}, "checkpoint": {"load_universal": universal}}
+    if sub_group_size is not None:  # (both sides: DeepSpeed's ZeRO-3 sub-groups, zerospeed's as-saved layout)
+        cfg["zero_optimization"]["sub_group_size"] = sub_group_size
+    if as_saved and phase == "zs":  # (a zerospeed key: DeepSpeed's config has no such key)
+        cfg["checkpoint"]["deepspeed_layout"] = True
     if bf16:  # (fp32 accumulation: DeepSpeed's BF16_Optimizer at ZeRO 1)
         cfg.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
-    eng, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
+    params = m.parameters()
+    if "--two-groups" in sys.argv:  # (both sides: weights, then biases and the LayerNorm without weight decay)
+        params = [
+            {"params": [p for n, p in m.named_parameters() if n.endswith("weight") and p.dim() > 1]},
+            {"params": [p for n, p in m.named_parameters() if not (n.endswith("weight") and p.dim() > 1)]},
+        ]
+        params[1]["weight_decay"] = 0.0
+    eng, *_ = deepspeed.initialize(model=m, model_parameters=params, config=cfg)
     first = 0
     if phase == "ds":
-        eng.load_checkpoint(os.path.join(folder, "ds"))
+        eng.load_checkpoint(os.path.join(folder, "zs" if as_saved else "ds"))
         first = 3
         if bf16:  # DeepSpeed's fp32 masters after the load (its zero_to_fp32 cannot read BF16_Optimizer files)
             sd = {k: v.detach().float().clone() for k, v in eng.module.named_buffers()}
             sd.update({n: deepspeed.utils.safe_get_full_fp32_param(p).clone() for n, p in m.named_parameters()})
             if rank == 0:
                 torch.save(sd, os.path.join(folder, "ds_fp32.pt"))
-        elif stage == 0 or universal:  # (collective at ZeRO 3)
+        elif stage == 0 or universal or as_saved:  # (collective at ZeRO 3)
             with deepspeed.zero.GatheredParameters(list(m.parameters()), enabled=stage == 3):
                 sd = {k: v.detach().clone() for k, v in eng.module.state_dict().items()}
             if rank == 0:
@@ -271,7 +289,9 @@ def _zs_consolidate(folder: str) -> None:
     torch.save({k: v.clone() for k, v in sd.items()}, os.path.join(folder, "zs_fp32.pt"))
 
 
-def _export_pair(python: str, src: int, dst: int, folder: str, port: int, bf16: bool = False) -> str:
+def _export_pair(
+    python: str, src: int, dst: int, folder: str, port: int, bf16: bool = False, as_saved: bool = False
+) -> str:
     """One table row for zerospeed at ZeRO `src` exported to DeepSpeed at ZeRO `dst` (`dst` + 10: exported as
     a universal folder, which DeepSpeed loads with `checkpoint.load_universal`; `dst` + 20: exported in
     DeepSpeed's layout at ZeRO `dst`, converted by DeepSpeed's `ds_to_universal`, loaded as universal)."""
@@ -286,13 +306,16 @@ def _export_pair(python: str, src: int, dst: int, folder: str, port: int, bf16: 
             lines = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "error" in ln]
             raise RuntimeError((lines[-1] if lines else proc.stderr.strip()[-300:])[:300])
 
-    me = [__file__, *(["--bf16"] if bf16 else []), "--export-phase"]
+    me = [__file__, *(["--bf16"] if bf16 else []), *(["--as-saved"] if as_saved else []), *_sub_group_arg()]
+    me.append("--export-phase")
     label = f"{'b' if bf16 else ''}{src} | {_stage_name(dst)}"
     try:
         step(sys.executable, *me, "zs", "--stage", str(src), "--folder", folder, "--port", str(port))
         step(sys.executable, *me, "zs-fp32", "--folder", folder)
         cli = ["-m", "zerospeed.checkpoint.cli", "export", os.path.join(folder, "zs"), os.path.join(folder, "ds")]
-        if 10 <= dst < 20:
+        if as_saved:
+            pass  # DeepSpeed reads zerospeed's tag itself
+        elif 10 <= dst < 20:
             step(sys.executable, *cli, "--to", "universal", "--dp", "2")
         else:
             step(sys.executable, *cli, "--to", "deepspeed", "--stage", str(dst % 10), "--dp", "2")
@@ -305,7 +328,11 @@ def _export_pair(python: str, src: int, dst: int, folder: str, port: int, bf16: 
             dst -= 10
         done = os.path.join(folder, "ds.json")
         step(python, *me, "ds", "--stage", str(dst), "--folder", folder, "--port", str(port + 1), done=done)
-        if 0 < dst < 10 and not bf16:
+        if 0 < dst < 10 and not bf16 and not as_saved:
+            step(python, *me, "ds-fp32", "--folder", folder)
+        if as_saved:  # DeepSpeed's own zero_to_fp32 reads the tag as saved too
+            os.replace(os.path.join(folder, "ds_fp32.pt"), os.path.join(folder, "loaded_fp32.pt"))
+            os.symlink(os.path.join(folder, "zs"), os.path.join(folder, "ds"))
             step(python, *me, "ds-fp32", "--folder", folder)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         return f"| {label} | | | {exc} |"
@@ -315,14 +342,28 @@ def _export_pair(python: str, src: int, dst: int, folder: str, port: int, bf16: 
     if set(zs_w) != set(ds_w):
         return f"| {label} | {dl:.1e} | | keys differ: {sorted(set(zs_w) ^ set(ds_w))} |"
     dw = max((zs_w[k].float() - ds_w[k].float()).abs().max().item() for k in zs_w)
-    return f"| {label} | {dl:.1e} | {dw:.1e} | DeepSpeed losses {', '.join(f'{v:.6f}' for v in b)} |"
+    note = ""
+    if as_saved:  # (the weight column: DeepSpeed's module after the load; zero_to_fp32 of the tag in the notes)
+        loaded = torch.load(os.path.join(folder, "loaded_fp32.pt"))
+        dw, zero_to_fp32 = max((zs_w[k].float() - loaded[k].float()).abs().max().item() for k in zs_w), dw
+        note = f"; DeepSpeed's zero_to_fp32 of the tag: max |Δ weight| {zero_to_fp32:.1e}"
+    return f"| {label} | {dl:.1e} | {dw:.1e} | DeepSpeed losses {', '.join(f'{v:.6f}' for v in b)}{note} |"
+
+
+def _sub_group_arg() -> list[str]:
+    """`--sub-group-size N` and `--two-groups` as this run was given them (passed on to each phase)."""
+    out = ["--two-groups"] if "--two-groups" in sys.argv else []
+    if "--sub-group-size" not in sys.argv:
+        return out
+    i = sys.argv.index("--sub-group-size")
+    return out + sys.argv[i : i + 2]
 
 
 def _stage_name(dst: int) -> str:
     return f"x{dst - 20}" if dst >= 20 else f"u{dst - 10}" if dst >= 10 else str(dst)
 
 
-def _export_main(python: str, pairs: list[str], port: int) -> None:
+def _export_main(python: str, pairs: list[str], port: int, as_saved: bool = False) -> None:
     print(f"torch {torch.__version__}; 2 gloo ranks on the CPU; zerospeed saves at ZeRO S, DeepSpeed resumes at T\n")
     print("(T = uN: the export is a universal folder, DeepSpeed loads it at ZeRO N with checkpoint.load_universal;")
     print("T = xN: the export at ZeRO N, converted by DeepSpeed's ds_to_universal, loaded the same way; for both")
@@ -335,7 +376,7 @@ def _export_main(python: str, pairs: list[str], port: int) -> None:
         offset = {"u": 10, "x": 20}.get(dst[0], 0)
         src, dst = int(src.lstrip("b")), int(dst.lstrip("ux")) + offset
         with tempfile.TemporaryDirectory() as tmp:
-            print(_export_pair(python, src, dst, tmp, port + 2 * i, bf16), flush=True)
+            print(_export_pair(python, src, dst, tmp, port + 2 * i, bf16, as_saved), flush=True)
 
 
 def _case_main(name: str, out: str, port: int) -> None:
@@ -386,6 +427,9 @@ def main() -> None:
         ],
     )
     ap.add_argument("--bf16", action="store_true", help="(an export phase) train with bf16")
+    ap.add_argument("--as-saved", action="store_true", help="DeepSpeed loads zerospeed's ZeRO-3 tag as saved")
+    ap.add_argument("--sub-group-size", type=int, help="zero_optimization.sub_group_size of both runs")
+    ap.add_argument("--two-groups", action="store_true", help="two optimizer param groups in both runs")
     ap.add_argument("--export-phase", choices=["zs", "ds", "zs-fp32", "ds-fp32"])
     ap.add_argument("--stage", type=int), ap.add_argument("--folder")
     args = ap.parse_args()
@@ -393,14 +437,26 @@ def main() -> None:
         return _case_main(args.case, args.out, args.port)
     if args.export_phase in ("zs", "ds"):
         return mp.spawn(
-            export_run, args=(2, args.export_phase, args.stage, args.folder, args.port, args.bf16), nprocs=2
+            export_run,
+            args=(
+                2,
+                args.export_phase,
+                args.stage,
+                args.folder,
+                args.port,
+                args.bf16,
+                args.as_saved,
+                args.sub_group_size,
+            ),
+            nprocs=2,
         )
     if args.export_phase:
         return (_zs_consolidate if args.export_phase == "zs-fp32" else _ds_zero_to_fp32)(args.folder)
     if not args.deepspeed_python:
         raise SystemExit("--deepspeed-python is required (a Python with the real DeepSpeed installed)")
     if args.export:
-        return _export_main(args.deepspeed_python, args.export_pairs, args.port)
+        pairs = ["3:3"] if args.as_saved and "--export-pairs" not in sys.argv else args.export_pairs
+        return _export_main(args.deepspeed_python, pairs, args.port, args.as_saved)
     print(f"torch {torch.__version__}; 2 gloo ranks on the CPU\n")
     print("| case | config | max |Δ loss| | max |Δ lr| | notes |")
     print("|---|---|---:|---:|---|")

@@ -1,5 +1,5 @@
 """Resuming a DeepSpeed pipeline run in zerospeed's PipelineEngine (Note [DeepSpeed pipeline checkpoints] in
-checkpoint/deepspeed_import.py).
+checkpoint/deepspeed_pipeline.py).
 
 The fixture `pipe_zero0` (make_pipe.py) is the tag the real DeepSpeed 0.19.8's PipelineEngine saved after 3 of 6
 `train_batch` steps of the fixture MLP's layers as a PipelineModule of 2 stages on 2 ranks (fp32, ZeRO 0,
@@ -10,7 +10,8 @@ optimizer states the losses differ (the test can fail).
 
 Both runs set `gradient_clipping: 0.0`. At the default (1.0) zerospeed's PipelineEngine clips by the norm over
 all stages, and differs from DeepSpeed's pipeline run by 3.1e-3 at step 6 even from scratch; DeepSpeed's fp32
-ZeRO-0 clipping (`clip_grad_norm_` with its grid as `mpu`) did not clip this run, the same as no clipping.
+ZeRO-0 pipeline clips by the first stage's norm only, which stayed under 1.0 here (docs/pipeline.md, "Differences
+from DeepSpeed"; tests/dist/test_pipe_clipping_deepspeed.py).
 """
 
 from __future__ import annotations

@@ -57,14 +57,16 @@ def fixture_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)) for _ in range(6)]
 
 
-def continue_fixture_run(engine, m: torch.nn.Module, gas: int, dtype: torch.dtype | None = None) -> list[float]:
-    """Steps 4-6 of make.py's run on this rank's slices (micro batch 2); the per-step losses averaged over the
-    ranks, as DeepSpeed's recorded continuation has them. `dtype`: the inputs' dtype (bf16 runs)."""
+def continue_fixture_run(
+    engine, m: torch.nn.Module, gas: int, dtype: torch.dtype | None = None, steps: slice = slice(3, None)
+) -> list[float]:
+    """Steps 4-6 (or `steps`) of make.py's run on this rank's slices (micro batch 2); the per-step losses averaged
+    over the ranks, as DeepSpeed's recorded continuation has them. `dtype`: the inputs' dtype (bf16 runs)."""
     from zerospeed import comm
 
     world, rank = comm.get_world_size(), comm.get_rank()
     losses = []
-    for x, y in fixture_batches()[3:]:
+    for x, y in fixture_batches()[steps]:
         total = 0.0
         for micro in range(gas):
             lo = (micro * world + rank) * 2

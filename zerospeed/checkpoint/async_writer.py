@@ -53,6 +53,7 @@ class WriterPlan:
     host_cache_bytes: int | None = None  # a snapshot larger than this is written synchronously instead
     async_load: bool = False  # load reads this rank's files on background threads, overlapping one another
     node_local: bool = False  # every node writes (and reads) its own copy of the checkpoint
+    deepspeed_layout: bool = False  # stage 3: rank files DeepSpeed loads as saved (checkpoint/deepspeed_layout.py)
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
@@ -191,13 +192,17 @@ class _HashingWriter:
         self.f.flush()
 
 
-def hashed_torch_save(obj, path: Path, buffering: int = -1) -> dict:
-    """torch.save `obj` crash-safely to `path` (checkpoint/atomic.py); its manifest record {bytes, sha256}."""
+def hashed_torch_save(obj, path: Path, buffering: int = -1, pickle_module=None) -> dict:
+    """torch.save `obj` crash-safely to `path` (checkpoint/atomic.py); its manifest record {bytes, sha256}.
+    `pickle_module`: deepspeed_pickle.PICKLE_MODULE for a file holding DeepSpeed's objects."""
     out = {}
 
     def save(f) -> None:
         writer = _HashingWriter(f)
-        torch.save(obj, writer)
+        if pickle_module is None:
+            torch.save(obj, writer)
+        else:
+            torch.save(obj, writer, pickle_module=pickle_module, pickle_protocol=2)
         out.update(bytes=writer.nbytes, sha256=writer.sha.hexdigest())
 
     atomic_write(path, save, buffering=buffering)
@@ -216,6 +221,7 @@ class WriteJob:
     seconds: float = 0.0
     nbytes: int = 0  # written
     snapshot_bytes: int = 0  # copied into host memory (asynchronous saves)
+    pickle_modules: dict[str, object] = field(default_factory=dict)  # name -> pickle module (hashed_torch_save)
 
     def run(self) -> None:
         """Write every file (temporary name, fsync, rename: checkpoint/atomic.py), recording each; stop at
@@ -225,7 +231,7 @@ class WriteJob:
         for name, obj in self.items:
             path = self.staging / name
             try:
-                self.records[name] = hashed_torch_save(obj, path, self.io_buffer_bytes)
+                self.records[name] = hashed_torch_save(obj, path, self.io_buffer_bytes, self.pickle_modules.get(name))
             except Exception as exc:  # noqa: BLE001 — reported to every rank at the commit
                 self.error = _describe_write_error(exc, path, needed)
                 break

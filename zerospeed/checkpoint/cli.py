@@ -4,14 +4,19 @@
     zerospeed-ckpt to-fp32 DIR OUT [--tag T] [--max-shard-size 5GB] [--safe-serialization]
                                    [--exclude-frozen-parameters]
     zerospeed-ckpt export DIR OUT --to deepspeed --stage S --dp N [--tag T] [--output-tag T2]
-                                  [--sub-group-size N]
+                                  [--sub-group-size N] [--tp T] [--ep E]
     zerospeed-ckpt export DIR OUT --to universal [--dp N] [--tag T] [--output-tag T2]
 
 `to-fp32` writes what DeepSpeed's `zero_to_fp32.py DIR OUT` writes: pytorch_model.bin by default,
 model.safetensors with --safe-serialization; DeepSpeed's spellings of the options (--max_shard_size,
 --safe_serialization, -t/--tag, --exclude_frozen_parameters) work too. `export --to deepspeed` writes
 the checkpoint as DeepSpeed 0.19.8's tag for ZeRO stage S on N data-parallel ranks, with `latest`
-(zerospeed.checkpoint.deepspeed_export): the real DeepSpeed's `engine.load_checkpoint(OUT)` resumes it.
+(zerospeed.checkpoint.deepspeed_export): the real DeepSpeed's `engine.load_checkpoint(OUT)` resumes it;
+with `--tp T` (a checkpoint saved with tensor parallelism) DeepSpeed's AutoTP tag for autotp_size T
+(zerospeed.checkpoint.deepspeed_tp_export); a PipelineEngine checkpoint (ZeRO 0) becomes DeepSpeed's pipeline tag
+for ZeRO S (0 or 1) with N data-parallel ranks per stage (zerospeed.checkpoint.deepspeed_pipeline); a checkpoint
+with MoE layers, DeepSpeed's MoE tag for expert-parallel size E (`--ep`, default 1; ZeRO 0-2;
+zerospeed.checkpoint.deepspeed_experts).
 `export --to universal` writes DeepSpeed's universal folder and `latest_universal` (DeepSpeed, and zerospeed,
 load it with `checkpoint.load_universal: true` at any stage; `--dp`: the most ZeRO-3 ranks it is named for).
 """
@@ -24,7 +29,10 @@ import sys
 from math import prod
 
 from zerospeed.checkpoint.consolidate import convert_zero_checkpoint_to_fp32_state_dict, resolve_checkpoint
+from zerospeed.checkpoint.deepspeed_experts import export_moe_to_deepspeed, has_experts
 from zerospeed.checkpoint.deepspeed_export import export_to_deepspeed, export_universal
+from zerospeed.checkpoint.deepspeed_pipeline import export_pipeline_to_deepspeed, pipeline_tag_dir
+from zerospeed.checkpoint.deepspeed_tp_export import export_to_deepspeed_tp
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.manifest import verify_files
 
@@ -80,6 +88,20 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument(
         "--sub-group-size", type=int, default=None, help="ZeRO-3 sub_group_size (default: the checkpoint's config)"
     )
+    exp.add_argument(
+        "--ep",
+        type=int,
+        default=None,
+        help="expert-parallel size DeepSpeed will load a MoE checkpoint at (default 1): its layer_i_expert_e files, "
+        "and expp_rank_* optimizer files at ZeRO 0",
+    )
+    exp.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size (autotp_size) DeepSpeed will load at: a checkpoint saved with tensor parallelism "
+        "is written as DeepSpeed's AutoTP tag (mp_rank_XX files; ZeRO 0-2)",
+    )
     return parser
 
 
@@ -131,15 +153,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             if args.stage is None or args.dp is None:
                 raise ValueError("export --to deepspeed needs --stage and --dp (the layout DeepSpeed will load at)")
-            tag_dir = export_to_deepspeed(
-                args.dir,
-                args.out,
-                stage=args.stage,
-                dp=args.dp,
-                tag=args.tag,
-                output_tag=args.output_tag,
-                sub_group_size=args.sub_group_size,
-            )
+            common = {"stage": args.stage, "dp": args.dp, "tag": args.tag, "output_tag": args.output_tag}
+            if pipeline_tag_dir(args.dir, args.tag) is not None:  # Note [pipeline export] (deepspeed_pipeline.py)
+                tag_dir = export_pipeline_to_deepspeed(args.dir, args.out, **common)
+            elif args.tp > 1:  # Note [DeepSpeed's AutoTP split] (deepspeed_tp_export.py)
+                tag_dir = export_to_deepspeed_tp(args.dir, args.out, tp=args.tp, **common)
+            elif has_experts(args.dir, args.tag):  # Note [DeepSpeed MoE checkpoints] (deepspeed_experts.py)
+                tag_dir = export_moe_to_deepspeed(args.dir, args.out, ep=args.ep or 1, **common)
+            else:
+                tag_dir = export_to_deepspeed(args.dir, args.out, sub_group_size=args.sub_group_size, **common)
             print(tag_dir)
             return 0
         written = convert_zero_checkpoint_to_fp32_state_dict(

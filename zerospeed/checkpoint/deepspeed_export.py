@@ -50,7 +50,7 @@ from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.manifest import verify_files
 from zerospeed.checkpoint.module_state import SavedModule
 from zerospeed.checkpoint.naming import MODEL_STATES, UNIVERSAL_INFO
-from zerospeed.checkpoint.save import RESERVED_KEYS
+from zerospeed.checkpoint.state import RESERVED_KEYS
 from zerospeed.checkpoint.universal import FP32, UniversalState, load_universal
 from zerospeed.utils.files import atomic_write, atomic_write_text
 
@@ -464,6 +464,12 @@ def write_deepspeed_tag(
             f"export to DeepSpeed at ZeRO stage 0 with {src.param_dtype} weights: DeepSpeed keeps those in "
             "its FP16_Optimizer, whose layout is not written; export at stage 1, 2 or 3"
         )
+    experts = [n for g in src.group_names for n in g if ".deepspeed_moe.experts.deepspeed_experts." in n]
+    if experts:  # Note [DeepSpeed MoE checkpoints] (deepspeed_experts.py)
+        raise CheckpointError(
+            f"export to DeepSpeed: the checkpoint holds MoE experts ({experts[0]}, ...); write DeepSpeed's MoE "
+            "layout with deepspeed_experts.write_deepspeed_moe_tag (zerospeed-ckpt export --ep N)"
+        )
     missing = [n for g in src.group_names for n in g if n not in src.universal.tensors]
     if missing:
         raise CheckpointError(f"export to DeepSpeed: no fp32 master for {missing[:5]}; is the checkpoint complete?")
@@ -491,9 +497,15 @@ def write_deepspeed_tag(
             {"optimizer_state_dict": osd, "ds_config": _ds_config(src, stage), "ds_version": DS_LAYOUT_VERSION},
             staging / f"{BF16_PREFIX if bf16 else ''}{_ds_name(r, 'optim')}",
         )
+    return publish_tag(root, staging, tag)
+
+
+def publish_tag(root: Path, staging: Path, tag: str, latest: str = "latest") -> Path:
+    """Swap the staged tag directory in as `root/tag` (Note [tag directory swap] in atomic.py), then point
+    `root/latest` (or `latest_universal`) at it. Returns the tag directory."""
     tag_dir = root / tag
     swap_in_dir(staging, tag_dir, root / f".{tag}.previous")
-    atomic_write_text(root / "latest", tag)
+    atomic_write_text(root / latest, tag)
     return tag_dir
 
 
@@ -536,10 +548,7 @@ def write_universal(src: ExportSource, out_dir, tag: str, *, dp: int = 1) -> Pat
         "param_groups": copy.deepcopy(optimizer["param_groups"]),
     }
     _save(optimizer, staging / "zero" / "optimizer_state.pt")
-    tag_dir = root / tag
-    swap_in_dir(staging, tag_dir, root / f".{tag}.previous")
-    atomic_write_text(root / "latest_universal", tag)
-    return tag_dir
+    return publish_tag(root, staging, tag, latest="latest_universal")
 
 
 def _ds_name(rank: int, kind: str) -> str:

@@ -23,8 +23,11 @@ weights, the optimizer's hyperparameters, LR-scheduler state, counters and loss 
 
 DeepSpeed pickles a few of its own classes into these files (its loss scaler, `ZeroStageEnum`,
 `fragment_address`); they are read here as plain records, without importing DeepSpeed. Refused with an
-error naming the file: tensor-parallel checkpoints, MoE, and pipeline ones outside a pipeline engine
-(which reads them: Note [DeepSpeed pipeline checkpoints]).
+error naming the file: tensor-parallel checkpoints (deepspeed_tp.py reads them for
+engine.load_checkpoint: Note [DeepSpeed tensor-parallel checkpoints]; their universal folders are read
+here), MoE ones (deepspeed_experts.py reads them for engine.load_checkpoint: Note [DeepSpeed MoE
+checkpoints]), and pipeline ones outside a pipeline engine
+(deepspeed_pipeline.py reads them: Note [DeepSpeed pipeline checkpoints]).
 
 Note [DeepSpeed's bf16 files]: with `bf16.enabled` DeepSpeed names every optimizer file
 `bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt` (at any ZeRO stage: the prefix follows the dtype, not
@@ -174,16 +177,10 @@ def read_deepspeed_checkpoint(
     model = _load(tag_dir / ("zero_pp_rank_0_mp_rank_00_model_states.pt" if stage3 else MODEL))
     _refuse(tag_dir, model)
     dp = int(model.get("dp_world_size") or 1)
-    if model.get("param_shapes") is not None:
-        shapes = [dict(g) for g in model["param_shapes"]]
-    elif group_names is not None:
-        shapes = [{n: tuple(model["module"][n].shape) for n in g} for g in group_names]
-    else:
-        raise CheckpointError(
-            f"{tag_dir}: a ZeRO-0 DeepSpeed checkpoint names no parameters for its optimizer "
-            "states; load it through engine.load_checkpoint (which knows the model's order)"
-        )
+    shapes = param_shapes(tag_dir, model, group_names)
     if is_universal_folder(tag_dir):
+        if int(model.get("mp_world_size") or 1) > 1:  # tp rank 0's param_shapes; the folder's tensors are full
+            shapes = [{n: _universal_shape(tag_dir, n) for n in g} for g in shapes]
         ckpt = _read_universal(tag_dir, model, dp, shapes, names)
     elif stage3:
         ckpt = _read_stage3(tag_dir, model, dp, shapes, names)
@@ -206,17 +203,32 @@ def read_deepspeed_checkpoint(
     return ckpt
 
 
+def param_shapes(tag_dir: Path, model: dict, group_names) -> list[dict]:
+    """The trained parameters' {name: shape} per optimizer param group of a DeepSpeed model-states file; a
+    ZeRO-0 file records none, and `group_names` (the loading model's order) names them."""
+    if model.get("param_shapes") is not None:
+        return [dict(g) for g in model["param_shapes"]]
+    if group_names is not None:
+        return [{n: tuple(model["module"][n].shape) for n in g} for g in group_names]
+    raise CheckpointError(
+        f"{tag_dir}: a ZeRO-0 DeepSpeed checkpoint names no parameters for its optimizer "
+        "states; load it through engine.load_checkpoint (which knows the model's order)"
+    )
+
+
 def _refuse(tag_dir: Path, model: dict) -> None:
-    if int(model.get("mp_world_size") or 1) > 1 or any(tag_dir.glob("*mp_rank_01*")):
+    tp = int(model.get("mp_world_size") or 1) > 1 or any(tag_dir.glob("*mp_rank_01*"))
+    if tp and not is_universal_folder(tag_dir):  # (a universal folder holds full tensors at any tp)
         raise CheckpointError(
             f"{tag_dir}: a tensor-parallel DeepSpeed checkpoint (mp_world_size "
-            f"{model.get('mp_world_size')}); only data-parallel DeepSpeed checkpoints are read: "
-            "convert it with DeepSpeed's zero_to_fp32.py and load the weights"
+            f"{model.get('mp_world_size')}) is read by deepspeed_tp.read_deepspeed_tp_checkpoint "
+            "(engine.load_checkpoint chooses it), not here"
         )
     if any(tag_dir.glob("layer_*")) or any(tag_dir.glob("*expp_rank*")):
         raise CheckpointError(
-            f"{tag_dir}: a pipeline or MoE DeepSpeed checkpoint is not read by this engine (a pipeline one "
-            "loads into a PipelineModule's engine); convert it with DeepSpeed's zero_to_fp32.py and load the weights"
+            f"{tag_dir}: a pipeline or MoE DeepSpeed checkpoint is not read here (a pipeline one loads into a "
+            "PipelineModule's engine; a MoE one (layer_i_expert_e files) through engine.load_checkpoint or "
+            "deepspeed_experts.read_deepspeed_moe_checkpoint)"
         )
 
 
@@ -228,10 +240,10 @@ def optim_prefix(tag_dir: Path) -> str | None:
     return None
 
 
-def _optim_files(tag_dir: Path, dp: int) -> list[dict]:
+def _optim_files(tag_dir: Path, dp: int, mp_rank: int = 0) -> list[dict]:
     out, prefix = [], optim_prefix(tag_dir) or ""
     for r in range(dp):
-        path = tag_dir / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        path = tag_dir / f"{prefix}zero_pp_rank_{r}_mp_rank_{mp_rank:02d}_optim_states.pt"
         if not path.exists():
             raise CheckpointError(f"{tag_dir}: {path.name} is missing (the checkpoint was saved by {dp} ranks)")
         out.append(_load(path)["optimizer_state_dict"])
@@ -293,18 +305,39 @@ def _read_stage0(tag_dir: Path, model: dict, shapes: list[dict], names) -> DeepS
     )
 
 
-def _read_stage12(tag_dir: Path, model: dict, dp: int, shapes: list[dict], names) -> DeepSpeedCheckpoint:
-    ranks = _optim_files(tag_dir, dp)
+def _read_stage12(
+    tag_dir: Path, model: dict, dp: int, shapes: list[dict], names, mp_rank: int = 0
+) -> DeepSpeedCheckpoint:
+    ranks = _optim_files(tag_dir, dp, mp_rank)  # (tp rank mp_rank's files: deepspeed_tp.py)
     first = ranks[0]
     base = first["base_optimizer_state"]
+    uni = stage12_universal(tag_dir, ranks, shapes, names)
+    return DeepSpeedCheckpoint(
+        tag_dir,
+        int(first.get("zero_stage", 1)),  # (BF16_Optimizer records none: DeepSpeed uses it at ZeRO 1)
+        dp,
+        uni,
+        dict(model["module"]),
+        _hyperparameters(base["param_groups"]),
+        meta=_loss_scale(first.get("loss_scaler")),
+    )
+
+
+def stage12_universal(tag_dir: Path, ranks: list[dict], shapes: list[dict], names, rename=None) -> UniversalState:
+    """Every parameter's full fp32 master and elementwise optimizer states, joined from DeepSpeed's ZeRO-1/2
+    partitions: `ranks` holds each rank's `optimizer_state_dict` in rank order, `shapes` each param group's
+    {name: shape} (`names`: only these, or all with None). `rename(name, rank, group)`: the name a rank's
+    fragment stands for (MoE experts: their global names, deepspeed_experts.py)."""
+    base = ranks[0]["base_optimizer_state"]
     uni = UniversalState()
     for gi, group in enumerate(shapes):
         pieces: dict[str, dict[str, list[torch.Tensor]]] = {}
-        for _r, osd in enumerate(ranks):
+        for r, osd in enumerate(ranks):
             fp32 = osd["single_partition_of_fp32_groups"][gi]
             state = osd["base_optimizer_state"]["state"].get(gi, {})
             states = {k: v.reshape(-1) for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0}
             for name, frag in osd["param_slice_mappings"][gi].items():
+                name = rename(name, r, gi) if rename is not None else name
                 numel, start = _fragment(frag)
                 slot = pieces.setdefault(name, {FP32: []})
                 slot[FP32].append(fp32[start : start + numel])
@@ -322,17 +355,9 @@ def _read_stage12(tag_dir: Path, model: dict, dp: int, shapes: list[dict], names
                     f"shape {tuple(shape)} needs {math.prod(shape)}"
                 )
             uni.tensors[name] = full
-            uni.scalars[name] = _scalars(first["base_optimizer_state"]["state"].get(gi, {}))
+            uni.scalars[name] = _scalars(base["state"].get(gi, {}))
             uni.groups[name] = gi
-    return DeepSpeedCheckpoint(
-        tag_dir,
-        int(first.get("zero_stage", 1)),  # (BF16_Optimizer records none: DeepSpeed uses it at ZeRO 1)
-        dp,
-        uni,
-        dict(model["module"]),
-        _hyperparameters(base["param_groups"]),
-        meta=_loss_scale(first.get("loss_scaler")),
-    )
+    return uni
 
 
 def _read_universal(tag_dir: Path, model: dict, dp: int, shapes: list[dict], names) -> DeepSpeedCheckpoint:
@@ -368,82 +393,9 @@ def _read_universal(tag_dir: Path, model: dict, dp: int, shapes: list[dict], nam
     )
 
 
-@dataclass
-class DeepSpeedPipeline:
-    """A DeepSpeed pipeline tag (Note [DeepSpeed pipeline checkpoints]) as zerospeed's pipeline engine loads it."""
-
-    tag_dir: Path
-    optim: dict[int, dict[str, dict]]  # layer index -> name in the layer -> {"master": fp32 tensor, "state": {...}}
-    param_groups: list[dict]  # the optimizer's hyperparameters (stage 0's file)
-    meta: dict  # global_steps, global_samples, skipped_steps, lr_scheduler, ds_version
-    client_state: dict
-
-
-def is_deepspeed_pipeline_tag(tag_dir: Path) -> bool:
-    """DeepSpeed's pipeline layout: per-layer module files and per-stage model states, no zerospeed engine state."""
-    tag_dir = Path(tag_dir)
-    return (
-        not (tag_dir / "engine_states.pt").exists()
-        and (tag_dir / MODEL).exists()
-        and any(tag_dir.glob("layer_*-model_states.pt"))
-    )
-
-
-def read_deepspeed_pipeline(tag_dir: Path) -> DeepSpeedPipeline:
-    """Note [DeepSpeed pipeline checkpoints]: DeepSpeed's PipelineEngine (0.19.8, ZeRO 0) writes per layer
-    `layer_{i:02d}-model_states.pt` (the layer's own state dict; a `-model_XX` tensor-parallel suffix
-    under tp) and per stage s `mp_rank_{s:02d}_model_states.pt` with no module, the torch optimizer's
-    `state_dict()` over that stage's parameters (indexed by position: its layers in order, each layer's
-    parameters in its own order), the stage's `buffer_names` ("{layer}.{name}"), the LR scheduler and
-    the counters. The layers' state-dict entries that are not buffers, in layer order, are the stages'
-    optimizer positions one after the other; each parameter's master is its layer-file value (fp32
-    runs: the weights are the masters). Refused with an error naming the tag: tensor parallelism,
-    ZeRO 1 (`zero_pp_rank_*` files), several param groups, and files whose counts do not match."""
-    tag_dir = Path(tag_dir)
-    files = sorted(tag_dir.glob("layer_*-model_states.pt"))
-    if any(f.name.count("-") > 1 for f in files) or any(tag_dir.glob("*zero_pp_rank_*")):
-        raise CheckpointError(
-            f"{tag_dir}: a tensor-parallel or ZeRO-1 DeepSpeed pipeline checkpoint is not read here; "
-            "only ZeRO-0 pipeline checkpoints without tensor parallelism are"
-        )
-    layers = {int(f.name.split("-")[0][len("layer_") :]): _load(f) for f in files}
-    stages, s = [], 0
-    while (path := tag_dir / f"mp_rank_{s:02d}_model_states.pt").exists():
-        stages.append(_load(path))
-        s += 1
-    buffers = {b for st in stages for b in (st.get("buffer_names") or [])}
-    order = [(i, k) for i in sorted(layers) for k in layers[i] if f"{i}.{k}" not in buffers]
-    optim: dict[int, dict[str, dict]] = {}
-    pos = 0
-    for s, st in enumerate(stages):
-        opt = st.get("optimizer")
-        if opt is None or len(opt["param_groups"]) != 1:
-            raise CheckpointError(
-                f"{tag_dir}: mp_rank_{s:02d}_model_states.pt holds "
-                f"{'no optimizer' if opt is None else str(len(opt['param_groups'])) + ' param groups'}; "
-                "pipeline checkpoints are read with one optimizer param group per stage"
-            )
-        for key in opt["param_groups"][0]["params"]:
-            if pos >= len(order):
-                raise CheckpointError(f"{tag_dir}: the stages' optimizers hold more parameters than the layer files")
-            idx, name = order[pos]
-            pos += 1
-            state = {k: v.clone() if torch.is_tensor(v) else v for k, v in opt["state"].get(key, {}).items()}
-            optim.setdefault(idx, {})[name] = {"master": layers[idx][name].float().clone(), "state": state}
-    if pos != len(order):
-        raise CheckpointError(
-            f"{tag_dir}: the layer files hold {len(order)} parameters, the stages' optimizers {pos} "
-            "(tied layers are not read here)"
-        )
-    first = stages[0]
-    meta = {k: first.get(k) for k in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "ds_version")}
-    return DeepSpeedPipeline(
-        tag_dir,
-        optim,
-        _hyperparameters(first["optimizer"]["param_groups"]),
-        meta,
-        {k: v for k, v in first.items() if k not in RESERVED},
-    )
+def _universal_shape(tag_dir: Path, name: str) -> tuple[int, ...]:
+    value = _load(tag_dir / "zero" / name / "fp32.pt")
+    return tuple((value["param"] if isinstance(value, dict) else value).shape)
 
 
 def _universal_step(scalars: dict) -> dict:

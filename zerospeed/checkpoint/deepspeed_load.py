@@ -4,7 +4,9 @@ deepspeed_import.py): the DeepSpeed run resumes in zerospeed, at any ZeRO stage 
 Every rank reads the DeepSpeed files (memory-mapped) for the parameters its partitions hold, fills its
 masters and optimizer states from their full tensors (as for a resharded zerospeed checkpoint), loads
 the buffers and frozen weights into the module, and restores the optimizer's hyperparameters, the LR
-scheduler, the counters and the loss scale. DeepSpeed saves no RNG state: each rank keeps its own.
+scheduler, the counters and the loss scale. A tensor-parallel DeepSpeed tag (deepspeed_tp.py) gives the
+same full tensors; a tensor-parallel engine cuts its own tp pieces out of them, at any tp degree.
+DeepSpeed saves no RNG state: each rank keeps its own.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ from pathlib import Path
 import torch
 
 from zerospeed import comm
+from zerospeed.checkpoint.deepspeed_experts import is_deepspeed_moe_tag, read_deepspeed_moe_checkpoint
 from zerospeed.checkpoint.deepspeed_import import MODEL, read_deepspeed_checkpoint
+from zerospeed.checkpoint.deepspeed_tp import is_deepspeed_tp_tag, read_deepspeed_tp_checkpoint
 from zerospeed.checkpoint.errors import CheckpointError, raise_if_any_rank_failed
 from zerospeed.checkpoint.placement import check_supported, checkpoint_names, placement, sharded_param_names
 from zerospeed.checkpoint.state import TrainingState, restore_training_state
+from zerospeed.checkpoint.tensor_parallel import reslice
 from zerospeed.checkpoint.universal import FP32, fill_from_universal
 from zerospeed.utils.logging import get_logger
 
@@ -29,20 +34,20 @@ def load_deepspeed_checkpoint(
     state: TrainingState, tag_dir: Path, *, strict: bool, with_optimizer: bool, with_scheduler: bool, module_only: bool
 ):
     """Collective. Returns (the model-states file, client_state) as `load_checkpoint` does."""
-    check_supported(state, experts_ok=False)
+    moe = is_deepspeed_moe_tag(tag_dir)  # Note [DeepSpeed MoE checkpoints] (deepspeed_experts.py)
+    check_supported(state, experts_ok=moe)
     place = placement(state)
-    if place.tp > 1:
-        raise CheckpointError(
-            f"loading the DeepSpeed checkpoint {tag_dir} at tensor-parallel size {place.tp}: "
-            "DeepSpeed checkpoints load without tensor parallelism only"
-        )
     names = checkpoint_names(state, place)
     entries = state.zero.shard_entries(names.params)
     wanted = {p.name for e in entries for p in e.pieces}
     ckpt, error = None, None
     try:
-        ckpt = read_deepspeed_checkpoint(tag_dir, names=wanted, group_names=state.param_group_names)
+        reader = read_deepspeed_moe_checkpoint if moe else read_deepspeed_checkpoint
+        if is_deepspeed_tp_tag(tag_dir):  # Note [DeepSpeed tensor-parallel checkpoints] (deepspeed_tp.py)
+            reader = read_deepspeed_tp_checkpoint
+        ckpt = reader(tag_dir, names=wanted, group_names=state.param_group_names)
         _check_matches(state, ckpt, names.specs, wanted, with_optimizer)
+        _cut_to_tensor_parallel(ckpt, names.specs, place)
         with state.zero.resident(state.optimizer):
             _load_module(state, ckpt, strict)
             fill_from_universal(entries, ckpt.universal, state.optimizer, with_optimizer)
@@ -97,6 +102,15 @@ def _check_matches(state: TrainingState, ckpt, specs: dict, wanted: set[str], wi
             f"groups, this engine {len(opt.param_groups)}; pass "
             "load_optimizer_states=False to load the weights only"
         )
+
+
+def _cut_to_tensor_parallel(ckpt, specs: dict, place) -> None:
+    """This rank's tp piece of each full tensor (Note [canonical tensors]); nothing to do without tp."""
+    if place.tp == 1:
+        return
+    for name, full in ckpt.universal.tensors.items():
+        layout, shape = place.layouts.get(name), specs[name]["shape"]
+        full.update({k: reslice(t.view(shape), layout, place.tp_rank).reshape(-1) for k, t in full.items()})
 
 
 @torch.no_grad()

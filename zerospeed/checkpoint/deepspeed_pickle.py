@@ -17,6 +17,8 @@ import pickle
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 LOSS_SCALER = "deepspeed.runtime.fp16.loss_scaler"
 ZERO_CONFIG = "deepspeed.runtime.zero.config"
 TENSOR_FRAGMENT = "deepspeed.utils.tensor_fragment"
@@ -78,3 +80,30 @@ class PICKLE_MODULE:  # noqa: N801 — passed as `torch.save(pickle_module=...)`
     @staticmethod
     def load(f, **kwargs):
         return pickle.Unpickler(f, **kwargs).load()
+
+
+class DeepSpeedStandIn:
+    """One of DeepSpeed's pickled objects read back by `torch.load(weights_only=True)` inside
+    `readable_deepspeed_objects()`: its constructor arguments (`args`) and attributes, nothing to run."""
+
+    def __new__(cls, *args):
+        obj = super().__new__(cls)
+        obj.args = args
+        return obj
+
+    def __setstate__(self, state):
+        self.__dict__.update(state if isinstance(state, dict) else {"state": state})
+
+
+_READABLE = (
+    f"{LOSS_SCALER}.LossScaler",
+    f"{LOSS_SCALER}.DynamicLossScaler",
+    f"{ZERO_CONFIG}.ZeroStageEnum",
+    f"{TENSOR_FRAGMENT}.fragment_address",
+)
+
+
+def readable_deepspeed_objects():
+    """Context for `torch.load(..., weights_only=True)` of a rank file that also holds DeepSpeed's objects (a
+    tag saved with `checkpoint.deepspeed_layout`): each loads as a `DeepSpeedStandIn`, nothing else is allowed."""
+    return torch.serialization.safe_globals([(DeepSpeedStandIn, name) for name in _READABLE])

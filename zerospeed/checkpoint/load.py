@@ -21,6 +21,7 @@ import torch
 from zerospeed import comm
 from zerospeed.checkpoint.deepspeed_import import is_deepspeed_tag
 from zerospeed.checkpoint.deepspeed_load import load_deepspeed_checkpoint
+from zerospeed.checkpoint.deepspeed_pickle import readable_deepspeed_objects
 from zerospeed.checkpoint.errors import CheckpointError, raise_if_any_rank_failed
 from zerospeed.checkpoint.experts import CheckpointNames, is_expert_key, load_expert_files, local_expert_files
 from zerospeed.checkpoint.layout import RankFile, entry_groups, partition_from_manifest
@@ -36,8 +37,7 @@ from zerospeed.checkpoint.naming import (
 )
 from zerospeed.checkpoint.placement import Placement, check_supported, checkpoint_names, placement, sharded_param_names
 from zerospeed.checkpoint.rng import restore_rng_state
-from zerospeed.checkpoint.save import RESERVED_KEYS
-from zerospeed.checkpoint.state import TrainingState, restore_training_state
+from zerospeed.checkpoint.state import DELAYED_UPDATE, RESERVED_KEYS, TrainingState, restore_training_state
 from zerospeed.checkpoint.tags import agree_on_tag, read_latest, resolve_tag_dir
 from zerospeed.checkpoint.tensor_parallel import layout_problem, reslice
 from zerospeed.checkpoint.universal import (
@@ -206,7 +206,8 @@ def _load_frozen(state: TrainingState, saved: SavedModule, place: Placement, sha
 
 @torch.no_grad()
 def _load_direct(reads: _ReadList, optimizer, with_optimizer: bool) -> None:
-    data = torch.load(reads.tag_dir / reads.direct.file, map_location="cpu", mmap=True, weights_only=True)
+    with readable_deepspeed_objects():  # (a tag saved with checkpoint.deepspeed_layout)
+        data = torch.load(reads.tag_dir / reads.direct.file, map_location="cpu", mmap=True, weights_only=True)
     groups = entry_groups(optimizer, [e.master for e in reads.entries])
     for entry, layout, record, gi in zip(reads.entries, reads.direct.entries, data["entries"], groups):
         entry.master.view(-1).copy_(record["master"])
@@ -233,7 +234,8 @@ def _load_resharded(reads: _ReadList, optimizer, with_optimizer: bool) -> None:
 
 def _restore_rng(reads: _ReadList) -> None:
     if reads.rng_file is not None:
-        rng = torch.load(reads.tag_dir / reads.rng_file, map_location="cpu", mmap=True, weights_only=True)["rng"]
+        with readable_deepspeed_objects():
+            rng = torch.load(reads.tag_dir / reads.rng_file, map_location="cpu", mmap=True, weights_only=True)["rng"]
         restore_rng_state(rng)
     else:
         logger.warning(
@@ -359,6 +361,19 @@ def _load_states(
     except Exception as exc:  # noqa: BLE001 — every rank must learn of it before the collective below
         error = f"rank {comm.get_rank()}: loading {reads.tag_dir} failed: {type(exc).__name__}: {exc}"
     raise_if_any_rank_failed(error)
-    if not load_module_only or _weights_in_shards(state, reads.manifest):
+    if (not load_module_only or _weights_in_shards(state, reads.manifest)) and not _keeps_pending_update(
+        state, states, reads.manifest, with_optimizer
+    ):
         state.zero.sync_params_from_masters()
     return states
+
+
+def _keeps_pending_update(state: TrainingState, states: dict, manifest: dict, with_optimizer: bool) -> bool:
+    """Note [delayed update in checkpoints] (offload/delayed_update.py): with the delayed parameter update on,
+    its record comes back (none without the optimizer states); True when the checkpoint holds an update not
+    yet published: the weights stay the module state's, one update behind the loaded masters."""
+    if state.delayed_update is None:
+        return False
+    keep = with_optimizer and not manifest["weights_in_shards"]  # (the module state holds every weight)
+    state.delayed_update.load_state_dict(states.get(DELAYED_UPDATE) if keep else None)
+    return state.delayed_update.pending

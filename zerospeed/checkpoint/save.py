@@ -36,6 +36,8 @@ from zerospeed.checkpoint.async_writer import (
     payload_bytes,
 )
 from zerospeed.checkpoint.atomic import atomic_torch_save, fresh_dir, swap_in_dir
+from zerospeed.checkpoint.deepspeed_layout import as_saved_rank_states, check_as_saved, ds_model_states_name
+from zerospeed.checkpoint.deepspeed_pickle import PICKLE_MODULE
 from zerospeed.checkpoint.errors import CheckpointError, raise_if_any_rank_failed
 from zerospeed.checkpoint.experts import CheckpointNames, expert_spans, is_expert_key, write_expert_files
 from zerospeed.checkpoint.layout import EntryLayout, RankFile, entry_groups, split_state
@@ -65,7 +67,7 @@ from zerospeed.checkpoint.placement import (
 )
 from zerospeed.checkpoint.protocols import full_model_state
 from zerospeed.checkpoint.rng import capture_rng_state
-from zerospeed.checkpoint.state import TrainingState, training_state_dict
+from zerospeed.checkpoint.state import RESERVED_KEYS, TrainingState, training_state_dict
 from zerospeed.checkpoint.tags import agree_on_tag
 from zerospeed.checkpoint.tensor_parallel import layouts_to_json, pack_pieces
 from zerospeed.utils.files import atomic_write_text
@@ -75,32 +77,8 @@ from zerospeed.zero.tags import full_shape
 
 logger = logging.getLogger(__name__)
 
-# Keys of the model states file that are not client state (DeepSpeed merges client_state at top level).
-RESERVED_KEYS = frozenset(
-    {
-        "module",
-        "buffer_names",
-        "param_shapes",
-        "frozen_param_shapes",
-        "shared_params",
-        "optimizer_type",
-        "optimizer_param_groups",
-        "lr_scheduler",
-        "loss_scaler",
-        "data_sampler",
-        "global_steps",
-        "global_samples",
-        "skipped_steps",
-        "micro_steps",
-        "gradient_accumulation_steps",
-        "dp_world_size",
-        "mp_world_size",
-        "zero_stage",
-        "ds_config",
-        "ds_version",
-        "random_ltd",
-    }
-)
+# RESERVED_KEYS (the model-states keys that are not client state) lives in checkpoint/state.py: deepspeed_export,
+# which this module's as-saved DeepSpeed layout uses, reads it too.
 
 
 def compact(t: torch.Tensor, views_ok: bool = False) -> torch.Tensor:
@@ -234,15 +212,36 @@ def _rank_states(
             }
         )
         layouts.append(EntryLayout(group, master.numel(), tuple(pieces), tuple(elementwise), tuple(scalars)))
+    return {**_rank_header(state, place), "entries": records}, layouts
+
+
+def _rank_header(state: TrainingState, place: Placement) -> dict:
+    """A rank file's keys besides its entries."""
     return {
         "rank": place.dp_rank,
         "tp_rank": place.tp_rank,
         "dp_world_size": zero_dp_size(state),
         "zero_stage": state.zero.stage,
-        "entries": records,
         "rng": capture_rng_state(),
         "ds_version": __version__,
-    }, layouts
+    }
+
+
+def _as_saved(
+    state: TrainingState, place: Placement, names: CheckpointNames, client_state: dict, job: WriteJob
+) -> tuple[dict, list[EntryLayout]]:
+    """Collective (Note [as-saved DeepSpeed layout]): this rank's shard and layouts in DeepSpeed's ZeRO-3 layout,
+    with DeepSpeed's model states added to `job` beside it, and DeepSpeed's form of `param_shapes` in the model
+    states `job` holds (DeepSpeed's zero_to_fp32 reads every *_model_states.pt of the tag)."""
+    shard, layouts, ds_states = as_saved_rank_states(
+        state, names, place.dp_rank, _rank_header(state, place), client_state
+    )
+    for name, obj in job.items:
+        if name == model_states_name(place.tp_rank):
+            obj["param_shapes"] = ds_states["param_shapes"]
+    job.items.append((ds_model_states_name(place.dp_rank), ds_states))
+    job.pickle_modules[optim_states_name(place.dp_rank, place.tp_rank)] = PICKLE_MODULE
+    return shard, layouts
 
 
 def _writes_replicated(entry, rank: int, spans) -> bool:
@@ -326,6 +325,8 @@ def save_checkpoint(
     place = placement(state)
     names = checkpoint_names(state, place)  # collective with MoE layers (Note [global expert names])
     client_state = dict(client_state or {})
+    if saves is not None and saves.plan.deepspeed_layout:
+        check_as_saved(state, names)
     clash = sorted(RESERVED_KEYS & set(client_state))
     if clash:
         raise ValueError(
@@ -362,7 +363,12 @@ def save_checkpoint(
                 )
                 job.items.append((model_states_name(place.tp_rank), model_states))
                 del model_states
-            shard, layouts = _rank_states(state, place, names, replicated_once=not plan.node_local, views_ok=views_ok)
+            if plan.deepspeed_layout:  # (collective)
+                shard, layouts = _as_saved(state, place, names, client_state, job)
+            else:
+                shard, layouts = _rank_states(
+                    state, place, names, replicated_once=not plan.node_local, views_ok=views_ok
+                )
             job.items.append((optim_states_name(place.dp_rank, place.tp_rank), shard))
             del shard
         except Exception as exc:  # noqa: BLE001 — every rank learns of it at the commit, or the others would hang

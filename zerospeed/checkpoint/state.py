@@ -56,13 +56,49 @@ class TrainingState:
     loss_scaler: Stateful | None = None
     data_sampler: Stateful | None = None  # the training dataloader's sampler position
     random_ltd: Stateful | None = None  # the random-LTD schedule
+    delayed_update: Stateful | None = None
+    """The delayed parameter update's stepper (offload/delayed_update.py), when it is on: its `state_dict()`
+    is saved, and a load hands it back before the weights are refreshed (Note [delayed update in
+    checkpoints]); its `pending` then says whether they stay one update behind the masters."""
     param_group_names: list[list[str]] = field(default_factory=list)
     """The trained parameters' names per optimizer param group, in order: a DeepSpeed ZeRO-0 checkpoint
     indexes its optimizer states by that position (Note [DeepSpeed checkpoints] in deepspeed_import.py)."""
 
 
+DELAYED_UPDATE = "delayed_param_update"  # the model states' key of the delayed update's record
+
+
 def _state_of(part: Stateful | None) -> dict | None:
     return part.state_dict() if part is not None else None
+
+
+# Keys of the model states file that are not client state (DeepSpeed merges client_state at top level).
+RESERVED_KEYS = frozenset(
+    {
+        "module",
+        "buffer_names",
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "optimizer_type",
+        "optimizer_param_groups",
+        "lr_scheduler",
+        "loss_scaler",
+        "data_sampler",
+        "global_steps",
+        "global_samples",
+        "skipped_steps",
+        "micro_steps",
+        "gradient_accumulation_steps",
+        "dp_world_size",
+        "mp_world_size",
+        "zero_stage",
+        "ds_config",
+        "ds_version",
+        "random_ltd",
+        DELAYED_UPDATE,
+    }
+)
 
 
 def training_state_dict(state: TrainingState) -> dict:
@@ -82,6 +118,7 @@ def training_state_dict(state: TrainingState) -> dict:
         "skipped_steps": counters.skipped_steps,
         "micro_steps": counters.micro_steps,
         "gradient_accumulation_steps": state.gradient_accumulation_steps,
+        **({DELAYED_UPDATE: state.delayed_update.state_dict()} if state.delayed_update is not None else {}),
     }
 
 

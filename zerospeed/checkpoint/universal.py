@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from zerospeed.checkpoint.deepspeed_pickle import readable_deepspeed_objects
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.layout import entry_groups, partition_from_manifest
 from zerospeed.checkpoint.manifest import saved_layouts
@@ -74,7 +75,8 @@ def load_universal(
         wanted = [(i, e) for i, e in enumerate(rf.entries) if any(names is None or p.name in names for p in e.pieces)]
         if not wanted:
             continue
-        data = torch.load(Path(tag_dir) / rf.file, map_location="cpu", mmap=True, weights_only=True)
+        with readable_deepspeed_objects():  # (a tag saved with checkpoint.deepspeed_layout)
+            data = torch.load(Path(tag_dir) / rf.file, map_location="cpu", mmap=True, weights_only=True)
         for i, layout in wanted:
             record = data["entries"][i]
             sources = {FP32: record["master"], **{k: record["state"][k] for k in layout.elementwise}}

@@ -23,12 +23,24 @@ Everything the background step touches is its own for the duration: the masters 
 parameters' storage: `OffloadPlan.masters_apart` keeps them apart even where fp32 masters would alias
 the parameter chunks), the optimizer states and the gradient copies. A caller that reads or writes a
 master (DeepSpeed's `safe_get_full_fp32_param` & co., a checkpoint) waits for it first.
+
+Note [delayed update in checkpoints]: a save after step t holds the in-flight result, not a flushed
+one. It waits for step t's host step and writes what the run holds: the masters w_{t+1} and their
+moments (after t+1 updates) in the shard files, the weights the model computes with, w_t, in the model
+states (at stages 1-2 they hold every trainable weight), and this stepper's `state_dict()` (its step
+count, for the warm-up, and `pending`: the masters are one update ahead of the weights) under the
+model states' key `delayed_param_update`. A load into an engine with the delay gives it back as it was:
+the weights stay the module state's (no refresh from the masters) and the next `engine.step()`
+publishes the masters, so the resumed run is the uninterrupted one, bitwise. Publishing at the save
+instead (a flush) would change the run that saves: its next forward would see w_{t+1} a step early.
+An engine without the delay (or a load without the optimizer states) refreshes the weights from the
+loaded masters as after any load: the pending update is published at the load, and the run goes on
+with the plain rule from w_{t+1}.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -39,6 +51,7 @@ from zerospeed.optim.sub_group_step import (
     OnStepped,
     _own_threads,
     host_step_threads,
+    snapshot_optimizer,
     step_in_sub_groups,
     steps_locally,
 )
@@ -60,6 +73,7 @@ class DelayedStepper(InMemoryStepper):
     def step(self, optimizer, grads, coef: float, sub_groups, on_stepped: OnStepped | None = None) -> None:
         self.steps += 1
         if self.steps <= self.warm_up:
+            self._pending = False  # (a loaded pending update, if any, is published with this step's)
             return step_in_sub_groups(optimizer, grads, coef, sub_groups, on_stepped)
         if not steps_locally(optimizer):
             raise RuntimeError(
@@ -72,8 +86,7 @@ class DelayedStepper(InMemoryStepper):
             for sub in sub_groups:
                 on_stepped(list(sub))
         pairs = [(m, g2) for (m, _), g2 in zip(grads, self._copy(grads, coef))]
-        host = copy.copy(optimizer)  # the hyperparameters of this step, whatever the scheduler writes next
-        host.param_groups = [dict(g) for g in optimizer.param_groups]
+        host = snapshot_optimizer(optimizer)  # this step's hyperparameters, whatever the scheduler writes next
         self._pending = True
         self._job = self._worker().submit(step_in_sub_groups, host, pairs, 1.0, sub_groups)
 
@@ -103,14 +116,37 @@ class DelayedStepper(InMemoryStepper):
 
     @contextlib.contextmanager
     def resident(self, optimizer) -> Iterator[None]:
-        """A checkpoint reads or writes the masters and states after the step in flight: a save holds
-        the update not yet published (docs/offload.md); after a load the next publication copies the
-        loaded masters, which the parameters already hold."""
+        """A checkpoint reads or writes the masters and states after the step in flight (Note [delayed
+        update in checkpoints])."""
         self.wait()
         yield
+
+    @property
+    def pending(self) -> bool:
+        """The masters hold an update the parameters do not have yet (the next step publishes it)."""
+        return self._pending
+
+    def state_dict(self) -> dict:
+        """What a checkpoint records (Note [delayed update in checkpoints])."""
+        return {"steps": self.steps, "pending": self._pending}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """After a load wrote the masters: a checkpoint's record back (`pending`: the caller left the
+        weights one update behind them). None (no record, or no optimizer states loaded): nothing
+        pending, and the warm-up counts from the load."""
+        self.wait()
+        state = state or {}
+        self.steps = int(state.get("steps", 0))
+        self._pending = bool(state.get("pending", False))
 
     def close(self) -> None:
         self.wait()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def delayed_stepper(strategy) -> DelayedStepper | None:
+    """The strategy's stepper when it runs the delayed update (what a checkpoint records), else None."""
+    stepper = getattr(strategy, "stepper", None)
+    return stepper if isinstance(stepper, DelayedStepper) else None

@@ -127,6 +127,23 @@ def use_fused_cpu_step(optimizer: torch.optim.Optimizer | None) -> None:
 #  consequences, each refused loudly rather than run inexactly: a second boundary backward before
 #  `engine.step()`, zeroing the gradients instead of stepping, and hyperparameters changed between the
 #  backward and `engine.step()`. `overlap_step: false` restores the sequential step for such loops.
+#  Every step runs on a snapshot of the optimizer's param groups taken when its hyperparameters were
+#  fixed (`snapshot_optimizer`: at the boundary backward, checked unchanged at `step()`, or at `step()`), so a
+#  step still running after `step()` returned does not read what the LR scheduler writes next.
+#
+# Note [deferred tail]: at stage 3 with parameter offload (`offload_param.device: cpu`) `start` returns
+# as soon as every sub-group's step is submitted; the steps still running (the "tail") and their
+# publication outlive `engine.step()`. The next forward then gathers a unit once the sub-group owning
+# it is done (`finish(j)`, called from the unit's gather fence, zero/stage3/strategy.py), so its first
+# units are gathered while later sub-groups still step. What the tail writes and when it is safe:
+#  - the masters and optimizer states: the fences (gathers) and the strategy's barrier (`finish_all`)
+#    in front of everything else that reads them (accessors, checkpoints, the next backward or step);
+#  - the parameter shards: published on the main thread by `finish(j)`, before any gather reads them
+#    (host to host copies: with parameter offload the shards live in host memory);
+#  - the gradient shards, which the steps read: zeroed by a follow-up job after the last step (`then`),
+#    not by the engine's `zero_grads` on the main thread; the next backward waits for it;
+#  - the hyperparameters: the snapshot above.
+# Only the order of work changes, never a value: same kernels, tensors and sub-group order.
 #
 # Note [step threads]: torch's intra-op thread count is set per thread (each thread's OpenMP setting,
 # taken from a process-wide default when the thread first runs a parallel kernel), and
@@ -184,12 +201,19 @@ class OverlappedStepper(InMemoryStepper):
         self._pools: dict[bool, ThreadPoolExecutor] = {}
         self._last: Future | None = None  # the latest submitted step: the next one runs after it
         self._jobs: dict[int, Future] = {}  # sub-group index -> its submitted step
-        self._armed: tuple | None = None  # (optimizer, grads) of the boundary backward under way
+        self._armed: tuple | None = None  # (optimizer snapshot, grads) of the boundary backward under way
         self._missing: list[int] = []  # per sub-group: deliveries still to come
         self._sub_of: dict[int, int] = {k: j for j, sub in enumerate(sub_groups) for k in sub}
         self._hparams = None  # the hyperparameters the early steps read
+        self._armed_from = None  # the optimizer whose snapshot the early steps step
+        # Note [deferred tail]: sub-group -> its step, still unpublished after `start` returned; the
+        # publish callback; the last follow-up job
+        self._tail: dict[int, Future] = {}
+        self._tail_publish: OnStepped | None = None
+        self._follow: Future | None = None
         self._side = None  # the publish stream (CUDA), made on first use
-        self.timeline: list[tuple[str, int, float]] = []  # ("submit" | "start" | "end", sub-group, perf_counter)
+        # ("submit" | "start" | "end" | "finish", sub-group, perf_counter); "finish": a reader of the tail waits
+        self.timeline: list[tuple[str, int, float]] = []
 
     # -- early start (the boundary backward) -------------------------------------------------------
     def arm(self, optimizer, grads: list[tuple[torch.Tensor, torch.Tensor]], needs: list[int]) -> None:
@@ -197,7 +221,7 @@ class OverlappedStepper(InMemoryStepper):
         its chunks k (several reduction units can land in one chunk: stage 3's tied uses)."""
         self._check_consumed("a second boundary backward")
         self.timeline.clear()
-        self._armed = (optimizer, grads)
+        self._armed, self._armed_from = (snapshot_optimizer(optimizer), grads), optimizer
         self._missing = [sum(needs[k] for k in sub) for sub in self.sub_groups]
         self._hparams = _hparams(optimizer)
 
@@ -233,6 +257,54 @@ class OverlappedStepper(InMemoryStepper):
             self._publish_in_order(sub_groups, on_stepped)
         finally:
             self.settle()
+
+    # -- the tail (Note [deferred tail]) ------------------------------------------------------------
+    def start(self, optimizer, grads, coef: float, sub_groups, on_stepped: OnStepped) -> bool:
+        """Submit every sub-group's step and return without waiting: `finish(j)` / `finish_all()` wait and
+        publish. Returns False where the steps do not run on a worker (an optimizer that is not torch's,
+        a CPU-only machine whose compute takes every core): it has then stepped and published as `step`."""
+        self.finish_all()
+        if not self._jobs and not (steps_locally(optimizer) and (self.copies_back or self.may_start_early)):
+            self.step(optimizer, grads, coef, sub_groups, on_stepped)
+            return False
+        if self._jobs:
+            self._check_early(optimizer, coef)
+        else:
+            self.timeline.clear()
+        host = self._armed[0] if self._jobs else snapshot_optimizer(optimizer)  # (the early steps': checked unchanged)
+        self._armed = None
+        for j in range(len(sub_groups)):
+            if j not in self._jobs:  # they overlap the next forward: the worker that leaves the compute a core
+                self._submit(j, host, grads, coef, during_backward=True)
+        self._tail, self._jobs, self._tail_publish = self._jobs, {}, on_stepped
+        if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+            optimizer._opt_called = True  # torch's LR scheduler checks that the optimizer stepped (its copy did)
+        return True
+
+    def finish(self, j: int) -> None:
+        """Sub-group j's step is done and its masters are published (nothing if it was already)."""
+        job = self._tail.pop(j, None)
+        if job is not None:
+            self.timeline.append(("finish", j, time.perf_counter()))  # a reader waits for sub-group j
+            job.result()
+            self._tail_publish(list(self.sub_groups[j]))
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the worker after every step submitted so far (the gradients' zeroing)."""
+        self._last = self._follow = self._worker(True).submit(_after, self._last, fn)
+
+    def finish_all(self) -> None:
+        """Every step of the tail done and published, in step order, and every follow-up run."""
+        for j in list(self._tail):
+            self.finish(j)
+        follow, self._follow = self._follow, None
+        if follow is not None:
+            follow.result()
+
+    @property
+    def in_flight(self) -> bool:
+        """Steps or follow-ups of the last `start` not yet finished."""
+        return bool(self._tail) or self._follow is not None
 
     def _publish_in_order(self, sub_groups, on_stepped: OnStepped | None) -> None:
         """Sub-group i's copy back while the worker steps sub-group i + 1 (Note [overlapped step])."""
@@ -277,7 +349,7 @@ class OverlappedStepper(InMemoryStepper):
 
     # -- keeping the early start exact -------------------------------------------------------------
     def _check_early(self, optimizer, coef: float) -> None:
-        optimizer_then = self._armed[0] if self._armed is not None else optimizer
+        optimizer_then = self._armed_from if self._armed is not None else optimizer
         problems = []
         if coef != 1.0:
             problems.append(f"the step's coefficient is {coef:g}, the early steps used 1")
@@ -319,10 +391,12 @@ class OverlappedStepper(InMemoryStepper):
     @contextlib.contextmanager
     def resident(self, optimizer) -> Iterator[None]:
         """Nothing steps while a checkpoint reads or writes the masters and states."""
+        self.finish_all()
         self.wait()
         yield
 
     def close(self) -> None:
+        self.finish_all()
         for pool in self._pools.values():
             pool.shutdown(wait=True)
         self._pools = {}
@@ -331,6 +405,28 @@ class OverlappedStepper(InMemoryStepper):
 def _own_threads(n: int) -> None:
     torch.get_num_threads()  # the worker's own setting starts from the process default ...
     torch.set_num_threads(n)  # ... and is then its own (Note [step threads])
+
+
+def _after(before: Future | None, fn: Callable[[], None]) -> None:
+    if before is not None:
+        before.result()
+    fn()
+
+
+def snapshot_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer with its param groups as they are now (Note [overlapped step]): the same object but
+    for copies of the group dicts, tensor values cloned (torch's schedulers fill a tensor lr in place);
+    the same parameters, states and hooks. Not `copy.copy`, which goes through torch's `__getstate__`
+    and drops the hooks; without the instance `step` torch's LR scheduler installs, which steps the
+    original optimizer's groups."""
+    host = object.__new__(type(optimizer))
+    host.__dict__.update(optimizer.__dict__)
+    host.__dict__.pop("step", None)
+    host.param_groups = [
+        {k: v.clone() if isinstance(v, torch.Tensor) and k != "params" else v for k, v in g.items()}
+        for g in optimizer.param_groups
+    ]
+    return host
 
 
 def _hparams(optimizer) -> list[list[tuple[str, object]]]:

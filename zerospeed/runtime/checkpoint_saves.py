@@ -17,6 +17,7 @@ DeepSpeed's keys and what each does here (docs/checkpoints.md, "Asynchronous sav
   async_load                         load_checkpoint reads this rank's files on background threads
   checkpoint.use_node_local_storage  every node writes and reads its own copy (local rank 0 writes the
                                      manifest and `latest` there)
+  checkpoint.deepspeed_layout        zerospeed's key: ZeRO-3 rank files DeepSpeed loads as saved
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def writer_plan(config) -> WriterPlan:
         host_cache_bytes=int(float(cache_gb) * GIB) if cache_gb is not None else None,
         async_load=config.async_load,
         node_local=ckpt.use_node_local_storage,
+        deepspeed_layout=ckpt.deepspeed_layout,
     )
 
 

@@ -19,6 +19,7 @@ import torch
 from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
 from zerospeed.checkpoint.state import TrainingState
+from zerospeed.offload.delayed_update import delayed_stepper
 from zerospeed.optim.sub_group_step import use_fused_cpu_step
 from zerospeed.profiling.observer import EngineObserver
 from zerospeed.runtime.hooks import RandomLTDHook, build_step_hooks, scheduler_of
@@ -230,6 +231,7 @@ class EngineCore(torch.nn.Module):
             data_sampler=self.training_dataloader,
             random_ltd=scheduler_of(self.step_hooks, RandomLTDHook),
             param_group_names=self.param_group_names,
+            delayed_update=delayed_stepper(self.zero),
         )
 
     # -- module passthrough ------------------------------------------------------------------------

@@ -37,12 +37,14 @@ from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
 from zerospeed.parallel.pipeline import schedules as S
 from zerospeed.parallel.pipeline.checkpoint import (
+    PipelineSaves,
     load_pipeline_checkpoint,
     save_pipeline_checkpoint,
 )
 from zerospeed.parallel.pipeline.module import PipelineModule, non_reentrant_checkpoint
 from zerospeed.parallel.pipeline.ties import TiedGradients
 from zerospeed.parallel.pipeline.transport import RecvOp, SendOp, Transport, as_tensors
+from zerospeed.runtime.checkpoint_saves import writer_plan
 from zerospeed.runtime.core import EngineCore
 from zerospeed.runtime.deepspeed_api import DeepSpeedAPI
 from zerospeed.utils.errors import ConfigAssertionError, ConfigError
@@ -119,6 +121,7 @@ class PipelineEngine(DeepSpeedAPI, EngineCore):
         self.agg_train_loss: torch.Tensor | None = None
         # "1f1b" (default, interleaved when chunks > 1) or "fill_drain" (GPipe; holds every micro-batch)
         self.train_schedule = "1f1b"
+        self._checkpoint_saves = PipelineSaves(writer_plan(config))  # (flush_saves and destroy() find it here)
 
     # -- queries ----------------------------------------------------------------------------------
     def is_first_stage(self) -> bool:
@@ -175,6 +178,8 @@ class PipelineEngine(DeepSpeedAPI, EngineCore):
         self.zero.begin_backward(sync=False)  # Note [one reduction per batch]
         self._execute(schedule, self._iterator(data_iter), state)
         self.agg_train_loss = self._aggregate_loss(state.losses)
+        if self._checkpoint_saves.in_flight():  # Note [asynchronous pipeline saves]: a written save commits
+            self._checkpoint_saves.poll()
         return self.agg_train_loss
 
     def eval_batch(
@@ -394,7 +399,9 @@ class PipelineEngine(DeepSpeedAPI, EngineCore):
     def save_checkpoint(
         self, save_dir, tag=None, client_state=None, save_latest: bool = True, exclude_frozen_parameters: bool = False
     ):
-        return save_pipeline_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+        return save_pipeline_checkpoint(
+            self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest, saves=self._checkpoint_saves
+        )
 
     def load_checkpoint(
         self,
@@ -405,6 +412,7 @@ class PipelineEngine(DeepSpeedAPI, EngineCore):
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
     ):
+        self._checkpoint_saves.flush()  # a save in flight commits first: its tag may be the one asked for
         return load_pipeline_checkpoint(
             self,
             load_dir,

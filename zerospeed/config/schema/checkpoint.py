@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from zerospeed.config.schema.base import (
     Bool,
     OptStr,
@@ -51,6 +53,15 @@ class CheckpointConfig(StrictModel):
     parallel_write: ParallelWriteConfig = ds_section(ParallelWriteConfig, "Parallel write settings.")
     checkpoint_serialization: Bool = ds_field(True, "Use torch.save serialization.")
     writer: CheckpointWriterConfig | None = ds_field(None, "Fast checkpoint writer; null uses torch.save.")
+    deepspeed_layout: Bool = Field(
+        False,
+        description=(
+            "zerospeed only (DeepSpeed has no such key): at ZeRO 3, write each rank file in DeepSpeed 0.19.8's "
+            "layout as well as zerospeed's (the same tensors, stored once) plus DeepSpeed's per-rank model states, "
+            "so DeepSpeed's load_checkpoint reads the tag as saved at the same dp; costs one all-gather of the "
+            "optimizer state per save. Other stages: export instead. Default false."
+        ),
+    )
 
 
 class NebulaConfig(StrictModel):

@@ -30,9 +30,12 @@ from pathlib import Path
 import torch
 
 from zerospeed import comm
+from zerospeed.checkpoint.async_writer import BackgroundWriter, WriteJob, WriterPlan, host_snapshot
 from zerospeed.checkpoint.atomic import atomic_torch_save
-from zerospeed.checkpoint.deepspeed_import import is_deepspeed_pipeline_tag, read_deepspeed_pipeline
+from zerospeed.checkpoint.deepspeed_pipeline import TIED, is_deepspeed_pipeline_tag, read_deepspeed_pipeline
+from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.naming import check_load_dir, check_save_dir
+from zerospeed.checkpoint.universal import UniversalState, fill_from_universal
 from zerospeed.parallel.tensor.partition import take
 from zerospeed.parallel.tensor.state import gather_full, param_layouts
 from zerospeed.utils.errors import ConfigError
@@ -113,7 +116,14 @@ def _masters(engine) -> list[tuple[torch.Tensor, torch.nn.Parameter]]:
     return [(e.master, by_name[e.pieces[0].name]) for e in engine.zero.shard_entries(names)]
 
 
-def save_pipeline_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
+def save_pipeline_checkpoint(
+    engine, save_dir, tag=None, client_state=None, save_latest: bool = True, saves: PipelineSaves | None = None
+) -> bool:
+    """Collective. `saves`: the engine's `PipelineSaves`; with an asynchronous writer plan the call returns once
+    this rank's files are copied to host memory, and `latest` moves when the save commits (Note [asynchronous
+    pipeline saves])."""
+    if saves is not None:
+        saves.flush()
     root = check_save_dir(save_dir)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     path = root / tag
@@ -122,6 +132,7 @@ def save_pipeline_checkpoint(engine, save_dir, tag=None, client_state=None, save
     tp = _TensorParallel(engine)
     writes = tp.rank == 0  # the gathers below are collective over the tp group: every tp rank joins
     parallel = engine.config.checkpoint.parallel_write.pipeline_stage
+    files: list[tuple[str, object]] = []  # (name in the tag, object) this rank writes
     for idx in layers_written(
         list(module.local_layer_indices()), dp_rank, comm.get_world_size(engine.dp_group), parallel
     ):
@@ -129,25 +140,78 @@ def save_pipeline_checkpoint(engine, save_dir, tag=None, client_state=None, save
         if mod is not None:
             state = tp.module_state(mod)
             if writes:
-                atomic_torch_save(state, path / layer_file(idx))
+                files.append((layer_file(idx), state))
     if dp_rank == 0 and engine.zero.replicated_state and engine.optimizer is not None:
-        _save_layer_optim(engine, path, tp, writes)
+        _save_layer_optim(engine, files, tp, writes)
     if not engine.zero.replicated_state and engine.optimizer is not None:
         masters = [
             e.master.detach().cpu().clone()
             for e in engine.zero.shard_entries({id(p): n for n, p in module.named_parameters()})
         ]
-        atomic_torch_save(
-            {"optimizer": engine.optimizer.state_dict(), "masters": masters, "layout": _layout(engine)},
-            path / _flat_file(engine),
+        files.append(
+            (
+                _flat_file(engine),
+                {"optimizer": engine.optimizer.state_dict(), "masters": masters, "layout": _layout(engine)},
+            )
         )
     if comm.get_rank() == 0:
-        atomic_torch_save(_engine_state(engine, client_state), path / "engine_states.pt")
+        files.append(("engine_states.pt", _engine_state(engine, client_state)))
+    if saves is not None and saves.plan.asynchronous:
+        saves.begin(path, files, root / "latest" if save_latest else None)
+        return True
+    for name, obj in files:
+        atomic_torch_save(obj, path / name)
     comm.barrier()
     if save_latest and comm.get_rank() == 0:
         atomic_write_text(root / "latest", tag)
     comm.barrier()
     return True
+
+
+class PipelineSaves:
+    """Note [asynchronous pipeline saves]: with an asynchronous writer (`checkpoint.writer.decoupled`,
+    `datastates_ckpt`, `casync_ckpt`) a pipeline save copies this rank's files into host memory and a
+    background thread (checkpoint/async_writer.py) writes each one atomically into the tag directory; the save
+    commits — every rank's files reported written, then `latest` — at the end of the next `train_batch`, or at
+    the next save, load, `wait_for_checkpoint()` or `destroy()` (points every rank reaches in the same order:
+    Note [no collectives off the training thread]). One save in flight at a time; a failed write raises at
+    the commit on every rank and leaves `latest` as it was."""
+
+    def __init__(self, plan: WriterPlan):
+        self.plan = plan
+        self.writer = BackgroundWriter()
+        self.pending: tuple[WriteJob, Path | None, str] | None = None
+
+    def begin(self, path: Path, files: list[tuple[str, object]], latest: Path | None) -> None:
+        copies, nbytes = host_snapshot([obj for _, obj in files])
+        job = WriteJob(path, list(zip([n for n, _ in files], copies)), io_buffer_bytes=self.plan.io_buffer_bytes)
+        job.snapshot_bytes = nbytes
+        self.pending = (job, latest, path.name)
+        self.writer.start(job)
+
+    def in_flight(self) -> bool:
+        return self.pending is not None
+
+    def poll(self) -> None:
+        """Collective: commit the save in flight when every rank's writer is done (never waits for one)."""
+        if self.pending is not None and all(comm.all_gather_object(self.writer.done())):
+            self.flush()
+
+    def flush(self) -> None:
+        """Collective: wait for the save in flight (if any) and commit it."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        self.writer.join()
+        job, latest, tag = pending
+        errors = [e for e in comm.all_gather_object(job.error) if e]
+        if errors:
+            raise CheckpointError(f"pipeline checkpoint {tag} was not saved: {'; '.join(sorted(set(errors)))}")
+        if latest is not None and comm.get_rank() == 0:
+            atomic_write_text(latest, tag)
+        comm.barrier()
+        if self.plan.show_statistics:
+            logger.info("pipeline checkpoint %s: %d bytes in %.3f s", tag, job.nbytes, job.seconds)
 
 
 def layers_written(indices: list[int], dp_rank: int, dp_size: int, parallel: bool) -> list[int]:
@@ -168,7 +232,7 @@ def _flat_file(engine) -> str:
     return f"zero_pp_rank_{m.stage_id}_dp_rank_{comm.get_rank(engine.dp_group)}{mp}_optim_states.pt"
 
 
-def _save_layer_optim(engine, path: Path, tp: _TensorParallel, writes: bool) -> None:
+def _save_layer_optim(engine, files: list, tp: _TensorParallel, writes: bool) -> None:
     where = _param_layers(engine)
     per_layer: dict[int, dict] = {}
     for master, param in _masters(engine):
@@ -185,7 +249,7 @@ def _save_layer_optim(engine, path: Path, tp: _TensorParallel, writes: bool) -> 
             per_layer.setdefault(idx, {})[name] = {"master": full_master, "state": state}
     if writes:
         for idx, entries in per_layer.items():
-            atomic_torch_save(entries, path / layer_file(idx, "optim"))
+            files.append((layer_file(idx, "optim"), entries))
 
 
 def _engine_state(engine, client_state) -> dict:
@@ -200,6 +264,8 @@ def _engine_state(engine, client_state) -> dict:
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] if opt else None,
         "client_state": client_state or {},
         "layout": _layout(engine),
+        "tied_layers": engine.module.tied_layers(),  # (the export to DeepSpeed names tied modules by key)
+        "ds_config": engine.config.model_dump(mode="json"),
     }
 
 
@@ -243,19 +309,28 @@ def load_pipeline_checkpoint(
 
 def _load_deepspeed(engine, path: Path, strict: bool, with_optimizer: bool, with_scheduler: bool):
     """A tag DeepSpeed's PipelineEngine saved (Note [DeepSpeed pipeline checkpoints] in
-    checkpoint/deepspeed_import.py): its layer files are this layout's; masters and optimizer states come
-    per layer, so they load at any stage count, into ZeRO stage 0."""
-    ds = read_deepspeed_pipeline(path)
+    checkpoint/deepspeed_pipeline.py), ZeRO 0 or 1: its layer files are this layout's; masters and optimizer
+    states come per parameter, so they load at any stage count and data-parallel size, into ZeRO 0, 1 or 2."""
+    module = engine.module
+    ds = read_deepspeed_pipeline(path, module.tied_layers(), module.partition_bounds)
     _load_modules(engine, path, strict)
     if with_optimizer and engine.optimizer is not None:
-        if engine.zero.stage != 0:
-            raise ConfigError(
-                f"{path}: a DeepSpeed pipeline checkpoint loads its optimizer states into ZeRO stage 0 only "
-                f"(this engine: stage {engine.zero.stage}); pass load_optimizer_states=False to load the weights"
-            )
+        names = {id(p): n for n, p in module.named_parameters()}
+        uni = UniversalState()
+        for name in names.values():
+            theirs = name if name.startswith(TIED) else name.removeprefix("layer_modules.")
+            if theirs not in ds.universal.tensors:
+                raise CheckpointError(
+                    f"{path}: the DeepSpeed pipeline checkpoint has no optimizer state for {theirs} (this "
+                    f"model's parameter {name}); pass load_optimizer_states=False to load the weights"
+                )
+            uni.tensors[name], uni.scalars[name] = ds.universal.tensors[theirs], ds.universal.scalars[theirs]
+            uni.groups[name] = 0
         for group in engine.optimizer.param_groups:
             group.update(ds.param_groups[0])
-        _load_layer_optim(engine, path, ds.optim)
+        with engine.zero.resident(engine.optimizer):
+            fill_from_universal(engine.zero.shard_entries(names), uni, engine.optimizer, True)
+        engine.zero.sync_params_from_masters()
     else:
         engine.zero.load_masters_from_params()
     if with_scheduler and engine.lr_scheduler is not None and ds.meta["lr_scheduler"] is not None:
@@ -263,7 +338,7 @@ def _load_deepspeed(engine, path: Path, strict: bool, with_optimizer: bool, with
     for key in ("global_steps", "global_samples", "skipped_steps"):  # (DeepSpeed saves no micro-step count)
         setattr(engine, key, int(ds.meta[key] or 0))
     comm.barrier()
-    logger.info("loaded DeepSpeed %s pipeline checkpoint %s", ds.meta.get("ds_version"), path)
+    logger.info("loaded DeepSpeed %s pipeline checkpoint %s (ZeRO %d)", ds.meta.get("ds_version"), path, ds.zero_stage)
     return str(path), ds.client_state
 
 
@@ -274,6 +349,12 @@ def _load_modules(engine, path: Path, strict: bool) -> None:
         if mod is None:
             continue
         file = path / layer_file(idx)
+        key = engine.module.tied_layers().get(idx)
+        if not file.exists() and key is not None:  # DeepSpeed writes no file for a tied layer with a forward_fn
+            holders = [
+                i for i, k in engine.module.tied_layers().items() if k == key and (path / layer_file(i)).exists()
+            ]
+            file = path / layer_file(holders[0]) if holders else file
         if not file.exists():
             raise FileNotFoundError(
                 f"{file}: layer {idx} of this model has no saved state (was the checkpoint "

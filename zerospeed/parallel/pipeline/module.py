@@ -167,14 +167,7 @@ class PipelineModule(nn.Module):
         self.checkpointable_layers = checkpointable_layers
         self.partition_method = partition_method
         self.seed_layers = seed_layers
-        self.bounds = partition(
-            partition_method,
-            class_names=[_class_name(l) for l in layers],
-            param_counts=[_param_count(l) for l in layers]
-            if partition_method.lower() in ("parameters", "best")
-            else [0] * len(layers),
-            num_parts=self.num_stages * chunks,
-        )
+        self.bounds = self.partition_bounds(self.num_stages * chunks)
         self.global_rank = comm.get_rank()
         self.stage_id = self.grid.coords(self.global_rank)["pp"]
         self.ties = self._tie_infos()
@@ -192,6 +185,23 @@ class PipelineModule(nn.Module):
         )
 
     # -- layout ------------------------------------------------------------------------------------
+    def partition_bounds(self, num_parts: int) -> list[int]:
+        """The layer bounds of this module's partition method over `num_parts` parts (its own stages x chunks,
+        or another run's stage count: a DeepSpeed checkpoint's)."""
+        layers, method = self._layer_specs, self.partition_method
+        return partition(
+            method,
+            class_names=[_class_name(l) for l in layers],
+            param_counts=[_param_count(l) for l in layers]
+            if method.lower() in ("parameters", "best")
+            else [0] * len(layers),
+            num_parts=num_parts,
+        )
+
+    def tied_layers(self) -> dict[int, str]:
+        """Layer index -> tie key of every TiedLayerSpec in the layer list."""
+        return {i: l.key for i, l in enumerate(self._layer_specs) if isinstance(l, TiedLayerSpec)}
+
     def virtual_stage(self, chunk: int, stage: int | None = None) -> int:
         return chunk * self.num_stages + (self.stage_id if stage is None else stage)
 

@@ -219,6 +219,9 @@ class FlatParam:
         self.stored_nbytes = 0  # its bytes (codes, scales, minimums)
         self.hpz = None  # comm AxisGroup of the hpZ sub-group
         self.secondary: torch.Tensor | None = None
+        # Note [deferred tail] (optim/sub_group_step.py): set while the host step that updates this shard may
+        # still run; called before anything reads the shard, it waits for that step and publishes it
+        self.fence = None
         self._point_params_at_nothing()
 
     @property
@@ -359,6 +362,8 @@ class FlatParam:
         """Parameter i's elements in this rank's shard (flat; empty when they all lie on other ranks)."""
         if self.stored is not None:
             raise RuntimeError("this flat parameter's shard is stored block-quantized: it holds no values to view")
+        if self.fence is not None:
+            self.fence()
         shard = self.shard if self.swap is None else self.swap.read_shard(self)
         lo, hi = self.layout.chunk_range(self.rank)
         seg = self.layout.segments[i]
@@ -383,6 +388,9 @@ def start_gathers(fps: list[FlatParam], training: bool = False) -> None:
     todo = [fp for fp in fps if fp.state is State.SHARDED]
     if not todo:
         return
+    for fp in todo:  # Note [deferred tail]: the host step that updates the shard first (before its route too)
+        if fp.fence is not None:
+            fp.fence()
     swap = todo[0].swap
     if swap is not None:
         swap.launch_through()  # the batches read ahead since the last gathers go first (Note [NVMe reads ...])

@@ -63,6 +63,7 @@ swaps it in, and no hook runs on modules inside a leaf. A leaf's own parameters 
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import torch
@@ -71,6 +72,7 @@ from zerospeed import comm
 from zerospeed.accelerator import get_accelerator
 from zerospeed.comm import zeropp as zcomm
 from zerospeed.offload.plan import HOST, make_param_swapper
+from zerospeed.optim.sub_group_step import OverlappedStepper
 from zerospeed.zero import tags
 from zerospeed.zero.flat_group import flatten_fp32
 from zerospeed.zero.leaf_modules import z3_leaf_module
@@ -101,6 +103,17 @@ warnings.filterwarnings(
     message="Full backward hook is firing when gradients are computed with "
     "respect to module outputs since no inputs require gradients",
 )
+
+
+def _settled(method):
+    """`method` run after the host steps in flight (Note [deferred tail], optim/sub_group_step.py)."""
+
+    @functools.wraps(method)
+    def settled(self, *args, **kwargs):
+        self.finish_host_steps()
+        return method(self, *args, **kwargs)
+
+    return settled
 
 
 class Stage3Strategy(ShardedOptimizerBase):
@@ -192,6 +205,9 @@ class Stage3Strategy(ShardedOptimizerBase):
             param_comm_dtypes=param_comm_dtypes,
         )
         self.param_swapper = make_param_swapper(plan, self.flat, comm.get_rank(), param_dtype)
+        # Note [deferred tail] (optim/sub_group_step.py): with the shards in host memory, engine.step()
+        # returns before the last host steps; each unit's gather waits for its own sub-group
+        self._defers = isinstance(self.stepper, OverlappedStepper) and plan is not None and plan.param == "cpu"
         self.fetches = FetchSchedule(
             [fp.padded for fp in self.flat],
             prefetch_budget=prefetch_bucket_size,
@@ -530,14 +546,64 @@ class Stage3Strategy(ShardedOptimizerBase):
         for gi, group in enumerate(optimizer.param_groups):
             group["params"] = [fp.master for fp in self.trained if fp.group_index == gi]
 
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
+        """Note [deferred tail]: with parameter offload, return once every sub-group's host step is
+        submitted; each trained unit's gather then waits for (and publishes) its own sub-group."""
+        self.finish_host_steps()
+        if not self._defers or self.local_gradients():
+            return super().step(optimizer, coef)
+        if not self.stepper.start(optimizer, self._pairs(), coef, self.sub_groups, on_stepped=self._publish):
+            return self._after_step()  # stepped and published in full (no worker for this optimizer/machine)
+        for j, sub in enumerate(self.sub_groups):
+            fence = functools.partial(self._finish_sub_group, j)
+            for k in sub:
+                self.trained[k].fence = fence
+        # stale resident copies go; persistent units are gathered again by their next fetch, which waits
+        # for their sub-group (re-gathering them here would wait for it in engine.step())
+        self._refresh_resident(regather=False)
+
+    def _finish_sub_group(self, j: int) -> None:
+        self.stepper.finish(j)
+        for k in self.sub_groups[j]:
+            self.trained[k].fence = None
+
+    def finish_host_steps(self) -> None:
+        """Note [deferred tail]: every host step of the last engine.step() done and published, the
+        gradients zeroed (the barrier in front of whatever reads masters, states or gradients)."""
+        if self._defers and self.stepper.in_flight:
+            self.stepper.finish_all()
+            for fp in self.trained:
+                fp.fence = None
+
+    def zero_grads(self) -> None:
+        """Note [deferred tail]: the gradient shards are still read by host steps in flight: zeroed by the
+        worker after them."""
+        if not (self._defers and self.stepper.in_flight):
+            return super().zero_grads()
+        if self._early is not None:
+            self._early.discard()
+        self.stepper.then(self.reducer.zero)
+
+    # Note [deferred tail]: these read (or let the engine read) masters, optimizer states, gradients or the
+    # reducer's state, which host steps in flight still write: each waits for them first
+    begin_backward = _settled(ShardedOptimizerBase.begin_backward)
+    finish_reduction = _settled(ShardedOptimizerBase.finish_reduction)
+    global_grad_norm = _settled(ShardedOptimizerBase.global_grad_norm)
+    transform_gradients = _settled(ShardedOptimizerBase.transform_gradients)
+    has_grads = _settled(ShardedOptimizerBase.has_grads)
+    hold_local_gradients = _settled(ShardedOptimizerBase.hold_local_gradients)
+    param_fragment = _settled(ShardedOptimizerBase.param_fragment)
+    resident = _settled(ShardedOptimizerBase.resident)
+
     def _after_step(self) -> None:
         self._refresh_resident()
 
-    def _refresh_resident(self) -> None:
+    def _refresh_resident(self, regather: bool = True) -> None:
         for fp in self.trained:  # (frozen weights do not change at a step)
             if fp.state is not State.SHARDED:  # any resident copy is stale now
                 fp.release()
-                if fp.persistent:
+                if fp.persistent and regather:
                     fp.wait()  # refresh the always-resident copy
 
     def _publish(self, indices: list[int]) -> None:
@@ -597,6 +663,7 @@ class Stage3Strategy(ShardedOptimizerBase):
         ]
 
     def sync_params_from_masters(self) -> None:
+        self.finish_host_steps()
         self._publish(list(range(len(self.trained))))
         self._refresh_resident()
 
@@ -664,6 +731,7 @@ class Stage3Strategy(ShardedOptimizerBase):
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Note [offloaded states] (offload/states.py): this rank's tensors of each kind; the
         16-bit weights are the shards plus what persistent units keep gathered (and hpZ's copies)."""
+        self.finish_host_steps()  # (offload_states moves them)
         lp = [
             t for fp in self.flat for t in (fp.shard, fp.full if fp.persistent else None, fp.secondary) if t is not None
         ]
@@ -699,6 +767,7 @@ class Stage3Strategy(ShardedOptimizerBase):
 
     def close(self) -> None:
         """Remove the swap files (also done at exit)."""
+        self.finish_host_steps()
         super().close()
         self.external.close()
         if self.param_swapper is not None:

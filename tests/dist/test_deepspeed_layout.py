@@ -1,0 +1,139 @@
+"""ZeRO-3 tags saved with `checkpoint.deepspeed_layout` (Note [as-saved DeepSpeed layout] in
+checkpoint/deepspeed_layout.py) hold what DeepSpeed 0.19.8's loader reads, without writing any value twice.
+
+The reference is the fixture DeepSpeed itself saved (tests/fixtures/deepspeed_0.19.8/zero3/step3, make.py): zerospeed
+trains the same run (the same model, config and batches, ZeRO 3 on 2 ranks) for the same 3 steps and saves with the
+key. Every rank's optimizer file then has DeepSpeed's `optimizer_state_dict` with the keys, shapes and dtypes of
+DeepSpeed's own file and its values within 1e-6 (the two runs trained alike), and its model-states file the keys
+DeepSpeed's file has; zerospeed's own entries are the same storages (one copy in the file). zerospeed resumes the
+tag (at ZeRO 3 on 2 ranks and at ZeRO 1 on one) like DeepSpeed continued its run (losses within 1e-6). That the real
+DeepSpeed resumes such a tag is checked by `benchmarks/deepspeed_differential.py --export --as-saved`
+(docs/checkpoints.md has its numbers).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import run_distributed
+from harness.deepspeed_files import FIXTURES, continue_fixture_run, fixture_model
+
+
+def _config(stage: int, gas: int, as_saved: bool = False) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
+        "zero_optimization": {"stage": stage},
+        "checkpoint": {"deepspeed_layout": as_saved},
+    }
+
+
+def _save(folder: str) -> None:
+    import zerospeed
+
+    m = fixture_model(2.0)
+    engine, *_ = zerospeed.initialize(model=m, model_parameters=m.parameters(), config=_config(3, 2, True))
+    continue_fixture_run(engine, m, 2, steps=slice(0, 3))
+    engine.save_checkpoint(folder, tag="step3")
+
+
+def _resume(folder: str, stage: int) -> list[float]:
+    import zerospeed
+    from zerospeed import comm
+
+    gas = 4 // comm.get_world_size()
+    m = fixture_model()
+    engine, *_ = zerospeed.initialize(model=m, model_parameters=m.parameters(), config=_config(stage, gas))
+    engine.load_checkpoint(folder, tag="step3")
+    assert torch.equal(m.scale, torch.tensor([2.0]))
+    return continue_fixture_run(engine, m, gas)
+
+
+def _assert_close_tree(mine, theirs, where: str) -> None:
+    """Tensors of the same dtype and shape within 1e-6; dicts with the same keys; lists alike."""
+    if isinstance(theirs, torch.Tensor):
+        assert isinstance(mine, torch.Tensor) and mine.dtype == theirs.dtype, where
+        assert mine.shape == theirs.shape, f"{where}: {tuple(mine.shape)} != {tuple(theirs.shape)}"
+        torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=0, msg=where)
+    elif isinstance(theirs, dict):
+        assert sorted(map(str, mine)) == sorted(map(str, theirs)), f"{where}: {list(mine)} != {list(theirs)}"
+        for k in theirs:
+            _assert_close_tree(mine[k], theirs[k], f"{where}[{k!r}]")
+    elif isinstance(theirs, (list, tuple)):
+        assert len(mine) == len(theirs), where
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            _assert_close_tree(a, b, f"{where}[{i}]")
+
+
+def _check_files(tag) -> None:
+    from zerospeed.checkpoint.deepspeed_import import _load
+
+    ds_tag = FIXTURES / "zero3" / "step3"
+    for r in range(2):
+        name = f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        mine, theirs = _load(tag / name), _load(ds_tag / name)
+        assert set(theirs) <= set(mine), sorted(set(theirs) - set(mine))
+        osd, ds_osd = mine["optimizer_state_dict"], theirs["optimizer_state_dict"]
+        assert list(osd) == list(ds_osd)
+        _assert_close_tree(osd["fp32_flat_groups"], ds_osd["fp32_flat_groups"], f"rank {r} fp32_flat_groups")
+        _assert_close_tree(osd["optimizer_state_dict"]["state"], ds_osd["optimizer_state_dict"]["state"], f"rank {r}")
+        for mine_g, ds_g in zip(
+            osd["optimizer_state_dict"]["param_groups"], ds_osd["optimizer_state_dict"]["param_groups"]
+        ):
+            assert mine_g["params"] == ds_g["params"] and mine_g["lr"] == pytest.approx(ds_g["lr"], abs=1e-12)
+        assert osd["partition_count"] == ds_osd["partition_count"] == 2
+        assert int(osd["zero_stage"]) == int(ds_osd["zero_stage"]) == 3
+        assert osd["loss_scaler"].cur_scale == ds_osd["loss_scaler"].cur_scale
+        # zerospeed's entries are DeepSpeed's tensors: one storage each in the file
+        for entry, flat, state in zip(
+            mine["entries"], osd["fp32_flat_groups"], osd["optimizer_state_dict"]["state"].values()
+        ):
+            assert entry["master"].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert entry["state"][k].untyped_storage().data_ptr() == state[k].untyped_storage().data_ptr()
+        model = f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"
+        mine, theirs = _load(tag / model), _load(ds_tag / model)
+        assert set(theirs) - {"zero_to_fp32.py"} <= set(mine), sorted(set(theirs) - set(mine))
+        assert list(mine["module"]) == list(theirs["module"])
+        for k, v in theirs["module"].items():
+            assert mine["module"][k].shape == v.shape and mine["module"][k].dtype == v.dtype, k
+        assert [dict(g) for g in mine["param_shapes"]] == [dict(g) for g in theirs["param_shapes"]]
+        assert mine["global_steps"] == theirs["global_steps"] == 3
+
+
+@pytest.mark.timeout(300)
+def test_a_stage3_tag_saved_as_deepspeed_lays_it_out_loads_like_deepspeeds_own(tmp_path):
+    run_distributed(_save, 2, str(tmp_path), timeout=150)
+    _check_files(tmp_path / "step3")
+    want = torch.load(FIXTURES / "zero3" / "deepspeed_run.pt", weights_only=True)["losses"][3:]
+    got = {2: run_distributed(_resume, 2, str(tmp_path), 3, timeout=120)[0]}
+    got[1] = run_distributed(_resume, 1, str(tmp_path), 1, timeout=120)[0]
+    for world, losses in got.items():
+        assert max(abs(a - b) for a, b in zip(losses, want)) <= 1e-6, (world, losses, want)
+
+
+def _refused(folder: str) -> list[str]:
+    import zerospeed
+
+    messages = []
+    for stage, extra in ((2, {}), (3, {"bf16": {"enabled": True}})):
+        m = fixture_model(2.0)
+        cfg = {**_config(stage, 2, True), **extra}
+        engine, *_ = zerospeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
+        try:
+            engine.save_checkpoint(folder, tag="t")
+            messages.append("")
+        except Exception as exc:  # noqa: BLE001
+            messages.append(str(exc))
+    return messages
+
+
+@pytest.mark.timeout(120)
+def test_below_stage_3_and_with_bf16_the_key_is_refused_with_the_export_named(tmp_path):
+    messages = run_distributed(_refused, 2, str(tmp_path), timeout=100)[0]
+    assert len(messages) == 2
+    for message in messages:
+        assert "checkpoint.deepspeed_layout" in message and "zerospeed-ckpt export" in message, message

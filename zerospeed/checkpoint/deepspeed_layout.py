@@ -1,0 +1,203 @@
+"""ZeRO-3 rank files in DeepSpeed 0.19.8's own layout, so that DeepSpeed's `engine.load_checkpoint` reads a
+zerospeed tag as saved (`checkpoint.deepspeed_layout: true`, a zerospeed key).
+
+Note [as-saved DeepSpeed layout]: zerospeed's stage 3 shards a unit's flat concatenation (padded to a multiple
+of 4 x dp) into dp chunks, so a rank's chunk holds other elements than DeepSpeed's rank, which cuts every
+parameter alone into ceil(numel / dp) pieces (Note [DeepSpeed's partitions] in deepspeed_export.py). The pieces
+cannot be views of zerospeed's masters, so with this key the save moves them: one all-gather per unit of its
+master and elementwise optimizer state, from which each rank keeps DeepSpeed's pieces of that unit's
+parameters. Each rank then writes DeepSpeed's `optimizer_state_dict` (`fp32_flat_groups` per sub-group of
+`sub_group_size`, the torch optimizer's state per sub-group, the loss scaler) and, as zerospeed's entries, the
+same tensors: one entry per sub-group, whose pieces (ceil(numel / dp) elements from r x ceil(numel / dp) of
+each parameter) the manifest records. torch.save writes a storage once, so the rank file holds each value
+once; zerospeed's loader reads these entries like any other layout (resharded). Beside it each rank writes
+DeepSpeed's small `zero_pp_rank_{r}_mp_rank_00_model_states.pt` (buffers, placeholders, counters, config; what
+DeepSpeed's ZeRO-3 loader opens per rank). The cost is that all-gather and the pieces' memory at save time,
+which is why the key is off by default. ZeRO 0-2 are not laid out like DeepSpeed (docs/checkpoints.md says
+why); export those (`zerospeed-ckpt export`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import torch
+
+from zerospeed import comm
+from zerospeed.accelerator import get_accelerator
+from zerospeed.checkpoint.deepspeed_export import (
+    DEFAULT_SUB_GROUP_SIZE,
+    ExportSource,
+    _ds_config,
+    _hyper,
+    _model_states,
+    _own,
+    _scaler,
+    stage3_partition,
+    sub_groups,
+)
+from zerospeed.checkpoint.deepspeed_pickle import zero_stage
+from zerospeed.checkpoint.errors import CheckpointError
+from zerospeed.checkpoint.experts import CheckpointNames
+from zerospeed.checkpoint.layout import EntryLayout, entry_groups, split_state
+from zerospeed.checkpoint.manifest import tied_aliases
+from zerospeed.checkpoint.state import TrainingState, training_state_dict
+from zerospeed.checkpoint.universal import FP32, UniversalState
+from zerospeed.zero.shards import Piece
+from zerospeed.zero.tags import full_shape
+
+KEY = "checkpoint.deepspeed_layout"
+
+
+def ds_model_states_name(dp_rank: int) -> str:
+    """DeepSpeed's per-rank ZeRO-3 model-states file."""
+    return f"zero_pp_rank_{dp_rank}_mp_rank_00_model_states.pt"
+
+
+def check_as_saved(state: TrainingState, names: CheckpointNames) -> None:
+    """Raise (alike on every rank) where a save cannot be in DeepSpeed's layout as saved."""
+    mesh, zero_cfg = state.mesh, (state.ds_config or {}).get("zero_optimization") or {}
+    problem = None
+    if state.zero.stage != 3:
+        problem = (
+            f"ZeRO stage {state.zero.stage}: only stage 3 saves in DeepSpeed's layout (stages 0-2 lay their "
+            "partitions out differently); set it false and export the tag with `zerospeed-ckpt export --to deepspeed`"
+        )
+    elif mesh.size("tp") > 1 or mesh.size("sp") > 1 or mesh.size("pp") > 1 or names.has_experts:
+        problem = "tensor, sequence, pipeline or expert parallelism: only plain data parallelism is written this way"
+    elif int(zero_cfg.get("mics_shard_size", -1) or -1) > 0:
+        problem = "MiCS (zero_optimization.mics_shard_size) shards the state over sub-groups DeepSpeed lays out alike"
+    elif state.param_dtype == torch.bfloat16:
+        problem = (
+            "bf16 weights: DeepSpeed's bf16 loader reads only bf16_zero_pp_rank_* files, not the rank files "
+            "zerospeed reads; export the tag with `zerospeed-ckpt export --to deepspeed` instead"
+        )
+    elif state.optimizer is None:
+        problem = "no optimizer: DeepSpeed's ZeRO-3 files hold the optimizer's state"
+    elif any(not p.requires_grad for p in state.module.parameters()):
+        problem = "frozen parameters (their partitions would be written twice); export the tag instead"
+    if problem is not None:
+        raise CheckpointError(f"save_checkpoint with {KEY}: {problem}")
+
+
+def _full_of_entries(entry, saved: dict, keys: list[str], everyone: list, k: int, sizes: dict[str, int]) -> dict:
+    """Collective: name -> key -> the full flat tensor (`sizes[name]` elements) of every parameter with a piece
+    in entry `k` on any rank, from one all-gather per key of every rank's entry `k` (equal sizes at stage 3)."""
+    numel, dp, accelerator = entry.master.numel(), len(everyone), get_accelerator()
+    if any(len(pieces) <= k or pieces[k][0] != numel for pieces in everyone):
+        raise CheckpointError(f"save_checkpoint with {KEY}: the ranks' shards of unit {k} differ in size")
+    full = {}
+    for key in keys:
+        local = (entry.master if key == FP32 else saved[key]).detach().reshape(-1).contiguous()
+        if local.device.type == "cpu" and accelerator.name != "cpu":  # (an offloaded master: NCCL gathers on device)
+            local = local.to(accelerator.current_device_name())
+        gathered = torch.empty(dp * numel, dtype=local.dtype, device=local.device)
+        comm.all_gather_into_tensor(gathered, local)
+        gathered = gathered.cpu()
+        for q, (_, pieces) in enumerate(p[k] for p in everyone):
+            for name, param_offset, offset, n in pieces:
+                out = full.setdefault(name, {}).setdefault(key, torch.zeros(sizes[name], dtype=local.dtype))
+                out[param_offset : param_offset + n].copy_(gathered[q * numel + offset : q * numel + offset + n])
+    return full
+
+
+def _piece(full: torch.Tensor, numel: int, dp: int, rank: int) -> torch.Tensor:
+    """DeepSpeed's rank-`rank` piece of a parameter: ceil(numel / dp) elements, the last rank's zero-padded."""
+    part = stage3_partition(numel, dp)
+    out = torch.zeros(part, dtype=full.dtype)
+    lo, hi = rank * part, min(numel, (rank + 1) * part)
+    if hi > lo:
+        out[: hi - lo].copy_(full[lo:hi])
+    return out
+
+
+def _deepspeed_pieces(state: TrainingState, names: CheckpointNames, dp: int, rank: int):
+    """Collective: name -> key -> this rank's DeepSpeed piece; name -> scalar state; name -> param group."""
+    opt = state.optimizer
+    entries = names.global_entries(state.zero.shard_entries(names.params))
+    groups = entry_groups(opt, [e.master for e in entries])
+    mine = [(e.master.numel(), [(p.name, p.param_offset, p.offset, p.numel) for p in e.pieces]) for e in entries]
+    everyone = comm.all_gather_object(mine)
+    sizes = {name: math.prod(spec["shape"]) for name, spec in names.specs.items()}
+    pieces, scalars, group_of = {}, {}, {}
+    for k, (entry, gi) in enumerate(zip(entries, groups)):
+        saved = opt.state.get(entry.master, {})
+        elementwise, scalar_keys = split_state(saved, entry.master.numel())
+        full = _full_of_entries(entry, saved, [FP32, *elementwise], everyone, k, sizes)
+        for name, tensors in full.items():
+            pieces[name] = {key: _piece(t, sizes[name], dp, rank) for key, t in tensors.items()}
+            scalars[name] = {s: _own(saved[s]) for s in scalar_keys}
+            group_of[name] = gi
+    return pieces, scalars, group_of
+
+
+def _source(state: TrainingState, names: CheckpointNames, group_names: list[list[str]]) -> ExportSource:
+    """What deepspeed_export's writers read of a checkpoint, from the live state (shapes only: no values)."""
+    module = state.module
+    param_names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    buffers = {k: v.detach().cpu() for k, v in module.state_dict().items() if k not in param_names}
+    meta = training_state_dict(state)
+    meta["ds_config"] = state.ds_config or {}
+    shapes = {n: torch.empty(full_shape(p), device="meta") for n, p in module.named_parameters() if p.requires_grad}
+    return ExportSource(
+        universal=UniversalState({names.params[id(p)]: {FP32: shapes[n]} for n, p in module.named_parameters()}),
+        group_names=group_names,
+        param_groups=meta["optimizer_param_groups"],
+        module=buffers,
+        module_keys=list(names.module_keys),
+        buffer_names=list(buffers),
+        tied=tied_aliases(module),
+        param_dtype=state.param_dtype,
+        meta=meta,
+    )
+
+
+def as_saved_rank_states(
+    state: TrainingState, names: CheckpointNames, dp_rank: int, header: dict, client_state: dict
+) -> tuple[dict, list[EntryLayout], dict]:
+    """Collective: (this rank's file: `header` + zerospeed's entries + DeepSpeed's `optimizer_state_dict` over the
+    same tensors, the entries' layouts, DeepSpeed's model states of this rank) (Note [as-saved DeepSpeed layout])."""
+    dp = comm.get_world_size()
+    pieces, scalars, group_of = _deepspeed_pieces(state, names, dp, dp_rank)
+    order = [names.params[id(p)] for p in state.module.parameters() if p.requires_grad]
+    group_names = [[n for n in order if group_of.get(n) == gi] for gi in range(len(state.optimizer.param_groups))]
+    src = _source(state, names, group_names)
+    src.client_state = dict(client_state)
+    zero_cfg = (state.ds_config or {}).get("zero_optimization") or {}
+    sub_group_size = int(zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))
+    flats, states, hyper, records, layouts, index = [], {}, [], [], [], 0
+    for gi, group in enumerate(group_names):
+        numels = [math.prod(names.specs[n]["shape"]) for n in group]
+        parts = [stage3_partition(n, dp) for n in numels]
+        indices = []
+        for members in sub_groups(parts, sub_group_size):
+            chosen = [group[i] for i in members]
+            keys = [k for k in pieces[chosen[0]] if all(k in pieces[n] for n in chosen)]
+            flat = {k: torch.cat([pieces[n][k] for n in chosen]) for k in keys}
+            scalar = dict(scalars[chosen[0]])
+            states[index] = {**scalar, **{k: v for k, v in flat.items() if k != FP32}}
+            flats.append(flat[FP32])
+            records.append({"master": flat[FP32], "state": states[index]})  # the same tensors
+            offset, kept = 0, []
+            for i in members:
+                lo = dp_rank * parts[i]
+                if (n := min(parts[i], numels[i] - lo)) > 0:
+                    kept.append(Piece(group[i], lo, offset, n))
+                offset += parts[i]
+            elementwise = tuple(k for k in keys if k != FP32)
+            layouts.append(EntryLayout(gi, offset, tuple(kept), elementwise, tuple(scalar)))
+            indices.append(index)
+            index += 1
+        hyper.append(_hyper(src, gi, indices))
+    osd = {
+        "zero_stage": zero_stage(3),
+        "loss_scaler": _scaler(src),
+        "dynamic_loss_scale": bool((src.meta.get("loss_scaler") or {}).get("dynamic")),
+        "overflow": False,
+        "partition_count": dp,
+        "optimizer_state_dict": {"state": states, "param_groups": hyper},
+        "fp32_flat_groups": flats,
+    }
+    shard = {**header, "entries": records, "optimizer_state_dict": osd, "ds_config": _ds_config(src, 3)}
+    return shard, layouts, _model_states(src, 3, dp, OrderedDict())

@@ -1,0 +1,355 @@
+"""DeepSpeed's pipeline checkpoints: reading a tag DeepSpeed's PipelineEngine saved (ZeRO 0 and 1, tied layers)
+into the universal form zerospeed's pipeline engine fills its masters from.
+
+Note [DeepSpeed pipeline checkpoints]: DeepSpeed's PipelineEngine (0.19.8) writes per layer
+`layer_{i:02d}-model_states.pt` (the layer's own state dict; a `-model_XX` tensor-parallel suffix under tp;
+a tied layer's shared module in each holder's file, except a tied layer with a `forward_fn`, which has
+no file) and per stage s `mp_rank_{s:02d}_model_states.pt` with no module, the stage's `buffer_names`,
+the LR scheduler and the counters. A stage module's parameters are, in order, its tied modules
+(`tied_modules.{key}.{name}`, in the order the stage's layers first use them) and then its other layers'
+(`{layer}.{name}`), each in the layer's own order.
+- ZeRO 0: the stage file holds the torch optimizer's `state_dict()` over those parameters, indexed by
+  position and with no names; each parameter's master is its layer-file value (fp32 runs: the weights
+  are the masters). The positions are matched to names by the stage bounds DeepSpeed used (the caller
+  gives them: the module's partition method at DeepSpeed's stage count) or, without tied layers, by
+  walking the layer files in order.
+- ZeRO 1 (DeepSpeed's pipeline refuses 2 and 3): the stage file names its parameters (`param_shapes`) and
+  data-parallel rank d of stage s writes `zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt`, the ZeRO-1/2
+  flat partition of that stage's parameters (Note [DeepSpeed checkpoints] in deepspeed_import.py).
+A tied module's copies on several stages step on the same summed gradient, so their masters and states are
+equal; the lowest stage's is read. Refused with an error naming the tag: tensor parallelism, several
+param groups, and files whose counts or shapes do not match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from zerospeed.checkpoint.atomic import fresh_dir
+from zerospeed.checkpoint.deepspeed_export import (
+    DS_LAYOUT_VERSION,
+    ExportSource,
+    _model_states,
+    _save,
+    _stage12_optim,
+    publish_tag,
+)
+from zerospeed.checkpoint.deepspeed_import import (
+    RESERVED,
+    _elementwise,
+    _hyperparameters,
+    _load,
+    _read_stage12,
+    _scalars,
+)
+from zerospeed.checkpoint.errors import CheckpointError
+from zerospeed.checkpoint.universal import FP32, UniversalState
+
+TIED = "tied_modules."
+
+
+def stage_file(stage: int) -> str:
+    """DeepSpeed's per-stage model-states file of a pipeline tag."""
+    return f"mp_rank_{stage:02d}_model_states.pt"
+
+
+def layer_file(idx: int) -> str:
+    return f"layer_{idx:02d}-model_states.pt"
+
+
+def optim_file(dp_rank: int, stage: int) -> str:
+    """DeepSpeed's ZeRO-1 optimizer file of data-parallel rank `dp_rank` of pipeline stage `stage`."""
+    return f"zero_pp_rank_{dp_rank}_mp_rank_{stage:02d}_optim_states.pt"
+
+
+@dataclass
+class DeepSpeedPipeline:
+    """A DeepSpeed pipeline tag (Note [DeepSpeed pipeline checkpoints]) as zerospeed's pipeline engine loads it."""
+
+    tag_dir: Path
+    stages: int
+    zero_stage: int
+    # each trainable parameter under DeepSpeed's stage-module name ("{layer}.{name}", tied
+    # "tied_modules.{key}.{name}"): its fp32 master and elementwise optimizer states, scalar states
+    universal: UniversalState
+    layers: dict[int, dict[str, torch.Tensor]]  # layer index -> its layer file's state dict
+    param_groups: list[dict]  # the optimizer's hyperparameters (stage 0's)
+    meta: dict  # global_steps, global_samples, skipped_steps, lr_scheduler, ds_version
+    client_state: dict = field(default_factory=dict)
+
+
+def is_deepspeed_pipeline_tag(tag_dir: Path) -> bool:
+    """DeepSpeed's pipeline layout: per-layer module files and per-stage model states, no zerospeed engine state."""
+    tag_dir = Path(tag_dir)
+    return (
+        not (tag_dir / "engine_states.pt").exists()
+        and (tag_dir / stage_file(0)).exists()
+        and any(tag_dir.glob("layer_*-model_states.pt"))
+    )
+
+
+def read_deepspeed_pipeline(
+    tag_dir: Path, tied: dict[int, str] | None = None, bounds: Callable[[int], list[int]] | None = None
+) -> DeepSpeedPipeline:
+    """Note [DeepSpeed pipeline checkpoints]. `tied`: layer index -> tie key of the model's tied layers;
+    `bounds(n)`: the layer bounds of the model's partition into n stages (needed for ZeRO-0 tags with tied
+    layers)."""
+    tag_dir, tied = Path(tag_dir), dict(tied or {})
+    files = sorted(tag_dir.glob("layer_*-model_states.pt"))
+    if any(f.name.count("-") > 1 for f in files) or any(tag_dir.glob("*mp_rank_*_mp_rank_*")):
+        raise CheckpointError(
+            f"{tag_dir}: a tensor-parallel DeepSpeed pipeline checkpoint is not read here; only pipeline "
+            "checkpoints without tensor parallelism are (convert it with DeepSpeed's zero_to_fp32.py)"
+        )
+    layers = {int(f.name.split("-")[0][len("layer_") :]): _load(f) for f in files}
+    stages = []
+    while (tag_dir / stage_file(len(stages))).exists():
+        stages.append(_load(tag_dir / stage_file(len(stages))))
+    zero1 = (tag_dir / optim_file(0, 0)).exists()
+    uni, param_groups = UniversalState(), None
+    for s, st in enumerate(stages):
+        if zero1:
+            part = _read_stage12(
+                tag_dir, {**st, "module": {}}, int(st.get("dp_world_size") or 1), _shapes(tag_dir, s, st), None, s
+            )
+            part_uni, groups = part.universal, part.param_groups
+        else:
+            names = _stage_names(tag_dir, s, len(stages), layers, stages, tied, bounds)
+            part_uni, groups = _stage0(tag_dir, s, st, names, layers, tied)
+        if len(groups) != 1:
+            raise CheckpointError(
+                f"{tag_dir / stage_file(s)}: the optimizer holds {len(groups)} param groups; DeepSpeed "
+                "pipeline checkpoints are read with one param group per stage"
+            )
+        param_groups = param_groups or groups
+        for name, tensors in part_uni.tensors.items():
+            if name not in uni.tensors:  # a tied module: the lowest stage's copy
+                uni.tensors[name], uni.scalars[name], uni.groups[name] = tensors, part_uni.scalars[name], 0
+    first = stages[0]
+    meta = {k: first.get(k) for k in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "ds_version")}
+    return DeepSpeedPipeline(
+        tag_dir,
+        len(stages),
+        1 if zero1 else 0,
+        uni,
+        layers,
+        param_groups or [],
+        meta,
+        {k: v for k, v in first.items() if k not in RESERVED},
+    )
+
+
+def _shapes(tag_dir: Path, s: int, st: dict) -> list[dict]:
+    if st.get("param_shapes") is None:
+        raise CheckpointError(f"{tag_dir / stage_file(s)}: a ZeRO-1 pipeline stage file without param_shapes")
+    return [dict(g) for g in st["param_shapes"]]
+
+
+def _tied_state(tag_dir: Path, key: str, layers: dict, tied: dict[int, str]) -> dict:
+    for idx in sorted(i for i, k in tied.items() if k == key):
+        if idx in layers:
+            return layers[idx]
+    holders = sorted(i for i, k in tied.items() if k == key)
+    raise CheckpointError(
+        f"{tag_dir}: no layer file holds the tied module {key!r} (do its layers {holders} all have a "
+        "forward_fn? DeepSpeed writes no file for those), so its weights cannot be read"
+    )
+
+
+def _stage_names(tag_dir, s, num_stages, layers, stages, tied, bounds) -> list[str]:
+    """DeepSpeed's names of stage s's parameters, in its optimizer's order (ZeRO 0 records none)."""
+    buffers = set(stages[s].get("buffer_names") or [])
+    if not tied:  # the layer files' parameters in layer order, the stages' positions one after the other
+        order = [f"{i}.{k}" for i in sorted(layers) for k in layers[i] if f"{i}.{k}" not in buffers]
+        counts = [sum(len(g["params"]) for g in _optim(tag_dir, t, st)["param_groups"]) for t, st in enumerate(stages)]
+        if sum(counts) != len(order):
+            raise CheckpointError(
+                f"{tag_dir}: the layer files hold {len(order)} parameters, the stages' optimizers {sum(counts)}; "
+                "is it a checkpoint of this model?"
+            )
+        return order[sum(counts[:s]) : sum(counts[: s + 1])]
+    if bounds is None:
+        raise CheckpointError(
+            f"{tag_dir}: a ZeRO-0 DeepSpeed pipeline checkpoint with tied layers is read with the model's stage "
+            "bounds; load it through a PipelineModule's engine"
+        )
+    lo, hi = bounds(num_stages)[s : s + 2]
+    keys = list(dict.fromkeys(tied[i] for i in range(lo, hi) if i in tied))
+    names = []
+    for key in keys:
+        state = _tied_state(tag_dir, key, layers, tied)
+        names += [f"{TIED}{key}.{k}" for k in state if f"{TIED}{key}.{k}" not in buffers]
+    for i in range(lo, hi):
+        if i not in tied and i in layers:
+            names += [f"{i}.{k}" for k in layers[i] if f"{i}.{k}" not in buffers]
+    return names
+
+
+def _optim(tag_dir: Path, s: int, st: dict) -> dict:
+    opt = st.get("optimizer")
+    if opt is None:
+        raise CheckpointError(f"{tag_dir / stage_file(s)}: holds no optimizer state (ZeRO 0 stores it there)")
+    return opt
+
+
+def _value(name: str, layers: dict, tied: dict[int, str], tag_dir: Path) -> torch.Tensor:
+    if name.startswith(TIED):
+        key, _, rest = name[len(TIED) :].partition(".")
+        return _tied_state(tag_dir, key, layers, tied)[rest]
+    idx, _, rest = name.partition(".")
+    return layers[int(idx)][rest]
+
+
+def _stage0(tag_dir, s, st, names, layers, tied) -> tuple[UniversalState, list[dict]]:
+    opt = _optim(tag_dir, s, st)
+    keys = [k for g in opt["param_groups"] for k in g["params"]]
+    if len(keys) != len(names):
+        raise CheckpointError(
+            f"{tag_dir / stage_file(s)}: its optimizer holds {len(keys)} parameters, the layer files give this "
+            f"stage {len(names)} ({names[:4]}...); is it a checkpoint of this model (same layers and partition)?"
+        )
+    uni = UniversalState()
+    for key, name in zip(keys, names):
+        value = _value(name, layers, tied, tag_dir).float().reshape(-1)
+        state = opt["state"].get(key, {})
+        elementwise = _elementwise(state, value.numel())
+        if any(torch.is_tensor(v) and v.dim() > 0 and v.numel() != value.numel() for v in state.values()):
+            raise CheckpointError(
+                f"{tag_dir / stage_file(s)}: optimizer state {key} does not have the {value.numel()} elements of "
+                f"{name}; is it a checkpoint of this model (same layers and partition)?"
+            )
+        uni.tensors[name] = {FP32: value, **elementwise}
+        uni.scalars[name], uni.groups[name] = _scalars(state), 0
+    return uni, _hyperparameters(opt["param_groups"])
+
+
+# ---- export: a zerospeed pipeline checkpoint as DeepSpeed's pipeline tag ----------------------------------
+
+# Note [pipeline export]: a zerospeed PipelineEngine checkpoint saved at ZeRO stage 0 (per-layer
+# `layer_XX-optim_states.pt`: each parameter's fp32 master and optimizer state) is written as the tag
+# DeepSpeed's PipelineEngine saves (Note [DeepSpeed pipeline checkpoints]) at the saved stage bounds:
+# the layer files as they are (the same format), per stage s `mp_rank_{s:02d}_model_states.pt`
+# (DeepSpeed's stage parameter names and order; at ZeRO 0 the torch optimizer state over them), and at
+# ZeRO 1 the stage's flat partitions per data-parallel rank, cut by the data-parallel writer
+# (Note [DeepSpeed's partitions] in deepspeed_export.py). fp32 only; ZeRO-1/2 zerospeed pipeline
+# checkpoints (flat files of their own layout) and interleaved ones (chunks > 1) are refused.
+
+
+def is_zerospeed_pipeline_tag(tag_dir: Path) -> bool:
+    """A tag zerospeed's PipelineEngine saved (parallel/pipeline/checkpoint.py)."""
+    tag_dir = Path(tag_dir)
+    return (tag_dir / "engine_states.pt").exists() and any(tag_dir.glob("layer_*-model_states.pt"))
+
+
+def pipeline_tag_dir(checkpoint_dir, tag: str | None = None) -> Path | None:
+    """The zerospeed pipeline tag `checkpoint_dir` (or its `tag`, or the one `latest` names) is, or None."""
+    root = Path(checkpoint_dir)
+    if tag is None and is_zerospeed_pipeline_tag(root):
+        return root
+    if tag is None and (root / "latest").exists():
+        tag = (root / "latest").read_text().strip()
+    return root / tag if tag is not None and is_zerospeed_pipeline_tag(root / tag) else None
+
+
+def export_pipeline_to_deepspeed(
+    checkpoint_dir, output_dir, *, stage: int, dp: int, tag: str | None = None, output_tag: str | None = None
+) -> Path:
+    """Note [pipeline export]: write the zerospeed pipeline checkpoint as DeepSpeed 0.19.8's pipeline tag for
+    ZeRO `stage` (0 or 1) on `dp` data-parallel ranks per stage in `output_dir` (tag `output_tag`, by default
+    the same name), with `latest`. Returns the tag directory written."""
+    src_dir = pipeline_tag_dir(checkpoint_dir, tag)
+    if src_dir is None:
+        raise CheckpointError(f"{checkpoint_dir}: no zerospeed pipeline checkpoint (engine_states.pt + layer files)")
+    if stage not in (0, 1) or dp < 1:
+        raise ValueError(f"export of a pipeline checkpoint: DeepSpeed's pipeline runs ZeRO 0 or 1, got {stage}")
+    saved = torch.load(src_dir / "engine_states.pt", map_location="cpu", weights_only=False)
+    layout = saved["layout"]
+    if layout.get("zero_stage") != 0 or layout.get("chunks", 1) != 1 or layout.get("tp", 1) != 1:
+        raise CheckpointError(
+            f"{src_dir}: saved with ZeRO stage {layout.get('zero_stage')}, {layout.get('chunks')} chunks, tp "
+            f"{layout.get('tp')}; a pipeline checkpoint exports to DeepSpeed from ZeRO stage 0 without "
+            "interleaving or tensor parallelism (resume it at ZeRO 0 and save again)"
+        )
+    if "tied_layers" not in saved:
+        raise CheckpointError(
+            f"{src_dir}/engine_states.pt records no tied layers (saved by an older zerospeed); load it into the "
+            "pipeline engine and save it again to export it"
+        )
+    tied = {int(k): v for k, v in saved["tied_layers"].items()}
+    layers, optim = {}, {}
+    for idx in range(layout["num_layers"]):
+        if (src_dir / layer_file(idx)).exists():
+            layers[idx] = torch.load(src_dir / layer_file(idx), map_location="cpu", weights_only=True)
+        path = src_dir / f"layer_{idx:02d}-optim_states.pt"
+        if path.exists():
+            optim[idx] = torch.load(path, map_location="cpu", weights_only=False)
+    if any(t.dtype != torch.float32 for s in layers.values() for t in s.values() if t.is_floating_point()):
+        raise CheckpointError(f"{src_dir}: export of a pipeline checkpoint to DeepSpeed is written for fp32 weights")
+    root = Path(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    out_tag = output_tag or src_dir.name
+    staging = root / f".{out_tag}.partial"
+    fresh_dir(staging)
+    bounds, pp = layout["bounds"], layout["pp"]
+    for idx, state in layers.items():
+        torch.save(state, staging / layer_file(idx))
+    for s in range(pp):
+        names, buffers, uni = [], [], UniversalState()
+        held = range(bounds[s], bounds[s + 1])
+        for key in dict.fromkeys(tied[i] for i in held if i in tied):
+            idx = next(i for i in held if tied.get(i) == key)
+            names += _stage_entries(uni, optim, layers, idx, f"{TIED}{key}.", buffers)
+        for idx in held:
+            if idx not in tied and idx in layers:
+                names += _stage_entries(uni, optim, layers, idx, f"{idx}.", buffers)
+        meta = {k: saved.get(k) for k in ("lr_scheduler", "global_steps", "global_samples", "skipped_steps")}
+        meta.update(ds_config=saved.get("ds_config") or {}, loss_scaler=saved.get("loss_scaler"))
+        src = ExportSource(
+            universal=uni,
+            group_names=[names],
+            param_groups=list(saved["param_groups"] or [{}])[:1],
+            module={},
+            module_keys=[],
+            buffer_names=buffers,
+            tied={},
+            param_dtype=torch.float32,
+            meta=meta,
+            client_state=dict(saved.get("client_state") or {}),
+        )
+        states = _model_states(src, stage, dp)
+        states.pop("universal_checkpoint_info", None)  # (DeepSpeed's pipeline writes none)
+        states.update(module=None, mp_world_size=pp, checkpoint_parallel_dimensions={"pp_degree": pp, "tp_degree": 1})
+        if stage == 1:
+            states["shared_params"] = {}
+        _save(states, staging / stage_file(s))
+        for d in range(dp if stage == 1 else 0):
+            osd = _stage12_optim(src, 1, dp, d)
+            _save(
+                {"optimizer_state_dict": osd, "ds_config": states["ds_config"], "ds_version": DS_LAYOUT_VERSION},
+                staging / optim_file(d, s),
+            )
+    return publish_tag(root, staging, out_tag)
+
+
+def _stage_entries(uni, optim, layers, idx, prefix, buffers) -> list[str]:
+    """Layer `idx`'s trainable parameters under DeepSpeed's stage names (`prefix` + name, in the layer's order)
+    into `uni`; its other state-dict entries are buffers."""
+    names, entries = [], optim.get(idx, {})  # (no optimizer file: a layer without trainable parameters)
+    for k in layers[idx]:
+        if k not in entries:
+            buffers.append(prefix + k)
+            continue
+        master = entries[k]["master"].float()
+        state = entries[k]["state"]
+        uni.tensors[prefix + k] = {
+            FP32: master,
+            **{n: v for n, v in state.items() if torch.is_tensor(v) and v.shape == master.shape},
+        }
+        uni.scalars[prefix + k] = {n: v for n, v in state.items() if not (torch.is_tensor(v) and v.dim() > 0)}
+        uni.groups[prefix + k] = 0
+        names.append(prefix + k)
+    return names
