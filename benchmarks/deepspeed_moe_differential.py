@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures", "deepspeed_0.19.8"))
+import make  # noqa: E402
 import make_moe  # noqa: E402
 
 PAIRS = ["0:2:0:2", "2:2:2:2", "1:2:2:2", "2:2:1:1", "3:1:2:2", "2:1:0:2"]
@@ -36,20 +37,7 @@ def _clip(zs_stage: int, ds_stage: int) -> float:
 
 
 def _train(eng, rank, world, steps):
-    losses = []
-    for x, y in steps:
-        tot = 0.0
-        for micro in range(2):
-            lo = (micro * world + rank) * 2
-            out, l_aux = eng(x[lo : lo + 2])
-            loss = make_moe.moe_loss(out, l_aux, y[lo : lo + 2])
-            eng.backward(loss)
-            eng.step()
-            tot += loss.item()
-        t = torch.tensor([tot / 2])
-        torch.distributed.all_reduce(t)
-        losses.append(t.item() / world)
-    return losses
+    return [make.train_step(eng, make_moe.step_loss(eng, x, y), rank, world) for x, y in steps]
 
 
 def _every_rank(m, ep_rank, ep, world):

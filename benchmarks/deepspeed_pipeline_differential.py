@@ -24,29 +24,14 @@ import tempfile
 import torch
 import torch.multiprocessing as mp
 
+# The fixture's tied model and batches (its layers() takes `deepspeed.pipe.TiedLayerSpec`: the real one, or
+# zerospeed's through its `deepspeed` shim)
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "deepspeed_0.19.8")
+)
+from make_pipe_tied import batches, layers  # noqa: E402
+
 CASES = [(0, 1), (0, 2), (1, 2), (1, 1)]  # (DeepSpeed's ZeRO stage, data-parallel size)
-
-
-def head(module, x):
-    return torch.nn.functional.linear(x, module.weight.t())
-
-
-def layers():
-    from deepspeed.pipe import TiedLayerSpec
-
-    return [
-        TiedLayerSpec("t", torch.nn.Linear, 4, 4, bias=False),
-        torch.nn.Linear(4, 8),
-        torch.nn.LayerNorm(8),
-        torch.nn.ReLU(),
-        torch.nn.Linear(8, 4),
-        TiedLayerSpec("t", torch.nn.Linear, 4, 4, bias=False, forward_fn=head),
-    ]
-
-
-def batches(dp):
-    g = torch.Generator().manual_seed(2)
-    return [(torch.randn(8 * dp, 4, generator=g), torch.randn(8 * dp, 4, generator=g)) for _ in range(6)]
 
 
 def run(rank, world, phase, stage, folder, port):

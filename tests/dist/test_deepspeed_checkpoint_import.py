@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from harness.deepspeed_files import FIXTURES, continue_fixture_run, fixture_model
+from harness.deepspeed_files import FIXTURES, continue_fixture_run, fixture_model, fixture_script
 
 # (DeepSpeed's stage, zerospeed's stage, zerospeed's ranks)
 CASES = [(0, 2, 2), (1, 3, 2), (2, 0, 2), (3, 1, 2), (3, 2, 1)]
@@ -120,26 +120,11 @@ def test_the_universal_form_equals_deepspeeds_own_consolidation():
 
 
 def _gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=32,
-            n_positions=16,
-            n_embd=16,
-            n_layer=2,
-            n_head=2,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-    )
+    return fixture_script("make_gpt2").model()  # the 2-layer GPT-2 DeepSpeed trained
 
 
 def _gpt2_batches():
-    g = torch.Generator().manual_seed(1)  # the fixtures' make_gpt2.py
-    return [torch.randint(0, 32, (8, 12), generator=g) for _ in range(6)]
+    return fixture_script("make_gpt2").batches()
 
 
 def _resume_gpt2(ds_stage: int, stage: int) -> list[float]:

@@ -14,18 +14,15 @@ exactly; a tag whose experts are swapped gives other losses (the test can fail).
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 
 import pytest
 import torch
 
 from harness import run_distributed
-from harness.deepspeed_files import FIXTURES
+from harness.deepspeed_files import FIXTURES, fixture_script
 
-_spec = importlib.util.spec_from_file_location("make_moe", FIXTURES / "make_moe.py")
-make_moe = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(make_moe)
+make_moe = fixture_script("make_moe")  # the model, batches and loss DeepSpeed trained
 
 # (fixture, zerospeed's ZeRO stage, zerospeed's ep size, zerospeed's ranks)
 CASES = [
@@ -53,19 +50,8 @@ def _resume(where, ds_stage: int, stage: int, ep: int) -> dict:
     engine, *_ = zerospeed.initialize(model=m, model_parameters=groups, config=cfg)
     engine.load_checkpoint(str(where), tag="step3")
     steps = engine.global_steps
-    losses = []
-    for x, y in make_moe.moe_batches()[3:]:
-        total = 0.0
-        for micro in range(gas):
-            lo = (micro * world + rank) * 2
-            out, l_aux = engine(x[lo : lo + 2])
-            loss = make_moe.moe_loss(out, l_aux, y[lo : lo + 2])
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        t = torch.tensor([total / gas])
-        comm.all_reduce(t, op="avg")
-        losses.append(t.item())
+    step = fixture_script("make").train_step
+    losses = [step(engine, make_moe.step_loss(engine, x, y), rank, world, gas) for x, y in make_moe.moe_batches()[3:]]
     with zerospeed.zero.GatheredParameters(list(m.parameters())):
         weights = make_moe.global_weights(m, comm.get_rank(m.moe.deepspeed_moe.ep_group), ep)
     return {"losses": losses, "weights": weights, "steps": steps}

@@ -16,19 +16,10 @@ import pytest
 import torch
 
 from harness import run_distributed
-from harness.deepspeed_files import FIXTURES
+from harness.deepspeed_files import FIXTURES, fixture_script
 
 MICRO = 2
-
-
-def head(module, x):
-    return torch.nn.functional.linear(x, module.weight.t())
-
-
-def batches(dp: int):
-    """make_pipe_tied.py's 6 global batches (8 * its data-parallel size samples each)."""
-    g = torch.Generator().manual_seed(2)
-    return [(torch.randn(8 * dp, 4, generator=g), torch.randn(8 * dp, 4, generator=g)) for _ in range(6)]
+MAKE = fixture_script("make_pipe_tied")  # the model and batches DeepSpeed trained
 
 
 def _resume(fixture: str, ds_dp: int, pp: int, zero: int, gas: int, clip: float, with_optimizer: bool = True):
@@ -37,15 +28,9 @@ def _resume(fixture: str, ds_dp: int, pp: int, zero: int, gas: int, clip: float,
     from zerospeed.pipe import PipelineModule, TiedLayerSpec
 
     torch.manual_seed(1)  # other initial weights than DeepSpeed's: the load must bring them
-    layers = [
-        TiedLayerSpec("t", torch.nn.Linear, 4, 4, bias=False),
-        torch.nn.Linear(4, 8),
-        torch.nn.LayerNorm(8),
-        torch.nn.ReLU(),
-        torch.nn.Linear(8, 4),
-        TiedLayerSpec("t", torch.nn.Linear, 4, 4, bias=False, forward_fn=head),
-    ]
-    net = PipelineModule(layers=layers, num_stages=pp, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+    net = PipelineModule(
+        layers=MAKE.layers(TiedLayerSpec), num_stages=pp, loss_fn=torch.nn.MSELoss(), partition_method="uniform"
+    )
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": gas,
@@ -61,7 +46,7 @@ def _resume(fixture: str, ds_dp: int, pp: int, zero: int, gas: int, clip: float,
     dp, d = comm.get_world_size(engine.dp_group), comm.get_rank(engine.dp_group)
     assert dp * gas * MICRO == 8 * ds_dp  # the same global batch as DeepSpeed's run
     steps, losses = engine.global_steps, []
-    for x, y in batches(ds_dp)[3:]:
+    for x, y in MAKE.batches(ds_dp)[3:]:
         rows = [(i * dp + d) * MICRO for i in range(gas)]
         losses.append(float(engine.train_batch(data_iter=iter([(x[r : r + MICRO], y[r : r + MICRO]) for r in rows]))))
     weights = {}

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from harness.deepspeed_files import FIXTURES
+from harness.deepspeed_files import FIXTURES, fixture_script
 
 pytest.importorskip("transformers")
 
@@ -37,27 +37,8 @@ CASES = [(0, 0, 2), (1, 1, 2), (1, 3, 2), (0, 2, 1), (1, 1, 1)]
 UNIVERSAL_CASES = [("universal", 1, 2), ("universal", 2, 1)]
 
 
-def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=32,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            max_position_embeddings=32,
-            tie_word_embeddings=False,
-        )
-    )
-
-
-def batches():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 32, (4, 12), generator=g) for _ in range(6)]
+MAKE = fixture_script("make_tp")  # the tiny Llama and the batches DeepSpeed trained
+model, batches = MAKE.model, MAKE.batches
 
 
 def _expected(stage: int) -> dict:
@@ -268,23 +249,9 @@ def _resume_gpt2_at_tp2() -> list[float]:
     AutoTP at tp 2 x dp 1: 4 accumulation steps of the same 2-sequence micro-batches."""
     import json
 
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     import zerospeed
 
-    torch.manual_seed(0)
-    m = GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=32,
-            n_positions=16,
-            n_embd=16,
-            n_layer=2,
-            n_head=2,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-    )
+    m = fixture_script("make_gpt2").model()
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 4,
@@ -294,9 +261,8 @@ def _resume_gpt2_at_tp2() -> list[float]:
     }
     engine, *_ = zerospeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
     engine.load_checkpoint(str(FIXTURES / "gpt2_zero2"), tag="step3")
-    g = torch.Generator().manual_seed(1)  # make_gpt2.py's batches
     losses = []
-    for ids in [torch.randint(0, 32, (8, 12), generator=g) for _ in range(6)][3:]:
+    for ids in fixture_script("make_gpt2").batches()[3:]:
         total = 0.0
         for lo in (0, 2, 4, 6):  # (DeepSpeed's order: micro-batch m of rank r holds sequences (2m + r) * 2 ..)
             loss = engine(input_ids=ids[lo : lo + 2], labels=ids[lo : lo + 2]).loss
@@ -319,29 +285,8 @@ def test_a_data_parallel_deepspeed_tag_resumes_under_zerospeeds_autotp():
 # ---- a fused q|k|v weight (tp_fused, make_tp_fused.py): DeepSpeed's affine map has three pieces per rank ----
 
 FUSED = FIXTURES / "tp_fused" / "zero1"
-FUSED_SPECS = [
-    {"patterns": [".*o_proj\\.weight$"], "partition_type": "row"},
-    {"patterns": [".*qkv_proj\\.weight$"], "partition_type": "column", "shape": [3, -1], "partition_dim": 0},
-    {"patterns": [".*lm_head\\.weight$", ".*embed.*"], "partition_type": "skip"},
-]
-
-
-class Fused(torch.nn.Module):
-    """make_tp_fused.py's model."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(32, 16)
-        self.qkv_proj = torch.nn.Linear(16, 48)
-        self.o_proj = torch.nn.Linear(16, 16)
-        self.lm_head = torch.nn.Linear(16, 32, bias=False)
-
-    def forward(self, ids):
-        h = self.embed(ids)
-        q, k, v = self.qkv_proj(h).chunk(3, dim=-1)
-        h = h + self.o_proj(torch.tanh(q * k) + v)
-        return torch.nn.functional.cross_entropy(self.lm_head(h).flatten(0, 1), ids.flatten())
+FUSED_MAKE = fixture_script("make_tp_fused")
+FUSED_SPECS, Fused = FUSED_MAKE.SPECS, FUSED_MAKE.Fused  # make_tp_fused.py's layer specs and model
 
 
 def _fused_names() -> list[list[str]]:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from harness.deepspeed_files import FIXTURES, assert_same_contents
+from harness.deepspeed_files import FIXTURES, assert_same_contents, fixture_script
 from zerospeed.checkpoint.cli import main
 from zerospeed.checkpoint.deepspeed_import import _load
 
@@ -36,23 +36,16 @@ STAGE_KEYS = (
 )
 
 
-def head(module, x):
-    return torch.nn.functional.linear(x, module.weight.t())
-
-
 def _load_and_save(fixture: str, pp: int, out: str) -> None:
     import zerospeed
     from zerospeed.pipe import PipelineModule, TiedLayerSpec
 
-    layers = [
-        TiedLayerSpec("t", torch.nn.Linear, 4, 4, bias=False),
-        torch.nn.Linear(4, 8),
-        torch.nn.LayerNorm(8),
-        torch.nn.ReLU(),
-        torch.nn.Linear(8, 4),
-        TiedLayerSpec("t", torch.nn.Linear, 4, 4, bias=False, forward_fn=head),
-    ]
-    net = PipelineModule(layers=layers, num_stages=pp, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+    net = PipelineModule(
+        layers=fixture_script("make_pipe_tied").layers(TiedLayerSpec),
+        num_stages=pp,
+        loss_fn=torch.nn.MSELoss(),
+        partition_method="uniform",
+    )
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 4,

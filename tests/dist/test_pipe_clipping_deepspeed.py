@@ -16,19 +16,17 @@ import pytest
 import torch
 
 from harness import run_distributed
-from harness.deepspeed_files import FIXTURES
+from harness.deepspeed_files import FIXTURES, fixture_script
 
 CLIP, GAS, MICRO = 0.05, 4, 2
 
 
 def layers():
-    torch.manual_seed(0)
-    return [torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.ReLU(), torch.nn.Linear(8, 3)]
+    return fixture_script("make_pipe_tied").mlp_layers()  # the MLP DeepSpeed trained (seeded)
 
 
 def batches():
-    g = torch.Generator().manual_seed(2)
-    return [(torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)) for _ in range(6)]
+    return fixture_script("make_pipe_tied").batches(1, width=3)
 
 
 def warmup_lr(step: int) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
 from pathlib import Path
 
 import torch
@@ -42,19 +44,26 @@ def assert_same_contents(mine, theirs, where: str) -> None:
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed_0.19.8"
 
 
+def fixture_script(name: str):
+    """The fixture generator `FIXTURES/{name}.py` as a module: its model, data and config are the ones the tests
+    rebuild in zerospeed (the scripts import DeepSpeed only inside their functions that run it). The folder goes
+    on sys.path, so the module imports again by name in the harness's worker processes."""
+    if str(FIXTURES) not in sys.path:
+        sys.path.insert(0, str(FIXTURES))
+    return importlib.import_module(name)
+
+
 def fixture_model(scale: float = 1.0) -> torch.nn.Module:
-    """The fixtures' model, seeded as make.py seeds it; its `scale` buffer was 2.0 in DeepSpeed's runs, so a
-    load that brings buffers must change the 1.0 given here."""
-    torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    m.register_buffer("scale", torch.tensor([scale]))
+    """make.py's model, seeded as it seeds it; its `scale` buffer was 2.0 in DeepSpeed's runs, so a load that
+    brings buffers must change the 1.0 given here."""
+    m = fixture_script("make").model()
+    m.scale.fill_(scale)
     return m
 
 
 def fixture_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The six global batches of make.py (8 samples each)."""
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)) for _ in range(6)]
+    return fixture_script("make").batches()
 
 
 def continue_fixture_run(
