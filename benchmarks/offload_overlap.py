@@ -24,6 +24,12 @@ reduced) and `engine.step()`; the table gives their medians and the median whole
   it changes the numbers, the other modes do not).
 - ``zenflow``: DeepSpeed's ``zero_optimization.zenflow`` block with its tutorial's settings, when this
   build accepts it (the row says so when it refuses it).
+- ``overlapped_nodefer`` / ``overlapped_clipped_nodefer`` (with ``--stage 3 --offload-param``): the overlap on,
+  but ``engine.step()`` waits for every host step, as before the deferred tail (Note [deferred tail] in
+  zerospeed/optim/sub_group_step.py; switched off through the stage-3 strategy's internal flag, no config key).
+
+``--offload-param`` (stage 3) adds ``offload_param: {device: cpu}``: there ``engine.step()`` returns while the
+last sub-groups' host steps run, and each gather of the next forward waits only for its own sub-group.
 
 The early start has something to overlap only when the model is cut into several reduction units and
 sub-groups: ``reduce_bucket_size`` and ``sub_group_size`` are set to ``--chunk`` elements here
@@ -53,9 +59,11 @@ from zerospeed.utils.ports import free_port
 from zoo.models import GPT, GPTConfig
 
 MODES = ("sequential", "overlapped", "sequential_clipped", "overlapped_clipped", "delayed", "zenflow")
+NO_DEFER = "_nodefer"
 
 
 def config(mode: str, args) -> dict:
+    mode = mode.removesuffix(NO_DEFER)
     zero = {
         "stage": args.stage,
         "reduce_bucket_size": int(args.chunk),
@@ -63,6 +71,9 @@ def config(mode: str, args) -> dict:
         "sub_group_size": int(args.chunk),
         "offload_optimizer": {"device": "cpu", "overlap_step": not mode.startswith("sequential")},
     }
+    if args.offload_param:
+        zero["offload_param"] = {"device": "cpu"}
+        zero["stage3_prefetch_bucket_size"] = int(args.chunk)
     if mode == "delayed":
         zero["offload_optimizer"]["delayed_param_update"] = True
     if mode == "zenflow":
@@ -71,7 +82,7 @@ def config(mode: str, args) -> dict:
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0 if mode.endswith("_clipped") else 0.0,
+        "gradient_clipping": 1.0 if "_clipped" in mode else 0.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
         "zero_optimization": zero,
         "steps_per_print": 10**9,
@@ -86,6 +97,10 @@ def build(mode: str, args):
         engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=config(mode, args))
     except ConfigError as err:
         return f"refused: {str(err).splitlines()[0]}"
+    if mode.endswith(NO_DEFER):
+        if not getattr(engine.zero, "_defers", False):
+            return "n/a: no deferred tail here (it needs --stage 3 --offload-param)"
+        engine.zero._defers = False
     return engine
 
 
@@ -171,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--chunk", type=float, default=4e6, help="reduce_bucket_size = sub_group_size (elements)")
+    ap.add_argument("--offload-param", action="store_true", help="stage 3: offload_param to the CPU as well")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--convergence", action="store_true", help="the delayed update's cost in loss instead")
@@ -182,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.convergence:
         convergence(args)
         return 0
+    params = " + offload_param cpu" if args.offload_param else ""
     print(
-        f"ZeRO-{args.stage}, offload_optimizer cpu, GPT {args.layers}x{args.hidden} (vocab 4096), micro batch "
+        f"ZeRO-{args.stage}, offload_optimizer cpu{params}, GPT {args.layers}x{args.hidden} (vocab 4096), micro batch "
         f"{args.micro_batch} x {args.seq} tokens, reduce_bucket_size = sub_group_size = {int(args.chunk):,}; "
         f"{os.cpu_count()} cores, torch.get_num_threads() {torch.get_num_threads()}; medians of {args.steps} steps\n"
     )
@@ -196,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(r, str):
             print(f"| {mode} | | | | {r} |")
             continue
-        base = results.get("sequential_clipped" if mode.endswith("_clipped") else "sequential")
+        base = results.get("sequential_clipped" if "_clipped" in mode else "sequential")
         ratio = f"{base['whole'] / r['whole']:.2f}x" if isinstance(base, dict) else ""
         print(f"| {mode} | {r['compute'] * 1e3:.0f} | {r['step'] * 1e3:.0f} | {r['whole'] * 1e3:.0f} | {ratio} |")
     return 0
