@@ -178,6 +178,24 @@ def offload_ranks(stage: int, opt: dict | None, param: dict | None, steps: int =
     return _cpu(out)
 
 
+def overlap_ranks(stage: int, param: dict | None, steps: int = STEPS) -> dict:
+    """The same offloaded run with `offload_optimizer.overlap_step` off and on (at stage 3 with parameter
+    offload, on means `engine.step()` returns before the last host steps: Note [deferred tail] in
+    zerospeed/optim/sub_group_step.py): losses and the final weights, and whether the step defers its tail."""
+    exact_fp32()
+    out = {}
+    for overlap in (False, True):
+        opt = {"device": "cpu", "pin_memory": True, "overlap_step": overlap}
+        engine, losses = train(_offload_config(stage, opt, param), steps)
+        out[overlap] = {
+            "losses": losses,
+            "state": final_state(engine),
+            "deferred": bool(getattr(engine.zero, "_defers", False)),
+        }
+        engine.destroy()
+    return _cpu(out)
+
+
 # -- zero.Init ---------------------------------------------------------------------------------------
 
 

@@ -80,3 +80,17 @@ def test_stage3_nvme_optimizer_and_parameter_offload_on_gpu(tmp_path):
         assert r["placement"]["parameters"] == where and r["placement"]["optimizer_states"] == where, r["placement"]
         assert r["swap_files"], "no swap files were written"
         assert all(g == ("cpu", True) for g in r["grad_shards"]), r["grad_shards"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage, param", [(2, None), (3, None), (3, CPU_PINNED)])
+def test_the_overlapped_host_step_equals_the_sequential_one_on_gpu(stage, param):
+    """overlap_step (the default) against overlap_step false, pinned host buffers, clipping on: the same CPU
+    AdamW on the same sub-groups, so bitwise equal; at stage 3 with parameter offload the step returns
+    before the last host steps and the next forward's gathers wait per sub-group."""
+    world = min(2, gc.gpus())
+    for r in run_distributed(gc.overlap_ranks, world, stage, param, timeout=270, backend="nccl"):
+        assert r[True]["losses"] == r[False]["losses"], (r[True]["losses"], r[False]["losses"])
+        for k, v in r[False]["state"].items():
+            assert torch.equal(r[True]["state"][k], v), k
+        assert r[True]["deferred"] == (param is not None), r[True]
