@@ -21,11 +21,13 @@ zerospeed's own consolidation of the step-3 tag. A PAIR `bS:T` trains with `bf16
 sides, with `data_types.grad_accum_dtype: "fp32"` (the export is then DeepSpeed's bf16 layout:
 `bf16_zero_pp_rank_*` files, BF16_Optimizer's at ZeRO 1).
 `--as-saved` (with `--export`) checks DeepSpeed reading zerospeed's own tag as saved: zerospeed trains and
-saves at ZeRO 3 with `checkpoint.deepspeed_layout: true` (no export step), DeepSpeed `load_checkpoint`s that tag
-at ZeRO 3 on the same 2 ranks and trains steps 4-6; the weight column compares DeepSpeed's module right after
-the load with zerospeed's consolidation of the tag (pairs default to `3:3`); `--sub-group-size N` sets
+saves at ZeRO S with `checkpoint.deepspeed_layout: true` (no export step), DeepSpeed `load_checkpoint`s that tag
+at ZeRO S on the same 2 ranks and trains steps 4-6; the weight column compares DeepSpeed's module right after
+the load with zerospeed's consolidation of the tag (pairs default to `1:1 2:2 3:3`); `--sub-group-size N` sets
 `zero_optimization.sub_group_size` in both runs (N = 30 cuts the MLP's 83 parameters into 2 sub-groups);
-`--two-groups` gives both runs two optimizer param groups (the matrices; the rest without weight decay).
+`--two-groups` gives both runs two optimizer param groups (the matrices; the rest without weight decay);
+`--bucket-size N` sets `reduce_bucket_size` and `allgather_bucket_size` in both runs (zerospeed's ZeRO 1/2 then
+cut the group into several buckets, each split over the ranks apart).
 `S:uN` exports a universal folder that DeepSpeed loads at ZeRO N with `checkpoint.load_universal`; `S:xN`
 exports DeepSpeed's layout at ZeRO N, converts it with DeepSpeed's own `ds_to_universal`, and DeepSpeed loads
 that universal folder at ZeRO N.
@@ -225,6 +227,9 @@ def export_run(rank, world, phase, stage, folder, port, bf16=False, as_saved=Fal
     cfg = {**EXPORT_CONFIG, "zero_optimization": {"stage": stage}, "checkpoint": {"load_universal": universal}}
     if sub_group_size is not None:  # (both sides: DeepSpeed's ZeRO-3 sub-groups, zerospeed's as-saved layout)
         cfg["zero_optimization"]["sub_group_size"] = sub_group_size
+    if "--bucket-size" in sys.argv:  # (both sides; zerospeed's ZeRO 1/2 then cut several buckets, DeepSpeed alike)
+        size = int(sys.argv[sys.argv.index("--bucket-size") + 1])
+        cfg["zero_optimization"].update(reduce_bucket_size=size, allgather_bucket_size=size)
     if as_saved and phase == "zs":  # (a zerospeed key: DeepSpeed's config has no such key)
         cfg["checkpoint"]["deepspeed_layout"] = True
     if bf16:  # (fp32 accumulation: DeepSpeed's BF16_Optimizer at ZeRO 1)
@@ -351,8 +356,12 @@ def _export_pair(
 
 
 def _sub_group_arg() -> list[str]:
-    """`--sub-group-size N` and `--two-groups` as this run was given them (passed on to each phase)."""
+    """`--sub-group-size N`, `--bucket-size N` and `--two-groups` as this run was given them (passed on to each
+    phase)."""
     out = ["--two-groups"] if "--two-groups" in sys.argv else []
+    if "--bucket-size" in sys.argv:
+        i = sys.argv.index("--bucket-size")
+        out += sys.argv[i : i + 2]
     if "--sub-group-size" not in sys.argv:
         return out
     i = sys.argv.index("--sub-group-size")
@@ -427,9 +436,10 @@ def main() -> None:
         ],
     )
     ap.add_argument("--bf16", action="store_true", help="(an export phase) train with bf16")
-    ap.add_argument("--as-saved", action="store_true", help="DeepSpeed loads zerospeed's ZeRO-3 tag as saved")
+    ap.add_argument("--as-saved", action="store_true", help="DeepSpeed loads zerospeed's ZeRO 1-3 tag as saved")
     ap.add_argument("--sub-group-size", type=int, help="zero_optimization.sub_group_size of both runs")
     ap.add_argument("--two-groups", action="store_true", help="two optimizer param groups in both runs")
+    ap.add_argument("--bucket-size", type=int, help="zero_optimization.reduce/allgather_bucket_size of both runs")
     ap.add_argument("--export-phase", choices=["zs", "ds", "zs-fp32", "ds-fp32"])
     ap.add_argument("--stage", type=int), ap.add_argument("--folder")
     args = ap.parse_args()
@@ -455,7 +465,8 @@ def main() -> None:
     if not args.deepspeed_python:
         raise SystemExit("--deepspeed-python is required (a Python with the real DeepSpeed installed)")
     if args.export:
-        pairs = ["3:3"] if args.as_saved and "--export-pairs" not in sys.argv else args.export_pairs
+        as_saved_pairs = ["1:1", "2:2", "3:3"]
+        pairs = as_saved_pairs if args.as_saved and "--export-pairs" not in sys.argv else args.export_pairs
         return _export_main(args.deepspeed_python, pairs, args.port, args.as_saved)
     print(f"torch {torch.__version__}; 2 gloo ranks on the CPU\n")
     print("| case | config | max |Δ loss| | max |Δ lr| | notes |")

@@ -1,11 +1,11 @@
-"""What `checkpoint.deepspeed_layout` costs at ZeRO 3: bytes on disk and seconds per save, with and without it.
+"""What `checkpoint.deepspeed_layout` costs at ZeRO 1-3: bytes on disk and seconds per save, with and without it.
 
-    .venv/bin/python benchmarks/deepspeed_layout_size.py [--hidden 1024] [--layers 4] [--saves 3]
+    .venv/bin/python benchmarks/deepspeed_layout_size.py [--hidden 1024] [--layers 4] [--saves 3] [--stage 3]
 
 2 gloo ranks train an MLP of `layers` square Linear layers (AdamW, fp32) for one step, then save `saves` times
 with the key off and on. The table gives each tag's files and bytes, and the median seconds of a save: with the
 key a rank file holds DeepSpeed's `optimizer_state_dict` and zerospeed's entries over the same storages, so it
-should be the size of the plain rank file (not twice it), plus DeepSpeed's small per-rank model states.
+should be the size of the plain rank file (not twice it), plus (ZeRO 3) DeepSpeed's small per-rank model states.
 """
 
 import argparse
@@ -18,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _run(rank, world, port, hidden, layers, saves, folder, out):
+def _run(rank, world, port, hidden, layers, saves, folder, out, stage=3):
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
@@ -32,7 +32,7 @@ def _run(rank, world, port, hidden, layers, saves, folder, out):
         cfg = {
             "train_micro_batch_size_per_gpu": 2,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-            "zero_optimization": {"stage": 3},
+            "zero_optimization": {"stage": stage},
             "checkpoint": {"deepspeed_layout": as_saved},
         }
         engine, *_ = zerospeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
@@ -61,13 +61,17 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--saves", type=int, default=3)
     ap.add_argument("--port", type=int, default=29811)
+    ap.add_argument("--stage", type=int, default=3, choices=[1, 2, 3])
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.pt")
-        mp.spawn(_run, args=(2, args.port, args.hidden, args.layers, args.saves, tmp, out), nprocs=2)
+        mp.spawn(_run, args=(2, args.port, args.hidden, args.layers, args.saves, tmp, out, args.stage), nprocs=2)
         results = torch.load(out)
     params = args.layers * (args.hidden * args.hidden + args.hidden)
-    print(f"torch {torch.__version__}; 2 gloo ranks; {params} fp32 parameters, AdamW (3 x 4 bytes each in state)\n")
+    print(
+        f"torch {torch.__version__}; 2 gloo ranks; ZeRO {args.stage}; {params} fp32 parameters, AdamW "
+        "(3 x 4 bytes each in state)\n"
+    )
     print("| file | key off (bytes) | key on (bytes) |")
     print("|---|---:|---:|")
     off, on = results[False][0], results[True][0]

@@ -1,5 +1,5 @@
-"""ZeRO-3 tags saved with `checkpoint.deepspeed_layout` (Note [as-saved DeepSpeed layout] in
-checkpoint/deepspeed_layout.py) hold what DeepSpeed 0.19.8's loader reads, without writing any value twice.
+"""ZeRO 1-3 tags saved with `checkpoint.deepspeed_layout` (Notes [as-saved DeepSpeed layout] and [as-saved ZeRO 1/2]
+in checkpoint/deepspeed_layout.py) hold what DeepSpeed 0.19.8's loader reads, without writing any value twice.
 
 The reference is the fixture DeepSpeed itself saved (tests/fixtures/deepspeed_0.19.8/zero3/step3, make.py): zerospeed
 trains the same run (the same model, config and batches, ZeRO 3 on 2 ranks) for the same 3 steps and saves with the
@@ -8,7 +8,10 @@ DeepSpeed's own file and its values within 1e-6 (the two runs trained alike), an
 DeepSpeed's file has; zerospeed's own entries are the same storages (one copy in the file). zerospeed resumes the
 tag (at ZeRO 3 on 2 ranks and at ZeRO 1 on one) like DeepSpeed continued its run (losses within 1e-6). That the real
 DeepSpeed resumes such a tag is checked by `benchmarks/deepspeed_differential.py --export --as-saved`
-(docs/checkpoints.md has its numbers).
+(docs/checkpoints.md has its numbers). ZeRO 1 and 2 alike against the fixtures zero1/zero2: DeepSpeed's rank files'
+`optimizer_state_dict` (the fp32 slices, the torch optimizer's state over the padded slice, paddings, fragment
+addresses) and model states, and the tag's payload written once (the file's storages are DeepSpeed's tensors);
+zerospeed resumes it at its stage on 2 ranks and at ZeRO 3 on one like DeepSpeed continued (losses within 1e-6).
 """
 
 from __future__ import annotations
@@ -31,11 +34,11 @@ def _config(stage: int, gas: int, as_saved: bool = False) -> dict:
     }
 
 
-def _save(folder: str) -> None:
+def _save(folder: str, stage: int = 3) -> None:
     import zerospeed
 
     m = fixture_model(2.0)
-    engine, *_ = zerospeed.initialize(model=m, model_parameters=m.parameters(), config=_config(3, 2, True))
+    engine, *_ = zerospeed.initialize(model=m, model_parameters=m.parameters(), config=_config(stage, 2, True))
     continue_fixture_run(engine, m, 2, steps=slice(0, 3))
     engine.save_checkpoint(folder, tag="step3")
 
@@ -68,16 +71,26 @@ def _assert_close_tree(mine, theirs, where: str) -> None:
             _assert_close_tree(a, b, f"{where}[{i}]")
 
 
-def _check_files(tag) -> None:
+def _optim_files(tag, stage: int):
+    """Rank by rank: (rank, zerospeed's optim file, DeepSpeed's of the fixture `zero{stage}/step3`, the two
+    `optimizer_state_dict`s), after checking that ours holds every key of DeepSpeed's, in its order."""
     from zerospeed.checkpoint.deepspeed_import import _load
 
-    ds_tag = FIXTURES / "zero3" / "step3"
+    ds_tag = FIXTURES / f"zero{stage}" / "step3"
     for r in range(2):
         name = f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
         mine, theirs = _load(tag / name), _load(ds_tag / name)
         assert set(theirs) <= set(mine), sorted(set(theirs) - set(mine))
         osd, ds_osd = mine["optimizer_state_dict"], theirs["optimizer_state_dict"]
         assert list(osd) == list(ds_osd)
+        yield r, mine, theirs, osd, ds_osd
+
+
+def _check_files(tag) -> None:
+    from zerospeed.checkpoint.deepspeed_import import _load
+
+    ds_tag = FIXTURES / "zero3" / "step3"
+    for r, mine, theirs, osd, ds_osd in _optim_files(tag, 3):
         _assert_close_tree(osd["fp32_flat_groups"], ds_osd["fp32_flat_groups"], f"rank {r} fp32_flat_groups")
         _assert_close_tree(osd["optimizer_state_dict"]["state"], ds_osd["optimizer_state_dict"]["state"], f"rank {r}")
         for mine_g, ds_g in zip(
@@ -119,7 +132,7 @@ def _refused(folder: str) -> list[str]:
     import zerospeed
 
     messages = []
-    for stage, extra in ((2, {}), (3, {"bf16": {"enabled": True}})):
+    for stage, extra in ((0, {}), (2, {"bf16": {"enabled": True}}), (3, {"bf16": {"enabled": True}})):
         m = fixture_model(2.0)
         cfg = {**_config(stage, 2, True), **extra}
         engine, *_ = zerospeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
@@ -132,8 +145,84 @@ def _refused(folder: str) -> list[str]:
 
 
 @pytest.mark.timeout(120)
-def test_below_stage_3_and_with_bf16_the_key_is_refused_with_the_export_named(tmp_path):
+def test_at_stage_0_and_with_bf16_the_key_is_refused_with_the_export_named(tmp_path):
     messages = run_distributed(_refused, 2, str(tmp_path), timeout=100)[0]
-    assert len(messages) == 2
+    assert len(messages) == 3
     for message in messages:
         assert "checkpoint.deepspeed_layout" in message and "zerospeed-ckpt export" in message, message
+
+
+def _storages_bytes(path) -> int:
+    """Bytes of the tensor storages torch.save wrote into `path` (each distinct storage is one zip record)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        return sum(i.file_size for i in z.infolist() if "/data/" in i.filename and not i.filename.endswith(".pkl"))
+
+
+def _unique_bytes(obj) -> int:
+    seen = {}
+
+    def walk(o):
+        if isinstance(o, torch.Tensor):
+            seen[o.untyped_storage().data_ptr()] = o.untyped_storage().nbytes()
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+
+    walk(obj)
+    return sum(seen.values())
+
+
+def _check_stage12_files(tag, stage: int) -> None:
+    from zerospeed.checkpoint.deepspeed_import import _load
+
+    ds_tag = FIXTURES / f"zero{stage}" / "step3"
+    for r, mine, _theirs, osd, ds_osd in _optim_files(tag, stage):
+        name = f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        fp32 = osd["single_partition_of_fp32_groups"]
+        _assert_close_tree(fp32, ds_osd["single_partition_of_fp32_groups"], f"rank {r} fp32")
+        base, ds_base = osd["base_optimizer_state"], ds_osd["base_optimizer_state"]
+        _assert_close_tree(base["state"], ds_base["state"], f"rank {r} base_optimizer_state")
+        for mine_g, ds_g in zip(base["param_groups"], ds_base["param_groups"], strict=True):
+            assert mine_g["params"] == ds_g["params"] and mine_g["lr"] == pytest.approx(ds_g["lr"], abs=1e-12)
+        for key in ("group_paddings", "param_alignment_paddings", "partition_count", "ds_version", "clip_grad"):
+            assert osd[key] == ds_osd[key], key
+        for key in ("dynamic_loss_scale", "overflow"):
+            assert osd[key] == ds_osd[key], key
+        assert [list(g) for g in osd["param_slice_mappings"]] == [list(g) for g in ds_osd["param_slice_mappings"]]
+        for g, ds_g in zip(osd["param_slice_mappings"], ds_osd["param_slice_mappings"]):
+            assert [(a.numel, a.start) for a in g.values()] == [(a.numel, a.start) for a in ds_g.values()]
+        assert int(osd["zero_stage"]) == int(ds_osd["zero_stage"]) == stage
+        assert osd["loss_scaler"].cur_scale == ds_osd["loss_scaler"].cur_scale
+        # zerospeed's entries are DeepSpeed's tensors (views of its padded state): one storage each in the file
+        (entry,) = mine["entries"]
+        state = base["state"][0]
+        assert entry["master"].untyped_storage().data_ptr() == fp32[0].untyped_storage().data_ptr()
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert entry["state"][k].untyped_storage().data_ptr() == state[k].untyped_storage().data_ptr()
+            assert entry["state"][k].numel() == fp32[0].numel()
+        # ... so the file's storages are the optimizer_state_dict's and the header's (the RNG states), nothing more
+        assert _storages_bytes(tag / name) == _unique_bytes(osd) + _unique_bytes(mine["rng"])
+    model = "mp_rank_00_model_states.pt"
+    mine, theirs = _load(tag / model), _load(ds_tag / model)
+    read = ("module", "lr_scheduler", "global_steps", "skipped_steps", "dp_world_size", "mp_world_size", "param_shapes")
+    assert set(read) <= set(mine), sorted(set(read) - set(mine))
+    _assert_close_tree(dict(mine["module"]), dict(theirs["module"]), "module")
+    assert [dict(g) for g in mine["param_shapes"]] == [dict(g) for g in theirs["param_shapes"]]
+    assert mine["global_steps"] == theirs["global_steps"] == 3 and mine["dp_world_size"] == 2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_stage_1_or_2_tag_saved_as_deepspeed_lays_it_out_loads_like_deepspeeds_own(tmp_path, stage):
+    run_distributed(_save, 2, str(tmp_path), stage, timeout=150)
+    _check_stage12_files(tmp_path / "step3", stage)
+    want = torch.load(FIXTURES / f"zero{stage}" / "deepspeed_run.pt", weights_only=True)["losses"][3:]
+    got = {(2, stage): run_distributed(_resume, 2, str(tmp_path), stage, timeout=120)[0]}
+    got[(1, 3)] = run_distributed(_resume, 1, str(tmp_path), 3, timeout=120)[0]
+    for where, losses in got.items():
+        assert max(abs(a - b) for a, b in zip(losses, want)) <= 1e-6, (where, losses, want)

@@ -13,12 +13,26 @@ each parameter) the manifest records. torch.save writes a storage once, so the r
 once; zerospeed's loader reads these entries like any other layout (resharded). Beside it each rank writes
 DeepSpeed's small `zero_pp_rank_{r}_mp_rank_00_model_states.pt` (buffers, placeholders, counters, config; what
 DeepSpeed's ZeRO-3 loader opens per rank). The cost is that all-gather and the pieces' memory at save time,
-which is why the key is off by default. ZeRO 0-2 are not laid out like DeepSpeed (docs/checkpoints.md says
-why); export those (`zerospeed-ckpt export`).
+which is why the key is off by default. ZeRO 0 is not laid out like DeepSpeed (DeepSpeed keeps its optimizer
+state in the model-states file); export it (`zerospeed-ckpt export`).
+
+Note [as-saved ZeRO 1/2]: zerospeed's ZeRO 1/2 cut each bucket into dp chunks (padded to 4 x dp), DeepSpeed cuts
+each param group's flat concatenation (padded to 2 x dp) into dp contiguous slices (Note [DeepSpeed's partitions]
+in deepspeed_export.py), so here too the save moves the values: one all-gather per flat entry and key gives every
+rank the full masters and elementwise state, from which deepspeed_export's `_stage12_optim` cuts this rank's
+DeepSpeed `optimizer_state_dict` (`single_partition_of_fp32_groups` without the padding, the torch optimizer's
+state over the padded slice, paddings, `param_slice_mappings`, ...). zerospeed's entries are the same tensors:
+one entry per param group, the fp32 slice as master and views of the first `numel` elements of the state (so
+torch.save writes each storage once). The model states are zerospeed's own `mp_rank_00_model_states.pt` (the
+name DeepSpeed reads at ZeRO 1/2), with `param_shapes` in DeepSpeed's form. The price is the full state on every
+rank for the length of the save (ZeRO 3 holds only a unit at a time). Each group's parameters are taken in
+module order (DeepSpeed flattens them in the order the group lists them: the same when groups list parameters in
+module order, as `model.parameters()` does).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 
@@ -34,6 +48,8 @@ from zerospeed.checkpoint.deepspeed_export import (
     _model_states,
     _own,
     _scaler,
+    _stage12_optim,
+    slice_mappings,
     stage3_partition,
     sub_groups,
 )
@@ -48,6 +64,7 @@ from zerospeed.zero.shards import Piece
 from zerospeed.zero.tags import full_shape
 
 KEY = "checkpoint.deepspeed_layout"
+STAGES = (1, 2, 3)  # the ZeRO stages saved this way
 
 
 def ds_model_states_name(dp_rank: int) -> str:
@@ -59,10 +76,11 @@ def check_as_saved(state: TrainingState, names: CheckpointNames) -> None:
     """Raise (alike on every rank) where a save cannot be in DeepSpeed's layout as saved."""
     mesh, zero_cfg = state.mesh, (state.ds_config or {}).get("zero_optimization") or {}
     problem = None
-    if state.zero.stage != 3:
+    if state.zero.stage not in STAGES:
         problem = (
-            f"ZeRO stage {state.zero.stage}: only stage 3 saves in DeepSpeed's layout (stages 0-2 lay their "
-            "partitions out differently); set it false and export the tag with `zerospeed-ckpt export --to deepspeed`"
+            f"ZeRO stage {state.zero.stage}: only stages 1-3 save in DeepSpeed's layout (DeepSpeed's stage 0 keeps "
+            "the optimizer state in its model-states file); set it false and export the tag with "
+            "`zerospeed-ckpt export --to deepspeed`"
         )
     elif mesh.size("tp") > 1 or mesh.size("sp") > 1 or mesh.size("pp") > 1 or names.has_experts:
         problem = "tensor, sequence, pipeline or expert parallelism: only plain data parallelism is written this way"
@@ -77,6 +95,13 @@ def check_as_saved(state: TrainingState, names: CheckpointNames) -> None:
         problem = "no optimizer: DeepSpeed's ZeRO-3 files hold the optimizer's state"
     elif any(not p.requires_grad for p in state.module.parameters()):
         problem = "frozen parameters (their partitions would be written twice); export the tag instead"
+    elif state.zero.stage < 3 and any(zero_cfg.get(k) for k in ("round_robin_gradients", "parameter_alignment")):
+        problem = (
+            "zero_optimization.round_robin_gradients / parameter_alignment: DeepSpeed's ZeRO 1/2 flat layout "
+            "then reorders or pads the parameters, which this save does not write; export the tag instead"
+        )
+    elif state.zero.stage < 3 and state.master_dtype != torch.float32:
+        problem = "masters not in fp32: DeepSpeed's ZeRO 1/2 files hold fp32 partitions; export the tag instead"
     if problem is not None:
         raise CheckpointError(f"save_checkpoint with {KEY}: {problem}")
 
@@ -112,23 +137,30 @@ def _piece(full: torch.Tensor, numel: int, dp: int, rank: int) -> torch.Tensor:
     return out
 
 
-def _deepspeed_pieces(state: TrainingState, names: CheckpointNames, dp: int, rank: int):
-    """Collective: name -> key -> this rank's DeepSpeed piece; name -> scalar state; name -> param group."""
+def _full_entries(state: TrainingState, names: CheckpointNames):
+    """Collective, one zerospeed flat entry at a time: (name, {key: full fp32 master / elementwise state},
+    {key: scalar state}, param group) of each trainable parameter (one all-gather per entry and key)."""
     opt = state.optimizer
     entries = names.global_entries(state.zero.shard_entries(names.params))
     groups = entry_groups(opt, [e.master for e in entries])
     mine = [(e.master.numel(), [(p.name, p.param_offset, p.offset, p.numel) for p in e.pieces]) for e in entries]
     everyone = comm.all_gather_object(mine)
     sizes = {name: math.prod(spec["shape"]) for name, spec in names.specs.items()}
-    pieces, scalars, group_of = {}, {}, {}
     for k, (entry, gi) in enumerate(zip(entries, groups)):
         saved = opt.state.get(entry.master, {})
         elementwise, scalar_keys = split_state(saved, entry.master.numel())
-        full = _full_of_entries(entry, saved, [FP32, *elementwise], everyone, k, sizes)
-        for name, tensors in full.items():
-            pieces[name] = {key: _piece(t, sizes[name], dp, rank) for key, t in tensors.items()}
-            scalars[name] = {s: _own(saved[s]) for s in scalar_keys}
-            group_of[name] = gi
+        for name, full in _full_of_entries(entry, saved, [FP32, *elementwise], everyone, k, sizes).items():
+            yield name, full, {s: _own(saved[s]) for s in scalar_keys}, gi
+
+
+def _deepspeed_pieces(state: TrainingState, names: CheckpointNames, dp: int, rank: int):
+    """Collective: name -> key -> this rank's DeepSpeed piece; name -> scalar state; name -> param group (one
+    entry's full tensors held at a time)."""
+    pieces, scalars, group_of = {}, {}, {}
+    for name, full, scalar, gi in _full_entries(state, names):
+        numel = full[FP32].numel()
+        pieces[name] = {key: _piece(t, numel, dp, rank) for key, t in full.items()}
+        scalars[name], group_of[name] = scalar, gi
     return pieces, scalars, group_of
 
 
@@ -201,3 +233,49 @@ def as_saved_rank_states(
     }
     shard = {**header, "entries": records, "optimizer_state_dict": osd, "ds_config": _ds_config(src, 3)}
     return shard, layouts, _model_states(src, 3, dp, OrderedDict())
+
+
+def _full_state(state: TrainingState, names: CheckpointNames) -> tuple[UniversalState, dict[str, int]]:
+    """Collective: every trainable parameter's full fp32 master and elementwise optimizer state and its
+    scalar state (`_full_entries`, all held at once); name -> param group."""
+    tensors, scalars, group_of = {}, {}, {}
+    for name, full, scalar, gi in _full_entries(state, names):
+        tensors[name], scalars[name], group_of[name] = full, scalar, gi
+    return UniversalState(tensors, scalars, group_of), group_of
+
+
+def as_saved_stage12_rank_states(
+    state: TrainingState, names: CheckpointNames, dp_rank: int, header: dict, client_state: dict
+) -> tuple[dict, list[EntryLayout], list]:
+    """Collective: (this rank's file: `header` + zerospeed's entries + DeepSpeed's ZeRO-1/2 `optimizer_state_dict`
+    over the same tensors, the entries' layouts, DeepSpeed's `param_shapes`) (Note [as-saved ZeRO 1/2])."""
+    dp, stage = comm.get_world_size(), state.zero.stage
+    universal, group_of = _full_state(state, names)
+    order = [names.params[id(p)] for p in state.module.parameters() if p.requires_grad]
+    group_names = [[n for n in order if group_of.get(n) == gi] for gi in range(len(state.optimizer.param_groups))]
+    src = _source(state, names, group_names)
+    src.universal, src.client_state = universal, dict(client_state)
+    osd = _stage12_optim(src, stage, dp, dp_rank)
+    src.universal = universal = None  # (the full state: only this rank's slices stay)
+    records, layouts = [], []
+    for gi, group in enumerate(group_names):
+        flat = osd["single_partition_of_fp32_groups"][gi]
+        n = flat.numel()
+        numels = [math.prod(names.specs[name]["shape"]) for name in group]
+        starts = dict(zip(group, [0, *itertools.accumulate(numels)]))
+        size = n + osd["group_paddings"][gi]
+        kept = tuple(
+            Piece(name, dp_rank * size + start - starts[name], start, count)
+            for name, count, start in slice_mappings(numels, group, dp_rank * size, dp_rank * size + n)
+        )
+        if not kept:
+            continue  # (a slice of padding only)
+        saved = osd["base_optimizer_state"]["state"].get(gi, {})
+        elementwise, scalar = split_state(saved, size)
+        # the entry's state: views of DeepSpeed's (padded) state tensors, so the file holds each value once
+        entry_state = {**{k: saved[k][:n] for k in elementwise}, **{k: saved[k] for k in scalar}}
+        records.append({"master": flat, "state": entry_state})
+        layouts.append(EntryLayout(gi, n, kept, tuple(elementwise), tuple(scalar)))
+    shard = {**header, "entries": records, "optimizer_state_dict": osd, "ds_config": _ds_config(src, stage)}
+    shapes = [OrderedDict((name, torch.Size(names.specs[name]["shape"])) for name in g) for g in group_names]
+    return shard, layouts, shapes

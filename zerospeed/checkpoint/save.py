@@ -36,7 +36,12 @@ from zerospeed.checkpoint.async_writer import (
     payload_bytes,
 )
 from zerospeed.checkpoint.atomic import atomic_torch_save, fresh_dir, swap_in_dir
-from zerospeed.checkpoint.deepspeed_layout import as_saved_rank_states, check_as_saved, ds_model_states_name
+from zerospeed.checkpoint.deepspeed_layout import (
+    as_saved_rank_states,
+    as_saved_stage12_rank_states,
+    check_as_saved,
+    ds_model_states_name,
+)
 from zerospeed.checkpoint.deepspeed_pickle import PICKLE_MODULE
 from zerospeed.checkpoint.errors import CheckpointError, raise_if_any_rank_failed
 from zerospeed.checkpoint.experts import CheckpointNames, expert_spans, is_expert_key, write_expert_files
@@ -232,7 +237,18 @@ def _as_saved(
 ) -> tuple[dict, list[EntryLayout]]:
     """Collective (Note [as-saved DeepSpeed layout]): this rank's shard and layouts in DeepSpeed's ZeRO-3 layout,
     with DeepSpeed's model states added to `job` beside it, and DeepSpeed's form of `param_shapes` in the model
-    states `job` holds (DeepSpeed's zero_to_fp32 reads every *_model_states.pt of the tag)."""
+    states `job` holds (DeepSpeed's zero_to_fp32 reads every *_model_states.pt of the tag). ZeRO 1/2: DeepSpeed's
+    slices instead (Note [as-saved ZeRO 1/2]), whose model states are zerospeed's own file (DeepSpeed's form of
+    `param_shapes` in it)."""
+    if state.zero.stage < 3:
+        shard, layouts, shapes = as_saved_stage12_rank_states(
+            state, names, place.dp_rank, _rank_header(state, place), client_state
+        )
+        for name, obj in job.items:
+            if name == model_states_name(place.tp_rank):
+                obj["param_shapes"] = shapes
+        job.pickle_modules[optim_states_name(place.dp_rank, place.tp_rank)] = PICKLE_MODULE
+        return shard, layouts
     shard, layouts, ds_states = as_saved_rank_states(
         state, names, place.dp_rank, _rank_header(state, place), client_state
     )
