@@ -70,6 +70,7 @@ def run(mode: str, args) -> dict:
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=VOCAB, block_size=args.seq, n_layer=args.layers, n_head=8, n_embd=args.hidden)
     model = GPT(cfg)
+    n = sum(p.numel() for p in model.parameters())  # (before ZeRO-3 partitions them to empty placeholders)
     engine, *_ = zerospeed.initialize(model=model, model_parameters=model.parameters(), config=config(mode, args))
     g = torch.Generator().manual_seed(1)
     compute, step = [], []
@@ -83,7 +84,6 @@ def run(mode: str, args) -> dict:
         if i >= args.warmup:
             compute.append(t1 - t0)
             step.append(t2 - t1)
-    n = sum(p.numel() for p in model.parameters())
     engine.destroy()
     return {"params": n, "compute": statistics.mean(compute), "step": statistics.mean(step), "max_step": max(step)}
 

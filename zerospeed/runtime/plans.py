@@ -283,13 +283,18 @@ def zenflow_plan(cfg) -> ZenFlowPlan | None:
     if zf is None:
         return None
     key = "zero_optimization.zenflow"
-    if zero.stage not in (1, 2):
+    if zero.stage not in (1, 2, 3):
         raise ConfigError(
-            f"{key} needs ZeRO stage 1 or 2 (this config has stage {zero.stage}); ZenFlow at stage 3 is not "
-            "built in zerospeed: use stage 1 or 2, or remove the zenflow block"
+            f"{key} needs ZeRO stage 1, 2 or 3 (this config has stage {zero.stage}): choose one, or remove the "
+            "zenflow block"
         )
     if zero.offload_optimizer is None or zero.offload_optimizer.device != "cpu":
         raise ConfigError(f'{key} works on ZeRO-Offload: set zero_optimization.offload_optimizer.device to "cpu"')
+    if zero.stage == 3 and zero.offload_param is not None and zero.offload_param.device == "nvme":
+        raise ConfigError(
+            f"{key} at stage 3 steps the selected columns in the parameter shards, which "
+            'zero_optimization.offload_param.device "nvme" keeps on disk: use "cpu" or "none", or ZeRO stage 1/2'
+        )
     if zf.select_strategy == "auto":
         if zf.select_interval != "auto":
             raise ConfigError(

@@ -23,7 +23,7 @@ from zerospeed.zero.stage3 import GatheredParameters, Init, full_numel, full_sha
 from zerospeed.zero.stage3.strategy import Stage3Strategy
 from zerospeed.zero.stage3.tiling import TiledLinear, TiledLinearReturnBias
 from zerospeed.zero.strategy import ReductionGroup, ZeroStrategy, reduction_groups
-from zerospeed.zero.zenflow import ZenFlowStage1, ZenFlowStage2
+from zerospeed.zero.zenflow import ZenFlowStage1, ZenFlowStage2, ZenFlowStage3
 
 
 def build_strategy(
@@ -61,7 +61,11 @@ def build_strategy(
     if plan.stage == 3:  # Note [leaf modules] (zero/stage3/strategy.py): the config's leaves, then the threshold's
         apply_leaf_module_config(module, plan.leaf_modules)
         set_z3_leaf_modules_by_threshold(module, plan.module_granularity_threshold)
-        return Stage3Strategy(
+        cls3, offload3 = Stage3Strategy, plan.offload
+        if plan.zenflow is not None:  # Note [ZenFlow at stage 3] (zero/zenflow.py)
+            cls3 = functools.partial(ZenFlowStage3, zenflow=plan.zenflow)
+            offload3 = dataclasses.replace(offload3, overlap_step=False, early_step=False)
+        return cls3(
             module,
             groups,
             reduction,
@@ -75,7 +79,7 @@ def build_strategy(
             max_reuse_distance=budgets.reuse_distance,
             param_persistence_threshold=plan.param_persistence_threshold,
             model_persistence_threshold=plan.model_persistence_threshold,
-            plan=plan.offload,
+            plan=offload3,
             zeropp=plan.zeropp,
             master_dtype=precision.master_dtype,
             grad_dtype=grad_dtype,

@@ -1,8 +1,9 @@
-"""ZenFlow at ZeRO stages 1 and 2 with the optimizer offloaded to the host (`zero_optimization.zenflow`).
+"""ZenFlow at ZeRO stages 1-3 with the optimizer offloaded to the host (`zero_optimization.zenflow`).
 
 The plan, the column choice, the "auto" interval and the host thread are `zerospeed.offload.zenflow`;
-this module drives them over the strategies' flat chunks. `ZenFlowStage1` / `ZenFlowStage2` are stage
-1 and 2 with the optimizer step replaced; reduction, norms and clipping are unchanged.
+this module drives them over the strategies' flat chunks. `ZenFlowStage1` / `ZenFlowStage2` /
+`ZenFlowStage3` are those stages with the optimizer step replaced; reduction, norms and clipping are
+unchanged.
 
 Note [the ZenFlow step]: the reduced gradient g of optimizer step t (clipped and unscaled) is used so:
   1. t < full_warm_up_rounds: an ordinary offloaded step of everything (host masters -> parameters).
@@ -26,6 +27,19 @@ gradient_accumulation_steps to update_interval), its selection may fall inside a
 keeps the selective AdamW's step count across re-selections; here a ZenFlow step is an optimizer step
 (gradient accumulation keeps its meaning), selections happen at interval starts, and the selected
 columns' AdamW restarts with each selection.
+
+Note [ZenFlow at stage 3]: the same rule over the parameter shards. The column choice is stage 1/2's:
+each rank adds its gradient chunk into per-column L1 sums (a column's elements may lie in several ranks'
+chunks: each adds its part) and one all-reduce gives every rank the whole columns' norms, so every
+column counts and k = int(topk_ratio * columns). The selected columns are stepped where they live: each
+rank's selective AdamW steps the selected elements of its own shard with its own reduced gradient (no
+gather of the selected gradient; its moments are partitioned like the shards); AdamW is elementwise, so
+this is the whole columns' step. Publishing a host result writes the shards (unselected elements from the
+masters); after any write the resident full copies (persistent units) are released and gathered again.
+DeepSpeed's stage 3 selects differently: it stores each matrix transposed (its `ds_shape`), cuts each
+parameter alone across the ranks, and each rank scores only the columns wholly inside its partition, so a
+column cut by a partition boundary is never selected, and k = max(1, int(ratio * those whole columns)).
+Parameter shards on NVMe are refused (the write would go through the swap file every step).
 
 Note [ZenFlow's host thread]: the host step reads and writes only the masters, the optimizer states and
 an accumulator the training thread no longer writes (two accumulators alternate), so the forward and
@@ -59,6 +73,7 @@ from zerospeed.offload.plan import HOST
 from zerospeed.offload.zenflow import AutoInterval, HostStepWorker, ZenFlowPlan, matrix_shape, top_columns
 from zerospeed.optim.sub_group_step import step_in_sub_groups
 from zerospeed.zero.sharded import ShardedStrategy, Stage2Strategy
+from zerospeed.zero.stage3.strategy import Stage3Strategy
 
 _KEYS = ("zenflow_acc", "zenflow_weights", "zenflow_selected", "zenflow_exp_avg", "zenflow_exp_avg_sq")
 _COUNTERS = "zenflow_counters"
@@ -109,12 +124,7 @@ class ZenFlowMixin:
 
     def _init_zenflow(self, zf: ZenFlowPlan) -> None:
         self.zf = zf
-        for fg in self.flat:  # Note [ZenFlow masters]
-            for i, (master, buffer) in enumerate(zip(fg.masters, fg.param_buffers)):
-                if master.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
-                    fg.masters[i] = torch.nn.Parameter(master.detach().clone())
-        self.masters = [fg.masters[i] for fg, i in self._entries]
-        self._group_of = [next(g for g, f in enumerate(self.flat) if f is fg) for fg, _ in self._entries]
+        self._separate_masters()
         self._acc = [torch.zeros_like(m) for m in self.masters]
         self._spare = [torch.zeros_like(m) for m in self.masters] if zf.overlap_step else None
         self._sel_device = HOST if zf.offload else self.device
@@ -128,7 +138,9 @@ class ZenFlowMixin:
         self._sel: list[_UnitSelection] | None = None
         self._sel_opt: torch.optim.AdamW | None = None
         self._pending = False  # the masters hold a host result not yet published
-        n_matrices = sum(not matrix_shape(u.params[s.param].shape)[2] for u in self.units for s in u.layout.segments)
+        n_matrices = sum(
+            not matrix_shape(self._full_shape(u.params[s.param]))[2] for u in self.units for s in u.layout.segments
+        )
         self._auto = AutoInterval(n_matrices, self.zf.topk_ratio, self.zf.auto_ratio) if self.zf.auto_update else None
         for a in self._acc:
             a.zero_()
@@ -147,14 +159,14 @@ class ZenFlowMixin:
                 g.mul_(coef)
         if self._t < self.zf.full_warm_up_rounds:
             step_in_sub_groups(optimizer, list(zip(self.masters, grads)), 1.0, self.sub_groups)
-            ShardedStrategy.sync_params_from_masters(self)
+            self._plain_publish()
             self._t += 1
             return
         if self._n == 0 and (
             self._sel is None or (self.zf.select_interval > 0 and self._since_select >= self.zf.select_interval)
         ):
             self._select([self._column_sums(k, g.abs()) for k, g in enumerate(grads)], optimizer)
-        selected = [self._gather_selected(k, g) for k, g in enumerate(grads)]
+        selected = [self._selected_grads(k, g) for k, g in enumerate(grads)]
         self._device_step(selected, optimizer)
         for a, g in zip(self._acc, grads):
             a.add_(g)
@@ -195,15 +207,43 @@ class ZenFlowMixin:
     def _publish_host_result(self) -> None:
         """Unselected elements from the masters, selected ones from the device (and into the masters)."""
         for k, sel in enumerate(self._sel):
-            fg, i = self._entries[k]
-            chunk = fg.chunk(fg.layouts[i], fg.param_buffers[i])
             master = self.masters[k]
-            kept = chunk[sel.src].clone()
-            chunk.copy_(master)
-            chunk[sel.src] = kept
-            master[sel.src] = kept.to(master.dtype)
-        self._all_gather_params()
+            kept = self._weights(k)[sel.src].clone()
+            merged = master.to(kept.dtype, copy=True)
+            merged[sel.src] = kept.to(merged.device)
+            self._set_weights(k, merged)
+            master[sel.src] = kept.to(master.device, master.dtype)
+        self._weights_changed()
         self._pending = False
+
+    # -- stage 1/2's layout (ZenFlowStage3 overrides these) -------------------------------------------
+    def _separate_masters(self) -> None:
+        """Note [ZenFlow masters]; `self.masters` and each unit's engine param group."""
+        for fg in self.flat:
+            for i, (master, buffer) in enumerate(zip(fg.masters, fg.param_buffers)):
+                if master.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+                    fg.masters[i] = torch.nn.Parameter(master.detach().clone())
+        self.masters = [fg.masters[i] for fg, i in self._entries]
+        self._group_of = [next(g for g, f in enumerate(self.flat) if f is fg) for fg, _ in self._entries]
+
+    def _weights(self, k: int) -> torch.Tensor:
+        """This rank's chunk of unit k's weights (what the model computes with)."""
+        fg, i = self._entries[k]
+        return fg.chunk(fg.layouts[i], fg.param_buffers[i])
+
+    def _set_weights(self, k: int, values: torch.Tensor) -> None:
+        self._weights(k).copy_(values)
+
+    def _weights_changed(self) -> None:
+        """Every rank's chunks written: the whole parameters follow."""
+        self._all_gather_params()
+
+    def _plain_publish(self) -> None:
+        """After an ordinary step of the masters: the parameters follow."""
+        ShardedStrategy.sync_params_from_masters(self)
+
+    def _selected_grads(self, k: int, g: torch.Tensor) -> torch.Tensor:
+        return self._gather_selected(k, g)
 
     # -- selection -----------------------------------------------------------------------------------
     def _matrices(self, k: int) -> tuple[dict[int, _Matrix], int]:
@@ -212,7 +252,7 @@ class ZenFlowMixin:
         out, cols = {}, 0
         for s in self.units[k].layout.segments:
             p = self.units[k].params[s.param]
-            rows, n_cols, whole = matrix_shape(p.shape)
+            rows, n_cols, whole = matrix_shape(self._full_shape(p))
             out[s.param] = _Matrix(p, rows, n_cols, whole, cols)
             cols += 0 if whole else n_cols
         return out, cols
@@ -361,23 +401,14 @@ class ZenFlowMixin:
     def _stash(self, optimizer) -> None:
         step = 0
         for k, master in enumerate(self.masters):
-            fg, i = self._entries[k]
             state = optimizer.state[master]
             state["zenflow_acc"] = self._acc[k]
-            state["zenflow_weights"] = fg.chunk(fg.layouts[i], fg.param_buffers[i]).to(master.dtype, copy=True)
+            state["zenflow_weights"] = self._weights(k).to(master.dtype, copy=True)
             moments = {"exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)}
             mask = torch.zeros_like(master)
             if self._sel is not None:
-                sel = self._sel[k]
-                mask[sel.src] = 1.0
-                for key in moments:
-                    block = torch.zeros(sel.size, dtype=master.dtype, device=self._sel_device)
-                    for m in sel.matrices.values():
-                        st = self._sel_opt.state.get(m.slice) if m.slice is not None else None
-                        if st:
-                            block[m.buf_offset : m.buf_offset + m.rows * m.k] = st[key].reshape(-1)
-                            step = int(st["step"])
-                    moments[key] = self._scatter(k, block.to(master.device))
+                mask[self._sel[k].src] = 1.0
+                moments, step = self._selected_moments(k, step)
             state["zenflow_selected"] = mask
             state["zenflow_exp_avg"], state["zenflow_exp_avg_sq"] = moments["exp_avg"], moments["exp_avg_sq"]
         counters = {
@@ -391,6 +422,20 @@ class ZenFlowMixin:
         }
         for master in self.masters:
             optimizer.state[master][_COUNTERS] = dict(counters)
+
+    def _selected_moments(self, k: int, step: int) -> tuple[dict[str, torch.Tensor], int]:
+        """Unit k's selected moments scattered over this rank's chunk, and the selective step count."""
+        sel, master = self._sel[k], self.masters[k]
+        moments = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            block = torch.zeros(sel.size, dtype=master.dtype, device=self._sel_device)
+            for m in sel.matrices.values():
+                st = self._sel_opt.state.get(m.slice) if m.slice is not None else None
+                if st:
+                    block[m.buf_offset : m.buf_offset + m.rows * m.k] = st[key].reshape(-1)
+                    step = int(st["step"])
+            moments[key] = self._scatter(k, block.to(master.device))
+        return moments, step
 
     def _unstash(self, optimizer) -> None:
         for master in self.masters:
@@ -414,10 +459,9 @@ class ZenFlowMixin:
             return
         counters = states[0][_COUNTERS]
         for k, state in enumerate(states):
-            fg, i = self._entries[k]
-            fg.chunk(fg.layouts[i], fg.param_buffers[i]).copy_(state["zenflow_weights"])
+            self._set_weights(k, state["zenflow_weights"].to(self._weights(k).dtype))
             self._acc[k].copy_(state["zenflow_acc"])
-        self._all_gather_params()
+        self._weights_changed()
         self._t, self._n = int(counters["t"]), int(counters["n"])
         self._pending = bool(counters["pending"])
         if self._auto is not None and counters.get("auto"):
@@ -425,17 +469,21 @@ class ZenFlowMixin:
         self._sel = None
         if counters["selected"]:
             self._select([self._column_sums(k, s["zenflow_selected"]) for k, s in enumerate(states)], optimizer, True)
-            for k, (sel, state) in enumerate(zip(self._sel, states)):
-                blocks = {key: self._gather_selected(k, state["zenflow_" + key]) for key in ("exp_avg", "exp_avg_sq")}
-                for m in sel.matrices.values():
-                    if m.slice is None:
-                        continue
-                    at = slice(m.buf_offset, m.buf_offset + m.rows * m.k)
-                    self._sel_opt.state[m.slice] = {
-                        "step": torch.tensor(float(counters["selective_step"])),
-                        **{key: b[at].view(m.rows, m.k).to(m.slice).clone() for key, b in blocks.items()},
-                    }
+            for k, state in enumerate(states):
+                self._load_moments(k, state, int(counters["selective_step"]))
         self._since_select = int(counters["since_select"])
+
+    def _load_moments(self, k: int, state: dict, step: int) -> None:
+        """Unit k's selective AdamW state from its moments scattered over the chunks (collective)."""
+        blocks = {key: self._gather_selected(k, state["zenflow_" + key]) for key in ("exp_avg", "exp_avg_sq")}
+        for m in self._sel[k].matrices.values():
+            if m.slice is None:
+                continue
+            at = slice(m.buf_offset, m.buf_offset + m.rows * m.k)
+            self._sel_opt.state[m.slice] = {
+                "step": torch.tensor(float(step)),
+                **{key: b[at].view(m.rows, m.k).to(m.slice).clone() for key, b in blocks.items()},
+            }
 
 
 class ZenFlowStage1(ZenFlowMixin, ShardedStrategy):
@@ -452,3 +500,110 @@ class ZenFlowStage2(ZenFlowMixin, Stage2Strategy):
     def __init__(self, *args, zenflow: ZenFlowPlan, **kwargs):
         super().__init__(*args, **kwargs)
         self._init_zenflow(zenflow)
+
+
+class ZenFlowStage3(ZenFlowMixin, Stage3Strategy):
+    """ZeRO stage 3 with ZenFlow's step: Note [ZenFlow at stage 3]."""
+
+    def __init__(self, *args, zenflow: ZenFlowPlan, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.param_swapper is not None:
+            raise ValueError("ZenFlow at stage 3 steps the parameter shards in memory: offload_param nvme is refused")
+        self._init_zenflow(zenflow)
+
+    # -- the layout: parameter shards --------------------------------------------------------------
+    def _separate_masters(self) -> None:
+        for fp in self.trained:  # Note [ZenFlow masters]: fp32 masters alias the shards where both are on the host
+            if fp.master.untyped_storage().data_ptr() == fp.shard.untyped_storage().data_ptr():
+                fp.master = torch.nn.Parameter(fp.master.detach().clone())
+        self.masters = [fp.master for fp in self.trained]
+        self._group_of = [fp.group_index for fp in self.trained]
+        self._slices: list[torch.Tensor | None] = [None] * len(self.trained)
+        self._which: list[torch.Tensor] = []
+
+    def _weights(self, k: int) -> torch.Tensor:
+        return self.trained[k].shard
+
+    def _set_weights(self, k: int, values: torch.Tensor) -> None:
+        self.trained[k].write_shard(values)
+
+    def _weights_changed(self) -> None:
+        self._refresh_resident()  # resident full copies (persistent units) are gathered again
+
+    def _plain_publish(self) -> None:
+        Stage3Strategy.sync_params_from_masters(self)
+
+    def _selected_grads(self, k: int, g: torch.Tensor) -> torch.Tensor:
+        return g[self._sel[k].src]  # this rank's selected elements only
+
+    # -- the selective AdamW over this rank's selected elements ----------------------------------------
+    def _build_selective_optimizer(self, optimizer) -> None:
+        groups: dict[int, list[torch.Tensor]] = {}
+        self._which = []
+        for k, sel in enumerate(self._sel):
+            n = sel.src.numel()
+            self._slices[k] = torch.zeros(n, dtype=self.masters[k].dtype, device=self._sel_device) if n else None
+            if n:
+                groups.setdefault(self._group_of[k], []).append(self._slices[k])
+            # each selected element's matrix (its index in sel.matrices), for the "auto" interval's sums
+            u = self.units[k]
+            pieces = u.layout.rank_segments(u.rank)
+            order = {index: i for i, index in enumerate(sel.matrices)}
+            ends = torch.tensor([p.offset + p.numel for p in pieces], dtype=torch.long, device=sel.src.device)
+            owner = torch.tensor([order[p.param] for p in pieces], dtype=torch.long, device=sel.src.device)
+            self._which.append(owner[torch.bucketize(sel.src, ends, right=True)] if n else sel.src)
+        self._sel_opt = torch.optim.AdamW(
+            [{"params": ps, "engine_group": g} for g, ps in groups.items()] or [{"params": [torch.zeros(0)]}],
+            foreach=False,
+        )
+        self._sync_hyperparameters(optimizer)
+
+    def _device_step(self, selected: list[torch.Tensor], optimizer) -> None:
+        self._sync_hyperparameters(optimizer)
+        stepped = []
+        for k, (sel, g) in enumerate(zip(self._sel, selected)):
+            s = self._slices[k]
+            if s is not None:
+                s.copy_(self._weights(k)[sel.src])
+                s.grad = g.to(s)
+                stepped.append(k)
+        self._sel_opt.step()
+        for k in stepped:
+            self.trained[k].write_shard(self._slices[k], self._sel[k].src)
+            self._slices[k].grad = None
+        self._refresh_resident()
+
+    def _l1_sums(self, grads, selected) -> tuple[list[float], list[float]]:
+        sel_l1, total_l1 = [], []
+        for k, (g, gs) in enumerate(zip(grads, selected)):
+            u, matrices = self.units[k], self._sel[k].matrices
+            order = {index: i for i, index in enumerate(matrices)}
+            partial = torch.zeros(2, len(matrices), dtype=torch.float64, device=g.device)
+            for piece in u.layout.rank_segments(u.rank):
+                partial[0, order[piece.param]] += g[piece.offset : piece.offset + piece.numel].abs().double().sum()
+            if gs.numel():
+                partial[1].index_add_(0, self._which[k], gs.abs().double())
+            total, sel = self._sum_over(u, partial).tolist()
+            for i, m in enumerate(matrices.values()):
+                if not m.whole:
+                    sel_l1.append(sel[i])
+                    total_l1.append(total[i])
+        return sel_l1, total_l1
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def _selected_moments(self, k: int, step: int) -> tuple[dict[str, torch.Tensor], int]:
+        master, s = self.masters[k], self._slices[k]
+        st = self._sel_opt.state.get(s) if s is not None else None
+        moments = {key: torch.zeros_like(master) for key in ("exp_avg", "exp_avg_sq")}
+        for key in moments if st else ():
+            moments[key][self._sel[k].src] = st[key].to(master)
+        return moments, self._since_select  # every ZenFlow step since the selection stepped the selected AdamW
+
+    def _load_moments(self, k: int, state: dict, step: int) -> None:
+        s = self._slices[k]
+        if s is not None:
+            src = self._sel[k].src
+            self._sel_opt.state[s] = {
+                "step": torch.tensor(float(step)),
+                **{key: state["zenflow_" + key][src].to(s).clone() for key in ("exp_avg", "exp_avg_sq")},
+            }

@@ -336,6 +336,18 @@ class FlatParam:
             self.shard = get_accelerator().pin_memory(packed) if self.shard.is_pinned() else packed
         self.stored = (bits, block, symmetric)
 
+    @torch.no_grad()
+    def write_shard(self, values: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """Set this rank's shard (or its elements at `positions`) to `values`, in memory; a resident full
+        copy is then stale (the caller releases it). ZenFlow's selected columns (zero/zenflow.py)."""
+        if self.swap is not None or self.stored is not None:
+            raise RuntimeError("this flat parameter's shard is not held in memory as values")
+        if positions is None:
+            return self._set_shard(values)
+        self.secondary = None
+        self._write_pinned_guard(values)
+        self.shard[positions] = values.to(self.shard)
+
     def _set_shard(self, values: torch.Tensor) -> None:
         self.secondary = None
         if self.stored is not None:
