@@ -1,16 +1,24 @@
-"""The real DeepSpeed resumes a zerospeed pipeline checkpoint exported to its layout (Note [pipeline export] in
-zerospeed/checkpoint/deepspeed_pipeline.py) and continues as zerospeed does. One script, run by each library's Python:
+"""The real DeepSpeed resumes a zerospeed pipeline checkpoint exported to its layout, or as a universal folder (Note
+[pipeline export] and Note [DeepSpeed pipeline universal folders] in zerospeed/checkpoint/deepspeed_pipeline.py), and
+continues as zerospeed does. One script, run by each library's Python:
 
-    .venv/bin/python benchmarks/deepspeed_pipeline_differential.py --deepspeed-python /work/dsvenv/bin/python
+    python benchmarks/deepspeed_pipeline_differential.py --deepspeed-python /work/dsvenv/bin/python [--universal]
 
-For each case (DeepSpeed's ZeRO stage T, data-parallel size dp): zerospeed's PipelineEngine (through its `deepspeed`
-shim) trains the tied model of tests/fixtures/deepspeed_0.19.8/make_pipe_tied.py (a tied Linear first and, through
-a forward_fn, last; 2 stages x dp ranks, AdamW, WarmupLR, 4 micro-batches of 2 per rank, fp32) at ZeRO 0 for 3
-steps, saves, and trains 3 more, saving again; `zerospeed-ckpt export --to deepspeed --stage T --dp dp` writes the
-step-3 tag in DeepSpeed's pipeline layout; the real DeepSpeed builds the same run at ZeRO T, `load_checkpoint`s the
-export, trains the same 3 steps and saves. The table gives the largest |Δ| between the two continuations' losses and
-between the two step-6 layer files. gradient_clipping is 1.0 at T = 1 (DeepSpeed's ZeRO-1 norm spans the stages, as
-zerospeed's) and 0 at T = 0 (DeepSpeed's fp32 ZeRO-0 pipeline clips by the first stage's norm: docs/pipeline.md).
+zerospeed's PipelineEngine (through its `deepspeed` shim) trains the tied model of
+tests/fixtures/deepspeed_0.19.8/make_pipe_tied.py (a tied Linear first and, through a forward_fn, last; 2 stages x dp
+ranks, AdamW, WarmupLR, micro-batches of 2, fp32) at ZeRO 0 for 3 steps, saves, and trains 3 more, saving again.
+
+- Default, for each case (DeepSpeed's ZeRO stage T, data-parallel size dp): zerospeed trains on 2 x dp ranks with 4
+  micro-batches per rank; `zerospeed-ckpt export --to deepspeed --stage T --dp dp` writes the step-3 tag in
+  DeepSpeed's pipeline layout; the real DeepSpeed builds the same run at ZeRO T, `load_checkpoint`s the export and
+  trains the same 3 steps. gradient_clipping is 1.0 at T = 1 (DeepSpeed's ZeRO-1 norm spans the stages, as
+  zerospeed's) and 0 at T = 0 (DeepSpeed's fp32 ZeRO-0 pipeline clips by the first stage's norm: docs/pipeline.md).
+- `--universal`: zerospeed trains once on 2 x 2 ranks (clipping 1.0); `zerospeed-ckpt export --to universal --dp 2`
+  writes the step-3 tag as a universal folder; for each dp the real DeepSpeed builds the model (other initial
+  weights) on 2 stages x dp ranks at ZeRO 1 with `checkpoint.load_universal: true`, loads the folder and trains the
+  same 3 steps on the same global batch (8 / dp micro-batches per rank).
+
+The table gives the largest |Δ| between the two continuations' losses and between the two step-6 layer files.
 """
 
 import argparse
@@ -32,9 +40,10 @@ sys.path.insert(
 from make_pipe_tied import batches, layers  # noqa: E402
 
 CASES = [(0, 1), (0, 2), (1, 2), (1, 1)]  # (DeepSpeed's ZeRO stage, data-parallel size)
+UNIVERSAL_CASES = [(1, 2), (1, 1)]  # DeepSpeed loads the universal folder at ZeRO 1 (the zerospeed run: dp 2)
 
 
-def run(rank, world, phase, stage, folder, port):
+def run(rank, world, phase, stage, folder, port, universal):
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
@@ -42,28 +51,31 @@ def run(rank, world, phase, stage, folder, port):
     from deepspeed.pipe import PipelineModule
 
     deepspeed.init_distributed(dist_backend="gloo")
-    torch.manual_seed(0)
+    torch.manual_seed(1 if universal and phase == "ds" else 0)  # (universal: the load must bring the weights)
     net = PipelineModule(layers=layers(), num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+    dp = world // 2
+    gas = 8 // dp if universal else 4  # universal: the zerospeed run's global batch (2 ranks x 4 micro-batches)
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 4,
+        "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
         "zero_optimization": {"stage": 0 if phase == "zs" else stage},
         "gradient_clipping": 1.0 if stage == 1 else 0.0,
     }
+    if universal and phase == "ds":
+        cfg["checkpoint"] = {"load_universal": True}
     eng, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
-    dp = world // 2
     d = eng.grid.data_parallel_id if phase == "ds" else rank % dp  # zerospeed's grid: rank = stage * dp + d
     first = 0
     if phase == "ds":
-        eng.load_checkpoint(os.path.join(folder, "ds"))
+        eng.load_checkpoint(os.path.join(folder, "uni" if universal else "ds"))
         first = 3
     losses = []
-    for step, (x, y) in enumerate(batches(dp)):
+    for step, (x, y) in enumerate(batches(2 if universal else dp)):
         if step < first:
             continue
-        micro = iter([(x[(i * dp + d) * 2 :][:2], y[(i * dp + d) * 2 :][:2]) for i in range(4)])
+        micro = iter([(x[(i * dp + d) * 2 :][:2], y[(i * dp + d) * 2 :][:2]) for i in range(gas)])
         losses.append(float(eng.train_batch(data_iter=micro)))
         if phase == "zs" and step in (2, 5):
             eng.save_checkpoint(os.path.join(folder, "zs"), tag=f"step{step + 1}")
@@ -75,46 +87,63 @@ def run(rank, world, phase, stage, folder, port):
     torch.distributed.destroy_process_group()
 
 
-def _case(python: str, stage: int, dp: int, port: int) -> dict:
-    with tempfile.TemporaryDirectory() as folder:
-        env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+def _phase(py: str, phase: str, stage: int, world: int, folder: str, port: int, universal: bool) -> None:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    argv = [py, __file__, "--phase", phase, str(stage), str(world), folder, str(port), *(["--universal"] * universal)]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{py} {argv[2:]}: {proc.stderr[-3000:]}")
 
-        def step(py, *argv):
-            proc = subprocess.run([py, __file__, *argv], env=env, capture_output=True, text=True, timeout=600)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{py} {argv}: {proc.stderr[-3000:]}")
 
-        step(sys.executable, "--phase", "zs", str(stage), str(2 * dp), folder, str(port))
-        from zerospeed.checkpoint.cli import main as ckpt
+def _export(folder: str, argv: list[str]) -> None:
+    from zerospeed.checkpoint.cli import main as ckpt
 
-        out = os.path.join(folder, "ds")
-        argv = ["export", os.path.join(folder, "zs"), out, "--to", "deepspeed", "--tag", "step3"]
-        if ckpt([*argv, "--stage", str(stage), "--dp", str(dp)]) != 0:
-            raise RuntimeError("export failed")
-        step(python, "--phase", "ds", str(stage), str(2 * dp), folder, str(port + 1))
-        zs, ds = (torch.load(os.path.join(folder, f"{p}_losses.pt")) for p in ("zs", "ds"))
-        weights = 0.0
-        for path in sorted(glob.glob(os.path.join(folder, "ds_after", "step6", "layer_*-model_states.pt"))):
-            mine = torch.load(os.path.join(folder, "zs", "step6", os.path.basename(path)))
-            for k, v in torch.load(path).items():
-                weights = max(weights, (v - mine[k]).abs().max().item())
-        return {"zs": zs, "ds": ds, "loss": max(abs(a - b) for a, b in zip(zs, ds)), "weights": weights}
+    if ckpt(["export", os.path.join(folder, "zs"), *argv, "--tag", "step3"]) != 0:
+        raise RuntimeError(f"export {argv} failed")
+
+
+def _compare(folder: str) -> dict:
+    zs, ds = (torch.load(os.path.join(folder, f"{p}_losses.pt")) for p in ("zs", "ds"))
+    weights = 0.0
+    for path in sorted(glob.glob(os.path.join(folder, "ds_after", "step6", "layer_*-model_states.pt"))):
+        mine = torch.load(os.path.join(folder, "zs", "step6", os.path.basename(path)))
+        for k, v in torch.load(path).items():
+            weights = max(weights, (v - mine[k]).abs().max().item())
+    return {"zs": zs, "ds": ds, "loss": max(abs(a - b) for a, b in zip(zs, ds)), "weights": weights}
+
+
+def _cases(python: str, port: int, universal: bool):
+    """(stage, dp, comparison) of each case."""
+    if universal:
+        with tempfile.TemporaryDirectory() as folder:
+            _phase(sys.executable, "zs", 1, 4, folder, port, True)
+            _export(folder, [os.path.join(folder, "uni"), "--to", "universal", "--dp", "2"])
+            for i, (stage, dp) in enumerate(UNIVERSAL_CASES):
+                _phase(python, "ds", stage, 2 * dp, folder, port + 1 + i, True)
+                yield stage, dp, _compare(folder)
+        return
+    for i, (stage, dp) in enumerate(CASES):
+        with tempfile.TemporaryDirectory() as folder:
+            _phase(sys.executable, "zs", stage, 2 * dp, folder, port + 2 * i, False)
+            _export(folder, [os.path.join(folder, "ds"), "--to", "deepspeed", "--stage", str(stage), "--dp", str(dp)])
+            _phase(python, "ds", stage, 2 * dp, folder, port + 2 * i + 1, False)
+            yield stage, dp, _compare(folder)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--deepspeed-python", default="/work/dsvenv/bin/python")
     parser.add_argument("--port", type=int, default=29781)
+    parser.add_argument("--universal", action="store_true", help="export as a universal folder instead")
     parser.add_argument("--phase", nargs=5, default=None, metavar=("PHASE", "STAGE", "WORLD", "FOLDER", "PORT"))
     args = parser.parse_args()
     if args.phase:
         phase, stage, world, folder, port = args.phase
-        mp.spawn(run, args=(int(world), phase, int(stage), folder, int(port)), nprocs=int(world))
+        mp.spawn(run, args=(int(world), phase, int(stage), folder, int(port), args.universal), nprocs=int(world))
         return
     print("| DeepSpeed ZeRO | dp | max abs dloss (steps 4-6) | max abs dweight (step 6) |")
     print("|---|---|---|---|")
-    for i, (stage, dp) in enumerate(CASES):
-        r = _case(args.deepspeed_python, stage, dp, args.port + 2 * i)
+    for stage, dp, r in _cases(args.deepspeed_python, args.port, args.universal):
         print(f"| {stage} | {dp} | {r['loss']:.2e} | {r['weights']:.2e} |", flush=True)
         print(json.dumps({"zerospeed": r["zs"], "deepspeed": r["ds"]}), file=sys.stderr)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from harness.deepspeed_files import FIXTURES, fixture_script
+from harness.deepspeed_files import FIXTURES, continue_tied_pipeline, fixture_script
 
 MICRO = 2
 MAKE = fixture_script("make_pipe_tied")  # the model and batches DeepSpeed trained
@@ -43,18 +43,10 @@ def _resume(fixture: str, ds_dp: int, pp: int, zero: int, gas: int, clip: float,
     engine.load_checkpoint(
         str(FIXTURES / fixture), tag="step3", load_optimizer_states=with_optimizer, load_lr_scheduler_states=True
     )
-    dp, d = comm.get_world_size(engine.dp_group), comm.get_rank(engine.dp_group)
+    dp = comm.get_world_size(engine.dp_group)
     assert dp * gas * MICRO == 8 * ds_dp  # the same global batch as DeepSpeed's run
-    steps, losses = engine.global_steps, []
-    for x, y in MAKE.batches(ds_dp)[3:]:
-        rows = [(i * dp + d) * MICRO for i in range(gas)]
-        losses.append(float(engine.train_batch(data_iter=iter([(x[r : r + MICRO], y[r : r + MICRO]) for r in rows]))))
-    weights = {}
-    for idx in net.local_layer_indices():
-        module = net.layer_module(idx)
-        if module is not None:
-            prefix = "t." if idx in (0, 5) else f"{idx}."
-            weights.update({prefix + k: v.detach().clone() for k, v in module.state_dict().items()})
+    steps = engine.global_steps
+    losses, weights = continue_tied_pipeline(engine, net, MAKE.batches(ds_dp), gas, MICRO)
     return {"losses": losses, "steps": steps, "weights": weights}
 
 

@@ -88,3 +88,23 @@ def continue_fixture_run(
         comm.all_reduce(t, op="avg")
         losses.append(t.item())
     return losses
+
+
+def continue_tied_pipeline(engine, net, global_batches, gas: int, micro: int = 2) -> tuple[list[float], dict]:
+    """Steps 4-6 of make_pipe_tied.py's run through a zerospeed PipelineEngine: this data-parallel rank's rows of
+    each global batch, `gas` micro-batches of `micro`; the losses `train_batch` returns, and the weights of the
+    layers this rank holds, named as deepspeed_run.pt names them ("t." for the tied layer, else "{index}.")."""
+    from zerospeed import comm
+
+    dp, d = comm.get_world_size(engine.dp_group), comm.get_rank(engine.dp_group)
+    losses = []
+    for x, y in global_batches[3:]:
+        rows = [(i * dp + d) * micro for i in range(gas)]
+        losses.append(float(engine.train_batch(data_iter=iter([(x[r : r + micro], y[r : r + micro]) for r in rows]))))
+    weights = {}
+    for idx in net.local_layer_indices():
+        module = net.layer_module(idx)
+        if module is not None:
+            prefix = "t." if idx in (0, 5) else f"{idx}."
+            weights.update({prefix + k: v.detach().clone() for k, v in module.state_dict().items()})
+    return losses, weights

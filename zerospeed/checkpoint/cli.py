@@ -18,7 +18,9 @@ for ZeRO S (0 or 1) with N data-parallel ranks per stage (zerospeed.checkpoint.d
 with MoE layers, DeepSpeed's MoE tag for expert-parallel size E (`--ep`, default 1; ZeRO 0-2;
 zerospeed.checkpoint.deepspeed_experts).
 `export --to universal` writes DeepSpeed's universal folder and `latest_universal` (DeepSpeed, and zerospeed,
-load it with `checkpoint.load_universal: true` at any stage; `--dp`: the most ZeRO-3 ranks it is named for).
+load it with `checkpoint.load_universal: true` at any stage; `--dp`: the most ZeRO-3 ranks it is named for); from a
+PipelineEngine checkpoint (ZeRO 0), the folder `ds_to_universal` makes of DeepSpeed's ZeRO-1 pipeline tag on N
+data-parallel ranks per stage, which DeepSpeed's and zerospeed's PipelineEngine load.
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ from math import prod
 from zerospeed.checkpoint.consolidate import convert_zero_checkpoint_to_fp32_state_dict, resolve_checkpoint
 from zerospeed.checkpoint.deepspeed_experts import export_moe_to_deepspeed, has_experts
 from zerospeed.checkpoint.deepspeed_export import export_to_deepspeed, export_universal
-from zerospeed.checkpoint.deepspeed_pipeline import export_pipeline_to_deepspeed, pipeline_tag_dir
+from zerospeed.checkpoint.deepspeed_pipeline import (
+    export_pipeline_to_deepspeed,
+    export_pipeline_universal,
+    pipeline_tag_dir,
+)
 from zerospeed.checkpoint.deepspeed_tp_export import export_to_deepspeed_tp
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.manifest import verify_files
@@ -148,7 +154,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"verified {len(manifest['files'])} files")
             return 0
         if args.command == "export" and args.to == "universal":
-            print(export_universal(args.dir, args.out, dp=args.dp or 1, tag=args.tag, output_tag=args.output_tag))
+            common = {"dp": args.dp or 1, "tag": args.tag, "output_tag": args.output_tag}
+            if pipeline_tag_dir(args.dir, args.tag) is not None:  # Note [DeepSpeed pipeline universal folders]
+                print(export_pipeline_universal(args.dir, args.out, **common))
+            else:
+                print(export_universal(args.dir, args.out, **common))
             return 0
         if args.command == "export":
             if args.stage is None or args.dp is None:

@@ -19,6 +19,7 @@ import torch
 from zerospeed import comm
 from zerospeed.checkpoint.deepspeed_experts import is_deepspeed_moe_tag, read_deepspeed_moe_checkpoint
 from zerospeed.checkpoint.deepspeed_import import MODEL, read_deepspeed_checkpoint
+from zerospeed.checkpoint.deepspeed_pipeline import refuse_pipeline_universal
 from zerospeed.checkpoint.deepspeed_tp import is_deepspeed_tp_tag, read_deepspeed_tp_checkpoint
 from zerospeed.checkpoint.errors import CheckpointError, raise_if_any_rank_failed
 from zerospeed.checkpoint.placement import check_supported, checkpoint_names, placement, sharded_param_names
@@ -42,6 +43,7 @@ def load_deepspeed_checkpoint(
     wanted = {p.name for e in entries for p in e.pieces}
     ckpt, error = None, None
     try:
+        refuse_pipeline_universal(tag_dir)  # Note [DeepSpeed pipeline universal folders] (deepspeed_pipeline.py)
         reader = read_deepspeed_moe_checkpoint if moe else read_deepspeed_checkpoint
         if is_deepspeed_tp_tag(tag_dir):  # Note [DeepSpeed tensor-parallel checkpoints] (deepspeed_tp.py)
             reader = read_deepspeed_tp_checkpoint

@@ -33,7 +33,9 @@ from zerospeed.checkpoint.atomic import fresh_dir
 from zerospeed.checkpoint.deepspeed_export import (
     DS_LAYOUT_VERSION,
     ExportSource,
+    _hyper,
     _model_states,
+    _own,
     _save,
     _stage12_optim,
     publish_tag,
@@ -44,7 +46,9 @@ from zerospeed.checkpoint.deepspeed_import import (
     _hyperparameters,
     _load,
     _read_stage12,
+    _read_universal,
     _scalars,
+    is_universal_folder,
 )
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.universal import FP32, UniversalState
@@ -141,6 +145,62 @@ def read_deepspeed_pipeline(
         meta,
         {k: v for k, v in first.items() if k not in RESERVED},
     )
+
+
+# Note [DeepSpeed pipeline universal folders]: DeepSpeed's `ds_to_universal` (0.19.8) converts a ZeRO-1 pipeline
+# tag: `zero/<name>/` per parameter under the stage-module names of Note [DeepSpeed pipeline checkpoints] (a tied
+# module once, as `tied_modules.{key}.{name}`), `zero/optimizer_state.pt`, and copies of the per-stage
+# `mp_rank_{s:02d}_model_states.pt` (no module, the stage's `param_shapes`, counters, LR scheduler). It copies no
+# layer files: the weights are the fp32 values, as DeepSpeed's PipelineEngine takes them (its module keeps its
+# own buffers). zerospeed's PipelineEngine with `checkpoint.load_universal: true` reads it at any stage count,
+# data-parallel size and ZeRO stage 0-2; a data-parallel engine refuses it (`refuse_pipeline_universal`).
+
+
+def is_deepspeed_pipeline_universal(tag_dir: Path) -> bool:
+    """A universal folder converted from a DeepSpeed pipeline tag (its stage files hold no module)."""
+    tag_dir = Path(tag_dir)
+    return (
+        is_universal_folder(tag_dir)
+        and (tag_dir / stage_file(0)).is_file()
+        and _load(tag_dir / stage_file(0)).get("module", {}) is None
+    )
+
+
+def refuse_pipeline_universal(tag_dir: Path) -> None:
+    """A data-parallel engine does not read a pipeline universal folder: its names are layer indices."""
+    if is_deepspeed_pipeline_universal(tag_dir):
+        raise CheckpointError(
+            f"{tag_dir}: a universal folder converted from a DeepSpeed pipeline checkpoint (parameters named by "
+            "layer index and tied_modules.*) loads into a PipelineModule's engine (zerospeed.pipe) with "
+            "checkpoint.load_universal: true, not into a data-parallel engine; build the model as a PipelineModule "
+            "(num_stages=1 runs it without pipelining)"
+        )
+
+
+def read_deepspeed_pipeline_universal(tag_dir: Path) -> DeepSpeedPipeline:
+    """Note [DeepSpeed pipeline universal folders]: the folder in the form `read_deepspeed_pipeline` gives (no
+    layer files: the weights are the universal fp32 tensors)."""
+    tag_dir = Path(tag_dir)
+    stages = []
+    while (tag_dir / stage_file(len(stages))).exists():
+        stages.append(_load(tag_dir / stage_file(len(stages))))
+    uni, param_groups = UniversalState(), None
+    for s, st in enumerate(stages):
+        shapes = _shapes(tag_dir, s, st)
+        part = _read_universal(tag_dir, {**st, "module": {}}, int(st.get("dp_world_size") or 1), shapes, None)
+        if len(part.param_groups) != 1 or len(shapes) != 1:
+            raise CheckpointError(
+                f"{tag_dir}: the optimizer holds {len(part.param_groups)} param groups; DeepSpeed pipeline "
+                "checkpoints are read with one param group per stage"
+            )
+        param_groups = param_groups or part.param_groups
+        for name, tensors in part.universal.tensors.items():
+            if name not in uni.tensors:  # a tied module: one folder for all its stages
+                uni.tensors[name], uni.scalars[name], uni.groups[name] = tensors, part.universal.scalars[name], 0
+    first = stages[0]
+    meta = {k: first.get(k) for k in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "ds_version")}
+    client = {k: v for k, v in first.items() if k not in RESERVED}
+    return DeepSpeedPipeline(tag_dir, len(stages), 1, uni, {}, param_groups or [], meta, client)
 
 
 def _shapes(tag_dir: Path, s: int, st: dict) -> list[dict]:
@@ -261,11 +321,69 @@ def export_pipeline_to_deepspeed(
     """Note [pipeline export]: write the zerospeed pipeline checkpoint as DeepSpeed 0.19.8's pipeline tag for
     ZeRO `stage` (0 or 1) on `dp` data-parallel ranks per stage in `output_dir` (tag `output_tag`, by default
     the same name), with `latest`. Returns the tag directory written."""
+    if stage not in (0, 1) or dp < 1:
+        raise ValueError(f"export of a pipeline checkpoint: DeepSpeed's pipeline runs ZeRO 0 or 1, got {stage}")
+    src_dir, layers, sources = _pipeline_sources(checkpoint_dir, tag)
+    root = Path(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    out_tag = output_tag or src_dir.name
+    staging = root / f".{out_tag}.partial"
+    fresh_dir(staging)
+    for idx, state in layers.items():
+        torch.save(state, staging / layer_file(idx))
+    for s, src in enumerate(sources):
+        states = _stage_states(src, stage, dp, len(sources))
+        _save(states, staging / stage_file(s))
+        for d in range(dp if stage == 1 else 0):
+            osd = _stage12_optim(src, 1, dp, d)
+            _save(
+                {"optimizer_state_dict": osd, "ds_config": states["ds_config"], "ds_version": DS_LAYOUT_VERSION},
+                staging / optim_file(d, s),
+            )
+    return publish_tag(root, staging, out_tag)
+
+
+def export_pipeline_universal(
+    checkpoint_dir, output_dir, *, dp: int = 1, tag: str | None = None, output_tag: str | None = None
+) -> Path:
+    """Note [DeepSpeed pipeline universal folders]: write the zerospeed pipeline checkpoint (ZeRO 0, as for
+    `export_pipeline_to_deepspeed`) as the universal folder DeepSpeed's `ds_to_universal` makes of a ZeRO-1
+    pipeline tag on `dp` data-parallel ranks per stage: `output_dir/<tag>_universal` (or `output_tag`) with
+    `latest_universal`. DeepSpeed's PipelineEngine (and zerospeed's) loads it with `checkpoint.load_universal:
+    true`. Returns the folder written."""
+    if dp < 1:
+        raise ValueError(f"export of a pipeline universal folder: dp must be at least 1, got {dp}")
+    src_dir, _, sources = _pipeline_sources(checkpoint_dir, tag)
+    root = Path(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    out_tag = output_tag or f"{src_dir.name}_universal"
+    staging = root / f".{out_tag}.partial"
+    fresh_dir(staging)
+    for s, src in enumerate(sources):
+        _save(_stage_states(src, 1, dp, len(sources)), staging / stage_file(s))
+        for name in src.group_names[0]:
+            folder = staging / "zero" / name
+            if folder.exists():  # a tied module: one folder for all its stages
+                continue
+            folder.mkdir(parents=True)
+            for key, value in src.universal.tensors[name].items():
+                _save({"cat_dim": 0, "param": value.detach().clone()}, folder / f"{key}.pt")
+            if "step" in src.universal.scalars.get(name, {}):
+                _save(_own(src.universal.scalars[name]["step"]), folder / "step.pt")
+    optimizer = _stage12_optim(sources[0], 1, dp, 0)  # (ds_to_universal keeps stage 0's rank-0 file)
+    for sharded in ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups"):
+        optimizer.pop(sharded)
+    optimizer["param_groups"] = [_hyper(sources[0], 0, [0])]
+    _save(optimizer, staging / "zero" / "optimizer_state.pt")
+    return publish_tag(root, staging, out_tag, latest="latest_universal")
+
+
+def _pipeline_sources(checkpoint_dir, tag: str | None) -> tuple[Path, dict, list[ExportSource]]:
+    """The zerospeed pipeline tag's layer files and, per stage at its saved bounds, the stage's parameters under
+    DeepSpeed's names (Note [pipeline export])."""
     src_dir = pipeline_tag_dir(checkpoint_dir, tag)
     if src_dir is None:
         raise CheckpointError(f"{checkpoint_dir}: no zerospeed pipeline checkpoint (engine_states.pt + layer files)")
-    if stage not in (0, 1) or dp < 1:
-        raise ValueError(f"export of a pipeline checkpoint: DeepSpeed's pipeline runs ZeRO 0 or 1, got {stage}")
     saved = torch.load(src_dir / "engine_states.pt", map_location="cpu", weights_only=False)
     layout = saved["layout"]
     if layout.get("zero_stage") != 0 or layout.get("chunks", 1) != 1 or layout.get("tp", 1) != 1:
@@ -289,14 +407,8 @@ def export_pipeline_to_deepspeed(
             optim[idx] = torch.load(path, map_location="cpu", weights_only=False)
     if any(t.dtype != torch.float32 for s in layers.values() for t in s.values() if t.is_floating_point()):
         raise CheckpointError(f"{src_dir}: export of a pipeline checkpoint to DeepSpeed is written for fp32 weights")
-    root = Path(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    out_tag = output_tag or src_dir.name
-    staging = root / f".{out_tag}.partial"
-    fresh_dir(staging)
     bounds, pp = layout["bounds"], layout["pp"]
-    for idx, state in layers.items():
-        torch.save(state, staging / layer_file(idx))
+    sources = []
     for s in range(pp):
         names, buffers, uni = [], [], UniversalState()
         held = range(bounds[s], bounds[s + 1])
@@ -308,31 +420,31 @@ def export_pipeline_to_deepspeed(
                 names += _stage_entries(uni, optim, layers, idx, f"{idx}.", buffers)
         meta = {k: saved.get(k) for k in ("lr_scheduler", "global_steps", "global_samples", "skipped_steps")}
         meta.update(ds_config=saved.get("ds_config") or {}, loss_scaler=saved.get("loss_scaler"))
-        src = ExportSource(
-            universal=uni,
-            group_names=[names],
-            param_groups=list(saved["param_groups"] or [{}])[:1],
-            module={},
-            module_keys=[],
-            buffer_names=buffers,
-            tied={},
-            param_dtype=torch.float32,
-            meta=meta,
-            client_state=dict(saved.get("client_state") or {}),
-        )
-        states = _model_states(src, stage, dp)
-        states.pop("universal_checkpoint_info", None)  # (DeepSpeed's pipeline writes none)
-        states.update(module=None, mp_world_size=pp, checkpoint_parallel_dimensions={"pp_degree": pp, "tp_degree": 1})
-        if stage == 1:
-            states["shared_params"] = {}
-        _save(states, staging / stage_file(s))
-        for d in range(dp if stage == 1 else 0):
-            osd = _stage12_optim(src, 1, dp, d)
-            _save(
-                {"optimizer_state_dict": osd, "ds_config": states["ds_config"], "ds_version": DS_LAYOUT_VERSION},
-                staging / optim_file(d, s),
+        sources.append(
+            ExportSource(
+                universal=uni,
+                group_names=[names],
+                param_groups=list(saved["param_groups"] or [{}])[:1],
+                module={},
+                module_keys=[],
+                buffer_names=buffers,
+                tied={},
+                param_dtype=torch.float32,
+                meta=meta,
+                client_state=dict(saved.get("client_state") or {}),
             )
-    return publish_tag(root, staging, out_tag)
+        )
+    return src_dir, layers, sources
+
+
+def _stage_states(src: ExportSource, stage: int, dp: int, pp: int) -> dict:
+    """A stage's `mp_rank_{s:02d}_model_states.pt` as DeepSpeed's PipelineEngine writes it."""
+    states = _model_states(src, stage, dp)
+    states.pop("universal_checkpoint_info", None)  # (DeepSpeed's pipeline writes none)
+    states.update(module=None, mp_world_size=pp, checkpoint_parallel_dimensions={"pp_degree": pp, "tp_degree": 1})
+    if stage == 1:
+        states["shared_params"] = {}
+    return states
 
 
 def _stage_entries(uni, optim, layers, idx, prefix, buffers) -> list[str]:

@@ -420,6 +420,7 @@ class PipelineEngine(DeepSpeedAPI, EngineCore):
             strict=load_module_strict,
             load_optimizer_states=load_optimizer_states and not load_module_only,
             load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
+            universal=self.config.checkpoint.load_universal,
         )
 
 

@@ -32,10 +32,16 @@ import torch
 from zerospeed import comm
 from zerospeed.checkpoint.async_writer import BackgroundWriter, WriteJob, WriterPlan, host_snapshot
 from zerospeed.checkpoint.atomic import atomic_torch_save
-from zerospeed.checkpoint.deepspeed_pipeline import TIED, is_deepspeed_pipeline_tag, read_deepspeed_pipeline
+from zerospeed.checkpoint.deepspeed_pipeline import (
+    TIED,
+    is_deepspeed_pipeline_tag,
+    is_deepspeed_pipeline_universal,
+    read_deepspeed_pipeline,
+    read_deepspeed_pipeline_universal,
+)
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.naming import check_load_dir, check_save_dir
-from zerospeed.checkpoint.universal import UniversalState, fill_from_universal
+from zerospeed.checkpoint.universal import FP32, UniversalState, fill_from_universal
 from zerospeed.parallel.tensor.partition import take
 from zerospeed.parallel.tensor.state import gather_full, param_layouts
 from zerospeed.utils.errors import ConfigError
@@ -276,20 +282,23 @@ def load_pipeline_checkpoint(
     strict: bool = True,
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
+    universal: bool = False,
 ):
-    """Restore module states (any stage count); optimizer states as the module docstring says.
+    """Restore module states (any stage count); optimizer states as the module docstring says. `universal`
+    (checkpoint.load_universal): without `tag`, the tag `latest_universal` names (a DeepSpeed universal folder,
+    Note [DeepSpeed pipeline universal folders] in checkpoint/deepspeed_pipeline.py).
 
     Returns (path, client_state), or (None, None) when there is no checkpoint to load.
     """
     load_dir = check_load_dir(load_dir)
     if tag is None:
-        latest = load_dir / "latest"
+        latest = load_dir / ("latest_universal" if universal else "latest")
         if not latest.exists():
-            logger.warning("no 'latest' file in %s: nothing loaded", load_dir)
+            logger.warning("no '%s' file in %s: nothing loaded", latest.name, load_dir)
             return None, None
         tag = latest.read_text().strip()
     path = load_dir / str(tag)
-    if is_deepspeed_pipeline_tag(path):
+    if is_deepspeed_pipeline_tag(path) or is_deepspeed_pipeline_universal(path):
         return _load_deepspeed(engine, path, strict, load_optimizer_states, load_lr_scheduler_states)
     saved = torch.load(path / "engine_states.pt", map_location="cpu", weights_only=False)
     _load_modules(engine, path, strict)
@@ -309,11 +318,16 @@ def load_pipeline_checkpoint(
 
 def _load_deepspeed(engine, path: Path, strict: bool, with_optimizer: bool, with_scheduler: bool):
     """A tag DeepSpeed's PipelineEngine saved (Note [DeepSpeed pipeline checkpoints] in
-    checkpoint/deepspeed_pipeline.py), ZeRO 0 or 1: its layer files are this layout's; masters and optimizer
-    states come per parameter, so they load at any stage count and data-parallel size, into ZeRO 0, 1 or 2."""
+    checkpoint/deepspeed_pipeline.py), ZeRO 0 or 1, or its universal folder (no layer files: the weights are
+    its fp32 tensors): its layer files are this layout's; masters and optimizer states come per parameter, so
+    they load at any stage count and data-parallel size, into ZeRO 0, 1 or 2."""
     module = engine.module
-    ds = read_deepspeed_pipeline(path, module.tied_layers(), module.partition_bounds)
-    _load_modules(engine, path, strict)
+    if is_deepspeed_pipeline_universal(path):
+        ds = read_deepspeed_pipeline_universal(path)
+        _load_universal_modules(engine, path, ds.universal, strict)
+    else:
+        ds = read_deepspeed_pipeline(path, module.tied_layers(), module.partition_bounds)
+        _load_modules(engine, path, strict)
     if with_optimizer and engine.optimizer is not None:
         names = {id(p): n for n, p in module.named_parameters()}
         uni = UniversalState()
@@ -340,6 +354,30 @@ def _load_deepspeed(engine, path: Path, strict: bool, with_optimizer: bool, with
     comm.barrier()
     logger.info("loaded DeepSpeed %s pipeline checkpoint %s (ZeRO %d)", ds.meta.get("ds_version"), path, ds.zero_stage)
     return str(path), ds.client_state
+
+
+def _load_universal_modules(engine, path: Path, uni: UniversalState, strict: bool) -> None:
+    """This rank's parameters from a pipeline universal folder's fp32 tensors (buffers keep their values, as in
+    DeepSpeed's PipelineEngine)."""
+    missing = []
+    with torch.no_grad():
+        for name, p in engine.module.named_parameters():
+            theirs = name if name.startswith(TIED) else name.removeprefix("layer_modules.")
+            if theirs not in uni.tensors:
+                missing.append(theirs)
+                continue
+            full = uni.tensors[theirs][FP32]
+            if full.numel() != p.numel():
+                raise CheckpointError(
+                    f"{path / 'zero' / theirs}: {full.numel()} elements, this model's {name} has shape "
+                    f"{tuple(p.shape)} (a different model, or a tensor-parallel one?)"
+                )
+            p.copy_(full.view(p.shape).to(p.dtype))
+    if missing and strict:
+        raise CheckpointError(
+            f"{path}: the universal folder has no zero/<name>/fp32.pt for {missing[:4]} (is it a checkpoint of this "
+            "model: same layers and tie keys?); pass load_module_strict=False to keep those parameters"
+        )
 
 
 def _load_modules(engine, path: Path, strict: bool) -> None:
