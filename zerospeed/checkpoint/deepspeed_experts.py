@@ -19,8 +19,14 @@ with `deepspeed.moe.layer.MoE` layers and data / expert parallelism only,
   file). ep = dp / partition_count of the group.
 This module reads such a tag into the universal form of deepspeed_import (`DeepSpeedCheckpoint`) with every
 expert under its global name, as zerospeed's own checkpoints name them (Note [global expert names] in
-experts.py), so it loads at any ep, dp and ZeRO stage. Refused with an error naming the tag: ZeRO 3, MoE
-groups of several ep sizes, expert buffers, and what deepspeed_import refuses (tensor / pipeline parallelism).
+experts.py), so it loads at any ep, dp and ZeRO stage. There is no ZeRO-3 native MoE tag to read: DeepSpeed
+0.19.8's engine refuses `MoE` layers at ZeRO 3 (`_validate_zero3_moe_compatibility`: "Native DeepSpeed MoE is
+not supported with ZeRO Stage 3. Use AutoEP ..."). Its ZeRO-3 MoE is AutoEP, whose tags (model states with
+`ds_autoep_layers`) this reader and deepspeed_import's refuse (`refuse_autoep`): a ZeRO-3 one is read by
+deepspeed_autoep.py (Note [DeepSpeed AutoEP ZeRO-3 checkpoints]), a ZeRO 0-2 one (layer_i_expert_e files under
+AutoEP's own names) nowhere; fixtures autoep_zero{2,3}_ep2. Refused too, with an error
+naming the tag: MoE groups of several ep sizes, expert buffers, and what deepspeed_import refuses (tensor /
+pipeline parallelism).
 The other way, `write_deepspeed_moe_tag` cuts an export source whose experts carry global names (a zerospeed
 checkpoint) into that layout for ZeRO 0-2 at a chosen ep: per ep rank a view with that rank's experts under
 local names, written with deepspeed_export's own pieces (the dense groups partitioned over dp, the MoE groups
@@ -61,6 +67,7 @@ from zerospeed.checkpoint.deepspeed_import import (
     _loss_scale,
     _scalars,
     optim_prefix,
+    refuse_autoep,
     stage12_universal,
 )
 from zerospeed.checkpoint.errors import CheckpointError
@@ -151,6 +158,7 @@ def read_deepspeed_moe_checkpoint(
     parameters of an expert its MoE group holds."""
     tag_dir = Path(tag_dir)
     model = _load(tag_dir / MODEL)
+    refuse_autoep(tag_dir, model)  # (its ZeRO 0-2 tags have layer_i_expert_e files too)
     if int(model.get("mp_world_size") or 1) > 1 or any(tag_dir.glob("*mp_rank_01*")):
         raise CheckpointError(f"{tag_dir}: a tensor-parallel DeepSpeed MoE checkpoint is not read here")
     experts = _Experts(tag_dir, model)
@@ -162,8 +170,8 @@ def read_deepspeed_moe_checkpoint(
         ckpt = _read_zero0(tag_dir, model, experts, dp, names, group_names)
     else:
         raise CheckpointError(
-            f"{tag_dir}: neither zero_pp_rank_* nor expp_rank_* optimizer files (a ZeRO-3 DeepSpeed MoE "
-            "checkpoint is not read here); convert it with DeepSpeed's zero_to_fp32.py and load the weights"
+            f"{tag_dir}: neither zero_pp_rank_* nor expp_rank_* optimizer files (DeepSpeed 0.19.8 saves its "
+            "MoE only at ZeRO 0-2); convert it with DeepSpeed's zero_to_fp32.py and load the weights"
         )
     extra = sorted(k for k in experts.expert_values() if k not in ckpt.layout["shapes"])
     if extra:
@@ -199,7 +207,10 @@ def _read_zero12(tag_dir: Path, model: dict, experts: _Experts, dp: int, prefix:
             raise CheckpointError(f"{tag_dir}: {path.name} is missing (the checkpoint was saved by {dp} ranks)")
         ranks.append(_load(path)["optimizer_state_dict"])
     if "single_partition_of_fp32_groups" not in ranks[0]:
-        raise CheckpointError(f"{tag_dir}: a ZeRO-3 DeepSpeed MoE checkpoint is not read here; only ZeRO 0-2 ones are")
+        raise CheckpointError(
+            f"{tag_dir}: the optimizer files hold no ZeRO 1/2 partitions (single_partition_of_fp32_groups); "
+            "DeepSpeed 0.19.8 saves its MoE only at ZeRO 0-2 (at ZeRO 3 it refuses its native MoE)"
+        )
     base = ranks[0]["base_optimizer_state"]
     moe_groups = [bool(g.get("moe")) for g in base["param_groups"]]
     for gi, is_moe in enumerate(moe_groups):
@@ -375,8 +386,9 @@ def write_deepspeed_moe_tag(src: ExportSource, out_dir, tag: str, *, stage: int,
     layers = moe_layers(n for g in src.group_names for n in g)
     if stage not in (0, 1, 2):
         raise CheckpointError(
-            f"export of a MoE checkpoint to DeepSpeed at ZeRO stage {stage}: only ZeRO 0-2 are written (DeepSpeed's "
-            "MoE tags at ZeRO 3 keep the experts in the ZeRO-3 shards); export at stage 0, 1 or 2"
+            f"export of a MoE checkpoint to DeepSpeed at ZeRO stage {stage}: only ZeRO 0-2 are written (DeepSpeed "
+            "0.19.8 refuses its native MoE at ZeRO 3: 'Native DeepSpeed MoE is not supported with ZeRO Stage 3'), "
+            "so no DeepSpeed engine would load such a tag; export at stage 0, 1 or 2"
         )
     if src.param_dtype != torch.float32:
         raise CheckpointError(

@@ -216,7 +216,31 @@ def param_shapes(tag_dir: Path, model: dict, group_names) -> list[dict]:
     )
 
 
+def refuse_autoep(tag_dir: Path, model: dict) -> None:
+    """Refuse a tag DeepSpeed's AutoEP saved (its model states list `ds_autoep_layers`) in the dense and MoE
+    readers: DeepSpeed's AutoEP layer names the router and the stacked experts its own way
+    (`mlp.router.gate.weight`, `mlp.experts.w1/w2/w3`) and at ZeRO 3 partitions each rank's expert param group over
+    its expert-data-parallel group, not over dp, so neither reads it right. ZeRO-3 AutoEP tags have their own
+    reader (deepspeed_autoep.py, chosen by engine.load_checkpoint); fixtures autoep_zero{2,3}_ep2."""
+    layers = model.get("ds_autoep_layers")
+    if not layers:
+        return
+    where = f"{tag_dir}: a DeepSpeed AutoEP checkpoint (ds_autoep_layers: {[e.get('module_path') for e in layers]})"
+    if all(e.get("checkpoint_format") == "zero3_partitioned" for e in layers) and not is_universal_folder(tag_dir):
+        raise CheckpointError(
+            f"{where} at ZeRO 3 is read by deepspeed_autoep.read_deepspeed_autoep_zero3_checkpoint: load it with "
+            "engine.load_checkpoint into the transformers model under zerospeed's AutoEP"
+        )
+    raise CheckpointError(
+        f"{where} is not read here (only ZeRO-3 AutoEP tags are, by engine.load_checkpoint); DeepSpeed's "
+        "ds_to_universal.py writes its full weights (zero/NAME/fp32.pt): rename them to the transformers model's "
+        "(mlp.router.gate -> mlp.gate; experts.w1 and w3, concatenated on dim 1 -> experts.gate_up_proj; w2 -> "
+        "down_proj) and load them with load_module_only-style code"
+    )
+
+
 def _refuse(tag_dir: Path, model: dict) -> None:
+    refuse_autoep(tag_dir, model)
     tp = int(model.get("mp_world_size") or 1) > 1 or any(tag_dir.glob("*mp_rank_01*"))
     if tp and not is_universal_folder(tag_dir):  # (a universal folder holds full tensors at any tp)
         raise CheckpointError(

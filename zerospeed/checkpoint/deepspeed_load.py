@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from zerospeed import comm
+from zerospeed.checkpoint.deepspeed_autoep import is_deepspeed_autoep_zero3_tag, read_deepspeed_autoep_zero3_checkpoint
 from zerospeed.checkpoint.deepspeed_experts import is_deepspeed_moe_tag, read_deepspeed_moe_checkpoint
 from zerospeed.checkpoint.deepspeed_import import MODEL, read_deepspeed_checkpoint
 from zerospeed.checkpoint.deepspeed_pipeline import refuse_pipeline_universal
@@ -36,15 +37,18 @@ def load_deepspeed_checkpoint(
 ):
     """Collective. Returns (the model-states file, client_state) as `load_checkpoint` does."""
     moe = is_deepspeed_moe_tag(tag_dir)  # Note [DeepSpeed MoE checkpoints] (deepspeed_experts.py)
-    check_supported(state, experts_ok=moe)
+    autoep = is_deepspeed_autoep_zero3_tag(tag_dir)  # Note [DeepSpeed AutoEP ZeRO-3 checkpoints] (deepspeed_autoep.py)
+    check_supported(state, experts_ok=moe or autoep)
     place = placement(state)
     names = checkpoint_names(state, place)
-    entries = state.zero.shard_entries(names.params)
+    entries = names.global_entries(state.zero.shard_entries(names.params))  # (AutoEP: stacked experts)
     wanted = {p.name for e in entries for p in e.pieces}
     ckpt, error = None, None
     try:
         refuse_pipeline_universal(tag_dir)  # Note [DeepSpeed pipeline universal folders] (deepspeed_pipeline.py)
         reader = read_deepspeed_moe_checkpoint if moe else read_deepspeed_checkpoint
+        if autoep:
+            reader = read_deepspeed_autoep_zero3_checkpoint
         if is_deepspeed_tp_tag(tag_dir):  # Note [DeepSpeed tensor-parallel checkpoints] (deepspeed_tp.py)
             reader = read_deepspeed_tp_checkpoint
         ckpt = reader(tag_dir, names=wanted, group_names=state.param_group_names)
