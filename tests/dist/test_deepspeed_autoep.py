@@ -10,7 +10,9 @@ from the untrained model's (checked), so the weight updates are compared too, no
 
 Resume: autoep_zero3_ep2's `step3` tag loads through `engine.load_checkpoint` into the same model under
 zerospeed's AutoEP at ZeRO 3 / 2 / 1 and ep 2 / 1; steps 4-6 give DeepSpeed's recorded losses within 1e-6
-(measured: equal). The test can fail: without the stacked experts' global offsets in the load (rank 1 at ep 2
+(measured: equal). So does the ZeRO-2 tag autoep_zero2_ep2 (Note [DeepSpeed AutoEP ZeRO-1/2 checkpoints]),
+resumed at ZeRO 2 ep 2, ZeRO 3 ep 1 and ZeRO 1 ep 2.
+The test can fail: without the stacked experts' global offsets in the load (rank 1 at ep 2
 then took experts 0-1 for its 2-3), step 4 was off by 1.6e-5.
 """
 
@@ -76,12 +78,13 @@ def test_autoep_trains_like_deepspeeds_autoep():
 RESUME = [
     ("autoep_zero3_ep2", 2, [(3, 2), (2, 2), (1, 1), (3, 1)]),
     ("autoep_zero3_ep2_dp4", 4, [(3, 2), (2, 4)]),  # DeepSpeed's expert-data-parallel groups of 2 ranks
+    ("autoep_zero2_ep2", 2, [(2, 2), (3, 1), (1, 2)]),  # ZeRO-1/2 flat partitions (deepspeed_autoep_zero12.py)
 ]
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("fixture,world,cases", RESUME, ids=[r[0] for r in RESUME])
-def test_resume_deepspeeds_autoep_zero3_tag(fixture, world, cases):
+def test_resume_deepspeeds_autoep_tag(fixture, world, cases):
     theirs = torch.load(FIXTURES / fixture / "deepspeed_run.pt")["losses"][3:]
     ours = run_distributed(_train, world, cases, fixture, timeout=200)[0]
     for case in cases:

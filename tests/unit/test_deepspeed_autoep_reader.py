@@ -1,6 +1,6 @@
 """DeepSpeed's AutoEP tags (the only MoE DeepSpeed 0.19.8 trains at ZeRO 3) are not misread by the dense and MoE
-readers: a ZeRO-2 one is refused, a ZeRO-3 one is sent to its own reader (deepspeed_autoep.py, through
-engine.load_checkpoint: tests/dist/test_deepspeed_autoep.py).
+readers: a ZeRO-2 one and a ZeRO-3 one are each sent to their own reader (deepspeed_autoep_zero12.py,
+deepspeed_autoep.py, through engine.load_checkpoint: tests/dist/test_deepspeed_autoep.py).
 
 Fixtures autoep_zero{2,3}_ep2 were saved by the real DeepSpeed (make_autoep.py). Before, the dense reader took
 the ZeRO-3 tag for a plain one and returned rank 0's two experts as the whole stacked weight (`w1` [2, 8, 8] of
@@ -12,6 +12,10 @@ import torch
 
 from harness.deepspeed_files import FIXTURES
 from zerospeed.checkpoint.deepspeed_autoep import is_deepspeed_autoep_zero3_tag, read_deepspeed_autoep_zero3_checkpoint
+from zerospeed.checkpoint.deepspeed_autoep_zero12 import (
+    is_deepspeed_autoep_zero12_tag,
+    read_deepspeed_autoep_zero12_checkpoint,
+)
 from zerospeed.checkpoint.deepspeed_experts import is_deepspeed_moe_tag, read_deepspeed_moe_checkpoint
 from zerospeed.checkpoint.deepspeed_import import _load, read_deepspeed_checkpoint
 from zerospeed.checkpoint.errors import CheckpointError
@@ -30,11 +34,36 @@ def test_fixtures_are_what_deepspeed_writes_for_autoep():
     assert len(torch.load(FIXTURES / "autoep_zero3_ep2" / "deepspeed_run.pt")["losses"]) == 6
 
 
-def test_autoep_zero2_is_refused():
+def test_autoep_zero2_goes_to_its_reader():
     tag = FIXTURES / "autoep_zero2_ep2" / "step3"
+    assert is_deepspeed_autoep_zero12_tag(tag)
+    assert not is_deepspeed_autoep_zero12_tag(FIXTURES / "autoep_zero3_ep2" / "step3")
     for read in (read_deepspeed_checkpoint, read_deepspeed_moe_checkpoint):
-        with pytest.raises(CheckpointError, match=WHERE.format(2) + r" is not read here.*ds_to_universal"):
+        with pytest.raises(CheckpointError, match=WHERE.format(2) + " at ZeRO 1/2 is read by deepspeed_autoep_zero12"):
             read(tag)
+
+
+def test_autoep_zero2_reader_matches_deepspeeds_own_weights():
+    """The joined fp32 masters equal the weights DeepSpeed wrote beside them: the dense ones in
+    mp_rank_00_model_states.pt, each global expert's w1 / w3 / w2 in its layer_0_expert_e file (the fixture's
+    ep rank 1 holds experts 2-3: a wrong rank-to-ep-rank map or stacking order fails here)."""
+    tag = FIXTURES / "autoep_zero2_ep2" / "step3"
+    ckpt = read_deepspeed_autoep_zero12_checkpoint(tag)
+    assert (ckpt.stage, ckpt.dp, ckpt.meta["ep_size"], ckpt.meta["global_steps"]) == (2, 2, 2, 3)
+    assert ckpt.layout["shapes"]["model.layers.0.mlp.experts.gate_up_proj"] == (4, 16, 8)
+    for name, value in _load(tag / "mp_rank_00_model_states.pt")["module"].items():
+        if ".gate.gate." not in name:  # (DeepSpeed's alias of the router)
+            ours = ckpt.universal.tensors[name.replace("router.gate", "gate")]["fp32"]
+            assert torch.equal(ours.view(value.shape), value.float()), name
+    prefix = "model.layers.0.mlp.experts."
+    gate_up = ckpt.universal.tensors[prefix + "gate_up_proj"]
+    down = ckpt.universal.tensors[prefix + "down_proj"]
+    assert set(gate_up) == {"fp32", "exp_avg", "exp_avg_sq"} and ckpt.universal.groups[prefix + "down_proj"] == 1
+    for e in range(4):
+        files = _load(tag / f"layer_0_expert_{e}_mp_rank_00_model_states.pt")
+        assert torch.equal(gate_up["fp32"].view(4, 16, 8)[e, :8], files[f"{prefix}w1.{e}"].float())
+        assert torch.equal(gate_up["fp32"].view(4, 16, 8)[e, 8:], files[f"{prefix}w3.{e}"].float())
+        assert torch.equal(down["fp32"].view(4, 8, 8)[e], files[f"{prefix}w2.{e}"].float())
 
 
 def test_autoep_zero3_goes_to_its_reader():

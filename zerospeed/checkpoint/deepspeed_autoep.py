@@ -17,8 +17,8 @@ expert-data-parallel ranks, stacks the ep ranks' experts in global order, and re
 AutoEP (Note [stacked expert checkpoints] in experts.py) at any stage / ep. Read: fp32 runs with one dense and one
 expert param group (DeepSpeed's default sub_group_size), one ep size; anything else is refused naming the tag.
 Tested on tags with ep 2 on 2 and on 4 ranks (expert-data-parallel groups of 1 and of 2 ranks, whose pieces follow
-`partition_ranks` order, e.g. [1, 3]). ZeRO 0-2 AutoEP tags stay refused
-(`refuse_autoep` in deepspeed_import.py).
+`partition_ranks` order, e.g. [1, 3]). ZeRO-1/2 AutoEP tags: deepspeed_autoep_zero12.py (through
+`autoep_checkpoint` below); ZeRO-0 ones stay refused (`refuse_autoep` in deepspeed_import.py).
 """
 
 from __future__ import annotations
@@ -130,9 +130,31 @@ def read_deepspeed_autoep_zero3_checkpoint(
         raise CheckpointError(f"{tag_dir}: experts of ep ranks {sorted(per_ep)} found, {ep} expected")
     for name in per_ep[0]:
         tensors[name] = {k: torch.cat([per_ep[e][name][k] for e in range(ep)]) for k in per_ep[0][name]}
-
-    uni = UniversalState()
     scalars = [_scalars(optims[0]["optimizer_state_dict"]["state"].get(g, {})) for g in (0, 1)]
+    osd = optims[0]
+    return autoep_checkpoint(
+        tag_dir,
+        3,
+        dp,
+        model,
+        tensors,
+        scalars,
+        osd["optimizer_state_dict"]["param_groups"],
+        osd.get("loss_scaler"),
+        names,
+    )
+
+
+def autoep_checkpoint(
+    tag_dir: Path, stage: int, dp: int, model: dict, tensors: dict, scalars: list, groups: list, scaler, names
+) -> DeepSpeedCheckpoint:
+    """deepspeed_import's universal form of an AutoEP tag from `tensors` (DeepSpeed's names -> {state: tensor},
+    the experts stacked to [E, ...]): transformers' names (router.gate -> gate, w1 | w3 -> gate_up_proj,
+    w2 -> down_proj); `scalars` per param group (dense, expert), `groups` the saved param groups. Shared by the
+    ZeRO-3 reader here and the ZeRO-1/2 one (deepspeed_autoep_zero12.py)."""
+    layers = model["ds_autoep_layers"]
+    ep = int(layers[0]["ep_size"])
+    uni = UniversalState()
     renames = {}
     for entry in layers:
         path, prefix = entry["module_path"], entry["expert_key_prefix"]
@@ -153,15 +175,14 @@ def read_deepspeed_autoep_zero3_checkpoint(
     buffers = set(model.get("buffer_names") or [])
     if model.get("frozen_param_shapes"):
         raise CheckpointError(f"{tag_dir}: frozen weights in a DeepSpeed AutoEP checkpoint are not read here")
-    hyper = _hyperparameters(optims[0]["optimizer_state_dict"]["param_groups"])
     ckpt = DeepSpeedCheckpoint(
         tag_dir,
-        3,
+        stage,
         dp,
         uni,
         {n: t for n, t in model["module"].items() if n in buffers},
-        hyper,
-        meta=_loss_scale(optims[0].get("loss_scaler")),
+        _hyperparameters(groups),
+        meta=_loss_scale(scaler),
     )
     ckpt.meta = {
         k: model.get(k)

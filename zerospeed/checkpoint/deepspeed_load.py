@@ -18,6 +18,10 @@ import torch
 
 from zerospeed import comm
 from zerospeed.checkpoint.deepspeed_autoep import is_deepspeed_autoep_zero3_tag, read_deepspeed_autoep_zero3_checkpoint
+from zerospeed.checkpoint.deepspeed_autoep_zero12 import (
+    is_deepspeed_autoep_zero12_tag,
+    read_deepspeed_autoep_zero12_checkpoint,
+)
 from zerospeed.checkpoint.deepspeed_experts import is_deepspeed_moe_tag, read_deepspeed_moe_checkpoint
 from zerospeed.checkpoint.deepspeed_import import MODEL, read_deepspeed_checkpoint
 from zerospeed.checkpoint.deepspeed_pipeline import refuse_pipeline_universal
@@ -38,7 +42,8 @@ def load_deepspeed_checkpoint(
     """Collective. Returns (the model-states file, client_state) as `load_checkpoint` does."""
     moe = is_deepspeed_moe_tag(tag_dir)  # Note [DeepSpeed MoE checkpoints] (deepspeed_experts.py)
     autoep = is_deepspeed_autoep_zero3_tag(tag_dir)  # Note [DeepSpeed AutoEP ZeRO-3 checkpoints] (deepspeed_autoep.py)
-    check_supported(state, experts_ok=moe or autoep)
+    autoep12 = is_deepspeed_autoep_zero12_tag(tag_dir)  # Note [DeepSpeed AutoEP ZeRO-1/2 checkpoints]
+    check_supported(state, experts_ok=moe or autoep or autoep12)
     place = placement(state)
     names = checkpoint_names(state, place)
     entries = names.global_entries(state.zero.shard_entries(names.params))  # (AutoEP: stacked experts)
@@ -49,6 +54,8 @@ def load_deepspeed_checkpoint(
         reader = read_deepspeed_moe_checkpoint if moe else read_deepspeed_checkpoint
         if autoep:
             reader = read_deepspeed_autoep_zero3_checkpoint
+        if autoep12:
+            reader = read_deepspeed_autoep_zero12_checkpoint
         if is_deepspeed_tp_tag(tag_dir):  # Note [DeepSpeed tensor-parallel checkpoints] (deepspeed_tp.py)
             reader = read_deepspeed_tp_checkpoint
         ckpt = reader(tag_dir, names=wanted, group_names=state.param_group_names)

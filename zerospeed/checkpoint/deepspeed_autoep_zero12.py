@@ -1,0 +1,110 @@
+"""DeepSpeed's AutoEP checkpoints at ZeRO 1/2: reading a tag DeepSpeed 0.19.8 saved from a transformers MoE model
+under `"expert_parallel"` at ZeRO stage 1 or 2 (Note [DeepSpeed AutoEP ZeRO-1/2 checkpoints]).
+
+Note [DeepSpeed AutoEP ZeRO-1/2 checkpoints]: the tag holds `mp_rank_00_model_states.pt` (the dense weights,
+the router under `mlp.router.gate.weight`, `param_shapes`: the dense group, then the expert group `w1`, `w2`,
+`w3` under one rank's local shapes [E/ep, ...]; `ds_autoep_layers` with checkpoint_format `per_expert_files`),
+`layer_{l}_expert_{e}_mp_rank_00_model_states.pt` (each global expert's weights; not needed: the optimizer
+files hold the fp32 masters) and per rank `zero_pp_rank_{r}_mp_rank_00_optim_states.pt` (ZeRO 1/2's flat
+partitions: the dense group over all dp ranks, the expert group, `moe: True`, over the rank's expert-data-parallel
+group). DeepSpeed's default groups (use_data_before_expert_parallel_ false) give rank r the ep rank r % ep and
+the expert-data-parallel group r % ep, r % ep + ep, ... in rank order, as its native MoE does: deepspeed_import's
+`stage12_universal` joins each ep rank's local experts from those ranks' fragments (a `rename` keeps them apart),
+they are stacked in ep order to [E, ...], and deepspeed_autoep.autoep_checkpoint renames them to transformers'
+names. Read: fp32 runs, one dense and one expert param group, one ep size; anything else is refused naming the tag.
+Tested on the autoep_zero2_ep2 fixture (2 ranks, ep 2).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from zerospeed.checkpoint.deepspeed_autoep import autoep_checkpoint
+from zerospeed.checkpoint.deepspeed_import import MODEL, DeepSpeedCheckpoint, _load, _scalars, stage12_universal
+from zerospeed.checkpoint.errors import CheckpointError
+from zerospeed.checkpoint.universal import FP32
+
+OPTIM = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+
+
+def is_deepspeed_autoep_zero12_tag(tag_dir: Path) -> bool:
+    """A ZeRO-1/2 tag DeepSpeed's AutoEP saved (model states with per-expert-file `ds_autoep_layers`, ZeRO 1/2
+    optimizer files)."""
+    tag_dir = Path(tag_dir)
+    path = tag_dir / MODEL
+    if not path.exists() or not (tag_dir / OPTIM.format(0)).exists() or (tag_dir / "zero").is_dir():
+        return False
+    layers = _load(path).get("ds_autoep_layers") or []
+    return bool(layers) and all(e.get("checkpoint_format") == "per_expert_files" for e in layers)
+
+
+def read_deepspeed_autoep_zero12_checkpoint(
+    tag_dir: Path, names: set[str] | None = None, group_names: list[list[str]] | None = None
+) -> DeepSpeedCheckpoint:
+    """The universal form (transformers' names, whole [E, ...] experts) of a DeepSpeed AutoEP ZeRO-1/2 tag."""
+    del group_names  # (the tag names its parameters)
+    tag_dir = Path(tag_dir)
+    model = _load(tag_dir / MODEL)
+    dp = int(model.get("dp_world_size") or 1)
+    ds_config = model.get("ds_config") or {}
+    if int(model.get("mp_world_size") or 1) > 1 or any(tag_dir.glob("*mp_rank_01*")):
+        raise CheckpointError(f"{tag_dir}: a tensor-parallel DeepSpeed AutoEP checkpoint is not read here")
+    for key in ("fp16", "bf16"):
+        if isinstance(ds_config.get(key), dict) and ds_config[key].get("enabled"):
+            raise CheckpointError(
+                f"{tag_dir}: a {key} DeepSpeed AutoEP checkpoint is not read here; only fp32 runs are"
+            )
+    if ds_config.get("use_data_before_expert_parallel_"):
+        raise CheckpointError(
+            f"{tag_dir}: use_data_before_expert_parallel_ places DeepSpeed's expert-data-parallel groups "
+            "differently; such an AutoEP checkpoint is not read here"
+        )
+    layers = model["ds_autoep_layers"]
+    if len({int(e["ep_size"]) for e in layers}) != 1:
+        raise CheckpointError(f"{tag_dir}: AutoEP layers of several ep sizes are not read here")
+    ep = int(layers[0]["ep_size"])
+    ranks = []
+    for r in range(dp):
+        path = tag_dir / OPTIM.format(r)
+        if not path.exists():
+            raise CheckpointError(f"{tag_dir}: {path.name} is missing (the checkpoint was saved by {dp} ranks)")
+        ranks.append(_load(path)["optimizer_state_dict"])
+    base = ranks[0]["base_optimizer_state"]
+    moe = [bool(g.get("moe")) for g in base["param_groups"]]
+    if "single_partition_of_fp32_groups" not in ranks[0] or moe != [False, True] or len(model["param_shapes"]) != 2:
+        raise CheckpointError(
+            f"{tag_dir}: AutoEP ZeRO-1/2 optimizer files with param groups moe={moe}; only one dense and one "
+            "expert group of ZeRO 1/2 partitions (single_partition_of_fp32_groups) are read here"
+        )
+    if [int(c) for c in ranks[0]["partition_count"]] != [dp, dp // ep]:
+        raise CheckpointError(
+            f"{tag_dir}: partition_count {ranks[0]['partition_count']}, expected [{dp}, {dp // ep}] for {dp} ranks "
+            f"at ep {ep}"
+        )
+    dense, local = (dict(g) for g in model["param_shapes"])
+    shapes = [dense, {f"{n}@{e}": s for e in range(ep) for n, s in local.items()}]
+
+    def rename(name: str, rank: int, gi: int) -> str:  # rank r holds ep rank r % ep's experts
+        return f"{name}@{rank % ep}" if gi == 1 else name
+
+    uni = stage12_universal(tag_dir, ranks, shapes, None, rename)
+    tensors = {n: {k: v.view(s) for k, v in uni.tensors[n].items()} for n, s in dense.items()}
+    for name, shape in local.items():
+        per_ep = [uni.tensors[f"{name}@{e}"] for e in range(ep)]
+        tensors[name] = {k: torch.cat([p[k].view(shape) for p in per_ep]) for k in per_ep[0]}
+    if set(tensors[next(iter(local))]) != set(tensors[next(iter(dense))]) or FP32 not in tensors[next(iter(dense))]:
+        raise CheckpointError(f"{tag_dir}: the dense and expert groups hold different optimizer states")
+    scalars = [_scalars(base["state"].get(g, {})) for g in (0, 1)]
+    return autoep_checkpoint(
+        tag_dir,
+        int(ranks[0].get("zero_stage", 1)),
+        dp,
+        model,
+        tensors,
+        scalars,
+        base["param_groups"],
+        ranks[0].get("loss_scaler"),
+        names,
+    )
