@@ -6,7 +6,8 @@ continues as zerospeed does. One script, run by each library's Python:
 
 zerospeed's PipelineEngine (through its `deepspeed` shim) trains the tied model of
 tests/fixtures/deepspeed_0.19.8/make_pipe_tied.py (a tied Linear first and, through a forward_fn, last; 2 stages x dp
-ranks, AdamW, WarmupLR, micro-batches of 2, fp32) at ZeRO 0 for 3 steps, saves, and trains 3 more, saving again.
+ranks, AdamW, WarmupLR, micro-batches of 2, fp32) at ZeRO 0 (`--zs-zero Z`: ZeRO Z, 0-2) for 3 steps, saves, and trains
+3 more, saving again.
 
 - Default, for each case (DeepSpeed's ZeRO stage T, data-parallel size dp): zerospeed trains on 2 x dp ranks with 4
   micro-batches per rank; `zerospeed-ckpt export --to deepspeed --stage T --dp dp` writes the step-3 tag in
@@ -43,7 +44,7 @@ CASES = [(0, 1), (0, 2), (1, 2), (1, 1)]  # (DeepSpeed's ZeRO stage, data-parall
 UNIVERSAL_CASES = [(1, 2), (1, 1)]  # DeepSpeed loads the universal folder at ZeRO 1 (the zerospeed run: dp 2)
 
 
-def run(rank, world, phase, stage, folder, port, universal):
+def run(rank, world, phase, stage, folder, port, universal, zs_zero=0):
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
@@ -60,7 +61,7 @@ def run(rank, world, phase, stage, folder, port, universal):
         "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
-        "zero_optimization": {"stage": 0 if phase == "zs" else stage},
+        "zero_optimization": {"stage": zs_zero if phase == "zs" else stage},
         "gradient_clipping": 1.0 if stage == 1 else 0.0,
     }
     if universal and phase == "ds":
@@ -87,9 +88,10 @@ def run(rank, world, phase, stage, folder, port, universal):
     torch.distributed.destroy_process_group()
 
 
-def _phase(py: str, phase: str, stage: int, world: int, folder: str, port: int, universal: bool) -> None:
+def _phase(py: str, phase: str, stage: int, world: int, folder: str, port: int, universal: bool, zz: int = 0) -> None:
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     argv = [py, __file__, "--phase", phase, str(stage), str(world), folder, str(port), *(["--universal"] * universal)]
+    argv += ["--zs-zero", str(zz)] if phase == "zs" else []
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"{py} {argv[2:]}: {proc.stderr[-3000:]}")
@@ -112,11 +114,11 @@ def _compare(folder: str) -> dict:
     return {"zs": zs, "ds": ds, "loss": max(abs(a - b) for a, b in zip(zs, ds)), "weights": weights}
 
 
-def _cases(python: str, port: int, universal: bool):
+def _cases(python: str, port: int, universal: bool, zz: int):
     """(stage, dp, comparison) of each case."""
     if universal:
         with tempfile.TemporaryDirectory() as folder:
-            _phase(sys.executable, "zs", 1, 4, folder, port, True)
+            _phase(sys.executable, "zs", 1, 4, folder, port, True, zz)
             _export(folder, [os.path.join(folder, "uni"), "--to", "universal", "--dp", "2"])
             for i, (stage, dp) in enumerate(UNIVERSAL_CASES):
                 _phase(python, "ds", stage, 2 * dp, folder, port + 1 + i, True)
@@ -124,7 +126,7 @@ def _cases(python: str, port: int, universal: bool):
         return
     for i, (stage, dp) in enumerate(CASES):
         with tempfile.TemporaryDirectory() as folder:
-            _phase(sys.executable, "zs", stage, 2 * dp, folder, port + 2 * i, False)
+            _phase(sys.executable, "zs", stage, 2 * dp, folder, port + 2 * i, False, zz)
             _export(folder, [os.path.join(folder, "ds"), "--to", "deepspeed", "--stage", str(stage), "--dp", str(dp)])
             _phase(python, "ds", stage, 2 * dp, folder, port + 2 * i + 1, False)
             yield stage, dp, _compare(folder)
@@ -135,15 +137,20 @@ def main() -> None:
     parser.add_argument("--deepspeed-python", default="/work/dsvenv/bin/python")
     parser.add_argument("--port", type=int, default=29781)
     parser.add_argument("--universal", action="store_true", help="export as a universal folder instead")
+    parser.add_argument("--zs-zero", type=int, default=0, help="zerospeed's ZeRO stage (0-2) in its run")
     parser.add_argument("--phase", nargs=5, default=None, metavar=("PHASE", "STAGE", "WORLD", "FOLDER", "PORT"))
     args = parser.parse_args()
     if args.phase:
         phase, stage, world, folder, port = args.phase
-        mp.spawn(run, args=(int(world), phase, int(stage), folder, int(port), args.universal), nprocs=int(world))
+        mp.spawn(
+            run,
+            args=(int(world), phase, int(stage), folder, int(port), args.universal, args.zs_zero),
+            nprocs=int(world),
+        )
         return
     print("| DeepSpeed ZeRO | dp | max abs dloss (steps 4-6) | max abs dweight (step 6) |")
     print("|---|---|---|---|")
-    for stage, dp, r in _cases(args.deepspeed_python, args.port, args.universal):
+    for stage, dp, r in _cases(args.deepspeed_python, args.port, args.universal, args.zs_zero):
         print(f"| {stage} | {dp} | {r['loss']:.2e} | {r['weights']:.2e} |", flush=True)
         print(json.dumps({"zerospeed": r["zs"], "deepspeed": r["ds"]}), file=sys.stderr)
 

@@ -295,8 +295,9 @@ def _stage0(tag_dir, s, st, names, layers, tied) -> tuple[UniversalState, list[d
 # the layer files as they are (the same format), per stage s `mp_rank_{s:02d}_model_states.pt`
 # (DeepSpeed's stage parameter names and order; at ZeRO 0 the torch optimizer state over them), and at
 # ZeRO 1 the stage's flat partitions per data-parallel rank, cut by the data-parallel writer
-# (Note [DeepSpeed's partitions] in deepspeed_export.py). fp32 only; ZeRO-1/2 zerospeed pipeline
-# checkpoints (flat files of their own layout) and interleaved ones (chunks > 1) are refused.
+# (Note [DeepSpeed's partitions] in deepspeed_export.py). A tag saved at ZeRO 1/2 (per-rank flat
+# files) is first read back into the per-layer masters and states of ZeRO 0 by the `pieces` map its
+# flat files record (`read_flat_layer_optim`). fp32 only; interleaved tags (chunks > 1) are refused.
 
 
 def is_zerospeed_pipeline_tag(tag_dir: Path) -> bool:
@@ -386,10 +387,10 @@ def _pipeline_sources(checkpoint_dir, tag: str | None) -> tuple[Path, dict, list
         raise CheckpointError(f"{checkpoint_dir}: no zerospeed pipeline checkpoint (engine_states.pt + layer files)")
     saved = torch.load(src_dir / "engine_states.pt", map_location="cpu", weights_only=False)
     layout = saved["layout"]
-    if layout.get("zero_stage") != 0 or layout.get("chunks", 1) != 1 or layout.get("tp", 1) != 1:
+    if layout.get("zero_stage") not in (0, 1, 2) or layout.get("chunks", 1) != 1 or layout.get("tp", 1) != 1:
         raise CheckpointError(
             f"{src_dir}: saved with ZeRO stage {layout.get('zero_stage')}, {layout.get('chunks')} chunks, tp "
-            f"{layout.get('tp')}; a pipeline checkpoint exports to DeepSpeed from ZeRO stage 0 without "
+            f"{layout.get('tp')}; a pipeline checkpoint exports to DeepSpeed from ZeRO stage 0-2 without "
             "interleaving or tensor parallelism (resume it at ZeRO 0 and save again)"
         )
     if "tied_layers" not in saved:
@@ -405,6 +406,8 @@ def _pipeline_sources(checkpoint_dir, tag: str | None) -> tuple[Path, dict, list
         path = src_dir / f"layer_{idx:02d}-optim_states.pt"
         if path.exists():
             optim[idx] = torch.load(path, map_location="cpu", weights_only=False)
+    if layout["zero_stage"] != 0:
+        optim = read_flat_layer_optim(src_dir, layout)
     if any(t.dtype != torch.float32 for s in layers.values() for t in s.values() if t.is_floating_point()):
         raise CheckpointError(f"{src_dir}: export of a pipeline checkpoint to DeepSpeed is written for fp32 weights")
     bounds, pp = layout["bounds"], layout["pp"]
@@ -435,6 +438,57 @@ def _pipeline_sources(checkpoint_dir, tag: str | None) -> tuple[Path, dict, list
             )
         )
     return src_dir, layers, sources
+
+
+def read_flat_layer_optim(src_dir: Path, layout: dict) -> dict[int, dict]:
+    """Note [pipeline export]: the ZeRO-1/2 flat files `zero_pp_rank_{s}_dp_rank_{d}_optim_states.pt` of a
+    zerospeed pipeline tag as the per-layer optimizer files of ZeRO 0 hold them: {layer index: {name: {"master":
+    full fp32 master, "state": its optimizer state}}}, each flat master's pieces put back by the file's `pieces`
+    map (where each element belongs)."""
+    out: dict[int, dict] = {}
+    filled: dict[tuple[int, str], int] = {}
+    for s in range(layout["pp"]):
+        for d in range(layout["dp"]):
+            path = src_dir / f"zero_pp_rank_{s}_dp_rank_{d}_optim_states.pt"
+            if not path.exists():
+                raise CheckpointError(f"{path}: missing; a ZeRO-{layout['zero_stage']} pipeline tag is incomplete")
+            flat = torch.load(path, map_location="cpu", weights_only=False)
+            if "pieces" not in flat:
+                raise CheckpointError(
+                    f"{path}: records no parameter pieces (saved by an older zerospeed); load the checkpoint into "
+                    "the pipeline engine and save it again to export it"
+                )
+            states = flat["optimizer"]["state"]
+            for i, (master, pieces) in enumerate(zip(flat["masters"], flat["pieces"])):
+                state = states.get(i, {})
+                for piece in pieces:
+                    for idx, name in piece["where"]:
+                        entry = out.setdefault(idx, {}).get(name)
+                        if entry is None:
+                            shape = torch.Size(piece["shape"])
+                            entry = out[idx][name] = {
+                                "master": torch.zeros(shape, dtype=torch.float32),
+                                "state": {
+                                    k: torch.zeros(shape, dtype=v.dtype)
+                                    if torch.is_tensor(v) and v.shape == master.shape
+                                    else v
+                                    for k, v in state.items()
+                                },
+                            }
+                        lo, hi, n = piece["offset"], piece["param_offset"], piece["numel"]
+                        entry["master"].view(-1)[hi : hi + n] = master.view(-1)[lo : lo + n]
+                        for k, v in state.items():
+                            if torch.is_tensor(v) and v.shape == master.shape:
+                                entry["state"][k].view(-1)[hi : hi + n] = v.view(-1)[lo : lo + n]
+                        filled[(idx, name)] = filled.get((idx, name), 0) + n
+    for idx, entries in out.items():
+        for name, entry in entries.items():
+            if filled[(idx, name)] != entry["master"].numel():
+                raise CheckpointError(
+                    f"{src_dir}: the flat optimizer files cover {filled[(idx, name)]} of the "
+                    f"{entry['master'].numel()} elements of layer {idx}'s {name}; the tag is incomplete"
+                )
+    return out
 
 
 def _stage_states(src: ExportSource, stage: int, dp: int, pp: int) -> dict:

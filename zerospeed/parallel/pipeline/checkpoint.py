@@ -6,8 +6,9 @@ Layout of `save_dir/tag/`:
   their layer files). Written by data-parallel rank 0 of the stage that holds the layer.
 * `layer_XX-optim_states.pt` — ZeRO stage 0 only: for each parameter of the layer, its fp32 master
   and optimizer state. Per layer, so optimizer state also reshards to any stage count.
-* `zero_pp_rank_S_dp_rank_D_optim_states.pt` — ZeRO stage 1: this rank's flat masters and optimizer
-  state; they load only into the same layout (stages, data-parallel size, layer split).
+* `zero_pp_rank_S_dp_rank_D_optim_states.pt` — ZeRO stage 1/2: this rank's flat masters and optimizer
+  state; they load only into the same layout (stages, data-parallel size, layer split). `pieces` maps
+  each master's elements to (layer, parameter name, offsets), read by the export to DeepSpeed.
 * `engine_states.pt` — steps, LR scheduler, loss scaler, optimizer hyper-parameters, client state,
   and the layout that wrote the checkpoint.
 
@@ -150,16 +151,11 @@ def save_pipeline_checkpoint(
     if dp_rank == 0 and engine.zero.replicated_state and engine.optimizer is not None:
         _save_layer_optim(engine, files, tp, writes)
     if not engine.zero.replicated_state and engine.optimizer is not None:
-        masters = [
-            e.master.detach().cpu().clone()
-            for e in engine.zero.shard_entries({id(p): n for n, p in module.named_parameters()})
-        ]
-        files.append(
-            (
-                _flat_file(engine),
-                {"optimizer": engine.optimizer.state_dict(), "masters": masters, "layout": _layout(engine)},
-            )
-        )
+        entries = engine.zero.shard_entries({id(p): n for n, p in module.named_parameters()})
+        masters = [e.master.detach().cpu().clone() for e in entries]
+        flat = {"optimizer": engine.optimizer.state_dict(), "masters": masters, "layout": _layout(engine)}
+        flat["pieces"] = _flat_pieces(engine, entries)  # (read by the export to DeepSpeed, deepspeed_pipeline.py)
+        files.append((_flat_file(engine), flat))
     if comm.get_rank() == 0:
         files.append(("engine_states.pt", _engine_state(engine, client_state)))
     if saves is not None and saves.plan.asynchronous:
@@ -236,6 +232,25 @@ def _flat_file(engine) -> str:
     m = engine.module
     mp = f"_mp_rank_{m.groups.rank_in('tp'):02d}" if m.grid.tp > 1 else ""
     return f"zero_pp_rank_{m.stage_id}_dp_rank_{comm.get_rank(engine.dp_group)}{mp}_optim_states.pt"
+
+
+def _flat_pieces(engine, entries) -> list[list[dict]]:
+    """Per flat master, where its elements belong: the parameter's layers and names (`where`: [(layer index,
+    name in the layer)], several for a tied module), its shape and the piece's offsets (Piece)."""
+    where, by_name = _param_layers(engine), dict(engine.module.named_parameters())
+    return [
+        [
+            {
+                "where": where.get(id(by_name[p.name]), []),
+                "shape": tuple(by_name[p.name].shape),
+                "param_offset": p.param_offset,
+                "offset": p.offset,
+                "numel": p.numel,
+            }
+            for p in e.pieces
+        ]
+        for e in entries
+    ]
 
 
 def _save_layer_optim(engine, files: list, tp: _TensorParallel, writes: bool) -> None:
