@@ -206,21 +206,28 @@ def test_the_tp_export_rewrites_deepspeeds_own_autotp_files(tmp_path, fixture, s
     _compare_with_deepspeeds_files(out, tag_dir, fixture)
 
 
-def _resume_save_export(folder: str) -> None:
-    """zerospeed (its own AutoTP, tp 2, ZeRO 1) resumes DeepSpeed's ZeRO-1 tag and saves it at once as its own
-    checkpoint; rank 0 exports that with --tp 2 (the CLI)."""
-    import zerospeed
+def _load_save_export(engine, tag_root, folder: str) -> None:
+    """Resume DeepSpeed's `step3` tag under `tag_root`, save it at once as zerospeed's checkpoint, and (rank 0)
+    export that with --tp 2 through the CLI into `folder/ds`."""
     from zerospeed import comm
     from zerospeed.checkpoint.cli import main
 
-    m = model()
-    engine, *_ = zerospeed.initialize(model=m, model_parameters=m.parameters(), config=_config(1, 2))
-    engine.load_checkpoint(str(ROOT / "zero1"), tag="step3")
+    engine.load_checkpoint(str(tag_root), tag="step3")
     engine.save_checkpoint(f"{folder}/zs", tag="step3")
     comm.barrier()
     if comm.get_rank() == 0:
         argv = [f"{folder}/zs", f"{folder}/ds", "--to", "deepspeed", "--stage", "1", "--dp", "1", "--tp", "2"]
         assert main(["export", *argv]) == 0
+
+
+def _resume_save_export(folder: str) -> None:
+    """zerospeed (its own AutoTP, tp 2, ZeRO 1) resumes DeepSpeed's ZeRO-1 tag and saves it at once as its own
+    checkpoint; rank 0 exports that with --tp 2 (the CLI)."""
+    import zerospeed
+
+    m = model()
+    engine, *_ = zerospeed.initialize(model=m, model_parameters=m.parameters(), config=_config(1, 2))
+    _load_save_export(engine, ROOT / "zero1", folder)
 
 
 @pytest.mark.timeout(120)
@@ -364,8 +371,6 @@ def test_a_deepspeed_tag_with_a_fused_qkv_weight_resumes_at_tp_2_and_tp_1():
 def _fused_resume_save_export(folder: str) -> None:
     """zerospeed's AutoTP (tp 2, ZeRO 1, the same partition_config) resumes tp_fused, saves, and exports --tp 2."""
     import zerospeed
-    from zerospeed import comm
-    from zerospeed.checkpoint.cli import main
 
     m = Fused()
     cfg = {
@@ -378,12 +383,7 @@ def _fused_resume_save_export(folder: str) -> None:
         },
     }
     engine, *_ = zerospeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
-    engine.load_checkpoint(str(FUSED), tag="step3")
-    engine.save_checkpoint(f"{folder}/zs", tag="step3")
-    comm.barrier()
-    if comm.get_rank() == 0:
-        argv = [f"{folder}/zs", f"{folder}/ds", "--to", "deepspeed", "--stage", "1", "--dp", "1", "--tp", "2"]
-        assert main(["export", *argv]) == 0
+    _load_save_export(engine, FUSED, folder)
 
 
 @pytest.mark.timeout(120)

@@ -108,3 +108,18 @@ def continue_tied_pipeline(engine, net, global_batches, gas: int, micro: int = 2
             prefix = "t." if idx in (0, 5) else f"{idx}."
             weights.update({prefix + k: v.detach().clone() for k, v in module.state_dict().items()})
     return losses, weights
+
+
+def assert_pipeline_continuation(results: list[dict], run_file, first: int = 3) -> None:
+    """Every rank resumed after 3 steps and gave the losses DeepSpeed recorded in `run_file` (its deepspeed_run.pt,
+    from step `first` on) within 1e-6, and together the ranks' layer weights equal its `step6_weights` within 1e-6."""
+    want = torch.load(run_file, weights_only=True)
+    weights = {}
+    for r in results:
+        assert r["steps"] == 3
+        expected = want["losses"][first:]
+        assert max(abs(a - b) for a, b in zip(r["losses"], expected)) <= 1e-6, (r["losses"], expected)
+        weights.update(r["weights"])
+    assert set(weights) == set(want["step6_weights"])
+    for k, v in want["step6_weights"].items():
+        torch.testing.assert_close(weights[k], v, atol=1e-6, rtol=0, msg=k)
