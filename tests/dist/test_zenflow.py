@@ -203,6 +203,7 @@ def _parity(stage, overlap, zf, zero=None):
     return losses, _weights(engine)
 
 
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("overlap,auto", [(False, False), (True, False), (True, True)])
 def test_zenflow_matches_the_reference(stage, overlap, auto):
@@ -250,6 +251,7 @@ def _resume(stage, root):
     return whole_losses[cut:], rest, _weights(whole), _weights(second)
 
 
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_resume_mid_interval_equals_the_uninterrupted_run(stage, tmp_path):
     whole, resumed, w_whole, w_resumed = run_distributed(_resume, 2, stage, str(tmp_path), timeout=120)[0]
@@ -296,6 +298,7 @@ def _converge(seeds):
     return out
 
 
+@pytest.mark.timeout(240)
 def test_zenflow_converges_like_adamw():
     runs = run_distributed(_converge, 1, (0, 1, 2), timeout=200)[0]
     plain = sum(sum(p[-TAIL:]) / TAIL for p, _ in runs) / len(runs)
