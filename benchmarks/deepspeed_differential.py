@@ -23,7 +23,7 @@ sides, with `data_types.grad_accum_dtype: "fp32"` (the export is then DeepSpeed'
 `--as-saved` (with `--export`) checks DeepSpeed reading zerospeed's own tag as saved: zerospeed trains and
 saves at ZeRO S with `checkpoint.deepspeed_layout: true` (no export step), DeepSpeed `load_checkpoint`s that tag
 at ZeRO S on the same 2 ranks and trains steps 4-6; the weight column compares DeepSpeed's module right after
-the load with zerospeed's consolidation of the tag (pairs default to `1:1 2:2 3:3`); `--sub-group-size N` sets
+the load with zerospeed's consolidation of the tag (pairs default to `0:0 1:1 2:2 3:3`); `--sub-group-size N` sets
 `zero_optimization.sub_group_size` in both runs (N = 30 cuts the MLP's 83 parameters into 2 sub-groups);
 `--two-groups` gives both runs two optimizer param groups (the matrices; the rest without weight decay);
 `--bucket-size N` sets `reduce_bucket_size` and `allgather_bucket_size` in both runs (zerospeed's ZeRO 1/2 then
@@ -36,6 +36,7 @@ that universal folder at ZeRO N.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -335,7 +336,9 @@ def _export_pair(
         step(python, *me, "ds", "--stage", str(dst), "--folder", folder, "--port", str(port + 1), done=done)
         if 0 < dst < 10 and not bf16 and not as_saved:
             step(python, *me, "ds-fp32", "--folder", folder)
-        if as_saved:  # DeepSpeed's own zero_to_fp32 reads the tag as saved too
+        if as_saved and dst == 0:  # (ZeRO 0: no zero_to_fp32; the weight column is DeepSpeed's module after the load)
+            shutil.copy(os.path.join(folder, "ds_fp32.pt"), os.path.join(folder, "loaded_fp32.pt"))
+        elif as_saved:  # DeepSpeed's own zero_to_fp32 reads the tag as saved too
             os.replace(os.path.join(folder, "ds_fp32.pt"), os.path.join(folder, "loaded_fp32.pt"))
             os.symlink(os.path.join(folder, "zs"), os.path.join(folder, "ds"))
             step(python, *me, "ds-fp32", "--folder", folder)
@@ -351,7 +354,7 @@ def _export_pair(
     if as_saved:  # (the weight column: DeepSpeed's module after the load; zero_to_fp32 of the tag in the notes)
         loaded = torch.load(os.path.join(folder, "loaded_fp32.pt"))
         dw, zero_to_fp32 = max((zs_w[k].float() - loaded[k].float()).abs().max().item() for k in zs_w), dw
-        note = f"; DeepSpeed's zero_to_fp32 of the tag: max |Δ weight| {zero_to_fp32:.1e}"
+        note = f"; DeepSpeed's zero_to_fp32 of the tag: max |Δ weight| {zero_to_fp32:.1e}" if dst else ""
     return f"| {label} | {dl:.1e} | {dw:.1e} | DeepSpeed losses {', '.join(f'{v:.6f}' for v in b)}{note} |"
 
 
@@ -436,7 +439,7 @@ def main() -> None:
         ],
     )
     ap.add_argument("--bf16", action="store_true", help="(an export phase) train with bf16")
-    ap.add_argument("--as-saved", action="store_true", help="DeepSpeed loads zerospeed's ZeRO 1-3 tag as saved")
+    ap.add_argument("--as-saved", action="store_true", help="DeepSpeed loads zerospeed's ZeRO 0-3 tag as saved")
     ap.add_argument("--sub-group-size", type=int, help="zero_optimization.sub_group_size of both runs")
     ap.add_argument("--two-groups", action="store_true", help="two optimizer param groups in both runs")
     ap.add_argument("--bucket-size", type=int, help="zero_optimization.reduce/allgather_bucket_size of both runs")
@@ -465,7 +468,7 @@ def main() -> None:
     if not args.deepspeed_python:
         raise SystemExit("--deepspeed-python is required (a Python with the real DeepSpeed installed)")
     if args.export:
-        as_saved_pairs = ["1:1", "2:2", "3:3"]
+        as_saved_pairs = ["0:0", "1:1", "2:2", "3:3"]
         pairs = as_saved_pairs if args.as_saved and "--export-pairs" not in sys.argv else args.export_pairs
         return _export_main(args.deepspeed_python, pairs, args.port, args.as_saved)
     print(f"torch {torch.__version__}; 2 gloo ranks on the CPU\n")

@@ -1,4 +1,4 @@
-"""What `checkpoint.deepspeed_layout` costs at ZeRO 1-3: bytes on disk and seconds per save, with and without it.
+"""What `checkpoint.deepspeed_layout` costs at ZeRO 0-3: bytes on disk and seconds per save, with and without it.
 
     .venv/bin/python benchmarks/deepspeed_layout_size.py [--hidden 1024] [--layers 4] [--saves 3] [--stage 3]
 
@@ -6,6 +6,8 @@
 with the key off and on. The table gives each tag's files and bytes, and the median seconds of a save: with the
 key a rank file holds DeepSpeed's `optimizer_state_dict` and zerospeed's entries over the same storages, so it
 should be the size of the plain rank file (not twice it), plus (ZeRO 3) DeepSpeed's small per-rank model states.
+At ZeRO 0 the optimizer state and zerospeed's entries move into the model states (Note [as-saved ZeRO 0]): the
+tag holds the weights once instead of twice (model states and rank 0's file).
 """
 
 import argparse
@@ -61,7 +63,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--saves", type=int, default=3)
     ap.add_argument("--port", type=int, default=29811)
-    ap.add_argument("--stage", type=int, default=3, choices=[1, 2, 3])
+    ap.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.pt")

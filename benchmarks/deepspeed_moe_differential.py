@@ -88,12 +88,14 @@ def deepspeed_run(rank, world, stage, ep, clip, folder, port):
     torch.distributed.destroy_process_group()
 
 
-def _pair(python: str, pair: str, port: int) -> tuple[float, float] | str:
+def _pair(python: str, pair: str, port: int, script: str | None = None) -> tuple[float, float] | str:
+    """One PAIR: the zerospeed phase, the export, the DeepSpeed phase of `script` (this file by default; the AutoEP
+    differential shares this driver)."""
     s, e, t, f = (int(v) for v in pair.split(":"))
     clip = _clip(s, t)
     with tempfile.TemporaryDirectory() as folder:
         env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
-        me = os.path.abspath(__file__)
+        me = script or os.path.abspath(__file__)
         steps = [
             [sys.executable, me, "--phase", "zerospeed", f"{s}:{e}", str(clip), folder, str(port)],
             [sys.executable, "-m", "zerospeed.checkpoint.cli", "export", folder, os.path.join(folder, "export")]

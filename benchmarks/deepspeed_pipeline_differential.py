@@ -19,6 +19,12 @@ ranks, AdamW, WarmupLR, micro-batches of 2, fp32) at ZeRO 0 (`--zs-zero Z`: ZeRO
   weights) on 2 stages x dp ranks at ZeRO 1 with `checkpoint.load_universal: true`, loads the folder and trains the
   same 3 steps on the same global batch (8 / dp micro-batches per rank).
 
+- `--tp 2` (Note [pipeline export with tp] in zerospeed/checkpoint/deepspeed_pipeline_tp.py): the model of
+  make_pipe_tp.py on 2 stages x tp 2 (4 ranks, PipeModelDataParallelTopology), zerospeed's run with its own
+  Column/RowParallelLinear cut from the same full layers, ZeRO 0, gradient_clipping 0; `export --to deepspeed --stage
+  T --dp 1` (T = 0, 1); the real DeepSpeed runs the fixture's plain-torch.distributed layers, loads the export and
+  trains steps 4-6. Its step-6 layer files are joined over the tp ranks (make_pipe_tp.join_full) for the weights.
+
 The table gives the largest |Δ| between the two continuations' losses and between the two step-6 layer files.
 """
 
@@ -88,9 +94,93 @@ def run(rank, world, phase, stage, folder, port, universal, zs_zero=0):
     torch.distributed.destroy_process_group()
 
 
-def _phase(py: str, phase: str, stage: int, world: int, folder: str, port: int, universal: bool, zz: int = 0) -> None:
+def run_tp(rank, world, phase, stage, folder, port):
+    """`--tp 2`: make_pipe_tp.py's model on 2 stages x tp 2; zerospeed's own tensor-parallel layers (phase "zs",
+    3 + 3 steps, saved at 3 and 6) or the fixture's plain ones under the real DeepSpeed (phase "ds": loads the export,
+    trains steps 4-6, saves step 6)."""
+    import make_pipe_tp
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    if phase == "ds":
+        from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
+
+        topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
+        grid = PipelineParallelGrid(topology=topo)
+        specs = make_pipe_tp.layers(grid.get_slice_parallel_group(), 2, grid.get_slice_parallel_rank())
+    else:
+        from zerospeed.comm.mesh import ParallelMesh
+        from zerospeed.parallel.pipeline.topology import PipeModelDataParallelTopology
+        from zerospeed.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+
+        topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
+        group = ParallelMesh.from_grid(topo.to_grid()).group("tp")
+        specs = make_pipe_tp.full_layers()
+        for i in (0, 4):
+            specs[i] = ColumnParallelLinear.from_linear(specs[i], group=group, gather_output=False)
+        for i in (2, 6):
+            specs[i] = RowParallelLinear.from_linear(specs[i], group=group, input_is_parallel=True)
+    net = PipelineModule(layers=specs, topology=topo, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
+        "zero_optimization": {"stage": stage if phase == "ds" else 0},
+        "gradient_clipping": 0.0,
+    }
+    eng, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
+    first = 3 if phase == "ds" else 0
+    if phase == "ds":
+        eng.load_checkpoint(os.path.join(folder, "ds"))
+    losses = []
+    for step, (x, y) in enumerate(make_pipe_tp.batches(1)):
+        if step >= first:
+            losses.append(float(eng.train_batch(data_iter=iter(make_pipe_tp.micro_batches(x, y, 1, 0)))))
+        if phase == "zs" and step in (2, 5):
+            eng.save_checkpoint(os.path.join(folder, "zs"), tag=f"step{step + 1}")
+    if phase == "ds":
+        eng.save_checkpoint(os.path.join(folder, "ds_after"), tag="step6")
+    if rank == 0:
+        torch.save(losses[-3:], os.path.join(folder, f"{phase}_losses.pt"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _compare_tp(folder: str) -> dict:
+    import make_pipe_tp
+
+    zs, ds = (torch.load(os.path.join(folder, f"{p}_losses.pt")) for p in ("zs", "ds"))
+    weights = 0.0
+    for path in sorted(glob.glob(os.path.join(folder, "ds_after", "step6", "layer_*-model_00-model_states.pt"))):
+        idx = int(os.path.basename(path)[6:8])
+        states = [torch.load(path.replace("-model_00-", f"-model_{t:02d}-")) for t in range(2)]
+        mine = torch.load(os.path.join(folder, "zs", "step6", f"layer_{idx:02d}-model_states.pt"))
+        for k, v in make_pipe_tp.join_full(states, f"{idx}.").items():
+            weights = max(weights, (v - mine[k.partition(".")[2]]).abs().max().item())
+    return {"zs": zs, "ds": ds, "loss": max(abs(a - b) for a, b in zip(zs, ds)), "weights": weights}
+
+
+def _tp_cases(python: str, port: int):
+    for i, stage in enumerate((0, 1)):
+        with tempfile.TemporaryDirectory() as folder:
+            _phase(sys.executable, "zs", stage, 4, folder, port + 2 * i, False, tp=2)
+            _export(folder, [os.path.join(folder, "ds"), "--to", "deepspeed", "--stage", str(stage), "--dp", "1"])
+            _phase(python, "ds", stage, 4, folder, port + 2 * i + 1, False, tp=2)
+            yield stage, 1, _compare_tp(folder)
+
+
+def _phase(
+    py: str, phase: str, stage: int, world: int, folder: str, port: int, universal: bool, zz: int = 0, tp: int = 1
+) -> None:
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     argv = [py, __file__, "--phase", phase, str(stage), str(world), folder, str(port), *(["--universal"] * universal)]
+    argv += ["--tp", str(tp)] if tp > 1 else []
     argv += ["--zs-zero", str(zz)] if phase == "zs" else []
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
@@ -138,10 +228,14 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=29781)
     parser.add_argument("--universal", action="store_true", help="export as a universal folder instead")
     parser.add_argument("--zs-zero", type=int, default=0, help="zerospeed's ZeRO stage (0-2) in its run")
+    parser.add_argument("--tp", type=int, default=1, help="2: the pipeline x tensor-parallel model (make_pipe_tp.py)")
     parser.add_argument("--phase", nargs=5, default=None, metavar=("PHASE", "STAGE", "WORLD", "FOLDER", "PORT"))
     args = parser.parse_args()
     if args.phase:
         phase, stage, world, folder, port = args.phase
+        if args.tp > 1:
+            mp.spawn(run_tp, args=(int(world), phase, int(stage), folder, int(port)), nprocs=int(world))
+            return
         mp.spawn(
             run,
             args=(int(world), phase, int(stage), folder, int(port), args.universal, args.zs_zero),
@@ -150,7 +244,8 @@ def main() -> None:
         return
     print("| DeepSpeed ZeRO | dp | max abs dloss (steps 4-6) | max abs dweight (step 6) |")
     print("|---|---|---|---|")
-    for stage, dp, r in _cases(args.deepspeed_python, args.port, args.universal, args.zs_zero):
+    cases = _tp_cases(args.deepspeed_python, args.port) if args.tp > 1 else None
+    for stage, dp, r in cases or _cases(args.deepspeed_python, args.port, args.universal, args.zs_zero):
         print(f"| {stage} | {dp} | {r['loss']:.2e} | {r['weights']:.2e} |", flush=True)
         print(json.dumps({"zerospeed": r["zs"], "deepspeed": r["ds"]}), file=sys.stderr)
 

@@ -12,6 +12,10 @@ DeepSpeed resumes such a tag is checked by `benchmarks/deepspeed_differential.py
 `optimizer_state_dict` (the fp32 slices, the torch optimizer's state over the padded slice, paddings, fragment
 addresses) and model states, and the tag's payload written once (the file's storages are DeepSpeed's tensors);
 zerospeed resumes it at its stage on 2 ranks and at ZeRO 3 on one like DeepSpeed continued (losses within 1e-6).
+ZeRO 0 against the fixture zero0 (Note [as-saved ZeRO 0]): the model states' `optimizer` is DeepSpeed's torch-optimizer
+state_dict (its keys, numbering, shapes, hyperparameters and values within 1e-6), zerospeed's entries are the same
+tensors (the file's storages are the weights and that state, once), and zerospeed resumes the tag at ZeRO 0-3 on 2 ranks
+and at ZeRO 0 and 2 on one like DeepSpeed continued (losses, and the step-6 weights DeepSpeed recorded, within 1e-6).
 """
 
 from __future__ import annotations
@@ -132,7 +136,11 @@ def _refused(folder: str) -> list[str]:
     import zerospeed
 
     messages = []
-    for stage, extra in ((0, {}), (2, {"bf16": {"enabled": True}}), (3, {"bf16": {"enabled": True}})):
+    for stage, extra in (
+        (0, {"bf16": {"enabled": True}}),
+        (2, {"bf16": {"enabled": True}}),
+        (3, {"bf16": {"enabled": True}}),
+    ):
         m = fixture_model(2.0)
         cfg = {**_config(stage, 2, True), **extra}
         engine, *_ = zerospeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
@@ -144,12 +152,27 @@ def _refused(folder: str) -> list[str]:
     return messages
 
 
+def _refused_fp16_stage0(folder: str) -> str:
+    import zerospeed
+    from zerospeed.utils.errors import ConfigError
+
+    m = fixture_model(2.0)
+    cfg = {**_config(0, 2, True), "fp16": {"enabled": True}}
+    engine, *_ = zerospeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
+    with pytest.raises(ConfigError) as info:
+        engine.save_checkpoint(folder, tag="t")
+    return str(info.value)
+
+
 @pytest.mark.timeout(120)
-def test_at_stage_0_and_with_bf16_the_key_is_refused_with_the_export_named(tmp_path):
+def test_with_bf16_the_key_is_refused_with_the_export_named_and_fp16_at_stage_0_with_the_key(tmp_path):
     messages = run_distributed(_refused, 2, str(tmp_path), timeout=100)[0]
     assert len(messages) == 3
     for message in messages:
         assert "checkpoint.deepspeed_layout" in message and "zerospeed-ckpt export" in message, message
+    message = run_distributed(_refused_fp16_stage0, 1, str(tmp_path / "fp16"), timeout=100)[0]
+    assert "checkpoint.deepspeed_layout" in message and "fp16.enabled" in message, message
+    assert not (tmp_path / "fp16" / "t").exists()
 
 
 def _storages_bytes(path) -> int:
@@ -226,3 +249,79 @@ def test_a_stage_1_or_2_tag_saved_as_deepspeed_lays_it_out_loads_like_deepspeeds
     got[(1, 3)] = run_distributed(_resume, 1, str(tmp_path), 3, timeout=120)[0]
     for where, losses in got.items():
         assert max(abs(a - b) for a, b in zip(losses, want)) <= 1e-6, (where, losses, want)
+
+
+def _resume_stages(folder: str, stages: list[int]) -> dict:
+    """The tag resumed at each ZeRO stage on this world: the losses of steps 4-6 and the step-6 weights."""
+    import zerospeed
+    from zerospeed import comm
+
+    out = {}
+    for stage in stages:
+        gas = 4 // comm.get_world_size()
+        m = fixture_model()
+        engine, *_ = zerospeed.initialize(model=m, model_parameters=m.parameters(), config=_config(stage, gas))
+        engine.load_checkpoint(folder, tag="step3")
+        assert engine.global_steps == 3 and torch.equal(m.scale, torch.tensor([2.0]))
+        losses = continue_fixture_run(engine, m, gas)
+        with zerospeed.zero.GatheredParameters(list(m.parameters())):
+            weights = {k: v.detach().clone() for k, v in m.state_dict().items()}
+        out[stage] = {"losses": losses, "weights": weights}
+    return out
+
+
+def _check_stage0_files(tag) -> None:
+    import json
+
+    from zerospeed.checkpoint.deepspeed_import import _load
+
+    model = "mp_rank_00_model_states.pt"
+    mine, theirs = _load(tag / model), _load(FIXTURES / "zero0" / "step3" / model)
+    read = ("module", "optimizer", "lr_scheduler", "global_steps", "skipped_steps", "dp_world_size", "mp_world_size")
+    assert set(read) <= set(mine), sorted(set(read) - set(mine))
+    _assert_close_tree(dict(mine["module"]), dict(theirs["module"]), "module")
+    osd, ds_osd = mine["optimizer"], theirs["optimizer"]
+    assert list(osd) == list(ds_osd) == ["state", "param_groups"]
+    _assert_close_tree(osd["state"], ds_osd["state"], "optimizer state")  # (keys by DeepSpeed's numbering)
+    assert [list(s) for s in osd["state"].values()] == [list(s) for s in ds_osd["state"].values()]
+    for g, ds_g in zip(osd["param_groups"], ds_osd["param_groups"], strict=True):
+        assert list(g) == list(ds_g) and g["params"] == ds_g["params"], (g, ds_g)
+        assert g["lr"] == pytest.approx(ds_g["lr"], abs=1e-12)
+        assert {k: v for k, v in g.items() if k != "lr"} == {k: v for k, v in ds_g.items() if k != "lr"}
+    assert mine["lr_scheduler"] == theirs["lr_scheduler"]
+    for key in ("global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size"):
+        assert mine[key] == theirs[key], key
+    # zerospeed's entries are those tensors: the weights and DeepSpeed's state, one storage each in the file
+    ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    by_ptr = {ptr(t): k for k, t in mine["module"].items()}
+    names = [by_ptr[ptr(e["master"])] for e in mine["entries"]]
+    assert names == ["0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"]
+    for entry, state in zip(mine["entries"], osd["state"].values()):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert ptr(entry["state"][k]) == ptr(state[k])
+    assert _storages_bytes(tag / model) == _unique_bytes(dict(mine["module"])) + _unique_bytes(osd)
+    manifest = json.loads((tag / "zerospeed_manifest.json").read_text())
+    assert [(rf["rank"], rf["file"], len(rf["entries"])) for rf in manifest["partition"]] == [
+        (0, model, 6),
+        (1, "zero_pp_rank_1_mp_rank_00_optim_states.pt", 0),
+    ]
+    for r in range(2):  # the rank files keep each rank's RNG state, no entries
+        rank_file = _load(tag / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+        assert rank_file["entries"] == [] and "rng" in rank_file
+
+
+@pytest.mark.timeout(300)
+def test_a_stage_0_tag_saved_as_deepspeed_lays_it_out_loads_like_deepspeeds_own(tmp_path):
+    run_distributed(_save, 2, str(tmp_path), 0, timeout=150)
+    _check_stage0_files(tmp_path / "step3")
+    want = torch.load(FIXTURES / "zero0" / "deepspeed_run.pt", weights_only=True)
+    got = {
+        (2, s): r for s, r in run_distributed(_resume_stages, 2, str(tmp_path), [0, 1, 2, 3], timeout=200)[0].items()
+    }
+    got.update(
+        {(1, s): r for s, r in run_distributed(_resume_stages, 1, str(tmp_path), [0, 2], timeout=150)[0].items()}
+    )
+    for where, r in got.items():
+        assert max(abs(a - b) for a, b in zip(r["losses"], want["losses"][3:])) <= 1e-6, (where, r["losses"])
+        for k, v in want["step6_fp32"].items():
+            torch.testing.assert_close(r["weights"][k], v, atol=1e-6, rtol=0, msg=f"{where}: {k}")

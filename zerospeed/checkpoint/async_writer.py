@@ -53,7 +53,7 @@ class WriterPlan:
     host_cache_bytes: int | None = None  # a snapshot larger than this is written synchronously instead
     async_load: bool = False  # load reads this rank's files on background threads, overlapping one another
     node_local: bool = False  # every node writes (and reads) its own copy of the checkpoint
-    deepspeed_layout: bool = False  # ZeRO 1-3: rank files DeepSpeed loads as saved (checkpoint/deepspeed_layout.py)
+    deepspeed_layout: bool = False  # ZeRO 0-3: files DeepSpeed loads as saved (checkpoint/deepspeed_layout.py)
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:

@@ -14,9 +14,11 @@ the checkpoint as DeepSpeed 0.19.8's tag for ZeRO stage S on N data-parallel ran
 (zerospeed.checkpoint.deepspeed_export): the real DeepSpeed's `engine.load_checkpoint(OUT)` resumes it;
 with `--tp T` (a checkpoint saved with tensor parallelism) DeepSpeed's AutoTP tag for autotp_size T
 (zerospeed.checkpoint.deepspeed_tp_export); a PipelineEngine checkpoint (ZeRO 0) becomes DeepSpeed's pipeline tag
-for ZeRO S (0 or 1) with N data-parallel ranks per stage (zerospeed.checkpoint.deepspeed_pipeline); a checkpoint
+for ZeRO S (0 or 1) with N data-parallel ranks per stage (zerospeed.checkpoint.deepspeed_pipeline; saved with tp
+inside the stages, at the saved tp: zerospeed.checkpoint.deepspeed_pipeline_tp); a checkpoint
 with MoE layers, DeepSpeed's MoE tag for expert-parallel size E (`--ep`, default 1; ZeRO 0-2;
-zerospeed.checkpoint.deepspeed_experts).
+zerospeed.checkpoint.deepspeed_experts); a checkpoint saved under AutoEP, DeepSpeed's AutoEP tag for autoep_size E
+(`--ep`, default the saved one; ZeRO 0-3; zerospeed.checkpoint.deepspeed_autoep_export).
 `export --to universal` writes DeepSpeed's universal folder and `latest_universal` (DeepSpeed, and zerospeed,
 load it with `checkpoint.load_universal: true` at any stage; `--dp`: the most ZeRO-3 ranks it is named for); from a
 PipelineEngine checkpoint (ZeRO 0), the folder `ds_to_universal` makes of DeepSpeed's ZeRO-1 pipeline tag on N
@@ -31,6 +33,7 @@ import sys
 from math import prod
 
 from zerospeed.checkpoint.consolidate import convert_zero_checkpoint_to_fp32_state_dict, resolve_checkpoint
+from zerospeed.checkpoint.deepspeed_autoep_export import export_autoep_to_deepspeed, is_autoep_checkpoint
 from zerospeed.checkpoint.deepspeed_experts import export_moe_to_deepspeed, has_experts
 from zerospeed.checkpoint.deepspeed_export import export_to_deepspeed, export_universal
 from zerospeed.checkpoint.deepspeed_pipeline import (
@@ -38,6 +41,7 @@ from zerospeed.checkpoint.deepspeed_pipeline import (
     export_pipeline_universal,
     pipeline_tag_dir,
 )
+from zerospeed.checkpoint.deepspeed_pipeline_tp import export_pipeline_tp_to_deepspeed, saved_with_tp
 from zerospeed.checkpoint.deepspeed_tp_export import export_to_deepspeed_tp
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.manifest import verify_files
@@ -99,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="expert-parallel size DeepSpeed will load a MoE checkpoint at (default 1): its layer_i_expert_e files, "
-        "and expp_rank_* optimizer files at ZeRO 0",
+        "and expp_rank_* optimizer files at ZeRO 0; an AutoEP checkpoint: the autoep_size (default the saved one)",
     )
     exp.add_argument(
         "--tp",
@@ -164,10 +168,16 @@ def main(argv: list[str] | None = None) -> int:
             if args.stage is None or args.dp is None:
                 raise ValueError("export --to deepspeed needs --stage and --dp (the layout DeepSpeed will load at)")
             common = {"stage": args.stage, "dp": args.dp, "tag": args.tag, "output_tag": args.output_tag}
-            if pipeline_tag_dir(args.dir, args.tag) is not None:  # Note [pipeline export] (deepspeed_pipeline.py)
+            if saved_with_tp(args.dir, args.tag):  # Note [pipeline export with tp] (deepspeed_pipeline_tp.py)
+                tag_dir = export_pipeline_tp_to_deepspeed(args.dir, args.out, **common)
+            elif pipeline_tag_dir(args.dir, args.tag) is not None:  # Note [pipeline export] (deepspeed_pipeline.py)
                 tag_dir = export_pipeline_to_deepspeed(args.dir, args.out, **common)
             elif args.tp > 1:  # Note [DeepSpeed's AutoTP split] (deepspeed_tp_export.py)
                 tag_dir = export_to_deepspeed_tp(args.dir, args.out, tp=args.tp, **common)
+            elif is_autoep_checkpoint(args.dir, args.tag):  # Note [DeepSpeed AutoEP export]
+                tag_dir = export_autoep_to_deepspeed(
+                    args.dir, args.out, ep=args.ep, sub_group_size=args.sub_group_size, **common
+                )
             elif has_experts(args.dir, args.tag):  # Note [DeepSpeed MoE checkpoints] (deepspeed_experts.py)
                 tag_dir = export_moe_to_deepspeed(args.dir, args.out, ep=args.ep or 1, **common)
             else:

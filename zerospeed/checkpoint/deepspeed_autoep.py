@@ -14,11 +14,12 @@ partitioned over all dp ranks, the expert sub-group over the rank's expert-data-
 This module reassembles each dense parameter from the dp ranks, each expert group's local tensors from its
 expert-data-parallel ranks, stacks the ep ranks' experts in global order, and renames to transformers' names
 (`w1`, `w3` concatenated on dim 1), giving deepspeed_import's universal form, which loads into zerospeed's
-AutoEP (Note [stacked expert checkpoints] in experts.py) at any stage / ep. Read: fp32 runs with one dense and one
+AutoEP (Note [stacked expert checkpoints] in experts.py) at any stage / ep. Read: fp32 and bf16 runs (a bf16 run's
+optimizer files are `bf16_zero_pp_rank_*`, their fp32 masters read as they are) with one dense and one
 expert param group (DeepSpeed's default sub_group_size), one ep size; anything else is refused naming the tag.
 Tested on tags with ep 2 on 2 and on 4 ranks (expert-data-parallel groups of 1 and of 2 ranks, whose pieces follow
-`partition_ranks` order, e.g. [1, 3]). ZeRO-1/2 AutoEP tags: deepspeed_autoep_zero12.py (through
-`autoep_checkpoint` below); ZeRO-0 ones stay refused (`refuse_autoep` in deepspeed_import.py).
+`partition_ranks` order, e.g. [1, 3]), and bf16 on autoep_zero3_ep2_bf16. ZeRO-1/2 AutoEP tags:
+deepspeed_autoep_zero12.py, ZeRO-0 ones: deepspeed_autoep_zero0.py (both through `autoep_checkpoint` below).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from zerospeed.checkpoint import deepspeed_autoep_names as names_
 from zerospeed.checkpoint.deepspeed_import import (
     RESERVED,
     DeepSpeedCheckpoint,
@@ -35,12 +37,13 @@ from zerospeed.checkpoint.deepspeed_import import (
     _load,
     _loss_scale,
     _scalars,
+    optim_prefix,
 )
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.universal import FP32, UniversalState
 
 ZERO3_MODEL = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
-ZERO3_OPTIM = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+ZERO3_OPTIM = "{}zero_pp_rank_{}_mp_rank_00_optim_states.pt"  # (prefix "bf16_" in a bf16 run)
 
 
 def is_deepspeed_autoep_zero3_tag(tag_dir: Path) -> bool:
@@ -70,15 +73,13 @@ def read_deepspeed_autoep_zero3_checkpoint(
     if int(model.get("mp_world_size") or 1) > 1:
         raise CheckpointError(f"{tag_dir}: a tensor-parallel DeepSpeed AutoEP checkpoint is not read here")
     ds_config = model.get("ds_config") or {}
-    for key in ("fp16", "bf16"):
-        if isinstance(ds_config.get(key), dict) and ds_config[key].get("enabled"):
-            raise CheckpointError(
-                f"{tag_dir}: a {key} DeepSpeed AutoEP checkpoint is not read here; only fp32 runs are"
-            )
+    if isinstance(ds_config.get("fp16"), dict) and ds_config["fp16"].get("enabled"):
+        raise CheckpointError(f"{tag_dir}: a fp16 DeepSpeed AutoEP checkpoint is not read here; fp32 and bf16 runs are")
+    prefix = optim_prefix(tag_dir) or ""
     models = [_load(tag_dir / ZERO3_MODEL.format(r)) for r in range(dp)]
     optims = []
     for r in range(dp):
-        path = tag_dir / ZERO3_OPTIM.format(r)
+        path = tag_dir / ZERO3_OPTIM.format(prefix, r)
         if not path.exists():
             raise CheckpointError(f"{tag_dir}: {path.name} is missing (the checkpoint was saved by {dp} ranks)")
         optims.append(_load(path)["optimizer_state_dict"])
@@ -158,11 +159,12 @@ def autoep_checkpoint(
     renames = {}
     for entry in layers:
         path, prefix = entry["module_path"], entry["expert_key_prefix"]
-        renames[f"{path}.router.gate."] = f"{path}.gate."
-        w1, w2, w3 = (tensors.pop(f"{prefix}.{w}") for w in ("w1", "w2", "w3"))
-        tensors[f"{prefix}.gate_up_proj"] = {k: torch.cat([w1[k], w3[k]], dim=1) for k in w1}
-        tensors[f"{prefix}.down_proj"] = w2
-    expert_names = {f"{e['expert_key_prefix']}.{w}" for e in layers for w in ("gate_up_proj", "down_proj")}
+        renames.update(names_.router_renames(path))  # Note [DeepSpeed AutoEP names]
+        w1, w2, w3 = (tensors.pop(f"{prefix}.{w}") for w in names_.EXPERT_WEIGHTS)
+        fused = {k: names_.to_transformers(w1[k], w2[k], w3[k]) for k in w1}
+        tensors[f"{prefix}.{names_.GATE_UP}"] = {k: v[0] for k, v in fused.items()}
+        tensors[f"{prefix}.{names_.DOWN}"] = {k: v[1] for k, v in fused.items()}
+    expert_names = {f"{e['expert_key_prefix']}.{w}" for e in layers for w in (names_.GATE_UP, names_.DOWN)}
     group_names: list[list[str]] = [[], []]
     for name, value in tensors.items():
         ours = _transformers_name(name, renames)

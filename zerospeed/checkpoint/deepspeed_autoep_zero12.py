@@ -1,18 +1,19 @@
 """DeepSpeed's AutoEP checkpoints at ZeRO 1/2: reading a tag DeepSpeed 0.19.8 saved from a transformers MoE model
 under `"expert_parallel"` at ZeRO stage 1 or 2 (Note [DeepSpeed AutoEP ZeRO-1/2 checkpoints]).
 
-Note [DeepSpeed AutoEP ZeRO-1/2 checkpoints]: the tag holds `mp_rank_00_model_states.pt` (the dense weights,
-the router under `mlp.router.gate.weight`, `param_shapes`: the dense group, then the expert group `w1`, `w2`,
-`w3` under one rank's local shapes [E/ep, ...]; `ds_autoep_layers` with checkpoint_format `per_expert_files`),
-`layer_{l}_expert_{e}_mp_rank_00_model_states.pt` (each global expert's weights; not needed: the optimizer
-files hold the fp32 masters) and per rank `zero_pp_rank_{r}_mp_rank_00_optim_states.pt` (ZeRO 1/2's flat
-partitions: the dense group over all dp ranks, the expert group, `moe: True`, over the rank's expert-data-parallel
-group). DeepSpeed's default groups (use_data_before_expert_parallel_ false) give rank r the ep rank r % ep and
-the expert-data-parallel group r % ep, r % ep + ep, ... in rank order, as its native MoE does: deepspeed_import's
-`stage12_universal` joins each ep rank's local experts from those ranks' fragments (a `rename` keeps them apart),
-they are stacked in ep order to [E, ...], and deepspeed_autoep.autoep_checkpoint renames them to transformers'
-names. Read: fp32 runs, one dense and one expert param group, one ep size; anything else is refused naming the tag.
-Tested on the autoep_zero2_ep2 fixture (2 ranks, ep 2).
+Note [DeepSpeed AutoEP ZeRO-1/2 checkpoints]: the tag holds `mp_rank_00_model_states.pt` (the dense weights, the
+router under `mlp.router.gate.weight`, `param_shapes`: the dense group, then the expert group `w1`, `w2`, `w3` under
+one rank's local shapes [E/ep, ...]; `ds_autoep_layers` with checkpoint_format `per_expert_files`),
+`layer_{l}_expert_{e}_mp_rank_00_model_states.pt` (each global expert's weights; not needed: the optimizer files
+hold the fp32 masters) and per rank `zero_pp_rank_{r}_mp_rank_00_optim_states.pt` (ZeRO 1/2's flat partitions, the
+same at ZeRO 1 and 2: the dense group over all dp ranks, the expert group, `moe: True`, over the rank's
+expert-data-parallel group). DeepSpeed's default groups (use_data_before_expert_parallel_ false) give rank r the ep
+rank r % ep and the expert-data-parallel group r % ep, r % ep + ep, ... in rank order, as its native MoE does:
+deepspeed_import's `stage12_universal` joins each ep rank's local experts from those ranks' fragments (a `rename`
+keeps them apart), they are stacked in ep order to [E, ...], and deepspeed_autoep.autoep_checkpoint renames them to
+transformers' names. Read: fp32 and bf16 runs (a bf16 run's files are `bf16_zero_pp_rank_*`: the same partitions,
+fp32 masters), one dense and one expert param group, one ep size; anything else (fp16 among it) is refused naming
+the tag. Tested on the autoep_zero2_ep2, autoep_zero1_ep2 and autoep_zero2_ep2_bf16 fixtures (2 ranks, ep 2).
 """
 
 from __future__ import annotations
@@ -22,11 +23,18 @@ from pathlib import Path
 import torch
 
 from zerospeed.checkpoint.deepspeed_autoep import autoep_checkpoint
-from zerospeed.checkpoint.deepspeed_import import MODEL, DeepSpeedCheckpoint, _load, _scalars, stage12_universal
+from zerospeed.checkpoint.deepspeed_import import (
+    MODEL,
+    DeepSpeedCheckpoint,
+    _load,
+    _scalars,
+    optim_prefix,
+    stage12_universal,
+)
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.universal import FP32
 
-OPTIM = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"
+OPTIM = "{}zero_pp_rank_{}_mp_rank_00_optim_states.pt"  # (prefix "bf16_" in a bf16 run)
 
 
 def is_deepspeed_autoep_zero12_tag(tag_dir: Path) -> bool:
@@ -34,7 +42,7 @@ def is_deepspeed_autoep_zero12_tag(tag_dir: Path) -> bool:
     optimizer files)."""
     tag_dir = Path(tag_dir)
     path = tag_dir / MODEL
-    if not path.exists() or not (tag_dir / OPTIM.format(0)).exists() or (tag_dir / "zero").is_dir():
+    if not path.exists() or optim_prefix(tag_dir) is None or (tag_dir / "zero").is_dir():
         return False
     layers = _load(path).get("ds_autoep_layers") or []
     return bool(layers) and all(e.get("checkpoint_format") == "per_expert_files" for e in layers)
@@ -51,11 +59,9 @@ def read_deepspeed_autoep_zero12_checkpoint(
     ds_config = model.get("ds_config") or {}
     if int(model.get("mp_world_size") or 1) > 1 or any(tag_dir.glob("*mp_rank_01*")):
         raise CheckpointError(f"{tag_dir}: a tensor-parallel DeepSpeed AutoEP checkpoint is not read here")
-    for key in ("fp16", "bf16"):
-        if isinstance(ds_config.get(key), dict) and ds_config[key].get("enabled"):
-            raise CheckpointError(
-                f"{tag_dir}: a {key} DeepSpeed AutoEP checkpoint is not read here; only fp32 runs are"
-            )
+    if isinstance(ds_config.get("fp16"), dict) and ds_config["fp16"].get("enabled"):
+        raise CheckpointError(f"{tag_dir}: a fp16 DeepSpeed AutoEP checkpoint is not read here; fp32 and bf16 runs are")
+    prefix = optim_prefix(tag_dir) or ""
     if ds_config.get("use_data_before_expert_parallel_"):
         raise CheckpointError(
             f"{tag_dir}: use_data_before_expert_parallel_ places DeepSpeed's expert-data-parallel groups "
@@ -67,7 +73,7 @@ def read_deepspeed_autoep_zero12_checkpoint(
     ep = int(layers[0]["ep_size"])
     ranks = []
     for r in range(dp):
-        path = tag_dir / OPTIM.format(r)
+        path = tag_dir / OPTIM.format(prefix, r)
         if not path.exists():
             raise CheckpointError(f"{tag_dir}: {path.name} is missing (the checkpoint was saved by {dp} ranks)")
         ranks.append(_load(path)["optimizer_state_dict"])

@@ -24,7 +24,8 @@ experts.py), so it loads at any ep, dp and ZeRO stage. There is no ZeRO-3 native
 not supported with ZeRO Stage 3. Use AutoEP ..."). Its ZeRO-3 MoE is AutoEP, whose tags (model states with
 `ds_autoep_layers`) this reader and deepspeed_import's refuse (`refuse_autoep`): a ZeRO-3 one is read by
 deepspeed_autoep.py (Note [DeepSpeed AutoEP ZeRO-3 checkpoints]), a ZeRO 0-2 one (layer_i_expert_e files under
-AutoEP's own names) nowhere; fixtures autoep_zero{2,3}_ep2. Refused too, with an error
+AutoEP's own names) by deepspeed_autoep_zero12.py / deepspeed_autoep_zero0.py (its ZeRO-0 reader follows
+`_read_zero0` below); fixtures autoep_zero{0,1,2,3}_ep2. Refused too, with an error
 naming the tag: MoE groups of several ep sizes, expert buffers, and what deepspeed_import refuses (tensor /
 pipeline parallelism).
 The other way, `write_deepspeed_moe_tag` cuts an export source whose experts carry global names (a zerospeed

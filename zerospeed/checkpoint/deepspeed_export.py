@@ -470,6 +470,11 @@ def write_deepspeed_tag(
             f"export to DeepSpeed: the checkpoint holds MoE experts ({experts[0]}, ...); write DeepSpeed's MoE "
             "layout with deepspeed_experts.write_deepspeed_moe_tag (zerospeed-ckpt export --ep N)"
         )
+    if (((src.meta.get("ds_config") or {}).get("expert_parallel")) or {}).get("enabled"):
+        raise CheckpointError(  # Note [DeepSpeed AutoEP export] (deepspeed_autoep_export.py)
+            "export to DeepSpeed: the checkpoint was saved under AutoEP (expert_parallel); write DeepSpeed's AutoEP "
+            "layout with deepspeed_autoep_export.write_deepspeed_autoep_tag (zerospeed-ckpt export --ep N)"
+        )
     missing = [n for g in src.group_names for n in g if n not in src.universal.tensors]
     if missing:
         raise CheckpointError(f"export to DeepSpeed: no fp32 master for {missing[:5]}; is the checkpoint complete?")

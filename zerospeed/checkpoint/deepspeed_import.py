@@ -221,8 +221,8 @@ def refuse_autoep(tag_dir: Path, model: dict) -> None:
     readers: DeepSpeed's AutoEP layer names the router and the stacked experts its own way
     (`mlp.router.gate.weight`, `mlp.experts.w1/w2/w3`) and at ZeRO 3 partitions each rank's expert param group over
     its expert-data-parallel group, not over dp, so neither reads it right. ZeRO-3 and ZeRO-1/2 AutoEP tags have
-    their own readers (deepspeed_autoep.py, deepspeed_autoep_zero12.py, chosen by engine.load_checkpoint);
-    fixtures autoep_zero{2,3}_ep2."""
+    their own readers (deepspeed_autoep.py, deepspeed_autoep_zero12.py, deepspeed_autoep_zero0.py, chosen by
+    engine.load_checkpoint); fixtures autoep_zero{0,1,2,3}_ep2."""
     layers = model.get("ds_autoep_layers")
     if not layers:
         return
@@ -232,13 +232,18 @@ def refuse_autoep(tag_dir: Path, model: dict) -> None:
             f"{where} at ZeRO 3 is read by deepspeed_autoep.read_deepspeed_autoep_zero3_checkpoint: load it with "
             "engine.load_checkpoint into the transformers model under zerospeed's AutoEP"
         )
-    if all(e.get("checkpoint_format") == "per_expert_files" for e in layers) and optim_prefix(tag_dir) == "":
+    if all(e.get("checkpoint_format") == "per_expert_files" for e in layers) and optim_prefix(tag_dir) is not None:
         raise CheckpointError(
             f"{where} at ZeRO 1/2 is read by deepspeed_autoep_zero12.read_deepspeed_autoep_zero12_checkpoint: load "
             "it with engine.load_checkpoint into the transformers model under zerospeed's AutoEP"
         )
+    if (tag_dir / "expp_rank_0_mp_rank_00_optim_states.pt").exists():
+        raise CheckpointError(
+            f"{where} at ZeRO 0 is read by deepspeed_autoep_zero0.read_deepspeed_autoep_zero0_checkpoint: load it "
+            "with engine.load_checkpoint into the transformers model under zerospeed's AutoEP"
+        )
     raise CheckpointError(
-        f"{where} is not read here (only ZeRO 1-3 AutoEP tags are, by engine.load_checkpoint); DeepSpeed's "
+        f"{where} is not read here (only ZeRO 0-3 AutoEP tags are, by engine.load_checkpoint); DeepSpeed's "
         "ds_to_universal.py writes its full weights (zero/NAME/fp32.pt): rename them to the transformers model's "
         "(mlp.router.gate -> mlp.gate; experts.w1 and w3, concatenated on dim 1 -> experts.gate_up_proj; w2 -> "
         "down_proj) and load them with load_module_only-style code"

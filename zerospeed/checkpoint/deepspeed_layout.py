@@ -13,8 +13,7 @@ each parameter) the manifest records. torch.save writes a storage once, so the r
 once; zerospeed's loader reads these entries like any other layout (resharded). Beside it each rank writes
 DeepSpeed's small `zero_pp_rank_{r}_mp_rank_00_model_states.pt` (buffers, placeholders, counters, config; what
 DeepSpeed's ZeRO-3 loader opens per rank). The cost is that all-gather and the pieces' memory at save time,
-which is why the key is off by default. ZeRO 0 is not laid out like DeepSpeed (DeepSpeed keeps its optimizer
-state in the model-states file); export it (`zerospeed-ckpt export`).
+which is why the key is off by default. ZeRO 0: Note [as-saved ZeRO 0].
 
 Note [as-saved ZeRO 1/2]: zerospeed's ZeRO 1/2 cut each bucket into dp chunks (padded to 4 x dp), DeepSpeed cuts
 each param group's flat concatenation (padded to 2 x dp) into dp contiguous slices (Note [DeepSpeed's partitions]
@@ -28,10 +27,25 @@ name DeepSpeed reads at ZeRO 1/2), with `param_shapes` in DeepSpeed's form. The 
 rank for the length of the save (ZeRO 3 holds only a unit at a time). Each group's parameters are taken in
 module order (DeepSpeed flattens them in the order the group lists them: the same when groups list parameters in
 module order, as `model.parameters()` does).
+
+Note [as-saved ZeRO 0]: DeepSpeed's ZeRO 0 (a plain torch optimizer) writes no optimizer file: its
+`mp_rank_00_model_states.pt` holds the optimizer's `state_dict()` under `optimizer` (state keyed by each parameter's
+position in the param groups' order, elementwise state in the parameter's shape; the groups' hyperparameters with
+`params` as those positions), which its loader hands to `optimizer.load_state_dict`. zerospeed's ZeRO-0 masters
+are the fp32 parameters themselves, held whole by every rank, so nothing is gathered or moved: the ranks that
+write the model states put that `optimizer` into them and, as zerospeed's entries (`entries`, as a rank file has
+them), the same tensors: each master is the module state's weight, each elementwise state the `optimizer`'s
+tensor, so torch.save writes every value once. The manifest's partition names the model-states file as rank 0's
+file, and zerospeed's loaders read the entries from there (same layout or resharded, as from any rank file;
+entries keep the parameter's shape, which the loaders flatten). The rank files keep each rank's RNG state only.
+`optimizer` and `entries` are therefore reserved model-states keys (RESERVED_KEYS in state.py). fp16 at ZeRO 0 is
+refused: DeepSpeed keeps that state in its FP16_Optimizer, whose files its CPU accelerator cannot write (it refuses
+fp16 on a CPU without mkldnn fp16), so the layout could not be checked against DeepSpeed.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from collections import OrderedDict
@@ -60,11 +74,12 @@ from zerospeed.checkpoint.layout import EntryLayout, entry_groups, split_state
 from zerospeed.checkpoint.manifest import tied_aliases
 from zerospeed.checkpoint.state import TrainingState, training_state_dict
 from zerospeed.checkpoint.universal import FP32, UniversalState
+from zerospeed.utils.errors import ConfigError
 from zerospeed.zero.shards import Piece
 from zerospeed.zero.tags import full_shape
 
 KEY = "checkpoint.deepspeed_layout"
-STAGES = (1, 2, 3)  # the ZeRO stages saved this way
+STAGES = (0, 1, 2, 3)  # the ZeRO stages saved this way
 
 
 def ds_model_states_name(dp_rank: int) -> str:
@@ -75,13 +90,15 @@ def ds_model_states_name(dp_rank: int) -> str:
 def check_as_saved(state: TrainingState, names: CheckpointNames) -> None:
     """Raise (alike on every rank) where a save cannot be in DeepSpeed's layout as saved."""
     mesh, zero_cfg = state.mesh, (state.ds_config or {}).get("zero_optimization") or {}
+    if state.zero.stage == 0 and state.param_dtype == torch.float16:
+        raise ConfigError(
+            f"{KEY}=true with fp16.enabled at zero_optimization.stage 0: DeepSpeed 0.19.8 keeps that state in its "
+            "FP16_Optimizer, which it refuses to build on a CPU without fp16 support, so zerospeed does not write "
+            "that layout (Note [as-saved ZeRO 0]); set checkpoint.deepspeed_layout false, or use ZeRO stage 1-3"
+        )
     problem = None
     if state.zero.stage not in STAGES:
-        problem = (
-            f"ZeRO stage {state.zero.stage}: only stages 1-3 save in DeepSpeed's layout (DeepSpeed's stage 0 keeps "
-            "the optimizer state in its model-states file); set it false and export the tag with "
-            "`zerospeed-ckpt export --to deepspeed`"
-        )
+        problem = f"ZeRO stage {state.zero.stage} is not saved in DeepSpeed's layout; set it false"
     elif mesh.size("tp") > 1 or mesh.size("sp") > 1 or mesh.size("pp") > 1 or names.has_experts:
         problem = "tensor, sequence, pipeline or expert parallelism: only plain data parallelism is written this way"
     elif int(zero_cfg.get("mics_shard_size", -1) or -1) > 0:
@@ -95,7 +112,7 @@ def check_as_saved(state: TrainingState, names: CheckpointNames) -> None:
         problem = "no optimizer: DeepSpeed's ZeRO-3 files hold the optimizer's state"
     elif any(not p.requires_grad for p in state.module.parameters()):
         problem = "frozen parameters (their partitions would be written twice); export the tag instead"
-    elif state.zero.stage < 3 and any(zero_cfg.get(k) for k in ("round_robin_gradients", "parameter_alignment")):
+    elif 0 < state.zero.stage < 3 and any(zero_cfg.get(k) for k in ("round_robin_gradients", "parameter_alignment")):
         problem = (
             "zero_optimization.round_robin_gradients / parameter_alignment: DeepSpeed's ZeRO 1/2 flat layout "
             "then reorders or pads the parameters, which this save does not write; export the tag instead"
@@ -279,3 +296,61 @@ def as_saved_stage12_rank_states(
     shard = {**header, "entries": records, "optimizer_state_dict": osd, "ds_config": _ds_config(src, stage)}
     shapes = [OrderedDict((name, torch.Size(names.specs[name]["shape"])) for name in g) for g in group_names]
     return shard, layouts, shapes
+
+
+def _zero0_group_names(state: TrainingState, names: CheckpointNames, groups: dict[str, int]) -> list[list[str]]:
+    """The trained parameters per optimizer param group in the order DeepSpeed's torch optimizer numbers them:
+    the order the groups list them (`state.param_group_names`), else module order."""
+    known = [[n for n in g if n in groups] for g in state.param_group_names]
+    if len(known) == len(state.optimizer.param_groups) and sorted(n for g in known for n in g) == sorted(groups):
+        return known
+    order = [names.params[id(p)] for p in state.module.parameters() if p.requires_grad]
+    return [[n for n in order if groups.get(n) == gi] for gi in range(len(state.optimizer.param_groups))]
+
+
+def _shaped(t: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """`t` (detached) in `shape`: a view where `t` is contiguous, so its storage stays the one saved."""
+    t = t.detach()
+    return t.view(shape) if t.is_contiguous() else t.reshape(shape)
+
+
+def as_saved_stage0(state: TrainingState, names: CheckpointNames, model_states: dict | None) -> list[EntryLayout]:
+    """Note [as-saved ZeRO 0]: put DeepSpeed's `optimizer` (the torch optimizer's state_dict in DeepSpeed's
+    numbering) and zerospeed's `entries` (the same tensors) into `model_states` (this rank's model-states file;
+    None on ranks that write none); the entries' layouts (in the strategy's entry order)."""
+    if model_states is None:
+        return []
+    opt, module = state.optimizer, model_states["module"]
+    entries = names.global_entries(state.zero.shard_entries(names.params))
+    gis = entry_groups(opt, [e.master for e in entries])
+    records, layouts, tensors, scalars = [], [], {}, {}
+    for entry, gi in zip(entries, gis):
+        (piece,) = entry.pieces  # (a whole parameter: ZeRO 0)
+        name, shape = piece.name, names.specs[piece.name]["shape"]
+        weight = module.get(name)
+        fp32 = entry.master.float() if entry.master.dtype != torch.float32 else entry.master
+        if weight is None or weight.dtype != torch.float32 or weight.numel() != entry.master.numel():
+            weight = _shaped(fp32, shape)
+        saved = opt.state.get(entry.master, {})
+        elementwise, scalar = split_state(saved, entry.master.numel())
+        tensors[name] = {k: (_shaped(v, shape) if k in elementwise else v) for k, v in saved.items()}
+        scalars[name] = scalar
+        records.append({"master": weight, "state": tensors[name]})
+        layouts.append(EntryLayout(gi, entry.master.numel(), (piece,), tuple(elementwise), tuple(scalar)))
+    group_names = _zero0_group_names(state, names, {p.name: gi for e, gi in zip(entries, gis) for p in e.pieces})
+    ds_state, hyper, index = {}, [], 0
+    for gi, group in enumerate(group_names):
+        for name in group:
+            if tensors.get(name):
+                ds_state[index] = tensors[name]
+            index += 1
+        first = index - len(group)
+        hyper.append(
+            {
+                **{k: copy.deepcopy(v) for k, v in opt.param_groups[gi].items() if k != "params"},
+                "params": list(range(first, index)),
+            }
+        )
+    model_states["optimizer"] = {"state": ds_state, "param_groups": hyper}
+    model_states["entries"] = records
+    return layouts

@@ -18,6 +18,10 @@ import torch
 
 from zerospeed import comm
 from zerospeed.checkpoint.deepspeed_autoep import is_deepspeed_autoep_zero3_tag, read_deepspeed_autoep_zero3_checkpoint
+from zerospeed.checkpoint.deepspeed_autoep_zero0 import (
+    is_deepspeed_autoep_zero0_tag,
+    read_deepspeed_autoep_zero0_checkpoint,
+)
 from zerospeed.checkpoint.deepspeed_autoep_zero12 import (
     is_deepspeed_autoep_zero12_tag,
     read_deepspeed_autoep_zero12_checkpoint,
@@ -43,7 +47,8 @@ def load_deepspeed_checkpoint(
     moe = is_deepspeed_moe_tag(tag_dir)  # Note [DeepSpeed MoE checkpoints] (deepspeed_experts.py)
     autoep = is_deepspeed_autoep_zero3_tag(tag_dir)  # Note [DeepSpeed AutoEP ZeRO-3 checkpoints] (deepspeed_autoep.py)
     autoep12 = is_deepspeed_autoep_zero12_tag(tag_dir)  # Note [DeepSpeed AutoEP ZeRO-1/2 checkpoints]
-    check_supported(state, experts_ok=moe or autoep or autoep12)
+    autoep0 = is_deepspeed_autoep_zero0_tag(tag_dir)  # Note [DeepSpeed AutoEP ZeRO-0 checkpoints]
+    check_supported(state, experts_ok=moe or autoep or autoep12 or autoep0)
     place = placement(state)
     names = checkpoint_names(state, place)
     entries = names.global_entries(state.zero.shard_entries(names.params))  # (AutoEP: stacked experts)
@@ -56,6 +61,8 @@ def load_deepspeed_checkpoint(
             reader = read_deepspeed_autoep_zero3_checkpoint
         if autoep12:
             reader = read_deepspeed_autoep_zero12_checkpoint
+        if autoep0:
+            reader = read_deepspeed_autoep_zero0_checkpoint
         if is_deepspeed_tp_tag(tag_dir):  # Note [DeepSpeed tensor-parallel checkpoints] (deepspeed_tp.py)
             reader = read_deepspeed_tp_checkpoint
         ckpt = reader(tag_dir, names=wanted, group_names=state.param_group_names)

@@ -17,8 +17,9 @@ the LR scheduler and the counters. A stage module's parameters are, in order, it
   data-parallel rank d of stage s writes `zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt`, the ZeRO-1/2
   flat partition of that stage's parameters (Note [DeepSpeed checkpoints] in deepspeed_import.py).
 A tied module's copies on several stages step on the same summed gradient, so their masters and states are
-equal; the lowest stage's is read. Refused with an error naming the tag: tensor parallelism, several
-param groups, and files whose counts or shapes do not match.
+equal; the lowest stage's is read. Refused with an error naming the tag: several param groups, and files
+whose counts or shapes do not match. With tensor parallelism inside the stages each tp rank's files are read
+as such a tag of its local tensors (`tp`, `tp_rank`) and joined by deepspeed_pipeline_tp.py.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from zerospeed.checkpoint.deepspeed_import import (
     _read_stage12,
     _read_universal,
     _scalars,
+    _universal_shape,
     is_universal_folder,
 )
 from zerospeed.checkpoint.errors import CheckpointError
@@ -97,29 +99,36 @@ def is_deepspeed_pipeline_tag(tag_dir: Path) -> bool:
 
 
 def read_deepspeed_pipeline(
-    tag_dir: Path, tied: dict[int, str] | None = None, bounds: Callable[[int], list[int]] | None = None
+    tag_dir: Path,
+    tied: dict[int, str] | None = None,
+    bounds: Callable[[int], list[int]] | None = None,
+    *,
+    tp: int = 1,
+    tp_rank: int = 0,
 ) -> DeepSpeedPipeline:
     """Note [DeepSpeed pipeline checkpoints]. `tied`: layer index -> tie key of the model's tied layers;
     `bounds(n)`: the layer bounds of the model's partition into n stages (needed for ZeRO-0 tags with tied
-    layers)."""
+    layers). `tp` > 1: tp rank `tp_rank`'s files of a tag with tensor parallelism inside the stages, its local
+    tensors (Note [DeepSpeed pipeline checkpoints with tp] in deepspeed_pipeline_tp.py joins the ranks)."""
     tag_dir, tied = Path(tag_dir), dict(tied or {})
-    files = sorted(tag_dir.glob("layer_*-model_states.pt"))
-    if any(f.name.count("-") > 1 for f in files) or any(tag_dir.glob("*mp_rank_*_mp_rank_*")):
+    files = sorted(
+        tag_dir.glob("layer_*-model_states.pt" if tp == 1 else f"layer_*-model_{tp_rank:02d}-model_states.pt")
+    )
+    if tp == 1 and (any(f.name.count("-") > 1 for f in files) or any(tag_dir.glob("*mp_rank_*_mp_rank_*"))):
         raise CheckpointError(
-            f"{tag_dir}: a tensor-parallel DeepSpeed pipeline checkpoint is not read here; only pipeline "
-            "checkpoints without tensor parallelism are (convert it with DeepSpeed's zero_to_fp32.py)"
+            f"{tag_dir}: a DeepSpeed pipeline checkpoint with tensor parallelism inside the stages is read by "
+            "deepspeed_pipeline_tp.read_deepspeed_pipeline_tp (a PipelineModule engine's load_checkpoint does)"
         )
     layers = {int(f.name.split("-")[0][len("layer_") :]): _load(f) for f in files}
     stages = []
-    while (tag_dir / stage_file(len(stages))).exists():
-        stages.append(_load(tag_dir / stage_file(len(stages))))
-    zero1 = (tag_dir / optim_file(0, 0)).exists()
+    while (tag_dir / stage_file(len(stages) * tp + tp_rank)).exists():  # (DeepSpeed's mp rank: stage * tp + tp rank)
+        stages.append(_load(tag_dir / stage_file(len(stages) * tp + tp_rank)))
+    zero1 = (tag_dir / optim_file(0, tp_rank)).exists()
     uni, param_groups = UniversalState(), None
     for s, st in enumerate(stages):
         if zero1:
-            part = _read_stage12(
-                tag_dir, {**st, "module": {}}, int(st.get("dp_world_size") or 1), _shapes(tag_dir, s, st), None, s
-            )
+            dp, shapes = int(st.get("dp_world_size") or 1), _shapes(tag_dir, s, st)
+            part = _read_stage12(tag_dir, {**st, "module": {}}, dp, shapes, None, s * tp + tp_rank)
             part_uni, groups = part.universal, part.param_groups
         else:
             names = _stage_names(tag_dir, s, len(stages), layers, stages, tied, bounds)
@@ -177,16 +186,19 @@ def refuse_pipeline_universal(tag_dir: Path) -> None:
         )
 
 
-def read_deepspeed_pipeline_universal(tag_dir: Path) -> DeepSpeedPipeline:
+def read_deepspeed_pipeline_universal(tag_dir: Path, tp: int = 1) -> DeepSpeedPipeline:
     """Note [DeepSpeed pipeline universal folders]: the folder in the form `read_deepspeed_pipeline` gives (no
-    layer files: the weights are the universal fp32 tensors)."""
+    layer files: the weights are the universal fp32 tensors). `tp` > 1: converted from a tag with tp inside the
+    stages: tp rank 0's stage files, the parameters at their full shapes (deepspeed_pipeline_tp.py)."""
     tag_dir = Path(tag_dir)
     stages = []
-    while (tag_dir / stage_file(len(stages))).exists():
-        stages.append(_load(tag_dir / stage_file(len(stages))))
+    while (tag_dir / stage_file(len(stages) * tp)).exists():
+        stages.append(_load(tag_dir / stage_file(len(stages) * tp)))
     uni, param_groups = UniversalState(), None
     for s, st in enumerate(stages):
         shapes = _shapes(tag_dir, s, st)
+        if tp > 1:  # (the stage files record tp rank 0's local shapes)
+            shapes = [{n: _universal_shape(tag_dir, n) for n in g} for g in shapes]
         part = _read_universal(tag_dir, {**st, "module": {}}, int(st.get("dp_world_size") or 1), shapes, None)
         if len(part.param_groups) != 1 or len(shapes) != 1:
             raise CheckpointError(
@@ -379,15 +391,20 @@ def export_pipeline_universal(
     return publish_tag(root, staging, out_tag, latest="latest_universal")
 
 
-def _pipeline_sources(checkpoint_dir, tag: str | None) -> tuple[Path, dict, list[ExportSource]]:
+def _pipeline_sources(checkpoint_dir, tag: str | None, tp: bool = False) -> tuple[Path, dict, list[ExportSource]]:
     """The zerospeed pipeline tag's layer files and, per stage at its saved bounds, the stage's parameters under
-    DeepSpeed's names (Note [pipeline export])."""
+    DeepSpeed's names (Note [pipeline export]); full tensors. `tp`: a tag saved with tp is read too (its caller
+    cuts it: deepspeed_pipeline_tp.py)."""
     src_dir = pipeline_tag_dir(checkpoint_dir, tag)
     if src_dir is None:
         raise CheckpointError(f"{checkpoint_dir}: no zerospeed pipeline checkpoint (engine_states.pt + layer files)")
     saved = torch.load(src_dir / "engine_states.pt", map_location="cpu", weights_only=False)
     layout = saved["layout"]
-    if layout.get("zero_stage") not in (0, 1, 2) or layout.get("chunks", 1) != 1 or layout.get("tp", 1) != 1:
+    if (
+        layout.get("zero_stage") not in (0, 1, 2)
+        or layout.get("chunks", 1) != 1
+        or (layout.get("tp", 1) != 1 and not tp)
+    ):
         raise CheckpointError(
             f"{src_dir}: saved with ZeRO stage {layout.get('zero_stage')}, {layout.get('chunks')} chunks, tp "
             f"{layout.get('tp')}; a pipeline checkpoint exports to DeepSpeed from ZeRO stage 0-2 without "

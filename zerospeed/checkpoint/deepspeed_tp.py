@@ -75,8 +75,9 @@ def read_deepspeed_tp_checkpoint(
     info = _uc_info(tag_dir, first)
     if any(tag_dir.glob("layer_*")) or any(tag_dir.glob("*expp_rank*")):
         raise CheckpointError(
-            f"{tag_dir}: a tensor-parallel DeepSpeed checkpoint with pipeline stages or MoE experts is not read; "
-            "convert it with DeepSpeed's ds_to_universal.py and zero_to_fp32 and load the weights"
+            f"{tag_dir}: a tensor-parallel DeepSpeed checkpoint with pipeline stages or MoE experts is not read by a "
+            "data-parallel engine; a pipeline one loads into a PipelineModule's engine (zerospeed.pipe; "
+            "deepspeed_pipeline_tp.py), a MoE one: convert it with DeepSpeed's ds_to_universal.py and zero_to_fp32"
         )
     ranks = [
         _read_rank(tag_dir, t, first if t == 0 else _load(tag_dir / model_file(t)), names, group_names)

@@ -207,10 +207,11 @@ def _load_frozen(state: TrainingState, saved: SavedModule, place: Placement, sha
 @torch.no_grad()
 def _load_direct(reads: _ReadList, optimizer, with_optimizer: bool) -> None:
     with readable_deepspeed_objects():  # (a tag saved with checkpoint.deepspeed_layout)
-        data = torch.load(reads.tag_dir / reads.direct.file, map_location="cpu", mmap=True, weights_only=True)
+        trusted = is_model_states_name(reads.direct.file)  # (Note [as-saved ZeRO 0])
+        data = torch.load(reads.tag_dir / reads.direct.file, map_location="cpu", mmap=True, weights_only=not trusted)
     groups = entry_groups(optimizer, [e.master for e in reads.entries])
     for entry, layout, record, gi in zip(reads.entries, reads.direct.entries, data["entries"], groups):
-        entry.master.view(-1).copy_(record["master"])
+        entry.master.view(-1).copy_(record["master"].reshape(-1))
         if with_optimizer and optimizer is not None:
             group = optimizer.param_groups[gi] if gi >= 0 else {}
             optimizer.state[entry.master] = {

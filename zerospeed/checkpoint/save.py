@@ -38,6 +38,7 @@ from zerospeed.checkpoint.async_writer import (
 from zerospeed.checkpoint.atomic import atomic_torch_save, fresh_dir, swap_in_dir
 from zerospeed.checkpoint.deepspeed_layout import (
     as_saved_rank_states,
+    as_saved_stage0,
     as_saved_stage12_rank_states,
     check_as_saved,
     ds_model_states_name,
@@ -239,7 +240,12 @@ def _as_saved(
     with DeepSpeed's model states added to `job` beside it, and DeepSpeed's form of `param_shapes` in the model
     states `job` holds (DeepSpeed's zero_to_fp32 reads every *_model_states.pt of the tag). ZeRO 1/2: DeepSpeed's
     slices instead (Note [as-saved ZeRO 1/2]), whose model states are zerospeed's own file (DeepSpeed's form of
-    `param_shapes` in it)."""
+    `param_shapes` in it). ZeRO 0: the optimizer state and zerospeed's entries go into the model states
+    (Note [as-saved ZeRO 0]); the rank files keep the header (RNG) only."""
+    if state.zero.stage == 0:
+        model = next((obj for name, obj in job.items if name == model_states_name(place.tp_rank)), None)
+        layouts = as_saved_stage0(state, names, model)
+        return {**_rank_header(state, place), "entries": []}, layouts if place.dp_rank == 0 else []
     if state.zero.stage < 3:
         shard, layouts, shapes = as_saved_stage12_rank_states(
             state, names, place.dp_rank, _rank_header(state, place), client_state
@@ -420,6 +426,8 @@ def save_checkpoint(
         base,
         start,
     )
+    if plan.deepspeed_layout and state.zero.stage == 0 and layouts:
+        pending.entries_file = model_states_name(place.tp_rank)  # (Note [as-saved ZeRO 0])
     if asynchronous:
         pending.snapshot_seconds = time.perf_counter() - start
         saves.begin(pending)
@@ -490,6 +498,7 @@ class PendingSave:
     manifest: dict | None  # on the ranks that write the manifest
     start: float
     snapshot_seconds: float = 0.0
+    entries_file: str | None = None  # where this rank's entries are, when not its rank file (Note [as-saved ZeRO 0])
 
 
 def commit_save(pending: PendingSave) -> None:  # noqa: C901
@@ -508,6 +517,7 @@ def commit_save(pending: PendingSave) -> None:  # noqa: C901
             [e.to_json() for e in pending.layouts],
             pending.dp_rank,
             pending.tp_rank,
+            pending.entries_file,
         )
     )
     tag_writer = _writes_tag_files(plan)
@@ -529,8 +539,10 @@ def commit_save(pending: PendingSave) -> None:  # noqa: C901
                 rf.to_json()
                 for rf in sorted(
                     (
-                        RankFile.from_json({"rank": d, "tp_rank": t, "file": optim_states_name(d, t), "entries": lay})
-                        for *_, lay, d, t in gathered
+                        RankFile.from_json(
+                            {"rank": d, "tp_rank": t, "file": f or optim_states_name(d, t), "entries": lay}
+                        )
+                        for *_, lay, d, t, f in gathered
                     ),
                     key=lambda rf: (rf.tp_rank, rf.rank),
                 )

@@ -97,6 +97,10 @@ RESERVED_KEYS = frozenset(
         "ds_version",
         "random_ltd",
         DELAYED_UPDATE,
+        # with checkpoint.deepspeed_layout at ZeRO 0: DeepSpeed's optimizer state and zerospeed's entries
+        # (Note [as-saved ZeRO 0] in deepspeed_layout.py)
+        "optimizer",
+        "entries",
     }
 )
 

@@ -24,6 +24,7 @@ from zerospeed.checkpoint.deepspeed_pickle import readable_deepspeed_objects
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.layout import entry_groups, partition_from_manifest
 from zerospeed.checkpoint.manifest import saved_layouts
+from zerospeed.checkpoint.naming import is_model_states_name
 from zerospeed.checkpoint.tensor_parallel import assemble_full, local_shape, writer_ranks
 from zerospeed.zero.shards import ShardEntry, fill_entry
 
@@ -76,10 +77,13 @@ def load_universal(
         if not wanted:
             continue
         with readable_deepspeed_objects():  # (a tag saved with checkpoint.deepspeed_layout)
-            data = torch.load(Path(tag_dir) / rf.file, map_location="cpu", mmap=True, weights_only=True)
+            # (at ZeRO 0 such a tag's entries are in the model states: Note [as-saved ZeRO 0])
+            trusted = is_model_states_name(rf.file)
+            data = torch.load(Path(tag_dir) / rf.file, map_location="cpu", mmap=True, weights_only=not trusted)
         for i, layout in wanted:
             record = data["entries"][i]
             sources = {FP32: record["master"], **{k: record["state"][k] for k in layout.elementwise}}
+            sources = {k: v.reshape(-1) for k, v in sources.items()}  # (entries in the parameter's shape)
             for piece in layout.pieces:
                 if names is not None and piece.name not in names:
                     continue

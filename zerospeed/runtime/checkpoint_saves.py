@@ -17,7 +17,7 @@ DeepSpeed's keys and what each does here (docs/checkpoints.md, "Asynchronous sav
   async_load                         load_checkpoint reads this rank's files on background threads
   checkpoint.use_node_local_storage  every node writes and reads its own copy (local rank 0 writes the
                                      manifest and `latest` there)
-  checkpoint.deepspeed_layout        zerospeed's key: ZeRO 1-3 rank files DeepSpeed loads as saved
+  checkpoint.deepspeed_layout        zerospeed's key: ZeRO 0-3 files DeepSpeed loads as saved
 """
 
 from __future__ import annotations

@@ -59,7 +59,8 @@ class CheckpointConfig(StrictModel):
             "zerospeed only (DeepSpeed has no such key): at ZeRO 1-3, write each rank file in DeepSpeed 0.19.8's "
             "layout as well as zerospeed's (the same tensors, stored once; at ZeRO 3 plus DeepSpeed's per-rank "
             "model states), so DeepSpeed's load_checkpoint reads the tag as saved at the same stage and dp; costs "
-            "an all-gather of the optimizer state per save. ZeRO 0: export instead. Default false."
+            "an all-gather of the optimizer state per save. ZeRO 0 (fp32): the optimizer state goes into the model "
+            "states as DeepSpeed's `optimizer`, zerospeed's entries with it (no gather). Default false."
         ),
     )
 

@@ -40,8 +40,16 @@ from zerospeed.checkpoint.deepspeed_pipeline import (
     read_deepspeed_pipeline,
     read_deepspeed_pipeline_universal,
 )
+from zerospeed.checkpoint.deepspeed_pipeline_tp import (
+    is_deepspeed_pipeline_tp_tag,
+    read_deepspeed_pipeline_tp,
+    read_deepspeed_pipeline_universal_tp,
+    tp_piece,
+    universal_tp_degree,
+)
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.naming import check_load_dir, check_save_dir
+from zerospeed.checkpoint.tensor_parallel import TPLayout
 from zerospeed.checkpoint.universal import FP32, UniversalState, fill_from_universal
 from zerospeed.parallel.tensor.partition import take
 from zerospeed.parallel.tensor.state import gather_full, param_layouts
@@ -78,6 +86,30 @@ class _TensorParallel:
         self.rank = engine.module.groups.rank_in("tp")
         named = dict(engine.module.named_parameters())
         self.specs = {id(named[n]): specs for n, specs in param_layouts(engine.module).items() if specs is not None}
+
+    def check_replicated(self, engine) -> None:
+        """Refuse to save a parameter without a tensor-parallel layout that differs across the tp ranks: it is split
+        (a hand-written Megatron-style layer) in a way zerospeed cannot see, and tp rank 0's piece would be written
+        as the whole tensor. Collective over the tp group (one small all-gather); every rank raises alike."""
+        if self.size == 1:
+            return
+        named = [(n, p) for n, p in engine.module.named_parameters() if id(p) not in self.specs]
+        if not named:
+            return
+        mine = torch.stack([torch.stack([p.detach().float().sum(), p.detach().float().abs().sum()]) for _, p in named])
+        out = mine.new_empty((self.size, *mine.shape))  # (on the parameters' device: NCCL gathers there)
+        comm.all_gather_into_tensor(out, mine, group=self.group)
+        parts = out.cpu()
+        for i, (name, _) in enumerate(named):
+            for r in range(1, self.size):
+                if not torch.allclose(parts[r][i], parts[0][i], rtol=1e-4, atol=1e-6):
+                    raise CheckpointError(
+                        f"save_checkpoint: parameter {name!r} has no tensor-parallel layout but differs between tp "
+                        f"rank 0 and tp rank {r} (|sum| {parts[0][i][0].item():.6g} vs {parts[r][i][0].item():.6g}): "
+                        "it is split by hand, and zerospeed would save tp rank 0's piece as the whole tensor. Build "
+                        "the layer from zerospeed.parallel.tensor's ColumnParallelLinear / RowParallelLinear / "
+                        "VocabParallelEmbedding, whose layouts the checkpoint records."
+                    )
 
     def full(self, t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         specs = self.specs.get(id(param))
@@ -134,9 +166,10 @@ def save_pipeline_checkpoint(
     root = check_save_dir(save_dir)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     path = root / tag
+    tp = _TensorParallel(engine)
+    tp.check_replicated(engine)  # (before anything is written)
     path.mkdir(parents=True, exist_ok=True)
     module, dp_rank = engine.module, comm.get_rank(engine.dp_group)
-    tp = _TensorParallel(engine)
     writes = tp.rank == 0  # the gathers below are collective over the tp group: every tp rank joins
     parallel = engine.config.checkpoint.parallel_write.pipeline_stage
     files: list[tuple[str, object]] = []  # (name in the tag, object) this rank writes
@@ -268,6 +301,9 @@ def _save_layer_optim(engine, files: list, tp: _TensorParallel, writes: bool) ->
         full_master = tp.full(master, param)
         for idx, name in where.get(id(param), []):
             per_layer.setdefault(idx, {})[name] = {"master": full_master, "state": state}
+            if tp.size > 1:  # (how the full tensors split: read by the export to DeepSpeed, deepspeed_pipeline_tp.py)
+                specs = tp.specs.get(id(param))
+                per_layer[idx][name]["tp_layout"] = None if specs is None else TPLayout(tuple(specs)).to_json()
     if writes:
         for idx, entries in per_layer.items():
             files.append((layer_file(idx, "optim"), entries))
@@ -338,13 +374,18 @@ def _load_deepspeed(engine, path: Path, strict: bool, with_optimizer: bool, with
     they load at any stage count and data-parallel size, into ZeRO 0, 1 or 2."""
     module = engine.module
     if is_deepspeed_pipeline_universal(path):
-        ds = read_deepspeed_pipeline_universal(path)
-        _load_universal_modules(engine, path, ds.universal, strict)
+        tp_folder = universal_tp_degree(path) > 1  # Note [DeepSpeed pipeline checkpoints with tp]
+        ds = read_deepspeed_pipeline_universal_tp(path) if tp_folder else read_deepspeed_pipeline_universal(path)
+        _load_universal_modules(engine, path, ds.universal, strict, _deepspeed_tp_cut(engine, ds))
+    elif is_deepspeed_pipeline_tp_tag(path):  # Note [DeepSpeed pipeline checkpoints with tp]
+        ds = read_deepspeed_pipeline_tp(path, module.tied_layers(), module.partition_bounds)
+        _load_full_layers(engine, ds, strict)
     else:
         ds = read_deepspeed_pipeline(path, module.tied_layers(), module.partition_bounds)
         _load_modules(engine, path, strict)
     if with_optimizer and engine.optimizer is not None:
         names = {id(p): n for n, p in module.named_parameters()}
+        params, cut = dict(module.named_parameters()), _deepspeed_tp_cut(engine, ds)
         uni = UniversalState()
         for name in names.values():
             theirs = name if name.startswith(TIED) else name.removeprefix("layer_modules.")
@@ -354,6 +395,11 @@ def _load_deepspeed(engine, path: Path, strict: bool, with_optimizer: bool, with
                     f"model's parameter {name}); pass load_optimizer_states=False to load the weights"
                 )
             uni.tensors[name], uni.scalars[name] = ds.universal.tensors[theirs], ds.universal.scalars[theirs]
+            if cut is not None:  # (full tensors: this rank's tp piece of each)
+                where = f"{path} [{theirs}]"
+                uni.tensors[name] = {
+                    k: cut(theirs, v, params[name], where).reshape(-1) for k, v in uni.tensors[name].items()
+                }
             uni.groups[name] = 0
         for group in engine.optimizer.param_groups:
             group.update(ds.param_groups[0])
@@ -371,9 +417,49 @@ def _load_deepspeed(engine, path: Path, strict: bool, with_optimizer: bool, with
     return str(path), ds.client_state
 
 
-def _load_universal_modules(engine, path: Path, uni: UniversalState, strict: bool) -> None:
+def _deepspeed_tp_cut(engine, ds):
+    """Note [DeepSpeed pipeline checkpoints with tp] (checkpoint/deepspeed_pipeline_tp.py): for a tag (or universal
+    folder) read into full tensors, (DeepSpeed's name, full or flat tensor, parameter, where) -> this rank's piece:
+    zerospeed's tensor-parallel layers by their shard layouts, plain layers (local tensors of a Megatron-style tp
+    run) by the tag's name categories; None for other tags."""
+    info = ds.meta.get("universal_checkpoint_info") if "tp" in ds.meta else None
+    if info is None:
+        return None
+    tp, shapes = _TensorParallel(engine), ds.meta["shapes"]
+
+    def cut(theirs: str, full: torch.Tensor, param: torch.Tensor, where) -> torch.Tensor:
+        full = full.view(shapes[theirs])
+        if id(param) not in tp.specs:
+            full = tp_piece(info, theirs, full, tp.size, tp.rank, ds.tag_dir)
+        return tp.piece(full, param, where)
+
+    return cut
+
+
+def _load_full_layers(engine, ds, strict: bool) -> None:
+    """This rank's layers from the full layer states of a DeepSpeed tag with tp (`_deepspeed_tp_cut`)."""
+    cut, tied = _deepspeed_tp_cut(engine, ds), engine.module.tied_layers()
+    for idx in engine.module.local_layer_indices():
+        mod = engine.module.layer_module(idx)
+        if mod is None:
+            continue
+        holders = [i for i in ds.layers if i == idx or (idx in tied and tied.get(i) == tied[idx])]
+        if not holders:
+            raise FileNotFoundError(
+                f"{ds.tag_dir}: layer {idx} of this model has no layer file (was the checkpoint written by a "
+                "different layer list?)"
+            )
+        prefix, params = f"{TIED}{tied[idx]}." if idx in tied else f"{idx}.", dict(mod.named_parameters())
+        state = {
+            k: cut(prefix + k, v, params[k], f"{ds.tag_dir} [{prefix}{k}]") if k in params else v
+            for k, v in ds.layers[holders[0]].items()
+        }
+        mod.load_state_dict({k: v.to(engine.device) for k, v in state.items()}, strict=strict)
+
+
+def _load_universal_modules(engine, path: Path, uni: UniversalState, strict: bool, cut=None) -> None:
     """This rank's parameters from a pipeline universal folder's fp32 tensors (buffers keep their values, as in
-    DeepSpeed's PipelineEngine)."""
+    DeepSpeed's PipelineEngine); `cut`: this rank's tp piece of each (`_deepspeed_tp_cut`)."""
     missing = []
     with torch.no_grad():
         for name, p in engine.module.named_parameters():
@@ -382,6 +468,8 @@ def _load_universal_modules(engine, path: Path, uni: UniversalState, strict: boo
                 missing.append(theirs)
                 continue
             full = uni.tensors[theirs][FP32]
+            if cut is not None:
+                full = cut(theirs, full, p, f"{path / 'zero' / theirs}")
             if full.numel() != p.numel():
                 raise CheckpointError(
                     f"{path / 'zero' / theirs}: {full.numel()} elements, this model's {name} has shape "
