@@ -11,17 +11,19 @@ model under its AutoEP at autoep_size F and ZeRO T, `load_checkpoint`s the expor
 table gives the largest |Δ| between the two continuations' losses, and between DeepSpeed's parameters right after
 the load (every rank's experts stacked back to [E, ...] in ep-rank order, renamed to the transformers model's names
 from DeepSpeed's own account, `_transformers_names`) and zerospeed's own consolidation of the step-3 tag.
+`--bf16`: both sides train with `"bf16": {"enabled": true}` (make_autoep.py --bf16's run; ZeRO 1-3, the export
+is `bf16_zero_pp_rank_*` files) and the weight column compares DeepSpeed's fp32 masters after the load
+(`safe_get_full_fp32_param`) with zerospeed's consolidation: exact; the losses follow bf16 gradients that the two
+libraries sum in another order (within 1e-4, docs/checkpoints.md).
 Model, batches, config and the DeepSpeed-side transformers patch come from make_autoep.py (the MoE differential's
-pattern: benchmarks/deepspeed_moe_differential.py, whose `_pair` driver this script shares).
+pattern: benchmarks/deepspeed_moe_differential.py, whose command line and `_pair` driver this script shares).
 """
 
-import argparse
 import json
 import os
 import sys
 
 import torch
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures", "deepspeed_0.19.8"))
@@ -31,15 +33,25 @@ import make  # noqa: E402
 import make_autoep  # noqa: E402
 
 PAIRS = ["2:2:2:2", "3:2:3:2", "1:1:2:2", "2:2:3:1", "3:1:1:2", "2:2:0:2", "0:2:3:2"]
+BF16_PAIRS = ["2:2:2:2", "3:2:3:2", "1:2:1:2", "2:2:3:1", "3:1:1:2", "1:1:2:2"]  # (bf16 is written at ZeRO 1-3)
+
+
+BF16_ENV = "ZS_AUTOEP_DIFFERENTIAL_BF16"  # set by --bf16
+
+
+def _bf16() -> bool:
+    return os.environ.get(BF16_ENV) == "1"
 
 
 def _config(stage: int, ep: int) -> dict:
-    return make_autoep.config(stage, expert_parallel={"enabled": True, "autoep_size": ep, "preset_model": "mixtral"})
+    cfg = make_autoep.config(stage, expert_parallel={"enabled": True, "autoep_size": ep, "preset_model": "mixtral"})
+    if _bf16():  # (make_autoep.py --bf16's run: gradients accumulate in bf16 on both sides, their default)
+        cfg["bf16"] = {"enabled": True}
+    return cfg
 
 
 def _train(eng, rank, world, batches):
-    step = lambda ids: lambda lo: eng(input_ids=ids[lo : lo + 2], labels=ids[lo : lo + 2]).loss  # noqa: E731
-    return [make.train_step(eng, step(ids), rank, world) for ids in batches]
+    return [make.train_step(eng, make_autoep.loss_of(eng, ids), rank, world) for ids in batches]
 
 
 def _env(rank, world, port):
@@ -88,9 +100,13 @@ def deepspeed_run(rank, world, stage, ep, clip, folder, port):
     eng, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=_config(stage, ep))
     eng.load_checkpoint(os.path.join(folder, "export"))
     mine = {}
-    with deepspeed.zero.GatheredParameters(list(eng.module.parameters())):
+    if _bf16():  # the fp32 masters, DeepSpeed's own account of them (the module holds their bf16 copies)
         for name, p in eng.module.named_parameters():
-            mine[name] = p.detach().clone()
+            mine[name] = deepspeed.utils.safe_get_full_fp32_param(p).detach().clone()
+    else:
+        with deepspeed.zero.GatheredParameters(list(eng.module.parameters())):
+            for name, p in eng.module.named_parameters():
+                mine[name] = p.detach().clone()
     every = [None] * world
     torch.distributed.all_gather_object(every, (rank % ep, mine))
     losses = _train(eng, rank, world, make_autoep.batches(world)[3:])
@@ -108,28 +124,13 @@ def deepspeed_run(rank, world, stage, ep, clip, folder, port):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--deepspeed-python", help="a Python with the real DeepSpeed 0.19.8")
-    parser.add_argument("--pairs", nargs="*", default=PAIRS, help="S:E:T:F (zerospeed ZeRO:ep, DeepSpeed ZeRO:ep)")
-    parser.add_argument("--port", type=int, default=29771)
-    parser.add_argument("--phase", nargs=5, metavar=("WHO", "STAGE:EP", "CLIP", "FOLDER", "PORT"))
-    args = parser.parse_args()
-    if args.phase:
-        who, stage_ep, clip, folder, port = args.phase
-        stage, ep = (int(v) for v in stage_ep.split(":"))
-        fn = zerospeed_run if who == "zerospeed" else deepspeed_run
-        mp.spawn(fn, args=(2, stage, ep, float(clip), folder, int(port)), nprocs=2)
-        return
-    print("| zerospeed ZeRO, ep | DeepSpeed loads at ZeRO, ep | max abs diff of losses, steps 4-6 | of weights |")
-    print("|---|---|---:|---:|")
-    for i, pair in enumerate(args.pairs):
-        got = moe_diff._pair(args.deepspeed_python, pair, args.port + 2 * i, script=os.path.abspath(__file__))
-        s, e, t, f = pair.split(":")
-        if isinstance(got, str):
-            print(f"| {s}, {e} | {t}, {f} | {got} | |")
-        else:
-            print(f"| {s}, {e} | {t}, {f} | {got[0]:.3g} | {got[1]:.3g} |  (DeepSpeed's losses {got[2]})")
-        sys.stdout.flush()
+    cli = moe_diff.parser(__doc__, PAIRS, 29771)
+    cli.add_argument("--bf16", action="store_true", help='train both sides with "bf16": {"enabled": true}')
+    args = cli.parse_args()
+    if args.bf16:  # (read by _config in the phases, which inherit the environment)
+        os.environ[BF16_ENV] = "1"
+        args.pairs = BF16_PAIRS if args.pairs == PAIRS else args.pairs
+    moe_diff.drive(args, zerospeed_run, deepspeed_run, __file__)
 
 
 if __name__ == "__main__":

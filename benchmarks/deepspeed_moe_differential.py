@@ -88,9 +88,10 @@ def deepspeed_run(rank, world, stage, ep, clip, folder, port):
     torch.distributed.destroy_process_group()
 
 
-def _pair(python: str, pair: str, port: int, script: str | None = None) -> tuple[float, float] | str:
+def _pair(python: str, pair: str, port: int, script: str | None = None) -> tuple | str:
     """One PAIR: the zerospeed phase, the export, the DeepSpeed phase of `script` (this file by default; the AutoEP
-    differential shares this driver)."""
+    differential shares this driver). Returns (largest |Δ| of the losses, of the weights, DeepSpeed's losses, |Δ|
+    of each step's loss), or what failed."""
     s, e, t, f = (int(v) for v in pair.split(":"))
     clip = _clip(s, t)
     with tempfile.TemporaryDirectory() as folder:
@@ -113,32 +114,43 @@ def _pair(python: str, pair: str, port: int, script: str | None = None) -> tuple
     weight = max(
         float((torch.tensor(zs["weights"][k]) - torch.tensor(v)).abs().max()) for k, v in ds["weights"].items()
     )
-    return loss, weight, ds["losses"]
+    return loss, weight, ds["losses"], [abs(a - b) for a, b in zip(zs["losses"], ds["losses"])]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--deepspeed-python", help="a Python with the real DeepSpeed 0.19.8")
-    parser.add_argument("--pairs", nargs="*", default=PAIRS, help="S:E:T:F (zerospeed ZeRO:ep, DeepSpeed ZeRO:ep)")
-    parser.add_argument("--port", type=int, default=29671)
-    parser.add_argument("--phase", nargs=5, metavar=("WHO", "STAGE:EP", "CLIP", "FOLDER", "PORT"))
-    args = parser.parse_args()
+def parser(doc: str, pairs: list[str], port: int) -> argparse.ArgumentParser:
+    """The command line of an export differential (this one's, the AutoEP one's)."""
+    out = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    out.add_argument("--deepspeed-python", help="a Python with the real DeepSpeed 0.19.8")
+    out.add_argument("--pairs", nargs="*", default=pairs, help="S:E:T:F (zerospeed ZeRO:ep, DeepSpeed ZeRO:ep)")
+    out.add_argument("--port", type=int, default=port)
+    out.add_argument("--phase", nargs=5, metavar=("WHO", "STAGE:EP", "CLIP", "FOLDER", "PORT"))
+    return out
+
+
+def drive(args, zerospeed_phase, deepspeed_phase, script: str) -> None:
+    """Run one `--phase` (2 spawned ranks of `zerospeed_phase` or `deepspeed_phase`), or every pair of `--pairs`
+    through `script`'s phases, printing the table."""
     if args.phase:
         who, stage_ep, clip, folder, port = args.phase
         stage, ep = (int(v) for v in stage_ep.split(":"))
-        fn = zerospeed_run if who == "zerospeed" else deepspeed_run
+        fn = zerospeed_phase if who == "zerospeed" else deepspeed_phase
         mp.spawn(fn, args=(2, stage, ep, float(clip), folder, int(port)), nprocs=2)
         return
     print("| zerospeed ZeRO, ep | DeepSpeed loads at ZeRO, ep | max abs diff of losses, steps 4-6 | of weights |")
     print("|---|---|---:|---:|")
     for i, pair in enumerate(args.pairs):
-        got = _pair(args.deepspeed_python, pair, args.port + 2 * i)
+        got = _pair(args.deepspeed_python, pair, args.port + 2 * i, script=os.path.abspath(script))
         s, e, t, f = pair.split(":")
         if isinstance(got, str):
             print(f"| {s}, {e} | {t}, {f} | {got} | |")
         else:
-            print(f"| {s}, {e} | {t}, {f} | {got[0]:.3g} | {got[1]:.3g} |  (DeepSpeed's losses {got[2]})")
+            steps = ", ".join(f"{d:.2g}" for d in got[3])
+            print(f"| {s}, {e} | {t}, {f} | {got[0]:.3g} | {got[1]:.3g} |  (per step {steps}; DeepSpeed's {got[2]})")
         sys.stdout.flush()
+
+
+def main() -> None:
+    drive(parser(__doc__, PAIRS, 29671).parse_args(), zerospeed_run, deepspeed_run, __file__)
 
 
 if __name__ == "__main__":

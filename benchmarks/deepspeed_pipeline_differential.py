@@ -24,6 +24,9 @@ ranks, AdamW, WarmupLR, micro-batches of 2, fp32) at ZeRO 0 (`--zs-zero Z`: ZeRO
   Column/RowParallelLinear cut from the same full layers, ZeRO 0, gradient_clipping 0; `export --to deepspeed --stage
   T --dp 1` (T = 0, 1); the real DeepSpeed runs the fixture's plain-torch.distributed layers, loads the export and
   trains steps 4-6. Its step-6 layer files are joined over the tp ranks (make_pipe_tp.join_full) for the weights.
+  With `--zs-zero Z` zerospeed's run is at ZeRO Z (its flat files joined over tp by the export); with `--universal`
+  `export --to universal --dp 1` and the real DeepSpeed (other initial weights, ZeRO 1, `checkpoint.load_universal`)
+  loads the folder.
 
 The table gives the largest |Δ| between the two continuations' losses and between the two step-6 layer files.
 """
@@ -44,6 +47,7 @@ import torch.multiprocessing as mp
 sys.path.insert(
     0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "deepspeed_0.19.8")
 )
+from make import config  # noqa: E402
 from make_pipe_tied import batches, layers  # noqa: E402
 
 CASES = [(0, 1), (0, 2), (1, 2), (1, 1)]  # (DeepSpeed's ZeRO stage, data-parallel size)
@@ -62,14 +66,8 @@ def run(rank, world, phase, stage, folder, port, universal, zs_zero=0):
     net = PipelineModule(layers=layers(), num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
     dp = world // 2
     gas = 8 // dp if universal else 4  # universal: the zerospeed run's global batch (2 ranks x 4 micro-batches)
-    cfg = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": gas,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
-        "zero_optimization": {"stage": zs_zero if phase == "zs" else stage},
-        "gradient_clipping": 1.0 if stage == 1 else 0.0,
-    }
+    clipping = 1.0 if stage == 1 else 0.0
+    cfg = config(zs_zero if phase == "zs" else stage, gradient_accumulation_steps=gas, gradient_clipping=clipping)
     if universal and phase == "ds":
         cfg["checkpoint"] = {"load_universal": True}
     eng, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
@@ -86,6 +84,11 @@ def run(rank, world, phase, stage, folder, port, universal, zs_zero=0):
         losses.append(float(eng.train_batch(data_iter=micro)))
         if phase == "zs" and step in (2, 5):
             eng.save_checkpoint(os.path.join(folder, "zs"), tag=f"step{step + 1}")
+    _finish(eng, rank, phase, folder, losses)
+
+
+def _finish(eng, rank: int, phase: str, folder: str, losses: list[float]) -> None:
+    """DeepSpeed's step-6 tag (phase "ds") and the continuation's losses (rank 0); the process group closed."""
     if phase == "ds":
         eng.save_checkpoint(os.path.join(folder, "ds_after"), tag="step6")
     if rank == 0:
@@ -94,10 +97,11 @@ def run(rank, world, phase, stage, folder, port, universal, zs_zero=0):
     torch.distributed.destroy_process_group()
 
 
-def run_tp(rank, world, phase, stage, folder, port):
+def run_tp(rank, world, phase, stage, folder, port, universal=False, zs_zero=0):
     """`--tp 2`: make_pipe_tp.py's model on 2 stages x tp 2; zerospeed's own tensor-parallel layers (phase "zs",
-    3 + 3 steps, saved at 3 and 6) or the fixture's plain ones under the real DeepSpeed (phase "ds": loads the export,
-    trains steps 4-6, saves step 6)."""
+    ZeRO `zs_zero`, 3 + 3 steps, saved at 3 and 6) or the fixture's plain ones under the real DeepSpeed (phase "ds":
+    loads the export, or with `universal` the universal folder into other initial weights, trains steps 4-6, saves
+    step 6)."""
     import make_pipe_tp
 
     os.environ.update(
@@ -113,43 +117,32 @@ def run_tp(rank, world, phase, stage, folder, port):
         topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
         grid = PipelineParallelGrid(topology=topo)
         specs = make_pipe_tp.layers(grid.get_slice_parallel_group(), 2, grid.get_slice_parallel_rank())
+        if universal:  # (other initial weights: the load must bring them)
+            torch.manual_seed(5)
+            with torch.no_grad():
+                for p in (p for layer in specs for p in layer.parameters()):
+                    p.add_(torch.randn(p.shape))
     else:
         from zerospeed.comm.mesh import ParallelMesh
         from zerospeed.parallel.pipeline.topology import PipeModelDataParallelTopology
-        from zerospeed.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
         topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
-        group = ParallelMesh.from_grid(topo.to_grid()).group("tp")
-        specs = make_pipe_tp.full_layers()
-        for i in (0, 4):
-            specs[i] = ColumnParallelLinear.from_linear(specs[i], group=group, gather_output=False)
-        for i in (2, 6):
-            specs[i] = RowParallelLinear.from_linear(specs[i], group=group, input_is_parallel=True)
+        specs = make_pipe_tp.zerospeed_layers(ParallelMesh.from_grid(topo.to_grid()).group("tp"))
     net = PipelineModule(layers=specs, topology=topo, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
-    cfg = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 4,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
-        "zero_optimization": {"stage": stage if phase == "ds" else 0},
-        "gradient_clipping": 0.0,
-    }
+    cfg = config(stage if phase == "ds" else zs_zero, gradient_accumulation_steps=4, gradient_clipping=0.0)
+    if universal and phase == "ds":
+        cfg["checkpoint"] = {"load_universal": True}
     eng, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
     first = 3 if phase == "ds" else 0
     if phase == "ds":
-        eng.load_checkpoint(os.path.join(folder, "ds"))
+        eng.load_checkpoint(os.path.join(folder, "uni" if universal else "ds"))
     losses = []
     for step, (x, y) in enumerate(make_pipe_tp.batches(1)):
         if step >= first:
             losses.append(float(eng.train_batch(data_iter=iter(make_pipe_tp.micro_batches(x, y, 1, 0)))))
         if phase == "zs" and step in (2, 5):
             eng.save_checkpoint(os.path.join(folder, "zs"), tag=f"step{step + 1}")
-    if phase == "ds":
-        eng.save_checkpoint(os.path.join(folder, "ds_after"), tag="step6")
-    if rank == 0:
-        torch.save(losses[-3:], os.path.join(folder, f"{phase}_losses.pt"))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    _finish(eng, rank, phase, folder, losses)
 
 
 def _compare_tp(folder: str) -> dict:
@@ -166,10 +159,17 @@ def _compare_tp(folder: str) -> dict:
     return {"zs": zs, "ds": ds, "loss": max(abs(a - b) for a, b in zip(zs, ds)), "weights": weights}
 
 
-def _tp_cases(python: str, port: int):
+def _tp_cases(python: str, port: int, universal: bool, zz: int):
+    if universal:  # (DeepSpeed loads the universal folder at ZeRO 1)
+        with tempfile.TemporaryDirectory() as folder:
+            _phase(sys.executable, "zs", 1, 4, folder, port, True, zz, tp=2)
+            _export(folder, [os.path.join(folder, "uni"), "--to", "universal", "--dp", "1"])
+            _phase(python, "ds", 1, 4, folder, port + 1, True, tp=2)
+            yield 1, 1, _compare_tp(folder)
+        return
     for i, stage in enumerate((0, 1)):
         with tempfile.TemporaryDirectory() as folder:
-            _phase(sys.executable, "zs", stage, 4, folder, port + 2 * i, False, tp=2)
+            _phase(sys.executable, "zs", stage, 4, folder, port + 2 * i, False, zz, tp=2)
             _export(folder, [os.path.join(folder, "ds"), "--to", "deepspeed", "--stage", str(stage), "--dp", "1"])
             _phase(python, "ds", stage, 4, folder, port + 2 * i + 1, False, tp=2)
             yield stage, 1, _compare_tp(folder)
@@ -234,7 +234,8 @@ def main() -> None:
     if args.phase:
         phase, stage, world, folder, port = args.phase
         if args.tp > 1:
-            mp.spawn(run_tp, args=(int(world), phase, int(stage), folder, int(port)), nprocs=int(world))
+            argv = (int(world), phase, int(stage), folder, int(port), args.universal, args.zs_zero)
+            mp.spawn(run_tp, args=argv, nprocs=int(world))
             return
         mp.spawn(
             run,
@@ -244,7 +245,7 @@ def main() -> None:
         return
     print("| DeepSpeed ZeRO | dp | max abs dloss (steps 4-6) | max abs dweight (step 6) |")
     print("|---|---|---|---|")
-    cases = _tp_cases(args.deepspeed_python, args.port) if args.tp > 1 else None
+    cases = _tp_cases(args.deepspeed_python, args.port, args.universal, args.zs_zero) if args.tp > 1 else None
     for stage, dp, r in cases or _cases(args.deepspeed_python, args.port, args.universal, args.zs_zero):
         print(f"| {stage} | {dp} | {r['loss']:.2e} | {r['weights']:.2e} |", flush=True)
         print(json.dumps({"zerospeed": r["zs"], "deepspeed": r["ds"]}), file=sys.stderr)

@@ -67,17 +67,10 @@ def _train(cases: list[tuple[int, int]], resume: str | None, bf16: str | None = 
                 masters = {n: safe_get_full_fp32_param(p) for n, p in m.named_parameters()}
                 out[("loaded", stage, ep)] = {n: v.detach().clone() for n, v in masters.items() if v is not None}
         losses = []
-        for ids in make_autoep.batches(world)[3 if resume else 0 :]:
-            tot = 0.0
-            for micro in range(2):  # make.train_step's rows: rank r's micro-batch m is rows (m * world + r) * 2, +2
-                lo = (micro * world + rank) * 2
-                loss = eng(input_ids=ids[lo : lo + 2], labels=ids[lo : lo + 2]).loss
-                eng.backward(loss)
-                eng.step()
-                tot += loss.item()
-            mean = torch.tensor([tot / 2])
-            torch.distributed.all_reduce(mean)
-            losses.append(mean.item() / world)
+        for ids in make_autoep.batches(world)[
+            3 if resume else 0 :
+        ]:  # rank r's micro-batch m: rows (m * world + r) * 2, +2
+            losses.append(make_autoep.train_step(eng, make_autoep.loss_of(eng, ids), rank, world))
         out[(stage, ep)] = losses
     return out
 

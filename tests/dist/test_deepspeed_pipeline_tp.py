@@ -9,6 +9,10 @@ built here on zerospeed's grid (its tp group); zerospeed's PipelineEngine loads 
 DeepSpeed's losses (rank for rank) and its step-6 weights within 1e-6 — at the saved layout, at pp 2 x tp 1 x dp 2
 (full tensors) and at pp 1 x tp 2 x dp 2 (re-cut by the patterns). Without the optimizer states the losses differ
 (the test can fail); a tag without `universal_checkpoint_info` is refused naming its file.
+
+The other way (Note [pipeline export with tp]): zerospeed's own run of the same full layers (its Column/Row-
+ParallelLinear) saved at ZeRO 0, 1 and 2 exports to DeepSpeed's own step-3 tags (`--to deepspeed`) and to DeepSpeed's
+own universal folder (`--to universal`), file for file; a ZeRO-1 save without the flat files' tp layouts is refused.
 """
 
 from __future__ import annotations
@@ -19,9 +23,16 @@ import pytest
 import torch
 
 from harness import run_distributed
-from harness.deepspeed_files import FIXTURES, fixture_script
+from harness.deepspeed_files import FIXTURES, assert_same_contents, fixture_script
 
 RUN_FILE = FIXTURES / "pipe_tp_zero0" / "deepspeed_run.pt"
+
+
+def _same(mine, theirs, where: str) -> None:
+    """The same structure, dtypes and shapes; tensors within 1e-6 (DeepSpeed's run and zerospeed's agree to
+    rounding)."""
+    assert_same_contents(mine, theirs, where, atol=1e-6)
+
 
 # (fixture, pp, tp, ZeRO stage of the loading engine, with optimizer states)
 CASES = [
@@ -35,6 +46,7 @@ CASES = [
     ("pipe_tp_universal", 2, 1, 2, True),
 ]
 UNIVERSAL = {5: "pp2tp2-zero1", 6: "pp1tp2dp2-zero0", 7: "pp2tp1dp2-zero2"}
+ZS_ZERO = (0, 1, 2)  # the ZeRO stages of zerospeed's own pp 2 x tp 2 runs saved for the export
 
 
 def _resume(fixture: str, pp: int, tp: int, zero: int, with_optimizer: bool, save_to: str | None = None) -> dict:
@@ -53,14 +65,7 @@ def _resume(fixture: str, pp: int, tp: int, zero: int, with_optimizer: bool, sav
         make.layers(group, tp, tp_rank), topology=topology, loss_fn=torch.nn.MSELoss(), partition_method="uniform"
     )
     gas = 4 // dp
-    cfg = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": gas,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
-        "zero_optimization": {"stage": zero},
-        "gradient_clipping": 0.0,  # as DeepSpeed's run
-    }
+    cfg = fixture_script("make").config(zero, gradient_accumulation_steps=gas, gradient_clipping=0.0)  # (DeepSpeed's)
     universal = fixture == "pipe_tp_universal"  # (its tag: the one latest_universal names)
     if universal:
         cfg["checkpoint"] = {"load_universal": True}
@@ -98,32 +103,19 @@ def _resume(fixture: str, pp: int, tp: int, zero: int, with_optimizer: bool, sav
     }
 
 
-def _train_and_save(path: str) -> None:
+def _train_and_save(path: str, zero: int) -> None:
     """make_pipe_tp.py's run in zerospeed with its own tensor-parallel layers cut from the same full layers
-    (2 stages x tp 2, ZeRO 0): 3 steps, saved as `step3`."""
+    (2 stages x tp 2, ZeRO `zero`): 3 steps, saved as `step3`."""
     import zerospeed
     from zerospeed.comm.mesh import ParallelMesh
     from zerospeed.parallel.pipeline.topology import PipeModelDataParallelTopology
-    from zerospeed.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
     from zerospeed.pipe import PipelineModule
 
     make = fixture_script("make_pipe_tp")
     topology = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
-    group = ParallelMesh.from_grid(topology.to_grid()).group("tp")
-    layers = make.full_layers()
-    for i in (0, 4):
-        layers[i] = ColumnParallelLinear.from_linear(layers[i], group=group, gather_output=False)
-    for i in (2, 6):
-        layers[i] = RowParallelLinear.from_linear(layers[i], group=group, input_is_parallel=True)
+    layers = make.zerospeed_layers(ParallelMesh.from_grid(topology.to_grid()).group("tp"))
     net = PipelineModule(layers, topology=topology, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
-    cfg = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 4,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
-        "zero_optimization": {"stage": 0},
-        "gradient_clipping": 0.0,
-    }
+    cfg = fixture_script("make").config(zero, gradient_accumulation_steps=4, gradient_clipping=0.0)
     engine, *_ = zerospeed.initialize(model=net, model_parameters=net.parameters(), config=cfg)
     for x, y in make.batches(1)[:3]:
         engine.train_batch(data_iter=iter(make.micro_batches(x, y, 1, 0)))
@@ -132,7 +124,8 @@ def _train_and_save(path: str) -> None:
 
 def _all_cases(path: str) -> list[dict]:
     out = [_resume(*case, save_to=f"{path}/plain" if i == 0 else None) for i, case in enumerate(CASES)]
-    _train_and_save(path)
+    for zero in ZS_ZERO:
+        _train_and_save(f"{path}/zero{zero}", zero)
     return out
 
 
@@ -143,7 +136,7 @@ def saved(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def results(saved):
-    return run_distributed(_all_cases, 4, str(saved), timeout=100)
+    return run_distributed(_all_cases, 4, str(saved), timeout=150)
 
 
 def _full_weights(per_rank: list[dict], tp: int) -> dict:
@@ -205,58 +198,89 @@ def test_a_tag_without_universal_checkpoint_info_is_refused(tmp_path):
         read_deepspeed_pipeline_tp(tag)
 
 
-def _close(mine, theirs, where: str) -> None:
-    """The same structure; tensors equal within 1e-6 (DeepSpeed's run and zerospeed's agree to rounding)."""
-    from zerospeed.checkpoint.deepspeed_import import _Record
-
-    if isinstance(theirs, _Record):  # (a DeepSpeed object, e.g. its loss scaler: the same arguments and state)
-        assert isinstance(mine, _Record) and mine.args == theirs.args, where
-        _close(vars(mine), vars(theirs), where)
-    elif isinstance(theirs, torch.Tensor):
-        assert isinstance(mine, torch.Tensor) and mine.shape == theirs.shape, where
-        torch.testing.assert_close(mine.float(), theirs.float(), atol=1e-6, rtol=0, msg=where)
-    elif isinstance(theirs, dict):
-        assert list(mine) == list(theirs), f"{where}: keys {list(mine)} != {list(theirs)}"
-        for k in theirs:
-            _close(mine[k], theirs[k], f"{where}[{k!r}]")
-    elif isinstance(theirs, (list, tuple)):
-        assert len(mine) == len(theirs), where
-        for i, (a, b) in enumerate(zip(mine, theirs)):
-            _close(a, b, f"{where}[{i}]")
-    else:
-        assert mine == theirs, f"{where}: {mine!r} != {theirs!r}"
-
-
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("zs_zero", ZS_ZERO, ids=[f"zs-zero{z}" for z in ZS_ZERO])
 @pytest.mark.parametrize("stage", [0, 1])
-def test_export_of_a_zerospeed_pipeline_tp_checkpoint_matches_deepspeeds_own_tag(results, saved, tmp_path, stage):
-    """zerospeed's pp 2 x tp 2 run (its own Column/RowParallelLinear) saved after 3 steps, exported for DeepSpeed
-    at ZeRO 0 / 1: the same files as DeepSpeed's own step-3 tag of the same run (pipe_tp_zero0/1), the tensors
-    within 1e-6 (weights, Adam states, ZeRO-1 flat partitions), the counters and layout records equal.
-    (That the real DeepSpeed resumes it: benchmarks/deepspeed_pipeline_differential.py --tp 2.)"""
+def test_export_of_a_zerospeed_pipeline_tp_checkpoint_matches_deepspeeds_own_tag(
+    results, saved, tmp_path, stage, zs_zero
+):
+    """zerospeed's pp 2 x tp 2 run (its own Column/RowParallelLinear) saved after 3 steps at ZeRO 0, 1 or 2
+    (per-layer files, or per-rank flat files joined over tp by the layouts their pieces record), exported for
+    DeepSpeed at ZeRO 0 / 1: the same files as DeepSpeed's own step-3 tag of the same run (pipe_tp_zero0/1), the
+    tensors within 1e-6 (weights, Adam states, ZeRO-1 flat partitions), the counters and layout records equal.
+    (That the real DeepSpeed resumes it: benchmarks/deepspeed_pipeline_differential.py --tp 2 [--zs-zero Z].)"""
     from zerospeed.checkpoint.cli import main as ckpt
     from zerospeed.checkpoint.deepspeed_import import _load
 
-    assert ckpt(["export", str(saved), str(tmp_path), "--to", "deepspeed", "--stage", str(stage), "--dp", "1"]) == 0
+    source = str(saved / f"zero{zs_zero}")
+    assert ckpt(["export", source, str(tmp_path), "--to", "deepspeed", "--stage", str(stage), "--dp", "1"]) == 0
     mine_dir, theirs_dir = tmp_path / "step3", FIXTURES / f"pipe_tp_zero{stage}" / "step3"
     assert sorted(p.name for p in mine_dir.iterdir()) == sorted(p.name for p in theirs_dir.iterdir())
     skip = {"ds_config", "universal_checkpoint_info", "lr_scheduler"}  # (the info: named per parameter here)
     for theirs_path in sorted(theirs_dir.iterdir()):
         mine, theirs = _load(mine_dir / theirs_path.name), _load(theirs_path)
         if theirs_path.name.startswith("layer_"):
-            _close(mine, theirs, theirs_path.name)
+            _same(mine, theirs, theirs_path.name)
             continue
         for key in theirs:
             if key not in skip:
-                _close(mine[key], theirs[key], f"{theirs_path.name}[{key!r}]")
+                _same(mine[key], theirs[key], f"{theirs_path.name}[{key!r}]")
     # the universal_checkpoint_info the export wrote joins its pieces into the full tensors DeepSpeed's own gives
     from zerospeed.checkpoint.deepspeed_pipeline_tp import read_deepspeed_pipeline_tp
 
-    _close(
+    _same(
         read_deepspeed_pipeline_tp(mine_dir).universal.tensors,
         read_deepspeed_pipeline_tp(theirs_dir).universal.tensors,
         "full",
     )
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("zs_zero", ZS_ZERO, ids=[f"zs-zero{z}" for z in ZS_ZERO])
+def test_universal_export_of_a_zerospeed_pipeline_tp_checkpoint_matches_deepspeeds_own_folder(
+    results, saved, tmp_path, zs_zero
+):
+    """`export --to universal` of zerospeed's pp 2 x tp 2 save: the folder DeepSpeed's own ds_to_universal made of
+    its ZeRO-1 tag of the same run (pipe_tp_universal): the same files, keys (`cat_dim` on the split parameters
+    only) and values within 1e-6; its universal_checkpoint_info (named per parameter here) reads back into the same
+    full tensors. (That the real DeepSpeed resumes it: the differential --tp 2 --universal.)"""
+    from zerospeed.checkpoint.cli import main as ckpt
+    from zerospeed.checkpoint.deepspeed_import import _load
+    from zerospeed.checkpoint.deepspeed_pipeline_tp import read_deepspeed_pipeline_universal_tp
+
+    assert ckpt(["export", str(saved / f"zero{zs_zero}"), str(tmp_path), "--to", "universal", "--dp", "1"]) == 0
+    assert (tmp_path / "latest_universal").read_text() == "step3_universal"
+    mine, theirs = tmp_path / "step3_universal", FIXTURES / "pipe_tp_universal" / "step3_universal"
+    files = sorted(p.relative_to(theirs) for p in theirs.rglob("*.pt"))
+    assert files == sorted(p.relative_to(mine) for p in mine.rglob("*.pt"))
+    skip = {"ds_config", "universal_checkpoint_info", "lr_scheduler"}
+    for name in files:
+        a, b = _load(mine / name), _load(theirs / name)
+        if isinstance(b, dict):
+            assert set(a) == set(b), name
+            a, b = ({k: d[k] for k in b if k not in skip} for d in (a, b))
+        _same(a, b, str(name))
+    _same(
+        read_deepspeed_pipeline_universal_tp(mine).universal.tensors,
+        read_deepspeed_pipeline_universal_tp(theirs).universal.tensors,
+        "full",
+    )
+
+
+def test_a_zero1_save_without_tp_layouts_is_refused_naming_the_file(results, saved, tmp_path):
+    """A ZeRO-1 pp x tp save from before the flat files recorded their tp layouts: the export names the file and
+    the fix instead of guessing the split."""
+    from zerospeed.checkpoint.deepspeed_pipeline_tp import export_pipeline_tp_to_deepspeed
+    from zerospeed.checkpoint.errors import CheckpointError
+
+    old = tmp_path / "old"
+    shutil.copytree(saved / "zero1", old)
+    path = old / "step3" / "zero_pp_rank_1_dp_rank_0_mp_rank_01_optim_states.pt"
+    flat = torch.load(path, weights_only=False)
+    flat["pieces"] = [[{k: v for k, v in p.items() if k != "tp_layout"} for p in ps] for ps in flat["pieces"]]
+    torch.save(flat, path)
+    with pytest.raises(CheckpointError, match=r"mp_rank_01_optim_states.pt: records no tp layout.*save it again"):
+        export_pipeline_tp_to_deepspeed(old, tmp_path / "out", stage=1, dp=1)
 
 
 def test_export_refuses_a_split_megatrons_categories_cannot_name(tmp_path):

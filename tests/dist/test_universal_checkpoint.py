@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from harness import run_distributed
-from harness.deepspeed_files import FIXTURES, continue_fixture_run, fixture_model
+from harness.deepspeed_files import FIXTURES, continue_fixture_run, fixture_model, fixture_script
 
 
 def model():
@@ -30,14 +30,7 @@ def _continue(folder: str, stage: int, tag=None):
     world = comm.get_world_size()
     gas = 4 // world
     m = model()
-    cfg = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": gas,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2}},
-        "zero_optimization": {"stage": stage},
-        "checkpoint": {"load_universal": True},
-    }
+    cfg = fixture_script("make").config(stage, gradient_accumulation_steps=gas, checkpoint={"load_universal": True})
     engine, *_ = zerospeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
     path, _ = engine.load_checkpoint(folder, tag=tag)
     assert path is not None

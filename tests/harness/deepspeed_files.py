@@ -56,6 +56,21 @@ def fixture_script(name: str):
     return importlib.import_module(name)
 
 
+def assert_like_deepspeeds_tag(tag_dir, fixture: str, check_config, atol: float = 0.0) -> None:
+    """Every file of DeepSpeed's tag FIXTURES/fixture/step3 (and no other) is in `tag_dir` and equals it
+    (`assert_same_contents`, within `atol`), `ds_config` apart: the saving library's own record of its config,
+    handed to `check_config(mine, theirs)` instead."""
+    from zerospeed.checkpoint.deepspeed_import import _load
+
+    theirs = FIXTURES / fixture / "step3"
+    assert sorted(p.name for p in Path(tag_dir).iterdir()) == sorted(p.name for p in theirs.iterdir())
+    for path in sorted(theirs.iterdir()):
+        mine, want = _load(Path(tag_dir) / path.name), _load(path)
+        if "ds_config" in want:
+            check_config(mine.pop("ds_config"), want.pop("ds_config"))
+        assert_same_contents(mine, want, path.name, atol)
+
+
 def fixture_model(scale: float = 1.0) -> torch.nn.Module:
     """make.py's model, seeded as it seeds it; its `scale` buffer was 2.0 in DeepSpeed's runs, so a load that
     brings buffers must change the 1.0 given here."""

@@ -13,7 +13,7 @@ model.safetensors with --safe-serialization; DeepSpeed's spellings of the option
 the checkpoint as DeepSpeed 0.19.8's tag for ZeRO stage S on N data-parallel ranks, with `latest`
 (zerospeed.checkpoint.deepspeed_export): the real DeepSpeed's `engine.load_checkpoint(OUT)` resumes it;
 with `--tp T` (a checkpoint saved with tensor parallelism) DeepSpeed's AutoTP tag for autotp_size T
-(zerospeed.checkpoint.deepspeed_tp_export); a PipelineEngine checkpoint (ZeRO 0) becomes DeepSpeed's pipeline tag
+(zerospeed.checkpoint.deepspeed_tp_export); a PipelineEngine checkpoint (ZeRO 0-2) becomes DeepSpeed's pipeline tag
 for ZeRO S (0 or 1) with N data-parallel ranks per stage (zerospeed.checkpoint.deepspeed_pipeline; saved with tp
 inside the stages, at the saved tp: zerospeed.checkpoint.deepspeed_pipeline_tp); a checkpoint
 with MoE layers, DeepSpeed's MoE tag for expert-parallel size E (`--ep`, default 1; ZeRO 0-2;
@@ -21,8 +21,9 @@ zerospeed.checkpoint.deepspeed_experts); a checkpoint saved under AutoEP, DeepSp
 (`--ep`, default the saved one; ZeRO 0-3; zerospeed.checkpoint.deepspeed_autoep_export).
 `export --to universal` writes DeepSpeed's universal folder and `latest_universal` (DeepSpeed, and zerospeed,
 load it with `checkpoint.load_universal: true` at any stage; `--dp`: the most ZeRO-3 ranks it is named for); from a
-PipelineEngine checkpoint (ZeRO 0), the folder `ds_to_universal` makes of DeepSpeed's ZeRO-1 pipeline tag on N
-data-parallel ranks per stage, which DeepSpeed's and zerospeed's PipelineEngine load.
+PipelineEngine checkpoint (ZeRO 0-2; with tp inside the stages too), the folder `ds_to_universal` makes of
+DeepSpeed's ZeRO-1 pipeline tag on N data-parallel ranks per stage, which DeepSpeed's and zerospeed's
+PipelineEngine load.
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ from zerospeed.checkpoint.deepspeed_pipeline import (
     export_pipeline_universal,
     pipeline_tag_dir,
 )
-from zerospeed.checkpoint.deepspeed_pipeline_tp import export_pipeline_tp_to_deepspeed, saved_with_tp
+from zerospeed.checkpoint.deepspeed_pipeline_tp import (
+    export_pipeline_tp_to_deepspeed,
+    export_pipeline_universal_tp,
+    saved_with_tp,
+)
 from zerospeed.checkpoint.deepspeed_tp_export import export_to_deepspeed_tp
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.manifest import verify_files
@@ -159,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "export" and args.to == "universal":
             common = {"dp": args.dp or 1, "tag": args.tag, "output_tag": args.output_tag}
-            if pipeline_tag_dir(args.dir, args.tag) is not None:  # Note [DeepSpeed pipeline universal folders]
+            if saved_with_tp(args.dir, args.tag):  # Note [pipeline export with tp] (deepspeed_pipeline_tp.py)
+                print(export_pipeline_universal_tp(args.dir, args.out, **common))
+            elif pipeline_tag_dir(args.dir, args.tag) is not None:  # Note [DeepSpeed pipeline universal folders]
                 print(export_pipeline_universal(args.dir, args.out, **common))
             else:
                 print(export_universal(args.dir, args.out, **common))

@@ -90,10 +90,7 @@ def read_deepspeed_autoep_zero3_checkpoint(
             f"{tag_dir}: AutoEP ZeRO-3 sub-groups {families} over {len(model['param_shapes'])} param groups; only "
             "one dense and one expert group (DeepSpeed's default sub_group_size) are read here"
         )
-    layers = model["ds_autoep_layers"]
-    if len({int(e["ep_size"]) for e in layers}) != 1:
-        raise CheckpointError(f"{tag_dir}: AutoEP layers of several ep sizes are not read here")
-    ep = int(layers[0]["ep_size"])
+    ep = autoep_ep_size(tag_dir, model)
 
     def flat(r: int, sub: int) -> dict[str, torch.Tensor]:
         osd = optims[r]
@@ -144,6 +141,23 @@ def read_deepspeed_autoep_zero3_checkpoint(
         osd.get("loss_scaler"),
         names,
     )
+
+
+def read_autoep_model(tag_dir: Path, file: str) -> tuple[dict, int, dict]:
+    """(model states, dp, ds_config) of a DeepSpeed AutoEP tag's model file `file`; a tensor-parallel tag is
+    refused. Shared by the ZeRO-0 and ZeRO-1/2 readers."""
+    model = _load(tag_dir / file)
+    if int(model.get("mp_world_size") or 1) > 1 or any(tag_dir.glob("*mp_rank_01*")):
+        raise CheckpointError(f"{tag_dir}: a tensor-parallel DeepSpeed AutoEP checkpoint is not read here")
+    return model, int(model.get("dp_world_size") or 1), model.get("ds_config") or {}
+
+
+def autoep_ep_size(tag_dir: Path, model: dict) -> int:
+    """The one ep size of a tag's `ds_autoep_layers` (several are refused)."""
+    sizes = {int(e["ep_size"]) for e in model["ds_autoep_layers"]}
+    if len(sizes) != 1:
+        raise CheckpointError(f"{tag_dir}: AutoEP layers of several ep sizes are not read here")
+    return sizes.pop()
 
 
 def autoep_checkpoint(

@@ -30,8 +30,13 @@ makes of a model's plain parameters. A DeepSpeed AutoEP tag read by deepspeed_au
 export of zerospeed's 3 steps equals DeepSpeed's own autoep_zero{0,1,2,3}_ep2 tags, and DeepSpeed's
 tags rewrite to each other (ZeRO 2 <-> 3, dp 4) (tests/dist/test_deepspeed_autoep_export.py); the real DeepSpeed
 resumes exports at other stages / ep (benchmarks/deepspeed_autoep_differential.py). Written: fp32 runs at ZeRO
-0-3, without tensor parallelism or frozen expert weights, one ZeRO-3 sub-group per param group; bf16 / fp16 are
-refused.
+0-3 and bf16 runs at ZeRO 1-3, without tensor parallelism or frozen expert weights, one ZeRO-3 sub-group per param
+group. A bf16 run is DeepSpeed's bf16 AutoEP tag: the same files, the optimizer files named `bf16_zero_pp_rank_*`
+(the ZeRO optimizer's fp32 masters and moments, as at fp32), the weights in the model states and per-expert files
+the masters cast to bf16 (tests/dist/test_deepspeed_autoep_bf16_export.py: equal to DeepSpeed's
+autoep_zero{1,2,3}_ep2_bf16 bit for bit). Refused: fp16 (DeepSpeed 0.19.8 builds no fp16 run on CPU to check one
+against), bf16 at ZeRO 0 and at ZeRO 1 with fp32 gradient accumulation (DeepSpeed's BF16_Optimizer files, not
+written).
 """
 
 from __future__ import annotations
@@ -44,11 +49,9 @@ from pathlib import Path
 import torch
 
 from zerospeed.checkpoint import deepspeed_autoep_names as names_
-from zerospeed.checkpoint.atomic import fresh_dir
 from zerospeed.checkpoint.consolidate import resolve_checkpoint
 from zerospeed.checkpoint.deepspeed_experts import _splice, expp_file
 from zerospeed.checkpoint.deepspeed_export import (
-    DEFAULT_SUB_GROUP_SIZE,
     DS_LAYOUT_VERSION,
     ExportSource,
     _ds_config,
@@ -58,10 +61,13 @@ from zerospeed.checkpoint.deepspeed_export import (
     _stage0_optimizer,
     _stage3_optim,
     _stage12_optim,
+    _uses_bf16_optimizer,
     _weight,
     publish_tag,
     read_zerospeed_source,
+    stage_tag,
 )
+from zerospeed.checkpoint.deepspeed_import import BF16_PREFIX
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.naming import MODEL_STATES
 from zerospeed.checkpoint.universal import FP32, UniversalState
@@ -343,9 +349,22 @@ def _stage3_file(view: ExportSource, moe: list[bool], dp: int, ep: int, rank: in
 def _check(src: ExportSource, blocks: list[Block], stage: int, dp: int, ep: int) -> None:
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"export to DeepSpeed: stage must be 0-3, got {stage}")
-    if src.param_dtype != torch.float32:
+    if src.param_dtype not in (torch.float32, torch.bfloat16):
         raise CheckpointError(
-            f"export of an AutoEP checkpoint to DeepSpeed with {src.param_dtype} weights: only fp32 runs are written"
+            f"export of an AutoEP checkpoint to DeepSpeed with {src.param_dtype} weights: only fp32 and bf16 runs "
+            "are written (DeepSpeed 0.19.8 builds no fp16 AutoEP run on CPU to check one against)"
+        )
+    if stage == 0 and src.param_dtype != torch.float32:
+        raise CheckpointError(
+            f"export of an AutoEP checkpoint to DeepSpeed at ZeRO stage 0 with {src.param_dtype} weights: DeepSpeed "
+            "keeps those in its FP16_Optimizer / BF16_Optimizer, whose AutoEP layout is not written; export at "
+            "stage 1, 2 or 3"
+        )
+    if stage == 1 and src.param_dtype == torch.bfloat16 and _uses_bf16_optimizer(src):
+        raise CheckpointError(
+            "export of a bf16 AutoEP checkpoint to DeepSpeed at ZeRO stage 1 with data_types.grad_accum_dtype fp32: "
+            "DeepSpeed trains that with its BF16_Optimizer, whose AutoEP layout is not written; export at stage 2 "
+            "or 3, or drop grad_accum_dtype from the saved config"
         )
     if not blocks:
         raise CheckpointError("export to DeepSpeed's AutoEP: the checkpoint holds no stacked experts (gate_up_proj)")
@@ -383,13 +402,7 @@ def write_deepspeed_autoep_tag(
         down = src.universal.tensors[f"{b.prefix}.{names_.DOWN}"][FP32].shape
         half = [gate_up[0], gate_up[1] // 2, *gate_up[2:]]
         shapes.update({f"{b.prefix}.w1": half, f"{b.prefix}.w2": list(down), f"{b.prefix}.w3": half})
-    if sub_group_size is None:
-        zero = (src.meta.get("ds_config") or {}).get("zero_optimization") or {}
-        sub_group_size = int(zero.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))
-    root = Path(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    staging = root / f".{tag}.partial"
-    fresh_dir(staging)
+    root, staging, sub_group_size = stage_tag(src, out_dir, tag, sub_group_size)
     for r in range(dp if stage == 3 else 1):
         name = f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" if stage == 3 else MODEL
         _save(_model_file(src, views[r % ep], blocks, shapes, stage, dp, ep, r), staging / name)
@@ -404,6 +417,7 @@ def write_deepspeed_autoep_tag(
                 _save(expert, staging / f"layer_{i}_expert_{g}_mp_rank_00_model_states.pt")
     for e, view in enumerate(views if stage == 0 else []):  # ZeRO 0: each ep rank's torch optimizer state
         _save({"optimizer": _stage0_optimizer(view)}, staging / expp_file(e))
+    prefix = BF16_PREFIX if src.param_dtype == torch.bfloat16 else ""  # (DeepSpeed's bf16 run's optimizer files)
     for r in range(dp if stage > 0 else 0):
         view = views[r % ep]
         if stage == 3:
@@ -414,7 +428,7 @@ def write_deepspeed_autoep_tag(
         ds_config["expert_parallel"] = {**(ds_config.get("expert_parallel") or {}), "autoep_size": ep}
         _save(
             {"optimizer_state_dict": osd, "ds_config": ds_config, "ds_version": DS_LAYOUT_VERSION},
-            staging / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+            staging / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
         )
     return publish_tag(root, staging, tag)
 

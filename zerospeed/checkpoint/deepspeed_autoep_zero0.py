@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from zerospeed.checkpoint.deepspeed_autoep import autoep_checkpoint
+from zerospeed.checkpoint.deepspeed_autoep import autoep_checkpoint, autoep_ep_size, read_autoep_model
 from zerospeed.checkpoint.deepspeed_autoep_names import EXPERT_WEIGHTS as WEIGHTS
 from zerospeed.checkpoint.deepspeed_import import MODEL, DeepSpeedCheckpoint, _load, _scalars, optim_prefix
 from zerospeed.checkpoint.errors import CheckpointError
@@ -67,11 +67,7 @@ def read_deepspeed_autoep_zero0_checkpoint(
     """The universal form (transformers' names, whole [E, ...] experts) of a DeepSpeed AutoEP ZeRO-0 tag."""
     del group_names  # (the module and the AutoEP layers name the parameters)
     tag_dir = Path(tag_dir)
-    model = _load(tag_dir / MODEL)
-    dp = int(model.get("dp_world_size") or 1)
-    ds_config = model.get("ds_config") or {}
-    if int(model.get("mp_world_size") or 1) > 1 or any(tag_dir.glob("*mp_rank_01*")):
-        raise CheckpointError(f"{tag_dir}: a tensor-parallel DeepSpeed AutoEP checkpoint is not read here")
+    model, dp, ds_config = read_autoep_model(tag_dir, MODEL)
     for key in ("fp16", "bf16"):
         if isinstance(ds_config.get(key), dict) and ds_config[key].get("enabled"):
             raise CheckpointError(
@@ -80,9 +76,7 @@ def read_deepspeed_autoep_zero0_checkpoint(
                 "runs are (bf16 AutoEP tags at ZeRO 1-3 are read)"
             )
     layers = model["ds_autoep_layers"]
-    if len({int(e["ep_size"]) for e in layers}) != 1:
-        raise CheckpointError(f"{tag_dir}: AutoEP layers of several ep sizes are not read here")
-    ep = int(layers[0]["ep_size"])
+    ep = autoep_ep_size(tag_dir, model)
     optims = []
     for e in range(ep):
         path = tag_dir / EXPP.format(e)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from zerospeed.checkpoint.deepspeed_autoep import autoep_checkpoint
+from zerospeed.checkpoint.deepspeed_autoep import autoep_checkpoint, autoep_ep_size, read_autoep_model
 from zerospeed.checkpoint.deepspeed_import import (
     MODEL,
     DeepSpeedCheckpoint,
@@ -54,11 +54,7 @@ def read_deepspeed_autoep_zero12_checkpoint(
     """The universal form (transformers' names, whole [E, ...] experts) of a DeepSpeed AutoEP ZeRO-1/2 tag."""
     del group_names  # (the tag names its parameters)
     tag_dir = Path(tag_dir)
-    model = _load(tag_dir / MODEL)
-    dp = int(model.get("dp_world_size") or 1)
-    ds_config = model.get("ds_config") or {}
-    if int(model.get("mp_world_size") or 1) > 1 or any(tag_dir.glob("*mp_rank_01*")):
-        raise CheckpointError(f"{tag_dir}: a tensor-parallel DeepSpeed AutoEP checkpoint is not read here")
+    model, dp, ds_config = read_autoep_model(tag_dir, MODEL)
     if isinstance(ds_config.get("fp16"), dict) and ds_config["fp16"].get("enabled"):
         raise CheckpointError(f"{tag_dir}: a fp16 DeepSpeed AutoEP checkpoint is not read here; fp32 and bf16 runs are")
     prefix = optim_prefix(tag_dir) or ""
@@ -67,10 +63,7 @@ def read_deepspeed_autoep_zero12_checkpoint(
             f"{tag_dir}: use_data_before_expert_parallel_ places DeepSpeed's expert-data-parallel groups "
             "differently; such an AutoEP checkpoint is not read here"
         )
-    layers = model["ds_autoep_layers"]
-    if len({int(e["ep_size"]) for e in layers}) != 1:
-        raise CheckpointError(f"{tag_dir}: AutoEP layers of several ep sizes are not read here")
-    ep = int(layers[0]["ep_size"])
+    ep = autoep_ep_size(tag_dir, model)
     ranks = []
     for r in range(dp):
         path = tag_dir / OPTIM.format(prefix, r)

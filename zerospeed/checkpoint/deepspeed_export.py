@@ -478,13 +478,7 @@ def write_deepspeed_tag(
     missing = [n for g in src.group_names for n in g if n not in src.universal.tensors]
     if missing:
         raise CheckpointError(f"export to DeepSpeed: no fp32 master for {missing[:5]}; is the checkpoint complete?")
-    if sub_group_size is None:
-        zero = (src.meta.get("ds_config") or {}).get("zero_optimization") or {}
-        sub_group_size = int(zero.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))
-    root = Path(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    staging = root / f".{tag}.partial"
-    fresh_dir(staging)
+    root, staging, sub_group_size = stage_tag(src, out_dir, tag, sub_group_size)
     if stage == 3:
         for r in range(dp):
             _save(_model_states(src, 3, dp, _frozen_fragments(src, 3, dp, r)), staging / _ds_name(r, "model"))
@@ -503,6 +497,19 @@ def write_deepspeed_tag(
             staging / f"{BF16_PREFIX if bf16 else ''}{_ds_name(r, 'optim')}",
         )
     return publish_tag(root, staging, tag)
+
+
+def stage_tag(src: ExportSource, out_dir, tag: str, sub_group_size: int | None) -> tuple[Path, Path, int]:
+    """(root, a fresh staging directory for `root/tag` that `publish_tag` swaps in, the ZeRO-3 sub_group_size:
+    the one given, else the saved config's, else DeepSpeed's default)."""
+    if sub_group_size is None:
+        zero = (src.meta.get("ds_config") or {}).get("zero_optimization") or {}
+        sub_group_size = int(zero.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))
+    root = Path(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    staging = root / f".{tag}.partial"
+    fresh_dir(staging)
+    return root, staging, sub_group_size
 
 
 def publish_tag(root: Path, staging: Path, tag: str, latest: str = "latest") -> Path:

@@ -28,6 +28,7 @@ from zerospeed.checkpoint.deepspeed_autoep_zero12 import (
 )
 from zerospeed.checkpoint.deepspeed_experts import is_deepspeed_moe_tag, read_deepspeed_moe_checkpoint
 from zerospeed.checkpoint.deepspeed_import import MODEL, read_deepspeed_checkpoint
+from zerospeed.checkpoint.deepspeed_mpu_tp import cut_hand_split
 from zerospeed.checkpoint.deepspeed_pipeline import refuse_pipeline_universal
 from zerospeed.checkpoint.deepspeed_tp import is_deepspeed_tp_tag, read_deepspeed_tp_checkpoint
 from zerospeed.checkpoint.errors import CheckpointError, raise_if_any_rank_failed
@@ -48,7 +49,7 @@ def load_deepspeed_checkpoint(
     autoep = is_deepspeed_autoep_zero3_tag(tag_dir)  # Note [DeepSpeed AutoEP ZeRO-3 checkpoints] (deepspeed_autoep.py)
     autoep12 = is_deepspeed_autoep_zero12_tag(tag_dir)  # Note [DeepSpeed AutoEP ZeRO-1/2 checkpoints]
     autoep0 = is_deepspeed_autoep_zero0_tag(tag_dir)  # Note [DeepSpeed AutoEP ZeRO-0 checkpoints]
-    check_supported(state, experts_ok=moe or autoep or autoep12 or autoep0)
+    check_supported(state, experts_ok=moe or autoep or autoep12 or autoep0, hand_split_ok=True)  # (cut_hand_split)
     place = placement(state)
     names = checkpoint_names(state, place)
     entries = names.global_entries(state.zero.shard_entries(names.params))  # (AutoEP: stacked experts)
@@ -66,6 +67,7 @@ def load_deepspeed_checkpoint(
         if is_deepspeed_tp_tag(tag_dir):  # Note [DeepSpeed tensor-parallel checkpoints] (deepspeed_tp.py)
             reader = read_deepspeed_tp_checkpoint
         ckpt = reader(tag_dir, names=wanted, group_names=state.param_group_names)
+        cut_hand_split(ckpt, names.specs, place, tag_dir)  # Note [DeepSpeed mpu tensor-parallel checkpoints]
         _check_matches(state, ckpt, names.specs, wanted, with_optimizer)
         _cut_to_tensor_parallel(ckpt, names.specs, place)
         with state.zero.resident(state.optimizer):

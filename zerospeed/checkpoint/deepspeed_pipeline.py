@@ -391,10 +391,13 @@ def export_pipeline_universal(
     return publish_tag(root, staging, out_tag, latest="latest_universal")
 
 
-def _pipeline_sources(checkpoint_dir, tag: str | None, tp: bool = False) -> tuple[Path, dict, list[ExportSource]]:
+def _pipeline_sources(
+    checkpoint_dir, tag: str | None, tp: bool = False, optim: dict | None = None
+) -> tuple[Path, dict, list[ExportSource]]:
     """The zerospeed pipeline tag's layer files and, per stage at its saved bounds, the stage's parameters under
     DeepSpeed's names (Note [pipeline export]); full tensors. `tp`: a tag saved with tp is read too (its caller
-    cuts it: deepspeed_pipeline_tp.py)."""
+    cuts it: deepspeed_pipeline_tp.py); `optim`: the per-layer masters and states already read (as
+    `read_flat_layer_optim` gives them)."""
     src_dir = pipeline_tag_dir(checkpoint_dir, tag)
     if src_dir is None:
         raise CheckpointError(f"{checkpoint_dir}: no zerospeed pipeline checkpoint (engine_states.pt + layer files)")
@@ -416,14 +419,16 @@ def _pipeline_sources(checkpoint_dir, tag: str | None, tp: bool = False) -> tupl
             "pipeline engine and save it again to export it"
         )
     tied = {int(k): v for k, v in saved["tied_layers"].items()}
-    layers, optim = {}, {}
+    given, layers, optim = optim, {}, {}
     for idx in range(layout["num_layers"]):
         if (src_dir / layer_file(idx)).exists():
             layers[idx] = torch.load(src_dir / layer_file(idx), map_location="cpu", weights_only=True)
         path = src_dir / f"layer_{idx:02d}-optim_states.pt"
         if path.exists():
             optim[idx] = torch.load(path, map_location="cpu", weights_only=False)
-    if layout["zero_stage"] != 0:
+    if given is not None:
+        optim = dict(given)
+    elif layout["zero_stage"] != 0:
         optim = read_flat_layer_optim(src_dir, layout)
     if any(t.dtype != torch.float32 for s in layers.values() for t in s.values() if t.is_floating_point()):
         raise CheckpointError(f"{src_dir}: export of a pipeline checkpoint to DeepSpeed is written for fp32 weights")
@@ -457,22 +462,26 @@ def _pipeline_sources(checkpoint_dir, tag: str | None, tp: bool = False) -> tupl
     return src_dir, layers, sources
 
 
-def read_flat_layer_optim(src_dir: Path, layout: dict) -> dict[int, dict]:
+def read_flat_layer_optim(src_dir: Path, layout: dict, tp_rank: int | None = None) -> dict[int, dict]:
     """Note [pipeline export]: the ZeRO-1/2 flat files `zero_pp_rank_{s}_dp_rank_{d}_optim_states.pt` of a
     zerospeed pipeline tag as the per-layer optimizer files of ZeRO 0 hold them: {layer index: {name: {"master":
     full fp32 master, "state": its optimizer state}}}, each flat master's pieces put back by the file's `pieces`
-    map (where each element belongs)."""
+    map (where each element belongs). `tp_rank`: that tp rank's files (`..._mp_rank_TT_...`) of a tag saved with
+    tp, its local tensors, each entry with the `tp_layout` its pieces record (deepspeed_pipeline_tp.py joins)."""
     out: dict[int, dict] = {}
     filled: dict[tuple[int, str], int] = {}
     for s in range(layout["pp"]):
         for d in range(layout["dp"]):
-            path = src_dir / f"zero_pp_rank_{s}_dp_rank_{d}_optim_states.pt"
+            mp = "" if tp_rank is None else f"_mp_rank_{tp_rank:02d}"
+            path = src_dir / f"zero_pp_rank_{s}_dp_rank_{d}{mp}_optim_states.pt"
             if not path.exists():
                 raise CheckpointError(f"{path}: missing; a ZeRO-{layout['zero_stage']} pipeline tag is incomplete")
             flat = torch.load(path, map_location="cpu", weights_only=False)
-            if "pieces" not in flat:
+            tp_less = tp_rank is not None and any("tp_layout" not in p for ps in flat.get("pieces", []) for p in ps)
+            if "pieces" not in flat or tp_less:
+                what = "tp layout of its parameter pieces" if tp_less else "parameter pieces"
                 raise CheckpointError(
-                    f"{path}: records no parameter pieces (saved by an older zerospeed); load the checkpoint into "
+                    f"{path}: records no {what} (saved by an older zerospeed); load the checkpoint into "
                     "the pipeline engine and save it again to export it"
                 )
             states = flat["optimizer"]["state"]
@@ -492,6 +501,8 @@ def read_flat_layer_optim(src_dir: Path, layout: dict) -> dict[int, dict]:
                                     for k, v in state.items()
                                 },
                             }
+                            if tp_rank is not None:
+                                entry["tp_layout"] = piece["tp_layout"]
                         lo, hi, n = piece["offset"], piece["param_offset"], piece["numel"]
                         entry["master"].view(-1)[hi : hi + n] = master.view(-1)[lo : lo + n]
                         for k, v in state.items():

@@ -31,13 +31,21 @@ layer needs its piece (only the categories are re-cut).
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from zerospeed.checkpoint.atomic import fresh_dir
-from zerospeed.checkpoint.deepspeed_export import DS_LAYOUT_VERSION, ExportSource, _save, _stage12_optim, publish_tag
+from zerospeed.checkpoint.deepspeed_export import (
+    DS_LAYOUT_VERSION,
+    ExportSource,
+    _hyper,
+    _own,
+    _save,
+    _stage12_optim,
+    publish_tag,
+)
 from zerospeed.checkpoint.deepspeed_import import _load, _universal_shape
 from zerospeed.checkpoint.deepspeed_pipeline import (
     TIED,
@@ -49,11 +57,12 @@ from zerospeed.checkpoint.deepspeed_pipeline import (
     pipeline_tag_dir,
     read_deepspeed_pipeline,
     read_deepspeed_pipeline_universal,
+    read_flat_layer_optim,
     stage_file,
 )
 from zerospeed.checkpoint.deepspeed_tp import _matches, _uc_info, join
 from zerospeed.checkpoint.errors import CheckpointError
-from zerospeed.checkpoint.tensor_parallel import TPLayout, reslice
+from zerospeed.checkpoint.tensor_parallel import TPLayout, assemble_full, reslice
 from zerospeed.checkpoint.universal import FP32, UniversalState
 
 INFO = "universal_checkpoint_info"
@@ -164,17 +173,22 @@ def _chunk(full: torch.Tensor, tp: int, rank: int, dim: int, name: str, where: P
 
 # ---- export: a zerospeed pipeline checkpoint saved with tp as DeepSpeed's pipeline tag with tp ---------------
 
-# Note [pipeline export with tp]: a zerospeed PipelineEngine checkpoint saved with tensor parallelism at ZeRO 0 holds
-# full tensors per layer (Note [full-layout layer files] in parallel/pipeline/checkpoint.py) and, in its per-layer
-# optimizer files, each parameter's tp split (`tp_layout`, the layer's shard layouts). It is written as the tag
-# DeepSpeed's PipelineEngine saves on PipeModelDataParallelTopology(pp, tp, dp) (Note [DeepSpeed pipeline
-# checkpoints with tp]) at the saved stage bounds and tp degree: per tp rank t its pieces of every layer file,
-# stage file and (ZeRO 1) optimizer partition, as the data-parallel export writes them for a tag of rank t's local
-# tensors (Note [pipeline export]); every stage file records `universal_checkpoint_info` with Megatron's categories
+# Note [pipeline export with tp]: a zerospeed PipelineEngine checkpoint saved with tensor parallelism holds full
+# tensors per layer (Note [full-layout layer files] in parallel/pipeline/checkpoint.py) and each parameter's tp split
+# (`tp_layout`, the layer's shard layouts): at ZeRO 0 in its per-layer optimizer files (full masters and states), at
+# ZeRO 1/2 in the `pieces` of its per-(stage, dp rank, tp rank) flat files, whose local masters and states are read
+# per tp rank (`read_flat_layer_optim(tp_rank=)`) and joined by the splits into the full ones. It is written as the
+# tag DeepSpeed's PipelineEngine saves on PipeModelDataParallelTopology(pp, tp, dp) (Note [DeepSpeed pipeline
+# checkpoints with tp]) at the saved stage bounds and tp degree: per tp rank t its pieces of every layer file, stage
+# file and (ZeRO 1) optimizer partition, as the data-parallel export writes them for a tag of rank t's local tensors
+# (Note [pipeline export]); every stage file records `universal_checkpoint_info` with Megatron's categories
 # (row-parallel: split along dim 1; replicated; the rest along dim 0), so DeepSpeed's ds_to_universal and zerospeed's
-# import rebuild the full tensors. DeepSpeed's model must hold each rank's even, contiguous piece of the same full
-# layers (Megatron's split); uneven, fused or replicated-head splits have no category and are refused, and so are
-# ZeRO-1/2 tags (their flat files are per tp rank: resume at ZeRO 0 and save again).
+# import rebuild the full tensors. `--to universal` writes the folder ds_to_universal makes of such a ZeRO-1 tag:
+# `zero/<name>/` full tensors (`cat_dim` the split's dim; none for a replicated parameter), per (stage, tp rank) the
+# ZeRO-1 stage file of rank t's local shapes, and `zero/optimizer_state.pt` of stage 0, tp rank 0, dp rank 0.
+# DeepSpeed's model must hold each rank's even, contiguous piece of the same full layers (Megatron's split); uneven,
+# fused or replicated-head splits have no category and are refused, and so are saves older than the `tp_layout`
+# records (load and save again).
 
 
 def export_pipeline_tp_to_deepspeed(
@@ -185,59 +199,152 @@ def export_pipeline_tp_to_deepspeed(
     (tag `output_tag`, by default the same name), with `latest`. Returns the tag directory written."""
     if stage not in (0, 1) or dp < 1:
         raise ValueError(f"export of a pipeline checkpoint: DeepSpeed's pipeline runs ZeRO 0 or 1, got {stage}")
-    src_dir = pipeline_tag_dir(checkpoint_dir, tag)
-    if src_dir is None:
-        raise CheckpointError(f"{checkpoint_dir}: no zerospeed pipeline checkpoint (engine_states.pt + layer files)")
-    saved = torch.load(src_dir / "engine_states.pt", map_location="cpu", weights_only=False)
-    layout = saved["layout"]
-    tp, pp = int(layout.get("tp", 1)), int(layout["pp"])
-    if layout.get("zero_stage") != 0:
-        raise CheckpointError(
-            f"{src_dir}: saved with tp {tp} at ZeRO stage {layout.get('zero_stage')}; a pipeline checkpoint with tp "
-            "exports to DeepSpeed from ZeRO stage 0 (its per-layer files; resume it at ZeRO 0 and save again)"
-        )
-    _, layers, sources = _pipeline_sources(checkpoint_dir, tag, tp=True)
-    splits = _saved_splits(src_dir, layers, {int(k): v for k, v in saved["tied_layers"].items()})
-    info = _categories(splits, [n for src in sources for n in src.group_names[0]], src_dir)
+    src = _TPSource.read(checkpoint_dir, tag)
     root = Path(output_dir)
     root.mkdir(parents=True, exist_ok=True)
-    out_tag = output_tag or src_dir.name
+    out_tag = output_tag or src.dir.name
     staging = root / f".{out_tag}.partial"
     fresh_dir(staging)
-    tied = {int(k): v for k, v in saved["tied_layers"].items()}
-    for t in range(tp):
-        for idx, state in layers.items():
-            prefix = f"{TIED}{tied[idx]}." if idx in tied else f"{idx}."
-            piece = {k: reslice(v, splits.get(prefix + k), t).clone() for k, v in state.items()}
+    for t in range(src.tp):
+        for idx, state in src.layers.items():
+            prefix = f"{TIED}{src.tied[idx]}." if idx in src.tied else f"{idx}."
+            piece = {k: reslice(v, src.splits.get(prefix + k), t).clone() for k, v in state.items()}
             torch.save(piece, staging / tp_layer_file(idx, t))
-        for s, src in enumerate(sources):
-            local = _local_source(src, splits, t)
-            states = _stage_states(local, stage, dp, pp * tp)
-            states.update(checkpoint_parallel_dimensions={"pp_degree": pp, "tp_degree": tp}, **{INFO: info})
-            _save(states, staging / stage_file(s * tp + t))
+        for s in range(src.pp):
+            local, states = src.stage_states(s, t, stage, dp)
+            _save(states, staging / stage_file(s * src.tp + t))
             for d in range(dp if stage == 1 else 0):
                 osd = _stage12_optim(local, 1, dp, d)
                 _save(
                     {"optimizer_state_dict": osd, "ds_config": states["ds_config"], "ds_version": DS_LAYOUT_VERSION},
-                    staging / optim_file(d, s * tp + t),
+                    staging / optim_file(d, s * src.tp + t),
                 )
     return publish_tag(root, staging, out_tag)
 
 
-def _saved_splits(src_dir: Path, layers: dict, tied: dict[int, str]) -> dict[str, TPLayout]:
-    """{DeepSpeed name: the saved tp split} of every split parameter, from the per-layer optimizer files."""
+def export_pipeline_universal_tp(
+    checkpoint_dir, output_dir, *, dp: int = 1, tag: str | None = None, output_tag: str | None = None
+) -> Path:
+    """Note [pipeline export with tp]: the zerospeed pipeline checkpoint saved with tp as the universal folder
+    DeepSpeed's `ds_to_universal` makes of its ZeRO-1 pipeline tag on `dp` data-parallel ranks per (stage, tp rank):
+    `output_dir/<tag>_universal` (or `output_tag`) with `latest_universal`. Returns the folder written."""
+    if dp < 1:
+        raise ValueError(f"export of a pipeline universal folder: dp must be at least 1, got {dp}")
+    src = _TPSource.read(checkpoint_dir, tag)
+    root = Path(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    out_tag = output_tag or f"{src.dir.name}_universal"
+    staging = root / f".{out_tag}.partial"
+    fresh_dir(staging)
+    for t in range(src.tp):
+        for s in range(src.pp):
+            _save(src.stage_states(s, t, 1, dp)[1], staging / stage_file(s * src.tp + t))
+    for stage_src in src.sources:
+        for name in stage_src.group_names[0]:
+            folder = staging / "zero" / name
+            if folder.exists():  # a tied module: one folder for all its stages
+                continue
+            folder.mkdir(parents=True)
+            split = src.splits.get(name)
+            for key, value in stage_src.universal.tensors[name].items():
+                record = {"param": value.detach().clone()}
+                if split is not None:  # (ds_to_universal records the dim only for a split parameter)
+                    record = {"cat_dim": split.specs[0].dim, **record}
+                _save(record, folder / f"{key}.pt")
+            if "step" in stage_src.universal.scalars.get(name, {}):
+                _save(_own(stage_src.universal.scalars[name]["step"]), folder / "step.pt")
+    optimizer = _stage12_optim(src.local(0, 0), 1, dp, 0)  # (ds_to_universal keeps mp rank 0's dp-rank-0 file)
+    for sharded in ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups"):
+        optimizer.pop(sharded)
+    optimizer["param_groups"] = [_hyper(src.sources[0], 0, [0])]
+    _save(optimizer, staging / "zero" / "optimizer_state.pt")
+    return publish_tag(root, staging, out_tag, latest="latest_universal")
+
+
+@dataclass
+class _TPSource:
+    """A zerospeed pipeline tag saved with tp, read for the export: full layers and per-stage sources, each split
+    parameter's layout (by DeepSpeed name) and the universal_checkpoint_info naming them."""
+
+    dir: Path
+    tp: int
+    pp: int
+    tied: dict[int, str]
+    layers: dict
+    sources: list[ExportSource]
+    splits: dict[str, TPLayout]
+    info: dict
+
+    @classmethod
+    def read(cls, checkpoint_dir, tag: str | None) -> _TPSource:
+        src_dir = pipeline_tag_dir(checkpoint_dir, tag)
+        if src_dir is None:
+            raise CheckpointError(
+                f"{checkpoint_dir}: no zerospeed pipeline checkpoint (engine_states.pt + layer files)"
+            )
+        saved = torch.load(src_dir / "engine_states.pt", map_location="cpu", weights_only=False)
+        layout, tied = saved["layout"], {int(k): v for k, v in saved.get("tied_layers", {}).items()}
+        optim = _saved_optim(src_dir, layout)
+        _, layers, sources = _pipeline_sources(checkpoint_dir, tag, tp=True, optim=optim)
+        splits = _saved_splits(optim, tied)
+        info = _categories(splits, [n for src in sources for n in src.group_names[0]], src_dir)
+        return cls(src_dir, int(layout.get("tp", 1)), int(layout["pp"]), tied, layers, sources, splits, info)
+
+    def local(self, s: int, t: int) -> ExportSource:
+        """Stage s's export source with tp rank t's pieces of its tensors."""
+        src, uni = self.sources[s], UniversalState()
+        for name, tensors in src.universal.tensors.items():
+            uni.tensors[name] = {k: reslice(v, self.splits.get(name), t).clone() for k, v in tensors.items()}
+            uni.scalars[name], uni.groups[name] = src.universal.scalars[name], src.universal.groups[name]
+        return replace(src, universal=uni)
+
+    def stage_states(self, s: int, t: int, stage: int, dp: int) -> tuple[ExportSource, dict]:
+        """(tp rank t's source of stage s, its `mp_rank_{s * tp + t:02d}_model_states.pt`) for ZeRO `stage`."""
+        local = self.local(s, t)
+        states = _stage_states(local, stage, dp, self.pp * self.tp)
+        states.update(checkpoint_parallel_dimensions={"pp_degree": self.pp, "tp_degree": self.tp}, **{INFO: self.info})
+        return local, states
+
+
+def _saved_optim(src_dir: Path, layout: dict) -> dict[int, dict]:
+    """{layer index: {name: {"master", "state", "tp_layout"}}} at full size: the per-layer optimizer files of a
+    ZeRO-0 save, or the tp ranks' ZeRO-1/2 flat files joined by the splits their pieces record."""
+    if layout.get("zero_stage") == 0:
+        out = {}
+        for path in sorted(src_dir.glob("layer_*-optim_states.pt")):
+            out[int(path.name[len("layer_") :].split("-")[0])] = entries = torch.load(
+                path, map_location="cpu", weights_only=False
+            )
+            for name, entry in entries.items():
+                if "tp_layout" not in entry:
+                    raise CheckpointError(
+                        f"{path}: records no tp split of {name} (saved by an older zerospeed); load the checkpoint "
+                        "into the pipeline engine and save it again to export it"
+                    )
+        return out
+    ranks = [read_flat_layer_optim(src_dir, layout, tp_rank=t) for t in range(int(layout.get("tp", 1)))]
     out = {}
-    for idx in layers:
-        path = src_dir / f"layer_{idx:02d}-optim_states.pt"
-        if not path.exists():
-            continue
+    for idx, entries in ranks[0].items():
+        for name, entry in entries.items():
+            split = None if entry["tp_layout"] is None else TPLayout.from_json(entry["tp_layout"])
+            pieces = [r[idx][name] for r in ranks]
+            state = {
+                k: assemble_full({t: p["state"][k] for t, p in enumerate(pieces)}, split)
+                if torch.is_tensor(v) and v.shape == entry["master"].shape
+                else v
+                for k, v in entry["state"].items()
+            }
+            master = assemble_full({t: p["master"] for t, p in enumerate(pieces)}, split)
+            out.setdefault(idx, {})[name] = {"master": master, "state": state, "tp_layout": entry["tp_layout"]}
+    return out
+
+
+def _saved_splits(optim: dict[int, dict], tied: dict[int, str]) -> dict[str, TPLayout]:
+    """{DeepSpeed name: the saved tp split} of every split parameter."""
+    out = {}
+    for idx, entries in optim.items():
         prefix = f"{TIED}{tied[idx]}." if idx in tied else f"{idx}."
-        for name, entry in torch.load(path, map_location="cpu", weights_only=False).items():
-            if "tp_layout" not in entry:
-                raise CheckpointError(
-                    f"{path}: records no tp split of {name} (saved by an older zerospeed); load the checkpoint into "
-                    "the pipeline engine and save it again to export it"
-                )
+        for name, entry in entries.items():
             if entry["tp_layout"] is not None:
                 out[prefix + name] = TPLayout.from_json(entry["tp_layout"])
     return out
@@ -264,15 +371,6 @@ def _categories(splits: dict[str, TPLayout], names: list[str], src_dir: Path) ->
         "parameter_with_row_parallelism_patterns": [f"^{re.escape(n)}$" for n in row],
         "tp_replicated_parameter_patterns": [f"^{re.escape(n)}$" for n in dict.fromkeys(names) if n not in splits],
     }
-
-
-def _local_source(src: ExportSource, splits: dict[str, TPLayout], t: int) -> ExportSource:
-    """The stage's export source with tp rank t's pieces of its tensors."""
-    uni = UniversalState()
-    for name, tensors in src.universal.tensors.items():
-        uni.tensors[name] = {k: reslice(v, splits.get(name), t).clone() for k, v in tensors.items()}
-        uni.scalars[name], uni.groups[name] = src.universal.scalars[name], src.universal.groups[name]
-    return replace(src, universal=uni)
 
 
 def saved_with_tp(checkpoint_dir, tag: str | None = None) -> bool:

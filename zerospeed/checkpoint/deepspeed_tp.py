@@ -19,8 +19,9 @@ model-states file as `universal_checkpoint_info` (what DeepSpeed's `ds_to_univer
 The full tensors are the plain model's (an nn.Linear's [out, in]), which is zerospeed's canonical form
 (Note [canonical tensors] in tensor_parallel.py), so the result is the same `DeepSpeedCheckpoint` a
 data-parallel tag gives, and the engine cuts its own tp pieces from it at any tp degree.
-A checkpoint of a Megatron-style mpu run records no such information (unless the model sets
-`universal_checkpoint_info`) and is refused with the fix.
+A checkpoint of a Megatron-style mpu run records no such information unless the model sets
+`universal_checkpoint_info` (Megatron-DeepSpeed does): without it it is refused with the fix, with it it loads (also
+into the run's own hand-split model: Note [DeepSpeed mpu tensor-parallel checkpoints] in deepspeed_mpu_tp.py).
 """
 
 from __future__ import annotations

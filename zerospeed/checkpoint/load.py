@@ -284,7 +284,7 @@ def load_checkpoint(
     `tag` is None and `load_dir` has no `latest` file.
     """
     root = check_load_dir(load_dir)
-    check_supported(state, experts_ok=True)
+    check_supported(state, experts_ok=True, hand_split_ok=True)  # (a DeepSpeed tag may say the split: below)
     tag = _resolve(state, root, tag, universal)
     if tag is None:
         return None, None
@@ -298,6 +298,7 @@ def load_checkpoint(
             with_scheduler=load_lr_scheduler_states and not load_module_only,
             module_only=load_module_only,
         )
+    check_supported(state, experts_ok=True)  # (zerospeed's own checkpoints: the model's layers say the split)
     place = placement(state)
     names = checkpoint_names(state, place)  # collective with MoE layers (Note [global expert names])
     start = time.perf_counter()

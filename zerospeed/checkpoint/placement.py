@@ -21,11 +21,13 @@ from zerospeed.checkpoint.tensor_parallel import Layouts, canonical_shape, write
 from zerospeed.zero.tags import owner_of
 
 
-def check_supported(state: TrainingState, experts_ok: bool = False) -> None:
+def check_supported(state: TrainingState, experts_ok: bool = False, hand_split_ok: bool = False) -> None:
     """`experts_ok`: MoE layers' expert groups are fine (save/load_checkpoint name them globally, Note
     [global expert names] in checkpoint/experts.py); other per-group reductions are not. Tensor
     parallelism is fine when the model's tensor-parallel layers (AutoTP, parallel.tensor) say how each
-    parameter is split (the `TensorParallelLayer` protocol; Note [canonical tensors] in tensor_parallel.py)."""
+    parameter is split (the `TensorParallelLayer` protocol; Note [canonical tensors] in tensor_parallel.py),
+    or, `hand_split_ok`, when the checkpoint says it (a DeepSpeed tag's universal_checkpoint_info: Note
+    [DeepSpeed mpu tensor-parallel checkpoints] in deepspeed_mpu_tp.py)."""
     mesh = state.mesh
     tp = mesh.size("tp")
     if mesh.size("pp") > 1:
@@ -40,7 +42,7 @@ def check_supported(state: TrainingState, experts_ok: bool = False) -> None:
             f"tensor-parallel size {tp}"
         )
     if tp > 1:
-        _check_tensor_parallel(state, tp)
+        _check_tensor_parallel(state, tp, hand_split_ok)
         return
     # Note [MiCS]: shard-group partitions are whole dense partitions, each written by every replica alike
     mics = any(u.replicas > 1 for u in state.zero.units)
@@ -52,8 +54,8 @@ def check_supported(state: TrainingState, experts_ok: bool = False) -> None:
         )
 
 
-def _check_tensor_parallel(state: TrainingState, tp: int) -> None:
-    if not has_tensor_parallel_layers(state.module):
+def _check_tensor_parallel(state: TrainingState, tp: int, hand_split_ok: bool = False) -> None:
+    if not hand_split_ok and not has_tensor_parallel_layers(state.module):
         raise NotImplementedError(
             f"checkpoints of a tensor-parallel engine (tp={tp}) whose model is split by its own "
             "code: without zerospeed's tensor-parallel layers (AutoTP's "

@@ -72,6 +72,7 @@ from zerospeed.checkpoint.placement import (
     zero_dp_size,
 )
 from zerospeed.checkpoint.protocols import full_model_state
+from zerospeed.checkpoint.replicated import check_engine_replicated
 from zerospeed.checkpoint.rng import capture_rng_state
 from zerospeed.checkpoint.state import RESERVED_KEYS, TrainingState, training_state_dict
 from zerospeed.checkpoint.tags import agree_on_tag
@@ -346,6 +347,7 @@ def save_checkpoint(
     check_supported(state, experts_ok=True)
     place = placement(state)
     names = checkpoint_names(state, place)  # collective with MoE layers (Note [global expert names])
+    check_engine_replicated(state, names, place)  # Note [hand-split parameters] (collective over tp)
     client_state = dict(client_state or {})
     if saves is not None and saves.plan.deepspeed_layout:
         check_as_saved(state, names)

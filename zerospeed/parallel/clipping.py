@@ -18,7 +18,7 @@ from zerospeed.comm.mesh import ParallelMesh
 from zerospeed.parallel import groups
 
 
-def _is_model_parallel(p: torch.Tensor) -> bool:
+def is_model_parallel(p: torch.Tensor) -> bool:
     """A tensor-parallel shard (Megatron's `model_parallel` / `tensor_model_parallel` attribute)."""
     return bool(getattr(p, "model_parallel", False) or getattr(p, "tensor_model_parallel", False))
 
@@ -39,7 +39,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2, mpu=None, mesh: ParallelM
         if mpu is not None:
             comm.all_reduce(total, op=comm.ReduceOp.MAX, group=mpu.get_model_parallel_group())
     else:
-        counted = [p for p in parameters if mpu is None or mpu.get_model_parallel_rank() == 0 or _is_model_parallel(p)]
+        counted = [p for p in parameters if mpu is None or mpu.get_model_parallel_rank() == 0 or is_model_parallel(p)]
         norms = [torch.linalg.vector_norm(p.grad.detach().float(), norm_type).to(device) for p in counted]
         total = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=device)
         if mpu is not None:

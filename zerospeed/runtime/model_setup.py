@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from zerospeed import comm
+from zerospeed.parallel.clipping import is_model_parallel
 from zerospeed.parallel.tensor.layers import TensorParallelModule
 from zerospeed.parallel.tensor.state import replica_counts
 from zerospeed.zero import full_numel
@@ -62,13 +63,22 @@ def _floating(t: torch.Tensor | None) -> bool:
 
 def weight_tensor_parallel_norm(module: torch.nn.Module, zero, mesh) -> None:
     """Note [norm weights] (zero/strategy.py): the gradient norm spans the tensor-parallel ranks, a
-    parameter held by r of them counting 1/r on each. Only for zerospeed's own tensor-parallel layers
-    (AutoTP, zerospeed.parallel.tensor), which know which parameters are replicated; a model
-    parallelised by its own code (with an mpu) keeps the per-rank norm."""
-    if mesh.size("tp") <= 1 or not any(isinstance(m, TensorParallelModule) for m in module.modules()):
+    parameter held by r of them counting 1/r on each. zerospeed's own tensor-parallel layers (AutoTP,
+    zerospeed.parallel.tensor) know which parameters are replicated; a model parallelised by its own code
+    (with an mpu) says it as Megatron does, `tensor_model_parallel` (or `model_parallel`) = True on each split
+    parameter, the others counted once over the tp ranks, as DeepSpeed's norm reads them; without any such
+    mark it keeps the per-rank norm."""
+    tp = mesh.size("tp")
+    if tp <= 1:
         return
-    counts = replica_counts(module, mesh.size("tp"))
-    zero.set_norm_weights({id(p): 1.0 / counts[name] for name, p in module.named_parameters()}, mesh.group("world"))
+    if any(isinstance(m, TensorParallelModule) for m in module.modules()):
+        counts = replica_counts(module, tp)
+        weights = {id(p): 1.0 / counts[name] for name, p in module.named_parameters()}
+    elif any(is_model_parallel(p) for p in module.parameters()):
+        weights = {id(p): 1.0 if is_model_parallel(p) else 1.0 / tp for p in module.parameters()}
+    else:
+        return
+    zero.set_norm_weights(weights, mesh.group("world"))
 
 
 def param_group_names(module: torch.nn.Module, param_groups: list[dict]) -> list[list[str]]:

@@ -8,7 +8,8 @@ Layout of `save_dir/tag/`:
   and optimizer state. Per layer, so optimizer state also reshards to any stage count.
 * `zero_pp_rank_S_dp_rank_D_optim_states.pt` — ZeRO stage 1/2: this rank's flat masters and optimizer
   state; they load only into the same layout (stages, data-parallel size, layer split). `pieces` maps
-  each master's elements to (layer, parameter name, offsets), read by the export to DeepSpeed.
+  each master's elements to (layer, parameter name, offsets; under tp the parameter's tp layout), read
+  by the export to DeepSpeed.
 * `engine_states.pt` — steps, LR scheduler, loss scaler, optimizer hyper-parameters, client state,
   and the layout that wrote the checkpoint.
 
@@ -49,6 +50,7 @@ from zerospeed.checkpoint.deepspeed_pipeline_tp import (
 )
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.naming import check_load_dir, check_save_dir
+from zerospeed.checkpoint.replicated import check_replicated
 from zerospeed.checkpoint.tensor_parallel import TPLayout
 from zerospeed.checkpoint.universal import FP32, UniversalState, fill_from_universal
 from zerospeed.parallel.tensor.partition import take
@@ -91,25 +93,8 @@ class _TensorParallel:
         """Refuse to save a parameter without a tensor-parallel layout that differs across the tp ranks: it is split
         (a hand-written Megatron-style layer) in a way zerospeed cannot see, and tp rank 0's piece would be written
         as the whole tensor. Collective over the tp group (one small all-gather); every rank raises alike."""
-        if self.size == 1:
-            return
-        named = [(n, p) for n, p in engine.module.named_parameters() if id(p) not in self.specs]
-        if not named:
-            return
-        mine = torch.stack([torch.stack([p.detach().float().sum(), p.detach().float().abs().sum()]) for _, p in named])
-        out = mine.new_empty((self.size, *mine.shape))  # (on the parameters' device: NCCL gathers there)
-        comm.all_gather_into_tensor(out, mine, group=self.group)
-        parts = out.cpu()
-        for i, (name, _) in enumerate(named):
-            for r in range(1, self.size):
-                if not torch.allclose(parts[r][i], parts[0][i], rtol=1e-4, atol=1e-6):
-                    raise CheckpointError(
-                        f"save_checkpoint: parameter {name!r} has no tensor-parallel layout but differs between tp "
-                        f"rank 0 and tp rank {r} (|sum| {parts[0][i][0].item():.6g} vs {parts[r][i][0].item():.6g}): "
-                        "it is split by hand, and zerospeed would save tp rank 0's piece as the whole tensor. Build "
-                        "the layer from zerospeed.parallel.tensor's ColumnParallelLinear / RowParallelLinear / "
-                        "VocabParallelEmbedding, whose layouts the checkpoint records."
-                    )
+        named = [(n, [p]) for n, p in engine.module.named_parameters() if id(p) not in self.specs]
+        check_replicated(named, self.group, self.size)  # Note [hand-split parameters] (checkpoint/replicated.py)
 
     def full(self, t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         specs = self.specs.get(id(param))
@@ -187,7 +172,7 @@ def save_pipeline_checkpoint(
         entries = engine.zero.shard_entries({id(p): n for n, p in module.named_parameters()})
         masters = [e.master.detach().cpu().clone() for e in entries]
         flat = {"optimizer": engine.optimizer.state_dict(), "masters": masters, "layout": _layout(engine)}
-        flat["pieces"] = _flat_pieces(engine, entries)  # (read by the export to DeepSpeed, deepspeed_pipeline.py)
+        flat["pieces"] = _flat_pieces(engine, entries, tp)  # (read by the export to DeepSpeed, deepspeed_pipeline.py)
         files.append((_flat_file(engine), flat))
     if comm.get_rank() == 0:
         files.append(("engine_states.pt", _engine_state(engine, client_state)))
@@ -267,23 +252,30 @@ def _flat_file(engine) -> str:
     return f"zero_pp_rank_{m.stage_id}_dp_rank_{comm.get_rank(engine.dp_group)}{mp}_optim_states.pt"
 
 
-def _flat_pieces(engine, entries) -> list[list[dict]]:
+def _flat_pieces(engine, entries, tp: _TensorParallel) -> list[list[dict]]:
     """Per flat master, where its elements belong: the parameter's layers and names (`where`: [(layer index,
-    name in the layer)], several for a tied module), its shape and the piece's offsets (Piece)."""
+    name in the layer)], several for a tied module), its (local) shape and the piece's offsets (Piece); under tp
+    also how the full tensor splits (`tp_layout`, None for a replicated parameter: Note [pipeline export with tp]
+    in checkpoint/deepspeed_pipeline_tp.py joins the tp ranks' files by it)."""
     where, by_name = _param_layers(engine), dict(engine.module.named_parameters())
-    return [
-        [
-            {
-                "where": where.get(id(by_name[p.name]), []),
-                "shape": tuple(by_name[p.name].shape),
+    out = []
+    for e in entries:
+        pieces = []
+        for p in e.pieces:
+            param = by_name[p.name]
+            piece = {
+                "where": where.get(id(param), []),
+                "shape": tuple(param.shape),
                 "param_offset": p.param_offset,
                 "offset": p.offset,
                 "numel": p.numel,
             }
-            for p in e.pieces
-        ]
-        for e in entries
-    ]
+            if tp.size > 1:
+                specs = tp.specs.get(id(param))
+                piece["tp_layout"] = None if specs is None else TPLayout(tuple(specs)).to_json()
+            pieces.append(piece)
+        out.append(pieces)
+    return out
 
 
 def _save_layer_optim(engine, files: list, tp: _TensorParallel, writes: bool) -> None:
