@@ -66,8 +66,6 @@ def _config(stage: int, tp: int) -> dict:
 def _resume(ds_stage, stage: int, tp: int, with_optimizer: bool = True) -> dict:
     """`ds_stage`: a tag of tp_autotp (0, 1), or "universal" (DeepSpeed's universal folder of the ZeRO-1 tag)."""
     import zerospeed
-    from zerospeed import comm
-    from zerospeed.parallel.tensor import full_state_dict
 
     m = model()
     cfg = _config(stage, tp)
@@ -80,12 +78,21 @@ def _resume(ds_stage, stage: int, tp: int, with_optimizer: bool = True) -> dict:
         load_optimizer_states=with_optimizer,
         load_lr_scheduler_states=with_optimizer,
     )
-    steps, dp = engine.global_steps, engine.mesh.size("dp")
-    dp_rank, micro = engine.mesh.rank_in("dp"), 4 // dp
+    steps = engine.global_steps
+    return {"steps": steps, **_continue(engine, m, tp, lambda mine: engine(input_ids=mine, labels=mine).loss)}
+
+
+def _continue(engine, m, tp: int, loss_of) -> dict:
+    """Steps 4-6 of the fixtures' batches (make_tp.py's, the same in make_tp_fused.py), each dp rank its rows: the
+    dp-mean losses and the full weights after."""
+    import zerospeed
+    from zerospeed import comm
+    from zerospeed.parallel.tensor import full_state_dict
+
+    dp_rank, micro = engine.mesh.rank_in("dp"), 4 // engine.mesh.size("dp")
     losses = []
     for ids in batches()[3:]:
-        mine = ids[dp_rank * micro : (dp_rank + 1) * micro]
-        loss = engine(input_ids=mine, labels=mine).loss
+        loss = loss_of(ids[dp_rank * micro : (dp_rank + 1) * micro])
         engine.backward(loss)
         engine.step()
         t = loss.detach().reshape(1).clone()
@@ -93,7 +100,7 @@ def _resume(ds_stage, stage: int, tp: int, with_optimizer: bool = True) -> dict:
         losses.append(t.item())
     with zerospeed.zero.GatheredParameters(list(m.parameters())):
         weights = full_state_dict(m, engine.mesh.group("tp")) if tp > 1 else dict(m.state_dict())
-    return {"losses": losses, "steps": steps, "weights": {k: v.detach().clone() for k, v in weights.items()}}
+    return {"losses": losses, "weights": {k: v.detach().clone() for k, v in weights.items()}}
 
 
 def _cases(cases):
@@ -322,8 +329,6 @@ def test_a_fused_qkv_weight_is_rebuilt_from_deepspeeds_affine_map_and_refused_wi
 
 def _fused_resume(tp: int, stage: int) -> dict:
     import zerospeed
-    from zerospeed import comm
-    from zerospeed.parallel.tensor import full_state_dict
 
     m = Fused()
     cfg = {
@@ -338,20 +343,7 @@ def _fused_resume(tp: int, stage: int) -> dict:
         }
     engine, *_ = zerospeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)
     engine.load_checkpoint(str(FUSED), tag="step3")
-    dp, dp_rank = engine.mesh.size("dp"), engine.mesh.rank_in("dp")
-    g = torch.Generator().manual_seed(1)  # make_tp_fused.py's batches
-    losses = []
-    for ids in [torch.randint(0, 32, (4, 12), generator=g) for _ in range(6)][3:]:
-        micro = 4 // dp
-        loss = engine(ids[dp_rank * micro : (dp_rank + 1) * micro])
-        engine.backward(loss)
-        engine.step()
-        t = loss.detach().reshape(1).clone()
-        comm.all_reduce(t, op="avg", group=engine.mesh.group("dp"))
-        losses.append(t.item())
-    with zerospeed.zero.GatheredParameters(list(m.parameters())):
-        weights = full_state_dict(m, engine.mesh.group("tp")) if tp > 1 else dict(m.state_dict())
-    return {"losses": losses, "weights": {k: v.detach().clone() for k, v in weights.items()}}
+    return _continue(engine, m, tp, engine)
 
 
 def _fused_cases():
