@@ -20,6 +20,8 @@ and at ZeRO 0 and 2 on one like DeepSpeed continued (losses, and the step-6 weig
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -325,3 +327,39 @@ def test_a_stage_0_tag_saved_as_deepspeed_lays_it_out_loads_like_deepspeeds_own(
         assert max(abs(a - b) for a, b in zip(r["losses"], want["losses"][3:])) <= 1e-6, (where, r["losses"])
         for k, v in want["step6_fp32"].items():
             torch.testing.assert_close(r["weights"][k], v, atol=1e-6, rtol=0, msg=f"{where}: {k}")
+
+
+def _model_states_fail_on_rank_0(folder: str) -> dict:
+    import zerospeed
+    from zerospeed import comm
+    from zerospeed.checkpoint import save as save_module
+
+    m = fixture_model(2.0)
+    engine, *_ = zerospeed.initialize(model=m, model_parameters=m.parameters(), config=_config(3, 2, True))
+    continue_fixture_run(engine, m, 2, steps=slice(0, 3))
+    engine.save_checkpoint(folder, tag="step3")
+    if comm.get_rank() == 0:  # a fault where only the model-states writer goes, before the collective layout
+        real = save_module._model_states
+
+        def broken(*args, **kwargs):
+            raise OSError("injected: model states unavailable")
+
+        save_module._model_states = broken
+    try:
+        engine.save_checkpoint(folder, tag="bad")
+        error = None
+    except Exception as exc:  # noqa: BLE001
+        error = str(exc)
+    finally:
+        if comm.get_rank() == 0:
+            save_module._model_states = real
+    return {"error": error, "latest": (Path(folder) / "latest").read_text().strip()}
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_failing_before_the_collective_layout_fails_the_save_on_every_rank_without_a_hang(tmp_path):
+    """With the key on, the model-states writer failing before `_as_saved`'s all-gathers still joins them: every
+    rank raises (naming rank 0 and the cause) instead of the others waiting forever, and `latest` stays."""
+    for r in run_distributed(_model_states_fail_on_rank_0, 2, str(tmp_path), timeout=90):
+        assert r["error"] is not None and "rank 0" in r["error"] and "injected" in r["error"], r
+        assert r["latest"] == "step3"

@@ -15,6 +15,7 @@ last sub-group is still stepping, and after its own sub-group's step.
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 import torch
@@ -127,6 +128,9 @@ def _early_start():
     engine, *_ = zerospeed.initialize(model=model, model_parameters=param_groups(model), config=cfg)
     stepper = engine.zero.stepper
     marks = []
+    # torch's own scheduler: it must see the optimizer as stepped even though only snapshots of it stepped
+    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 0.5**s)
+    base_lr = engine.optimizer.param_groups[0]["lr"]
 
     def last_gradient(_param):
         # give the worker a bounded chance to begin: if no step was submitted early this waits in vain
@@ -143,7 +147,12 @@ def _early_start():
     engine.backward(engine(x, y))
     before_step = list(stepper.timeline)
     engine.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scheduler.step()
     out = {"timeline": before_step, "backward_end": marks[-1], "sub_groups": len(engine.zero.sub_groups)}
+    out["scheduler_warnings"] = [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)]
+    out["lr"] = (base_lr, engine.optimizer.param_groups[0]["lr"])
     # the early start commits the host step: a second boundary backward before engine.step() is refused
     engine.backward(engine(x, y))
     try:
@@ -158,6 +167,9 @@ def _early_start():
 def test_first_sub_group_steps_before_the_backward_ends():
     for r in run_distributed(_early_start, 2, timeout=90):
         assert r["sub_groups"] >= 3
+        assert r["scheduler_warnings"] == []  # (torch warns when it thinks the optimizer never stepped)
+        base, lr = r["lr"]
+        assert lr == base * 0.5  # LambdaLR's formula after one step
         starts = [t for kind, j, t in r["timeline"] if kind == "start"]
         submits = [j for kind, j, _ in r["timeline"] if kind == "submit"]
         assert submits[0] == 0  # the sub-group whose gradients backward finishes first

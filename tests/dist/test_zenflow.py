@@ -197,8 +197,17 @@ def _weights(engine):
 AUTO = {"update_interval": "auto", "auto_ratio": 0.5}
 
 
-def _parity(stage, overlap, zf, zero=None):
-    engine = _engine(config(stage, overlap, zero=zero, **zf))
+def _parity(stage, overlap, zf, zero=None, client=False):
+    cfg = config(stage, overlap, zero=zero, **zf)
+    if client:  # the user's own optimizer object (its attributes and hooks must reach the host thread's step)
+        from zerospeed.optim.adam import DeepSpeedCPUAdam
+
+        del cfg["optimizer"]
+        model = build_model()
+        optimizer = DeepSpeedCPUAdam(model.parameters(), lr=LR, weight_decay=WD)
+        engine, *_ = zerospeed.initialize(model=model, optimizer=optimizer, config=cfg)
+    else:
+        engine = _engine(cfg)
     losses = _train(engine, batches(STEPS, comm.get_world_size()))
     return losses, _weights(engine)
 
@@ -211,6 +220,19 @@ def test_zenflow_matches_the_reference(stage, overlap, auto):
     if stage == 3:  # the "auto" case with the parameter shards offloaded to the host as well
         zero = {**Z3, "offload_param": {"device": "cpu"}} if auto else Z3
     (losses, weights), _ = run_distributed(_parity, 2, stage, overlap, AUTO if auto else {}, zero, timeout=120)
+    _assert_matches_reference(losses, weights, overlap, auto)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zenflow_with_the_users_cpu_adam_and_the_host_thread_matches_the_reference(stage):
+    """A client DeepSpeedCPUAdam stepped on ZenFlow's host thread (it once lost the optimizer's own attributes)."""
+    zero = Z3 if stage == 3 else None
+    (losses, weights), _ = run_distributed(_parity, 2, stage, True, {}, zero, True, timeout=120)
+    _assert_matches_reference(losses, weights, True, False)
+
+
+def _assert_matches_reference(losses, weights, overlap, auto):
     ref_losses, ref_weights = reference_zenflow(
         build_model(),
         batches(STEPS, 2),

@@ -30,29 +30,36 @@ from pathlib import Path
 import torch
 
 from zerospeed.checkpoint import deepspeed_autoep_names as names_
+from zerospeed.checkpoint.deepspeed_experts import MOE_RESERVED
 from zerospeed.checkpoint.deepspeed_import import (
     RESERVED,
     DeepSpeedCheckpoint,
     _hyperparameters,
     _load,
     _loss_scale,
+    _optim_files,
     _scalars,
-    optim_prefix,
+    model_meta,
 )
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.universal import FP32, UniversalState
 
 ZERO3_MODEL = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
-ZERO3_OPTIM = "{}zero_pp_rank_{}_mp_rank_00_optim_states.pt"  # (prefix "bf16_" in a bf16 run)
 
 
 def is_deepspeed_autoep_zero3_tag(tag_dir: Path) -> bool:
     """A ZeRO-3 tag DeepSpeed's AutoEP saved (model states with partitioned `ds_autoep_layers`)."""
     path = Path(tag_dir) / ZERO3_MODEL.format(0)
-    if not path.exists() or (Path(tag_dir) / "zero").is_dir():
-        return False
-    layers = _load(path).get("ds_autoep_layers") or []
-    return bool(layers) and all(e.get("checkpoint_format") == "zero3_partitioned" for e in layers)
+    return not (Path(tag_dir) / "zero").is_dir() and autoep_format(path) == "zero3_partitioned"
+
+
+def autoep_format(path: Path) -> str | None:
+    """The checkpoint_format every `ds_autoep_layers` entry of the model-states file `path` records (None: no such
+    file, no AutoEP layers, or several formats)."""
+    if not path.exists():
+        return None
+    formats = {e.get("checkpoint_format") for e in _load(path).get("ds_autoep_layers") or []}
+    return formats.pop() if len(formats) == 1 else None
 
 
 def _transformers_name(name: str, prefixes: dict[str, str]) -> str:
@@ -68,21 +75,11 @@ def read_deepspeed_autoep_zero3_checkpoint(
     """The universal form (transformers' names, whole [E, ...] experts) of a DeepSpeed AutoEP ZeRO-3 tag."""
     del group_names  # (a ZeRO-3 tag names its parameters)
     tag_dir = Path(tag_dir)
-    model = _load(tag_dir / ZERO3_MODEL.format(0))
-    dp = int(model.get("dp_world_size") or 1)
-    if int(model.get("mp_world_size") or 1) > 1:
-        raise CheckpointError(f"{tag_dir}: a tensor-parallel DeepSpeed AutoEP checkpoint is not read here")
-    ds_config = model.get("ds_config") or {}
+    model, dp, ds_config = read_autoep_model(tag_dir, ZERO3_MODEL.format(0))
     if isinstance(ds_config.get("fp16"), dict) and ds_config["fp16"].get("enabled"):
         raise CheckpointError(f"{tag_dir}: a fp16 DeepSpeed AutoEP checkpoint is not read here; fp32 and bf16 runs are")
-    prefix = optim_prefix(tag_dir) or ""
-    models = [_load(tag_dir / ZERO3_MODEL.format(r)) for r in range(dp)]
-    optims = []
-    for r in range(dp):
-        path = tag_dir / ZERO3_OPTIM.format(prefix, r)
-        if not path.exists():
-            raise CheckpointError(f"{tag_dir}: {path.name} is missing (the checkpoint was saved by {dp} ranks)")
-        optims.append(_load(path)["optimizer_state_dict"])
+    models = [model] + [_load(tag_dir / ZERO3_MODEL.format(r)) for r in range(1, dp)]
+    optims = _optim_files(tag_dir, dp)  # (a bf16 run's `bf16_zero_pp_rank_*`: optim_prefix)
     subs = optims[0].get("ds_zero_partition_groups") or []
     families = [tuple(s.get("families") or ()) for s in subs]
     if families != [("replicated",), ("autoep_expert",)] or len(model["param_shapes"]) != 2:
@@ -200,12 +197,9 @@ def autoep_checkpoint(
         _hyperparameters(groups),
         meta=_loss_scale(scaler),
     )
-    ckpt.meta = {
-        k: model.get(k)
-        for k in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "ds_config", "ds_version")
-    } | ckpt.meta
+    ckpt.meta = model_meta(model) | ckpt.meta
     ckpt.meta["ep_size"] = ep
-    ckpt.client_state = {k: v for k, v in model.items() if k not in RESERVED | {"num_experts", "ds_autoep_layers"}}
+    ckpt.client_state = {k: v for k, v in model.items() if k not in RESERVED | MOE_RESERVED}
     ckpt.layout = {
         "group_names": group_names,
         "shapes": shapes,

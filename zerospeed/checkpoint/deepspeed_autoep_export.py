@@ -293,8 +293,7 @@ def _model_file(src, view, blocks, shapes, stage, dp, ep, rank) -> dict:
     aliases = {f"{b.path}.{names_.ROUTER_ALIAS}" for b in blocks}
     if stage > 0:  # (the router's alias is no shared parameter to DeepSpeed)
         states["shared_params"] = {k: v for k, v in view.tied.items() if not any(k.startswith(a) for a in aliases)}
-    ds_config = states["ds_config"]
-    ds_config["expert_parallel"] = {**(ds_config.get("expert_parallel") or {}), "autoep_size": ep}
+    states["ds_config"] = _autoep_ds_config(view, stage, ep)
     info = dict(states.pop("universal_checkpoint_info", None) or {})
     layers = autoep_layers(blocks, shapes, ep, dp, rank, stage)
     states["num_experts"] = [b.experts for b in blocks]
@@ -303,6 +302,13 @@ def _model_file(src, view, blocks, shapes, stage, dp, ep, rank) -> dict:
     info.update(expert_parameter_patterns=list(EXPERT_PATTERNS), ds_autoep_layers=layers)
     states["universal_checkpoint_info"] = info
     return states
+
+
+def _autoep_ds_config(view: ExportSource, stage: int, ep: int) -> dict:
+    """The saved config as DeepSpeed's AutoEP run at ZeRO `stage` and `autoep_size` `ep` records it."""
+    cfg = _ds_config(view, stage)
+    cfg["expert_parallel"] = {**(cfg.get("expert_parallel") or {}), "autoep_size": ep}
+    return cfg
 
 
 def _stage3_file(view: ExportSource, moe: list[bool], dp: int, ep: int, rank: int, sub_group_size: int) -> dict:
@@ -424,10 +430,12 @@ def write_deepspeed_autoep_tag(
             osd = _stage3_file(view, moe, dp, ep, r, sub_group_size)
         else:
             osd = _splice(_stage12_optim(view, stage, dp, r), _stage12_optim(view, stage, dp // ep, r // ep), moe)
-        ds_config = _ds_config(view, stage)
-        ds_config["expert_parallel"] = {**(ds_config.get("expert_parallel") or {}), "autoep_size": ep}
         _save(
-            {"optimizer_state_dict": osd, "ds_config": ds_config, "ds_version": DS_LAYOUT_VERSION},
+            {
+                "optimizer_state_dict": osd,
+                "ds_config": _autoep_ds_config(view, stage, ep),
+                "ds_version": DS_LAYOUT_VERSION,
+            },
             staging / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
         )
     return publish_tag(root, staging, tag)

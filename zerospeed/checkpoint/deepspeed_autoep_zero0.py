@@ -26,7 +26,12 @@ from pathlib import Path
 
 import torch
 
-from zerospeed.checkpoint.deepspeed_autoep import autoep_checkpoint, autoep_ep_size, read_autoep_model
+from zerospeed.checkpoint.deepspeed_autoep import (
+    autoep_checkpoint,
+    autoep_ep_size,
+    autoep_format,
+    read_autoep_model,
+)
 from zerospeed.checkpoint.deepspeed_autoep_names import EXPERT_WEIGHTS as WEIGHTS
 from zerospeed.checkpoint.deepspeed_import import MODEL, DeepSpeedCheckpoint, _load, _scalars, optim_prefix
 from zerospeed.checkpoint.errors import CheckpointError
@@ -41,10 +46,9 @@ def is_deepspeed_autoep_zero0_tag(tag_dir: Path) -> bool:
     optimizer files, no ZeRO partitions)."""
     tag_dir = Path(tag_dir)
     path = tag_dir / MODEL
-    if not path.exists() or not (tag_dir / EXPP.format(0)).exists() or optim_prefix(tag_dir) is not None:
+    if not (tag_dir / EXPP.format(0)).exists() or optim_prefix(tag_dir) is not None:
         return False
-    layers = _load(path).get("ds_autoep_layers") or []
-    return bool(layers) and all(e.get("checkpoint_format") == "per_expert_files" for e in layers)
+    return autoep_format(path) == "per_expert_files"
 
 
 def _dense_names(model: dict, layers: list[dict]) -> list[str]:

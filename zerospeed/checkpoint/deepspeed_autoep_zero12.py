@@ -22,11 +22,16 @@ from pathlib import Path
 
 import torch
 
-from zerospeed.checkpoint.deepspeed_autoep import autoep_checkpoint, autoep_ep_size, read_autoep_model
+from zerospeed.checkpoint.deepspeed_autoep import (
+    autoep_checkpoint,
+    autoep_ep_size,
+    autoep_format,
+    read_autoep_model,
+)
 from zerospeed.checkpoint.deepspeed_import import (
     MODEL,
     DeepSpeedCheckpoint,
-    _load,
+    _optim_files,
     _scalars,
     optim_prefix,
     stage12_universal,
@@ -34,18 +39,15 @@ from zerospeed.checkpoint.deepspeed_import import (
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.universal import FP32
 
-OPTIM = "{}zero_pp_rank_{}_mp_rank_00_optim_states.pt"  # (prefix "bf16_" in a bf16 run)
-
 
 def is_deepspeed_autoep_zero12_tag(tag_dir: Path) -> bool:
     """A ZeRO-1/2 tag DeepSpeed's AutoEP saved (model states with per-expert-file `ds_autoep_layers`, ZeRO 1/2
     optimizer files)."""
     tag_dir = Path(tag_dir)
     path = tag_dir / MODEL
-    if not path.exists() or optim_prefix(tag_dir) is None or (tag_dir / "zero").is_dir():
+    if optim_prefix(tag_dir) is None or (tag_dir / "zero").is_dir():
         return False
-    layers = _load(path).get("ds_autoep_layers") or []
-    return bool(layers) and all(e.get("checkpoint_format") == "per_expert_files" for e in layers)
+    return autoep_format(path) == "per_expert_files"
 
 
 def read_deepspeed_autoep_zero12_checkpoint(
@@ -57,19 +59,13 @@ def read_deepspeed_autoep_zero12_checkpoint(
     model, dp, ds_config = read_autoep_model(tag_dir, MODEL)
     if isinstance(ds_config.get("fp16"), dict) and ds_config["fp16"].get("enabled"):
         raise CheckpointError(f"{tag_dir}: a fp16 DeepSpeed AutoEP checkpoint is not read here; fp32 and bf16 runs are")
-    prefix = optim_prefix(tag_dir) or ""
     if ds_config.get("use_data_before_expert_parallel_"):
         raise CheckpointError(
             f"{tag_dir}: use_data_before_expert_parallel_ places DeepSpeed's expert-data-parallel groups "
             "differently; such an AutoEP checkpoint is not read here"
         )
     ep = autoep_ep_size(tag_dir, model)
-    ranks = []
-    for r in range(dp):
-        path = tag_dir / OPTIM.format(prefix, r)
-        if not path.exists():
-            raise CheckpointError(f"{tag_dir}: {path.name} is missing (the checkpoint was saved by {dp} ranks)")
-        ranks.append(_load(path)["optimizer_state_dict"])
+    ranks = _optim_files(tag_dir, dp)  # (a bf16 run's `bf16_zero_pp_rank_*`: optim_prefix)
     base = ranks[0]["base_optimizer_state"]
     moe = [bool(g.get("moe")) for g in base["param_groups"]]
     if "single_partition_of_fp32_groups" not in ranks[0] or moe != [False, True] or len(model["param_shapes"]) != 2:

@@ -66,7 +66,9 @@ from zerospeed.checkpoint.deepspeed_import import (
     _hyperparameters,
     _load,
     _loss_scale,
+    _optim_files,
     _scalars,
+    model_meta,
     optim_prefix,
     refuse_autoep,
     stage12_universal,
@@ -164,9 +166,8 @@ def read_deepspeed_moe_checkpoint(
         raise CheckpointError(f"{tag_dir}: a tensor-parallel DeepSpeed MoE checkpoint is not read here")
     experts = _Experts(tag_dir, model)
     dp = int(model.get("dp_world_size") or 1)
-    prefix = optim_prefix(tag_dir)
-    if prefix is not None:
-        ckpt = _read_zero12(tag_dir, model, experts, dp, prefix, names)
+    if optim_prefix(tag_dir) is not None:
+        ckpt = _read_zero12(tag_dir, model, experts, dp, names)
     elif (tag_dir / expp_file(0)).exists():
         ckpt = _read_zero0(tag_dir, model, experts, dp, names, group_names)
     else:
@@ -180,10 +181,7 @@ def read_deepspeed_moe_checkpoint(
             f"{tag_dir}: the expert files hold tensors that are no trainable parameter ({extra[:3]}: expert "
             "buffers or frozen expert weights), which this reader does not load"
         )
-    ckpt.meta = {
-        k: model.get(k)
-        for k in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "ds_config", "ds_version")
-    } | ckpt.meta
+    ckpt.meta = model_meta(model) | ckpt.meta
     ckpt.meta["ep_size"] = experts.ep
     ckpt.client_state = {k: v for k, v in model.items() if k not in RESERVED | MOE_RESERVED}
     return ckpt
@@ -200,13 +198,8 @@ def _layout(model: dict, shapes: list[dict], experts: _Experts) -> dict:
     }
 
 
-def _read_zero12(tag_dir: Path, model: dict, experts: _Experts, dp: int, prefix: str, names) -> DeepSpeedCheckpoint:
-    ranks = []
-    for r in range(dp):
-        path = tag_dir / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
-        if not path.exists():
-            raise CheckpointError(f"{tag_dir}: {path.name} is missing (the checkpoint was saved by {dp} ranks)")
-        ranks.append(_load(path)["optimizer_state_dict"])
+def _read_zero12(tag_dir: Path, model: dict, experts: _Experts, dp: int, names) -> DeepSpeedCheckpoint:
+    ranks = _optim_files(tag_dir, dp)
     if "single_partition_of_fp32_groups" not in ranks[0]:
         raise CheckpointError(
             f"{tag_dir}: the optimizer files hold no ZeRO 1/2 partitions (single_partition_of_fp32_groups); "

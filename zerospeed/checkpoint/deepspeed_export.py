@@ -414,6 +414,12 @@ def _stage3_optim(src: ExportSource, dp: int, rank: int, sub_group_size: int) ->
             params.append(index)
             index += 1
         groups.append(_hyper(src, gi, params))
+    return stage3_optimizer_state(src, dp, states, groups, flats)
+
+
+def stage3_optimizer_state(src: ExportSource, dp: int, states: dict, groups: list[dict], flats: list) -> dict:
+    """A ZeRO-3 rank's `optimizer_state_dict` around its sub-groups' torch optimizer `states` (by sub-group
+    index), param `groups` and `fp32_flat_groups`."""
     return {
         "zero_stage": zero_stage(3),
         "loss_scaler": _scaler(src),
@@ -505,11 +511,16 @@ def stage_tag(src: ExportSource, out_dir, tag: str, sub_group_size: int | None) 
     if sub_group_size is None:
         zero = (src.meta.get("ds_config") or {}).get("zero_optimization") or {}
         sub_group_size = int(zero.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))
+    return *staging_dir(out_dir, tag), sub_group_size
+
+
+def staging_dir(out_dir, tag: str) -> tuple[Path, Path]:
+    """(root `out_dir`, created, a fresh staging directory for `root/tag` that `publish_tag` swaps in)."""
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     staging = root / f".{tag}.partial"
     fresh_dir(staging)
-    return root, staging, sub_group_size
+    return root, staging
 
 
 def publish_tag(root: Path, staging: Path, tag: str, latest: str = "latest") -> Path:
@@ -528,10 +539,7 @@ def write_universal(src: ExportSource, out_dir, tag: str, *, dp: int = 1) -> Pat
     model-states file is looked up by name, so one is written per name it may look for: ZeRO 0-2's
     `mp_rank_00_model_states.pt` and ZeRO 3's `zero_pp_rank_{r}_...` for the `dp` ranks given (they hold no
     weights: a universal load takes those from `zero/`). Returns the folder written."""
-    root = Path(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    staging = root / f".{tag}.partial"
-    fresh_dir(staging)
+    root, staging = staging_dir(out_dir, tag)
     states = _model_states(src, 3, dp, OrderedDict())
     _save(states, staging / MODEL_STATES)
     for r in range(dp):

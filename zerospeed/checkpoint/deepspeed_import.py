@@ -95,6 +95,9 @@ RESERVED = frozenset(
 )
 
 
+META_KEYS = ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "ds_config", "ds_version")
+
+
 class _Record:
     """A DeepSpeed object read back as its constructor arguments and attributes."""
 
@@ -188,10 +191,13 @@ def read_deepspeed_checkpoint(
         ckpt = _read_stage0(tag_dir, model, shapes, names)
     else:
         ckpt = _read_stage12(tag_dir, model, dp, shapes, names)
-    ckpt.meta = {
-        k: model.get(k)
-        for k in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "ds_config", "ds_version")
-    } | ckpt.meta
+    return describe(ckpt, model, shapes)
+
+
+def describe(ckpt: DeepSpeedCheckpoint, model: dict, shapes: list[dict]) -> DeepSpeedCheckpoint:
+    """`ckpt` with the meta, client state and layout of its model-states file `model` (`shapes`: its
+    param groups' {name: shape})."""
+    ckpt.meta = model_meta(model) | ckpt.meta
     ckpt.client_state = {k: v for k, v in model.items() if k not in RESERVED}
     ckpt.layout = {
         "group_names": [list(g) for g in shapes],
@@ -201,6 +207,11 @@ def read_deepspeed_checkpoint(
         "shared_params": dict(model.get("shared_params") or {}),
     }
     return ckpt
+
+
+def model_meta(model: dict) -> dict:
+    """The counters, LR-scheduler state and config a DeepSpeed model-states file records (its checkpoint meta)."""
+    return {k: model.get(k) for k in META_KEYS}
 
 
 def param_shapes(tag_dir: Path, model: dict, group_names) -> list[dict]:

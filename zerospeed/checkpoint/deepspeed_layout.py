@@ -58,16 +58,16 @@ from zerospeed.checkpoint.deepspeed_export import (
     DEFAULT_SUB_GROUP_SIZE,
     ExportSource,
     _ds_config,
+    _flat_range,
     _hyper,
     _model_states,
     _own,
-    _scaler,
     _stage12_optim,
     slice_mappings,
+    stage3_optimizer_state,
     stage3_partition,
     sub_groups,
 )
-from zerospeed.checkpoint.deepspeed_pickle import zero_stage
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.experts import CheckpointNames
 from zerospeed.checkpoint.layout import EntryLayout, entry_groups, split_state
@@ -144,16 +144,6 @@ def _full_of_entries(entry, saved: dict, keys: list[str], everyone: list, k: int
     return full
 
 
-def _piece(full: torch.Tensor, numel: int, dp: int, rank: int) -> torch.Tensor:
-    """DeepSpeed's rank-`rank` piece of a parameter: ceil(numel / dp) elements, the last rank's zero-padded."""
-    part = stage3_partition(numel, dp)
-    out = torch.zeros(part, dtype=full.dtype)
-    lo, hi = rank * part, min(numel, (rank + 1) * part)
-    if hi > lo:
-        out[: hi - lo].copy_(full[lo:hi])
-    return out
-
-
 def _full_entries(state: TrainingState, names: CheckpointNames):
     """Collective, one zerospeed flat entry at a time: (name, {key: full fp32 master / elementwise state},
     {key: scalar state}, param group) of each trainable parameter (one all-gather per entry and key)."""
@@ -175,10 +165,16 @@ def _deepspeed_pieces(state: TrainingState, names: CheckpointNames, dp: int, ran
     entry's full tensors held at a time)."""
     pieces, scalars, group_of = {}, {}, {}
     for name, full, scalar, gi in _full_entries(state, names):
-        numel = full[FP32].numel()
-        pieces[name] = {key: _piece(t, numel, dp, rank) for key, t in full.items()}
+        part = stage3_partition(full[FP32].numel(), dp)  # (ceil(numel / dp); the last rank's piece zero-padded)
+        pieces[name] = {key: _flat_range(t, rank * part, (rank + 1) * part) for key, t in full.items()}
         scalars[name], group_of[name] = scalar, gi
     return pieces, scalars, group_of
+
+
+def _module_order_groups(state: TrainingState, names: CheckpointNames, group_of: dict[str, int]) -> list[list[str]]:
+    """The trained parameters' names per optimizer param group (`group_of`: name -> group), in module order."""
+    order = [names.params[id(p)] for p in state.module.parameters() if p.requires_grad]
+    return [[n for n in order if group_of.get(n) == gi] for gi in range(len(state.optimizer.param_groups))]
 
 
 def _source(state: TrainingState, names: CheckpointNames, group_names: list[list[str]]) -> ExportSource:
@@ -209,8 +205,7 @@ def as_saved_rank_states(
     same tensors, the entries' layouts, DeepSpeed's model states of this rank) (Note [as-saved DeepSpeed layout])."""
     dp = comm.get_world_size()
     pieces, scalars, group_of = _deepspeed_pieces(state, names, dp, dp_rank)
-    order = [names.params[id(p)] for p in state.module.parameters() if p.requires_grad]
-    group_names = [[n for n in order if group_of.get(n) == gi] for gi in range(len(state.optimizer.param_groups))]
+    group_names = _module_order_groups(state, names, group_of)
     src = _source(state, names, group_names)
     src.client_state = dict(client_state)
     zero_cfg = (state.ds_config or {}).get("zero_optimization") or {}
@@ -239,15 +234,7 @@ def as_saved_rank_states(
             indices.append(index)
             index += 1
         hyper.append(_hyper(src, gi, indices))
-    osd = {
-        "zero_stage": zero_stage(3),
-        "loss_scaler": _scaler(src),
-        "dynamic_loss_scale": bool((src.meta.get("loss_scaler") or {}).get("dynamic")),
-        "overflow": False,
-        "partition_count": dp,
-        "optimizer_state_dict": {"state": states, "param_groups": hyper},
-        "fp32_flat_groups": flats,
-    }
+    osd = stage3_optimizer_state(src, dp, states, hyper, flats)
     shard = {**header, "entries": records, "optimizer_state_dict": osd, "ds_config": _ds_config(src, 3)}
     return shard, layouts, _model_states(src, 3, dp, OrderedDict())
 
@@ -268,8 +255,7 @@ def as_saved_stage12_rank_states(
     over the same tensors, the entries' layouts, DeepSpeed's `param_shapes`) (Note [as-saved ZeRO 1/2])."""
     dp, stage = comm.get_world_size(), state.zero.stage
     universal, group_of = _full_state(state, names)
-    order = [names.params[id(p)] for p in state.module.parameters() if p.requires_grad]
-    group_names = [[n for n in order if group_of.get(n) == gi] for gi in range(len(state.optimizer.param_groups))]
+    group_names = _module_order_groups(state, names, group_of)
     src = _source(state, names, group_names)
     src.universal, src.client_state = universal, dict(client_state)
     osd = _stage12_optim(src, stage, dp, dp_rank)
@@ -304,8 +290,7 @@ def _zero0_group_names(state: TrainingState, names: CheckpointNames, groups: dic
     known = [[n for n in g if n in groups] for g in state.param_group_names]
     if len(known) == len(state.optimizer.param_groups) and sorted(n for g in known for n in g) == sorted(groups):
         return known
-    order = [names.params[id(p)] for p in state.module.parameters() if p.requires_grad]
-    return [[n for n in order if groups.get(n) == gi] for gi in range(len(state.optimizer.param_groups))]
+    return _module_order_groups(state, names, groups)
 
 
 def _shaped(t: torch.Tensor, shape: list[int]) -> torch.Tensor:

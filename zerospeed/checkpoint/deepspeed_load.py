@@ -57,15 +57,16 @@ def load_deepspeed_checkpoint(
     ckpt, error = None, None
     try:
         refuse_pipeline_universal(tag_dir)  # Note [DeepSpeed pipeline universal folders] (deepspeed_pipeline.py)
-        reader = read_deepspeed_moe_checkpoint if moe else read_deepspeed_checkpoint
-        if autoep:
-            reader = read_deepspeed_autoep_zero3_checkpoint
-        if autoep12:
-            reader = read_deepspeed_autoep_zero12_checkpoint
-        if autoep0:
-            reader = read_deepspeed_autoep_zero0_checkpoint
         if is_deepspeed_tp_tag(tag_dir):  # Note [DeepSpeed tensor-parallel checkpoints] (deepspeed_tp.py)
             reader = read_deepspeed_tp_checkpoint
+        elif autoep0:
+            reader = read_deepspeed_autoep_zero0_checkpoint
+        elif autoep12:
+            reader = read_deepspeed_autoep_zero12_checkpoint
+        elif autoep:
+            reader = read_deepspeed_autoep_zero3_checkpoint
+        else:
+            reader = read_deepspeed_moe_checkpoint if moe else read_deepspeed_checkpoint
         ckpt = reader(tag_dir, names=wanted, group_names=state.param_group_names)
         cut_hand_split(ckpt, names.specs, place, tag_dir)  # Note [DeepSpeed mpu tensor-parallel checkpoints]
         _check_matches(state, ckpt, names.specs, wanted, with_optimizer)

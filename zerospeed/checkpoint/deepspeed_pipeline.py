@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 
-from zerospeed.checkpoint.atomic import fresh_dir
 from zerospeed.checkpoint.deepspeed_export import (
     DS_LAYOUT_VERSION,
     ExportSource,
@@ -40,6 +39,7 @@ from zerospeed.checkpoint.deepspeed_export import (
     _save,
     _stage12_optim,
     publish_tag,
+    staging_dir,
 )
 from zerospeed.checkpoint.deepspeed_import import (
     RESERVED,
@@ -337,11 +337,8 @@ def export_pipeline_to_deepspeed(
     if stage not in (0, 1) or dp < 1:
         raise ValueError(f"export of a pipeline checkpoint: DeepSpeed's pipeline runs ZeRO 0 or 1, got {stage}")
     src_dir, layers, sources = _pipeline_sources(checkpoint_dir, tag)
-    root = Path(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
     out_tag = output_tag or src_dir.name
-    staging = root / f".{out_tag}.partial"
-    fresh_dir(staging)
+    root, staging = staging_dir(output_dir, out_tag)
     for idx, state in layers.items():
         torch.save(state, staging / layer_file(idx))
     for s, src in enumerate(sources):
@@ -367,28 +364,40 @@ def export_pipeline_universal(
     if dp < 1:
         raise ValueError(f"export of a pipeline universal folder: dp must be at least 1, got {dp}")
     src_dir, _, sources = _pipeline_sources(checkpoint_dir, tag)
-    root = Path(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
     out_tag = output_tag or f"{src_dir.name}_universal"
-    staging = root / f".{out_tag}.partial"
-    fresh_dir(staging)
+    root, staging = staging_dir(output_dir, out_tag)
     for s, src in enumerate(sources):
         _save(_stage_states(src, 1, dp, len(sources)), staging / stage_file(s))
+    # (ds_to_universal keeps stage 0's rank-0 optimizer file)
+    write_pipeline_universal_zero(staging, sources, sources[0], dp, cat_dim=lambda name: 0)
+    return publish_tag(root, staging, out_tag, latest="latest_universal")
+
+
+def write_pipeline_universal_zero(
+    staging: Path, sources: list[ExportSource], first_rank: ExportSource, dp: int, cat_dim: Callable[[str], int | None]
+) -> None:
+    """A pipeline universal folder's `zero/`: `zero/<name>/` per parameter of the stages' `sources` (a tied module
+    once; `cat_dim(name)` recorded where not None) and `zero/optimizer_state.pt` from the ZeRO-1 optimizer file of
+    `first_rank` (stage 0's source as the first mp rank holds it) at data-parallel rank 0 of `dp`."""
+    for src in sources:
         for name in src.group_names[0]:
             folder = staging / "zero" / name
             if folder.exists():  # a tied module: one folder for all its stages
                 continue
             folder.mkdir(parents=True)
+            dim = cat_dim(name)
             for key, value in src.universal.tensors[name].items():
-                _save({"cat_dim": 0, "param": value.detach().clone()}, folder / f"{key}.pt")
+                record = {"param": value.detach().clone()}
+                if dim is not None:
+                    record = {"cat_dim": dim, **record}
+                _save(record, folder / f"{key}.pt")
             if "step" in src.universal.scalars.get(name, {}):
                 _save(_own(src.universal.scalars[name]["step"]), folder / "step.pt")
-    optimizer = _stage12_optim(sources[0], 1, dp, 0)  # (ds_to_universal keeps stage 0's rank-0 file)
+    optimizer = _stage12_optim(first_rank, 1, dp, 0)
     for sharded in ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups"):
         optimizer.pop(sharded)
     optimizer["param_groups"] = [_hyper(sources[0], 0, [0])]
     _save(optimizer, staging / "zero" / "optimizer_state.pt")
-    return publish_tag(root, staging, out_tag, latest="latest_universal")
 
 
 def _pipeline_sources(
@@ -419,17 +428,17 @@ def _pipeline_sources(
             "pipeline engine and save it again to export it"
         )
     tied = {int(k): v for k, v in saved["tied_layers"].items()}
-    given, layers, optim = optim, {}, {}
+    layers = {}
     for idx in range(layout["num_layers"]):
         if (src_dir / layer_file(idx)).exists():
             layers[idx] = torch.load(src_dir / layer_file(idx), map_location="cpu", weights_only=True)
-        path = src_dir / f"layer_{idx:02d}-optim_states.pt"
-        if path.exists():
-            optim[idx] = torch.load(path, map_location="cpu", weights_only=False)
-    if given is not None:
-        optim = dict(given)
-    elif layout["zero_stage"] != 0:
+    if optim is None and layout["zero_stage"] != 0:
         optim = read_flat_layer_optim(src_dir, layout)
+    elif optim is None:  # (ZeRO 0: the per-layer optimizer files)
+        optim = {}
+        for idx in range(layout["num_layers"]):
+            if (path := src_dir / f"layer_{idx:02d}-optim_states.pt").exists():
+                optim[idx] = torch.load(path, map_location="cpu", weights_only=False)
     if any(t.dtype != torch.float32 for s in layers.values() for t in s.values() if t.is_floating_point()):
         raise CheckpointError(f"{src_dir}: export of a pipeline checkpoint to DeepSpeed is written for fp32 weights")
     bounds, pp = layout["bounds"], layout["pp"]

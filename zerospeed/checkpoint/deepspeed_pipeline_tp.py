@@ -36,15 +36,13 @@ from pathlib import Path
 
 import torch
 
-from zerospeed.checkpoint.atomic import fresh_dir
 from zerospeed.checkpoint.deepspeed_export import (
     DS_LAYOUT_VERSION,
     ExportSource,
-    _hyper,
-    _own,
     _save,
     _stage12_optim,
     publish_tag,
+    staging_dir,
 )
 from zerospeed.checkpoint.deepspeed_import import _load, _universal_shape
 from zerospeed.checkpoint.deepspeed_pipeline import (
@@ -59,6 +57,7 @@ from zerospeed.checkpoint.deepspeed_pipeline import (
     read_deepspeed_pipeline_universal,
     read_flat_layer_optim,
     stage_file,
+    write_pipeline_universal_zero,
 )
 from zerospeed.checkpoint.deepspeed_tp import _matches, _uc_info, join
 from zerospeed.checkpoint.errors import CheckpointError
@@ -128,16 +127,20 @@ def read_deepspeed_pipeline_universal_tp(tag_dir: Path) -> DeepSpeedPipeline:
     `read_deepspeed_pipeline_tp` gives (no layer files: the weights are the fp32 tensors)."""
     tag_dir = Path(tag_dir)
     first = _load(tag_dir / stage_file(0))
-    info = _uc_info(tag_dir, first)
-    out = read_deepspeed_pipeline_universal(tag_dir, tp=universal_tp_degree(tag_dir))
+    info, tp = _uc_info(tag_dir, first), _tp_degree_of(first)
+    out = read_deepspeed_pipeline_universal(tag_dir, tp=tp)
     shapes = {n: _universal_shape(tag_dir, n) for n in out.universal.tensors}
-    out.meta.update(tp=universal_tp_degree(tag_dir), shapes=shapes, **{INFO: info})
+    out.meta.update(tp=tp, shapes=shapes, **{INFO: info})
     return out
 
 
 def universal_tp_degree(tag_dir: Path) -> int:
     """The tp degree a pipeline universal folder was converted at (its stage files' record; 1 if none)."""
-    dims = _load(Path(tag_dir) / stage_file(0)).get("checkpoint_parallel_dimensions") or {}
+    return _tp_degree_of(_load(Path(tag_dir) / stage_file(0)))
+
+
+def _tp_degree_of(stage_states: dict) -> int:
+    dims = stage_states.get("checkpoint_parallel_dimensions") or {}
     return int(dims.get("tp_degree") or 1)
 
 
@@ -200,11 +203,8 @@ def export_pipeline_tp_to_deepspeed(
     if stage not in (0, 1) or dp < 1:
         raise ValueError(f"export of a pipeline checkpoint: DeepSpeed's pipeline runs ZeRO 0 or 1, got {stage}")
     src = _TPSource.read(checkpoint_dir, tag)
-    root = Path(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
     out_tag = output_tag or src.dir.name
-    staging = root / f".{out_tag}.partial"
-    fresh_dir(staging)
+    root, staging = staging_dir(output_dir, out_tag)
     for t in range(src.tp):
         for idx, state in src.layers.items():
             prefix = f"{TIED}{src.tied[idx]}." if idx in src.tied else f"{idx}."
@@ -231,33 +231,18 @@ def export_pipeline_universal_tp(
     if dp < 1:
         raise ValueError(f"export of a pipeline universal folder: dp must be at least 1, got {dp}")
     src = _TPSource.read(checkpoint_dir, tag)
-    root = Path(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
     out_tag = output_tag or f"{src.dir.name}_universal"
-    staging = root / f".{out_tag}.partial"
-    fresh_dir(staging)
+    root, staging = staging_dir(output_dir, out_tag)
     for t in range(src.tp):
         for s in range(src.pp):
             _save(src.stage_states(s, t, 1, dp)[1], staging / stage_file(s * src.tp + t))
-    for stage_src in src.sources:
-        for name in stage_src.group_names[0]:
-            folder = staging / "zero" / name
-            if folder.exists():  # a tied module: one folder for all its stages
-                continue
-            folder.mkdir(parents=True)
-            split = src.splits.get(name)
-            for key, value in stage_src.universal.tensors[name].items():
-                record = {"param": value.detach().clone()}
-                if split is not None:  # (ds_to_universal records the dim only for a split parameter)
-                    record = {"cat_dim": split.specs[0].dim, **record}
-                _save(record, folder / f"{key}.pt")
-            if "step" in stage_src.universal.scalars.get(name, {}):
-                _save(_own(stage_src.universal.scalars[name]["step"]), folder / "step.pt")
-    optimizer = _stage12_optim(src.local(0, 0), 1, dp, 0)  # (ds_to_universal keeps mp rank 0's dp-rank-0 file)
-    for sharded in ("base_optimizer_state", "param_slice_mappings", "single_partition_of_fp32_groups"):
-        optimizer.pop(sharded)
-    optimizer["param_groups"] = [_hyper(src.sources[0], 0, [0])]
-    _save(optimizer, staging / "zero" / "optimizer_state.pt")
+
+    def cat_dim(name: str) -> int | None:  # (ds_to_universal records the dim of a split parameter only)
+        split = src.splits.get(name)
+        return None if split is None else split.specs[0].dim
+
+    # (ds_to_universal keeps mp rank 0's dp-rank-0 optimizer file)
+    write_pipeline_universal_zero(staging, src.sources, src.local(0, 0), dp, cat_dim)
     return publish_tag(root, staging, out_tag, latest="latest_universal")
 
 

@@ -34,11 +34,11 @@ import torch
 
 from zerospeed.checkpoint.deepspeed_import import (
     MODEL,
-    RESERVED,
     DeepSpeedCheckpoint,
     _load,
     _read_stage0,
     _read_stage12,
+    describe,
     is_universal_folder,
     optim_prefix,
     param_shapes,
@@ -136,18 +136,8 @@ def _read_rank(tag_dir: Path, t: int, model: dict, names, group_names) -> DeepSp
         ckpt = _read_stage0(tag_dir, model, shapes, names)
     else:
         ckpt = _read_stage12(tag_dir, model, dp, shapes, names, mp_rank=t)
-    ckpt.layout["shapes"] = {n: tuple(int(d) for d in s) for g in shapes for n, s in g.items()}
-    ckpt.meta = {
-        k: model.get(k)
-        for k in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "ds_config", "ds_version")
-    } | ckpt.meta
-    ckpt.client_state = {k: v for k, v in model.items() if k not in RESERVED and k != "universal_checkpoint_info"}
-    ckpt.layout.update(
-        group_names=[list(g) for g in shapes],
-        module_keys=list(model["module"]),
-        buffer_names=list(model.get("buffer_names") or []),
-        shared_params=dict(model.get("shared_params") or {}),
-    )
+    ckpt = describe(ckpt, model, shapes)
+    ckpt.client_state.pop("universal_checkpoint_info", None)
     return ckpt
 
 

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from zerospeed.checkpoint.atomic import fresh_dir
 from zerospeed.checkpoint.consolidate import resolve_checkpoint
 from zerospeed.checkpoint.deepspeed_export import (
     ExportSource,
@@ -41,6 +40,7 @@ from zerospeed.checkpoint.deepspeed_export import (
     _uses_bf16_optimizer,
     publish_tag,
     read_zerospeed_source,
+    stage_tag,
 )
 from zerospeed.checkpoint.deepspeed_import import BF16_PREFIX
 from zerospeed.checkpoint.errors import CheckpointError
@@ -177,11 +177,9 @@ def write_deepspeed_tp_tag(
             "DeepSpeed's AutoTP splits the head and keeps the embedding whole; export without --tp"
         )
     info = autotp_info(src, splits, tp)
-    root = Path(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    staging = root / f".{tag}.partial"
-    fresh_dir(staging)
+    root, staging, _ = stage_tag(src, out_dir, tag, None)
     bf16 = src.param_dtype == torch.bfloat16
+    use_bf16 = stage == 1 and bf16 and _uses_bf16_optimizer(src)  # (DeepSpeed's BF16_Optimizer files)
     for t in range(tp):
         local = rank_source(src, splits, tp, t)
         states = _model_states(local, stage, dp, _frozen_fragments(local, stage, dp, 0))
@@ -191,15 +189,11 @@ def write_deepspeed_tp_tag(
             universal_checkpoint_info=info,
         )
         _save(states, staging / f"mp_rank_{t:02d}_model_states.pt")
+        ds_config = _ds_config(local, stage)
         for r in range(dp if stage > 0 else 0):
-            use_bf16 = stage == 1 and bf16 and _uses_bf16_optimizer(local)
             osd = _bf16_optimizer_optim(local, dp, r) if use_bf16 else _stage12_optim(local, stage, dp, r)
             _save(
-                {
-                    "optimizer_state_dict": osd,
-                    "ds_config": _ds_config(local, stage),
-                    "ds_version": states["ds_version"],
-                },
+                {"optimizer_state_dict": osd, "ds_config": ds_config, "ds_version": states["ds_version"]},
                 staging / f"{BF16_PREFIX if bf16 else ''}zero_pp_rank_{r}_mp_rank_{t:02d}_optim_states.pt",
             )
     return publish_tag(root, staging, tag)

@@ -44,6 +44,7 @@ from zerospeed.checkpoint.universal import (
     FP32,
     files_holding,
     fill_from_universal,
+    load_entries_file,
     load_universal,
     scalar_state,
     state_dtype,
@@ -206,9 +207,7 @@ def _load_frozen(state: TrainingState, saved: SavedModule, place: Placement, sha
 
 @torch.no_grad()
 def _load_direct(reads: _ReadList, optimizer, with_optimizer: bool) -> None:
-    with readable_deepspeed_objects():  # (a tag saved with checkpoint.deepspeed_layout)
-        trusted = is_model_states_name(reads.direct.file)  # (Note [as-saved ZeRO 0])
-        data = torch.load(reads.tag_dir / reads.direct.file, map_location="cpu", mmap=True, weights_only=not trusted)
+    data = load_entries_file(reads.tag_dir, reads.direct.file)
     groups = entry_groups(optimizer, [e.master for e in reads.entries])
     for entry, layout, record, gi in zip(reads.entries, reads.direct.entries, data["entries"], groups):
         entry.master.view(-1).copy_(record["master"].reshape(-1))

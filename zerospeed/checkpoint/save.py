@@ -243,26 +243,20 @@ def _as_saved(
     slices instead (Note [as-saved ZeRO 1/2]), whose model states are zerospeed's own file (DeepSpeed's form of
     `param_shapes` in it). ZeRO 0: the optimizer state and zerospeed's entries go into the model states
     (Note [as-saved ZeRO 0]); the rank files keep the header (RNG) only."""
+    # this rank's model states in `job` (None on ranks that write none)
+    model = next((obj for name, obj in job.items if name == model_states_name(place.tp_rank)), None)
+    header = _rank_header(state, place)
     if state.zero.stage == 0:
-        model = next((obj for name, obj in job.items if name == model_states_name(place.tp_rank)), None)
         layouts = as_saved_stage0(state, names, model)
-        return {**_rank_header(state, place), "entries": []}, layouts if place.dp_rank == 0 else []
+        return {**header, "entries": []}, layouts if place.dp_rank == 0 else []
     if state.zero.stage < 3:
-        shard, layouts, shapes = as_saved_stage12_rank_states(
-            state, names, place.dp_rank, _rank_header(state, place), client_state
-        )
-        for name, obj in job.items:
-            if name == model_states_name(place.tp_rank):
-                obj["param_shapes"] = shapes
-        job.pickle_modules[optim_states_name(place.dp_rank, place.tp_rank)] = PICKLE_MODULE
-        return shard, layouts
-    shard, layouts, ds_states = as_saved_rank_states(
-        state, names, place.dp_rank, _rank_header(state, place), client_state
-    )
-    for name, obj in job.items:
-        if name == model_states_name(place.tp_rank):
-            obj["param_shapes"] = ds_states["param_shapes"]
-    job.items.append((ds_model_states_name(place.dp_rank), ds_states))
+        shard, layouts, shapes = as_saved_stage12_rank_states(state, names, place.dp_rank, header, client_state)
+    else:
+        shard, layouts, ds_states = as_saved_rank_states(state, names, place.dp_rank, header, client_state)
+        shapes = ds_states["param_shapes"]
+        job.items.append((ds_model_states_name(place.dp_rank), ds_states))
+    if model is not None:
+        model["param_shapes"] = shapes
     job.pickle_modules[optim_states_name(place.dp_rank, place.tp_rank)] = PICKLE_MODULE
     return shard, layouts
 
@@ -380,6 +374,7 @@ def save_checkpoint(
     job = WriteJob(paths.staging, [], io_buffer_bytes=plan.io_buffer_bytes)
     layouts = []
     with state.zero.resident(state.optimizer):  # NVMe-offloaded state: in memory while it is copied or written
+        failure = None  # every rank learns of it at the commit, or the others would hang
         try:
             if writes_model:
                 model_states = _model_states(
@@ -387,7 +382,10 @@ def save_checkpoint(
                 )
                 job.items.append((model_states_name(place.tp_rank), model_states))
                 del model_states
-            if plan.deepspeed_layout:  # (collective)
+        except Exception as exc:  # noqa: BLE001 — as above
+            failure = exc
+        try:  # (after a failure above too: _as_saved is collective, every rank must join it)
+            if plan.deepspeed_layout:
                 shard, layouts = _as_saved(state, place, names, client_state, job)
             else:
                 shard, layouts = _rank_states(
@@ -395,8 +393,10 @@ def save_checkpoint(
                 )
             job.items.append((optim_states_name(place.dp_rank, place.tp_rank), shard))
             del shard
-        except Exception as exc:  # noqa: BLE001 — every rank learns of it at the commit, or the others would hang
-            job.items, job.error = [], f"rank {comm.get_rank()} could not gather its checkpoint state: {exc!r}"
+        except Exception as exc:  # noqa: BLE001 — as above
+            failure = failure or exc
+        if failure is not None:
+            job.items, job.error = [], f"rank {comm.get_rank()} could not gather its checkpoint state: {failure!r}"
         asynchronous = plan.asynchronous and _fits_host_cache(plan, job.items)  # (collective with a host cache)
         if views_ok and not asynchronous:
             job.items = [(name, compact_tree(obj)) for name, obj in job.items]
@@ -609,6 +609,10 @@ class AsyncSaves:
             return
         self.writer.join()
         self.pool.release()  # written: its buffers may take the next snapshot
+        self.commit(pending)
+
+    def commit(self, pending: PendingSave) -> None:
+        """Collective: make the written save a checkpoint (a pipeline engine's saves commit their own way)."""
         commit_save(pending)
 
 

@@ -61,6 +61,14 @@ def files_holding(manifest: dict, names: set[str] | None) -> list[str]:
     ]
 
 
+def load_entries_file(tag_dir: Path, file: str) -> dict:
+    """The rank file `file` of the tag (memory-mapped), whose `entries` hold masters and optimizer states. A tag
+    saved with checkpoint.deepspeed_layout also holds DeepSpeed's objects (`readable_deepspeed_objects`), and at
+    ZeRO 0 its entries are in the model states (Note [as-saved ZeRO 0]), which load as any model states do."""
+    with readable_deepspeed_objects():
+        return torch.load(tag_dir / file, map_location="cpu", mmap=True, weights_only=not is_model_states_name(file))
+
+
 def load_universal(
     tag_dir: Path, manifest: dict, *, names: set[str] | None = None, keys: set[str] | None = None
 ) -> UniversalState:
@@ -76,10 +84,7 @@ def load_universal(
         wanted = [(i, e) for i, e in enumerate(rf.entries) if any(names is None or p.name in names for p in e.pieces)]
         if not wanted:
             continue
-        with readable_deepspeed_objects():  # (a tag saved with checkpoint.deepspeed_layout)
-            # (at ZeRO 0 such a tag's entries are in the model states: Note [as-saved ZeRO 0])
-            trusted = is_model_states_name(rf.file)
-            data = torch.load(Path(tag_dir) / rf.file, map_location="cpu", mmap=True, weights_only=not trusted)
+        data = load_entries_file(Path(tag_dir), rf.file)
         for i, layout in wanted:
             record = data["entries"][i]
             sources = {FP32: record["master"], **{k: record["state"][k] for k in layout.elementwise}}

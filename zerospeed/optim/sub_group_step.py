@@ -277,8 +277,6 @@ class OverlappedStepper(InMemoryStepper):
             if j not in self._jobs:  # they overlap the next forward: the worker that leaves the compute a core
                 self._submit(j, host, grads, coef, during_backward=True)
         self._tail, self._jobs, self._tail_publish = self._jobs, {}, on_stepped
-        if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-            optimizer._opt_called = True  # torch's LR scheduler checks that the optimizer stepped (its copy did)
         return True
 
     def finish(self, j: int) -> None:
@@ -418,7 +416,10 @@ def snapshot_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimize
     for copies of the group dicts, tensor values cloned (torch's schedulers fill a tensor lr in place);
     the same parameters, states and hooks. Not `copy.copy`, which goes through torch's `__getstate__`
     and drops the hooks; without the instance `step` torch's LR scheduler installs, which steps the
-    original optimizer's groups."""
+    original optimizer's groups. The original counts as stepped for torch's LR scheduler (its first
+    `step()` warns otherwise): the snapshot steps in its place."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        optimizer._opt_called = True
     host = object.__new__(type(optimizer))
     host.__dict__.update(optimizer.__dict__)
     host.__dict__.pop("step", None)

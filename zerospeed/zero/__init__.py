@@ -57,14 +57,14 @@ def build_strategy(
             accum_dtype=grad_dtype,
             **common,
         )
-    budgets = plan.budgets
+    budgets, offload, zenflow = plan.budgets, plan.offload, plan.zenflow
+    if zenflow is not None:  # Note [the ZenFlow step] (zero/zenflow.py): its own host step and overlap
+        offload = dataclasses.replace(offload, overlap_step=False, early_step=False)
     if plan.stage == 3:  # Note [leaf modules] (zero/stage3/strategy.py): the config's leaves, then the threshold's
         apply_leaf_module_config(module, plan.leaf_modules)
         set_z3_leaf_modules_by_threshold(module, plan.module_granularity_threshold)
-        cls3, offload3 = Stage3Strategy, plan.offload
-        if plan.zenflow is not None:  # Note [ZenFlow at stage 3] (zero/zenflow.py)
-            cls3 = functools.partial(ZenFlowStage3, zenflow=plan.zenflow)
-            offload3 = dataclasses.replace(offload3, overlap_step=False, early_step=False)
+        # Note [ZenFlow at stage 3] (zero/zenflow.py)
+        cls3 = Stage3Strategy if zenflow is None else functools.partial(ZenFlowStage3, zenflow=zenflow)
         return cls3(
             module,
             groups,
@@ -79,17 +79,15 @@ def build_strategy(
             max_reuse_distance=budgets.reuse_distance,
             param_persistence_threshold=plan.param_persistence_threshold,
             model_persistence_threshold=plan.model_persistence_threshold,
-            plan=offload3,
+            plan=offload,
             zeropp=plan.zeropp,
             master_dtype=precision.master_dtype,
             grad_dtype=grad_dtype,
             **common,
         )
     cls = ShardedStrategy if plan.stage == 1 else Stage2Strategy
-    offload = plan.offload
-    if plan.zenflow is not None:  # Note [the ZenFlow step] (zero/zenflow.py): its own host step and overlap
-        cls = functools.partial(ZenFlowStage1 if plan.stage == 1 else ZenFlowStage2, zenflow=plan.zenflow)
-        offload = dataclasses.replace(offload, overlap_step=False, early_step=False)
+    if zenflow is not None:
+        cls = functools.partial(ZenFlowStage1 if plan.stage == 1 else ZenFlowStage2, zenflow=zenflow)
     return cls(
         groups,
         reduction,

@@ -44,9 +44,9 @@ Parameter shards on NVMe are refused (the write would go through the swap file e
 Note [ZenFlow's host thread]: the host step reads and writes only the masters, the optimizer states and
 an accumulator the training thread no longer writes (two accumulators alternate), so the forward and
 backward of the following steps run beside it; torch releases the GIL inside its kernels. It steps a
-shallow copy of the optimizer whose param groups were copied at submission: the LR scheduler writing
-the engine's groups meanwhile does not change the running step's lr. A checkpoint save or load, and
-the next interval's end, wait for it.
+snapshot of the optimizer (`snapshot_optimizer`, optim/sub_group_step.py: its param groups copied at
+submission, its attributes and hooks kept): the LR scheduler writing the engine's groups meanwhile does
+not change the running step's lr. A checkpoint save or load, and the next interval's end, wait for it.
 
 Note [ZenFlow masters]: in fp32 on a CPU-only machine offloaded masters would alias the parameter
 chunks (zero/flat_group.py); ZenFlow needs them apart (the host result is not published at once, and
@@ -63,7 +63,6 @@ and puts the published weights back into the parameters.
 from __future__ import annotations
 
 import contextlib
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -71,7 +70,7 @@ import torch
 from zerospeed import comm
 from zerospeed.offload.plan import HOST
 from zerospeed.offload.zenflow import AutoInterval, HostStepWorker, ZenFlowPlan, matrix_shape, top_columns
-from zerospeed.optim.sub_group_step import step_in_sub_groups
+from zerospeed.optim.sub_group_step import snapshot_optimizer, step_in_sub_groups
 from zerospeed.zero.sharded import ShardedStrategy, Stage2Strategy
 from zerospeed.zero.stage3.strategy import Stage3Strategy
 
@@ -192,8 +191,7 @@ class ZenFlowMixin:
         self._spare = acc
         for a in self._acc:
             a.zero_()
-        host = copy.copy(optimizer)  # Note [ZenFlow's host thread]
-        host.param_groups = [dict(g) for g in optimizer.param_groups]
+        host = snapshot_optimizer(optimizer)  # Note [ZenFlow's host thread]
         self._pending = True
         self._worker.submit(lambda: self._host_step(host, acc, n))
 

@@ -27,12 +27,13 @@ the same layout only.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from zerospeed import comm
-from zerospeed.checkpoint.async_writer import BackgroundWriter, WriteJob, WriterPlan, host_snapshot
+from zerospeed.checkpoint.async_writer import WriteJob, host_snapshot
 from zerospeed.checkpoint.atomic import atomic_torch_save
 from zerospeed.checkpoint.deepspeed_pipeline import (
     TIED,
@@ -51,6 +52,7 @@ from zerospeed.checkpoint.deepspeed_pipeline_tp import (
 from zerospeed.checkpoint.errors import CheckpointError
 from zerospeed.checkpoint.naming import check_load_dir, check_save_dir
 from zerospeed.checkpoint.replicated import check_replicated
+from zerospeed.checkpoint.save import AsyncSaves
 from zerospeed.checkpoint.tensor_parallel import TPLayout
 from zerospeed.checkpoint.universal import FP32, UniversalState, fill_from_universal
 from zerospeed.parallel.tensor.partition import take
@@ -95,6 +97,11 @@ class _TensorParallel:
         as the whole tensor. Collective over the tp group (one small all-gather); every rank raises alike."""
         named = [(n, [p]) for n, p in engine.module.named_parameters() if id(p) not in self.specs]
         check_replicated(named, self.group, self.size)  # Note [hand-split parameters] (checkpoint/replicated.py)
+
+    def layout_json(self, param: torch.Tensor) -> dict | None:
+        """How `param`'s full tensor splits over tp (None: replicated), as the saved `tp_layout` records it."""
+        specs = self.specs.get(id(param))
+        return None if specs is None else TPLayout(tuple(specs)).to_json()
 
     def full(self, t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         specs = self.specs.get(id(param))
@@ -188,47 +195,36 @@ def save_pipeline_checkpoint(
     return True
 
 
-class PipelineSaves:
+@dataclass
+class _PendingPipelineSave:
+    job: WriteJob
+    latest: Path | None  # the `latest` file to point at the tag once committed (None: leave it)
+    tag: str
+
+
+class PipelineSaves(AsyncSaves):
     """Note [asynchronous pipeline saves]: with an asynchronous writer (`checkpoint.writer.decoupled`,
     `datastates_ckpt`, `casync_ckpt`) a pipeline save copies this rank's files into host memory and a
     background thread (checkpoint/async_writer.py) writes each one atomically into the tag directory; the save
     commits — every rank's files reported written, then `latest` — at the end of the next `train_batch`, or at
     the next save, load, `wait_for_checkpoint()` or `destroy()` (points every rank reaches in the same order:
-    Note [no collectives off the training thread]). One save in flight at a time; a failed write raises at
-    the commit on every rank and leaves `latest` as it was."""
-
-    def __init__(self, plan: WriterPlan):
-        self.plan = plan
-        self.writer = BackgroundWriter()
-        self.pending: tuple[WriteJob, Path | None, str] | None = None
+    Note [no collectives off the training thread]). One save in flight at a time (AsyncSaves' `poll` and
+    `flush`); a failed write raises at the commit on every rank and leaves `latest` as it was."""
 
     def begin(self, path: Path, files: list[tuple[str, object]], latest: Path | None) -> None:
         copies, nbytes = host_snapshot([obj for _, obj in files])
         job = WriteJob(path, list(zip([n for n, _ in files], copies)), io_buffer_bytes=self.plan.io_buffer_bytes)
         job.snapshot_bytes = nbytes
-        self.pending = (job, latest, path.name)
-        self.writer.start(job)
+        super().begin(_PendingPipelineSave(job, latest, path.name))
 
-    def in_flight(self) -> bool:
-        return self.pending is not None
-
-    def poll(self) -> None:
-        """Collective: commit the save in flight when every rank's writer is done (never waits for one)."""
-        if self.pending is not None and all(comm.all_gather_object(self.writer.done())):
-            self.flush()
-
-    def flush(self) -> None:
-        """Collective: wait for the save in flight (if any) and commit it."""
-        pending, self.pending = self.pending, None
-        if pending is None:
-            return
-        self.writer.join()
-        job, latest, tag = pending
+    def commit(self, pending: _PendingPipelineSave) -> None:
+        """Collective: every rank's files written, then `latest`."""
+        job, tag = pending.job, pending.tag
         errors = [e for e in comm.all_gather_object(job.error) if e]
         if errors:
             raise CheckpointError(f"pipeline checkpoint {tag} was not saved: {'; '.join(sorted(set(errors)))}")
-        if latest is not None and comm.get_rank() == 0:
-            atomic_write_text(latest, tag)
+        if pending.latest is not None and comm.get_rank() == 0:
+            atomic_write_text(pending.latest, tag)
         comm.barrier()
         if self.plan.show_statistics:
             logger.info("pipeline checkpoint %s: %d bytes in %.3f s", tag, job.nbytes, job.seconds)
@@ -271,8 +267,7 @@ def _flat_pieces(engine, entries, tp: _TensorParallel) -> list[list[dict]]:
                 "numel": p.numel,
             }
             if tp.size > 1:
-                specs = tp.specs.get(id(param))
-                piece["tp_layout"] = None if specs is None else TPLayout(tuple(specs)).to_json()
+                piece["tp_layout"] = tp.layout_json(param)
             pieces.append(piece)
         out.append(pieces)
     return out
@@ -294,8 +289,7 @@ def _save_layer_optim(engine, files: list, tp: _TensorParallel, writes: bool) ->
         for idx, name in where.get(id(param), []):
             per_layer.setdefault(idx, {})[name] = {"master": full_master, "state": state}
             if tp.size > 1:  # (how the full tensors split: read by the export to DeepSpeed, deepspeed_pipeline_tp.py)
-                specs = tp.specs.get(id(param))
-                per_layer[idx][name]["tp_layout"] = None if specs is None else TPLayout(tuple(specs)).to_json()
+                per_layer[idx][name]["tp_layout"] = tp.layout_json(param)
     if writes:
         for idx, entries in per_layer.items():
             files.append((layer_file(idx, "optim"), entries))
@@ -368,19 +362,22 @@ def _load_deepspeed(engine, path: Path, strict: bool, with_optimizer: bool, with
     if is_deepspeed_pipeline_universal(path):
         tp_folder = universal_tp_degree(path) > 1  # Note [DeepSpeed pipeline checkpoints with tp]
         ds = read_deepspeed_pipeline_universal_tp(path) if tp_folder else read_deepspeed_pipeline_universal(path)
-        _load_universal_modules(engine, path, ds.universal, strict, _deepspeed_tp_cut(engine, ds))
+        cut = _deepspeed_tp_cut(engine, ds)
+        _load_universal_modules(engine, path, ds.universal, strict, cut)
     elif is_deepspeed_pipeline_tp_tag(path):  # Note [DeepSpeed pipeline checkpoints with tp]
         ds = read_deepspeed_pipeline_tp(path, module.tied_layers(), module.partition_bounds)
-        _load_full_layers(engine, ds, strict)
+        cut = _deepspeed_tp_cut(engine, ds)
+        _load_full_layers(engine, ds, strict, cut)
     else:
         ds = read_deepspeed_pipeline(path, module.tied_layers(), module.partition_bounds)
+        cut = None  # (no universal_checkpoint_info: `_deepspeed_tp_cut` gives None)
         _load_modules(engine, path, strict)
     if with_optimizer and engine.optimizer is not None:
         names = {id(p): n for n, p in module.named_parameters()}
-        params, cut = dict(module.named_parameters()), _deepspeed_tp_cut(engine, ds)
+        params = dict(module.named_parameters())
         uni = UniversalState()
         for name in names.values():
-            theirs = name if name.startswith(TIED) else name.removeprefix("layer_modules.")
+            theirs = _deepspeed_name(name)
             if theirs not in ds.universal.tensors:
                 raise CheckpointError(
                     f"{path}: the DeepSpeed pipeline checkpoint has no optimizer state for {theirs} (this "
@@ -428,9 +425,14 @@ def _deepspeed_tp_cut(engine, ds):
     return cut
 
 
-def _load_full_layers(engine, ds, strict: bool) -> None:
-    """This rank's layers from the full layer states of a DeepSpeed tag with tp (`_deepspeed_tp_cut`)."""
-    cut, tied = _deepspeed_tp_cut(engine, ds), engine.module.tied_layers()
+def _deepspeed_name(name: str) -> str:
+    """DeepSpeed's stage-module name of this engine's parameter `name` (tied modules keep theirs)."""
+    return name if name.startswith(TIED) else name.removeprefix("layer_modules.")
+
+
+def _load_full_layers(engine, ds, strict: bool, cut) -> None:
+    """This rank's layers from the full layer states of a DeepSpeed tag with tp; `cut`: `_deepspeed_tp_cut`'s."""
+    tied = engine.module.tied_layers()
     for idx in engine.module.local_layer_indices():
         mod = engine.module.layer_module(idx)
         if mod is None:
@@ -455,7 +457,7 @@ def _load_universal_modules(engine, path: Path, uni: UniversalState, strict: boo
     missing = []
     with torch.no_grad():
         for name, p in engine.module.named_parameters():
-            theirs = name if name.startswith(TIED) else name.removeprefix("layer_modules.")
+            theirs = _deepspeed_name(name)
             if theirs not in uni.tensors:
                 missing.append(theirs)
                 continue
@@ -476,17 +478,15 @@ def _load_universal_modules(engine, path: Path, uni: UniversalState, strict: boo
 
 
 def _load_modules(engine, path: Path, strict: bool) -> None:
-    device, tp = engine.device, _TensorParallel(engine)
+    device, tp, tied = engine.device, _TensorParallel(engine), engine.module.tied_layers()
     for idx in engine.module.local_layer_indices():
         mod = engine.module.layer_module(idx)
         if mod is None:
             continue
         file = path / layer_file(idx)
-        key = engine.module.tied_layers().get(idx)
+        key = tied.get(idx)
         if not file.exists() and key is not None:  # DeepSpeed writes no file for a tied layer with a forward_fn
-            holders = [
-                i for i, k in engine.module.tied_layers().items() if k == key and (path / layer_file(i)).exists()
-            ]
+            holders = [i for i, k in tied.items() if k == key and (path / layer_file(i)).exists()]
             file = path / layer_file(holders[0]) if holders else file
         if not file.exists():
             raise FileNotFoundError(
